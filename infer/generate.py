@@ -1,0 +1,201 @@
+"""spd-generate: generate text from a target model (and, in later modes, a speculator).
+
+    spd-generate --target testbed/target --prompt "def fibonacci(n):" --max-new-tokens 64
+    spd-generate --target Qwen/Qwen3-8B --revision main --prompt-file p.txt --temperature 0.7 --json
+
+Text streams to stdout and a one-line summary goes to stderr; ``--json`` prints one JSON object
+``{"text", "token_ids", "stats"}`` instead. A wrong input prints one ``error:`` line and exits with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from spd.errors import SpdInputError
+from spd.paths import check_model_source, default_testbed_dir
+
+MODES = ("ar",)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (usage is in --help) and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got '{text}'")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="spd-generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=str(default_testbed_dir() / "target"),
+                   help="target model: a local directory or a Hugging Face hub id (default: %(default)s)")
+    p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of --target")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the target's)")
+    p.add_argument("--mode", default="ar", help=f"decoding mode: one of {', '.join(MODES)} (default: ar)")
+    p.add_argument("--stages", type=_positive_int, default=1, help="pipeline stages the target is cut into")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="file whose contents are the prompt")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    p.add_argument("--temperature", type=_finite_float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=_finite_float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    return p
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def _read_prompt(args) -> str:
+    if args.prompt_file is not None:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise SpdInputError(f"the prompt file '{args.prompt_file}' does not exist")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SpdInputError(f"cannot read the prompt file '{args.prompt_file}' as UTF-8 text ({exc})") from None
+    elif args.prompt is not None:
+        text = args.prompt
+    else:
+        raise SpdInputError("no prompt given; expected --prompt TEXT or --prompt-file FILE")
+    if not text.strip():
+        raise SpdInputError("the prompt is empty; expected some text")
+    return text
+
+
+def _check_numbers(args) -> None:
+    if args.temperature < 0:
+        raise SpdInputError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.top_k < 0:
+        raise SpdInputError(f"--top-k must be >= 0, got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        raise SpdInputError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.mode not in MODES:
+        raise SpdInputError(f"unknown --mode '{args.mode}'; expected one of: {', '.join(MODES)}")
+
+
+def _load_tokenizer(source: str, revision: str | None):
+    from transformers import AutoTokenizer
+
+    check_model_source(source, "tokenizer")
+    try:
+        return AutoTokenizer.from_pretrained(source, revision=revision)
+    except (OSError, ValueError, KeyError) as exc:
+        raise SpdInputError(f"could not load a tokenizer from '{source}' ({str(exc).splitlines()[0]}); "
+                            "pass --tokenizer DIR_OR_ID") from None
+
+
+class _TextStreamer:
+    """Writes the decoded text of the tokens seen so far, holding back incomplete UTF-8 characters."""
+
+    def __init__(self, tokenizer, stream):
+        self.tokenizer, self.stream = tokenizer, stream
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def __call__(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        self.stream.write(text[self.printed:])
+        self.stream.flush()
+        self.printed = len(text)
+
+    def close(self) -> None:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self.stream.write(text[self.printed:] + "\n")
+        self.stream.flush()
+
+
+def run(args) -> int:
+    _check_numbers(args)
+    prompt = _read_prompt(args)
+    check_model_source(args.target, "target")
+    import torch
+
+    from spd.generation import generate_ar
+    from spd.sampling import SamplingParams
+    from spd.staging import StagedModel
+
+    _quiet_libraries()
+    tokenizer = _load_tokenizer(args.tokenizer or args.target, args.revision if args.tokenizer is None else None)
+    if args.chat:
+        if not tokenizer.chat_template:
+            raise SpdInputError(f"--chat was given but the tokenizer of '{args.tokenizer or args.target}' "
+                                "has no chat template")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)
+        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        prompt_ids = tokenizer(prompt)["input_ids"]
+    staged = StagedModel.from_pretrained(args.target, n_stages=args.stages, revision=args.revision,
+                                         dtype=getattr(torch, args.dtype), device=args.device)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    streamer = None if args.json else _TextStreamer(tokenizer, sys.stdout)
+    out = generate_ar(staged, prompt_ids, args.max_new_tokens, sampling, tokenizer.eos_token_id, on_token=streamer)
+    stats = out.stats.as_dict()
+    if args.json:
+        text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        print(json.dumps({"text": text, "token_ids": out.token_ids, "stats": stats}))
+    else:
+        streamer.close()
+        print(f"[{stats['mode']}] {stats['new_tokens']} tokens in {stats['wall_time_s']:.2f} s "
+              f"({stats['tokens_per_s']:.1f} tokens/s), stop: {stats['stop_reason']}", file=sys.stderr)
+    return 0
+
+
+def _quiet_libraries() -> None:
+    # Library progress bars and warnings (weight loading, long-sequence notices) would interleave with
+    # the streamed text; our own checks report what matters.
+    import transformers
+    from huggingface_hub.utils import disable_progress_bars
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    disable_progress_bars()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except SpdInputError as exc:
+        return _fail(str(exc))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

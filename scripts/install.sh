@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Create .venv (or reuse it) and install spd with its dev extras.
+# Torch: the CUDA build where an NVIDIA GPU is present; otherwise the CPU build (a local CPU wheel if pip
+# can find one without an index, else PyTorch's CPU wheel index), so a CPU-only machine never downloads
+# the multi-GB CUDA packages. Set SPD_EXTRAS (default "dev") to add extras, e.g. SPD_EXTRAS=dev,train.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=${SPD_VENV:-.venv}
+EXTRAS=${SPD_EXTRAS:-dev}
+CPU_INDEX=${SPD_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+
+"$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "error: Python >= 3.10 is required, found " + sys.version.split()[0])'
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PY="$VENV/bin/python"
+pip_q() { "$PY" -m pip install -q "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true; }
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        echo "[install] NVIDIA GPU found: installing the CUDA build of torch"
+        pip_q torch
+    else
+        echo "[install] no GPU: installing the CPU build of torch"
+        if ! "$PY" -m pip install -q --no-deps --no-index "torch==${SPD_TORCH_VERSION:-2.13.0}" >/dev/null 2>&1; then
+            pip_q --no-deps torch --index-url "$CPU_INDEX"
+        fi
+        # Now that a CPU torch is installed, pinning its exact version pulls only its small dependencies.
+        pip_q "torch==$("$PY" -c 'import torch; print(torch.__version__)')"
+    fi
+fi
+"$PY" -c "import torch" || { echo "error: torch could not be installed into $VENV" >&2; exit 1; }
+echo "[install] installing spd[$EXTRAS]"
+pip_q -e ".[$EXTRAS]"
+"$PY" -c "import spd, torch, transformers; print(f'[install] spd {spd.__version__}, torch {torch.__version__}, transformers {transformers.__version__}')"

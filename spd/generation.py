@@ -1,0 +1,124 @@
+"""Autoregressive decoding on the staged target (the exact baseline), and the statistics every decoder returns.
+
+The AR decoder runs all stages for each new token with preallocated per-stage KV caches and no
+per-step allocation beyond the model's own activations; its greedy output is token-identical to
+``model.generate`` (tested).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .sampling import SamplingParams, select_token
+from .staging import SpdInputError, StagedModel
+
+
+@dataclass
+class GenerationStats:
+    """What one generate call did; ``as_dict()`` is the ``stats`` object of ``spd-generate --json``."""
+
+    mode: str
+    prompt_tokens: int
+    new_tokens: int = 0  # tokens returned (the first one comes from the prefill logits)
+    stop_reason: str = ""  # "eos", "max_new_tokens" or "context_full"
+    prefill_time_s: float = 0.0
+    wall_time_s: float = 0.0  # prefill + decode
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["wall_time_s"] = round(self.wall_time_s, 4)
+        d["prefill_time_s"] = round(self.prefill_time_s, 4)
+        d["tokens_per_s"] = round(self.tokens_per_s, 2)
+        return d
+
+
+@dataclass
+class GenerationOutput:
+    """New tokens (prompt excluded) and the statistics of the call."""
+
+    token_ids: list[int]
+    stats: GenerationStats
+    prompt_ids: list[int] = field(default_factory=list)
+
+
+def as_prompt_ids(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
+    """A prompt as a flat list of ints (a (1, T) or (T,) tensor, or a sequence)."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 2 and input_ids.shape[0] == 1:
+            input_ids = input_ids[0]
+        if input_ids.dim() != 1:
+            raise SpdInputError(f"input_ids must have shape (T,) or (1, T), got {tuple(input_ids.shape)}")
+        return input_ids.tolist()
+    return [int(t) for t in input_ids]
+
+
+def check_request(staged: StagedModel, prompt_ids: list[int], max_new_tokens: int) -> None:
+    """Refuse empty prompts, prompts that fill the context, out-of-vocabulary ids and bad budgets."""
+    if not prompt_ids:
+        raise SpdInputError("the prompt is empty; expected at least one token")
+    if max_new_tokens < 1:
+        raise SpdInputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    limit = staged.max_positions
+    if limit is not None and len(prompt_ids) >= limit:
+        raise SpdInputError(
+            f"the prompt has {len(prompt_ids)} tokens but the model's context is {limit} tokens; "
+            "expected a prompt shorter than the context"
+        )
+    bad = [t for t in prompt_ids if not 0 <= t < staged.vocab_size]
+    if bad:
+        raise SpdInputError(f"prompt token id {bad[0]} is outside the vocabulary (0..{staged.vocab_size - 1})")
+
+
+def eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, int):
+        return frozenset([eos_token_id])
+    return frozenset(int(t) for t in eos_token_id)
+
+
+@torch.inference_mode()
+def generate_ar(staged: StagedModel, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
+                sampling: SamplingParams = SamplingParams(), eos_token_id: int | Sequence[int] | None = None,
+                on_token: Callable[[int], None] | None = None) -> GenerationOutput:
+    """Plain autoregressive decoding through every stage; greedy or sampled (see SamplingParams)."""
+    prompt = as_prompt_ids(input_ids)
+    check_request(staged, prompt, max_new_tokens)
+    eos = eos_set(eos_token_id)
+    limit = staged.max_positions or (len(prompt) + max_new_tokens)
+    budget = min(max_new_tokens, limit - len(prompt))
+    stats = GenerationStats(mode="ar", prompt_tokens=len(prompt))
+    generator = None if sampling.greedy else sampling.generator(staged.device)
+    caches = staged.new_caches(capacity=len(prompt) + budget)
+
+    t0 = time.perf_counter()
+    ids_1T = torch.tensor([prompt], dtype=torch.long, device=staged.device)
+    hidden_1TD = staged.forward_stages(ids_1T, caches).hidden_BTD
+    token_1 = select_token(staged.logits(hidden_1TD[:, -1]), sampling, generator)
+    stats.prefill_time_s = time.perf_counter() - t0
+
+    out: list[int] = []
+    while True:
+        token = int(token_1)
+        out.append(token)
+        if on_token is not None:
+            on_token(token)
+        if token in eos:
+            stats.stop_reason = "eos"
+            break
+        if len(out) >= budget:
+            stats.stop_reason = "max_new_tokens" if len(out) >= max_new_tokens else "context_full"
+            break
+        hidden_11D = staged.forward_stages(token_1[None], caches).hidden_BTD
+        token_1 = select_token(staged.logits(hidden_11D[:, -1]), sampling, generator)
+    stats.wall_time_s = time.perf_counter() - t0
+    stats.new_tokens = len(out)
+    return GenerationOutput(out, stats, prompt)

@@ -1,0 +1,333 @@
+"""Target staging: a Hugging Face decoder-only causal LM cut into ``n`` pipeline stages.
+
+The wrapper slices the real model (its embedding, decoder layers, final norm, LM head and rotary
+embedding); it forks no modeling code. Stage ``s`` (0-based here, 1..n in SPEC.md) owns layers
+``[boundaries[s], boundaries[s+1])``. Each stage has its own KV cache (:class:`StageKVCache`),
+positions and RoPE, so one stage can run on tokens independently of the others, as in a pipeline.
+
+Hidden-state convention (SPEC section 1): ``H^0`` is the token embedding and ``H^l`` is the output of
+decoder layer ``l-1``, *before* the final norm. Anchors are requested by these indices ``l``.
+
+Shapes are named with suffixes: B batch, T new tokens, P cached tokens (past), K = P + T keys,
+D hidden size, V vocabulary, Hk key/value heads, Dh head dim.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import SpdInputError
+from .paths import check_model_source
+
+# Decoder-layer kinds the staging wrapper runs (attention with a KV cache). Hybrid models with
+# linear-attention layers need a recurrent-state snapshot per stage, which is not implemented yet.
+_SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Attention backends whose mask format the wrapper builds; other backends are switched to sdpa.
+_MASK_FORMATS = ("sdpa", "eager")
+
+
+class StageKVCache:
+    """KV cache of one stage's layers: preallocated buffers, a committed length, O(1) truncation.
+
+    It implements the ``update(key, value, layer_idx)`` call that Hugging Face attention modules
+    make on their ``past_key_values``. All layers of one stage call write at the same offset; the
+    stage wrapper advances the length once per stage call (:meth:`advance`).
+    """
+
+    def __init__(self, layer_ids: list[int], kv_heads: int, head_dim: int, batch_size: int = 1,
+                 capacity: int = 256, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        self.slot = {layer: i for i, layer in enumerate(layer_ids)}
+        self.length = 0  # tokens held by every layer of this stage
+        self._shape = (batch_size, kv_heads, head_dim)
+        self._dtype, self._device = dtype, torch.device(device)
+        self.keys_LBHkCDh = self._alloc(capacity)
+        self.values_LBHkCDh = self._alloc(capacity)
+
+    def _alloc(self, capacity: int) -> torch.Tensor:
+        b, h, d = self._shape
+        return torch.zeros(len(self.slot), b, h, capacity, d, dtype=self._dtype, device=self._device)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys_LBHkCDh.shape[3]
+
+    def reserve(self, length: int) -> None:
+        """Make room for ``length`` tokens (grows geometrically, keeps the contents)."""
+        if length <= self.capacity:
+            return
+        new_capacity = max(length, 2 * self.capacity)
+        for name in ("keys_LBHkCDh", "values_LBHkCDh"):
+            old = getattr(self, name)
+            new = self._alloc(new_capacity)
+            new[:, :, :, : self.length] = old[:, :, :, : self.length]
+            setattr(self, name, new)
+
+    def update(self, key_BHkTDh: torch.Tensor, value_BHkTDh: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Store the new keys/values of ``layer_idx`` after the committed ones; return all of them."""
+        i = self.slot[layer_idx]
+        end = self.length + key_BHkTDh.shape[2]
+        self.keys_LBHkCDh[i, :, :, self.length:end] = key_BHkTDh
+        self.values_LBHkCDh[i, :, :, self.length:end] = value_BHkTDh
+        return self.keys_LBHkCDh[i, :, :, :end], self.values_LBHkCDh[i, :, :, :end]
+
+    def advance(self, n_tokens: int) -> None:
+        self.length += n_tokens
+
+    def truncate(self, length: int) -> None:
+        """Forget every token at position >= ``length`` (rollback after a flush)."""
+        if length < 0:
+            raise ValueError(f"cannot truncate a KV cache to a negative length ({length})")
+        self.length = min(self.length, length)
+
+
+@dataclass
+class StageOutput:
+    """Result of running one stage: its output hidden states and the requested anchor layers."""
+
+    hidden_BTD: torch.Tensor  # H^{b[s+1]}, pre-norm
+    anchors: dict[int, torch.Tensor] = field(default_factory=dict)  # l -> H^l_BTD
+
+
+def split_layers(num_layers: int, n_stages: int | None = None, boundaries: list[int] | None = None) -> list[int]:
+    """Stage boundaries ``[0, b1, ..., L]``: an equal split into ``n_stages``, or checked explicit ones."""
+    if boundaries is not None:
+        b = list(boundaries)
+        if b and b[0] != 0:
+            b = [0] + b
+        if b and b[-1] != num_layers:
+            b = b + [num_layers]
+        if len(b) < 2 or any(x >= y for x, y in zip(b, b[1:])) or b[0] != 0 or b[-1] != num_layers:
+            raise SpdInputError(
+                f"stage boundaries {list(boundaries)} are invalid: expected strictly increasing layer indices "
+                f"between 0 and {num_layers} (the model has {num_layers} layers)"
+            )
+        if n_stages is not None and len(b) - 1 != n_stages:
+            raise SpdInputError(f"{len(b) - 1} stages from boundaries {b} but {n_stages} stages were requested")
+        return b
+    if n_stages is None or n_stages < 1:
+        raise SpdInputError(f"the number of stages must be a positive integer, got {n_stages}")
+    if num_layers % n_stages:
+        raise SpdInputError(
+            f"{n_stages} stages do not divide the model's {num_layers} layers evenly; choose a divisor of "
+            f"{num_layers} or give explicit stage boundaries"
+        )
+    per = num_layers // n_stages
+    return [per * s for s in range(n_stages + 1)]
+
+
+def _layer_windows(config) -> list[int | None]:
+    """Per layer: the sliding-window size, or None for full attention."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        # Mistral-style configs: one sliding_window setting for every layer.
+        return [window] * n
+    unsupported = sorted(set(layer_types) - set(_SUPPORTED_LAYER_TYPES))
+    if unsupported:
+        raise SpdInputError(
+            f"the model has decoder layers of type {unsupported}, but staging supports only "
+            f"{list(_SUPPORTED_LAYER_TYPES)} layers"
+        )
+    return [window if t == "sliding_attention" else None for t in layer_types]
+
+
+def attention_mask(q_pos_T: torch.Tensor, kv_len: int, window: int | None, impl: str, dtype: torch.dtype,
+                   contiguous: bool) -> torch.Tensor | None:
+    """The (1, 1, T, K) mask for queries at absolute positions ``q_pos_T`` over keys at positions 0..K-1.
+
+    ``contiguous`` says the queries are the last T keys (positions K-T..K-1). Then, for sdpa, None is
+    returned where the backend's default (full for one query, causal for a square block) is already
+    exact, so that prefill and decode run the same kernels as ``generate``.
+    """
+    t = q_pos_T.shape[0]
+    if contiguous and impl == "sdpa" and (window is None or kv_len <= window) and (t == 1 or t == kv_len):
+        return None
+    k_pos_K = torch.arange(kv_len, device=q_pos_T.device)
+    allowed_TK = k_pos_K[None, :] <= q_pos_T[:, None]
+    if window is not None:
+        allowed_TK &= q_pos_T[:, None] - k_pos_K[None, :] < window
+    if impl == "sdpa":
+        return allowed_TK[None, None]
+    zero = torch.zeros((), dtype=dtype, device=q_pos_T.device)
+    return torch.where(allowed_TK, zero, torch.finfo(dtype).min)[None, None]
+
+
+class StagedModel(nn.Module):
+    """A Hugging Face causal LM cut into pipeline stages; see the module docstring."""
+
+    def __init__(self, model: nn.Module, n_stages: int | None = None, boundaries: list[int] | None = None):
+        super().__init__()
+        config = model.config
+        impl = getattr(config, "_attn_implementation", None) or "sdpa"
+        if impl not in _MASK_FORMATS:
+            model.set_attn_implementation("sdpa")
+            impl = "sdpa"
+        base = model.base_model
+        try:
+            self.embed_tokens: nn.Module = base.embed_tokens
+            self.layers: nn.ModuleList = base.layers
+            self.norm: nn.Module = base.norm
+            self.rotary_emb: nn.Module = base.rotary_emb
+        except AttributeError as exc:
+            raise SpdInputError(
+                f"model type '{config.model_type}' does not have the decoder-only layout staging expects "
+                "(embed_tokens, layers, norm, rotary_emb)"
+            ) from exc
+        self.lm_head: nn.Module = model.get_output_embeddings()
+        self.model = model
+        self.config = config
+        self.attn_impl = impl
+        self.num_layers = len(self.layers)
+        if n_stages is None and boundaries is None:
+            n_stages = 1
+        self.boundaries = split_layers(self.num_layers, n_stages, boundaries)
+        self.windows = _layer_windows(config)
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+    # ------------------------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, n_stages: int | None = None,
+                        boundaries: list[int] | None = None, revision: str | None = None,
+                        dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
+                        **kwargs) -> "StagedModel":
+        """Load a causal LM from a local directory or a hub id (with revision) and cut it into stages."""
+        model = load_causal_lm(name_or_path, revision=revision, dtype=dtype, device=device, **kwargs)
+        return cls(model, n_stages=n_stages, boundaries=boundaries)
+
+    # ---------------------------------------------------------------------------------- properties
+    @property
+    def n_stages(self) -> int:
+        return len(self.boundaries) - 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.config, "max_position_embeddings", None)
+
+    def stage_layers(self, stage: int) -> range:
+        """Indices of the decoder layers owned by ``stage`` (0-based)."""
+        return range(self.boundaries[stage], self.boundaries[stage + 1])
+
+    # -------------------------------------------------------------------------------------- caches
+    def new_caches(self, batch_size: int = 1, capacity: int = 256) -> list[StageKVCache]:
+        """One empty KV cache per stage."""
+        return [
+            StageKVCache(list(self.stage_layers(s)), self.kv_heads, self.head_dim, batch_size, capacity,
+                         self.dtype, self.device)
+            for s in range(self.n_stages)
+        ]
+
+    @staticmethod
+    def truncate(caches: list[StageKVCache], length: int) -> None:
+        """Truncate every stage's KV cache to ``length`` tokens (rollback)."""
+        for cache in caches:
+            cache.truncate(length)
+
+    # ------------------------------------------------------------------------------------- compute
+    def embed(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
+        """H^0: the token embeddings."""
+        return self.embed_tokens(input_ids_BT)
+
+    def rope(self, hidden_BTD: torch.Tensor, position_ids_BT: torch.Tensor):
+        """(cos, sin) for the given positions; shared by every stage of one step."""
+        return self.rotary_emb(hidden_BTD, position_ids=position_ids_BT)
+
+    def run_stage(self, stage: int, hidden_BTD: torch.Tensor, cache: StageKVCache,
+                  position_ids_BT: torch.Tensor | None = None, anchors: tuple[int, ...] | list[int] = (),
+                  position_embeddings=None) -> StageOutput:
+        """Run one stage on ``T`` new tokens appended to its cache; positions default to cache.length + i.
+
+        Explicit ``position_ids_BT`` get an explicit causal mask by absolute position (key j is visible
+        to a query at position p iff j <= p), which is what pipelined and tree decoding need.
+
+        ``anchors`` are hidden-state indices ``l`` in ``[b[s], b[s+1]]`` to return (``H^{b[s]}`` is the
+        stage's input).
+        """
+        first, last = self.boundaries[stage], self.boundaries[stage + 1]
+        t = hidden_BTD.shape[1]
+        contiguous = position_ids_BT is None
+        if contiguous:
+            position_ids_BT = torch.arange(cache.length, cache.length + t, device=hidden_BTD.device)[None]
+        if position_embeddings is None:
+            position_embeddings = self.rope(hidden_BTD, position_ids_BT)
+        cache.reserve(cache.length + t)
+        q_pos_T = position_ids_BT[0]
+        kv_len = cache.length + t
+        masks: dict[int | None, torch.Tensor | None] = {}
+        out = StageOutput(hidden_BTD)
+        if first in anchors:
+            out.anchors[first] = hidden_BTD
+        for layer in range(first, last):
+            window = self.windows[layer]
+            if window not in masks:
+                masks[window] = attention_mask(q_pos_T, kv_len, window, self.attn_impl, hidden_BTD.dtype,
+                                               contiguous)
+            hidden_BTD = self.layers[layer](
+                hidden_BTD, attention_mask=masks[window], position_ids=position_ids_BT, past_key_values=cache,
+                use_cache=True, position_embeddings=position_embeddings,
+            )
+            if layer + 1 in anchors:
+                out.anchors[layer + 1] = hidden_BTD
+        cache.advance(t)
+        out.hidden_BTD = hidden_BTD
+        return out
+
+    def forward_stages(self, input_ids_BT: torch.Tensor, caches: list[StageKVCache],
+                       anchors: tuple[int, ...] | list[int] = ()) -> StageOutput:
+        """Run new tokens through every stage in turn (prefill, or one AR step); returns H^L and anchors."""
+        hidden_BTD = self.embed(input_ids_BT)
+        start = caches[0].length
+        position_ids_BT = torch.arange(start, start + input_ids_BT.shape[1], device=hidden_BTD.device)[None]
+        rope = self.rope(hidden_BTD, position_ids_BT)
+        collected: dict[int, torch.Tensor] = {}
+        if 0 in anchors:
+            collected[0] = hidden_BTD
+        for s, cache in enumerate(caches):
+            if cache.length != start:
+                raise RuntimeError(f"stage {s} holds {cache.length} tokens but stage 0 holds {start}")
+            out = self.run_stage(s, hidden_BTD, cache, None, anchors, rope)
+            collected.update(out.anchors)
+            hidden_BTD = out.hidden_BTD
+        return StageOutput(hidden_BTD, collected)
+
+    def logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
+        """Target logits from final hidden states H^L: ``lm_head(norm(H^L))``."""
+        return self.lm_head(self.norm(hidden_BTD))
+
+
+def load_causal_lm(name_or_path: str | os.PathLike, revision: str | None = None,
+                   dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu", **kwargs):
+    """``AutoModelForCausalLM.from_pretrained`` with a clear error for a wrong path or hub id."""
+    from transformers import AutoModelForCausalLM
+
+    source = str(name_or_path)
+    check_model_source(source, "model")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, revision=revision, dtype=dtype,
+                                                     attn_implementation="sdpa", **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise SpdInputError(f"could not load a causal LM from '{source}': {_first_line(exc)}") from exc
+    return model.to(device).eval()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]

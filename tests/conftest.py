@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny random Hugging Face models of several families, and a miniature testbed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def tiny_config(family: str, layers: int = 8, vocab: int = 128, **overrides):
+    """A tiny random config of a Hugging Face decoder-only family (fp32, sdpa)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)
+    common.update(overrides)
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "mistral":
+        return MistralConfig(**{"sliding_window": None, **common})
+    if family == "qwen2":
+        return Qwen2Config(**common)
+    if family == "qwen3":
+        return Qwen3Config(**{"head_dim": 16, **common})
+    raise ValueError(family)
+
+
+def tiny_model(family: str, seed: int = 0, attn: str = "sdpa", **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(family, **overrides)
+    config._attn_implementation = attn
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    # Random init has tiny weights; scale up so that logits are far from uniform (ties would hide bugs).
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(8.0)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_testbed(tmp_path_factory) -> Path:
+    """A miniature testbed built once per session with the real builder (seconds)."""
+    out = tmp_path_factory.mktemp("testbed")
+    run_script("data/build_testbed.py", "--out", str(out), "--tiny", "--quiet")
+    return out
+
+
+def run_script(script: str, *args: str, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run one of the repo's scripts in a fresh interpreter, as a user would."""
+    proc = subprocess.run([sys.executable, str(REPO / script), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc

@@ -1,0 +1,138 @@
+"""spd-generate as a user runs it: the installed console script in a fresh process."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+
+def _cli() -> list[str]:
+    script = Path(sys.executable).parent / "spd-generate"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("spd-generate")
+    return [found] if found else [sys.executable, "-m", "infer.generate"]
+
+
+def spd_generate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*_cli(), *args], capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+def test_json_output(tiny_testbed):
+    proc = spd_generate("--target", str(tiny_testbed / "target"), "--mode", "ar", "--stages", "2",
+                        "--prompt", "import os\n", "--max-new-tokens", "12", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert set(out) == {"text", "token_ids", "stats"}
+    stats = out["stats"]
+    assert stats["mode"] == "ar" and stats["new_tokens"] == len(out["token_ids"]) <= 12
+    assert stats["wall_time_s"] > 0 and stats["tokens_per_s"] > 0
+    assert stats["stop_reason"] in ("eos", "max_new_tokens")
+
+
+def test_streams_text_and_matches_json(tiny_testbed, tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("def main():\n")
+    common = ["--target", str(tiny_testbed / "target"), "--prompt-file", str(prompt), "--max-new-tokens", "16"]
+    streamed = spd_generate(*common)
+    as_json = spd_generate(*common, "--json")
+    assert streamed.returncode == 0 and as_json.returncode == 0
+    assert streamed.stdout == json.loads(as_json.stdout)["text"] + "\n"
+    assert "tokens/s" in streamed.stderr
+
+
+def test_sampling_with_seed_is_reproducible(tiny_testbed):
+    args = ["--target", str(tiny_testbed / "target"), "--prompt", "x = ", "--max-new-tokens", "10",
+            "--temperature", "0.9", "--top-k", "20", "--top-p", "0.9", "--seed", "7", "--json"]
+    a, b = spd_generate(*args), spd_generate(*args)
+    assert a.returncode == 0
+    assert json.loads(a.stdout)["token_ids"] == json.loads(b.stdout)["token_ids"]
+
+
+def test_chat_prompt(tiny_testbed):
+    proc = spd_generate("--target", str(tiny_testbed / "target"), "--prompt", "hi", "--chat",
+                        "--max-new-tokens", "4", "--json")
+    assert proc.returncode == 0, proc.stderr
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_testbed / "target")
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text == "<|bos|><|user|>\nhi<|eos|>\n<|assistant|>\n"
+    assert json.loads(proc.stdout)["stats"]["prompt_tokens"] == len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--target", "/no/such/dir", "--prompt", "x"], "does not exist"),
+    (["--prompt", ""], "prompt is empty"),
+    (["--prompt", "   \n"], "prompt is empty"),
+    (["--prompt", "x", "--mode", "warp"], "unknown --mode 'warp'"),
+    (["--prompt", "x", "--temperature", "-1"], "--temperature"),
+    (["--prompt", "x", "--temperature", "nan"], "finite"),
+    (["--prompt", "x", "--top-p", "1.5"], "--top-p"),
+    (["--prompt", "x", "--top-k", "-3"], "--top-k"),
+    (["--prompt", "x", "--max-new-tokens", "0"], "positive integer"),
+    (["--prompt", "x", "--max-new-tokens", "ten"], "positive integer"),
+    (["--prompt", "x", "--stages", "3"], "do not divide"),
+    (["--prompt-file", "/no/such/file.txt"], "does not exist"),
+    ([], "no prompt given"),
+    (["--prompt", "x", "--bogus"], "unrecognized arguments"),
+])
+def test_bad_input_is_one_clear_line_and_exit_2(tiny_testbed, args, expected):
+    if "--target" not in args:
+        args = ["--target", str(tiny_testbed / "target"), *args]
+    proc = spd_generate(*args)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error:") and expected in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_prompt_longer_than_the_context(tiny_testbed):
+    proc = spd_generate("--target", str(tiny_testbed / "target"), "--prompt", "x = 1\n" * 2000)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: the prompt has") and "context" in proc.stderr
+
+
+def test_target_without_tokenizer(tiny_testbed, tmp_path):
+    model_only = tmp_path / "model_only"
+    model_only.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_testbed / "target" / f, model_only / f)
+    proc = spd_generate("--target", str(model_only), "--prompt", "x")
+    assert proc.returncode == 2 and "--tokenizer" in proc.stderr
+    ok = spd_generate("--target", str(model_only), "--tokenizer", str(tiny_testbed / "tokenizer"),
+                      "--prompt", "x", "--max-new-tokens", "3", "--json")
+    assert ok.returncode == 0, ok.stderr
+
+
+def _fake_hub_cache(root: Path, repo_id: str, source: Path) -> str:
+    """Lay out a Hugging Face hub cache entry for ``repo_id`` at branch ``main`` (no network needed)."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    entry = root / ("models--" + repo_id.replace("/", "--"))
+    (entry / "refs").mkdir(parents=True)
+    (entry / "refs" / "main").write_text(commit)
+    shutil.copytree(source, entry / "snapshots" / commit)
+    return commit
+
+
+def test_hub_id_with_revision_resolves_through_the_hub_cache(tiny_testbed, tmp_path):
+    """The hub code path for real: a repo id and a revision, resolved offline from a hub cache."""
+    import os
+
+    commit = _fake_hub_cache(tmp_path / "hub", "spd-tests/tiny-target", tiny_testbed / "target")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    for revision in ("main", commit):
+        proc = subprocess.run([*_cli(), "--target", "spd-tests/tiny-target", "--revision", revision,
+                               "--prompt", "x", "--max-new-tokens", "3", "--json"],
+                              capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+        assert proc.returncode == 0, proc.stderr
+    missing = subprocess.run([*_cli(), "--target", "spd-tests/no-such-model", "--prompt", "x"],
+                             capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert missing.returncode == 2 and missing.stderr.startswith("error:")
+    assert len(missing.stderr.strip().splitlines()) == 1
