@@ -25,7 +25,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
             pip_q --no-deps torch --index-url "$CPU_INDEX"
         fi
         # Now that a CPU torch is installed, pinning its exact version pulls only its small dependencies.
-        pip_q "torch==$("$PY" -c 'import torch; print(torch.__version__)')"
+        # (Read the version from the package metadata: torch itself cannot import before its dependencies.)
+        pip_q "torch==$("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))')"
     fi
 fi
 "$PY" -c "import torch" || { echo "error: torch could not be installed into $VENV" >&2; exit 1; }
