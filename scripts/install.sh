@@ -15,7 +15,7 @@ CPU_INDEX=${SPD_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 PY="$VENV/bin/python"
 pip_q() { "$PY" -m pip install -q "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-if ! "$PY" -c "import torch" 2>/dev/null; then
+if ! "$PY" -W ignore -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         echo "[install] NVIDIA GPU found: installing the CUDA build of torch"
         pip_q torch
@@ -29,7 +29,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
         pip_q "torch==$("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))')"
     fi
 fi
-"$PY" -c "import torch" || { echo "error: torch could not be installed into $VENV" >&2; exit 1; }
+"$PY" -W ignore -c "import torch" || { echo "error: torch could not be installed into $VENV" >&2; exit 1; }
 echo "[install] installing spd[$EXTRAS]"
 pip_q -e ".[$EXTRAS]"
 "$PY" -c "import spd, torch, transformers; print(f'[install] spd {spd.__version__}, torch {torch.__version__}, transformers {transformers.__version__}')"

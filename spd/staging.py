@@ -308,6 +308,27 @@ class StagedModel(nn.Module):
             hidden_BTD = out.hidden_BTD
         return StageOutput(hidden_BTD, collected)
 
+    def hidden_states(self, input_ids_BN: torch.Tensor, anchors: tuple[int, ...] | list[int]) -> dict[int, torch.Tensor]:
+        """A cache-free causal forward of whole (right-padded) sequences returning ``{l: H^l}`` for ``anchors``.
+
+        This is the teacher pass of training: one forward captures every anchor the head needs plus H^L.
+        """
+        hidden_BND = self.embed(input_ids_BN)
+        n = input_ids_BN.shape[1]
+        position_ids_BN = torch.arange(n, device=hidden_BND.device)[None]
+        rope = self.rope(hidden_BND, position_ids_BN)
+        masks: dict[int | None, torch.Tensor | None] = {}
+        out = {0: hidden_BND} if 0 in anchors else {}
+        for layer in range(max(anchors)):
+            window = self.windows[layer]
+            if window not in masks:
+                masks[window] = attention_mask(position_ids_BN[0], n, window, self.attn_impl, hidden_BND.dtype, True)
+            hidden_BND = self.layers[layer](hidden_BND, attention_mask=masks[window], position_ids=position_ids_BN,
+                                            position_embeddings=rope)
+            if layer + 1 in anchors:
+                out[layer + 1] = hidden_BND
+        return out
+
     def logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
         """Target logits from final hidden states H^L: ``lm_head(norm(H^L))``."""
         return self.lm_head(self.norm(hidden_BTD))

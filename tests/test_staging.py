@@ -197,3 +197,16 @@ def test_wrong_paths_are_clear_errors(tmp_path):
     (tmp_path / "file.bin").write_text("x")
     with pytest.raises(SpdInputError, match="is a file"):
         StagedModel.from_pretrained(tmp_path / "file.bin")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_cache_free_hidden_states_match_hf(family):
+    model = tiny_model(family)
+    ids = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(10))
+    staged = StagedModel(model, 4)
+    with torch.no_grad():
+        got = staged.hidden_states(ids, [0, 3, 8])
+        hf = model(input_ids=ids, output_hidden_states=True).hidden_states
+    assert sorted(got) == [0, 3, 8]
+    torch.testing.assert_close(got[3], hf[3], atol=TOL, rtol=0)
+    torch.testing.assert_close(staged.logits(got[8]), model(input_ids=ids).logits, atol=TOL, rtol=0)

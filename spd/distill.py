@@ -1,0 +1,334 @@
+"""Distillation of a speculation head from a frozen target: config, batches, loss, evaluation, checkpoints.
+
+The training loop itself is ``train/distill.py``; this module holds the pieces it calls, so that they are
+importable and tested on their own. SPEC section 4 and Appendix A of the paper.
+
+Shape suffixes: B batch, N positions, D hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import SpdInputError
+from .paths import default_testbed_dir
+from .speculator import Speculator, SpeculatorConfig, default_anchors
+from .staging import StagedModel
+
+VARIANTS = {  # variant -> (schedule, max_depth or None for n); SPEC section 3
+    "spd": ("input", None),
+    "output_state": ("output", None),
+    "ppsd": ("output", 1),
+}
+
+
+def _testbed(*parts: str) -> str:
+    return str(default_testbed_dir().joinpath(*parts))
+
+
+@dataclass
+class DistillConfig:
+    """Every setting of a distillation run; presets are YAML files of these keys (configs/)."""
+
+    # what is trained
+    target: str = field(default_factory=lambda: _testbed("target"))  # target dir or hub id
+    target_revision: str | None = None
+    n_stages: int = 8  # n
+    boundaries: list[int] | None = None  # explicit stage boundaries (default: equal split)
+    variant: str = "spd"  # spd | output_state | ppsd
+    num_layers: int = 1  # L_s
+    anchors: list[list[int]] | None = None  # per depth; default (0, b[k]//2, b[k]) (SPEC section 2)
+    memory_proj: bool = False  # per-layer per-depth memory projections
+    init_from: str | None = None  # start from an existing head (dir or hub id) instead of a fresh one
+    # data
+    data: str = field(default_factory=lambda: _testbed("corpus", "train.jsonl"))
+    data_revision: str | None = None
+    eval_data: str | None = field(default_factory=lambda: _testbed("corpus", "validation.jsonl"))
+    max_length: int = 2048  # tokens per training row
+    overflow: str = "auto"  # drop | truncate | split | auto (drop chats, split text)
+    cache_dir: str = field(default_factory=lambda: os.environ.get("SPD_CACHE", str(Path.home() / ".cache" / "spd")))
+    # optimisation (paper: lr 1e-4, linear decay, 1 epoch)
+    batch_size: int = 8  # rows per device per micro-batch
+    grad_accum: int = 1
+    lr: float = 1e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    epochs: float = 1.0
+    max_steps: int | None = None  # optimizer steps; when set it replaces epochs (the data loops as needed)
+    max_minutes: float | None = None  # stop (and save) when this much wall time has passed
+    tau: float = 1.0  # KD temperature
+    p_full: float = 0.5  # probability of a fully occupied pipeline per example (Appendix A.2)
+    kd_chunk: int = 512  # positions per chunk of the KD loss
+    mixed_precision: str = "auto"  # auto (bf16 on GPU, no on CPU) | no | bf16 | fp16
+    seed: int = 0
+    # evaluation, logging, checkpoints
+    eval_every: int = 200  # optimizer steps (0 = only at the end)
+    eval_rows: int = 64  # held-out rows used per evaluation
+    log_every: int = 10
+    wandb: bool = False
+    wandb_project: str = "spd"
+    wandb_mode: str = "offline"
+    tensorboard: bool = False
+    output_dir: str = "runs/spd"
+    save_every: int = 500  # optimizer steps (0 = only at the end)
+    keep_checkpoints: int = 2
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise SpdInputError(f"variant must be one of {', '.join(VARIANTS)}, got '{self.variant}'")
+        for name in ("n_stages", "num_layers", "batch_size", "grad_accum", "max_length", "kd_chunk", "eval_rows",
+                     "log_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise SpdInputError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.lr <= 0 or self.tau <= 0 or self.epochs <= 0:
+            raise SpdInputError("lr, tau and epochs must be positive")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise SpdInputError(f"max_steps must be at least 1, got {self.max_steps}")
+        if not 0 <= self.p_full <= 1:
+            raise SpdInputError(f"p_full must be in [0, 1], got {self.p_full}")
+        if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
+            raise SpdInputError(f"mixed_precision must be auto, no, bf16 or fp16, got '{self.mixed_precision}'")
+
+
+def _coerce(name: str, value, type_text: str):
+    """A YAML / command-line value as the field's declared type (``1e-4`` is a string to YAML 1.1)."""
+    if isinstance(value, str) and value.strip().lower() in ("none", "null", "~", ""):
+        if "None" in type_text:
+            return None
+        raise ValueError("a value is required")
+    base = type_text.replace(" | None", "").strip()
+    if base == "bool":
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("true", "yes", "1", "on"):
+            return True
+        if str(value).lower() in ("false", "no", "0", "off"):
+            return False
+        raise ValueError("expected true or false")
+    if base == "int":
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError("expected an integer")
+        return int(value)
+    if base == "float":
+        if isinstance(value, bool):
+            raise ValueError("expected a number")
+        return float(value)
+    if base == "str":
+        return str(value)
+    if base.startswith("list"):
+        import yaml
+
+        value = yaml.safe_load(value) if isinstance(value, str) else value
+        if not isinstance(value, list):
+            raise ValueError("expected a list, e.g. [2, 4, 6]")
+        return value
+    return value
+
+
+def load_config(path: str | None, overrides: list[str]) -> DistillConfig:
+    """A DistillConfig from a YAML preset plus ``key=value`` overrides; unknown keys are a clear error."""
+    import yaml
+
+    fields = {f.name: f for f in dataclasses.fields(DistillConfig)}
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise SpdInputError(f"the config file '{path}' does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise SpdInputError(f"the config file '{path}' is not valid YAML ({str(exc).splitlines()[0]})") from None
+        if not isinstance(loaded, dict):
+            raise SpdInputError(f"the config file '{path}' must be a mapping of keys to values")
+        unknown = sorted(set(loaded) - set(fields))
+        if unknown:
+            raise SpdInputError(f"unknown config key(s) {unknown} in '{path}'; valid keys: {', '.join(fields)}")
+        raw.update(loaded)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise SpdInputError(f"override '{item}' is not key=value")
+        if key not in fields:
+            raise SpdInputError(f"unknown config key '{key}'; valid keys: {', '.join(fields)}")
+        raw[key] = text
+    values = {}
+    for key, value in raw.items():
+        try:
+            values[key] = _coerce(key, value, str(fields[key].type))
+        except (ValueError, TypeError) as exc:
+            raise SpdInputError(f"bad value for {key}: {value!r} ({exc})") from None
+    return DistillConfig(**values)
+
+
+# ------------------------------------------------------------------------------------------ the head
+
+
+def new_head(staged: StagedModel, cfg: DistillConfig) -> Speculator:
+    """A fresh head for ``staged``: the target's attention shape, rope, norm and LM head (copied)."""
+    tcfg = staged.config
+    schedule, max_depth = VARIANTS[cfg.variant]
+    head_cfg = SpeculatorConfig(
+        hidden_size=tcfg.hidden_size, vocab_size=staged.vocab_size, n_stages=staged.n_stages,
+        boundaries=staged.boundaries, target_num_layers=staged.num_layers,
+        anchors=cfg.anchors or default_anchors(staged.boundaries), num_layers=cfg.num_layers,
+        num_attention_heads=tcfg.num_attention_heads, num_key_value_heads=staged.kv_heads, head_dim=staged.head_dim,
+        intermediate_size=tcfg.intermediate_size, rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-6),
+        qk_norm=tcfg.model_type in ("qwen3", "qwen3_moe"),
+        rope_parameters=dict(getattr(tcfg, "rope_parameters", None) or {"rope_type": "default",
+                                                                        "rope_theta": getattr(tcfg, "rope_theta", 1e4)}),
+        max_position_embeddings=staged.max_positions or 4096, schedule=schedule, max_depth=max_depth,
+        memory_proj=cfg.memory_proj, target_name_or_path=cfg.target, target_revision=cfg.target_revision,
+        target_model_type=tcfg.model_type,
+    )
+    head = Speculator(head_cfg).to(device=staged.device, dtype=staged.dtype)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(staged.lm_head.weight)
+        head.norm.weight.copy_(staged.norm.weight)
+    return head
+
+
+def check_compatible(head_config: SpeculatorConfig, staged: StagedModel) -> None:
+    """Refuse a head trained for another target shape or another pipeline (one clear sentence)."""
+    problems = []
+    if head_config.hidden_size != staged.config.hidden_size:
+        problems.append(f"hidden size {head_config.hidden_size} vs the target's {staged.config.hidden_size}")
+    if head_config.vocab_size != staged.vocab_size:
+        problems.append(f"vocabulary {head_config.vocab_size} vs the target's {staged.vocab_size}")
+    if head_config.target_num_layers != staged.num_layers:
+        problems.append(f"{head_config.target_num_layers} target layers vs the target's {staged.num_layers}")
+    elif head_config.boundaries != staged.boundaries:
+        problems.append(f"stage boundaries {head_config.boundaries} vs the pipeline's {staged.boundaries}")
+    if problems:
+        raise SpdInputError("the speculator does not fit this target: " + "; ".join(problems))
+
+
+# --------------------------------------------------------------------------------------------- batches
+
+
+def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad rows to one length; ``supervised_BN[b, t]`` marks positions whose next token has a loss."""
+    n = max(len(r["input_ids"]) for r in rows)
+    ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(rows), n, dtype=torch.bool)
+    supervised = torch.zeros(len(rows), n, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        length = len(r["input_ids"])
+        ids[b, :length] = torch.tensor(r["input_ids"])
+        valid[b, :length] = True
+        mask = torch.tensor(r["loss_mask"], dtype=torch.bool)
+        supervised[b, : length - 1] = mask[1:]
+    return {"input_ids": ids, "valid": valid, "supervised": supervised}
+
+
+def teacher_anchors(head: Speculator, staged: StagedModel) -> list[int]:
+    """Hidden-state indices one teacher pass must capture: the head's anchors and H^L."""
+    return sorted(set(head.needed_anchors()) | {staged.num_layers})
+
+
+def teacher_pass(staged: StagedModel, anchors: list[int], batch: dict) -> dict[int, torch.Tensor]:
+    with torch.no_grad():
+        return staged.hidden_states(batch["input_ids"], anchors)
+
+
+def distill_step(head, staged: StagedModel, hidden: dict[int, torch.Tensor], batch: dict, fill_B: torch.Tensor,
+                 tau: float, chunk: int):
+    """The head's KD loss for one batch: (mean over supervised positions, KDResult).
+
+    ``head`` may be wrapped (DDP/DeepSpeed): its ``forward`` computes the loss, so the wrapper sees it all.
+    """
+    result = head(hidden, fill_B, batch["valid"], batch["supervised"], staged.logits, tau, chunk)
+    return result.loss_sum / max(1, result.count), result
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+
+
+def expected_accept_length(agreement: dict[int, float], n: int) -> dict[str, float]:
+    """Estimate alpha and L'_acc from top-1 agreement per fill (greedy acceptance, independent proposals).
+
+    After a (re)seed the head proposes with fills 1, 2, ..., n, n, ...; proposal j is verified n-1 steps
+    after it is made, and the first rejection flushes. A segment with k accepted proposals takes n + k steps
+    and commits k + 1 tokens, so by renewal-reward alpha = (1 + E[k]) / (n + E[k]) and L'_acc = n * alpha.
+    """
+    p = [min(max(agreement[min(j, n)], 0.0), 1.0) for j in range(1, n + 1)]
+    prefix, expected_k = 1.0, 0.0
+    for j in range(n - 1):
+        prefix *= p[j]
+        expected_k += prefix  # P(k >= j + 1)
+    p_steady = p[n - 1]
+    prefix *= p_steady
+    expected_k += math.inf if p_steady >= 1 else prefix / (1 - p_steady)  # geometric tail at fill n
+    alpha = 1.0 if math.isinf(expected_k) else (1 + expected_k) / (n + expected_k)
+    return {"alpha": alpha, "L_acc": n * alpha}
+
+
+@torch.no_grad()
+def evaluate(head: Speculator, staged: StagedModel, batches: list[dict], tau: float, chunk: int) -> dict:
+    """KD loss and top-1 agreement with the target for every fill a = 1..n (a = n: full pipeline)."""
+    n = head.config.n_stages
+    was_training = head.training
+    head.eval()
+    sums = {a: [0.0, 0, 0] for a in range(1, n + 1)}
+    anchors = teacher_anchors(head, staged)
+    for batch in batches:
+        hidden = teacher_pass(staged, anchors, batch)
+        for a in range(1, n + 1):
+            fill_B = torch.full((batch["input_ids"].shape[0],), a, dtype=torch.long, device=batch["input_ids"].device)
+            _, r = distill_step(head, staged, hidden, batch, fill_B, tau, chunk)
+            sums[a][0] += float(r.loss_sum)
+            sums[a][1] += r.count
+            sums[a][2] += r.agree
+    head.train(was_training)
+    agreement = {a: s[2] / max(1, s[1]) for a, s in sums.items()}
+    est = expected_accept_length(agreement, n)
+    return {
+        "kd_loss": sums[n][0] / max(1, sums[n][1]),
+        "top1_full": agreement[n],
+        "top1_by_fill": {str(a): round(v, 4) for a, v in agreement.items()},
+        "alpha_est": est["alpha"],
+        "L_acc_est": est["L_acc"],
+        "positions": sums[n][1],
+    }
+
+
+# ----------------------------------------------------------------------------------------- checkpoints
+
+
+def save_head_atomic(head: Speculator, out_dir: str | Path) -> None:
+    """``save_pretrained`` into a temporary directory, then rename: a reader never sees half a head."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    head.save_pretrained(tmp, safe_serialization=True)
+    old = out_dir.with_name(out_dir.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out_dir.exists():
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint (``checkpoints/step-N`` with a ``trainer_state.json``), if any."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    done = [p for p in root.iterdir() if p.name.startswith("step-") and (p / "trainer_state.json").is_file()
+            and not p.name.endswith(".tmp")]
+    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)

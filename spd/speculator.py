@@ -1,0 +1,462 @@
+"""The speculation module: multi-depth feature fusion, memory-attention decoder layers, norm and LM head.
+
+SPEC sections 2-3. Every position ``i`` contributes one *memory* row ``g^{d}_i = FC_d(concat(H^a_i for a in
+anchors[d]))`` at the depth ``d`` it has at speculation time; only the query stream of the newest position
+runs through the layers (its input is ``g^{offset}_t``), and each layer reads keys/values from the fixed
+memory rows (its own input norm, optional per-depth projection, k/v projections, RoPE at the row's
+position). The LM head reads the query stream at ``t`` and predicts ``x_{t+1}``.
+
+Depth of position ``i`` seen from the query at ``t`` with ``a`` tokens in flight (the fill):
+``depth(t, i) = min(max_depth, t - i + offset)`` if ``t - i < a`` else ``max_depth``. The SPD default is the
+input-state schedule (offset 0, max_depth n); the output-state ablation has offset 1; PPSD uses only
+first-stage features (max_depth 1) with offset 1. These are settings, not separate code (STYLE 8).
+
+Three forwards share the weights:
+- :meth:`Speculator.forward_train` - every position of a batch at once, never materialising the
+  (n+1)N x N structural mask: causal attention over depth-max memory with offset ``a`` plus a band of
+  ``a`` single keys (``i = t - j`` at depth ``min(max_depth, j + offset)``);
+- :meth:`Speculator.forward_dense` - the reference (n+1)x expanded layout with the dense structural mask
+  of Appendix A.3 (for tests and the layout benchmark);
+- :meth:`Speculator.append_memory` / :meth:`Speculator.query` - incremental inference with cached K/V of
+  depth-max rows; only the trailing rows are recomputed each step.
+
+Shape suffixes: B batch, N positions, D hidden, H query heads, Hk kv heads, Dh head dim, V vocabulary,
+J band offsets, R trailing rows, M expanded memory rows ((n+1)N).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from .kd import KDResult, kd_loss
+
+SCHEDULES = {"input": 0, "output": 1}  # schedule -> depth offset of the newest position
+
+
+class SpeculatorConfig(PretrainedConfig):
+    """Configuration of a speculation head (saved as ``config.json`` next to ``model.safetensors``)."""
+
+    model_type = "spd_speculator"
+
+    def __init__(
+        self,
+        hidden_size: int = 256,  # D: the target's hidden size (features and the body share it)
+        vocab_size: int = 4096,  # the target's vocabulary
+        n_stages: int = 4,  # n: pipeline stages of the target this head is trained for
+        boundaries: list[int] | None = None,  # stage boundaries [0, b1, ..., L]; default: equal split
+        target_num_layers: int = 8,  # L
+        anchors: list[list[int]] | None = None,  # anchors[d]: hidden-state indices fused into g^d (d = 0..n)
+        num_layers: int = 1,  # L_s: decoder layers of the body
+        num_attention_heads: int = 4,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
+        intermediate_size: int | None = None,  # SwiGLU width (default 4D*2/3 rounded like Llama's)
+        rms_norm_eps: float = 1e-6,
+        qk_norm: bool = False,  # per-head RMSNorm on q and k (Qwen3 style)
+        rope_parameters: dict | None = None,  # as in the target's config (rope_type, rope_theta, ...)
+        max_position_embeddings: int = 4096,
+        schedule: str = "input",  # "input" (SPD) or "output" (ablation; PPSD)
+        max_depth: int | None = None,  # deepest features used: n (SPD) or 1 (PPSD)
+        memory_proj: bool = False,  # per-layer per-depth identity-initialised memory projections
+        target_name_or_path: str | None = None,  # the target this head was trained for (informational)
+        target_revision: str | None = None,
+        target_model_type: str | None = None,
+        **kwargs,
+    ):
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self.n_stages = n_stages
+        self.target_num_layers = target_num_layers
+        self.boundaries = list(boundaries) if boundaries is not None else _equal_split(target_num_layers, n_stages)
+        self.anchors = [list(a) for a in anchors] if anchors is not None else default_anchors(self.boundaries)
+        self.num_layers = num_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.intermediate_size = intermediate_size or 64 * math.ceil(8 * hidden_size / 3 / 64)
+        self.rms_norm_eps = rms_norm_eps
+        self.qk_norm = qk_norm
+        self.rope_parameters = dict(rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
+        self.max_position_embeddings = max_position_embeddings
+        self.schedule = schedule
+        self.max_depth = n_stages if max_depth is None else max_depth
+        self.memory_proj = memory_proj
+        self.target_name_or_path = target_name_or_path
+        self.target_revision = target_revision
+        self.target_model_type = target_model_type
+        super().__init__(**kwargs)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError with one clear sentence if the settings are inconsistent."""
+        n = self.n_stages
+        b = self.boundaries
+        if len(b) != n + 1 or b[0] != 0 or b[-1] != self.target_num_layers or any(x >= y for x, y in zip(b, b[1:])):
+            raise ValueError(f"boundaries {b} do not cut {self.target_num_layers} layers into {n} stages")
+        if len(self.anchors) != n + 1:
+            raise ValueError(f"anchors must list n+1 = {n + 1} depths, got {len(self.anchors)}")
+        for d, anchor in enumerate(self.anchors):
+            if not anchor or any(not 0 <= a <= b[d] for a in anchor):
+                raise ValueError(f"anchors[{d}] = {anchor} must be non-empty hidden-state indices in 0..{b[d]} "
+                                 f"(a token at depth {d} has completed layers up to {b[d]})")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got '{self.schedule}'")
+        if not 1 <= self.max_depth <= n:
+            raise ValueError(f"max_depth must be in 1..{n}, got {self.max_depth}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @property
+    def offset(self) -> int:
+        """Depth of the newest position at speculation time (0: input-state schedule)."""
+        return SCHEDULES[self.schedule]
+
+    @property
+    def used_depths(self) -> list[int]:
+        """Depths whose features the head can ever see: band depths and max_depth."""
+        return sorted({min(self.max_depth, j + self.offset) for j in range(self.n_stages)} | {self.max_depth})
+
+    def depth(self, distance: int, fill: int) -> int:
+        """Depth of a position ``distance = t - i`` back from the query when ``fill`` tokens are in flight."""
+        return min(self.max_depth, distance + self.offset) if distance < fill else self.max_depth
+
+
+def _equal_split(num_layers: int, n: int) -> list[int]:
+    if n < 1 or num_layers % n:
+        raise ValueError(f"{n} stages do not divide {num_layers} layers evenly; pass boundaries")
+    return [num_layers // n * s for s in range(n + 1)]
+
+
+def default_anchors(boundaries: list[int]) -> list[list[int]]:
+    """SPEC default: ``anchors[0] = [0]``, ``anchors[d] = [0, b[d] // 2, b[d]]``."""
+    return [[0]] + [[0, b // 2, b] for b in boundaries[1:]]
+
+
+# -------------------------------------------------------------------------------------------- blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.promote_types(dtype, torch.float32))  # half precision is normalised in fp32
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x_BHND: torch.Tensor, cos_BND: torch.Tensor, sin_BND: torch.Tensor) -> torch.Tensor:
+    return x_BHND * cos_BND[:, None] + _rotate_half(x_BHND) * sin_BND[:, None]
+
+
+class Rope(nn.Module):
+    """Rotary embedding with the target's rope parameters (Hugging Face's init functions for scaled types)."""
+
+    def __init__(self, config: SpeculatorConfig):
+        super().__init__()
+        params = config.rope_parameters
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            dim = config.head_dim
+            arange = torch.arange(0, dim, 2, dtype=torch.float, device="cpu")
+            inv_freq = 1.0 / (params["rope_theta"] ** (arange / dim))
+            scale = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, device=torch.device("cpu"))
+        # A plain fp32 CPU tensor, not a buffer: casting the model to bf16 must not round the frequencies,
+        # and loading (which builds modules on the meta device) must not leave it without data.
+        self.inv_freq = inv_freq.float()
+        self.scale = scale
+
+    def forward(self, position_ids_BN: torch.Tensor, dtype: torch.dtype):
+        if self.inv_freq.device != position_ids_BN.device:
+            self.inv_freq = self.inv_freq.to(position_ids_BN.device)
+        inv_freq = self.inv_freq.to(torch.promote_types(dtype, torch.float32))
+        freqs_BNF = position_ids_BN[..., None].to(inv_freq.dtype) * inv_freq
+        emb_BND = torch.cat((freqs_BNF, freqs_BNF), dim=-1)
+        return (emb_BND.cos() * self.scale).to(dtype), (emb_BND.sin() * self.scale).to(dtype)
+
+
+class SpeculatorLayer(nn.Module):
+    """One decoder layer: query stream attends fixed memory rows; SwiGLU MLP on the query stream."""
+
+    def __init__(self, config: SpeculatorConfig):
+        super().__init__()
+        d, h, hk, dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = h, hk, dh
+        self.input_layernorm = RMSNorm(d, config.rms_norm_eps)
+        self.q_proj = nn.Linear(d, h * dh, bias=False)
+        self.k_proj = nn.Linear(d, hk * dh, bias=False)
+        self.v_proj = nn.Linear(d, hk * dh, bias=False)
+        self.o_proj = nn.Linear(h * dh, d, bias=False)
+        self.q_norm = RMSNorm(dh, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(dh, config.rms_norm_eps) if config.qk_norm else None
+        self.post_attention_layernorm = RMSNorm(d, config.rms_norm_eps)
+        self.gate_proj = nn.Linear(d, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(d, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, d, bias=False)
+        # Per-depth memory projections (reference-code parity), identity-initialised in _init_weights.
+        self.memory_proj = (nn.ModuleDict({str(k): nn.Linear(d, d, bias=False) for k in config.used_depths})
+                            if config.memory_proj else None)
+
+    def query_heads(self, h_BND: torch.Tensor, cos_BND, sin_BND) -> torch.Tensor:
+        b, n, _ = h_BND.shape
+        q = self.q_proj(self.input_layernorm(h_BND)).view(b, n, self.n_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q.transpose(1, 2), cos_BND, sin_BND)
+
+    def memory_kv(self, mem_BND: torch.Tensor, depth: int, cos_BND, sin_BND):
+        """Keys and values (B, Hk, N, Dh) of memory rows that all have the same depth."""
+        b, n, _ = mem_BND.shape
+        if self.memory_proj is not None:
+            mem_BND = self.memory_proj[str(depth)](mem_BND)
+        x = self.input_layernorm(mem_BND)
+        k = self.k_proj(x).view(b, n, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k.transpose(1, 2), cos_BND, sin_BND), v
+
+    def finish(self, h_BND: torch.Tensor, attn_BHND: torch.Tensor) -> torch.Tensor:
+        """Residual attention output, then the residual SwiGLU MLP."""
+        b, _, n, _ = attn_BHND.shape
+        h_BND = h_BND + self.o_proj(attn_BHND.transpose(1, 2).reshape(b, n, -1))
+        x = self.post_attention_layernorm(h_BND)
+        return h_BND + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def expand_kv(self, x_BHkND: torch.Tensor) -> torch.Tensor:
+        groups = self.n_heads // self.n_kv_heads
+        return x_BHkND if groups == 1 else x_BHkND.repeat_interleave(groups, dim=1)
+
+
+def _shift(x_BHND: torch.Tensor, j: int) -> torch.Tensor:
+    """Row t of the result is row t-j of x (zeros for t < j)."""
+    if j == 0:
+        return x_BHND
+    return F.pad(x_BHND, (0, 0, j, 0))[:, :, : x_BHND.shape[2]]
+
+
+# --------------------------------------------------------------------------------------------- model
+
+
+class Speculator(PreTrainedModel):
+    """The SPD speculation head (see the module docstring)."""
+
+    config_class = SpeculatorConfig
+    base_model_prefix = "speculator"
+    _no_split_modules = ["SpeculatorLayer"]
+
+    def __init__(self, config: SpeculatorConfig):
+        super().__init__(config)
+        d = config.hidden_size
+        # One FC per depth the head can see (all n+1 for SPD); unused depths get none, so that every
+        # parameter receives a gradient (DDP) and checkpoints hold no dead weights.
+        self.fc = nn.ModuleDict({str(k): nn.Linear(len(config.anchors[k]) * d, d, bias=False)
+                                 for k in config.used_depths})
+        self.layers = nn.ModuleList(SpeculatorLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
+        self.rope = Rope(config)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        if isinstance(module, SpeculatorLayer) and module.memory_proj is not None:
+            for proj in module.memory_proj.values():
+                nn.init.eye_(proj.weight)
+
+    # ----------------------------------------------------------------------------------- features
+    def features(self, depth: int, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        """``g^depth = FC_depth(concat(H^a for a in anchors[depth]))`` for rows that all have this depth."""
+        return self.fc[str(depth)](torch.cat([hidden[a] for a in self.config.anchors[depth]], dim=-1))
+
+    def needed_anchors(self) -> list[int]:
+        """Every hidden-state index the head reads (over the depths it uses)."""
+        return sorted({a for d in self.config.used_depths for a in self.config.anchors[d]})
+
+    def logits(self, hidden_BND: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden_BND))
+
+    def forward(self, hidden: dict[int, torch.Tensor], fill_B: torch.Tensor, valid_BN: torch.Tensor,
+                supervised_BN: torch.Tensor, teacher_logits, tau: float = 1.0, chunk_size: int = 512) -> KDResult:
+        """Training forward plus the chunked KD loss against the target (``teacher_logits(H^L)``).
+
+        The loss is computed inside ``forward`` so that data-parallel wrappers (DDP, DeepSpeed) see every
+        parameter used, the LM head included.
+        """
+        out_BND = self.forward_train(hidden, fill_B, valid_BN)
+        teacher_BND = hidden[self.config.target_num_layers]
+        return kd_loss(out_BND[supervised_BN], teacher_BND[supervised_BN], self.logits, teacher_logits, tau,
+                       chunk_size)
+
+    # ------------------------------------------------------------------------------ training path
+    def forward_train(self, hidden: dict[int, torch.Tensor], fill_B: torch.Tensor,
+                      valid_BN: torch.Tensor | None = None) -> torch.Tensor:
+        """Query-stream outputs (B, N, D) for every position, each with the per-example fill ``a``.
+
+        ``hidden`` maps anchor index -> H^a (B, N, D) from one target forward; ``valid_BN`` marks real
+        (non-padding) positions.
+        """
+        cfg = self.config
+        b, n_pos, _ = hidden[0].shape
+        dev = hidden[0].device
+        pos_BN = torch.arange(n_pos, device=dev).expand(b, n_pos)
+        cos, sin = self.rope(pos_BN, hidden[0].dtype)
+        if valid_BN is None:
+            valid_BN = torch.ones(b, n_pos, dtype=torch.bool, device=dev)
+        mem = {d: self.features(d, hidden) for d in cfg.used_depths}
+        t_N = torch.arange(n_pos, device=dev)
+        fill_B11 = fill_B.view(b, 1, 1)
+        # Deep part: key i at depth max_depth iff i <= t - a (and i is real).
+        deep_mask_BNN = (t_N[None, :, None] - t_N[None, None, :] >= fill_B11) & valid_BN[:, None, :]
+        band = range(cfg.n_stages)  # j < a <= n
+        # Band: key i = t - j at depth min(max_depth, j + offset) iff j < a (and t - j is a real position).
+        band_mask_BNJ = torch.stack(
+            [(j < fill_B[:, None]) & (t_N[None, :] >= j) & F.pad(valid_BN, (j, 0))[:, :n_pos] for j in band], dim=-1)
+        scale = cfg.head_dim ** -0.5
+        h_BND = mem[cfg.offset]
+        for layer in self.layers:
+            q = layer.query_heads(h_BND, cos, sin)  # (B, H, N, Dh)
+            kv = {d: layer.memory_kv(m, d, cos, sin) for d, m in mem.items()}
+            k_deep, v_deep = (layer.expand_kv(x) for x in kv[cfg.max_depth])
+            scores_deep = torch.matmul(q, k_deep.transpose(-1, -2)) * scale
+            scores_deep = scores_deep.masked_fill(~deep_mask_BNN[:, None], float("-inf"))
+            band_k, band_v = [], []
+            for j in band:
+                k_d, v_d = kv[cfg.depth(j, j + 1)]
+                band_k.append(_shift(layer.expand_kv(k_d), j))
+                band_v.append(_shift(layer.expand_kv(v_d), j))
+            scores_band = torch.stack([(q * k).sum(-1) for k in band_k], dim=-1) * scale  # (B, H, N, J)
+            scores_band = scores_band.masked_fill(~band_mask_BNJ[:, None], float("-inf"))
+            scores = torch.cat([scores_deep, scores_band], dim=-1)
+            probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
+            p_deep, p_band = probs[..., :n_pos], probs[..., n_pos:]
+            attn = torch.matmul(p_deep, v_deep)
+            for j, v in enumerate(band_v):
+                attn = attn + p_band[..., j:j + 1] * v
+            h_BND = layer.finish(h_BND, attn)
+        return h_BND
+
+    def forward_dense(self, hidden: dict[int, torch.Tensor], fill_B: torch.Tensor,
+                      valid_BN: torch.Tensor | None = None) -> torch.Tensor:
+        """Reference: (n+1)x expanded memory [g^n .. g^0] with the dense structural mask (Appendix A.3)."""
+        cfg = self.config
+        b, n_pos, _ = hidden[0].shape
+        dev = hidden[0].device
+        if valid_BN is None:
+            valid_BN = torch.ones(b, n_pos, dtype=torch.bool, device=dev)
+        # Blocks in decreasing depth, as in the paper; a depth the variant never uses (e.g. 0 for the
+        # output-state schedule) would be masked out entirely, so its block is left out.
+        depths = sorted(cfg.used_depths, reverse=True)
+        pos_BN = torch.arange(n_pos, device=dev).expand(b, n_pos)
+        cos, sin = self.rope(pos_BN, hidden[0].dtype)
+        t_N = torch.arange(n_pos, device=dev)
+        dist_NN = t_N[:, None] - t_N[None, :]  # t - T
+        masks = []
+        for d in depths:
+            # depth(t, T) as a tensor: min(max_depth, t - T + offset) inside the fill, else max_depth.
+            want_BNN = torch.where(dist_NN[None] < fill_B.view(b, 1, 1),
+                                   (dist_NN + cfg.offset).clamp(max=cfg.max_depth)[None].expand(b, -1, -1),
+                                   torch.full_like(dist_NN, cfg.max_depth)[None].expand(b, -1, -1))
+            masks.append((dist_NN[None] >= 0) & (want_BNN == d) & valid_BN[:, None, :])
+        mask_BNM = torch.cat(masks, dim=-1)  # the (n+1)N-wide structural mask
+        mem = {d: self.features(d, hidden) for d in depths}
+        h_BND = mem[cfg.offset]
+        for layer in self.layers:
+            q = layer.query_heads(h_BND, cos, sin)
+            kv = [layer.memory_kv(mem[d], d, cos, sin) for d in depths]
+            k_M = layer.expand_kv(torch.cat([k for k, _ in kv], dim=2))
+            v_M = layer.expand_kv(torch.cat([v for _, v in kv], dim=2))
+            attn = F.scaled_dot_product_attention(q, k_M, v_M, attn_mask=mask_BNM[:, None])
+            h_BND = layer.finish(h_BND, attn)
+        return h_BND
+
+    # ------------------------------------------------------------------------------ inference path
+    def new_cache(self, batch_size: int = 1, capacity: int = 256) -> "SpeculatorCache":
+        p = next(self.parameters())
+        return SpeculatorCache(self.config, batch_size, capacity, p.dtype, p.device)
+
+    def append_memory(self, cache: "SpeculatorCache", mem_BRD: torch.Tensor) -> None:
+        """Append rows that reached max_depth (positions cache.length ...) to the per-layer K/V cache."""
+        b, r, _ = mem_BRD.shape
+        pos_BR = torch.arange(cache.length, cache.length + r, device=mem_BRD.device).expand(b, r)
+        cos, sin = self.rope(pos_BR, mem_BRD.dtype)
+        cache.reserve(cache.length + r)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.memory_kv(mem_BRD, self.config.max_depth, cos, sin)
+            cache.keys[i][:, :, cache.length:cache.length + r] = k
+            cache.values[i][:, :, cache.length:cache.length + r] = v
+        cache.length += r
+
+    def query(self, cache: "SpeculatorCache", trailing: list[tuple[int, torch.Tensor]],
+              query_BD: torch.Tensor) -> torch.Tensor:
+        """Query-stream output (B, D) for the newest position, attending cached rows plus trailing rows.
+
+        ``trailing`` lists the rows after the cached ones, oldest first, as ``(depth, g (B, D))``; the last
+        of them is the newest position itself (the query's own memory row).
+        """
+        b = query_BD.shape[0]
+        c = cache.length
+        r = len(trailing)
+        dev, dtype = query_BD.device, query_BD.dtype
+        pos_BR = torch.arange(c, c + r, device=dev).expand(b, r)
+        cos_r, sin_r = self.rope(pos_BR, dtype)
+        cos_q, sin_q = cos_r[:, -1:], sin_r[:, -1:]
+        scale = self.config.head_dim ** -0.5
+        h_B1D = query_BD[:, None]
+        for i, layer in enumerate(self.layers):
+            q = layer.query_heads(h_B1D, cos_q, sin_q)
+            ks, vs = [cache.keys[i][:, :, :c]], [cache.values[i][:, :, :c]]
+            for j, (depth, g_BD) in enumerate(trailing):
+                k, v = layer.memory_kv(g_BD[:, None], depth, cos_r[:, j:j + 1], sin_r[:, j:j + 1])
+                ks.append(k)
+                vs.append(v)
+            k_all = layer.expand_kv(torch.cat(ks, dim=2))
+            v_all = layer.expand_kv(torch.cat(vs, dim=2))
+            attn = F.scaled_dot_product_attention(q, k_all, v_all, scale=scale)
+            h_B1D = layer.finish(h_B1D, attn)
+        return h_B1D[:, 0]
+
+
+class SpeculatorCache:
+    """Per-layer K/V of the head's depth-max memory rows; truncation sets the length (rollback)."""
+
+    def __init__(self, config: SpeculatorConfig, batch_size: int, capacity: int, dtype, device):
+        self._shape = (batch_size, config.num_key_value_heads, capacity, config.head_dim)
+        self._dtype, self._device = dtype, device
+        self.keys = [torch.zeros(self._shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.values = [torch.zeros(self._shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.length = 0
+
+    def reserve(self, length: int) -> None:
+        capacity = self.keys[0].shape[2]
+        if length <= capacity:
+            return
+        new_capacity = max(length, 2 * capacity)
+        for store in (self.keys, self.values):
+            for i, old in enumerate(store):
+                new = torch.zeros(*old.shape[:2], new_capacity, old.shape[3], dtype=self._dtype, device=self._device)
+                new[:, :, : self.length] = old[:, :, : self.length]
+                store[i] = new
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)

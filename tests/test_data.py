@@ -1,0 +1,88 @@
+"""Data preparation: chat rendering with assistant-only masks, formats, bad rows, overflow, caching."""
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from spd.data import DataConfig, normalize_messages, prepare_dataset, render_conversation
+from spd.errors import SpdInputError
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_testbed):
+    return AutoTokenizer.from_pretrained(tiny_testbed / "tokenizer")
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_assistant_only_mask(tok):
+    msgs = [{"role": "system", "content": "be terse"}, {"role": "user", "content": "def f():"},
+            {"role": "assistant", "content": "return 1"}, {"role": "user", "content": "more"},
+            {"role": "assistant", "content": "x = 2"}]
+    ids, mask = render_conversation(msgs, tok)
+    supervised = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert supervised == "return 1<|eos|>\nx = 2<|eos|>\n"
+    assert len(ids) == len(mask)
+
+
+def test_sharegpt_and_conversations_formats():
+    share = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
+    assert normalize_messages(share) == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    conv = {"conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    assert normalize_messages(conv)[1]["role"] == "assistant"
+    assert normalize_messages({"text": "x"}) is None
+
+
+def test_bad_rows_are_counted_not_fatal(tok, tmp_path):
+    rows = [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+        {"messages": [{"role": "user", "content": "no answer"}]},
+        {"messages": "not a list"},
+        {"conversations": [{"from": "alien", "value": "?"}, {"from": "gpt", "value": "x"}]},
+        {"other": 1},
+        {"text": "print('hello')"},
+    ]
+    lines = []
+    ds = prepare_dataset(_write_jsonl(tmp_path / "d.jsonl", rows), tok, DataConfig(max_length=64), report=lines.append)
+    assert len(ds) == 2
+    assert "skipped rows out of 6" in lines[0] and "no assistant turn" in lines[0]
+
+
+def test_empty_result_is_a_clear_error(tok, tmp_path):
+    path = _write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "x"}]}])
+    with pytest.raises(SpdInputError, match="no usable training rows"):
+        prepare_dataset(path, tok, report=lambda _: None)
+
+
+def test_missing_data_is_a_clear_error(tok, tmp_path):
+    with pytest.raises(SpdInputError, match="does not exist"):
+        prepare_dataset(str(tmp_path / "nope.jsonl"), tok)
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(SpdInputError, match="no .jsonl"):
+        prepare_dataset(str(tmp_path / "empty_dir"), tok)
+
+
+def test_overflow_policies(tok, tmp_path):
+    long_text = "x = 1\n" * 200
+    long_chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": long_text}]}
+    path = _write_jsonl(tmp_path / "long.jsonl", [{"text": long_text}, long_chat])
+    quiet = {"report": lambda _: None}
+    auto = prepare_dataset(path, tok, DataConfig(max_length=64), **quiet)  # text split, chat dropped
+    assert all(len(r) <= 64 for r in auto["input_ids"]) and len(auto) > 2
+    trunc = prepare_dataset(path, tok, DataConfig(max_length=64, overflow="truncate"), **quiet)
+    assert len(trunc) == 2 and all(len(r) == 64 for r in trunc["input_ids"])
+    with pytest.raises(SpdInputError, match="no usable"):
+        prepare_dataset(_write_jsonl(tmp_path / "c.jsonl", [long_chat]), tok, DataConfig(max_length=64), **quiet)
+
+
+def test_prepared_dataset_is_cached(tok, tmp_path):
+    path = _write_jsonl(tmp_path / "t.jsonl", [{"text": "a = 1"}, {"text": "b = 2"}])
+    lines = []
+    first = prepare_dataset(path, tok, cache_dir=tmp_path / "cache", report=lines.append)
+    second = prepare_dataset(path, tok, cache_dir=tmp_path / "cache", report=lines.append)
+    assert first["input_ids"] == second["input_ids"]
+    assert len(lines) == 1  # the second call read the cache and reported nothing

@@ -1,0 +1,160 @@
+"""The distillation trainer as users run it: real processes, real files, kill and resume."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from spd.distill import DistillConfig, check_compatible, expected_accept_length, load_config, new_head
+from spd.errors import SpdInputError
+from spd.kd import sample_fills
+from spd.speculator import Speculator
+from spd.staging import StagedModel
+
+from conftest import REPO, tiny_model
+
+
+def _args(tb, out, *extra):
+    return [f"target={tb / 'target'}", f"data={tb / 'corpus' / 'train.jsonl'}",
+            f"eval_data={tb / 'corpus' / 'validation.jsonl'}", "n_stages=4", "max_length=48", "batch_size=3",
+            "max_steps=8", "save_every=2", "eval_every=0", "eval_rows=6", "log_every=2", "lr=3e-3",
+            "warmup_steps=2", f"output_dir={out}", f"cache_dir={out.parent / 'cache'}", *extra]
+
+
+def _train(*args, check=True):
+    proc = subprocess.run([sys.executable, str(REPO / "train" / "distill.py"), *args], capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_killed_and_resumed_run_ends_with_the_same_weights(tiny_testbed, tmp_path):
+    _train(*_args(tiny_testbed, tmp_path / "straight"))
+    # Same run, killed (SIGKILL, no chance to clean up) once a checkpoint exists, then resumed.
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, str(REPO / "train" / "distill.py"), *_args(tiny_testbed, out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    deadline = time.time() + 300
+    while not (out / "checkpoints" / "step-4" / "trainer_state.json").exists():
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "final").exists()
+    resumed = _train(*_args(tiny_testbed, out), "--resume")
+    assert "[resume] step-" in resumed.stdout + resumed.stderr
+    a = load_file(tmp_path / "straight" / "final" / "model.safetensors")
+    b = load_file(out / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["step"] == 8
+    loaded = Speculator.from_pretrained(out / "final")
+    assert loaded.config.n_stages == 4
+
+
+def test_final_head_reports_agreement_per_fill(tiny_testbed, tmp_path):
+    out = tmp_path / "run"
+    _train(*_args(tiny_testbed, out, "max_steps=3", "save_every=0"))
+    ev = json.loads((out / "summary.json").read_text())["eval"]
+    assert set(ev["top1_by_fill"]) == {"1", "2", "3", "4"}
+    assert 0 <= ev["top1_full"] <= 1 and 1 <= ev["L_acc_est"] <= 4
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-3"]
+
+
+@pytest.mark.slow
+def test_two_process_cpu_data_parallel(tiny_testbed, tmp_path):
+    """Two real processes on gloo, launched by accelerate (torchrun underneath), both ranks training.
+
+    accelerate's ``--cpu --num_processes 2`` starts one process unless mpirun is configured; the
+    launcher that spawns several CPU processes is ``--multi_gpu`` with ``ACCELERATE_USE_CPU=true``.
+    """
+    out = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                           "--main_process_port", str(random.randint(20000, 40000)), str(REPO / "train" / "distill.py"),
+                           *_args(tiny_testbed, out, "max_steps=4")],
+                          capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["step"] == 4
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["bogus_key=1"], "unknown config key 'bogus_key'"),
+    (["max_steps=ten"], "bad value for max_steps"),
+    (["variant=eagle"], "variant must be one of"),
+    (["n_stages=3"], "do not divide"),
+    (["data=/no/such/data.jsonl"], "does not exist"),
+    (["--config", "/no/such.yaml"], "config file"),
+])
+def test_bad_input_is_one_clear_error(tiny_testbed, tmp_path, args, expected):
+    base = _args(tiny_testbed, tmp_path / "x")
+    keys = {a.split("=")[0] for a in args if "=" in a}
+    proc = _train(*[a for a in base if a.split("=")[0] not in keys], *args, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error:") and expected in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_presets_load_and_override(tmp_path):
+    for preset in ("testbed-n4", "testbed-n8", "qwen3-8b-n8"):
+        cfg = load_config(str(REPO / "configs" / f"{preset}.yaml"), ["output_dir=/tmp/x", "lr=2e-4", "boundaries=[1,2]"])
+        assert cfg.output_dir == "/tmp/x" and cfg.lr == 2e-4 and cfg.boundaries == [1, 2]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("n_stages: 4\nlearning_rate: 1\n")
+    with pytest.raises(SpdInputError, match="learning_rate"):
+        load_config(str(bad), [])
+
+
+def test_head_must_fit_the_target():
+    staged = StagedModel(tiny_model("llama"), 4)
+    head = new_head(staged, DistillConfig(n_stages=4))
+    check_compatible(head.config, staged)
+    torch.testing.assert_close(head.lm_head.weight, staged.lm_head.weight)
+    with pytest.raises(SpdInputError, match="hidden size"):
+        check_compatible(head.config, StagedModel(tiny_model("llama", hidden_size=32), 4))
+    with pytest.raises(SpdInputError, match="vocabulary"):
+        check_compatible(head.config, StagedModel(tiny_model("llama", vocab=100), 4))
+    with pytest.raises(SpdInputError, match="stage boundaries"):
+        check_compatible(head.config, StagedModel(tiny_model("llama"), 2))
+    with pytest.raises(SpdInputError, match="target layers"):
+        check_compatible(head.config, StagedModel(tiny_model("llama", layers=4), 4))
+
+
+def test_fill_sampling_policy():
+    fills = sample_fills(20000, 4, torch.Generator().manual_seed(0))
+    share_full = (fills == 4).float().mean().item()
+    assert abs(share_full - 0.5) < 0.02
+    partial = fills[fills < 4]
+    assert set(partial.tolist()) == {1, 2, 3}
+    assert max(abs((partial == a).float().mean().item() - 1 / 3) for a in (1, 2, 3)) < 0.03
+
+
+def test_expected_accept_length_matches_simulation():
+    n = 4
+    agreement = {1: 0.5, 2: 0.6, 3: 0.7, 4: 0.8}
+    est = expected_accept_length(agreement, n)
+    gen = random.Random(0)
+    steps = tokens = 0
+    for _ in range(20000):  # segments: seed, proposals with fills 1, 2, .., n, n, ... until a rejection
+        k, j = 0, 1
+        while gen.random() < agreement[min(j, n)]:
+            k, j = k + 1, j + 1
+        steps += n + k
+        tokens += k + 1
+    assert abs(est["L_acc"] - n * tokens / steps) < 0.03
+    assert expected_accept_length({a: 0.0 for a in range(1, 5)}, 4)["L_acc"] == pytest.approx(1.0)
+    assert expected_accept_length({a: 1.0 for a in range(1, 5)}, 4)["L_acc"] == pytest.approx(4.0)

@@ -1,0 +1,146 @@
+"""The speculation module: efficient layout == dense reference, incremental == training forward, round trips."""
+
+import pytest
+import torch
+
+from spd.speculator import Speculator, SpeculatorConfig, default_anchors
+
+L, D = 8, 32
+
+
+def _head(n, num_layers, seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = SpeculatorConfig(hidden_size=D, vocab_size=40, n_stages=n, target_num_layers=L, num_layers=num_layers,
+                           num_attention_heads=4, num_key_value_heads=2, **kw)
+    return Speculator(cfg).double()
+
+
+def _inputs(batch, n_pos, n, seed=1, pad=True):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = {layer: torch.randn(batch, n_pos, D, generator=gen, dtype=torch.float64) for layer in range(L + 1)}
+    fill = torch.randint(1, n + 1, (batch,), generator=gen)
+    valid = torch.ones(batch, n_pos, dtype=torch.bool)
+    if pad:
+        valid[0, n_pos - 4:] = False  # right padding, as the data collator produces
+    return hidden, fill, valid
+
+
+VARIANTS = [dict(), dict(schedule="output"), dict(schedule="output", max_depth=1),
+            dict(memory_proj=True, qk_norm=True)]
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("num_layers", [1, 2])
+@pytest.mark.parametrize("variant", range(len(VARIANTS)))
+def test_efficient_layout_equals_dense_reference(n, num_layers, variant):
+    head = _head(n, num_layers, **VARIANTS[variant])
+    hidden, fill, valid = _inputs(3, 17, n)
+    for h in hidden.values():
+        h.requires_grad_(True)
+    eff = head.forward_train(hidden, fill, valid)
+    (eff[valid] * torch.linspace(-1, 1, D, dtype=torch.float64)).sum().backward()
+    grads_eff = [None if t.grad is None else t.grad.clone()
+                 for t in [*head.parameters(), *(hidden[a] for a in sorted(hidden))]]
+    head.zero_grad()
+    for h in hidden.values():
+        h.grad = None
+    dense = head.forward_dense(hidden, fill, valid)
+    (dense[valid] * torch.linspace(-1, 1, D, dtype=torch.float64)).sum().backward()
+    grads_dense = [t.grad for t in [*head.parameters(), *(hidden[a] for a in sorted(hidden))]]
+    torch.testing.assert_close(eff[valid], dense[valid], atol=1e-12, rtol=0)
+    assert sum(g is not None for g in grads_eff) > 10
+    for ge, gd in zip(grads_eff, grads_dense):
+        if ge is None or gd is None:  # unused depths' FCs, the norm and head: no gradient in either path
+            assert ge is None or not ge.any()
+            assert gd is None or not gd.any()
+        else:
+            torch.testing.assert_close(ge, gd, atol=1e-10, rtol=0)
+
+
+def test_efficient_layout_equals_dense_in_float32():
+    head = _head(4, 2).float()
+    hidden, fill, valid = _inputs(2, 33, 4)
+    hidden = {k: v.float() for k, v in hidden.items()}
+    torch.testing.assert_close(head.forward_train(hidden, fill, valid)[valid],
+                               head.forward_dense(hidden, fill, valid)[valid], atol=2e-5, rtol=0)
+
+
+def test_fill_changes_the_output():
+    """The layouts differ per fill (a test that would pass for any mask is no test)."""
+    head = _head(4, 1)
+    hidden, _, valid = _inputs(1, 12, 4, pad=False)
+    outs = [head.forward_train(hidden, torch.tensor([a]), valid) for a in (1, 2, 4)]
+    assert not torch.allclose(outs[0][:, 3:], outs[1][:, 3:])
+    assert not torch.allclose(outs[1][:, 3:], outs[2][:, 3:])
+    # ... except at t = 0, where every fill sees only the query's own row.
+    torch.testing.assert_close(outs[0][:, 0], outs[2][:, 0])
+
+
+@pytest.mark.parametrize("n,num_layers", [(2, 1), (4, 2), (8, 1)])
+@pytest.mark.parametrize("variant", range(len(VARIANTS)))
+def test_incremental_forward_equals_training_forward(n, num_layers, variant):
+    head = _head(n, num_layers, **VARIANTS[variant])
+    cfg = head.config
+    hidden, fill, _ = _inputs(1, 15, n, pad=False)
+    train = head.forward_train(hidden, fill)
+    a = int(fill[0])
+    for t in range(15):
+        cache = head.new_cache(capacity=2)  # grows on demand
+        committed = max(0, t - a + 1)
+        # Append deep rows in two pieces, as the engine does step by step.
+        for lo, hi in [(0, committed // 2), (committed // 2, committed)]:
+            if hi > lo:
+                head.append_memory(cache, head.features(cfg.max_depth, {k: v[:, lo:hi] for k, v in hidden.items()}))
+        trailing = [(cfg.depth(t - i, a), head.features(cfg.depth(t - i, a), {k: v[:, i] for k, v in hidden.items()}))
+                    for i in range(committed, t + 1)]
+        query = head.features(cfg.offset, {k: v[:, t] for k, v in hidden.items()})
+        torch.testing.assert_close(head.query(cache, trailing, query), train[:, t], atol=1e-12, rtol=0)
+
+
+def test_cache_truncation_is_rollback():
+    head = _head(4, 2)
+    hidden, _, _ = _inputs(1, 10, 4, pad=False)
+    rows = head.features(4, hidden)
+    fresh = head.new_cache()
+    head.append_memory(fresh, rows[:, :6])
+    rolled = head.new_cache()
+    head.append_memory(rolled, rows[:, :8])
+    rolled.truncate(6)
+    q = head.features(0, {k: v[:, 9] for k, v in hidden.items()})
+    trailing = [(0, q)]
+    torch.testing.assert_close(head.query(rolled, trailing, q), head.query(fresh, trailing, q))
+
+
+def test_save_and_load_round_trip(tmp_path):
+    head = _head(4, 2, memory_proj=True, schedule="output", target_name_or_path="some/target")
+    head.save_pretrained(tmp_path / "head")
+    assert (tmp_path / "head" / "model.safetensors").is_file()
+    loaded = Speculator.from_pretrained(tmp_path / "head", dtype=torch.float64)
+    strip = lambda d: {k: v for k, v in d.items() if k != "_name_or_path"}  # noqa: E731
+    assert strip(loaded.config.to_dict()) == strip(head.config.to_dict())
+    for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    hidden, fill, valid = _inputs(2, 9, 4)
+    torch.testing.assert_close(loaded.forward_train(hidden, fill, valid), head.forward_train(hidden, fill, valid))
+
+
+def test_default_anchors_follow_the_spec():
+    assert default_anchors([0, 2, 4, 6, 8]) == [[0], [0, 1, 2], [0, 2, 4], [0, 3, 6], [0, 4, 8]]
+    cfg = SpeculatorConfig(hidden_size=D, n_stages=4, target_num_layers=8)
+    assert cfg.used_depths == [0, 1, 2, 3, 4]
+    ppsd = SpeculatorConfig(hidden_size=D, n_stages=4, target_num_layers=8, schedule="output", max_depth=1)
+    assert ppsd.used_depths == [1]
+    assert Speculator(ppsd).needed_anchors() == [0, 1, 2]  # first stage only: H^0, H^1, H^2 of 8 layers / 4
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(n_stages=3), "divide"),
+    (dict(anchors=[[0], [0, 5]]), "anchors must list"),
+    (dict(n_stages=2, anchors=[[0], [0, 5], [0, 8]]), r"anchors\[1\]"),
+    (dict(schedule="sideways"), "schedule"),
+    (dict(max_depth=9), "max_depth"),
+    (dict(boundaries=[0, 4, 4, 6, 8]), "boundaries"),
+])
+def test_bad_configs_are_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculatorConfig(**{"hidden_size": D, "n_stages": 4, "target_num_layers": 8, **kwargs})

@@ -1,0 +1,230 @@
+"""Distil an SPD speculation head from a frozen target.
+
+    accelerate launch train/distill.py --config configs/testbed-n8.yaml
+    accelerate launch --cpu --num_processes 2 train/distill.py --config configs/testbed-n4.yaml max_steps=50
+    accelerate launch train/distill.py --config configs/qwen3-8b-n8.yaml output_dir=runs/q8 --resume
+
+Every config key can be overridden as ``key=value``. The head is written to ``<output_dir>/final``
+(a ``from_pretrained`` directory); checkpoints go to ``<output_dir>/checkpoints/step-N`` and ``--resume``
+continues the newest one exactly (weights, optimizer, scheduler, data position, RNG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import shutil
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from spd.errors import SpdInputError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def parse_args(argv=None):
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML preset (configs/*.yaml)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
+    p.add_argument("overrides", nargs="*", help="key=value settings")
+    return p.parse_args(argv)
+
+
+def lr_lambda(step: int, warmup: int, total: int) -> float:
+    """Linear warmup, then linear decay to zero at ``total`` (the paper's schedule)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def train(cfg, resume: bool) -> dict:
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.utils import set_seed
+    from torch.utils.data import DataLoader
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    from spd.data import DataConfig, prepare_dataset
+    from spd.distill import (check_compatible, collate, distill_step, evaluate, latest_checkpoint, new_head,
+                             save_head_atomic, teacher_anchors, teacher_pass, write_json_atomic)
+    from spd.kd import sample_fills
+    from spd.speculator import Speculator
+    from spd.staging import StagedModel
+
+    on_gpu = torch.cuda.is_available()
+    mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if on_gpu else "no")
+    log_with = [name for name, on in (("wandb", cfg.wandb), ("tensorboard", cfg.tensorboard)) if on]
+    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=mixed,
+                              log_with=log_with or None, project_dir=cfg.output_dir,
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    main = accelerator.is_main_process
+    say = accelerator.print
+    set_seed(cfg.seed)
+    out = Path(cfg.output_dir)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+
+    # The frozen target: bf16 on GPU, fp32 on CPU; only its forward runs, under no_grad.
+    staged = StagedModel.from_pretrained(cfg.target, n_stages=None if cfg.boundaries else cfg.n_stages,
+                                         boundaries=cfg.boundaries, revision=cfg.target_revision,
+                                         dtype=torch.bfloat16 if on_gpu else torch.float32, device=accelerator.device)
+    staged.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target, revision=cfg.target_revision)
+    if cfg.init_from:
+        head = Speculator.from_pretrained(cfg.init_from, dtype=torch.float32).to(accelerator.device)
+        check_compatible(head.config, staged)
+    else:
+        head = new_head(staged, cfg).float()
+    anchors = teacher_anchors(head, staged)
+
+    data_cfg = DataConfig(max_length=cfg.max_length, overflow=cfg.overflow, revision=cfg.data_revision)
+    with accelerator.main_process_first():
+        train_ds = prepare_dataset(cfg.data, tokenizer, data_cfg, cfg.cache_dir, report=say)
+        eval_ds = (prepare_dataset(cfg.eval_data, tokenizer, data_cfg, cfg.cache_dir, report=say)
+                   if cfg.eval_data else None)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    loader = DataLoader(train_ds, batch_size=cfg.batch_size, shuffle=True, collate_fn=partial(collate, pad_id=pad_id),
+                        generator=torch.Generator().manual_seed(cfg.seed))
+    eval_batches = []
+    if eval_ds is not None:
+        rows = [eval_ds[i] for i in range(min(cfg.eval_rows, len(eval_ds)))]
+        eval_batches = [{k: v.to(accelerator.device) for k, v in collate(rows[i:i + cfg.batch_size], pad_id).items()}
+                        for i in range(0, len(rows), cfg.batch_size)]
+
+    optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    head, optimizer, loader = accelerator.prepare(head, optimizer, loader)
+    batches_per_epoch = len(loader)
+    steps_per_epoch = max(1, batches_per_epoch // cfg.grad_accum)
+    total_steps = cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_lambda, warmup=cfg.warmup_steps,
+                                                                     total=total_steps))
+    accelerator.register_for_checkpointing(scheduler)
+    # Fills are drawn from a generator of their own (per process), saved with every checkpoint.
+    fill_gen = torch.Generator().manual_seed(cfg.seed * 1000 + accelerator.process_index)
+
+    step, batches_done, elapsed_before = 0, 0, 0.0
+    ckpt = latest_checkpoint(out) if resume else None
+    if resume and ckpt is None:
+        say(f"[resume] no checkpoint in {out / 'checkpoints'}; starting from scratch")
+    if ckpt is not None:
+        accelerator.load_state(str(ckpt))
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        step, batches_done, elapsed_before = state["step"], state["batches_done"], state["elapsed_s"]
+        fill_gen.set_state(torch.load(ckpt / f"fill_rng_{accelerator.process_index}.pt"))
+        say(f"[resume] {ckpt.name}: step {step}, {batches_done} batches done")
+
+    if log_with:
+        init_kwargs = {"wandb": {"mode": cfg.wandb_mode}} if cfg.wandb else {}
+        accelerator.init_trackers(cfg.wandb_project, config=dataclasses.asdict(cfg), init_kwargs=init_kwargs)
+
+    def save_checkpoint() -> None:
+        final = out / "checkpoints" / f"step-{step}"
+        tmp = final.with_name(final.name + ".tmp")
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp))
+        torch.save(fill_gen.get_state(), tmp / f"fill_rng_{accelerator.process_index}.pt")
+        accelerator.wait_for_everyone()
+        if main:
+            save_head_atomic(accelerator.unwrap_model(head), tmp / "head")
+            write_json_atomic(tmp / "trainer_state.json",
+                              {"step": step, "batches_done": batches_done, "elapsed_s": elapsed_before + time.time() - t0})
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)  # a checkpoint exists only once it is complete
+            done = sorted((p for p in final.parent.iterdir() if p.name.startswith("step-") and not p.name.endswith(".tmp")),
+                          key=lambda p: int(p.name.split("-")[1]))
+            for old in done[: -cfg.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+        accelerator.wait_for_everyone()
+
+    def run_eval() -> dict:
+        metrics = evaluate(accelerator.unwrap_model(head), staged, eval_batches, cfg.tau, cfg.kd_chunk)
+        say(f"[eval] step {step}: kd_loss {metrics['kd_loss']:.4f}, top-1 (full pipeline) {metrics['top1_full']:.4f}, "
+            f"by fill {metrics['top1_by_fill']}, L'_acc est {metrics['L_acc_est']:.3f}")
+        accelerator.log({f"eval/{k}": v for k, v in metrics.items() if isinstance(v, float)}, step=step)
+        return metrics
+
+    t0 = time.time()
+    head.train()
+    bar = tqdm(total=total_steps, initial=step, desc="distill", unit="step", disable=not main)
+    window_loss, window_agree, window_count = 0.0, 0, 0
+    stop = step >= total_steps
+    metrics: dict = {}
+    while not stop:
+        epoch, skip = divmod(batches_done, batches_per_epoch)
+        loader.set_epoch(epoch)
+        active = accelerator.skip_first_batches(loader, skip) if skip else loader
+        for batch in active:
+            with accelerator.accumulate(head):
+                hidden = teacher_pass(staged, anchors, batch)
+                fill_B = sample_fills(batch["input_ids"].shape[0], staged.n_stages, fill_gen, cfg.p_full)
+                loss, result = distill_step(head, staged, hidden, batch, fill_B.to(accelerator.device),
+                                            cfg.tau, cfg.kd_chunk)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(head.parameters(), cfg.max_grad_norm)
+                optimizer.step()  # a no-op on accumulation micro-steps (accelerate's optimizer wrapper)
+                if accelerator.sync_gradients:
+                    scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            batches_done += 1
+            window_loss += float(result.loss_sum)
+            window_agree += result.agree
+            window_count += result.count
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            bar.update(1)
+            if step % cfg.log_every == 0 and window_count:
+                logs = {"train/kd_loss": window_loss / window_count, "train/top1": window_agree / window_count,
+                        "train/lr": scheduler.get_last_lr()[0]}
+                bar.set_postfix(loss=f"{logs['train/kd_loss']:.3f}", top1=f"{logs['train/top1']:.3f}")
+                accelerator.log(logs, step=step)
+                window_loss, window_agree, window_count = 0.0, 0, 0
+            if eval_batches and cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
+                run_eval()
+            timed_out = cfg.max_minutes is not None and elapsed_before + time.time() - t0 > cfg.max_minutes * 60
+            if step >= total_steps or timed_out:
+                stop = True
+                break
+            if cfg.save_every and step % cfg.save_every == 0:
+                save_checkpoint()
+    bar.close()
+    save_checkpoint()
+    if eval_batches:
+        metrics = run_eval()
+    if main:
+        save_head_atomic(accelerator.unwrap_model(head), out / "final")
+        summary = {"step": step, "total_steps": total_steps, "train_minutes": (elapsed_before + time.time() - t0) / 60,
+                   "processes": accelerator.num_processes, "config": dataclasses.asdict(cfg), "eval": metrics}
+        write_json_atomic(out / "summary.json", summary)
+        say(f"[done] head written to {out / 'final'}")
+    accelerator.end_training()
+    return metrics
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from spd.distill import load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        train(cfg, args.resume)
+    except SpdInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
