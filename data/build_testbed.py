@@ -1,6 +1,7 @@
 """Build the testbed: stdlib corpus, BPE tokenizer, 8-layer Llama target and 2-layer draft (cached).
 
     python data/build_testbed.py --out testbed              # the default build (~20 minutes on 2 CPU cores)
+    python data/build_testbed.py --out tb --minutes 30      # train the target for a 30-minute budget instead
     python data/build_testbed.py --out /tmp/tb --tiny       # a miniature build in seconds (for tests)
 """
 
@@ -18,10 +19,14 @@ def parse_args(argv=None):
     d = TestbedConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(default_testbed_dir()), help="output directory (default: %(default)s)")
-    p.add_argument("--minutes", type=float, default=d.target.minutes, help="target training budget in minutes")
-    p.add_argument("--draft-minutes", type=float, default=d.draft.minutes, help="draft training budget in minutes")
-    p.add_argument("--target-steps", type=int, default=None, help="exact target steps (overrides --minutes)")
-    p.add_argument("--draft-steps", type=int, default=None, help="exact draft steps (overrides --draft-minutes)")
+    p.add_argument("--target-steps", type=int, default=d.target.steps,
+                   help="target optimizer steps (default: %(default)s, ~15 min on 2 cores)")
+    p.add_argument("--draft-steps", type=int, default=d.draft.steps,
+                   help="draft optimizer steps (default: %(default)s, ~4 min on 2 cores)")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="train the target for this wall-clock budget instead of --target-steps")
+    p.add_argument("--draft-minutes", type=float, default=None,
+                   help="train the draft for this wall-clock budget instead of --draft-steps")
     p.add_argument("--vocab-size", type=int, default=d.vocab_size)
     p.add_argument("--max-files", type=int, default=None, help="use only the first N stdlib files")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -39,23 +44,24 @@ def config_from_args(args):
     if args.tiny:
         cfg = TestbedConfig(
             vocab_size=512, max_files=args.max_files or 60, val_fraction=0.2, seed=args.seed, eval_tokens=4096,
-            target=ModelSpec(layers=8, hidden=32, heads=2, kv_heads=1, ffn=64, minutes=0, steps=20,
+            target=ModelSpec(layers=8, hidden=32, heads=2, kv_heads=1, ffn=64, steps=20,
                              batch_size=4, seq_len=64, warmup_steps=5, compile=False),
-            draft=ModelSpec(layers=2, hidden=32, heads=2, kv_heads=2, ffn=64, minutes=0, steps=10,
+            draft=ModelSpec(layers=2, hidden=32, heads=2, kv_heads=2, ffn=64, steps=10,
                             batch_size=4, seq_len=64, warmup_steps=5, compile=False),
         )
     if not args.tiny:
-        cfg.target = dataclasses.replace(cfg.target, minutes=args.minutes, steps=args.target_steps,
-                                         compile=not args.no_compile)
-        cfg.draft = dataclasses.replace(cfg.draft, minutes=args.draft_minutes, steps=args.draft_steps,
-                                        compile=not args.no_compile)
+        # A time budget replaces the step count (and then the step count is machine-dependent).
+        cfg.target = dataclasses.replace(cfg.target, minutes=args.minutes, compile=not args.no_compile,
+                                         steps=None if args.minutes else args.target_steps)
+        cfg.draft = dataclasses.replace(cfg.draft, minutes=args.draft_minutes, compile=not args.no_compile,
+                                        steps=None if args.draft_minutes else args.draft_steps)
     return cfg
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    for name in ("minutes", "draft_minutes"):
-        if getattr(args, name) <= 0:
+    for name in ("minutes", "draft_minutes", "target_steps", "draft_steps"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             print(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}", file=sys.stderr)
             return 2
     from spd.testbed import build_testbed

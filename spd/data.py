@@ -79,7 +79,7 @@ def render_conversation(messages: list[dict], tokenizer) -> tuple[list[int], lis
         if not full.startswith(upto) or not upto.startswith(before):
             raise ValueError("the chat template does not render conversations prefix by prefix")
         spans.append((len(before), len(upto)))
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     mask = [int(any(lo <= start < hi for lo, hi in spans)) for start, _ in enc["offset_mapping"]]
     return enc["input_ids"], mask
 
@@ -90,7 +90,7 @@ def _encode_row(row: dict, tokenizer, cfg: DataConfig) -> list[tuple[list[int], 
         ids, mask = render_conversation(messages, tokenizer)
         kind = "chat"
     elif isinstance(row.get("text"), str):
-        ids = tokenizer(row["text"])["input_ids"]
+        ids = tokenizer(row["text"], verbose=False)["input_ids"]
         if tokenizer.eos_token_id is not None:
             ids = ids + [tokenizer.eos_token_id]
         mask = [1] * len(ids)

@@ -99,7 +99,7 @@ class DistillConfig:
             raise SpdInputError(f"mixed_precision must be auto, no, bf16 or fp16, got '{self.mixed_precision}'")
 
 
-def _coerce(name: str, value, type_text: str):
+def _coerce(value, type_text: str):
     """A YAML / command-line value as the field's declared type (``1e-4`` is a string to YAML 1.1)."""
     if isinstance(value, str) and value.strip().lower() in ("none", "null", "~", ""):
         if "None" in type_text:
@@ -164,7 +164,7 @@ def load_config(path: str | None, overrides: list[str]) -> DistillConfig:
     values = {}
     for key, value in raw.items():
         try:
-            values[key] = _coerce(key, value, str(fields[key].type))
+            values[key] = _coerce(value, str(fields[key].type))
         except (ValueError, TypeError) as exc:
             raise SpdInputError(f"bad value for {key}: {value!r} ({exc})") from None
     return DistillConfig(**values)

@@ -6,10 +6,11 @@ Llama-architecture causal LMs trained from scratch on it. The result is a set of
 directories (``target/``, ``draft/``, ``tokenizer/``) plus ``testbed.json`` with the settings and the
 measured validation loss / perplexity of both models.
 
-Builds are deterministic for fixed step counts and cached per component: calling :func:`build_testbed`
-again with the same settings does nothing. With a time budget (``minutes``) the step count is derived
-from the measured speed of the first steps; ``testbed.json`` records it, and passing it back as
-``steps`` rebuilds the identical model.
+Builds are deterministic and cached per component: calling :func:`build_testbed` again with the same
+settings does nothing. By default the models train for fixed step counts (about 15 + 4 minutes on the
+2-core reference machine), so the result does not depend on how busy the machine is. A time budget
+(``minutes``) instead derives the step count from the measured speed of the first steps; ``testbed.json``
+records it, and passing it back as ``steps`` rebuilds the identical model.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ class ModelSpec:
     heads: int  # attention heads
     kv_heads: int  # key/value heads (GQA when smaller than heads)
     ffn: int  # SwiGLU intermediate size
-    minutes: float  # training time budget; ignored when `steps` is set
-    steps: int | None = None  # exact number of optimizer steps (makes the build bit-reproducible)
+    steps: int | None  # optimizer steps (deterministic); None: derive them from `minutes`
+    minutes: float | None = None  # wall-clock training budget, used only when `steps` is None
     lr: float = 3e-3  # peak AdamW learning rate (warmup, then cosine decay to 10%)
     warmup_steps: int = 100
     batch_size: int = 16
@@ -77,10 +78,11 @@ class TestbedConfig:
     eval_tokens: int = 131072  # validation tokens used for the reported loss/perplexity (cap)
     # The target: 8 layers so that 1, 2, 4 and 8 stages divide it. Calibrated on a 2-core CPU (MEASURED.md):
     # smaller-and-longer beats wider-and-shorter within a 20-minute budget.
+    # Step counts: what a 15- and a 4-minute budget gave on the idle reference machine (docs/testbed.md).
     target: ModelSpec = field(default_factory=lambda: ModelSpec(layers=8, hidden=128, heads=4, kv_heads=4,
-                                                                ffn=384, minutes=15.0))
+                                                                ffn=384, steps=1023))
     draft: ModelSpec = field(default_factory=lambda: ModelSpec(layers=2, hidden=96, heads=4, kv_heads=4,
-                                                               ffn=256, minutes=4.0))
+                                                               ffn=256, steps=810))
 
 
 # ---------------------------------------------------------------------------------------------- corpus
@@ -262,6 +264,8 @@ def evaluate_loss(model, tokens: np.ndarray, seq_len: int, max_tokens: int, batc
 def train_model(name: str, spec: ModelSpec, tokenizer, train_tokens: np.ndarray, seed: int,
                 progress: bool = True) -> tuple[object, dict]:
     """Train a model from scratch on random windows of the train stream; returns (model, training record)."""
+    if spec.steps is None and not (spec.minutes and spec.minutes > 0):
+        raise ValueError(f"the {name} needs a step count or a positive time budget")
     model = make_llama(spec, tokenizer, seed)
     model.train()
     params = [p for p in model.parameters()]

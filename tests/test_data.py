@@ -86,3 +86,15 @@ def test_prepared_dataset_is_cached(tok, tmp_path):
     second = prepare_dataset(path, tok, cache_dir=tmp_path / "cache", report=lines.append)
     assert first["input_ids"] == second["input_ids"]
     assert len(lines) == 1  # the second call read the cache and reported nothing
+
+
+def test_prepare_script(tiny_testbed, tmp_path):
+    from conftest import run_script
+
+    ok = run_script("data/prepare.py", "--target", str(tiny_testbed / "target"), "--data",
+                    str(tiny_testbed / "corpus" / "validation.jsonl"), "--max-length", "64",
+                    "--cache-dir", str(tmp_path / "cache"))
+    assert "rows ready" in ok.stdout and any((tmp_path / "cache").iterdir())
+    bad = run_script("data/prepare.py", "--target", str(tiny_testbed / "target"), "--data", str(tmp_path / "none.jsonl"),
+                     check=False)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error:") and "does not exist" in bad.stderr

@@ -158,3 +158,15 @@ def test_expected_accept_length_matches_simulation():
     assert abs(est["L_acc"] - n * tokens / steps) < 0.03
     assert expected_accept_length({a: 0.0 for a in range(1, 5)}, 4)["L_acc"] == pytest.approx(1.0)
     assert expected_accept_length({a: 1.0 for a in range(1, 5)}, 4)["L_acc"] == pytest.approx(4.0)
+
+
+def test_deepspeed_zero2_config_is_accepted_by_accelerate():
+    """The shipped ZeRO-2 setup parses (running it needs GPUs)."""
+    pytest.importorskip("deepspeed")
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DeepSpeedPlugin, DistributedType
+
+    cfg = load_config_from_file(str(REPO / "configs" / "accelerate" / "deepspeed-zero2.yaml"))
+    assert cfg.distributed_type == DistributedType.DEEPSPEED
+    plugin = DeepSpeedPlugin(hf_ds_config=str(REPO / cfg.deepspeed_config["deepspeed_config_file"]))
+    assert plugin.zero_stage == 2

@@ -60,9 +60,9 @@ def test_second_build_with_same_settings_does_nothing(tiny_testbed):
 def test_build_is_deterministic(tmp_path):
     def cfg():
         return Config(vocab_size=300, max_files=20, val_fraction=0.25, eval_tokens=512,
-                             target=ModelSpec(layers=8, hidden=16, heads=2, kv_heads=1, ffn=32, minutes=0, steps=4,
+                             target=ModelSpec(layers=8, hidden=16, heads=2, kv_heads=1, ffn=32, steps=4,
                                               batch_size=2, seq_len=32, warmup_steps=2, compile=False),
-                             draft=ModelSpec(layers=2, hidden=16, heads=2, kv_heads=1, ffn=32, minutes=0, steps=3,
+                             draft=ModelSpec(layers=2, hidden=16, heads=2, kv_heads=1, ffn=32, steps=3,
                                              batch_size=2, seq_len=32, warmup_steps=2, compile=False))
     a = build_testbed(tmp_path / "a", cfg(), progress=False)
     b = build_testbed(tmp_path / "b", cfg(), progress=False)
