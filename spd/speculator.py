@@ -245,6 +245,36 @@ class SpeculatorLayer(nn.Module):
         return x_BHkND if groups == 1 else x_BHkND.repeat_interleave(groups, dim=1)
 
 
+def _offset_band_attention(q_BHCD: torch.Tensor, k_deep_BHND: torch.Tensor, v_deep_BHND: torch.Tensor,
+                           k_band_JBHCD: torch.Tensor, v_band_JBHCD: torch.Tensor, fill_B: torch.Tensor,
+                           valid_BN: torch.Tensor, first: int) -> torch.Tensor:
+    """Attention of query rows ``first .. first+C-1``: deep keys ``i <= t - a`` plus ``a`` band keys, one softmax.
+
+    The deep part is an ordinary causal mask with offset ``a`` (per example); the band holds, for each
+    query, its own ``j < a`` keys (already gathered). Masks are built here for this block only.
+    """
+    b, _, c, dh = q_BHCD.shape
+    n_pos = k_deep_BHND.shape[2]
+    dev = q_BHCD.device
+    t_C = torch.arange(first, first + c, device=dev)
+    i_N = torch.arange(n_pos, device=dev)
+    fill_B11 = fill_B.view(b, 1, 1)
+    deep_BCN = (t_C[None, :, None] - i_N[None, None, :] >= fill_B11) & valid_BN[:, None, :]
+    j_J = torch.arange(k_band_JBHCD.shape[0], device=dev)
+    src_CJ = t_C[:, None] - j_J[None, :]  # the position each band key comes from
+    band_BCJ = ((j_J[None, None, :] < fill_B11) & (src_CJ >= 0)[None]
+                & valid_BN.gather(1, src_CJ.clamp(min=0).flatten()[None].expand(b, -1)).view(b, c, -1))
+    scale = dh ** -0.5
+    scores_deep = torch.matmul(q_BHCD, k_deep_BHND.transpose(-1, -2)) * scale
+    scores_deep = scores_deep.masked_fill(~deep_BCN[:, None], float("-inf"))
+    scores_band = torch.einsum("bhcd,jbhcd->bhcj", q_BHCD, k_band_JBHCD) * scale
+    scores_band = scores_band.masked_fill(~band_BCJ[:, None], float("-inf"))
+    scores = torch.cat([scores_deep, scores_band], dim=-1)
+    probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q_BHCD.dtype)
+    out = torch.matmul(probs[..., :n_pos], v_deep_BHND)
+    return out + torch.einsum("bhcj,jbhcd->bhcd", probs[..., n_pos:], v_band_JBHCD)
+
+
 def _shift(x_BHND: torch.Tensor, j: int) -> torch.Tensor:
     """Row t of the result is row t-j of x (zeros for t < j)."""
     if j == 0:
@@ -310,11 +340,13 @@ class Speculator(PreTrainedModel):
 
     # ------------------------------------------------------------------------------ training path
     def forward_train(self, hidden: dict[int, torch.Tensor], fill_B: torch.Tensor,
-                      valid_BN: torch.Tensor | None = None) -> torch.Tensor:
+                      valid_BN: torch.Tensor | None = None, query_chunk: int = 512) -> torch.Tensor:
         """Query-stream outputs (B, N, D) for every position, each with the per-example fill ``a``.
 
         ``hidden`` maps anchor index -> H^a (B, N, D) from one target forward; ``valid_BN`` marks real
-        (non-padding) positions.
+        (non-padding) positions. Attention runs over blocks of ``query_chunk`` query rows; with several
+        blocks and gradients on, each block is checkpointed, so at most one block's scores (rows x N)
+        exist at a time instead of N x N.
         """
         cfg = self.config
         b, n_pos, _ = hidden[0].shape
@@ -324,36 +356,26 @@ class Speculator(PreTrainedModel):
         if valid_BN is None:
             valid_BN = torch.ones(b, n_pos, dtype=torch.bool, device=dev)
         mem = {d: self.features(d, hidden) for d in cfg.used_depths}
-        t_N = torch.arange(n_pos, device=dev)
-        fill_B11 = fill_B.view(b, 1, 1)
-        # Deep part: key i at depth max_depth iff i <= t - a (and i is real).
-        deep_mask_BNN = (t_N[None, :, None] - t_N[None, None, :] >= fill_B11) & valid_BN[:, None, :]
         band = range(cfg.n_stages)  # j < a <= n
-        # Band: key i = t - j at depth min(max_depth, j + offset) iff j < a (and t - j is a real position).
-        band_mask_BNJ = torch.stack(
-            [(j < fill_B[:, None]) & (t_N[None, :] >= j) & F.pad(valid_BN, (j, 0))[:, :n_pos] for j in band], dim=-1)
-        scale = cfg.head_dim ** -0.5
+        checkpointed = torch.is_grad_enabled() and n_pos > query_chunk
         h_BND = mem[cfg.offset]
         for layer in self.layers:
             q = layer.query_heads(h_BND, cos, sin)  # (B, H, N, Dh)
             kv = {d: layer.memory_kv(m, d, cos, sin) for d, m in mem.items()}
             k_deep, v_deep = (layer.expand_kv(x) for x in kv[cfg.max_depth])
-            scores_deep = torch.matmul(q, k_deep.transpose(-1, -2)) * scale
-            scores_deep = scores_deep.masked_fill(~deep_mask_BNN[:, None], float("-inf"))
-            band_k, band_v = [], []
-            for j in band:
-                k_d, v_d = kv[cfg.depth(j, j + 1)]
-                band_k.append(_shift(layer.expand_kv(k_d), j))
-                band_v.append(_shift(layer.expand_kv(v_d), j))
-            scores_band = torch.stack([(q * k).sum(-1) for k in band_k], dim=-1) * scale  # (B, H, N, J)
-            scores_band = scores_band.masked_fill(~band_mask_BNJ[:, None], float("-inf"))
-            scores = torch.cat([scores_deep, scores_band], dim=-1)
-            probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
-            p_deep, p_band = probs[..., :n_pos], probs[..., n_pos:]
-            attn = torch.matmul(p_deep, v_deep)
-            for j, v in enumerate(band_v):
-                attn = attn + p_band[..., j:j + 1] * v
-            h_BND = layer.finish(h_BND, attn)
+            # Band key j of query t is the row t - j at depth min(max_depth, j + offset): shifted copies.
+            band_k = [_shift(layer.expand_kv(kv[cfg.depth(j, j + 1)][0]), j) for j in band]
+            band_v = [_shift(layer.expand_kv(kv[cfg.depth(j, j + 1)][1]), j) for j in band]
+            blocks = []
+            for lo in range(0, n_pos, query_chunk):
+                hi = min(n_pos, lo + query_chunk)
+                args = (q[:, :, lo:hi], k_deep, v_deep, torch.stack([k[:, :, lo:hi] for k in band_k]),
+                        torch.stack([v[:, :, lo:hi] for v in band_v]), fill_B, valid_BN, lo)
+                if checkpointed:
+                    blocks.append(torch.utils.checkpoint.checkpoint(_offset_band_attention, *args, use_reentrant=False))
+                else:
+                    blocks.append(_offset_band_attention(*args))
+            h_BND = layer.finish(h_BND, torch.cat(blocks, dim=2))
         return h_BND
 
     def forward_dense(self, hidden: dict[int, torch.Tensor], fill_B: torch.Tensor,

@@ -144,3 +144,26 @@ def test_default_anchors_follow_the_spec():
 def test_bad_configs_are_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SpeculatorConfig(**{"hidden_size": D, "n_stages": 4, "target_num_layers": 8, **kwargs})
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_query_blocks_with_checkpointing_equal_one_block(n):
+    """Blocked (checkpointed) attention is the same computation: same outputs and gradients."""
+    head = _head(n, 2, memory_proj=True)
+    hidden, fill, valid = _inputs(2, 23, n)
+    for h in hidden.values():
+        h.requires_grad_(True)
+    grads = []
+    outs = []
+    for chunk in (512, 5):
+        out = head.forward_train(hidden, fill, valid, query_chunk=chunk)
+        out[valid].pow(2).sum().backward()
+        outs.append(out)
+        grads.append([t.grad.clone() for t in [*head.parameters(), *hidden.values()] if t.grad is not None])
+        head.zero_grad()
+        for h in hidden.values():
+            h.grad = None
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-12, rtol=0)
+    assert len(grads[0]) == len(grads[1]) > 10
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
