@@ -7,11 +7,10 @@ Training (train/distill.py) calls the same code with the same cache, so a prepar
 """
 
 import argparse
-import os
 import sys
-from pathlib import Path
 
 from spd.errors import SpdInputError
+from spd.paths import default_cache_dir
 
 
 def main(argv=None) -> int:
@@ -23,20 +22,13 @@ def main(argv=None) -> int:
     p.add_argument("--split", default="train")
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--overflow", default="auto", choices=("auto", "drop", "truncate", "split"))
-    p.add_argument("--cache-dir", default=os.environ.get("SPD_CACHE", str(Path.home() / ".cache" / "spd")))
+    p.add_argument("--cache-dir", default=default_cache_dir())
     args = p.parse_args(argv)
-    from transformers import AutoTokenizer
-
     from spd.data import DataConfig, prepare_dataset
-    from spd.paths import check_model_source
+    from spd.staging import load_tokenizer
 
     try:
-        check_model_source(args.target, "target")
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(args.target, revision=args.revision)
-        except (OSError, ValueError) as exc:
-            raise SpdInputError(f"could not load a tokenizer from '{args.target}' ({str(exc).splitlines()[0]})") \
-                from None
+        tokenizer = load_tokenizer(args.target, revision=args.revision)
         cfg = DataConfig(max_length=args.max_length, overflow=args.overflow, split=args.split,
                          revision=args.data_revision)
         ds = prepare_dataset(args.data, tokenizer, cfg, args.cache_dir)

@@ -106,14 +106,14 @@ def _check_numbers(args) -> None:
 
 
 def _load_tokenizer(source: str, revision: str | None):
-    from transformers import AutoTokenizer
+    from spd.staging import load_tokenizer
 
-    check_model_source(source, "tokenizer")
     try:
-        return AutoTokenizer.from_pretrained(source, revision=revision)
-    except (OSError, ValueError, KeyError) as exc:
-        raise SpdInputError(f"could not load a tokenizer from '{source}' ({str(exc).splitlines()[0]}); "
-                            "pass --tokenizer DIR_OR_ID") from None
+        return load_tokenizer(source, revision)
+    except SpdInputError as exc:
+        if "does not exist" in str(exc):
+            raise
+        raise SpdInputError(f"{exc}; pass --tokenizer DIR_OR_ID") from None
 
 
 class _TextStreamer:

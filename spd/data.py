@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .errors import SpdInputError
+from .errors import SpdInputError, first_line
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
@@ -134,7 +134,7 @@ def _load_raw(source: str, cfg: DataConfig):
         try:
             return datasets.load_dataset(source, split=cfg.split, revision=cfg.revision)
         except Exception as exc:  # the hub client raises many types; the user needs one line
-            raise SpdInputError(f"could not load the dataset '{source}' from the hub: {str(exc).splitlines()[0]}") \
+            raise SpdInputError(f"could not load the dataset '{source}' from the hub: {first_line(exc)}") \
                 from None
     kinds = {_FILE_FORMATS[p.suffix] for p in files}
     if len(kinds) > 1:
@@ -142,7 +142,7 @@ def _load_raw(source: str, cfg: DataConfig):
     try:
         return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in files], split="train")
     except Exception as exc:  # malformed files surface as several pyarrow/datasets error types
-        raise SpdInputError(f"could not read '{source}': {str(exc).splitlines()[0]}") from None
+        raise SpdInputError(f"could not read '{source}': {first_line(exc)}") from None
 
 
 def fingerprint(source: str, tokenizer, cfg: DataConfig) -> str:

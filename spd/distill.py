@@ -9,7 +9,6 @@ Shape suffixes: B batch, N positions, D hidden, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -18,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import SpdInputError
-from .paths import default_testbed_dir
+from .errors import SpdInputError, first_line
+from .paths import default_cache_dir, default_testbed_dir
 from .speculator import Speculator, SpeculatorConfig, default_anchors
 from .staging import StagedModel
 
@@ -54,7 +53,7 @@ class DistillConfig:
     eval_data: str | None = field(default_factory=lambda: _testbed("corpus", "validation.jsonl"))
     max_length: int = 2048  # tokens per training row
     overflow: str = "auto"  # drop | truncate | split | auto (drop chats, split text)
-    cache_dir: str = field(default_factory=lambda: os.environ.get("SPD_CACHE", str(Path.home() / ".cache" / "spd")))
+    cache_dir: str = field(default_factory=default_cache_dir)  # prepared datasets ($SPD_CACHE, ~/.cache/spd)
     # optimisation (paper: lr 1e-4, linear decay, 1 epoch)
     batch_size: int = 8  # rows per device per micro-batch
     grad_accum: int = 1
@@ -147,7 +146,7 @@ def load_config(path: str | None, overrides: list[str]) -> DistillConfig:
         try:
             loaded = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as exc:
-            raise SpdInputError(f"the config file '{path}' is not valid YAML ({str(exc).splitlines()[0]})") from None
+            raise SpdInputError(f"the config file '{path}' is not valid YAML ({first_line(exc)})") from None
         if not isinstance(loaded, dict):
             raise SpdInputError(f"the config file '{path}' must be a mapping of keys to values")
         unknown = sorted(set(loaded) - set(fields))
@@ -318,17 +317,17 @@ def save_head_atomic(head: Speculator, out_dir: str | Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint (``checkpoints/step-N`` with a ``trainer_state.json``), if any."""
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints (``checkpoints/step-N`` with a ``trainer_state.json``), oldest first."""
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
-        return None
-    done = [p for p in root.iterdir() if p.name.startswith("step-") and (p / "trainer_state.json").is_file()
-            and not p.name.endswith(".tmp")]
-    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+        return []
+    done = [p for p in root.iterdir() if p.name.startswith("step-") and not p.name.endswith(".tmp")
+            and (p / "trainer_state.json").is_file()]
+    return sorted(done, key=lambda p: int(p.name.split("-")[1]))
 
 
-def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint, if any."""
+    done = list_checkpoints(output_dir)
+    return done[-1] if done else None

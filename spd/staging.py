@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from .errors import SpdInputError
+from .errors import SpdInputError, first_line
 from .paths import check_model_source
 
 # Decoder-layer kinds the staging wrapper runs (attention with a KV cache). Hybrid models with
@@ -345,10 +344,17 @@ def load_causal_lm(name_or_path: str | os.PathLike, revision: str | None = None,
         model = AutoModelForCausalLM.from_pretrained(source, revision=revision, dtype=dtype,
                                                      attn_implementation="sdpa", **kwargs)
     except (OSError, ValueError, KeyError) as exc:
-        raise SpdInputError(f"could not load a causal LM from '{source}': {_first_line(exc)}") from exc
+        raise SpdInputError(f"could not load a causal LM from '{source}': {first_line(exc)}") from exc
     return model.to(device).eval()
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]
+def load_tokenizer(name_or_path: str | os.PathLike, revision: str | None = None):
+    """``AutoTokenizer.from_pretrained`` with a clear error for a wrong path, hub id or missing tokenizer."""
+    from transformers import AutoTokenizer
+
+    source = str(name_or_path)
+    check_model_source(source, "tokenizer")
+    try:
+        return AutoTokenizer.from_pretrained(source, revision=revision)
+    except (OSError, ValueError, KeyError) as exc:
+        raise SpdInputError(f"could not load a tokenizer from '{source}' ({first_line(exc)})") from None

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .paths import default_testbed_dir
+from .paths import default_testbed_dir, write_json_atomic
 
 # Directories under the standard library that are not part of its own source code.
 _EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
@@ -200,7 +200,7 @@ def train_tokenizer(corpus_dir: Path, out_dir: Path, vocab_size: int, model_max_
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     hf_tok.save_pretrained(tmp)
-    _write_json(tmp / "testbed_build.json", {"key": key})
+    write_json_atomic(tmp / "testbed_build.json", {"key": key})
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return hf_tok
@@ -349,12 +349,6 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def _save_model_dir(model, tokenizer, out_dir: Path, meta: dict) -> None:
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -363,7 +357,7 @@ def _save_model_dir(model, tokenizer, out_dir: Path, meta: dict) -> None:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    _write_json(tmp / "testbed_build.json", meta)
+    write_json_atomic(tmp / "testbed_build.json", meta)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
 
@@ -389,7 +383,7 @@ def build_testbed(out: str | os.PathLike | None = None, cfg: TestbedConfig | Non
     corpus_meta = _read_json(corpus_dir / "corpus.json")
     if not corpus_meta or corpus_meta.get("key") != corpus_key:
         corpus_meta = {"key": corpus_key, **build_corpus(corpus_dir, cfg)}
-        _write_json(corpus_dir / "corpus.json", corpus_meta)
+        write_json_atomic(corpus_dir / "corpus.json", corpus_meta)
         for stale in corpus_dir.glob("*.npy"):
             stale.unlink()
 
@@ -447,5 +441,5 @@ def build_testbed(out: str | os.PathLike | None = None, cfg: TestbedConfig | Non
         "torch": torch.__version__,
         "python": sys.version.split()[0],
     }
-    _write_json(out / "testbed.json", result)
+    write_json_atomic(out / "testbed.json", result)
     return result

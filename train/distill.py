@@ -51,14 +51,13 @@ def train(cfg, resume: bool) -> dict:
     from accelerate.utils import set_seed
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
-
     from spd.data import DataConfig, prepare_dataset
-    from spd.distill import (check_compatible, collate, distill_step, evaluate, latest_checkpoint, new_head,
-                             save_head_atomic, teacher_anchors, teacher_pass, write_json_atomic)
+    from spd.distill import (check_compatible, collate, distill_step, evaluate, latest_checkpoint, list_checkpoints,
+                             new_head, save_head_atomic, teacher_anchors, teacher_pass)
     from spd.kd import sample_fills
     from spd.speculator import Speculator
-    from spd.staging import StagedModel
+    from spd.paths import write_json_atomic
+    from spd.staging import StagedModel, load_tokenizer
 
     on_gpu = torch.cuda.is_available()
     mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if on_gpu else "no")
@@ -78,7 +77,7 @@ def train(cfg, resume: bool) -> dict:
                                          boundaries=cfg.boundaries, revision=cfg.target_revision,
                                          dtype=torch.bfloat16 if on_gpu else torch.float32, device=accelerator.device)
     staged.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.target, revision=cfg.target_revision)
+    tokenizer = load_tokenizer(cfg.target, revision=cfg.target_revision)
     if cfg.init_from:
         head = Speculator.from_pretrained(cfg.init_from, dtype=torch.float32).to(accelerator.device)
         check_compatible(head.config, staged)
@@ -141,9 +140,7 @@ def train(cfg, resume: bool) -> dict:
                               {"step": step, "batches_done": batches_done, "elapsed_s": elapsed_before + time.time() - t0})
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)  # a checkpoint exists only once it is complete
-            done = sorted((p for p in final.parent.iterdir() if p.name.startswith("step-") and not p.name.endswith(".tmp")),
-                          key=lambda p: int(p.name.split("-")[1]))
-            for old in done[: -cfg.keep_checkpoints]:
+            for old in list_checkpoints(out)[: -cfg.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
         accelerator.wait_for_everyone()
 
