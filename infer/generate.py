@@ -1,7 +1,11 @@
-"""spd-generate: generate text from a target model (and, in later modes, a speculator).
+"""spd-generate: generate text from a target model cut into pipeline stages, with or without a speculator.
 
     spd-generate --target testbed/target --prompt "def fibonacci(n):" --max-new-tokens 64
+    spd-generate --mode spd --speculator runs/testbed-n4/final --stages 4 --prompt "import os" --json
     spd-generate --target Qwen/Qwen3-8B --revision main --prompt-file p.txt --temperature 0.7 --json
+
+Modes: ``ar`` (autoregressive, every stage per token), ``pp`` (standard pipeline: one token in flight),
+``spd`` (speculative pipeline decoding with a trained head; ``--stages`` defaults to the head's n).
 
 Text streams to stdout and a one-line summary goes to stderr; ``--json`` prints one JSON object
 ``{"text", "token_ids", "stats"}`` instead. A wrong input prints one ``error:`` line and exits with 2.
@@ -18,7 +22,7 @@ from pathlib import Path
 from spd.errors import SpdInputError
 from spd.paths import check_model_source, default_testbed_dir
 
-MODES = ("ar",)
+MODES = ("ar", "pp", "spd")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of --target")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the target's)")
     p.add_argument("--mode", default="ar", help=f"decoding mode: one of {', '.join(MODES)} (default: ar)")
-    p.add_argument("--stages", type=_positive_int, default=1, help="pipeline stages the target is cut into")
+    p.add_argument("--stages", type=_positive_int, default=None,
+                   help="pipeline stages the target is cut into (default: the speculator's n, else 1)")
+    p.add_argument("--speculator", default=None, help="speculation head for --mode spd: a directory or hub id")
+    p.add_argument("--speculator-revision", default=None, help="hub revision of --speculator")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file whose contents are the prompt")
@@ -103,6 +110,10 @@ def _check_numbers(args) -> None:
         raise SpdInputError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.mode not in MODES:
         raise SpdInputError(f"unknown --mode '{args.mode}'; expected one of: {', '.join(MODES)}")
+    if args.mode == "spd" and args.speculator is None:
+        raise SpdInputError("--mode spd needs --speculator DIR_OR_ID (a head trained by train/distill.py)")
+    if args.mode != "spd" and args.speculator is not None:
+        raise SpdInputError(f"--speculator is only used by --mode spd, but --mode is '{args.mode}'")
 
 
 def _load_tokenizer(source: str, revision: str | None):
@@ -143,10 +154,12 @@ def run(args) -> int:
     _check_numbers(args)
     prompt = _read_prompt(args)
     check_model_source(args.target, "target")
+    if args.speculator is not None:
+        check_model_source(args.speculator, "speculator")
     import torch
 
-    from spd.generation import generate_ar
-    from spd.sampling import SamplingParams
+    from spd.engine import PipelineEngine
+    from spd.speculator import load_speculator
     from spd.staging import StagedModel
 
     _quiet_libraries()
@@ -160,19 +173,30 @@ def run(args) -> int:
         prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         prompt_ids = tokenizer(prompt)["input_ids"]
-    staged = StagedModel.from_pretrained(args.target, n_stages=args.stages, revision=args.revision,
-                                         dtype=getattr(torch, args.dtype), device=args.device)
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    dtype = getattr(torch, args.dtype)
+    head = None
+    if args.speculator is not None:
+        head = load_speculator(args.speculator, args.speculator_revision, dtype, args.device)
+    stages = args.stages or (head.config.n_stages if head is not None else 1)
+    staged = StagedModel.from_pretrained(args.target, n_stages=stages, revision=args.revision, dtype=dtype,
+                                         device=args.device)
+    engine = PipelineEngine(staged, head, tokenizer)
     streamer = None if args.json else _TextStreamer(tokenizer, sys.stdout)
-    out = generate_ar(staged, prompt_ids, args.max_new_tokens, sampling, tokenizer.eos_token_id, on_token=streamer)
+    out = engine.generate(prompt_ids, args.max_new_tokens, mode=args.mode, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, streamer=streamer)
     stats = out.stats.as_dict()
     if args.json:
         text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
         print(json.dumps({"text": text, "token_ids": out.token_ids, "stats": stats}))
     else:
         streamer.close()
-        print(f"[{stats['mode']}] {stats['new_tokens']} tokens in {stats['wall_time_s']:.2f} s "
-              f"({stats['tokens_per_s']:.1f} tokens/s), stop: {stats['stop_reason']}", file=sys.stderr)
+        line = (f"[{stats['mode']}] {stats['new_tokens']} tokens in {stats['wall_time_s']:.2f} s "
+                f"({stats['tokens_per_s']:.1f} tokens/s), stop: {stats['stop_reason']}")
+        if "steps" in stats:
+            line += (f"; {stats['stages']} stages, {stats['steps']} steps, {stats['flushes']} flushes, "
+                     f"L'_acc {stats['equivalent_accept_length']:.2f}, "
+                     f"theoretical speedup {stats['theoretical_speedup']:.2f}")
+        print(line, file=sys.stderr)
     return 0
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -36,8 +37,11 @@ class DataConfig:
     revision: str | None = None  # hub revision
 
 
-def normalize_messages(row: dict) -> list[dict] | None:
-    """A row's conversation as ``[{"role", "content"}]`` (None when the row has none)."""
+def normalize_messages(row: dict, require_assistant: bool = True) -> list[dict] | None:
+    """A row's conversation as ``[{"role", "content"}]`` (None when the row has none).
+
+    Training rows need an assistant turn (the loss is on it); prompts for generation do not.
+    """
     turns = row.get("messages")
     if turns is None:
         turns = row.get("conversations")
@@ -58,7 +62,7 @@ def normalize_messages(row: dict) -> list[dict] | None:
         if role not in ("system", "user", "assistant") or not isinstance(content, str):
             raise ValueError(f"unsupported turn (role {role!r})")
         out.append({"role": role, "content": content})
-    if not any(t["role"] == "assistant" for t in out):
+    if require_assistant and not any(t["role"] == "assistant" for t in out):
         raise ValueError("the conversation has no assistant turn")
     return out
 
@@ -202,9 +206,16 @@ def prepare_dataset(source: str, tokenizer, cfg: DataConfig | None = None, cache
     report(f"[data] {source}: {len(ds)} rows, {sum(map(len, ids_rows))} tokens, "
            f"{sum(map(sum, mask_rows))} supervised")
     if cached is not None:
-        tmp = cached.with_name(cached.name + ".tmp")
+        # A private temporary directory per process: two runs preparing the same data at once (e.g. the
+        # SPD and PPSD presets side by side) must not write into one directory; the first rename wins.
+        tmp = cached.with_name(f"{cached.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         ds.save_to_disk(str(tmp))
-        tmp.rename(cached)
+        try:
+            tmp.rename(cached)
+        except OSError:
+            if not (cached / "dataset_info.json").exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process finished first: use its copy
         ds = datasets.load_from_disk(str(cached))
     return ds

@@ -19,7 +19,7 @@ import torch
 
 from .errors import SpdInputError, first_line
 from .paths import default_cache_dir, default_testbed_dir
-from .speculator import Speculator, SpeculatorConfig, default_anchors
+from .speculator import Speculator, SpeculatorConfig, check_compatible, default_anchors
 from .staging import StagedModel
 
 VARIANTS = {  # variant -> (schedule, max_depth or None for n); SPEC section 3
@@ -194,21 +194,6 @@ def new_head(staged: StagedModel, cfg: DistillConfig) -> Speculator:
         head.lm_head.weight.copy_(staged.lm_head.weight)
         head.norm.weight.copy_(staged.norm.weight)
     return head
-
-
-def check_compatible(head_config: SpeculatorConfig, staged: StagedModel) -> None:
-    """Refuse a head trained for another target shape or another pipeline (one clear sentence)."""
-    problems = []
-    if head_config.hidden_size != staged.config.hidden_size:
-        problems.append(f"hidden size {head_config.hidden_size} vs the target's {staged.config.hidden_size}")
-    if head_config.vocab_size != staged.vocab_size:
-        problems.append(f"vocabulary {head_config.vocab_size} vs the target's {staged.vocab_size}")
-    if head_config.target_num_layers != staged.num_layers:
-        problems.append(f"{head_config.target_num_layers} target layers vs the target's {staged.num_layers}")
-    elif head_config.boundaries != staged.boundaries:
-        problems.append(f"stage boundaries {head_config.boundaries} vs the pipeline's {staged.boundaries}")
-    if problems:
-        raise SpdInputError("the speculator does not fit this target: " + "; ".join(problems))
 
 
 # --------------------------------------------------------------------------------------------- batches

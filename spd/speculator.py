@@ -33,7 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from .errors import SpdInputError, first_line
 from .kd import KDResult, kd_loss
+from .paths import check_model_source
 
 SCHEDULES = {"input": 0, "output": 1}  # schedule -> depth offset of the newest position
 
@@ -124,6 +126,28 @@ class SpeculatorConfig(PretrainedConfig):
     def depth(self, distance: int, fill: int) -> int:
         """Depth of a position ``distance = t - i`` back from the query when ``fill`` tokens are in flight."""
         return min(self.max_depth, distance + self.offset) if distance < fill else self.max_depth
+
+
+def check_compatible(head_config: SpeculatorConfig, staged) -> None:
+    """Refuse a head trained for another target shape or another pipeline (one clear sentence).
+
+    ``staged`` is a :class:`spd.staging.StagedModel` (not imported here: the head does not need the target).
+    """
+    problems = []
+    if head_config.hidden_size != staged.config.hidden_size:
+        problems.append(f"hidden size {head_config.hidden_size} vs the target's {staged.config.hidden_size}")
+    if head_config.vocab_size != staged.vocab_size:
+        problems.append(f"vocabulary {head_config.vocab_size} vs the target's {staged.vocab_size}")
+    if head_config.target_num_layers != staged.num_layers:
+        problems.append(f"{head_config.target_num_layers} target layers vs the target's {staged.num_layers}")
+    elif head_config.n_stages != staged.n_stages:
+        problems.append(f"it was trained for n = {head_config.n_stages} stages but the pipeline has "
+                        f"{staged.n_stages}; pass --stages {head_config.n_stages} or use a head trained for "
+                        f"{staged.n_stages} stages")
+    elif head_config.boundaries != staged.boundaries:
+        problems.append(f"stage boundaries {head_config.boundaries} vs the pipeline's {staged.boundaries}")
+    if problems:
+        raise SpdInputError("the speculator does not fit this target: " + "; ".join(problems))
 
 
 def _equal_split(num_layers: int, n: int) -> list[int]:
@@ -433,8 +457,9 @@ class Speculator(PreTrainedModel):
               query_BD: torch.Tensor) -> torch.Tensor:
         """Query-stream output (B, D) for the newest position, attending cached rows plus trailing rows.
 
-        ``trailing`` lists the rows after the cached ones, oldest first, as ``(depth, g (B, D))``; the last
-        of them is the newest position itself (the query's own memory row).
+        ``trailing`` lists the rows after the cached ones, oldest first, as ``(depth, g (B, D))``; the newest
+        position (the query's own memory row) is the last of them, or the last cached row when every row
+        is already at max depth (PPSD: the newest token has completed stage 1).
         """
         b = query_BD.shape[0]
         c = cache.length
@@ -442,7 +467,7 @@ class Speculator(PreTrainedModel):
         dev, dtype = query_BD.device, query_BD.dtype
         pos_BR = torch.arange(c, c + r, device=dev).expand(b, r)
         cos_r, sin_r = self.rope(pos_BR, dtype)
-        cos_q, sin_q = cos_r[:, -1:], sin_r[:, -1:]
+        cos_q, sin_q = self.rope(torch.full((b, 1), c + r - 1, device=dev), dtype)
         scale = self.config.head_dim ** -0.5
         h_B1D = query_BD[:, None]
         for i, layer in enumerate(self.layers):
@@ -482,3 +507,28 @@ class SpeculatorCache:
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
+
+
+def load_speculator(name_or_path: str, revision: str | None = None, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> Speculator:
+    """``Speculator.from_pretrained`` with one clear sentence for a wrong path, hub id or non-head directory."""
+    import json
+    from pathlib import Path
+
+    source = str(name_or_path)
+    check_model_source(source, "speculator")
+    config_file = Path(source).expanduser() / "config.json"
+    if config_file.is_file():
+        try:
+            model_type = json.loads(config_file.read_text()).get("model_type")
+        except (OSError, ValueError) as exc:
+            raise SpdInputError(f"the speculator config '{config_file}' is not valid JSON ({first_line(exc)})") from None
+        if model_type != SpeculatorConfig.model_type:
+            raise SpdInputError(f"'{source}' holds a '{model_type}' model, not an SPD speculation head "
+                                f"(model_type '{SpeculatorConfig.model_type}'); expected a directory written by "
+                                "train/distill.py (e.g. <output_dir>/final)")
+    try:
+        head = Speculator.from_pretrained(source, revision=revision, dtype=dtype)
+    except (OSError, ValueError, KeyError) as exc:
+        raise SpdInputError(f"could not load a speculation head from '{source}': {first_line(exc)}") from None
+    return head.to(device).eval()

@@ -8,8 +8,13 @@ positions and RoPE, so one stage can run on tokens independently of the others, 
 Hidden-state convention (SPEC section 1): ``H^0`` is the token embedding and ``H^l`` is the output of
 decoder layer ``l-1``, *before* the final norm. Anchors are requested by these indices ``l``.
 
+Token trees (SPEC section 6): a stage's cache holds the committed tokens followed by the tree nodes it has
+run, in BFS order. ``run_stage(..., tree_mask_TN=...)`` runs tree nodes at explicit positions (committed
+length + depth) under committed-causal + ancestor-mask attention, and :meth:`StagedModel.prune_tree` /
+:meth:`StageKVCache.keep` compact the caches after the tree is pruned (see :mod:`spd.tree`).
+
 Shapes are named with suffixes: B batch, T new tokens, P cached tokens (past), K = P + T keys,
-D hidden size, V vocabulary, Hk key/value heads, Dh head dim.
+D hidden size, V vocabulary, Hk key/value heads, Dh head dim, C cache capacity, N tree nodes in the cache.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ class StageKVCache:
         self._dtype, self._device = dtype, torch.device(device)
         self.keys_LBHkCDh = self._alloc(capacity)
         self.values_LBHkCDh = self._alloc(capacity)
+        # Position id of each cached row; tree nodes sit at committed length + depth, not at their row.
+        self.positions_C = torch.zeros(capacity, dtype=torch.long, device=self._device)
 
     def _alloc(self, capacity: int) -> torch.Tensor:
         b, h, d = self._shape
@@ -65,6 +72,9 @@ class StageKVCache:
             new = self._alloc(new_capacity)
             new[:, :, :, : self.length] = old[:, :, :, : self.length]
             setattr(self, name, new)
+        positions_C = torch.zeros(new_capacity, dtype=torch.long, device=self._device)
+        positions_C[: self.length] = self.positions_C[: self.length]
+        self.positions_C = positions_C
 
     def update(self, key_BHkTDh: torch.Tensor, value_BHkTDh: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store the new keys/values of ``layer_idx`` after the committed ones; return all of them."""
@@ -82,6 +92,27 @@ class StageKVCache:
         if length < 0:
             raise ValueError(f"cannot truncate a KV cache to a negative length ({length})")
         self.length = min(self.length, length)
+
+    def keep(self, start: int, indices: torch.Tensor | list[int]) -> None:
+        """Keep rows ``start + indices`` (in that order) at rows ``start, start+1, ...``; drop the other rows >= start.
+
+        This compacts a pruned tree's KV right after the committed rows ``[0, start)``; ``indices`` are
+        offsets from ``start`` (tree indices when ``start`` is the root's row).
+        """
+        indices = torch.as_tensor(indices, dtype=torch.long).flatten()
+        held = self.length - start
+        if not 0 <= start <= self.length:
+            raise ValueError(f"keep: start {start} is outside the cache's {self.length} rows")
+        if indices.numel() and not (0 <= int(indices.min()) and int(indices.max()) < held):
+            raise ValueError(f"keep: indices must lie in [0, {held}) (the rows after start {start}), "
+                             f"got {indices.tolist()}")
+        end = start + indices.numel()
+        rows = (start + indices).to(self._device)
+        # Advanced indexing copies the selected rows first, so an in-place compaction is safe.
+        self.keys_LBHkCDh[:, :, :, start:end] = self.keys_LBHkCDh[:, :, :, rows]
+        self.values_LBHkCDh[:, :, :, start:end] = self.values_LBHkCDh[:, :, :, rows]
+        self.positions_C[start:end] = self.positions_C[rows]
+        self.length = end
 
 
 @dataclass
@@ -151,6 +182,26 @@ def attention_mask(q_pos_T: torch.Tensor, kv_len: int, window: int | None, impl:
     allowed_TK = k_pos_K[None, :] <= q_pos_T[:, None]
     if window is not None:
         allowed_TK &= q_pos_T[:, None] - k_pos_K[None, :] < window
+    if impl == "sdpa":
+        return allowed_TK[None, None]
+    zero = torch.zeros((), dtype=dtype, device=q_pos_T.device)
+    return torch.where(allowed_TK, zero, torch.finfo(dtype).min)[None, None]
+
+
+def tree_attention_mask(q_pos_T: torch.Tensor, key_pos_K: torch.Tensor, tree_mask_TN: torch.Tensor,
+                        window: int | None, impl: str, dtype: torch.dtype) -> torch.Tensor:
+    """The (1, 1, T, K) mask of T tree nodes: the first K - N keys (committed) visible, the last N by ``tree_mask_TN``.
+
+    ``key_pos_K`` are the keys' position ids (tree nodes sit at committed length + depth), used for
+    sliding windows: along a root-to-node path positions are consecutive, so the window by position is
+    the one a plain forward of ``committed + path`` would apply.
+    """
+    t, n = tree_mask_TN.shape
+    k = key_pos_K.shape[0]
+    committed_TP = torch.ones(t, k - n, dtype=torch.bool, device=tree_mask_TN.device)
+    allowed_TK = torch.cat([committed_TP, tree_mask_TN], dim=1)
+    if window is not None:
+        allowed_TK &= q_pos_T[:, None] - key_pos_K[None, :] < window
     if impl == "sdpa":
         return allowed_TK[None, None]
     zero = torch.zeros((), dtype=dtype, device=q_pos_T.device)
@@ -240,6 +291,24 @@ class StagedModel(nn.Module):
         for cache in caches:
             cache.truncate(length)
 
+    @staticmethod
+    def prune_tree(caches: list[StageKVCache], committed: int, kept: torch.Tensor) -> int:
+        """After the tree's root is verified, commit it and keep the subtree ``kept`` in every stage's cache.
+
+        The root's row ``committed`` stays where it is (it becomes the last committed token) and the
+        kept nodes (old tree indices from :meth:`spd.tree.TokenTree.prune_to_child`) move right after
+        it, in order; each stage keeps those it has already run (a BFS prefix of the tree). Returns the
+        new committed length, the new root's row. On a miss, ``truncate(caches, committed + 1)`` instead.
+        """
+        kept = torch.as_tensor(kept, dtype=torch.long)
+        for cache in caches:
+            held = cache.length - committed  # tree nodes this stage has run, root included
+            if held < 1:
+                raise ValueError(f"prune_tree: a stage holds {cache.length} rows, so it has not run the root at "
+                                 f"row {committed}")
+            cache.keep(committed + 1, kept[kept < held] - 1)
+        return committed + 1
+
     # ------------------------------------------------------------------------------------- compute
     def embed(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
         """H^0: the token embeddings."""
@@ -251,11 +320,16 @@ class StagedModel(nn.Module):
 
     def run_stage(self, stage: int, hidden_BTD: torch.Tensor, cache: StageKVCache,
                   position_ids_BT: torch.Tensor | None = None, anchors: tuple[int, ...] | list[int] = (),
-                  position_embeddings=None) -> StageOutput:
+                  position_embeddings=None, tree_mask_TN: torch.Tensor | None = None) -> StageOutput:
         """Run one stage on ``T`` new tokens appended to its cache; positions default to cache.length + i.
 
         Explicit ``position_ids_BT`` get an explicit causal mask by absolute position (key j is visible
-        to a query at position p iff j <= p), which is what pipelined and tree decoding need.
+        to a query at position p iff j <= p), which is what pipelined decoding needs.
+
+        Tree nodes: ``tree_mask_TN`` (bool) is the mask over the last N keys after appending (the tree
+        nodes in the cache, these T last), i.e. rows ``[N-T, N)`` and columns ``[0, N)`` of the tree's
+        ancestor mask; the keys before them are committed and all visible. ``position_ids_BT`` are then
+        required (committed length + depth).
 
         ``anchors`` are hidden-state indices ``l`` in ``[b[s], b[s+1]]`` to return (``H^{b[s]}`` is the
         stage's input).
@@ -263,6 +337,9 @@ class StagedModel(nn.Module):
         first, last = self.boundaries[stage], self.boundaries[stage + 1]
         t = hidden_BTD.shape[1]
         contiguous = position_ids_BT is None
+        if tree_mask_TN is not None:
+            self._check_tree_mask(tree_mask_TN, t, cache.length + t, contiguous)
+            tree_mask_TN = tree_mask_TN.to(hidden_BTD.device)
         if contiguous:
             position_ids_BT = torch.arange(cache.length, cache.length + t, device=hidden_BTD.device)[None]
         if position_embeddings is None:
@@ -270,13 +347,17 @@ class StagedModel(nn.Module):
         cache.reserve(cache.length + t)
         q_pos_T = position_ids_BT[0]
         kv_len = cache.length + t
+        cache.positions_C[cache.length:kv_len] = q_pos_T
         masks: dict[int | None, torch.Tensor | None] = {}
         out = StageOutput(hidden_BTD)
         if first in anchors:
             out.anchors[first] = hidden_BTD
         for layer in range(first, last):
             window = self.windows[layer]
-            if window not in masks:
+            if window not in masks and tree_mask_TN is not None:
+                masks[window] = tree_attention_mask(q_pos_T, cache.positions_C[:kv_len], tree_mask_TN, window,
+                                                    self.attn_impl, hidden_BTD.dtype)
+            elif window not in masks:
                 masks[window] = attention_mask(q_pos_T, kv_len, window, self.attn_impl, hidden_BTD.dtype,
                                                contiguous)
             hidden_BTD = self.layers[layer](
@@ -288,6 +369,17 @@ class StagedModel(nn.Module):
         cache.advance(t)
         out.hidden_BTD = hidden_BTD
         return out
+
+    @staticmethod
+    def _check_tree_mask(tree_mask_TN: torch.Tensor, t: int, kv_len: int, contiguous: bool) -> None:
+        if contiguous:
+            raise SpdInputError("run_stage: a tree mask needs explicit position_ids_BT (committed length + depth)")
+        if tree_mask_TN.dtype != torch.bool or tree_mask_TN.dim() != 2:
+            raise SpdInputError(f"run_stage: tree_mask_TN must be a 2-D bool tensor, got {tree_mask_TN.dtype} "
+                                f"of shape {tuple(tree_mask_TN.shape)}")
+        if tree_mask_TN.shape[0] != t or not t <= tree_mask_TN.shape[1] <= kv_len:
+            raise SpdInputError(f"run_stage: tree_mask_TN must have shape (T, N) with T = {t} new nodes and "
+                                f"{t} <= N <= {kv_len} (the keys after appending), got {tuple(tree_mask_TN.shape)}")
 
     def forward_stages(self, input_ids_BT: torch.Tensor, caches: list[StageKVCache],
                        anchors: tuple[int, ...] | list[int] = ()) -> StageOutput:

@@ -12,7 +12,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# At most 2 intra-op threads (the CI machine has 2 cores); OMP_NUM_THREADS=1 wins when the machine is shared,
+# because spinning OpenMP threads on a busy core make every small op orders of magnitude slower.
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or min(2, os.cpu_count() or 1)))
 
 
 def tiny_config(family: str, layers: int = 8, vocab: int = 128, **overrides):

@@ -136,3 +136,97 @@ def test_hub_id_with_revision_resolves_through_the_hub_cache(tiny_testbed, tmp_p
                              capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
     assert missing.returncode == 2 and missing.stderr.startswith("error:")
     assert len(missing.stderr.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------------- spd and pp modes
+
+
+@pytest.fixture(scope="module")
+def tiny_heads(tiny_testbed, tmp_path_factory) -> dict[int, Path]:
+    """Untrained heads for the miniature testbed at n = 2 and 4, saved as from_pretrained directories."""
+    import torch
+
+    from spd.distill import DistillConfig, new_head
+    from spd.staging import StagedModel
+
+    root = tmp_path_factory.mktemp("heads")
+    heads = {}
+    for n in (2, 4):
+        staged = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=n)
+        torch.manual_seed(n)
+        new_head(staged, DistillConfig(n_stages=n, target=str(tiny_testbed / "target"))).save_pretrained(root / f"n{n}")
+        heads[n] = root / f"n{n}"
+    return heads
+
+
+def test_spd_mode_is_lossless_and_reports_pipeline_stats(tiny_testbed, tiny_heads):
+    common = ["--target", str(tiny_testbed / "target"), "--prompt", "def main(argv):\n", "--max-new-tokens", "24",
+              "--json"]
+    ar = json.loads(spd_generate(*common).stdout)
+    proc = spd_generate(*common, "--mode", "spd", "--speculator", str(tiny_heads[4]))  # --stages from the head
+    assert proc.returncode == 0, proc.stderr
+    spd = json.loads(proc.stdout)
+    assert spd["token_ids"] == ar["token_ids"] and spd["text"] == ar["text"]
+    stats = spd["stats"]
+    assert stats["mode"] == "spd" and stats["stages"] == 4
+    for key in ("steps", "accepted", "flushes", "acceptance_rate", "equivalent_accept_length", "theoretical_speedup"):
+        assert key in stats
+    assert stats["equivalent_accept_length"] == pytest.approx(
+        4 * (stats["new_tokens"] - 1) / stats["steps"], abs=1e-3)
+    pp = json.loads(spd_generate(*common, "--mode", "pp", "--stages", "4").stdout)
+    assert pp["token_ids"] == ar["token_ids"]
+    assert pp["stats"]["steps"] == 4 * (pp["stats"]["new_tokens"] - 1)
+
+
+def test_spd_mode_streams_text(tiny_testbed, tiny_heads):
+    proc = spd_generate("--target", str(tiny_testbed / "target"), "--mode", "spd", "--speculator",
+                        str(tiny_heads[2]), "--prompt", "import os\n", "--max-new-tokens", "10")
+    assert proc.returncode == 0, proc.stderr
+    assert "L'_acc" in proc.stderr and "2 stages" in proc.stderr
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--mode", "spd"], "--mode spd needs --speculator"),
+    (["--mode", "spd", "--speculator", "/no/such/head"], "speculator directory '/no/such/head' does not exist"),
+    (["--mode", "spd", "--speculator", "HEAD4", "--stages", "2"], "trained for n = 4 stages but the pipeline has 2"),
+    (["--mode", "spd", "--speculator", "TARGET"], "not an SPD speculation head"),
+    (["--mode", "pp", "--speculator", "HEAD4"], "only used by --mode spd"),
+])
+def test_bad_speculator_input_is_one_clear_line_and_exit_2(tiny_testbed, tiny_heads, args, expected):
+    subs = {"HEAD4": str(tiny_heads[4]), "TARGET": str(tiny_testbed / "target")}
+    args = [subs.get(a, a) for a in args]
+    proc = spd_generate("--target", str(tiny_testbed / "target"), "--prompt", "x", *args)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and expected in lines[0], proc.stderr
+
+
+def test_head_for_another_target_is_refused(tiny_testbed, tiny_heads, tmp_path):
+    """A head trained for a different target (the testbed's draft model: other hidden size and depth)."""
+    proc = spd_generate("--target", str(tiny_testbed / "draft"), "--tokenizer", str(tiny_testbed / "tokenizer"),
+                        "--mode", "spd", "--speculator", str(tiny_heads[2]), "--prompt", "x")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: the speculator does not fit this target"), proc.stderr
+
+
+def test_bench_runs_modes_and_heads(tiny_testbed, tiny_heads, tmp_path):
+    from conftest import run_script
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "import os\n"}) + "\n"
+                       + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    proc = run_script("infer/bench.py", "--target", str(tiny_testbed / "target"), "--prompts", str(prompts),
+                      "--run", "pp:2", "--run", f"h2=spd:{tiny_heads[2]}", "--run", f"spd:{tiny_heads[4]}",
+                      "--temperatures", "0", "1", "--max-new-tokens", "12", "--out", str(out), "--plot", str(png))
+    assert "| 0 | h2 | spd-input | 2 |" in proc.stdout
+    report = json.loads(out.read_text())
+    greedy = report["results"]["T=0"]
+    assert set(greedy) == {"pp n=2", "h2", str(tiny_heads[4]), "ar"}  # ar added as the lossless reference
+    for name in ("pp n=2", "h2", str(tiny_heads[4])):
+        assert greedy[name]["summary"]["identical_to_ar"] == 2
+    assert greedy["pp n=2"]["summary"]["L_acc"] == 1.0
+    assert len(greedy["h2"]["per_prompt"]) == 2 and "T=1" in report["results"]
+    assert png.stat().st_size > 10_000
+    bad = run_script("infer/bench.py", "--run", "spd", "--prompts", str(prompts), check=False)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --run 'spd' is not a run")

@@ -98,3 +98,21 @@ def test_prepare_script(tiny_testbed, tmp_path):
     bad = run_script("data/prepare.py", "--target", str(tiny_testbed / "target"), "--data", str(tmp_path / "none.jsonl"),
                      check=False)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error:") and "does not exist" in bad.stderr
+
+
+def test_concurrent_preparation_of_one_cache_entry(tmp_path, tiny_testbed):
+    """Two processes preparing the same data at once (two presets launched side by side) both succeed."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from transformers import AutoTokenizer; from spd.data import DataConfig, prepare_dataset;"
+            "tok = AutoTokenizer.from_pretrained(sys.argv[1]);"
+            "ds = prepare_dataset(sys.argv[2], tok, DataConfig(max_length=64), sys.argv[3], report=lambda m: None);"
+            "print(len(ds))")
+    args = [str(tiny_testbed / "target"), str(tiny_testbed / "corpus" / "train.jsonl"), str(tmp_path / "cache")]
+    procs = [subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-500:] for o in outs]
+    assert outs[0][0] == outs[1][0] and int(outs[0][0]) > 0
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [next((tmp_path / "cache").glob("prepared-*")).name]

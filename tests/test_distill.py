@@ -128,8 +128,10 @@ def test_head_must_fit_the_target():
         check_compatible(head.config, StagedModel(tiny_model("llama", hidden_size=32), 4))
     with pytest.raises(SpdInputError, match="vocabulary"):
         check_compatible(head.config, StagedModel(tiny_model("llama", vocab=100), 4))
-    with pytest.raises(SpdInputError, match="stage boundaries"):
+    with pytest.raises(SpdInputError, match="trained for n = 4 stages"):
         check_compatible(head.config, StagedModel(tiny_model("llama"), 2))
+    with pytest.raises(SpdInputError, match="stage boundaries"):
+        check_compatible(head.config, StagedModel(tiny_model("llama"), boundaries=[0, 1, 2, 3, 8]))
     with pytest.raises(SpdInputError, match="target layers"):
         check_compatible(head.config, StagedModel(tiny_model("llama", layers=4), 4))
 

@@ -1,0 +1,296 @@
+"""Benchmark decoding modes and heads on a prompt set: L'_acc, acceptance by pipeline position, speedups.
+
+    python infer/bench.py --run ar --run pp:4 --run spd:runs/testbed-n4/final --run spd:runs/testbed-n8/final \
+        --temperatures 0 1 --num-prompts 50 --out bench.json --plot bench.png
+
+A run is ``ar``, ``pp:N`` (standard pipeline with N stages) or ``spd:HEAD`` (a trained head; the pipeline
+has the head's n stages and the head's variant: SPD, output-state or PPSD), optionally named
+``NAME=SPEC``. Prompts are jsonl rows with ``"prompt"`` (raw text) or ``"messages"``/``"conversations"``
+(rendered with the tokenizer's chat template, a trailing assistant turn dropped). Every run sees every
+prompt at every temperature, in interleaved order. At T=0 each run's tokens are compared with ``ar``'s
+(the lossless check). Sampling uses ``--seed`` + the prompt index, so runs are reproducible.
+
+The table gives per run and temperature: ``L'_acc = n * N / K`` over all prompts (and the mean of
+per-prompt values), the theoretical speedup of the variant (paper section 4.2), the proposal acceptance
+by position in the pipeline (k = 1: the first proposal after a (re)seed, ..., k = n: the full pipeline;
+for an input-state head k is the fill a of SPEC section 3), flushes,
+greedy identity with ``ar`` and single-process tokens/s (informational: a single process runs the
+stages one after another, so its wall clock shows no pipeline speedup). JSON has every per-prompt number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from spd.errors import SpdInputError
+from spd.paths import default_testbed_dir
+
+
+@dataclass
+class RunSpec:
+    name: str
+    mode: str  # ar / pp / spd
+    stages: int = 1
+    head: str | None = None
+
+
+def parse_run(text: str) -> RunSpec:
+    """``ar`` | ``pp:N`` | ``spd:HEAD``, optionally prefixed by ``NAME=``."""
+    name, _, spec = text.rpartition("=") if "=" in text else ("", "", text)
+    mode, _, arg = spec.partition(":")
+    if mode == "ar" and not arg:
+        return RunSpec(name or "ar", "ar")
+    if mode == "pp" and arg.isdigit() and int(arg) >= 1:
+        return RunSpec(name or f"pp n={arg}", "pp", int(arg))
+    if mode == "spd" and arg:
+        return RunSpec(name or arg, "spd", 0, arg)
+    raise SpdInputError(f"--run '{text}' is not a run; expected ar, pp:N or spd:HEAD_DIR (optionally NAME=...)")
+
+
+def parse_args(argv=None):
+    tb = default_testbed_dir()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=str(tb / "target"), help="target model directory or hub id")
+    p.add_argument("--tokenizer", default=None, help="tokenizer (default: the target's)")
+    p.add_argument("--prompts", default=str(tb / "prompts.jsonl"), help="jsonl of prompts")
+    p.add_argument("--num-prompts", type=int, default=50)
+    p.add_argument("--run", action="append", default=[], help="ar | pp:N | spd:HEAD (repeatable)")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0])
+    p.add_argument("--top-k", type=int, default=50, help="top-k when sampling (the paper's T=1 setting: 50)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--out", default="bench.json", help="where the JSON results go")
+    p.add_argument("--plot", default=None, help="PNG: acceptance by pipeline position and L'_acc vs n")
+    return p.parse_args(argv)
+
+
+def load_prompts(path: str, tokenizer, limit: int) -> list[list[int]]:
+    """Token ids of the first ``limit`` prompts of a jsonl file (raw text or conversations)."""
+    from spd.data import normalize_messages
+
+    file = Path(path)
+    if not file.is_file():
+        raise SpdInputError(f"the prompts file '{path}' does not exist (build the testbed first: "
+                            "python data/build_testbed.py)")
+    prompts = []
+    for number, line in enumerate(file.open(encoding="utf-8"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise SpdInputError(f"line {number} of '{path}' is not JSON") from None
+        if isinstance(row.get("prompt"), str):
+            prompts.append(tokenizer(row["prompt"])["input_ids"])
+        else:
+            try:
+                messages = normalize_messages(row, require_assistant=False)
+            except ValueError as exc:
+                raise SpdInputError(f"line {number} of '{path}': {exc}") from None
+            if messages is None:
+                raise SpdInputError(f"line {number} of '{path}' has neither \"prompt\" nor \"messages\"")
+            if messages[-1]["role"] == "assistant":
+                messages = messages[:-1]
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if len(prompts) == limit:
+            break
+    if not prompts:
+        raise SpdInputError(f"the prompts file '{path}' has no prompts")
+    return prompts
+
+
+def summarize(records: list[dict], stages: int) -> dict:
+    """Aggregate per-prompt statistics of one run at one temperature."""
+    steps = sum(r["steps"] for r in records)
+    decode = sum(r["decode_tokens"] for r in records)
+    verified = [sum(r["verified_by_position"][i] for r in records) for i in range(stages)]
+    accepted = [sum(r["accepted_by_position"][i] for r in records) for i in range(stages)]
+    wall = sum(r["wall_time_s"] for r in records)
+    out = {
+        "prompts": len(records),
+        "new_tokens": sum(r["new_tokens"] for r in records),
+        "decode_tokens": decode,
+        "steps": steps,
+        "L_acc": stages * decode / steps if steps else None,
+        "L_acc_mean_per_prompt": statistics.fmean(r["equivalent_accept_length"] for r in records if r["steps"])
+        if any(r["steps"] for r in records) else None,
+        "flushes": sum(r["flushes"] for r in records),
+        "acceptance_by_position": [a / v if v else None for a, v in zip(accepted, verified)],
+        "verified_by_position": verified,
+        "tokens_per_s": sum(r["new_tokens"] for r in records) / wall if wall else None,
+    }
+    if steps and records[0].get("schedule") is not None:
+        # Theoretical speedup over all prompts, with the variant's step cost (PipelineStats).
+        ratio = statistics.fmean(r["theoretical_speedup"] / r["equivalent_accept_length"]
+                                 for r in records if r["equivalent_accept_length"])
+        out["theoretical_speedup"] = out["L_acc"] * ratio
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        runs = [parse_run(r) for r in (args.run or ["ar", "pp:4"])]
+        return _bench(args, runs)
+    except SpdInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _bench(args, runs: list[RunSpec]) -> int:
+    import torch
+    import transformers
+
+    from spd.engine import PipelineEngine
+    from spd.speculator import load_speculator
+    from spd.staging import StagedModel, load_tokenizer
+
+    transformers.utils.logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokenizer = load_tokenizer(args.tokenizer or args.target)
+    prompts = load_prompts(args.prompts, tokenizer, args.num_prompts)
+    staged_by_n: dict[int, StagedModel] = {}
+    engines: dict[str, PipelineEngine] = {}
+    info: dict[str, dict] = {}
+    for run in runs:
+        head = load_speculator(run.head) if run.head else None
+        n = head.config.n_stages if head is not None else run.stages
+        if n not in staged_by_n:
+            staged_by_n[n] = StagedModel.from_pretrained(args.target, n_stages=n)
+        engines[run.name] = PipelineEngine(staged_by_n[n], head, tokenizer)
+        variant = "ar" if run.mode == "ar" else "pp" if head is None else (
+            "ppsd" if head.config.max_depth == 1 else f"spd-{head.config.schedule}")
+        info[run.name] = {"mode": run.mode, "stages": n, "head": run.head, "variant": variant,
+                          "speculator_layers": head.config.num_layers if head is not None else 0}
+    if "ar" not in {r.mode for r in runs} and 0.0 in args.temperatures:
+        runs.append(RunSpec("ar", "ar"))  # the lossless reference at T=0
+        engines["ar"] = PipelineEngine(next(iter(staged_by_n.values())), None, tokenizer)
+        info["ar"] = {"mode": "ar", "stages": 1, "head": None, "variant": "ar", "speculator_layers": 0}
+
+    results: dict[str, dict] = {}
+    started = time.perf_counter()
+    for temperature in args.temperatures:
+        key_t = f"T={temperature:g}"
+        per_run: dict[str, list[dict]] = {r.name: [] for r in runs}
+        tokens: dict[str, list[list[int]]] = {r.name: [] for r in runs}
+        for i, ids in enumerate(prompts):
+            order = runs if i % 2 == 0 else runs[::-1]  # alternate so that machine noise hits every run alike
+            for run in order:
+                out = engines[run.name].generate(ids, args.max_new_tokens, mode=run.mode, temperature=temperature,
+                                                 top_k=args.top_k if temperature > 0 else 0,
+                                                 top_p=args.top_p if temperature > 0 else 1.0, seed=args.seed + i)
+                record = out.stats.as_dict()
+                record.setdefault("steps", 0)
+                record.setdefault("decode_tokens", record["new_tokens"] - 1)
+                record.setdefault("equivalent_accept_length", 0.0)
+                record.setdefault("flushes", 0)
+                record.setdefault("verified_by_position", [0] * info[run.name]["stages"])
+                record.setdefault("accepted_by_position", [0] * info[run.name]["stages"])
+                per_run[run.name].append(record)
+                tokens[run.name].append(out.token_ids)
+            print(f"\r{key_t}: {i + 1}/{len(prompts)} prompts ({time.perf_counter() - started:.0f} s)",
+                  end="", file=sys.stderr, flush=True)
+        print(file=sys.stderr)
+        results[key_t] = {}
+        for run in runs:
+            summary = summarize(per_run[run.name], info[run.name]["stages"]) if run.mode != "ar" else {
+                "prompts": len(prompts), "new_tokens": sum(r["new_tokens"] for r in per_run[run.name]),
+                "tokens_per_s": sum(r["new_tokens"] for r in per_run[run.name])
+                / sum(r["wall_time_s"] for r in per_run[run.name])}
+            if temperature == 0:
+                same = sum(a == b for a, b in zip(tokens[run.name], tokens["ar"]))
+                summary["identical_to_ar"] = same
+            results[key_t][run.name] = {**info[run.name], "summary": summary, "per_prompt": per_run[run.name]}
+
+    report = {"command": " ".join(sys.argv), "target": args.target, "prompts_file": args.prompts,
+              "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "top_k": args.top_k,
+              "top_p": args.top_p, "seed": args.seed, "results": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(render_table(results))
+    print(f"\nJSON: {args.out}")
+    if args.plot:
+        plot(results, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def render_table(results: dict) -> str:
+    """A markdown table: one row per temperature and run."""
+    head = ("| T | run | variant | n | L'_acc (all) | L'_acc (mean/prompt) | theor. speedup | flushes "
+            "| acceptance by position k=1..n | identical to ar | tok/s (1 proc) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for key_t, by_run in results.items():
+        for name, r in by_run.items():
+            s = r["summary"]
+
+            def fmt(x, p=2):
+                return "-" if x is None else f"{x:.{p}f}"
+
+            fills = " ".join(fmt(a) for a in s.get("acceptance_by_position", [])) or "-"
+            same = f"{s['identical_to_ar']}/{s['prompts']}" if "identical_to_ar" in s else "-"
+            lines.append(f"| {key_t[2:]} | {name} | {r['variant']} | {r['stages']} | {fmt(s.get('L_acc'))} "
+                         f"| {fmt(s.get('L_acc_mean_per_prompt'))} | {fmt(s.get('theoretical_speedup'))} "
+                         f"| {s.get('flushes', '-')} | {fills} | {same} | {fmt(s.get('tokens_per_s'), 1)} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: str) -> None:
+    """Acceptance by position for every head (one panel per temperature) and L'_acc vs n per variant."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SpdInputError("--plot needs matplotlib (pip install 'spd[bench]' or pip install matplotlib)") \
+            from None
+    temps = list(results)
+    fig, axes = plt.subplots(1, len(temps) + 1, figsize=(5 * (len(temps) + 1), 4))
+    for ax, key_t in zip(axes, temps):
+        for name, r in results[key_t].items():
+            acc = r["summary"].get("acceptance_by_position")
+            if r["mode"] != "spd" or not acc:
+                continue
+            xs = [a + 1 for a, v in enumerate(acc) if v is not None]
+            ax.plot(xs, [v for v in acc if v is not None], marker="o", label=f"{name} ({r['variant']})")
+        ax.set_title(f"proposal acceptance by pipeline position, {key_t}")
+        ax.set_xlabel("k-th proposal after a (re)seed (k = n: full pipeline)")
+        ax.set_ylabel("accepted / verified")
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=7)
+    ax = axes[-1]
+    for key_t in temps:
+        by_variant: dict[str, list[tuple[int, float, float]]] = {}
+        for r in results[key_t].values():
+            s = r["summary"]
+            if r["mode"] in ("spd", "pp") and s.get("L_acc") is not None:
+                by_variant.setdefault(r["variant"], []).append((r["stages"], s["L_acc"], s["theoretical_speedup"]))
+        for variant, pts in sorted(by_variant.items()):
+            pts.sort()
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{variant} L'_acc, {key_t}")
+            if variant != "pp":
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="x", linestyle="--", color=line.get_color(),
+                        label=f"{variant} theoretical speedup, {key_t}")
+    ax.set_title("L'_acc (solid) and theoretical speedup (dashed) vs n")
+    ax.set_xlabel("pipeline stages n")
+    ax.set_ylabel("x autoregressive")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

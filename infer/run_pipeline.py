@@ -1,0 +1,193 @@
+"""The distributed pipeline runtime as a program: one process per stage plus rank 0 (spd/runtime.py).
+
+    torchrun --nproc-per-node 5 -m infer.run_pipeline --target testbed/target \\
+        --speculator runs/testbed-n4/final --mode spd --prompt "import os" --json
+    torchrun --nproc-per-node 5 -m infer.run_pipeline --mode spd pp --prompts testbed/prompts.jsonl \\
+        --num-prompts 20 --emulate-stage-ms 20 --emulate-link-ms 1 --out runtime.json
+
+``spd-generate --runtime distributed --stages N`` spawns the same program locally. The world size must
+be ``stages + 1``. Several ``--mode`` values run one after another on the same processes (the stages serve
+every mode). Rank 0 prints the results: with ``--prompt``, the text (or one JSON object with ``--json``);
+with ``--prompts``, a per-mode summary and, with ``--out``, JSON with every prompt's tokens and stats.
+A wrong input exits with 2, a lost rank with 1; each prints one ``error:`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from spd.errors import SpdInputError
+from spd.paths import default_testbed_dir
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="run_pipeline", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=str(default_testbed_dir() / "target"))
+    p.add_argument("--revision", default=None)
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--speculator", default=None)
+    p.add_argument("--speculator-revision", default=None)
+    p.add_argument("--mode", nargs="+", default=["spd"], choices=("spd", "pp"))
+    p.add_argument("--stages", type=int, default=None, help="must equal the world size - 1 (checked)")
+    p.add_argument("--prompt", default=None)
+    p.add_argument("--prompts", default=None, help='jsonl with a "prompt" field per row')
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--chat", action="store_true")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl with CUDA, else gloo)")
+    p.add_argument("--timeout-s", type=float, default=60.0, help="a rank silent this long counts as lost")
+    p.add_argument("--emulate-stage-ms", type=float, default=0.0, help="added compute time per stage per token")
+    p.add_argument("--emulate-link-ms", type=float, default=0.0, help="added latency per message")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+    import torch.distributed as dist
+
+    from spd.runtime import PipelineLost, RuntimeConfig, init_distributed, local_rank_device
+
+    torch.set_num_threads(args.threads)
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    config = RuntimeConfig(backend=backend, timeout_s=args.timeout_s, emulate_stage_ms=args.emulate_stage_ms,
+                           emulate_link_ms=args.emulate_link_ms)
+    rank = -1
+    try:
+        rank, world, control = init_distributed(config)
+        n = world - 1
+        if n < 1 or (args.stages is not None and args.stages != n):
+            raise SpdInputError(f"the world has {world} processes but --stages is {args.stages}; "
+                                "expected --nproc-per-node stages + 1")
+        device = local_rank_device(backend)
+        dtype = getattr(torch, args.dtype)
+        _quiet()
+        if rank == 0:
+            _driver(args, n, config, control, device, dtype)
+        else:
+            from spd.runtime import load_partial, stage_worker
+
+            staged = load_partial(args.target, n, rank, args.revision, dtype, device)
+            stage_worker(staged, rank - 1, config, control, device)
+        dist.destroy_process_group()
+        return 0
+    except SpdInputError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except PipelineLost as exc:
+        print(f"error: {exc}; stopping", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _driver(args, n: int, config, control, device, dtype) -> None:
+    import torch
+
+    from spd.engine import PipelineEngine
+    from spd.runtime import RemoteStages, load_partial
+    from spd.speculator import load_speculator
+    from spd.staging import load_tokenizer
+
+    if "spd" in args.mode and args.speculator is None:
+        raise SpdInputError("--mode spd needs --speculator DIR_OR_ID")
+    tokenizer = load_tokenizer(args.tokenizer or args.target, args.revision if args.tokenizer is None else None)
+    prompts = _prompts(args, tokenizer)
+    staged = load_partial(args.target, n, 0, args.revision, dtype, device)
+    head = load_speculator(args.speculator, args.speculator_revision, dtype, device) if args.speculator else None
+    remote = RemoteStages(staged, config, control)
+    engine = PipelineEngine(staged, head, tokenizer, stages=remote)
+    results: dict[str, list[dict]] = {}
+    try:
+        for mode in args.mode:
+            results[mode] = []
+            for i, ids in enumerate(prompts):
+                out = engine.generate(ids, args.max_new_tokens, mode=mode, temperature=args.temperature,
+                                      top_k=args.top_k, top_p=args.top_p,
+                                      seed=None if args.seed is None else args.seed + i)
+                results[mode].append({"token_ids": out.token_ids, "stats": out.stats.as_dict()})
+                if len(prompts) > 1:
+                    print(f"[{mode}] {i + 1}/{len(prompts)} prompts", file=sys.stderr, flush=True)
+    finally:
+        remote.shutdown()
+    _report(args, tokenizer, results, n)
+
+
+def _prompts(args, tokenizer) -> list[list[int]]:
+    if (args.prompt is None) == (args.prompts is None):
+        raise SpdInputError("give exactly one of --prompt TEXT and --prompts FILE")
+    if args.prompt is not None:
+        texts = [args.prompt]
+    else:
+        path = Path(args.prompts)
+        if not path.is_file():
+            raise SpdInputError(f"the prompts file '{args.prompts}' does not exist")
+        texts = [json.loads(line)["prompt"] for line in path.open(encoding="utf-8") if line.strip()]
+        texts = texts[: args.num_prompts] if args.num_prompts else texts
+    if args.chat:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                               tokenize=False) for t in texts]
+        return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def summarize(records: list[dict], n: int) -> dict:
+    """Totals of one mode: tokens/s over the whole run and L'_acc = n N / K."""
+    new = sum(r["stats"]["new_tokens"] for r in records)
+    decode = sum(r["stats"]["decode_tokens"] for r in records)
+    steps = sum(r["stats"]["steps"] for r in records)
+    decode_time = sum(r["stats"]["wall_time_s"] - r["stats"]["prefill_time_s"] for r in records)
+    return {"prompts": len(records), "new_tokens": new, "decode_tokens": decode, "steps": steps,
+            "L_acc": n * decode / steps if steps else None,
+            "wall_time_s": sum(r["stats"]["wall_time_s"] for r in records),
+            "decode_tokens_per_s": decode / decode_time if decode_time > 0 else None,
+            "tokens_per_s": new / sum(r["stats"]["wall_time_s"] for r in records)}
+
+
+def _report(args, tokenizer, results: dict[str, list[dict]], n: int) -> None:
+    if args.prompt is not None and len(args.mode) == 1:
+        record = results[args.mode[0]][0]
+        text = tokenizer.decode(record["token_ids"], skip_special_tokens=True)
+        if args.json:
+            print(json.dumps({"text": text, "token_ids": record["token_ids"], "stats": record["stats"]}), flush=True)
+        else:
+            s = record["stats"]
+            print(text, flush=True)
+            print(f"[{s['mode']}, {n} stages, distributed] {s['new_tokens']} tokens in {s['wall_time_s']:.2f} s "
+                  f"({s['tokens_per_s']:.1f} tokens/s), {s['steps']} steps, L'_acc "
+                  f"{s['equivalent_accept_length']:.2f}", file=sys.stderr, flush=True)
+    summary = {mode: summarize(records, n) for mode, records in results.items()}
+    if args.prompts is not None or len(args.mode) > 1:
+        for mode, s in summary.items():
+            print(f"{mode}: {s['prompts']} prompts, {s['new_tokens']} tokens, {s['tokens_per_s']:.2f} tokens/s "
+                  f"(decode {s['decode_tokens_per_s']:.2f}), L'_acc {s['L_acc']:.3f}", flush=True)
+    if args.out:
+        report = {"command": " ".join(sys.argv), "stages": n, "emulate_stage_ms": args.emulate_stage_ms,
+                  "emulate_link_ms": args.emulate_link_ms, "summary": summary, "results": results,
+                  "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report) + "\n")
+
+
+def _quiet() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

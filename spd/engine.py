@@ -1,0 +1,453 @@
+"""The pipelined SPD inference engine (single process): the semantic reference of SPEC section 5.
+
+The target is cut into ``n`` stages, each with its own KV cache. Every **step** each in-flight token
+advances by one stage; the token that completes stage ``n`` exits, its final hidden state gives the
+target's distribution ``p`` for the next position, and that position's token (the next-oldest in
+flight, speculated ``n - 1`` steps earlier) is verified against ``p``:
+
+- accept: it is final, the pipeline runs on (one committed token per step in the steady state);
+- reject: the replacement drawn from ``p`` (greedy: ``argmax p``; sampling: the residual
+  ``max(p - q, 0)``) is final; every younger in-flight token and the step's proposal are discarded,
+  every stage's KV cache and the speculator's cache are truncated to the committed length, and the
+  replacement enters stage 1 alone (flush and reseed, paper section 3.6).
+
+A token source proposes one token per step. With a speculation head it reads the *input state*
+(SPEC section 3: the newest token at depth 0, in-flight tokens at their depths, everything older at
+depth ``n``), so in a real deployment it runs concurrently with the stages. The output-state ablation
+and the PPSD baseline are the same head with other settings (``schedule="output"``: the head reads
+the state after the stages have run, so it is serial with them). With no head the engine is the
+standard pipeline (``pp``): one token in flight, ``K = n * N``.
+
+Why the output is lossless: a stage processes a token at position ``P`` only after every position
+``< P`` passed it, so its KV cache always holds exactly the positions before ``P``, and on a flush the
+caches are cut back to the committed tokens. The target therefore computes for every committed token
+the same function of the same committed prefix as autoregressive decoding does, and verification is
+exact (greedy: equality with argmax; sampling: standard speculative rejection sampling).
+
+Metrics (SPEC section 5): ``K`` steps, ``N`` tokens committed by decode steps (the first new token,
+taken from the prefill logits, is not one; ``new_tokens = N + 1`` counts it), ``alpha = N / K``,
+``L'_acc = n * N / K``, theoretical speedups of paper section 4.2.
+
+Shape suffixes: B batch (always 1 here), T tokens, D hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import SpdInputError
+from .generation import GenerationOutput, GenerationStats, as_prompt_ids, check_request, eos_set, generate_ar
+from .sampling import SamplingParams, warped_probs
+from .speculator import Speculator, SpeculatorCache, check_compatible
+from .staging import StageKVCache, StagedModel, StageOutput
+
+MODES = ("spd", "pp", "ar")
+
+
+# ------------------------------------------------------------------------------------------ statistics
+
+
+@dataclass
+class PipelineStats(GenerationStats):
+    """GenerationStats plus what the pipeline did (``as_dict()`` is the CLI's ``--json`` stats object)."""
+
+    stages: int = 1
+    steps: int = 0  # K: pipeline steps after the prefill
+    decode_tokens: int = 0  # N: tokens committed by decode steps (new_tokens - 1)
+    proposals: int = 0  # tokens the head put into the pipeline
+    verified: int = 0  # proposals that reached verification (the rest were flushed or outlived the stop)
+    accepted: int = 0
+    flushes: int = 0  # rejections (each flushes the pipeline)
+    # Acceptance by position in the pipeline: index k-1 counts the k-th proposal after a (re)seed, the n-th
+    # and later ones (the full pipeline) in the last entry. For the input-state schedule k is the fill a.
+    verified_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    schedule: str = "none"  # the head's schedule ("input" / "output"), "none" for pp
+    speculator_layers: int = 0  # L_s
+    target_layers: int = 0  # L
+    stage_time_s: float = 0.0  # time inside target stages during decode
+    speculator_time_s: float = 0.0  # time inside the head during decode
+    verify_time_s: float = 0.0  # final norm + LM head + verification
+
+    @property
+    def acceptance_rate(self) -> float:
+        """alpha = N / K (paper section 4.2)."""
+        return self.decode_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def equivalent_accept_length(self) -> float:
+        """L'_acc = n * N / K: the theoretical speedup of SPD over autoregressive decoding."""
+        return self.stages * self.acceptance_rate
+
+    @property
+    def theoretical_speedup(self) -> float:
+        """Paper section 4.2 for the configured variant, one layer costing 1/L of a full forward.
+
+        Input-state head (SPD): its latency is hidden behind a stage when ``L_s <= L / n``, so a step costs
+        ``max(1/n, L_s/L)``; output-state heads (the ablation, PPSD) run after the stages: ``1/n + L_s/L``.
+        """
+        if self.steps == 0:
+            return 0.0
+        n, big_l, l_s = self.stages, self.target_layers, self.speculator_layers
+        step_cost = 1 / n
+        if self.schedule == "input":
+            step_cost = max(1 / n, l_s / big_l)
+        elif self.schedule == "output":
+            step_cost = 1 / n + l_s / big_l
+        return self.decode_tokens / (self.steps * step_cost)
+
+    @property
+    def proposal_acceptance(self) -> float:
+        """Accepted / verified proposals."""
+        return self.accepted / self.verified if self.verified else 0.0
+
+    @property
+    def engine_overhead_per_step_ms(self) -> float:
+        """Decode time outside the stages, the head and verification, per step (Python bookkeeping)."""
+        decode = self.wall_time_s - self.prefill_time_s
+        other = decode - self.stage_time_s - self.speculator_time_s - self.verify_time_s
+        return 1000 * other / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        d = super().as_dict()
+        for key in ("stage_time_s", "speculator_time_s", "verify_time_s"):
+            d[key] = round(d[key], 4)
+        d.update(
+            acceptance_rate=round(self.acceptance_rate, 4),
+            equivalent_accept_length=round(self.equivalent_accept_length, 4),
+            theoretical_speedup=round(self.theoretical_speedup, 4),
+            proposal_acceptance=round(self.proposal_acceptance, 4),
+            engine_overhead_per_step_ms=round(self.engine_overhead_per_step_ms, 4),
+        )
+        return d
+
+
+# --------------------------------------------------------------------------------------------- state
+
+
+@dataclass
+class Slot:
+    """One in-flight token: where it is in the pipeline and what it has produced so far."""
+
+    token: int
+    position: int
+    hidden_1TD: torch.Tensor  # input of the next stage (the embedding at depth 0)
+    depth: int = 0  # stages completed
+    anchors: dict[int, torch.Tensor] = field(default_factory=dict)  # H^l (1, D) the head reads
+    q_V: torch.Tensor | None = None  # the head's warped distribution when it proposed this token (sampling)
+    rank: int = 0  # k-th proposal after the last (re)seed, capped at n (0: a seed, not a proposal)
+
+
+class LocalStages:
+    """All ``n`` stages in this process, each with its own KV cache: the reference backend of the engine.
+
+    The engine talks to its stages only through these methods; :class:`spd.runtime.RemoteStages` implements
+    them over ``torch.distributed`` (one process per stage).
+    """
+
+    def __init__(self, staged: StagedModel):
+        self.staged = staged
+        self.caches: list[StageKVCache] = []
+        self.stage_anchors: list[list[int]] = [[] for _ in range(staged.n_stages)]
+
+    def configure(self, stage_anchors: list[list[int]]) -> None:
+        """Which hidden states ``H^l`` each stage reports for the head (empty lists: none)."""
+        self.stage_anchors = stage_anchors
+
+    def prefill(self, prompt_ids_1T: torch.Tensor, anchors: list[int], capacity: int) -> StageOutput:
+        """Start a request: fresh caches, the prompt through every stage; H^L and ``anchors`` for all positions."""
+        self.caches = self.staged.new_caches(capacity=capacity)
+        return self.staged.forward_stages(prompt_ids_1T, self.caches, anchors=anchors)
+
+    def launch(self, inflight: list[Slot]) -> None:
+        """Start the step's stage work (remote stages begin computing while the head speculates)."""
+
+    def collect(self, inflight: list[Slot]) -> None:
+        """Finish the step: every in-flight slot has advanced by one stage (hidden, anchors, depth)."""
+        for slot in inflight:
+            stage = slot.depth
+            out = self.staged.run_stage(stage, slot.hidden_1TD, self.caches[stage], anchors=self.stage_anchors[stage])
+            for index, hidden_1TD in out.anchors.items():
+                slot.anchors[index] = hidden_1TD[:, 0]
+            slot.hidden_1TD = out.hidden_BTD
+            slot.depth += 1
+
+    def flush(self, length: int) -> None:
+        """Drop every in-flight activation and cut every stage's KV cache to ``length`` tokens."""
+        self.staged.truncate(self.caches, length)
+
+
+class PipelineEngine:
+    """Runs one request at a time through the staged target, with a speculation head (``spd``) or without
+    (``pp``); ``ar`` delegates to plain autoregressive decoding. See the module docstring."""
+
+    def __init__(self, staged: StagedModel, speculator: Speculator | None = None, tokenizer=None,
+                 stages: LocalStages | None = None):
+        if speculator is not None:
+            check_compatible(speculator.config, staged)
+            head_param = next(speculator.parameters())
+            if head_param.dtype != staged.dtype or head_param.device != staged.device:
+                raise SpdInputError(f"the speculator is {head_param.dtype} on {head_param.device} but the target is "
+                                    f"{staged.dtype} on {staged.device}; load both with the same dtype and device")
+        self.staged = staged
+        self.speculator = speculator
+        self.tokenizer = tokenizer
+        n, b = staged.n_stages, staged.boundaries
+        needed = set(speculator.needed_anchors()) if speculator is not None else set()
+        # Anchors each stage hands to the head: H^l for l in [b[s], b[s+1]] (H^{b[s]} is the stage's input).
+        self._stage_anchors = [sorted(a for a in needed if b[s] < a <= b[s + 1]) for s in range(n)]
+        self._needs_embedding = 0 in needed
+        self.stages = stages if stages is not None else LocalStages(staged)
+
+    @classmethod
+    def from_pretrained(cls, target: str, speculator: str | None = None, stages: int | None = None,
+                        revision: str | None = None, speculator_revision: str | None = None,
+                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                        tokenizer: str | None = None) -> "PipelineEngine":
+        """Load a target (directory or hub id), cut it into ``stages`` (default: the head's n), and a head."""
+        from .speculator import load_speculator
+        from .staging import load_tokenizer
+
+        head = load_speculator(speculator, speculator_revision, dtype, device) if speculator else None
+        if stages is None:
+            stages = head.config.n_stages if head is not None else 1
+        staged = StagedModel.from_pretrained(target, n_stages=stages, revision=revision, dtype=dtype, device=device)
+        tok = load_tokenizer(tokenizer or target, revision if tokenizer is None else None)
+        return cls(staged, head, tok)
+
+    # ------------------------------------------------------------------------------------- public
+    def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128, mode: str | None = None,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 eos_token_id: int | Sequence[int] | None = None,
+                 streamer: Callable[[int], None] | object | None = None) -> GenerationOutput:
+        """Generate from a prompt (text needs a tokenizer) or token ids; ``mode`` defaults to spd with a head.
+
+        ``streamer`` is a callable taking each committed token id, or an object with ``put``/``end`` (a
+        Hugging Face ``TextStreamer``). ``eos_token_id`` defaults to the tokenizer's.
+        """
+        mode = mode or ("spd" if self.speculator is not None else "pp")
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise SpdInputError("a text prompt needs a tokenizer; pass token ids or create the engine with one")
+            prompt = self.tokenizer(prompt)["input_ids"]
+        if eos_token_id is None and self.tokenizer is not None:
+            eos_token_id = self.tokenizer.eos_token_id
+        on_token, end = _as_callback(streamer)
+        try:
+            if mode == "ar":
+                return generate_ar(self.staged, prompt, max_new_tokens, sampling, eos_token_id, on_token)
+            if mode == "spd" and self.speculator is None:
+                raise SpdInputError("mode 'spd' needs a speculation head; pass a speculator or use mode 'pp'")
+            if mode not in MODES:
+                raise SpdInputError(f"unknown mode '{mode}'; expected one of: {', '.join(MODES)}")
+            return self.run(prompt, max_new_tokens, sampling, eos_token_id, on_token, use_head=mode == "spd")
+        finally:
+            end()
+
+    @torch.inference_mode()
+    def run(self, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: SamplingParams,
+            eos_token_id: int | Sequence[int] | None = None, on_token: Callable[[int], None] | None = None,
+            use_head: bool = True) -> GenerationOutput:
+        """The step loop of SPEC section 5 (``use_head=False``: the standard pipeline)."""
+        staged = self.staged
+        head = self.speculator if use_head else None
+        prompt = as_prompt_ids(input_ids)
+        check_request(staged, prompt, max_new_tokens)
+        eos = eos_set(eos_token_id)
+        n = staged.n_stages
+        limit = staged.max_positions or (len(prompt) + max_new_tokens)
+        budget = min(max_new_tokens, limit - len(prompt))
+        end_position = len(prompt) + budget  # positions >= this are never committed
+        schedule = head.config.schedule if head is not None else "none"
+        stats = PipelineStats(mode="spd" if head is not None else "pp", prompt_tokens=len(prompt), stages=n,
+                              verified_by_position=[0] * n, accepted_by_position=[0] * n, schedule=schedule,
+                              speculator_layers=head.config.num_layers if head is not None else 0,
+                              target_layers=staged.num_layers)
+        generator = None if sampling.greedy else sampling.generator(staged.device)
+        head_cache = head.new_cache(capacity=end_position + n) if head is not None else None
+        self.stages.configure(self._stage_anchors if head is not None else [[] for _ in range(n)])
+
+        t0 = time.perf_counter()
+        first = self._prefill(prompt, end_position + n, head, head_cache, sampling, generator)
+        stats.prefill_time_s = time.perf_counter() - t0
+        out = [first]
+        if on_token is not None:
+            on_token(first)
+        stop = _stop_reason(first, out, eos, budget, max_new_tokens)
+        inflight = [self._enter(first, len(prompt))]
+
+        while not stop:
+            stats.steps += 1
+            proposal = None
+            self.stages.launch(inflight)
+            # 1. Input-state speculation reads the state at the start of the step (concurrent with 2).
+            if head is not None and schedule == "input" and inflight[-1].position + 1 < end_position:
+                proposal = self._propose(head, head_cache, inflight, sampling, generator, stats)
+            # 2. Every stage advances the token it holds.
+            tick = time.perf_counter()
+            self.stages.collect(inflight)
+            stats.stage_time_s += time.perf_counter() - tick
+            if head is not None:
+                self._retire_rows(head, head_cache, inflight)
+            # 3. The token that completed stage n exits and decides its successor.
+            if inflight[0].depth == n:
+                tick = time.perf_counter()
+                exiting = inflight.pop(0)
+                if proposal is not None:
+                    inflight.append(proposal)  # n == 1: the proposal is the successor itself
+                    proposal = None
+                token, flushed = self._verify(exiting, inflight, sampling, generator, stats)
+                stats.verify_time_s += time.perf_counter() - tick
+                if flushed:
+                    stats.flushes += 1
+                    inflight.clear()
+                    self.stages.flush(exiting.position + 1)
+                    if head_cache is not None:
+                        head_cache.truncate(exiting.position + 1)
+                if flushed or not inflight:
+                    # Reseed (or, without a proposal in flight, the plain pipeline's next token).
+                    inflight.append(self._enter(token, exiting.position + 1))
+                out.append(token)
+                if on_token is not None:
+                    on_token(token)
+                stop = _stop_reason(token, out, eos, budget, max_new_tokens)
+                if stop or flushed:
+                    continue
+            # Output-state speculation reads the state after the stages ran (serial with them).
+            if head is not None and schedule == "output" and inflight[-1].depth >= 1 \
+                    and inflight[-1].position + 1 < end_position:
+                proposal = self._propose(head, head_cache, inflight, sampling, generator, stats)
+            if proposal is not None:
+                inflight.append(proposal)
+
+        stats.wall_time_s = time.perf_counter() - t0
+        stats.stop_reason = stop
+        stats.new_tokens = len(out)
+        stats.decode_tokens = len(out) - 1
+        return GenerationOutput(out, stats, prompt)
+
+    # ------------------------------------------------------------------------------------ pieces
+    def _prefill(self, prompt: list[int], capacity: int, head: Speculator | None,
+                 head_cache: SpeculatorCache | None, sampling: SamplingParams,
+                 generator: torch.Generator | None) -> int:
+        """Run the prompt through every stage; every prompt position enters the head's cache at full depth."""
+        staged = self.staged
+        ids_1T = torch.tensor([prompt], dtype=torch.long, device=staged.device)
+        anchors = head.config.anchors[head.config.max_depth] if head is not None else []
+        out = self.stages.prefill(ids_1T, anchors, capacity)
+        if head is not None:
+            head.append_memory(head_cache, head.features(head.config.max_depth, out.anchors))
+        logits_1V = staged.logits(out.hidden_BTD[:, -1])
+        if sampling.greedy:
+            return int(torch.argmax(logits_1V, dim=-1))
+        return int(torch.multinomial(warped_probs(logits_1V, sampling), 1, generator=generator))
+
+    def _enter(self, token: int, position: int, q_V: torch.Tensor | None = None, rank: int = 0) -> Slot:
+        """A token about to enter stage 1: its embedding is H^0."""
+        hidden_1TD = self.staged.embed(torch.tensor([[token]], dtype=torch.long, device=self.staged.device))
+        slot = Slot(token, position, hidden_1TD, q_V=q_V, rank=rank)
+        if self._needs_embedding:
+            slot.anchors[0] = hidden_1TD[:, 0]
+        return slot
+
+    @staticmethod
+    def _retire_rows(head: Speculator, head_cache: SpeculatorCache, inflight: list[Slot]) -> None:
+        """Cache the head's memory row of every slot that just reached the head's deepest depth.
+
+        Slots reach it in position order, so the cache stays a contiguous prefix of positions.
+        """
+        max_depth = head.config.max_depth
+        for slot in inflight:
+            if slot.depth == max_depth and slot.position == head_cache.length:
+                head.append_memory(head_cache, head.features(max_depth, slot.anchors)[:, None])
+
+    def _propose(self, head: Speculator, head_cache: SpeculatorCache, inflight: list[Slot],
+                 sampling: SamplingParams, generator: torch.Generator | None, stats: PipelineStats) -> Slot:
+        """The head's next token after the newest in-flight token, from the current depths (SPEC section 3)."""
+        tick = time.perf_counter()
+        logits_1V = self._head_logits(head, head_cache, inflight)
+        if sampling.greedy:
+            q_V, token = None, int(torch.argmax(logits_1V, dim=-1))
+        else:
+            q_V = warped_probs(logits_1V, sampling)[0]
+            token = int(torch.multinomial(q_V, 1, generator=generator))
+        stats.proposals += 1
+        stats.speculator_time_s += time.perf_counter() - tick
+        # While the seed (always the oldest) is in flight the pipeline is still refilling.
+        rank = len(inflight) if inflight[0].rank == 0 else self.staged.n_stages
+        return self._enter(token, inflight[-1].position + 1, q_V, rank)
+
+    @staticmethod
+    def _head_logits(head: Speculator, head_cache: SpeculatorCache, inflight: list[Slot]) -> torch.Tensor:
+        """The head's logits (1, V) for the position after the newest in-flight token."""
+        cfg = head.config
+        # Rows older than the cache are at max depth; the trailing rows are the in-flight tokens below it.
+        trailing = [s for s in inflight if s.position >= head_cache.length]
+        first_uncached = trailing[0].position if trailing else inflight[-1].position + 1
+        if first_uncached != head_cache.length:
+            raise RuntimeError("speculator cache and in-flight tokens are out of step")
+        rows = [(min(s.depth, cfg.max_depth), head.features(min(s.depth, cfg.max_depth), s.anchors))
+                for s in trailing]
+        newest = inflight[-1]
+        query_1D = rows[-1][1] if rows and rows[-1][0] == cfg.offset else head.features(cfg.offset, newest.anchors)
+        return head.logits(head.query(head_cache, rows, query_1D))
+
+    def _verify(self, exiting: Slot, inflight: list[Slot], sampling: SamplingParams,
+                generator: torch.Generator | None, stats: PipelineStats) -> tuple[int, bool]:
+        """The committed token for the position after ``exiting`` and whether the pipeline must flush."""
+        logits_1V = self.staged.logits(exiting.hidden_1TD[:, -1])
+        candidate = inflight[0] if inflight else None
+        if sampling.greedy:
+            token = int(torch.argmax(logits_1V, dim=-1))
+            accepted = candidate is not None and candidate.token == token
+        else:
+            p_V = warped_probs(logits_1V, sampling)[0]
+            if candidate is None:
+                token, accepted = int(torch.multinomial(p_V, 1, generator=generator)), False
+            else:
+                token, accepted = _rejection_sample(p_V, candidate.q_V, candidate.token, generator)
+        if candidate is None:
+            return token, False
+        stats.verified += 1
+        stats.verified_by_position[candidate.rank - 1] += 1
+        if accepted:
+            stats.accepted += 1
+            stats.accepted_by_position[candidate.rank - 1] += 1
+        return token, not accepted
+
+
+def _rejection_sample(p_V: torch.Tensor, q_V: torch.Tensor, token: int,
+                      generator: torch.Generator | None) -> tuple[int, bool]:
+    """Speculative sampling: accept ``token ~ q`` with probability min(1, p/q), else draw from (p - q)+."""
+    u = torch.rand((), generator=generator, device=p_V.device)
+    if u * q_V[token] < p_V[token]:  # u < p/q without dividing by a tiny q
+        return token, True
+    residual_V = torch.clamp(p_V - q_V, min=0)
+    total = residual_V.sum()
+    # p == q up to rounding leaves no residual mass; then p itself is the exact distribution to draw from.
+    residual_V = residual_V / total if total > 0 else p_V
+    return int(torch.multinomial(residual_V, 1, generator=generator)), False
+
+
+def _stop_reason(token: int, out: list[int], eos: frozenset[int], budget: int, max_new_tokens: int) -> str:
+    if token in eos:
+        return "eos"
+    if len(out) >= budget:
+        return "max_new_tokens" if len(out) >= max_new_tokens else "context_full"
+    return ""
+
+
+def _as_callback(streamer) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
+    """A per-token callback and a finisher from a callable or a ``put``/``end`` streamer."""
+    if streamer is None:
+        return None, lambda: None
+    if hasattr(streamer, "put") and hasattr(streamer, "end"):
+        return (lambda token: streamer.put(torch.tensor([token]))), streamer.end
+    if callable(streamer):
+        return streamer, lambda: None
+    raise SpdInputError("streamer must be a callable taking a token id or an object with put() and end()")

@@ -1,0 +1,394 @@
+"""The multi-process pipeline runtime on ``torch.distributed`` (SPEC section 7).
+
+Rank 0 is the driver: embedding, final norm, LM head, the token source (speculation head), verification
+and control. It runs the very step loop of :class:`spd.engine.PipelineEngine`, with
+:class:`RemoteStages` as its stage backend, so it commits exactly the tokens of the single-process engine
+(same verification code, same random draws in the same order). Ranks ``1..n`` each own one stage: only
+that stage's decoder layers are loaded (:func:`load_partial`), plus its KV cache.
+
+Data path (``DATA`` tag): rank 0 -> 1 -> ... -> n -> 0, one message per token (a header tensor, then the
+hidden states). Each stage also reports the anchor hidden states the head reads to rank 0 (the last
+stage's report carries ``H^L`` too). Rank 0 sends the entering token first and speculates while the stages
+compute, then collects the step's reports (``RemoteStages.launch`` / ``collect``).
+
+Control path: a second (gloo) process group carries flush notices ``(epoch, committed length)`` from rank 0
+to every stage. Every data message carries the epoch it belongs to: a stage drops work of an old epoch
+without computing it; work of a newer epoch waits until the stage has applied the flush (KV truncated).
+A new request (``PREFILL``) starts a new epoch and resets the stage's cache; ``STOP`` travels down the
+chain and back to rank 0, which drains every stage's reports so that no send is left pending.
+
+Emulation for measuring on one machine: ``emulate_stage_ms`` is slept by a stage after each token it
+computes, ``emulate_link_ms`` delays the delivery of every message (the receiver waits until the send time
+plus the link latency; sends never block).
+
+Failure handling: every rank runs under a process-group timeout; a dead peer (connection reset) or a silent
+one (timeout) raises, the rank prints one ``error:`` line naming itself and exits non-zero, and the
+launcher (``torchrun`` / ``spd-generate --runtime distributed``) tears the other ranks down.
+
+Shape suffixes: T tokens, D hidden size, A anchors, L layers (+1).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .errors import SpdInputError, first_line
+from .staging import StagedModel, StageKVCache, StageOutput
+
+# Message kinds (header[0]) and tags.
+PREFILL, TOKEN, STOP, REPORT = 1, 2, 3, 4
+DATA_TAG, REPORT_TAG, CONTROL_TAG = 1, 2, 3
+HEADER = 8  # kind, epoch, position, length, stage, send time (us), reserved x2
+
+
+@dataclass
+class RuntimeConfig:
+    """How the processes talk and what is emulated."""
+
+    backend: str = "gloo"  # gloo (CPU) or nccl (GPU) for the data path; control is always gloo
+    timeout_s: float = 60.0  # a peer silent for this long is declared lost
+    emulate_stage_ms: float = 0.0  # added compute time per token per stage
+    emulate_link_ms: float = 0.0  # added latency per message
+
+
+class PipelineLost(RuntimeError):
+    """A peer died or went silent: the runtime cannot continue."""
+
+
+# ---------------------------------------------------------------------------------------- loading
+
+
+def load_partial(source: str, n_stages: int, role: int, revision: str | None = None,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> StagedModel:
+    """A StagedModel whose parameters exist only for ``role``: 0 = embedding, final norm and LM head (the
+    driver), ``s >= 1`` = the decoder layers of stage ``s`` (1-based). Everything else stays on the meta
+    device (no memory), so a stage holds about 1/n of the target's layers."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import cached_file
+
+    from .paths import check_model_source
+
+    check_model_source(source, "target")
+    try:
+        config = AutoConfig.from_pretrained(source, revision=revision)
+        index = cached_file(source, "model.safetensors.index.json", revision=revision,
+                            _raise_exceptions_for_missing_entries=False)
+        if index is not None:
+            weight_map = json.loads(open(index).read())["weight_map"]
+            files = {name: cached_file(source, f, revision=revision) for name, f in weight_map.items()}
+        else:
+            single = cached_file(source, "model.safetensors", revision=revision)
+            with safe_open(single, framework="pt") as f:
+                files = {name: single for name in f.keys()}
+    except (OSError, ValueError, KeyError) as exc:
+        raise SpdInputError(f"could not load safetensors weights of '{source}': {first_line(exc)}") from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    staged = StagedModel(model, n_stages=n_stages)
+    base = model.base_model
+    if role == 0:
+        modules = {"embed": base.embed_tokens, "norm": base.norm, "head": model.get_output_embeddings()}
+    else:
+        modules = {f"layer{i}": staged.layers[i] for i in staged.stage_layers(role - 1)}
+    module_names = {id(m): name for name, m in model.named_modules()}
+    tied = getattr(config, "tie_word_embeddings", False)
+    handles: dict[str, object] = {}
+    for module in modules.values():
+        module.to_empty(device=device)  # only the kept modules get memory
+        prefix = module_names[id(module)]
+        for local, param in module.named_parameters():
+            name = f"{prefix}.{local}"
+            key = name if name in files else None
+            if key is None and tied and name.endswith("lm_head.weight"):
+                key = next((k for k in files if k.endswith("embed_tokens.weight")), None)
+            if key is None:
+                raise SpdInputError(f"the checkpoint '{source}' has no tensor '{name}'")
+            if files[key] not in handles:
+                handles[files[key]] = safe_open(files[key], framework="pt", device="cpu")
+            with torch.no_grad():
+                param.copy_(handles[files[key]].get_tensor(key).to(dtype))
+    if tied and role == 0:
+        model.get_output_embeddings().weight = base.embed_tokens.weight
+    rotary = base.rotary_emb
+    with torch.device(device):
+        base.rotary_emb = type(rotary)(config=config)
+    staged.rotary_emb = base.rotary_emb
+    model.eval()
+    return staged
+
+
+def materialized_bytes(module: torch.nn.Module) -> int:
+    """Bytes of parameters that hold data (meta tensors excluded)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.device.type != "meta")
+
+
+# ---------------------------------------------------------------------------------------- messages
+
+
+class Link:
+    """Point-to-point messages (header + payload) with epoch bookkeeping, emulated latency, async sends."""
+
+    def __init__(self, rank: int, config: RuntimeConfig, dtype: torch.dtype, device: torch.device, hidden: int):
+        self.rank, self.config, self.dtype, self.device, self.hidden = rank, config, dtype, device, hidden
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []  # sends in flight and their buffers
+
+    def send(self, dst: int, tag: int, kind: int, epoch: int, position: int, payload_TWD: torch.Tensor | None = None,
+             stage: int = 0, extra: torch.Tensor | None = None) -> None:
+        """Send a header, then an optional int64 ``extra`` and an optional (T, W, D) payload; never blocks."""
+        length, width = (0, 0) if payload_TWD is None else payload_TWD.shape[:2]
+        header = torch.tensor([kind, epoch, position, length, stage, int(time.time() * 1e6), width,
+                               0 if extra is None else extra.numel()], dtype=torch.long)
+        parts = [header]
+        if extra is not None:
+            parts.append(extra.to(torch.long).contiguous())
+        if payload_TWD is not None:
+            parts.append(payload_TWD.to(self.dtype).contiguous())
+        for part in parts:
+            self._pending.append((dist.isend(part, dst, tag=tag), part))
+        self._reap()
+
+    def recv(self, src: int, tag: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Receive one message: (header, extra or None, payload (T, W, D) or None), after the emulated latency."""
+        header = torch.empty(HEADER, dtype=torch.long)
+        self._wait(dist.irecv(header, src, tag=tag), src)
+        extra = payload_TWD = None
+        if header[7] > 0:
+            extra = torch.empty(int(header[7]), dtype=torch.long)
+            self._wait(dist.irecv(extra, src, tag=tag), src)
+        if header[3] > 0:
+            payload_TWD = torch.empty(int(header[3]), int(header[6]), self.hidden, dtype=self.dtype)
+            self._wait(dist.irecv(payload_TWD, src, tag=tag), src)
+        if self.config.emulate_link_ms > 0:
+            delay = int(header[5]) / 1e6 + self.config.emulate_link_ms / 1000 - time.time()
+            if delay > 0:
+                time.sleep(delay)
+        return header, extra, payload_TWD
+
+    def _wait(self, work: dist.Work, peer: int) -> None:
+        """Wait for a receive; a dead or silent peer becomes PipelineLost naming both ranks."""
+        try:
+            work.wait(datetime.timedelta(seconds=self.config.timeout_s))
+        except RuntimeError as exc:
+            why = first_line(exc)
+            if "imed out" in why or "imeout" in why:
+                raise PipelineLost(f"rank {self.rank}: no message from rank {peer} within "
+                                   f"{self.config.timeout_s:g} s") from None
+            raise PipelineLost(f"rank {self.rank}: lost contact with rank {peer} ({why})") from None
+
+    def _reap(self) -> None:
+        self._pending = [(w, keep) for w, keep in self._pending if not w.is_completed()]
+
+    def drain_sends(self) -> None:
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+
+# ------------------------------------------------------------------------------------- stage ranks
+
+
+def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control_group, device: torch.device) -> None:
+    """The loop of rank ``stage + 1``: run this stage on every token that reaches it, until STOP."""
+    rank, n = stage + 1, staged.n_stages
+    prev, nxt = rank - 1, (rank + 1) % (n + 1)
+    layers = list(staged.stage_layers(stage))
+    first, last = staged.boundaries[stage], staged.boundaries[stage + 1]
+    dtype = next(staged.layers[layers[0]].parameters()).dtype
+    link = Link(rank, config, dtype, device, staged.config.hidden_size)
+    cache = StageKVCache(layers, staged.kv_heads, staged.head_dim, 1, 256, dtype, device)
+    epoch = 0
+    token_anchors: list[int] = []
+    control_buf = torch.zeros(2, dtype=torch.long)
+    control = dist.irecv(control_buf, 0, group=control_group, tag=CONTROL_TAG)
+
+    def apply_flushes(until_epoch: int | None) -> None:
+        """Apply arrived flush notices; with ``until_epoch``, block until that epoch's notice is applied."""
+        nonlocal control, epoch
+        while True:
+            if until_epoch is not None and epoch >= until_epoch:
+                return
+            if until_epoch is None and not control.is_completed():
+                return
+            link._wait(control, 0)
+            new_epoch, length = int(control_buf[0]), int(control_buf[1])
+            if new_epoch > epoch:
+                epoch = new_epoch
+                cache.truncate(length)
+            control = dist.irecv(control_buf, 0, group=control_group, tag=CONTROL_TAG)
+
+    with torch.inference_mode():
+        while True:
+            header, extra, payload = link.recv(prev, DATA_TAG)
+            kind, msg_epoch, position = int(header[0]), int(header[1]), int(header[2])
+            if kind == STOP:
+                link.send(nxt, DATA_TAG, STOP, msg_epoch, 0)
+                if nxt != 0:
+                    link.send(0, REPORT_TAG, STOP, msg_epoch, 0, stage=rank)
+                break
+            apply_flushes(None)
+            if kind == PREFILL:
+                # extra = per-layer flags for this request: bit 0 = report per token, bit 1 = report at prefill.
+                epoch = msg_epoch
+                cache.truncate(0)
+                flags = extra.tolist()
+                token_anchors = [l for l in range(first + 1, last + 1) if flags[l] & 1]
+                prefill_anchors = [l for l in range(first + 1, last + 1) if flags[l] & 2]
+                out = staged.run_stage(stage, payload[:, 0][None], cache, anchors=prefill_anchors)
+                _emulate(config)
+                _forward(link, nxt, rank, PREFILL, epoch, position, out, prefill_anchors, extra)
+                continue
+            if msg_epoch < epoch:
+                continue  # work of a flushed epoch: drop it without computing
+            if msg_epoch > epoch:
+                apply_flushes(msg_epoch)
+            if cache.length != position:
+                raise RuntimeError(f"stage {stage}: token at position {position} but the cache holds {cache.length}")
+            out = staged.run_stage(stage, payload[:, 0][None], cache, anchors=token_anchors)
+            _emulate(config)
+            _forward(link, nxt, rank, TOKEN, epoch, position, out, token_anchors, None)
+    link.drain_sends()
+
+
+def _emulate(config: RuntimeConfig) -> None:
+    if config.emulate_stage_ms > 0:
+        time.sleep(config.emulate_stage_ms / 1000)
+
+
+def _forward(link: Link, nxt: int, rank: int, kind: int, epoch: int, position: int, out: StageOutput,
+             anchors: list[int], extra: torch.Tensor | None) -> None:
+    """Send the stage output downstream and the anchors (plus H^L from the last stage) to rank 0."""
+    hidden_TD = out.hidden_BTD[0]
+    if nxt != 0:
+        link.send(nxt, DATA_TAG, kind, epoch, position, hidden_TD[:, None], extra=extra)
+    rows = [out.anchors[a][0] for a in anchors] + ([hidden_TD] if nxt == 0 else [])
+    if rows:
+        link.send(0, DATA_TAG if nxt == 0 else REPORT_TAG, REPORT, epoch, position, torch.stack(rows, dim=1),
+                  stage=rank)
+
+
+# ----------------------------------------------------------------------------------------- rank 0
+
+
+class RemoteStages:
+    """The engine's stage backend on rank 0: stages live on ranks 1..n (see the module docstring)."""
+
+    def __init__(self, staged: StagedModel, config: RuntimeConfig, control_group):
+        self.staged = staged
+        self.n = staged.n_stages
+        self.config = config
+        self.control_group = control_group
+        self.link = Link(0, config, staged.dtype, staged.device, staged.config.hidden_size)
+        self.epoch = 0
+        self.stage_anchors: list[list[int]] = [[] for _ in range(self.n)]
+
+    def configure(self, stage_anchors: list[list[int]]) -> None:
+        self.stage_anchors = stage_anchors
+
+    def prefill(self, prompt_ids_1T: torch.Tensor, anchors: list[int], capacity: int) -> StageOutput:
+        self.epoch += 1
+        b, big_l = self.staged.boundaries, self.staged.num_layers
+        flags = torch.zeros(big_l + 1, dtype=torch.long)
+        for s, ids in enumerate(self.stage_anchors):
+            for a in ids:
+                flags[a] |= 1
+        for a in anchors:
+            flags[a] |= 2
+        hidden_1TD = self.staged.embed(prompt_ids_1T)
+        t = hidden_1TD.shape[1]
+        self.link.send(1, DATA_TAG, PREFILL, self.epoch, 0, hidden_1TD[0][:, None], extra=flags)
+        collected: dict[int, torch.Tensor] = {0: hidden_1TD} if 0 in anchors else {}
+        last_hidden = None
+        for s in range(self.n):
+            mine = [a for a in anchors if b[s] < a <= b[s + 1]]
+            is_last = s == self.n - 1
+            if not mine and not is_last:
+                continue
+            payload = self._recv_report(s, 0)
+            for i, a in enumerate(mine):
+                collected[a] = payload[:, i][None]
+            if is_last:
+                last_hidden = payload[:, -1][None]
+        return StageOutput(last_hidden, collected)
+
+    def launch(self, inflight) -> None:
+        newest = inflight[-1]
+        if newest.depth == 0:
+            self.link.send(1, DATA_TAG, TOKEN, self.epoch, newest.position, newest.hidden_1TD[0][:, None])
+
+    def collect(self, inflight) -> None:
+        for slot in inflight:
+            stage = slot.depth
+            mine = self.stage_anchors[stage]
+            is_last = stage == self.n - 1
+            if mine or is_last:
+                payload = self._recv_report(stage, slot.position)
+                for i, a in enumerate(mine):
+                    slot.anchors[a] = payload[:, i]
+                if is_last:
+                    slot.hidden_1TD = payload[:, -1][None]
+            slot.depth += 1
+
+    def flush(self, length: int) -> None:
+        self.epoch += 1
+        notice = torch.tensor([self.epoch, length], dtype=torch.long)
+        for rank in range(1, self.n + 1):
+            self.link._pending.append((dist.isend(notice, rank, group=self.control_group, tag=CONTROL_TAG), notice))
+
+    def _recv_report(self, stage: int, position: int) -> torch.Tensor:
+        """The current epoch's report of ``stage`` (0-based) for ``position``, skipping stale ones: (T, W, D)."""
+        src = stage + 1
+        tag = DATA_TAG if stage == self.n - 1 else REPORT_TAG
+        while True:
+            header, _, payload = self.link.recv(src, tag)
+            epoch = int(header[1])
+            if epoch < self.epoch:
+                continue  # a flushed or finished request's work, still in the pipe
+            if epoch != self.epoch or int(header[2]) != position:
+                raise RuntimeError(f"rank 0: stage {stage} reported position {int(header[2])} of epoch {epoch}, "
+                                   f"expected position {position} of epoch {self.epoch}")
+            return payload
+
+    def shutdown(self) -> None:
+        """STOP down the chain; drain every stage's reports until its STOP arrives."""
+        self.link.send(1, DATA_TAG, STOP, self.epoch, 0)
+        for s in range(self.n):
+            tag = DATA_TAG if s == self.n - 1 else REPORT_TAG
+            while int(self.link.recv(s + 1, tag)[0][0]) != STOP:
+                pass
+        self.link.drain_sends()
+
+
+# ------------------------------------------------------------------------------------------ setup
+
+
+def init_distributed(config: RuntimeConfig):
+    """Join the process group (env:// as torchrun sets it) and create the gloo control group."""
+    timeout = datetime.timedelta(seconds=config.timeout_s)
+    dist.init_process_group(config.backend, timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    return dist.get_rank(), dist.get_world_size(), control
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def local_rank_device(backend: str) -> torch.device:
+    if backend == "nccl":
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")

@@ -1,0 +1,233 @@
+"""The token tree (SPEC section 6): a dynamic BFS-ordered tree of speculated tokens, and its verification.
+
+Node 0 is the *root*: a known token whose next-token distribution the target has not produced yet
+(its KV sits right after the committed tokens). Every other node is a speculated continuation of its
+parent. Nodes are stored in BFS order: by depth, and within a level grouped by parent (parents in BFS
+order, siblings in candidate order). The ancestor mask ``M`` (lower triangular, unit diagonal) has
+``M[i, j]`` true iff ``j`` is ``i`` or an ancestor of ``i``; its rows are the tree part of the attention
+mask, and its column ``c`` is the subtree of ``c``.
+
+A step of tree decoding:
+1. :meth:`TokenTree.append_level` grows the tree by one level from the token source's candidates;
+2. the target's stages run the new nodes with ``mask()`` rows and ``positions(committed)``
+   (:meth:`spd.staging.StagedModel.run_stage` with ``tree_mask_TN``);
+3. once the target's distribution ``p`` after the root is known, a verification function picks the
+   next token; if it is a child ``c`` of the root, :meth:`TokenTree.prune_to_child` keeps the subtree
+   of ``c`` and returns the kept old indices, with which callers prune KV caches
+   (:meth:`spd.staging.StagedModel.prune_tree`), mask rows and in-flight activations; otherwise the
+   tree is discarded and :meth:`TokenTree.reset` reseeds it from the new token.
+
+Verification (lossless sampling, SPEC section 6): siblings are tried in order with the multi-draft
+rule that matches how they were chosen; never check branches independently (that is not lossless):
+- :func:`verify_greedy` - temperature 0: accept the child equal to the argmax;
+- :func:`verify_sampled_deterministic` - children chosen deterministically (top-k / top-W);
+- :func:`verify_sampled_recursive` - children drawn at random from draft distributions (SpecInfer-style
+  recursive rejection sampling).
+
+Shape suffixes: N tree nodes, L nodes of the current bottom level, K candidates per node,
+V vocabulary, C candidates being verified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .errors import SpdInputError
+
+
+class TokenTree:
+    """A dynamic token tree in BFS order with per-node token, parent, depth and log-probabilities."""
+
+    def __init__(self, root_token: int):
+        self.reset(root_token)
+
+    def reset(self, root_token: int) -> None:
+        """Discard the tree and start a new one made of the root ``root_token``."""
+        self.tokens_N = torch.tensor([int(root_token)], dtype=torch.long)
+        self.parents_N = torch.tensor([-1], dtype=torch.long)  # -1 for the root
+        self.depths_N = torch.zeros(1, dtype=torch.long)  # root 0
+        self.logprobs_N = torch.zeros(1)  # log-prob of the edge parent -> node (root 0)
+        self.cum_logprobs_N = torch.zeros(1)  # sum of edge log-probs from the root (root 0)
+        self.mask_NN = torch.ones(1, 1, dtype=torch.bool)  # ancestor mask M
+
+    def __len__(self) -> int:
+        return self.tokens_N.shape[0]
+
+    @property
+    def depth(self) -> int:
+        """Depth of the deepest level (0 for a lone root)."""
+        return int(self.depths_N[-1])
+
+    def bottom_level(self) -> torch.Tensor:
+        """Indices of the nodes of the deepest level (a contiguous range, in BFS order)."""
+        return torch.nonzero(self.depths_N == self.depths_N[-1])[:, 0]
+
+    def children(self, i: int) -> torch.Tensor:
+        """Indices of the children of node ``i`` (in BFS order)."""
+        return torch.nonzero(self.parents_N == i)[:, 0]
+
+    def path(self, i: int) -> torch.Tensor:
+        """The tokens from the root to node ``i`` (inclusive), shape (depth_i + 1,)."""
+        # Ancestors precede their descendants in BFS order, so row i of M lists the path in order.
+        return self.tokens_N[self.mask_NN[i]]
+
+    def mask(self) -> torch.Tensor:
+        """The ancestor mask ``M`` (N, N), bool: ``M[i, j]`` iff ``j`` is ``i`` or an ancestor of ``i``."""
+        return self.mask_NN
+
+    def positions(self, offset: int) -> torch.Tensor:
+        """Position ids of the nodes: ``offset + depth`` (offset = the root's position), shape (N,)."""
+        return offset + self.depths_N
+
+    def append_level(self, tokens_LK: torch.Tensor, logprobs_LK: torch.Tensor, width: int) -> torch.Tensor:
+        """Append the ``width`` best of the bottom level's candidate children; return their new indices.
+
+        Row ``l`` of ``tokens_LK`` / ``logprobs_LK`` holds the candidates (token ids and edge log-probs)
+        of the ``l``-th node of :meth:`bottom_level`. Candidates are ranked by cumulative log-prob; ties go
+        to the earlier parent, then the earlier candidate. Candidates with log-prob -inf are never kept.
+        The kept ones are appended grouped by parent, in candidate order within a parent.
+        """
+        bottom_L = self.bottom_level()
+        tokens_LK = torch.as_tensor(tokens_LK, dtype=torch.long).cpu()
+        logprobs_LK = torch.as_tensor(logprobs_LK).float().cpu()
+        if tokens_LK.dim() != 2 or tokens_LK.shape[0] != bottom_L.shape[0] or logprobs_LK.shape != tokens_LK.shape:
+            raise SpdInputError(
+                f"append_level expects candidate tokens and log-probs of shape (L, K) with L = "
+                f"{bottom_L.shape[0]} (the bottom level's size), got {tuple(tokens_LK.shape)} and "
+                f"{tuple(logprobs_LK.shape)}"
+            )
+        if width < 1:
+            raise SpdInputError(f"the tree width must be a positive integer, got {width}")
+        k = tokens_LK.shape[1]
+        cum_LK = self.cum_logprobs_N[bottom_L][:, None] + logprobs_LK
+        # A stable descending sort breaks ties by flat index = (parent rank, candidate rank).
+        order = torch.sort(cum_LK.flatten(), descending=True, stable=True).indices[:width]
+        order = order[torch.isfinite(cum_LK.flatten()[order])]
+        chosen = torch.sort(order).values  # back to (parent, candidate) order: BFS order of the new level
+        parent_rank, cand = chosen // k, chosen % k
+        parents_T = bottom_L[parent_rank]
+        n, t = len(self), chosen.shape[0]
+        self.tokens_N = torch.cat([self.tokens_N, tokens_LK[parent_rank, cand]])
+        self.parents_N = torch.cat([self.parents_N, parents_T])
+        self.depths_N = torch.cat([self.depths_N, self.depths_N[parents_T] + 1])
+        self.logprobs_N = torch.cat([self.logprobs_N, logprobs_LK[parent_rank, cand]])
+        self.cum_logprobs_N = torch.cat([self.cum_logprobs_N, cum_LK[parent_rank, cand]])
+        # New rows: the parent's row plus the node itself; no old node has a new node as ancestor.
+        rows_TN = torch.cat([self.mask_NN[parents_T], torch.eye(t, dtype=torch.bool)], dim=1)
+        self.mask_NN = torch.cat([torch.cat([self.mask_NN, torch.zeros(n, t, dtype=torch.bool)], 1), rows_TN])
+        return torch.arange(n, n + t)
+
+    def prune_to_child(self, child: int) -> torch.Tensor:
+        """Keep only the subtree of ``child`` (a child of the root), which becomes the root.
+
+        Returns the kept old indices (sorted: the new BFS order is the old one restricted), the index
+        set with which callers prune KV caches, mask rows and in-flight activations: activations of old
+        nodes ``idx`` keep the rows ``torch.isin(idx, kept)``, whose new indices are
+        ``torch.searchsorted(kept, idx[keep])``. Depths and cumulative log-probs become relative to the
+        new root.
+        """
+        child = int(child)
+        if not 0 < child < len(self) or int(self.parents_N[child]) != 0:
+            raise SpdInputError(f"prune_to_child expects a child of the root (one of {self.children(0).tolist()}), "
+                                f"got node {child}")
+        kept = torch.nonzero(self.mask_NN[:, child])[:, 0]
+        new_index = torch.full((len(self),), -1, dtype=torch.long)
+        new_index[kept] = torch.arange(kept.shape[0])
+        parents = self.parents_N[kept]
+        self.parents_N = torch.where(parents >= 0, new_index[parents.clamp(min=0)], -1)  # old root -> -1
+        self.tokens_N = self.tokens_N[kept]
+        self.depths_N = self.depths_N[kept] - 1
+        self.logprobs_N = self.logprobs_N[kept]
+        self.logprobs_N[0] = 0.0
+        self.cum_logprobs_N = self.cum_logprobs_N[kept] - self.cum_logprobs_N[child]
+        self.mask_NN = self.mask_NN[kept][:, kept]
+        return kept
+
+
+# ------------------------------------------------------------------------------------- verification
+def _candidates(child_tokens: torch.Tensor | Sequence[int]) -> list[int]:
+    return torch.as_tensor(child_tokens, dtype=torch.long).flatten().tolist()
+
+
+def _probs(p_V: torch.Tensor, name: str = "p") -> torch.Tensor:
+    """A float64 copy of a 1-D distribution (float64 keeps the residual updates from drifting)."""
+    if p_V.dim() != 1:
+        raise SpdInputError(f"{name} must be a 1-D distribution over the vocabulary, got shape {tuple(p_V.shape)}")
+    return p_V.detach().to(torch.float64).clone()
+
+
+def _draw(p_V: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(p_V, 1, generator=generator))
+
+
+def _uniform(p_V: torch.Tensor, generator: torch.Generator | None) -> float:
+    return float(torch.rand((), generator=generator, dtype=torch.float64, device=p_V.device))
+
+
+def verify_greedy(p_or_logits_V: torch.Tensor, child_tokens: torch.Tensor | Sequence[int]) -> tuple[int | None, int]:
+    """Greedy verification: ``(index of the child equal to the argmax or None, the argmax token)``."""
+    token = int(torch.argmax(p_or_logits_V))
+    cands = _candidates(child_tokens)
+    return (cands.index(token) if token in cands else None), token
+
+
+def verify_sampled_deterministic(p_V: torch.Tensor, child_tokens: torch.Tensor | Sequence[int],
+                                 generator: torch.Generator | None) -> tuple[int | None, int]:
+    """Lossless multi-candidate sampling for deterministically chosen candidates: ``(index or None, token)``.
+
+    Candidates are tried in order: accept ``x`` with probability ``p(x)``; else set ``p(x) = 0``,
+    renormalise and try the next; if all are rejected the token is drawn from the residual ``p``.
+    Each step outputs ``p(x) * delta_x + (1 - p(x)) * p(. | != x) = p``, so the token is distributed
+    exactly as ``p`` provided that (1) ``p_V`` is the distribution plain sampling would draw from (the
+    target's warped probabilities after the root) and (2) the candidate list was fixed without looking
+    at this function's random draws (top-k of a draft, top-W of a tree level, any order; duplicates
+    are allowed and simply never accepted twice). It does not need the draft's probabilities.
+    """
+    residual_V = _probs(p_V)
+    for i, x in enumerate(_candidates(child_tokens)):
+        # Compare with p(x) / mass rather than renormalising in place: exactly 1 when x holds all mass left.
+        if _uniform(residual_V, generator) < float(residual_V[x] / residual_V.sum()):
+            return i, x
+        residual_V[x] = 0.0
+    return None, _draw(residual_V, generator)
+
+
+def verify_sampled_recursive(p_V: torch.Tensor, child_tokens: torch.Tensor | Sequence[int],
+                             q_list: torch.Tensor | Sequence[torch.Tensor],
+                             generator: torch.Generator | None) -> tuple[int | None, int]:
+    """Recursive rejection sampling (SpecInfer) for sampled candidates: ``(index or None, token)``.
+
+    Candidate ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``; on rejection
+    ``p_{i+1} = normalise(max(p_i - q_i, 0))``; if all are rejected the token is drawn from the last
+    residual. Step ``i`` outputs ``min(p_i, q_i) + max(p_i - q_i, 0) = p_i``, so the token is
+    distributed exactly as ``p`` provided that (1) ``p_V`` is the target's warped distribution after
+    the root, and (2) given the context and the earlier candidates ``x_1..x_{i-1}`` (but not this
+    function's draws), ``x_i`` was drawn from ``q_list[i]`` (one (V,) tensor stands for every
+    candidate, a (C, V) tensor or a list gives one per candidate). I.i.d. draws from one draft distribution
+    (sampling with replacement: every ``q_i = q``) qualify, and so do draws without replacement when
+    ``q_i`` is ``q`` renormalised without ``x_1..x_{i-1}``. Candidates that were filtered after
+    sampling by a rule that looks at the sampled values (e.g. keeping the top-W of a level by
+    cumulative probability) do not qualify: use deterministic candidates and
+    :func:`verify_sampled_deterministic` for such trees.
+    """
+    cands = _candidates(child_tokens)
+    if isinstance(q_list, torch.Tensor) and q_list.dim() == 1:
+        q_list = [q_list] * len(cands)
+    if len(q_list) != len(cands):
+        raise SpdInputError(f"verify_sampled_recursive needs one draft distribution per candidate: got "
+                            f"{len(q_list)} for {len(cands)} candidates")
+    p_i = _probs(p_V)
+    p_i /= p_i.sum()
+    for i, x in enumerate(cands):
+        q_i = _probs(q_list[i], "each draft distribution q")
+        q_i /= q_i.sum()
+        # u < p/q written as u * q < p: q(x) = 0 (x could not have been drawn) accepts whenever p(x) > 0.
+        if _uniform(p_i, generator) * float(q_i[x]) < float(p_i[x]):
+            return i, x
+        residual_V = torch.clamp(p_i - q_i, min=0.0)
+        mass = residual_V.sum()
+        if mass > 0:  # mass 0 means p_i == q_i: rejection has probability 0 then, keep p_i.
+            p_i = residual_V / mass
+    return None, _draw(p_i, generator)

@@ -1,0 +1,300 @@
+"""The pipelined engine: lossless greedy decoding, flush/rollback corner cases, the head fed the right depths,
+and lossless sampling (a chi-square test against the target's exact distribution)."""
+
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from spd.distill import DistillConfig, new_head
+from spd.engine import PipelineEngine
+from spd.errors import SpdInputError
+from spd.generation import generate_ar
+from spd.sampling import SamplingParams, warped_probs
+from spd.staging import StagedModel
+
+VARIANTS = {"spd": "spd", "output": "output_state", "ppsd": "ppsd"}
+PROMPTS = [[5, 17, 3, 99, 42, 8], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [64, 3]]
+
+
+def _engine(family="llama", n=4, variant="spd", layers=8, seed=0, head_seed=1, **model_kw):
+    staged = StagedModel(tiny_model(family, seed=seed, layers=layers, **model_kw), n)
+    torch.manual_seed(head_seed)
+    head = new_head(staged, DistillConfig(n_stages=n, variant=VARIANTS[variant]))
+    return PipelineEngine(staged, head.eval())
+
+
+class ScriptedEngine(PipelineEngine):
+    """The real engine and head, but each proposal's token is replaced by a scripted right or wrong one.
+
+    ``right(position) -> bool`` decides; the right token is the autoregressive reference's, a wrong one
+    differs from it. Used to force the flush paths that a head would hit only by chance.
+    """
+
+    def __init__(self, engine, reference, prompt_len, right):
+        super().__init__(engine.staged, engine.speculator)
+        self.reference, self.prompt_len, self.right = reference, prompt_len, right
+
+    def _propose(self, head, head_cache, inflight, sampling, generator, stats):
+        slot = super()._propose(head, head_cache, inflight, sampling, generator, stats)
+        index = slot.position - self.prompt_len
+        good = self.reference[index] if index < len(self.reference) else 0
+        token = good if self.right(slot.position) else (good + 1) % self.staged.vocab_size
+        return self._enter(token, slot.position, slot.q_V, slot.rank)
+
+
+# ---------------------------------------------------------------------------------------- greedy
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_spd_equals_ar(n, variant):
+    engine = _engine(n=n, variant=variant)
+    for prompt in PROMPTS:
+        ar = generate_ar(engine.staged, prompt, 40)
+        spd = engine.run(prompt, 40, SamplingParams())
+        pp = engine.run(prompt, 40, SamplingParams(), use_head=False)
+        assert spd.token_ids == ar.token_ids
+        assert pp.token_ids == ar.token_ids
+        assert pp.stats.steps == n * pp.stats.decode_tokens  # one token in flight: K = n N
+        s = spd.stats
+        assert s.decode_tokens == len(ar.token_ids) - 1
+        assert s.verified == s.accepted + s.flushes
+        assert sum(s.verified_by_position) == s.verified and sum(s.accepted_by_position) == s.accepted
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_greedy_spd_equals_ar_other_families(family):
+    engine = _engine(family=family, n=4)
+    for prompt in PROMPTS[:2]:
+        assert engine.run(prompt, 30, SamplingParams()).token_ids == generate_ar(engine.staged, prompt, 30).token_ids
+
+
+def test_greedy_spd_equals_ar_on_the_testbed(tiny_testbed):
+    staged_by_n = {n: StagedModel.from_pretrained(tiny_testbed / "target", n_stages=n) for n in (2, 4, 8)}
+    from spd.staging import load_tokenizer
+
+    tok = load_tokenizer(tiny_testbed / "target")
+    prompts = [tok(text)["input_ids"] for text in ("def main(argv):\n    ", "import os\n", "class A:\n    def")]
+    for n, staged in staged_by_n.items():
+        torch.manual_seed(n)
+        engine = PipelineEngine(staged, new_head(staged, DistillConfig(n_stages=n)).eval())
+        for ids in prompts:
+            assert engine.run(ids, 48, SamplingParams()).token_ids == generate_ar(staged, ids, 48).token_ids
+
+
+# ------------------------------------------------------------------------------ flush corner cases
+
+
+def _scripted(n, right, max_new=24, prompt=(5, 17, 3, 99), eos=None):
+    engine = _engine(n=n)
+    prompt = list(prompt)
+    reference = generate_ar(engine.staged, prompt, max_new, eos_token_id=eos).token_ids
+    scripted = ScriptedEngine(engine, reference, len(prompt), right)
+    out = scripted.run(prompt, max_new, SamplingParams(), eos_token_id=eos)
+    assert out.token_ids == reference
+    return out.stats, reference
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_every_proposal_right_fills_the_pipeline(n):
+    stats, ref = _scripted(n, right=lambda pos: True)
+    assert stats.flushes == 0
+    assert stats.steps == stats.decode_tokens + n - 1  # warm-up once, then one token per step
+    assert stats.equivalent_accept_length == pytest.approx(n * stats.decode_tokens / stats.steps)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_every_proposal_wrong_flushes_every_time(n):
+    stats, ref = _scripted(n, right=lambda pos: False)  # consecutive flushes
+    assert stats.flushes == stats.decode_tokens == stats.verified
+    assert stats.steps == n * stats.decode_tokens  # as slow as the plain pipeline, never slower
+    assert stats.verified_by_position[0] == stats.flushes  # every verified proposal is a first one
+
+
+def test_rejection_at_the_first_speculated_token():
+    prompt_len = 4
+    stats, ref = _scripted(4, right=lambda pos: pos != prompt_len + 1)
+    assert stats.flushes == 1
+    assert stats.verified_by_position[0] == 2 and stats.accepted_by_position[0] == 1  # rejected, then the reseed's
+
+
+def test_alternating_rejections():
+    _scripted(4, right=lambda pos: pos % 3 != 0)
+    _scripted(2, right=lambda pos: pos % 2 == 0)
+
+
+def test_eos_inside_the_pipeline():
+    engine = _engine(n=4)
+    prompt = [5, 17, 3, 99]
+    free = generate_ar(engine.staged, prompt, 24).token_ids
+    eos = free[6]  # the 7th new token: several proposals are in flight behind it when it is committed
+    stats, ref = _scripted(4, right=lambda pos: True, eos=eos)
+    assert ref[-1] == eos and len(ref) == free.index(eos) + 1
+    assert stats.stop_reason == "eos"
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 7])
+def test_max_new_tokens_reached_mid_pipeline(max_new):
+    stats, ref = _scripted(4, right=lambda pos: True, max_new=max_new)
+    assert len(ref) == max_new and stats.new_tokens == max_new and stats.stop_reason == "max_new_tokens"
+    assert stats.steps == (0 if max_new == 1 else max_new - 1 + 3)
+
+
+def test_prompt_of_length_one():
+    _scripted(4, right=lambda pos: pos % 2 == 1, prompt=(7,))
+    _scripted(2, right=lambda pos: False, prompt=(7,))
+
+
+def test_context_full_stops_at_the_model_limit():
+    engine = _engine(n=4)  # max_position_embeddings = 256
+    prompt = [3 + i % 100 for i in range(250)]
+    out = engine.run(prompt, 40, SamplingParams())
+    assert out.token_ids == generate_ar(engine.staged, prompt, 40).token_ids
+    assert len(out.token_ids) == 6 and out.stats.stop_reason == "context_full"
+
+
+# ------------------------------------------------------------- the head sees the depths it trained on
+
+
+class RecordingEngine(PipelineEngine):
+    """Records the head's logits with the tokens and depths it was computed from."""
+
+    def __init__(self, engine):
+        super().__init__(engine.staged, engine.speculator)
+        self.records = []
+
+    def _head_logits(self, head, head_cache, inflight):
+        logits = PipelineEngine._head_logits(head, head_cache, inflight)
+        self.records.append(([(s.token, s.position) for s in inflight], len(inflight), logits[0].clone()))
+        return logits
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("n", [2, 4])
+def test_engine_proposals_equal_the_training_forward(variant, n):
+    """Each proposal made from a correct context equals the training forward at that position and fill."""
+    engine = RecordingEngine(_engine(n=n, variant=variant))
+    prompt = [5, 17, 3, 99, 42, 8]
+    out = engine.run(prompt, 30, SamplingParams())
+    sequence = prompt + out.token_ids
+    ids = torch.tensor([sequence])
+    head = engine.speculator
+    hidden = engine.staged.hidden_states(ids, sorted(set(head.needed_anchors())))
+    checked = 0
+    for inflight, fill, logits in engine.records:
+        if any(sequence[pos] != tok for tok, pos in inflight):
+            continue  # proposed behind a wrong speculative token: no training position to compare with
+        t = inflight[-1][1]
+        with torch.no_grad():
+            ref = head.logits(head.forward_train(hidden, torch.tensor([fill]))[0, t])
+        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+        checked += 1
+    assert checked >= 5
+
+
+# -------------------------------------------------------------------------------------- sampling
+
+
+def _sequence_probs(staged, prompt, params, length):
+    """Exact probability of every continuation of ``length`` tokens under the warped target (AR chain rule)."""
+    vocab = staged.vocab_size
+    probs = {(): 1.0}
+    for _ in range(length):
+        nxt = {}
+        prefixes = list(probs)
+        ids = torch.tensor([prompt + list(p) for p in prefixes])
+        with torch.no_grad():
+            logits = staged.model(ids).logits[:, -1]
+        p_next = warped_probs(logits, params)
+        for i, prefix in enumerate(prefixes):
+            for tok in range(vocab):
+                nxt[prefix + (tok,)] = probs[prefix] * float(p_next[i, tok])
+        probs = nxt
+    return probs
+
+
+def _chi_square_p_value(counts: dict, probs: dict, samples: int) -> float:
+    """Pearson chi-square goodness of fit, cells with expected count < 5 pooled into one."""
+    stat, dof, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
+    for outcome, p in probs.items():
+        expected, observed = p * samples, counts.get(outcome, 0)
+        if expected < 5:
+            pooled_obs, pooled_exp = pooled_obs + observed, pooled_exp + expected
+            continue
+        stat += (observed - expected) ** 2 / expected
+        dof += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        dof += 1
+    assert dof >= 10, "too few cells for a meaningful test"
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("n,params", [
+    (2, SamplingParams(temperature=1.0)),
+    (3, SamplingParams(temperature=0.7, top_k=4, top_p=0.9)),
+])
+def test_sampled_spd_follows_the_target_distribution(n, params):
+    """3-token continuations from 3000 seeds vs the exact warped target distribution (chi-square, p > 1e-3)."""
+    vocab, length, samples = 6, 3, 2000
+    staged = StagedModel(tiny_model("llama", seed=3, layers=6, vocab=vocab, bos_token_id=0, eos_token_id=None,
+                                    pad_token_id=0), n)
+    with torch.no_grad():
+        staged.lm_head.weight.mul_(0.05)  # peaked but not degenerate next-token distributions
+    torch.manual_seed(4)
+    head = new_head(staged, DistillConfig(n_stages=n)).eval()
+    with torch.no_grad():
+        head.lm_head.weight.normal_(0, 0.5)  # a head whose q differs from p: many rejections and residual draws
+    engine = PipelineEngine(staged, head)
+    prompt = [1, 4, 2]
+    exact = _sequence_probs(staged, prompt, params, length)
+    counts, flushes, verified = {}, 0, 0
+    for seed in range(samples):
+        out = engine.run(prompt, length, SamplingParams(params.temperature, params.top_k, params.top_p, seed))
+        key = tuple(out.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+        flushes += out.stats.flushes
+        verified += out.stats.verified
+    assert 0.1 * verified < flushes < 0.9 * verified  # both verification outcomes are exercised
+    assert _chi_square_p_value(counts, exact, samples) > 1e-3
+
+
+def test_sampling_is_reproducible_for_a_seed():
+    engine = _engine(n=4)
+    params = SamplingParams(temperature=1.0, top_k=20, seed=11)
+    a = engine.run([5, 6, 7], 30, params).token_ids
+    b = engine.run([5, 6, 7], 30, params).token_ids
+    assert a == b
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+def test_head_for_another_pipeline_is_refused():
+    engine = _engine(n=4)
+    with pytest.raises(SpdInputError, match="trained for n = 4 stages but the pipeline has 2"):
+        PipelineEngine(StagedModel(tiny_model("llama"), 2), engine.speculator)
+    with pytest.raises(SpdInputError, match="hidden size"):
+        PipelineEngine(StagedModel(tiny_model("llama", hidden_size=32), 4), engine.speculator)
+    with pytest.raises(SpdInputError, match="dtype|same"):
+        PipelineEngine(engine.staged, engine.speculator.to(torch.float64))
+
+
+def test_generate_api_modes_and_streamer():
+    engine = _engine(n=2)
+    seen = []
+    out = engine.generate([5, 6, 7], max_new_tokens=12, streamer=seen.append)
+    assert out.token_ids == seen == generate_ar(engine.staged, [5, 6, 7], 12).token_ids
+    assert out.stats.mode == "spd"
+    assert engine.generate([5, 6, 7], max_new_tokens=12, mode="pp").stats.mode == "pp"
+    assert engine.generate([5, 6, 7], max_new_tokens=12, mode="ar").token_ids == out.token_ids
+    with pytest.raises(SpdInputError, match="unknown mode"):
+        engine.generate([5], mode="tree")
+    with pytest.raises(SpdInputError, match="tokenizer"):
+        engine.generate("text prompt")
+    stats = out.stats.as_dict()
+    for key in ("stages", "steps", "accepted", "flushes", "acceptance_rate", "equivalent_accept_length",
+                "theoretical_speedup"):
+        assert key in stats
