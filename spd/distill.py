@@ -73,10 +73,10 @@ class DistillConfig:
     eval_every: int = 200  # optimizer steps (0 = only at the end)
     eval_rows: int = 64  # held-out rows used per evaluation
     log_every: int = 10
-    wandb: bool = False
-    wandb_project: str = "spd"
-    wandb_mode: str = "offline"
-    tensorboard: bool = False
+    wandb: bool = False  # log to Weights & Biases; its run files go to <output_dir>/wandb (needs wandb)
+    wandb_project: str = "spd"  # wandb project; also the TensorBoard run name (<output_dir>/logs/<wandb_project>)
+    wandb_mode: str = "offline"  # offline (upload later with `wandb sync`) | online | disabled
+    tensorboard: bool = False  # log to <output_dir>/logs: `tensorboard --logdir <output_dir>/logs` (needs tensorboard)
     output_dir: str = "runs/spd"
     save_every: int = 500  # optimizer steps (0 = only at the end)
     keep_checkpoints: int = 2

@@ -164,7 +164,7 @@ class LocalStages:
         return self.staged.forward_stages(prompt_ids_1T, self.caches, anchors=anchors)
 
     def launch(self, inflight: list[Slot]) -> None:
-        """Start the step's stage work (remote stages begin computing while the head speculates)."""
+        """Hand the newest slot, if it is about to enter stage 1, to the stages as early as possible."""
 
     def collect(self, inflight: list[Slot]) -> None:
         """Finish the step: every in-flight slot has advanced by one stage (hidden, anchors, depth)."""
@@ -288,6 +288,9 @@ class PipelineEngine:
             # 1. Input-state speculation reads the state at the start of the step (concurrent with 2).
             if head is not None and schedule == "input" and inflight[-1].position + 1 < end_position:
                 proposal = self._propose(head, head_cache, inflight, sampling, generator, stats)
+                # Remote stage 1 may start on it as soon as it is free; a flush later in this step
+                # invalidates it through the epoch (the single-process backend ignores this).
+                self.stages.launch([proposal])
             # 2. Every stage advances the token it holds.
             tick = time.perf_counter()
             self.stages.collect(inflight)

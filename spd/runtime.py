@@ -289,6 +289,7 @@ class RemoteStages:
         self.link = Link(0, config, staged.dtype, staged.device, staged.config.hidden_size)
         self.epoch = 0
         self.stage_anchors: list[list[int]] = [[] for _ in range(self.n)]
+        self._sent = (0, -1)  # (epoch, position) of the last token sent to stage 1
 
     def configure(self, stage_anchors: list[list[int]]) -> None:
         self.stage_anchors = stage_anchors
@@ -320,9 +321,12 @@ class RemoteStages:
         return StageOutput(last_hidden, collected)
 
     def launch(self, inflight) -> None:
+        """Send the newest slot to stage 1 if it has not entered yet (once per epoch and position)."""
         newest = inflight[-1]
-        if newest.depth == 0:
+        key = (self.epoch, newest.position)
+        if newest.depth == 0 and key != self._sent:
             self.link.send(1, DATA_TAG, TOKEN, self.epoch, newest.position, newest.hidden_1TD[0][:, None])
+            self._sent = key
 
     def collect(self, inflight) -> None:
         for slot in inflight:

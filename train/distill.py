@@ -7,12 +7,15 @@
 Every config key can be overridden as ``key=value``. The head is written to ``<output_dir>/final``
 (a ``from_pretrained`` directory); checkpoints go to ``<output_dir>/checkpoints/step-N`` and ``--resume``
 continues the newest one exactly (weights, optimizer, scheduler, data position, RNG).
+``tensorboard=true`` logs to ``<output_dir>/logs`` (``tensorboard --logdir <output_dir>/logs``); ``wandb=true``
+logs offline by default (``wandb_mode=offline``) to ``<output_dir>/wandb`` (upload later with ``wandb sync``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import math
 import shutil
@@ -46,9 +49,32 @@ def lr_lambda(step: int, warmup: int, total: int) -> float:
     return max(0.0, (total - step) / max(1, total - warmup))
 
 
+def _import_any(*modules: str) -> bool:
+    for name in modules:
+        try:
+            importlib.import_module(name)
+            return True
+        except ImportError:
+            pass
+    return False
+
+
+def check_trackers(cfg) -> list[str]:
+    """The accelerate trackers ``cfg`` asks for, after checking that their packages import (one clear error if not)."""
+    if cfg.wandb and cfg.wandb_mode not in ("offline", "online", "disabled"):
+        raise SpdInputError(f"wandb_mode must be offline, online or disabled, got '{cfg.wandb_mode}'")
+    if cfg.wandb and not _import_any("wandb"):
+        raise SpdInputError("wandb=true needs the wandb package (pip install wandb, or pip install 'spd[train]')")
+    # accelerate's TensorBoard tracker writes with torch.utils.tensorboard (needs tensorboard) or tensorboardX
+    if cfg.tensorboard and not _import_any("torch.utils.tensorboard", "tensorboardX"):
+        raise SpdInputError("tensorboard=true needs the tensorboard package (pip install tensorboard)")
+    return [name for name, on in (("wandb", cfg.wandb), ("tensorboard", cfg.tensorboard)) if on]
+
+
 def train(cfg, resume: bool) -> dict:
+    log_with = check_trackers(cfg)  # before anything slow is loaded
     from accelerate import Accelerator, DataLoaderConfiguration
-    from accelerate.utils import set_seed
+    from accelerate.utils import ProjectConfiguration, set_seed
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
     from spd.data import DataConfig, prepare_dataset
@@ -61,9 +87,10 @@ def train(cfg, resume: bool) -> dict:
 
     on_gpu = torch.cuda.is_available()
     mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if on_gpu else "no")
-    log_with = [name for name, on in (("wandb", cfg.wandb), ("tensorboard", cfg.tensorboard)) if on]
     accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=mixed,
-                              log_with=log_with or None, project_dir=cfg.output_dir,
+                              log_with=log_with or None,
+                              project_config=ProjectConfiguration(project_dir=cfg.output_dir,
+                                                                  logging_dir=str(Path(cfg.output_dir) / "logs")),
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     main = accelerator.is_main_process
     say = accelerator.print
@@ -122,8 +149,11 @@ def train(cfg, resume: bool) -> dict:
         say(f"[resume] {ckpt.name}: step {step}, {batches_done} batches done")
 
     if log_with:
-        init_kwargs = {"wandb": {"mode": cfg.wandb_mode}} if cfg.wandb else {}
-        accelerator.init_trackers(cfg.wandb_project, config=dataclasses.asdict(cfg), init_kwargs=init_kwargs)
+        # TensorBoard writes to <output_dir>/logs/<wandb_project>, wandb to <output_dir>/wandb/<run>. TensorBoard's
+        # hparams take only scalars and strings, so lists (boundaries, anchors) go in as JSON.
+        hparams = {k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in dataclasses.asdict(cfg).items()}
+        init_kwargs = {"wandb": {"mode": cfg.wandb_mode, "dir": str(out)}} if cfg.wandb else {}
+        accelerator.init_trackers(cfg.wandb_project, config=hparams, init_kwargs=init_kwargs)
 
     def save_checkpoint() -> None:
         final = out / "checkpoints" / f"step-{step}"
@@ -148,7 +178,9 @@ def train(cfg, resume: bool) -> dict:
         metrics = evaluate(accelerator.unwrap_model(head), staged, eval_batches, cfg.tau, cfg.kd_chunk)
         say(f"[eval] step {step}: kd_loss {metrics['kd_loss']:.4f}, top-1 (full pipeline) {metrics['top1_full']:.4f}, "
             f"by fill {metrics['top1_by_fill']}, L'_acc est {metrics['L_acc_est']:.3f}")
-        accelerator.log({f"eval/{k}": v for k, v in metrics.items() if isinstance(v, float)}, step=step)
+        logs = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, float)}
+        logs.update({f"eval/top1_fill{fill}": v for fill, v in metrics["top1_by_fill"].items()})
+        accelerator.log(logs, step=step)
         return metrics
 
     t0 = time.time()
@@ -175,7 +207,7 @@ def train(cfg, resume: bool) -> dict:
                     scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             batches_done += 1
-            window_loss += float(result.loss_sum)
+            window_loss += float(result.loss_sum.detach())
             window_agree += result.agree
             window_count += result.count
             if not accelerator.sync_gradients:
