@@ -3,8 +3,10 @@
     python infer/bench.py --run ar --run pp:4 --run spd:runs/testbed-n4/final --run spd:runs/testbed-n8/final \
         --temperatures 0 1 --num-prompts 50 --out bench.json --plot bench.png
 
-A run is ``ar``, ``pp:N`` (standard pipeline with N stages) or ``spd:HEAD`` (a trained head; the pipeline
-has the head's n stages and the head's variant: SPD, output-state or PPSD), optionally named
+A run is ``ar``, ``pp:N`` (standard pipeline with N stages), ``spd:HEAD`` (a trained head; the pipeline
+has the head's n stages and the head's variant: SPD, output-state or PPSD) or ``tree:SOURCE:N:W:K`` (the
+token-tree engine with N stages, W nodes kept per level, K children per node; SOURCE is a draft model
+sharing the target's tokenizer, or an SPD head directory for the head with width W), optionally named
 ``NAME=SPEC``. Prompts are jsonl rows with ``"prompt"`` (raw text) or ``"messages"``/``"conversations"``
 (rendered with the tokenizer's chat template, a trailing assistant turn dropped). Every run sees every
 prompt at every temperature, in interleaved order. At T=0 each run's tokens are compared with ``ar``'s
@@ -35,13 +37,16 @@ from spd.paths import default_testbed_dir
 @dataclass
 class RunSpec:
     name: str
-    mode: str  # ar / pp / spd
+    mode: str  # ar / pp / spd / tree
     stages: int = 1
     head: str | None = None
+    source: str | None = None  # tree: a draft model or an SPD head directory
+    width: int = 1  # tree: W
+    children: int = 1  # tree: K
 
 
 def parse_run(text: str) -> RunSpec:
-    """``ar`` | ``pp:N`` | ``spd:HEAD``, optionally prefixed by ``NAME=``."""
+    """``ar`` | ``pp:N`` | ``spd:HEAD`` | ``tree:SOURCE:N:W:K``, optionally prefixed by ``NAME=``."""
     name, _, spec = text.rpartition("=") if "=" in text else ("", "", text)
     mode, _, arg = spec.partition(":")
     if mode == "ar" and not arg:
@@ -50,7 +55,14 @@ def parse_run(text: str) -> RunSpec:
         return RunSpec(name or f"pp n={arg}", "pp", int(arg))
     if mode == "spd" and arg:
         return RunSpec(name or arg, "spd", 0, arg)
-    raise SpdInputError(f"--run '{text}' is not a run; expected ar, pp:N or spd:HEAD_DIR (optionally NAME=...)")
+    if mode == "tree":
+        source, *numbers = arg.rsplit(":", 3)
+        if source and len(numbers) == 3 and all(x.isdigit() and int(x) >= 1 for x in numbers):
+            n, width, children = (int(x) for x in numbers)
+            return RunSpec(name or f"tree {source} n={n} W={width} K={children}", "tree", n, None, source, width,
+                           children)
+    raise SpdInputError(f"--run '{text}' is not a run; expected ar, pp:N, spd:HEAD_DIR or tree:SOURCE:N:W:K "
+                        "(optionally NAME=...)")
 
 
 def parse_args(argv=None):
@@ -60,7 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: the target's)")
     p.add_argument("--prompts", default=str(tb / "prompts.jsonl"), help="jsonl of prompts")
     p.add_argument("--num-prompts", type=int, default=50)
-    p.add_argument("--run", action="append", default=[], help="ar | pp:N | spd:HEAD (repeatable)")
+    p.add_argument("--run", action="append", default=[], help="ar | pp:N | spd:HEAD | tree:SOURCE:N:W:K (repeatable)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0])
     p.add_argument("--top-k", type=int, default=50, help="top-k when sampling (the paper's T=1 setting: 50)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -127,7 +139,11 @@ def summarize(records: list[dict], stages: int) -> dict:
         "acceptance_by_position": [a / v if v else None for a, v in zip(accepted, verified)],
         "verified_by_position": verified,
         "tokens_per_s": sum(r["new_tokens"] for r in records) / wall if wall else None,
+        "steps_per_token": steps / decode if decode else None,  # pp: n; lower is better
     }
+    if "mean_tree_size" in records[0]:
+        out["mean_tree_size"] = sum(r["tree_nodes_total"] for r in records) / steps if steps else None
+        out["stage_nodes_per_token"] = sum(r["stage_nodes"] for r in records) / decode if decode else None
     if steps and records[0].get("schedule") is not None:
         # Theoretical speedup over all prompts, with the variant's step cost (PipelineStats).
         ratio = statistics.fmean(r["theoretical_speedup"] / r["equivalent_accept_length"]
@@ -163,6 +179,11 @@ def _bench(args, runs: list[RunSpec]) -> int:
     engines: dict[str, PipelineEngine] = {}
     info: dict[str, dict] = {}
     for run in runs:
+        if run.mode == "tree":
+            if run.stages not in staged_by_n:
+                staged_by_n[run.stages] = StagedModel.from_pretrained(args.target, n_stages=run.stages)
+            engines[run.name], info[run.name] = _tree_run(run, staged_by_n[run.stages], tokenizer)
+            continue
         head = load_speculator(run.head) if run.head else None
         n = head.config.n_stages if head is not None else run.stages
         if n not in staged_by_n:
@@ -225,10 +246,35 @@ def _bench(args, runs: list[RunSpec]) -> int:
     return 0
 
 
+def _tree_run(run: RunSpec, staged, tokenizer):
+    """The tree engine of a ``tree:SOURCE:N:W:K`` run and its info row."""
+    from spd.speculator import SpeculatorConfig, load_speculator
+    from spd.staging import StagedModel, load_tokenizer
+    from spd.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
+
+    config = Path(run.source).expanduser() / "config.json"
+    is_head = config.is_file() and json.loads(config.read_text()).get("model_type") == SpeculatorConfig.model_type
+    if is_head:
+        head = load_speculator(run.source)
+        source, kind, layers = SpdHeadSource(head, staged, run.children), "spd", head.config.num_layers
+    else:
+        draft = StagedModel.from_pretrained(run.source, n_stages=1)
+        try:
+            draft_tokenizer = load_tokenizer(run.source)
+        except SpdInputError:
+            draft_tokenizer = None
+        source, kind, layers = DraftModelSource(draft, staged, run.children, tokenizer, draft_tokenizer), "draft", 0
+    engine = TreeEngine(staged, source, run.width, tokenizer)
+    info = {"mode": "tree", "stages": run.stages, "head": run.source if is_head else None,
+            "draft": None if is_head else run.source, "width": run.width, "children": run.children,
+            "variant": f"tree-{kind} W={run.width} K={run.children}", "speculator_layers": layers}
+    return engine, info
+
+
 def render_table(results: dict) -> str:
     """A markdown table: one row per temperature and run."""
     head = ("| T | run | variant | n | L'_acc (all) | L'_acc (mean/prompt) | theor. speedup | flushes "
-            "| acceptance by position k=1..n | identical to ar | tok/s (1 proc) |")
+            "| acceptance by position k=1..n | identical to ar | tok/s (1 proc) | steps/token | mean tree |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for key_t, by_run in results.items():
         for name, r in by_run.items():
@@ -241,7 +287,8 @@ def render_table(results: dict) -> str:
             same = f"{s['identical_to_ar']}/{s['prompts']}" if "identical_to_ar" in s else "-"
             lines.append(f"| {key_t[2:]} | {name} | {r['variant']} | {r['stages']} | {fmt(s.get('L_acc'))} "
                          f"| {fmt(s.get('L_acc_mean_per_prompt'))} | {fmt(s.get('theoretical_speedup'))} "
-                         f"| {s.get('flushes', '-')} | {fills} | {same} | {fmt(s.get('tokens_per_s'), 1)} |")
+                         f"| {s.get('flushes', '-')} | {fills} | {same} | {fmt(s.get('tokens_per_s'), 1)} "
+                         f"| {fmt(s.get('steps_per_token'))} | {fmt(s.get('mean_tree_size'), 1)} |")
     return "\n".join(lines)
 
 
@@ -260,7 +307,7 @@ def plot(results: dict, path: str) -> None:
     for ax, key_t in zip(axes, temps):
         for name, r in results[key_t].items():
             acc = r["summary"].get("acceptance_by_position")
-            if r["mode"] != "spd" or not acc:
+            if r["mode"] not in ("spd", "tree") or not acc:
                 continue
             xs = [a + 1 for a, v in enumerate(acc) if v is not None]
             ax.plot(xs, [v for v in acc if v is not None], marker="o", label=f"{name} ({r['variant']})")
@@ -274,7 +321,7 @@ def plot(results: dict, path: str) -> None:
         by_variant: dict[str, list[tuple[int, float, float]]] = {}
         for r in results[key_t].values():
             s = r["summary"]
-            if r["mode"] in ("spd", "pp") and s.get("L_acc") is not None:
+            if r["mode"] in ("spd", "pp", "tree") and s.get("L_acc") is not None:
                 by_variant.setdefault(r["variant"], []).append((r["stages"], s["L_acc"], s["theoretical_speedup"]))
         for variant, pts in sorted(by_variant.items()):
             pts.sort()

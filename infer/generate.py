@@ -3,9 +3,12 @@
     spd-generate --target testbed/target --prompt "def fibonacci(n):" --max-new-tokens 64
     spd-generate --mode spd --speculator runs/testbed-n4/final --stages 4 --prompt "import os" --json
     spd-generate --target Qwen/Qwen3-8B --revision main --prompt-file p.txt --temperature 0.7 --json
+    spd-generate --mode tree --draft-model testbed/draft --stages 4 --tree-width 4 --prompt "import os"
 
 Modes: ``ar`` (autoregressive, every stage per token), ``pp`` (standard pipeline: one token in flight),
-``spd`` (speculative pipeline decoding with a trained head; ``--stages`` defaults to the head's n).
+``spd`` (speculative pipeline decoding with a trained head; ``--stages`` defaults to the head's n),
+``tree`` (a token tree in the pipeline, one level per step: ``--draft-model`` for the training-free
+draft-model mode, or ``--speculator`` for an SPD head with width ``--tree-width``).
 
 Text streams to stdout and a one-line summary goes to stderr; ``--json`` prints one JSON object
 ``{"text", "token_ids", "stats"}`` instead. A wrong input prints one ``error:`` line and exits with 2.
@@ -22,7 +25,7 @@ from pathlib import Path
 from spd.errors import SpdInputError
 from spd.paths import check_model_source, default_testbed_dir
 
-MODES = ("ar", "pp", "spd")
+MODES = ("ar", "pp", "spd", "tree")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeline stages the target is cut into (default: the speculator's n, else 1)")
     p.add_argument("--speculator", default=None, help="speculation head for --mode spd: a directory or hub id")
     p.add_argument("--speculator-revision", default=None, help="hub revision of --speculator")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model for --mode tree: a directory or hub id of a small causal LM with the target's "
+                        "tokenizer")
+    p.add_argument("--draft-revision", default=None, help="hub revision of --draft-model")
+    p.add_argument("--tree-width", type=_positive_int, default=4,
+                   help="--mode tree: tree nodes kept per level, W (default: %(default)s)")
+    p.add_argument("--tree-children", type=_positive_int, default=4,
+                   help="--mode tree: candidate children per node, K (default: %(default)s)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file whose contents are the prompt")
@@ -112,8 +123,15 @@ def _check_numbers(args) -> None:
         raise SpdInputError(f"unknown --mode '{args.mode}'; expected one of: {', '.join(MODES)}")
     if args.mode == "spd" and args.speculator is None:
         raise SpdInputError("--mode spd needs --speculator DIR_OR_ID (a head trained by train/distill.py)")
-    if args.mode != "spd" and args.speculator is not None:
-        raise SpdInputError(f"--speculator is only used by --mode spd, but --mode is '{args.mode}'")
+    if args.mode not in ("spd", "tree") and args.speculator is not None:
+        raise SpdInputError(f"--speculator is only used by --mode spd and --mode tree, but --mode is '{args.mode}'")
+    if args.mode == "tree" and args.draft_model is None and args.speculator is None:
+        raise SpdInputError("--mode tree needs --draft-model DIR_OR_ID (a small causal LM with the target's "
+                            "tokenizer) or --speculator DIR_OR_ID (an SPD head)")
+    if args.mode == "tree" and args.draft_model is not None and args.speculator is not None:
+        raise SpdInputError("--mode tree takes one token source: --draft-model or --speculator, not both")
+    if args.mode != "tree" and args.draft_model is not None:
+        raise SpdInputError(f"--draft-model is only used by --mode tree, but --mode is '{args.mode}'")
 
 
 def _load_tokenizer(source: str, revision: str | None):
@@ -156,6 +174,8 @@ def run(args) -> int:
     check_model_source(args.target, "target")
     if args.speculator is not None:
         check_model_source(args.speculator, "speculator")
+    if args.draft_model is not None:
+        check_model_source(args.draft_model, "draft model")
     import torch
 
     from spd.engine import PipelineEngine
@@ -180,7 +200,10 @@ def run(args) -> int:
     stages = args.stages or (head.config.n_stages if head is not None else 1)
     staged = StagedModel.from_pretrained(args.target, n_stages=stages, revision=args.revision, dtype=dtype,
                                          device=args.device)
-    engine = PipelineEngine(staged, head, tokenizer)
+    if args.mode == "tree":
+        engine = _tree_engine(args, staged, head, tokenizer, dtype)
+    else:
+        engine = PipelineEngine(staged, head, tokenizer)
     streamer = None if args.json else _TextStreamer(tokenizer, sys.stdout)
     out = engine.generate(prompt_ids, args.max_new_tokens, mode=args.mode, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, streamer=streamer)
@@ -196,8 +219,28 @@ def run(args) -> int:
             line += (f"; {stats['stages']} stages, {stats['steps']} steps, {stats['flushes']} flushes, "
                      f"L'_acc {stats['equivalent_accept_length']:.2f}, "
                      f"theoretical speedup {stats['theoretical_speedup']:.2f}")
+        if "mean_tree_size" in stats:
+            line += f"; tree W={stats['width']} K={stats['children']}, mean size {stats['mean_tree_size']:.1f}"
         print(line, file=sys.stderr)
     return 0
+
+
+def _tree_engine(args, staged, head, tokenizer, dtype):
+    """The tree engine with an SPD head of width W, or with a draft model (refused unless it shares the tokenizer)."""
+    from spd.staging import StagedModel, load_tokenizer
+    from spd.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
+
+    if head is not None:
+        source = SpdHeadSource(head, staged, args.tree_children)
+    else:
+        draft = StagedModel.from_pretrained(args.draft_model, n_stages=1, revision=args.draft_revision, dtype=dtype,
+                                            device=args.device)
+        try:
+            draft_tokenizer = load_tokenizer(args.draft_model, args.draft_revision)
+        except SpdInputError:
+            draft_tokenizer = None  # a model-only directory: only the vocabulary sizes can be compared
+        source = DraftModelSource(draft, staged, args.tree_children, tokenizer, draft_tokenizer)
+    return TreeEngine(staged, source, args.tree_width, tokenizer)
 
 
 def _quiet_libraries() -> None:

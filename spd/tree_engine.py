@@ -1,0 +1,511 @@
+"""The pipelined token-tree engine (single process): SPEC section 6 on top of the engine of section 5.
+
+The target is cut into ``n`` stages as in :mod:`spd.engine`, but the pipeline carries tree *levels*
+instead of single tokens. The tree (:class:`spd.tree.TokenTree`) is rooted at the newest known token
+(position ``P`` = committed length); its level ``d`` holds speculated tokens for position ``P + d``.
+One **step** (the unit ``K`` counts):
+
+1. The token source grows the tree by one level: each node of the bottom level gets its top-``K``
+   children (``--tree-children``), and the ``W`` best of them by cumulative log-probability are kept
+   (``--tree-width``). It reads the state at the start of the step, so in a deployment it runs
+   concurrently with 2 on its own device. The new level enters stage 1 next step.
+2. Every stage advances the level it holds by one stage: stage ``s`` runs the level's nodes over its
+   KV cache (committed rows, causal, plus the tree nodes it has run, under the ancestor mask), at
+   position ids ``P + depth``, and appends their KV.
+3. When the root's level leaves stage ``n``, the target's distribution ``p`` for position ``P + 1``
+   is known and the root's children are verified: greedy: the child equal to ``argmax p``;
+   sampling: children tried in order, accepting ``x`` with probability ``p(x)`` and otherwise
+   removing ``x`` from ``p`` (:func:`spd.tree.verify_sampled_deterministic`). The chosen token is
+   committed; then
+   - hit (it is a child ``c``): the tree, every stage's tree KV, the in-flight activations and the
+     source's own state are pruned with one index set (the subtree of ``c``); the old root's KV row
+     becomes the last committed row; ``c`` is the new root, already in flight;
+   - miss: the tree is discarded, every stage's KV is truncated to the committed length and the
+     committed token reseeds the tree (a lone root entering stage 1: warm-up again).
+4. Stop on EOS (committed) or ``max_new_tokens``; the tree in flight is discarded.
+
+With ``W = 1`` the tree is a chain and this is the chain engine of :mod:`spd.engine` with another
+proposer (with the SPD head and ``W = 1`` it reproduces that engine's tokens and step counts).
+
+Why the output is lossless: a stage runs a level only after the level above it passed that stage, so
+when it runs a node its cache holds the committed prefix plus exactly that node's ancestors (the mask
+hides every other tree row) at consecutive positions: the target computes every node as a plain
+forward of ``committed + path`` would. Pruning keeps exactly the rows of the surviving subtree, and a
+miss cuts every cache back to the committed tokens. Verification is exact: greedy equality with the
+argmax, or the multi-candidate rule above, which outputs ``p(x)`` for every ``x`` because the
+candidate list is a deterministic function of the committed prefix (top-K / top-W of a deterministic
+source), fixed before the verification's random draws. Never accept branches independently: that
+over-samples the candidates.
+
+Two token sources share one small interface (``start``, ``expand``, ``commit_root``, ``prune``,
+``reset``): :class:`DraftModelSource`, a small causal LM with the target's tokenizer and its own KV cache
+over committed tokens and tree nodes, pruned with the tree (the training-free SpecPipe/PipeDec mode);
+and :class:`SpdHeadSource`, a trained input-state SPD head queried once per bottom node with that
+node's root path at its current depths.
+
+Shape suffixes: T nodes of one level, N tree nodes, L nodes of the bottom level, K candidates per
+node, D hidden size, V vocabulary; a leading 1 is the batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from .engine import PipelineStats, _as_callback, _stop_reason
+from .errors import SpdInputError
+from .generation import GenerationOutput, as_prompt_ids, check_request, eos_set, generate_ar
+from .sampling import SamplingParams, warped_probs
+from .speculator import Speculator, check_compatible
+from .staging import StageKVCache, StagedModel
+from .tree import TokenTree, verify_greedy, verify_sampled_deterministic
+
+MODES = ("tree", "ar")
+
+
+# ------------------------------------------------------------------------------------------ statistics
+
+
+@dataclass
+class TreeStats(PipelineStats):
+    """PipelineStats of the tree engine. A *verification* checks the root's children (``verified``,
+    ``accepted`` = hits, ``flushes`` = misses); ``verified_by_position[k-1]`` counts verifications of the
+    k-th level after a (re)seed (k = n: the full pipeline); ``proposals`` counts tree nodes created."""
+
+    source: str = ""  # "draft" or "head"
+    width: int = 1  # W: nodes kept per level
+    children: int = 1  # K: candidates per node
+    accepted_by_sibling: list[int] = field(default_factory=list)  # hits by the accepted child's rank among its siblings
+    candidates_verified: int = 0  # children offered to verification, summed
+    tree_nodes_total: int = 0  # tree size after each step's expansion, summed over steps
+    max_tree_size: int = 0
+    stage_nodes: int = 0  # node-stage evaluations (the target's work; pp does n per token)
+
+    @property
+    def mean_tree_size(self) -> float:
+        return self.tree_nodes_total / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        d = super().as_dict()
+        d["mean_tree_size"] = round(self.mean_tree_size, 4)
+        return d
+
+
+# --------------------------------------------------------------------------------------------- state
+
+
+@dataclass
+class Level:
+    """One tree level in flight: a contiguous range of tree indices and what the stages produced so far."""
+
+    start: int  # tree index of the level's first node
+    hidden_1TD: torch.Tensor  # input of the next stage (the embeddings at depth 0)
+    depth: int = 0  # stages completed
+    rank: int = 0  # k-th level after the last (re)seed, capped at n (0: a seed root)
+    anchors: dict[int, torch.Tensor] = field(default_factory=dict)  # H^l (T, D) that an SPD head reads
+
+    @property
+    def size(self) -> int:
+        return self.hidden_1TD.shape[1]
+
+
+def check_same_vocabulary(target: StagedModel, draft: StagedModel, target_tokenizer=None,
+                          draft_tokenizer=None) -> int:
+    """Refuse a draft model whose token ids mean something else than the target's; return the usable vocabulary.
+
+    With both tokenizers the token-to-id maps must be equal; the models' output sizes may then differ
+    only by padding rows beyond the tokenizer (those ids are never proposed).
+    """
+    if target_tokenizer is not None and draft_tokenizer is not None:
+        t_vocab, d_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+        if t_vocab != d_vocab:
+            raise SpdInputError(
+                f"the draft model's tokenizer ('{getattr(draft_tokenizer, 'name_or_path', '?')}', {len(d_vocab)} "
+                f"tokens) differs from the target's ('{getattr(target_tokenizer, 'name_or_path', '?')}', "
+                f"{len(t_vocab)} tokens); the tree mode needs a draft model with the target's tokenizer")
+        if draft.vocab_size != target.vocab_size and len(t_vocab) <= min(draft.vocab_size, target.vocab_size):
+            return min(draft.vocab_size, target.vocab_size)
+    if draft.vocab_size != target.vocab_size:
+        raise SpdInputError(
+            f"the draft model's vocabulary has {draft.vocab_size} tokens but the target's has {target.vocab_size}; "
+            "the tree mode needs a draft model with the target's tokenizer and vocabulary")
+    return target.vocab_size
+
+
+# --------------------------------------------------------------------------------------- token sources
+
+
+class DraftModelSource:
+    """Token source (a): a small causal LM (one 1-stage :class:`StagedModel`) proposing tree levels, no training.
+
+    Its KV cache holds the committed tokens and the tree nodes it has run (BFS prefix), like a target
+    stage; it runs each node once and keeps the node's top-``K`` candidates, so that a bottom level
+    left shallow by a prune is expanded again without recomputation. Committed tokens it never ran
+    (a root committed before it was expanded) are run first, as a plain causal chunk.
+    """
+
+    needed_anchors: tuple[int, ...] = ()
+    prefill_anchors: tuple[int, ...] = ()
+    schedule = "none"
+    num_layers = 0  # not a head: the step cost model assumes the draft is hidden behind a stage
+
+    def __init__(self, draft: StagedModel, target: StagedModel, children: int = 4, target_tokenizer=None,
+                 draft_tokenizer=None):
+        if children < 1:
+            raise SpdInputError(f"the number of tree children must be a positive integer, got {children}")
+        self.vocab = check_same_vocabulary(target, draft, target_tokenizer, draft_tokenizer)
+        self.draft = draft
+        self.children = min(children, self.vocab)
+        self.cache: StageKVCache | None = None
+        self._empty()
+
+    def _empty(self) -> None:
+        # Top-K candidates of the tree nodes run so far (rows = tree indices 0..held-1).
+        self.tokens_NK = torch.zeros(0, self.children, dtype=torch.long)
+        self.logprobs_NK = torch.zeros(0, self.children)
+
+    def start(self, prompt_ids: list[int], anchors: dict[int, torch.Tensor], capacity: int) -> None:
+        """Prefill the draft's cache with the prompt."""
+        self.cache = self.draft.new_caches(capacity=capacity)[0]
+        self._empty()
+        self.draft.forward_stages(torch.tensor([prompt_ids], device=self.draft.device), [self.cache])
+
+    def expand(self, tree: TokenTree, context: list[int], levels: list[Level]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidate children ``(tokens_LK, logprobs_LK)`` of the bottom level; ``context`` = committed tokens."""
+        draft, cache, committed = self.draft, self.cache, len(context)
+        if cache.length < committed:
+            ids_1T = torch.tensor([context[cache.length:]], device=draft.device)
+            draft.run_stage(0, draft.embed(ids_1T), cache)
+        held = cache.length - committed
+        if held < len(tree):
+            ids_1T = tree.tokens_N[held:][None].to(draft.device)
+            positions_1T = tree.positions(committed)[held:][None].to(draft.device)
+            out = draft.run_stage(0, draft.embed(ids_1T), cache, positions_1T, tree_mask_TN=tree.mask()[held:])
+            logprobs_TV = torch.log_softmax(draft.logits(out.hidden_BTD[0]).float()[:, :self.vocab], dim=-1)
+            top = torch.topk(logprobs_TV, self.children, dim=-1)
+            self.tokens_NK = torch.cat([self.tokens_NK, top.indices.cpu()])
+            self.logprobs_NK = torch.cat([self.logprobs_NK, top.values.cpu()])
+        bottom_L = tree.bottom_level()
+        return self.tokens_NK[bottom_L], self.logprobs_NK[bottom_L]
+
+    def commit_root(self, root: Level) -> None:
+        """Nothing to do: the root's row becomes committed in :meth:`prune` / :meth:`reset`."""
+
+    def prune(self, committed: int, kept: torch.Tensor) -> None:
+        """The root (row ``committed``) is committed and the tree keeps the subtree ``kept`` (old indices)."""
+        if self.cache.length > committed:  # the draft ran the root (else it catches up in expand)
+            StagedModel.prune_tree([self.cache], committed, kept)
+        rows = kept[kept < self.tokens_NK.shape[0]]
+        self.tokens_NK, self.logprobs_NK = self.tokens_NK[rows], self.logprobs_NK[rows]
+
+    def reset(self, committed: int) -> None:
+        """Miss: drop the tree; the cache keeps at most the ``committed`` committed rows."""
+        self.cache.truncate(committed)
+        self._empty()
+
+
+class SpdHeadSource:
+    """Token source (b): a trained input-state SPD head with width W (the paper's W = 4).
+
+    For each node of the bottom level the head is queried as in the chain engine, with the node's root
+    path as the trailing rows (each at its level's current depth, SPEC section 3) after the head's cache
+    of committed rows; the bottom nodes are one batch. The head's cache only ever holds committed rows
+    (the root's row is appended when it leaves stage n), so pruning and misses need no rollback.
+    Only the SPD configuration (input-state schedule, max depth n) has tree semantics; the output-state
+    ablation and PPSD are refused.
+    """
+
+    schedule = "input"
+
+    def __init__(self, head: Speculator, staged: StagedModel, children: int = 4):
+        check_compatible(head.config, staged)
+        cfg = head.config
+        if cfg.schedule != "input" or cfg.max_depth != cfg.n_stages:
+            raise SpdInputError(f"the tree mode needs an SPD head (input-state schedule, max depth n), but this head "
+                                f"has schedule '{cfg.schedule}' and max depth {cfg.max_depth}; use --mode spd for it")
+        if children < 1:
+            raise SpdInputError(f"the number of tree children must be a positive integer, got {children}")
+        self.head = head
+        self.vocab = cfg.vocab_size
+        self.children = min(children, cfg.vocab_size)
+        self.needed_anchors = tuple(head.needed_anchors())
+        self.prefill_anchors = tuple(cfg.anchors[cfg.max_depth])
+        self.num_layers = cfg.num_layers
+        self.cache = None
+
+    def start(self, prompt_ids: list[int], anchors: dict[int, torch.Tensor], capacity: int) -> None:
+        """Every prompt position enters the head's cache at full depth."""
+        head = self.head
+        self.cache = head.new_cache(capacity=capacity)
+        head.append_memory(self.cache, head.features(head.config.max_depth, anchors))
+
+    def expand(self, tree: TokenTree, context: list[int], levels: list[Level]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidate children of the bottom level from one batched head query over the bottom nodes' paths."""
+        head, cfg, cache = self.head, self.head.config, self.cache
+        if cache.length != len(context):
+            raise RuntimeError("speculator cache and committed tokens are out of step")
+        bottom_L = tree.bottom_level()
+        ancestors_LN = tree.mask()[bottom_L]
+        rows = []  # (depth, g (L, D)) of every path position, root first: the trailing rows
+        for level in levels:
+            # Each bottom node has exactly one ancestor (or itself) in each level above it.
+            in_level_LT = ancestors_LN[:, level.start:level.start + level.size]
+            pick_L = in_level_LT.float().argmax(dim=1).to(level.hidden_1TD.device)
+            depth = min(level.depth, cfg.max_depth)
+            rows.append((depth, head.features(depth, {a: level.anchors[a][pick_L] for a in cfg.anchors[depth]})))
+        bottom = levels[-1]
+        if rows[-1][0] == cfg.offset:
+            query_LD = rows[-1][1]
+        else:  # the bottom level already went deeper (a prune left the tree shallow)
+            query_LD = head.features(cfg.offset, {a: bottom.anchors[a] for a in cfg.anchors[cfg.offset]})
+        view = cache
+        if query_LD.shape[0] > 1:  # one query per bottom node over the same cached rows
+            b = query_LD.shape[0]
+            view = SimpleNamespace(length=cache.length,
+                                   keys=[k[:, :, :cache.length].expand(b, -1, -1, -1) for k in cache.keys],
+                                   values=[v[:, :, :cache.length].expand(b, -1, -1, -1) for v in cache.values])
+        logprobs_LV = torch.log_softmax(head.logits(head.query(view, rows, query_LD)).float(), dim=-1)
+        top = torch.topk(logprobs_LV, self.children, dim=-1)
+        return top.indices.cpu(), top.values.cpu()
+
+    def commit_root(self, root: Level) -> None:
+        """The root left stage n: its row at full depth joins the head's cache (it is committed either way)."""
+        cfg = self.head.config
+        features_1D = self.head.features(cfg.max_depth, {a: root.anchors[a] for a in cfg.anchors[cfg.max_depth]})
+        self.head.append_memory(self.cache, features_1D[:, None])
+
+    def prune(self, committed: int, kept: torch.Tensor) -> None:
+        """Nothing to do: the cache holds committed rows only."""
+
+    def reset(self, committed: int) -> None:
+        """Nothing to do: the cache holds committed rows only."""
+
+
+# -------------------------------------------------------------------------------------------- engine
+
+
+class TreeEngine:
+    """Runs one request at a time through the staged target with a token tree fed by a token source."""
+
+    def __init__(self, staged: StagedModel, source: DraftModelSource | SpdHeadSource, width: int = 4,
+                 tokenizer=None):
+        if width < 1:
+            raise SpdInputError(f"the tree width must be a positive integer, got {width}")
+        self.staged, self.source, self.width, self.tokenizer = staged, source, width, tokenizer
+        b, needed = staged.boundaries, set(source.needed_anchors)
+        # Anchors each stage hands to the source: H^l for l in (b[s], b[s+1]] (H^0 is taken at entry).
+        self._stage_anchors = [sorted(a for a in needed if b[s] < a <= b[s + 1]) for s in range(staged.n_stages)]
+        self._needs_embedding = 0 in needed
+
+    @classmethod
+    def from_pretrained(cls, target: str, draft: str, stages: int = 1, width: int = 4, children: int = 4,
+                        revision: str | None = None, draft_revision: str | None = None,
+                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                        tokenizer: str | None = None, draft_tokenizer=None) -> "TreeEngine":
+        """Load a target (cut into ``stages``) and a draft model (directories or hub ids) for the draft tree mode.
+
+        ``draft_tokenizer`` (a loaded tokenizer) defaults to the draft directory's own, when it has one.
+        """
+        from .staging import load_tokenizer
+
+        tok = load_tokenizer(tokenizer or target, revision if tokenizer is None else None)
+        staged = StagedModel.from_pretrained(target, n_stages=stages, revision=revision, dtype=dtype, device=device)
+        draft_staged = StagedModel.from_pretrained(draft, n_stages=1, revision=draft_revision, dtype=dtype,
+                                                   device=device)
+        if draft_tokenizer is None:
+            try:
+                draft_tokenizer = load_tokenizer(draft, draft_revision)
+            except SpdInputError:
+                draft_tokenizer = None  # a model-only directory: the vocabulary sizes are still compared
+        source = DraftModelSource(draft_staged, staged, children, tok, draft_tokenizer)
+        return cls(staged, source, width, tok)
+
+    # ------------------------------------------------------------------------------------- public
+    def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128, mode: str = "tree",
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 eos_token_id: int | Sequence[int] | None = None,
+                 streamer: Callable[[int], None] | object | None = None) -> GenerationOutput:
+        """Generate from a prompt (text needs a tokenizer) or token ids, as :meth:`PipelineEngine.generate`."""
+        if mode not in MODES:
+            raise SpdInputError(f"unknown mode '{mode}' for the tree engine; expected one of: {', '.join(MODES)}")
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise SpdInputError("a text prompt needs a tokenizer; pass token ids or create the engine with one")
+            prompt = self.tokenizer(prompt)["input_ids"]
+        if eos_token_id is None and self.tokenizer is not None:
+            eos_token_id = self.tokenizer.eos_token_id
+        on_token, end = _as_callback(streamer)
+        try:
+            if mode == "ar":
+                return generate_ar(self.staged, prompt, max_new_tokens, sampling, eos_token_id, on_token)
+            return self.run(prompt, max_new_tokens, sampling, eos_token_id, on_token)
+        finally:
+            end()
+
+    @torch.inference_mode()
+    def run(self, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: SamplingParams,
+            eos_token_id: int | Sequence[int] | None = None,
+            on_token: Callable[[int], None] | None = None) -> GenerationOutput:
+        """The step loop of the module docstring."""
+        staged, source = self.staged, self.source
+        prompt = as_prompt_ids(input_ids)
+        check_request(staged, prompt, max_new_tokens)
+        eos = eos_set(eos_token_id)
+        n = staged.n_stages
+        limit = staged.max_positions or (len(prompt) + max_new_tokens)
+        budget = min(max_new_tokens, limit - len(prompt))
+        end_position = len(prompt) + budget  # positions >= this are never committed
+        stats = TreeStats(mode="tree", prompt_tokens=len(prompt), stages=n, verified_by_position=[0] * n,
+                          accepted_by_position=[0] * n, schedule=source.schedule,
+                          speculator_layers=source.num_layers, target_layers=staged.num_layers,
+                          source="head" if isinstance(source, SpdHeadSource) else "draft", width=self.width,
+                          children=source.children, accepted_by_sibling=[0] * self.width)
+        generator = None if sampling.greedy else sampling.generator(staged.device)
+        capacity = end_position + n * self.width + 1
+        caches = staged.new_caches(capacity=capacity)
+
+        t0 = time.perf_counter()
+        first = self._prefill(prompt, caches, sampling, generator, capacity)
+        stats.prefill_time_s = time.perf_counter() - t0
+        out = [first]
+        if on_token is not None:
+            on_token(first)
+        stop = _stop_reason(first, out, eos, budget, max_new_tokens)
+        context = list(prompt)  # committed tokens before the root (the rows every stage keeps)
+        tree = TokenTree(first)
+        levels = [self._enter(tree, 0, 1, rank=0)]
+        grown = 0  # levels added since the last (re)seed
+
+        while not stop:
+            stats.steps += 1
+            committed = len(context)
+            new_level = None
+            # 1. The source grows the tree from the state at the start of the step (concurrent with 2).
+            if committed + tree.depth + 1 < end_position:
+                tick = time.perf_counter()
+                tokens_LK, logprobs_LK = source.expand(tree, context, levels)
+                new_N = tree.append_level(tokens_LK, logprobs_LK, self.width)
+                stats.speculator_time_s += time.perf_counter() - tick
+                if new_N.numel():
+                    grown += 1
+                    new_level = self._enter(tree, int(new_N[0]), len(tree), rank=min(grown, n))
+                    stats.proposals += new_N.numel()
+            stats.tree_nodes_total += len(tree)
+            stats.max_tree_size = max(stats.max_tree_size, len(tree))
+            # 2. Every stage advances the level it holds.
+            tick = time.perf_counter()
+            for level in levels:
+                self._advance(level, tree, caches, committed)
+                stats.stage_nodes += level.size
+            stats.stage_time_s += time.perf_counter() - tick
+            if new_level is not None:
+                levels.append(new_level)
+            if levels[0].depth < n:
+                continue
+            # 3. The root left stage n: the target's p for the next position decides among its children.
+            tick = time.perf_counter()
+            root = levels.pop(0)
+            source.commit_root(root)
+            token, child = self._verify(root, tree, levels, sampling, generator, stats)
+            context.append(int(tree.tokens_N[0]))
+            if child is not None:
+                kept = tree.prune_to_child(child)
+                staged.prune_tree(caches, committed, kept)
+                source.prune(committed, kept)
+                levels = [lv for lv in (self._prune_level(lv, kept) for lv in levels) if lv is not None]
+            else:
+                # Miss (or nothing to verify): reseed from the committed token.
+                tree.reset(token)
+                staged.truncate(caches, committed + 1)
+                source.reset(committed + 1)
+                levels = [self._enter(tree, 0, 1, rank=0)]
+                grown = 0
+            stats.verify_time_s += time.perf_counter() - tick
+            out.append(token)
+            if on_token is not None:
+                on_token(token)
+            stop = _stop_reason(token, out, eos, budget, max_new_tokens)
+
+        stats.wall_time_s = time.perf_counter() - t0
+        stats.stop_reason = stop
+        stats.new_tokens = len(out)
+        stats.decode_tokens = len(out) - 1
+        return GenerationOutput(out, stats, prompt)
+
+    # ------------------------------------------------------------------------------------ pieces
+    def _prefill(self, prompt: list[int], caches: list[StageKVCache], sampling: SamplingParams,
+                 generator: torch.Generator | None, capacity: int) -> int:
+        """Run the prompt through every stage and the source; the first new token comes from the last logits."""
+        staged = self.staged
+        ids_1T = torch.tensor([prompt], dtype=torch.long, device=staged.device)
+        out = staged.forward_stages(ids_1T, caches, anchors=self.source.prefill_anchors)
+        self.source.start(prompt, out.anchors, capacity)
+        logits_1V = staged.logits(out.hidden_BTD[:, -1])
+        if sampling.greedy:
+            return int(torch.argmax(logits_1V, dim=-1))
+        return int(torch.multinomial(warped_probs(logits_1V, sampling), 1, generator=generator))
+
+    def _enter(self, tree: TokenTree, start: int, end: int, rank: int) -> Level:
+        """Tree nodes ``[start, end)`` about to enter stage 1: their embeddings are H^0."""
+        hidden_1TD = self.staged.embed(tree.tokens_N[start:end][None].to(self.staged.device))
+        level = Level(start, hidden_1TD, rank=rank)
+        if self._needs_embedding:
+            level.anchors[0] = hidden_1TD[0]
+        return level
+
+    def _advance(self, level: Level, tree: TokenTree, caches: list[StageKVCache], committed: int) -> None:
+        """Run the level's next stage: committed rows plus its ancestors (mask rows), positions committed + depth."""
+        stage, start, end = level.depth, level.start, level.start + level.size
+        cache = caches[stage]
+        if cache.length != committed + start:
+            raise RuntimeError(f"stage {stage} holds {cache.length} rows but the level starting at tree node "
+                               f"{start} expects {committed + start}")
+        positions_1T = tree.positions(committed)[start:end][None].to(self.staged.device)
+        out = self.staged.run_stage(stage, level.hidden_1TD, cache, positions_1T, anchors=self._stage_anchors[stage],
+                                    tree_mask_TN=tree.mask()[start:end, :end])
+        for index, hidden_1TD in out.anchors.items():
+            level.anchors[index] = hidden_1TD[0]
+        level.hidden_1TD = out.hidden_BTD
+        level.depth += 1
+
+    @staticmethod
+    def _prune_level(level: Level, kept: torch.Tensor) -> Level | None:
+        """Keep the level's nodes that survive the prune (``kept``: old tree indices); None when none do."""
+        nodes_T = torch.arange(level.start, level.start + level.size)
+        keep_T = torch.isin(nodes_T, kept)
+        if not bool(keep_T.any()):
+            return None
+        level.start = int(torch.searchsorted(kept, nodes_T[keep_T][0]))
+        keep_T = keep_T.to(level.hidden_1TD.device)
+        level.hidden_1TD = level.hidden_1TD[:, keep_T]
+        level.anchors = {index: hidden_TD[keep_T] for index, hidden_TD in level.anchors.items()}
+        return level
+
+    def _verify(self, root: Level, tree: TokenTree, levels: list[Level], sampling: SamplingParams,
+                generator: torch.Generator | None, stats: TreeStats) -> tuple[int, int | None]:
+        """The committed token after the root and the tree index of the accepted child (None: a miss)."""
+        logits_1V = self.staged.logits(root.hidden_1TD[:, -1])
+        children_C = tree.children(0)
+        tokens_C = tree.tokens_N[children_C]
+        if sampling.greedy:
+            index, token = verify_greedy(logits_1V[0], tokens_C)
+        else:
+            index, token = verify_sampled_deterministic(warped_probs(logits_1V, sampling)[0], tokens_C, generator)
+        if children_C.numel() == 0:
+            return token, None
+        rank = levels[0].rank  # the children's level is the oldest one still in flight
+        stats.verified += 1
+        stats.candidates_verified += children_C.numel()
+        stats.verified_by_position[rank - 1] += 1
+        if index is None:
+            stats.flushes += 1
+            return token, None
+        stats.accepted += 1
+        stats.accepted_by_position[rank - 1] += 1
+        stats.accepted_by_sibling[index] += 1
+        return token, int(children_C[index])
