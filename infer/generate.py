@@ -86,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--runtime", default="local", choices=("local", "distributed"),
+                   help="local: one process; distributed: one process per stage plus rank 0 on torch.distributed, "
+                        "spawned here with torchrun (modes spd and pp)")
+    p.add_argument("--emulate-stage-ms", type=_finite_float, default=0.0,
+                   help="--runtime distributed: added compute time per stage per token")
+    p.add_argument("--emulate-link-ms", type=_finite_float, default=0.0,
+                   help="--runtime distributed: added latency per message")
+    p.add_argument("--timeout-s", type=_finite_float, default=60.0,
+                   help="--runtime distributed: a rank silent this long counts as lost")
     return p
 
 
@@ -132,6 +141,12 @@ def _check_numbers(args) -> None:
         raise SpdInputError("--mode tree takes one token source: --draft-model or --speculator, not both")
     if args.mode != "tree" and args.draft_model is not None:
         raise SpdInputError(f"--draft-model is only used by --mode tree, but --mode is '{args.mode}'")
+    if args.runtime == "distributed" and args.mode not in ("spd", "pp"):
+        raise SpdInputError(f"--runtime distributed runs --mode spd or pp, not '{args.mode}'")
+    if args.runtime == "local" and (args.emulate_stage_ms or args.emulate_link_ms):
+        raise SpdInputError("--emulate-stage-ms / --emulate-link-ms need --runtime distributed")
+    if args.emulate_stage_ms < 0 or args.emulate_link_ms < 0 or args.timeout_s <= 0:
+        raise SpdInputError("--emulate-stage-ms and --emulate-link-ms must be >= 0 and --timeout-s > 0")
 
 
 def _load_tokenizer(source: str, revision: str | None):
@@ -171,6 +186,8 @@ class _TextStreamer:
 def run(args) -> int:
     _check_numbers(args)
     prompt = _read_prompt(args)
+    if args.runtime == "distributed":
+        return run_distributed(args, prompt)
     check_model_source(args.target, "target")
     if args.speculator is not None:
         check_model_source(args.speculator, "speculator")
@@ -241,6 +258,55 @@ def _tree_engine(args, staged, head, tokenizer, dtype):
             draft_tokenizer = None  # a model-only directory: only the vocabulary sizes can be compared
         source = DraftModelSource(draft, staged, args.tree_children, tokenizer, draft_tokenizer)
     return TreeEngine(staged, source, args.tree_width, tokenizer)
+
+
+def run_distributed(args, prompt: str) -> int:
+    """Check the request here, then spawn ``stages + 1`` processes with torchrun (infer/run_pipeline.py)."""
+    import os
+    import subprocess
+
+    check_model_source(args.target, "target")
+    stages = args.stages
+    if args.speculator is not None:
+        check_model_source(args.speculator, "speculator")
+        from spd.speculator import load_speculator
+
+        _quiet_libraries()
+        head_config = load_speculator(args.speculator, args.speculator_revision).config
+        stages = stages or head_config.n_stages
+        if head_config.n_stages != stages:
+            raise SpdInputError(f"the speculator does not fit this target: it was trained for n = "
+                                f"{head_config.n_stages} stages but the pipeline has {stages}")
+    stages = stages or 1
+    from spd.runtime import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(stages + 1),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "infer.run_pipeline",
+           "--target", args.target, "--mode", args.mode, "--stages", str(stages), "--prompt", prompt,
+           "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature),
+           "--top-k", str(args.top_k), "--top-p", str(args.top_p), "--dtype", args.dtype,
+           "--emulate-stage-ms", str(args.emulate_stage_ms), "--emulate-link-ms", str(args.emulate_link_ms),
+           "--timeout-s", str(args.timeout_s)]
+    for flag, value in (("--revision", args.revision), ("--tokenizer", args.tokenizer),
+                        ("--speculator", args.speculator), ("--speculator-revision", args.speculator_revision),
+                        ("--seed", args.seed)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    cmd += ["--chat"] if args.chat else []
+    cmd += ["--json"] if args.json else []
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # Rank 0's stdout is the result; torchrun's own failure report goes away, the ranks' error lines stay.
+    proc = subprocess.run(cmd, stdout=sys.stdout, stderr=subprocess.PIPE, text=True, env=env)
+    lines = proc.stderr.splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    if proc.returncode != 0:
+        print(errors[0] if errors else f"error: the distributed runtime failed (exit {proc.returncode})",
+              file=sys.stderr)
+        return 1 if errors and errors[0].startswith("error: rank") else 2  # a lost rank vs a wrong input
+    for line in lines:
+        if line.startswith("["):
+            print(line, file=sys.stderr)
+    return 0
 
 
 def _quiet_libraries() -> None:

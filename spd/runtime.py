@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass
 
@@ -139,7 +141,12 @@ class Link:
 
     def __init__(self, rank: int, config: RuntimeConfig, dtype: torch.dtype, device: torch.device, hidden: int):
         self.rank, self.config, self.dtype, self.device, self.hidden = rank, config, dtype, device, hidden
-        self._pending: list[tuple[dist.Work, torch.Tensor]] = []  # sends in flight and their buffers
+        # Gloo completes a send only when the peer has received it and ``wait`` is called; a reaper thread
+        # waits on sends in order (keeping their buffers alive), so the main loop never blocks on a send.
+        self._sends: queue.Queue = queue.Queue()
+        self._send_error: BaseException | None = None
+        self._reaper = threading.Thread(target=self._reap_loop, daemon=True)
+        self._reaper.start()
 
     def send(self, dst: int, tag: int, kind: int, epoch: int, position: int, payload_TWD: torch.Tensor | None = None,
              stage: int = 0, extra: torch.Tensor | None = None) -> None:
@@ -153,8 +160,13 @@ class Link:
         if payload_TWD is not None:
             parts.append(payload_TWD.to(self.dtype).contiguous())
         for part in parts:
-            self._pending.append((dist.isend(part, dst, tag=tag), part))
-        self._reap()
+            self.post(dist.isend(part, dst, tag=tag), part)
+
+    def post(self, work: dist.Work, buffer: torch.Tensor) -> None:
+        """Hand a started send to the reaper."""
+        if self._send_error is not None:
+            raise PipelineLost(f"rank {self.rank}: a send failed ({first_line(self._send_error)})")
+        self._sends.put((work, buffer))
 
     def recv(self, src: int, tag: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Receive one message: (header, extra or None, payload (T, W, D) or None), after the emulated latency."""
@@ -184,13 +196,21 @@ class Link:
                                    f"{self.config.timeout_s:g} s") from None
             raise PipelineLost(f"rank {self.rank}: lost contact with rank {peer} ({why})") from None
 
-    def _reap(self) -> None:
-        self._pending = [(w, keep) for w, keep in self._pending if not w.is_completed()]
+    def _reap_loop(self) -> None:
+        while True:
+            item = self._sends.get()
+            if item is None:
+                return
+            try:
+                item[0].wait()
+            except RuntimeError as exc:  # the peer is gone; the main loop reports it
+                self._send_error = exc
+                return
 
     def drain_sends(self) -> None:
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+        """Wait until every send has been received (at shutdown)."""
+        self._sends.put(None)
+        self._reaper.join(timeout=self.config.timeout_s)
 
 
 # ------------------------------------------------------------------------------------- stage ranks
@@ -206,19 +226,21 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
     link = Link(rank, config, dtype, device, staged.config.hidden_size)
     cache = StageKVCache(layers, staged.kv_heads, staged.head_dim, 1, 256, dtype, device)
     epoch = 0
+    notices = 0  # flush notices received
     token_anchors: list[int] = []
     control_buf = torch.zeros(2, dtype=torch.long)
     control = dist.irecv(control_buf, 0, group=control_group, tag=CONTROL_TAG)
 
     def apply_flushes(until_epoch: int | None) -> None:
         """Apply arrived flush notices; with ``until_epoch``, block until that epoch's notice is applied."""
-        nonlocal control, epoch
+        nonlocal control, epoch, notices
         while True:
             if until_epoch is not None and epoch >= until_epoch:
                 return
             if until_epoch is None and not control.is_completed():
                 return
             link._wait(control, 0)
+            notices += 1
             new_epoch, length = int(control_buf[0]), int(control_buf[1])
             if new_epoch > epoch:
                 epoch = new_epoch
@@ -230,6 +252,11 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
             header, extra, payload = link.recv(prev, DATA_TAG)
             kind, msg_epoch, position = int(header[0]), int(header[1]), int(header[2])
             if kind == STOP:
+                while notices < position:  # STOP carries the number of notices sent: take them all
+                    link._wait(control, 0)
+                    notices += 1
+                    if notices < position:
+                        control = dist.irecv(control_buf, 0, group=control_group, tag=CONTROL_TAG)
                 link.send(nxt, DATA_TAG, STOP, msg_epoch, 0)
                 if nxt != 0:
                     link.send(0, REPORT_TAG, STOP, msg_epoch, 0, stage=rank)
@@ -290,6 +317,7 @@ class RemoteStages:
         self.epoch = 0
         self.stage_anchors: list[list[int]] = [[] for _ in range(self.n)]
         self._sent = (0, -1)  # (epoch, position) of the last token sent to stage 1
+        self.notices = 0  # flush notices sent (each stage receives all of them before it stops)
 
     def configure(self, stage_anchors: list[list[int]]) -> None:
         self.stage_anchors = stage_anchors
@@ -345,7 +373,8 @@ class RemoteStages:
         self.epoch += 1
         notice = torch.tensor([self.epoch, length], dtype=torch.long)
         for rank in range(1, self.n + 1):
-            self.link._pending.append((dist.isend(notice, rank, group=self.control_group, tag=CONTROL_TAG), notice))
+            self.link.post(dist.isend(notice, rank, group=self.control_group, tag=CONTROL_TAG), notice)
+        self.notices += 1
 
     def _recv_report(self, stage: int, position: int) -> torch.Tensor:
         """The current epoch's report of ``stage`` (0-based) for ``position``, skipping stale ones: (T, W, D)."""
@@ -363,7 +392,7 @@ class RemoteStages:
 
     def shutdown(self) -> None:
         """STOP down the chain; drain every stage's reports until its STOP arrives."""
-        self.link.send(1, DATA_TAG, STOP, self.epoch, 0)
+        self.link.send(1, DATA_TAG, STOP, self.epoch, self.notices)
         for s in range(self.n):
             tag = DATA_TAG if s == self.n - 1 else REPORT_TAG
             while int(self.link.recv(s + 1, tag)[0][0]) != STOP:

@@ -151,3 +151,19 @@ def test_killed_stage_makes_every_rank_exit_cleanly(tiny_testbed, heads, tmp_pat
     assert "error: rank" in text, text[-2000:]
     time.sleep(1)
     assert _pids_with(marker) == [], "orphan processes left behind"
+
+
+def test_spd_generate_runtime_distributed_matches_local(tiny_testbed, heads):
+    from test_cli import spd_generate
+
+    common = ["--target", str(tiny_testbed / "target"), "--mode", "spd", "--speculator", str(heads[2]),
+              "--prompt", "import os\n", "--max-new-tokens", "16", "--temperature", "0.8", "--seed", "3", "--json"]
+    local = spd_generate(*common)
+    remote = spd_generate(*common, "--runtime", "distributed", "--emulate-stage-ms", "1")
+    assert local.returncode == 0 and remote.returncode == 0, remote.stderr
+    a, b = json.loads(local.stdout), json.loads(remote.stdout)
+    assert a["token_ids"] == b["token_ids"] and a["stats"]["steps"] == b["stats"]["steps"]
+    bad = spd_generate(*common[:-1], "--runtime", "distributed", "--stages", "4")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: the speculator does not fit"), bad.stderr
+    ar = spd_generate("--target", str(tiny_testbed / "target"), "--prompt", "x", "--runtime", "distributed")
+    assert ar.returncode == 2 and "--runtime distributed runs --mode spd or pp" in ar.stderr
