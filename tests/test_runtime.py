@@ -157,7 +157,9 @@ def test_spd_generate_runtime_distributed_matches_local(tiny_testbed, heads):
     from test_cli import spd_generate
 
     common = ["--target", str(tiny_testbed / "target"), "--mode", "spd", "--speculator", str(heads[2]),
-              "--prompt", "import os\n", "--max-new-tokens", "16", "--temperature", "0.8", "--seed", "3", "--json"]
+              "--prompt", "import os\n", "--max-new-tokens", "16", "--json"]
+    # Greedy: the local process may use 2 threads and the ranks 1, and sampled draws could then differ in
+    # the last bits; seeded sampling equality is tested above with the thread count pinned.
     local = spd_generate(*common)
     remote = spd_generate(*common, "--runtime", "distributed", "--emulate-stage-ms", "1")
     assert local.returncode == 0 and remote.returncode == 0, remote.stderr
