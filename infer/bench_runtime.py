@@ -91,14 +91,12 @@ def run_ar(args, n: int) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        from spd.speculator import SpeculatorConfig
+        from spd.speculator import load_speculator_config
 
         rows = []
         with tempfile.TemporaryDirectory() as tmp:
             for i, head in enumerate(args.heads):
-                if not (Path(head) / "config.json").is_file():
-                    raise SpdInputError(f"the speculator directory '{head}' does not exist")
-                n = SpeculatorConfig.from_pretrained(head).n_stages
+                n = load_speculator_config(head).n_stages
                 report = run_world(args, head, n, Path(tmp) / f"world{i}.json")
                 spd, pp = report["summary"]["spd"], report["summary"]["pp"]
                 ar = None if args.no_ar else run_ar(args, n)

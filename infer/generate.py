@@ -268,11 +268,9 @@ def run_distributed(args, prompt: str) -> int:
     check_model_source(args.target, "target")
     stages = args.stages
     if args.speculator is not None:
-        check_model_source(args.speculator, "speculator")
-        from spd.speculator import load_speculator
+        from spd.speculator import load_speculator_config
 
-        _quiet_libraries()
-        head_config = load_speculator(args.speculator, args.speculator_revision).config
+        head_config = load_speculator_config(args.speculator, args.speculator_revision)
         stages = stages or head_config.n_stages
         if head_config.n_stages != stages:
             raise SpdInputError(f"the speculator does not fit this target: it was trained for n = "

@@ -95,8 +95,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _driver(args, n: int, config, control, device, dtype) -> None:
-    import torch
-
     from spd.engine import PipelineEngine
     from spd.runtime import RemoteStages, load_partial
     from spd.speculator import load_speculator

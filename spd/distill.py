@@ -19,7 +19,7 @@ import torch
 
 from .errors import SpdInputError, first_line
 from .paths import default_cache_dir, default_testbed_dir
-from .speculator import Speculator, SpeculatorConfig, check_compatible, default_anchors
+from .speculator import Speculator, SpeculatorConfig, default_anchors
 from .staging import StagedModel
 
 VARIANTS = {  # variant -> (schedule, max_depth or None for n); SPEC section 3

@@ -231,12 +231,7 @@ class PipelineEngine:
         """
         mode = mode or ("spd" if self.speculator is not None else "pp")
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise SpdInputError("a text prompt needs a tokenizer; pass token ids or create the engine with one")
-            prompt = self.tokenizer(prompt)["input_ids"]
-        if eos_token_id is None and self.tokenizer is not None:
-            eos_token_id = self.tokenizer.eos_token_id
+        prompt, eos_token_id = prepare_prompt(self.tokenizer, prompt, eos_token_id)
         on_token, end = _as_callback(streamer)
         try:
             if mode == "ar":
@@ -257,11 +252,9 @@ class PipelineEngine:
         staged = self.staged
         head = self.speculator if use_head else None
         prompt = as_prompt_ids(input_ids)
-        check_request(staged, prompt, max_new_tokens)
+        budget = check_request(staged, prompt, max_new_tokens)
         eos = eos_set(eos_token_id)
         n = staged.n_stages
-        limit = staged.max_positions or (len(prompt) + max_new_tokens)
-        budget = min(max_new_tokens, limit - len(prompt))
         end_position = len(prompt) + budget  # positions >= this are never committed
         schedule = head.config.schedule if head is not None else "none"
         stats = PipelineStats(mode="spd" if head is not None else "pp", prompt_tokens=len(prompt), stages=n,
@@ -443,6 +436,17 @@ def _stop_reason(token: int, out: list[int], eos: frozenset[int], budget: int, m
     if len(out) >= budget:
         return "max_new_tokens" if len(out) >= max_new_tokens else "context_full"
     return ""
+
+
+def prepare_prompt(tokenizer, prompt, eos_token_id):
+    """Token ids of a text prompt (needs a tokenizer) or ids as given; EOS defaults to the tokenizer's."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise SpdInputError("a text prompt needs a tokenizer; pass token ids or create the engine with one")
+        prompt = tokenizer(prompt)["input_ids"]
+    if eos_token_id is None and tokenizer is not None:
+        eos_token_id = tokenizer.eos_token_id
+    return prompt, eos_token_id
 
 
 def _as_callback(streamer) -> tuple[Callable[[int], None] | None, Callable[[], None]]:

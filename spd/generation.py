@@ -60,8 +60,9 @@ def as_prompt_ids(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
     return [int(t) for t in input_ids]
 
 
-def check_request(staged: StagedModel, prompt_ids: list[int], max_new_tokens: int) -> None:
-    """Refuse empty prompts, prompts that fill the context, out-of-vocabulary ids and bad budgets."""
+def check_request(staged: StagedModel, prompt_ids: list[int], max_new_tokens: int) -> int:
+    """Refuse empty prompts, prompts that fill the context, out-of-vocabulary ids and bad budgets; return the
+    budget: how many new tokens fit (``max_new_tokens``, or fewer where the context ends first)."""
     if not prompt_ids:
         raise SpdInputError("the prompt is empty; expected at least one token")
     if max_new_tokens < 1:
@@ -75,6 +76,7 @@ def check_request(staged: StagedModel, prompt_ids: list[int], max_new_tokens: in
     bad = [t for t in prompt_ids if not 0 <= t < staged.vocab_size]
     if bad:
         raise SpdInputError(f"prompt token id {bad[0]} is outside the vocabulary (0..{staged.vocab_size - 1})")
+    return max_new_tokens if limit is None else min(max_new_tokens, limit - len(prompt_ids))
 
 
 def eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
@@ -91,10 +93,8 @@ def generate_ar(staged: StagedModel, input_ids: Sequence[int] | torch.Tensor, ma
                 on_token: Callable[[int], None] | None = None) -> GenerationOutput:
     """Plain autoregressive decoding through every stage; greedy or sampled (see SamplingParams)."""
     prompt = as_prompt_ids(input_ids)
-    check_request(staged, prompt, max_new_tokens)
+    budget = check_request(staged, prompt, max_new_tokens)
     eos = eos_set(eos_token_id)
-    limit = staged.max_positions or (len(prompt) + max_new_tokens)
-    budget = min(max_new_tokens, limit - len(prompt))
     stats = GenerationStats(mode="ar", prompt_tokens=len(prompt))
     generator = None if sampling.greedy else sampling.generator(staged.device)
     caches = staged.new_caches(capacity=len(prompt) + budget)

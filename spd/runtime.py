@@ -326,13 +326,12 @@ class RemoteStages:
         self.epoch += 1
         b, big_l = self.staged.boundaries, self.staged.num_layers
         flags = torch.zeros(big_l + 1, dtype=torch.long)
-        for s, ids in enumerate(self.stage_anchors):
+        for ids in self.stage_anchors:
             for a in ids:
                 flags[a] |= 1
         for a in anchors:
             flags[a] |= 2
         hidden_1TD = self.staged.embed(prompt_ids_1T)
-        t = hidden_1TD.shape[1]
         self.link.send(1, DATA_TAG, PREFILL, self.epoch, 0, hidden_1TD[0][:, None], extra=flags)
         collected: dict[int, torch.Tensor] = {0: hidden_1TD} if 0 in anchors else {}
         last_hidden = None

@@ -509,9 +509,8 @@ class SpeculatorCache:
         self.length = min(self.length, length)
 
 
-def load_speculator(name_or_path: str, revision: str | None = None, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> Speculator:
-    """``Speculator.from_pretrained`` with one clear sentence for a wrong path, hub id or non-head directory."""
+def load_speculator_config(name_or_path: str, revision: str | None = None) -> SpeculatorConfig:
+    """A head's config alone (no weights), with one clear sentence for a wrong path, hub id or non-head directory."""
     import json
     from pathlib import Path
 
@@ -528,7 +527,18 @@ def load_speculator(name_or_path: str, revision: str | None = None, dtype: torch
                                 f"(model_type '{SpeculatorConfig.model_type}'); expected a directory written by "
                                 "train/distill.py (e.g. <output_dir>/final)")
     try:
-        head = Speculator.from_pretrained(source, revision=revision, dtype=dtype)
+        return SpeculatorConfig.from_pretrained(source, revision=revision)
+    except (OSError, ValueError, KeyError) as exc:
+        raise SpdInputError(f"could not load a speculation head from '{source}': {first_line(exc)}") from None
+
+
+def load_speculator(name_or_path: str, revision: str | None = None, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> Speculator:
+    """``Speculator.from_pretrained`` with one clear sentence for a wrong path, hub id or non-head directory."""
+    config = load_speculator_config(name_or_path, revision)
+    source = str(name_or_path)
+    try:
+        head = Speculator.from_pretrained(source, config=config, revision=revision, dtype=dtype)
     except (OSError, ValueError, KeyError) as exc:
         raise SpdInputError(f"could not load a speculation head from '{source}': {first_line(exc)}") from None
     return head.to(device).eval()

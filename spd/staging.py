@@ -179,13 +179,7 @@ def attention_mask(q_pos_T: torch.Tensor, kv_len: int, window: int | None, impl:
     if contiguous and impl == "sdpa" and (window is None or kv_len <= window) and (t == 1 or t == kv_len):
         return None
     k_pos_K = torch.arange(kv_len, device=q_pos_T.device)
-    allowed_TK = k_pos_K[None, :] <= q_pos_T[:, None]
-    if window is not None:
-        allowed_TK &= q_pos_T[:, None] - k_pos_K[None, :] < window
-    if impl == "sdpa":
-        return allowed_TK[None, None]
-    zero = torch.zeros((), dtype=dtype, device=q_pos_T.device)
-    return torch.where(allowed_TK, zero, torch.finfo(dtype).min)[None, None]
+    return _backend_mask(k_pos_K[None, :] <= q_pos_T[:, None], q_pos_T, k_pos_K, window, impl, dtype)
 
 
 def tree_attention_mask(q_pos_T: torch.Tensor, key_pos_K: torch.Tensor, tree_mask_TN: torch.Tensor,
@@ -200,8 +194,15 @@ def tree_attention_mask(q_pos_T: torch.Tensor, key_pos_K: torch.Tensor, tree_mas
     k = key_pos_K.shape[0]
     committed_TP = torch.ones(t, k - n, dtype=torch.bool, device=tree_mask_TN.device)
     allowed_TK = torch.cat([committed_TP, tree_mask_TN], dim=1)
+    return _backend_mask(allowed_TK, q_pos_T, key_pos_K, window, impl, dtype)
+
+
+def _backend_mask(allowed_TK: torch.Tensor, q_pos_T: torch.Tensor, key_pos_K: torch.Tensor, window: int | None,
+                  impl: str, dtype: torch.dtype) -> torch.Tensor:
+    """Apply a sliding window by position to a (T, K) visibility mask; return it as the backend expects it
+    ((1, 1, T, K): boolean for sdpa, additive for eager)."""
     if window is not None:
-        allowed_TK &= q_pos_T[:, None] - key_pos_K[None, :] < window
+        allowed_TK = allowed_TK & (q_pos_T[:, None] - key_pos_K[None, :] < window)
     if impl == "sdpa":
         return allowed_TK[None, None]
     zero = torch.zeros((), dtype=dtype, device=q_pos_T.device)

@@ -56,7 +56,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .engine import PipelineStats, _as_callback, _stop_reason
+from .engine import PipelineStats, _as_callback, _stop_reason, prepare_prompt
 from .errors import SpdInputError
 from .generation import GenerationOutput, as_prompt_ids, check_request, eos_set, generate_ar
 from .sampling import SamplingParams, warped_probs
@@ -333,12 +333,7 @@ class TreeEngine:
         if mode not in MODES:
             raise SpdInputError(f"unknown mode '{mode}' for the tree engine; expected one of: {', '.join(MODES)}")
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise SpdInputError("a text prompt needs a tokenizer; pass token ids or create the engine with one")
-            prompt = self.tokenizer(prompt)["input_ids"]
-        if eos_token_id is None and self.tokenizer is not None:
-            eos_token_id = self.tokenizer.eos_token_id
+        prompt, eos_token_id = prepare_prompt(self.tokenizer, prompt, eos_token_id)
         on_token, end = _as_callback(streamer)
         try:
             if mode == "ar":
@@ -354,11 +349,9 @@ class TreeEngine:
         """The step loop of the module docstring."""
         staged, source = self.staged, self.source
         prompt = as_prompt_ids(input_ids)
-        check_request(staged, prompt, max_new_tokens)
+        budget = check_request(staged, prompt, max_new_tokens)
         eos = eos_set(eos_token_id)
         n = staged.n_stages
-        limit = staged.max_positions or (len(prompt) + max_new_tokens)
-        budget = min(max_new_tokens, limit - len(prompt))
         end_position = len(prompt) + budget  # positions >= this are never committed
         stats = TreeStats(mode="tree", prompt_tokens=len(prompt), stages=n, verified_by_position=[0] * n,
                           accepted_by_position=[0] * n, schedule=source.schedule,

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from spd.distill import DistillConfig, check_compatible, expected_accept_length, load_config, new_head
+from spd.distill import DistillConfig, expected_accept_length, load_config, new_head
 from spd.errors import SpdInputError
 from spd.kd import sample_fills
-from spd.speculator import Speculator
+from spd.speculator import Speculator, check_compatible
 from spd.staging import StagedModel
 
 from conftest import REPO, tiny_model

@@ -15,7 +15,7 @@ from spd.generation import generate_ar
 from spd.sampling import SamplingParams
 from spd.staging import StagedModel, load_tokenizer
 from spd.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
-from test_engine import _chi_square_p_value, _sequence_probs
+from test_engine import _chi_square_p_value, _sample_outcomes, _sequence_probs
 
 PROMPTS = [[5, 17, 3, 99, 42, 8], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 
@@ -314,14 +314,9 @@ def test_sampled_tree_follows_the_target_distribution(n, width, children, scale,
     engine = TreeEngine(staged, DraftModelSource(StagedModel(_noisy_copy(model, 1.0), 1), staged, children), width)
     prompt = [1, 4, 2]
     exact = _sequence_probs(staged, prompt, params, length)
-    counts, flushes, verified, later_sibling = {}, 0, 0, 0
-    for seed in range(samples):
-        out = engine.run(prompt, length, SamplingParams(params.temperature, params.top_k, params.top_p, seed))
-        key = tuple(out.token_ids)
-        counts[key] = counts.get(key, 0) + 1
-        flushes += out.stats.flushes
-        verified += out.stats.verified
-        later_sibling += sum(out.stats.accepted_by_sibling[1:])
+    counts, stats = _sample_outcomes(engine, prompt, params, length, samples)
+    flushes, verified = sum(s.flushes for s in stats), sum(s.verified for s in stats)
+    later_sibling = sum(sum(s.accepted_by_sibling[1:]) for s in stats)
     assert 0.1 * verified < flushes < 0.9 * verified and later_sibling > 0  # every verification outcome occurs
     assert _chi_square_p_value(counts, exact, samples) > 1e-3
 

@@ -78,10 +78,10 @@ def train(cfg, resume: bool) -> dict:
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
     from spd.data import DataConfig, prepare_dataset
-    from spd.distill import (check_compatible, collate, distill_step, evaluate, latest_checkpoint, list_checkpoints,
+    from spd.distill import (collate, distill_step, evaluate, latest_checkpoint, list_checkpoints,
                              new_head, save_head_atomic, teacher_anchors, teacher_pass)
     from spd.kd import sample_fills
-    from spd.speculator import Speculator
+    from spd.speculator import Speculator, check_compatible
     from spd.paths import write_json_atomic
     from spd.staging import StagedModel, load_tokenizer
 
