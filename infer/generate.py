@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--runtime", default="local", choices=("local", "distributed"),
                    help="local: one process; distributed: one process per stage plus rank 0 on torch.distributed, "
-                        "spawned here with torchrun (modes spd and pp)")
+                        "spawned here with torchrun (modes spd, pp and tree)")
     p.add_argument("--emulate-stage-ms", type=_finite_float, default=0.0,
                    help="--runtime distributed: added compute time per stage per token")
     p.add_argument("--emulate-link-ms", type=_finite_float, default=0.0,
@@ -141,8 +141,8 @@ def _check_numbers(args) -> None:
         raise SpdInputError("--mode tree takes one token source: --draft-model or --speculator, not both")
     if args.mode != "tree" and args.draft_model is not None:
         raise SpdInputError(f"--draft-model is only used by --mode tree, but --mode is '{args.mode}'")
-    if args.runtime == "distributed" and args.mode not in ("spd", "pp"):
-        raise SpdInputError(f"--runtime distributed runs --mode spd or pp, not '{args.mode}'")
+    if args.runtime == "distributed" and args.mode not in ("spd", "pp", "tree"):
+        raise SpdInputError(f"--runtime distributed runs --mode spd, pp or tree, not '{args.mode}'")
     if args.runtime == "local" and (args.emulate_stage_ms or args.emulate_link_ms):
         raise SpdInputError("--emulate-stage-ms / --emulate-link-ms need --runtime distributed")
     if args.emulate_stage_ms < 0 or args.emulate_link_ms < 0 or args.timeout_s <= 0:
@@ -218,7 +218,7 @@ def run(args) -> int:
     staged = StagedModel.from_pretrained(args.target, n_stages=stages, revision=args.revision, dtype=dtype,
                                          device=args.device)
     if args.mode == "tree":
-        engine = _tree_engine(args, staged, head, tokenizer, dtype)
+        engine = tree_engine(args, staged, head, tokenizer, dtype, args.device)
     else:
         engine = PipelineEngine(staged, head, tokenizer)
     streamer = None if args.json else _TextStreamer(tokenizer, sys.stdout)
@@ -242,8 +242,12 @@ def run(args) -> int:
     return 0
 
 
-def _tree_engine(args, staged, head, tokenizer, dtype):
-    """The tree engine with an SPD head of width W, or with a draft model (refused unless it shares the tokenizer)."""
+def tree_engine(args, staged, head, tokenizer, dtype, device, stages=None):
+    """The tree engine with an SPD head of width W, or with a draft model (refused unless it shares the tokenizer).
+
+    ``args`` carries draft_model, draft_revision, tree_width and tree_children; ``stages`` is the stage backend
+    (default: this process).
+    """
     from spd.staging import StagedModel, load_tokenizer
     from spd.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
 
@@ -251,13 +255,13 @@ def _tree_engine(args, staged, head, tokenizer, dtype):
         source = SpdHeadSource(head, staged, args.tree_children)
     else:
         draft = StagedModel.from_pretrained(args.draft_model, n_stages=1, revision=args.draft_revision, dtype=dtype,
-                                            device=args.device)
+                                            device=device)
         try:
             draft_tokenizer = load_tokenizer(args.draft_model, args.draft_revision)
         except SpdInputError:
             draft_tokenizer = None  # a model-only directory: only the vocabulary sizes can be compared
         source = DraftModelSource(draft, staged, args.tree_children, tokenizer, draft_tokenizer)
-    return TreeEngine(staged, source, args.tree_width, tokenizer)
+    return TreeEngine(staged, source, args.tree_width, tokenizer, stages=stages)
 
 
 def run_distributed(args, prompt: str) -> int:
@@ -266,6 +270,8 @@ def run_distributed(args, prompt: str) -> int:
     import subprocess
 
     check_model_source(args.target, "target")
+    if args.draft_model is not None:
+        check_model_source(args.draft_model, "draft model")
     stages = args.stages
     if args.speculator is not None:
         from spd.speculator import load_speculator_config
@@ -285,8 +291,11 @@ def run_distributed(args, prompt: str) -> int:
            "--top-k", str(args.top_k), "--top-p", str(args.top_p), "--dtype", args.dtype,
            "--emulate-stage-ms", str(args.emulate_stage_ms), "--emulate-link-ms", str(args.emulate_link_ms),
            "--timeout-s", str(args.timeout_s)]
+    if args.mode == "tree":
+        cmd += ["--tree-width", str(args.tree_width), "--tree-children", str(args.tree_children)]
     for flag, value in (("--revision", args.revision), ("--tokenizer", args.tokenizer),
                         ("--speculator", args.speculator), ("--speculator-revision", args.speculator_revision),
+                        ("--draft-model", args.draft_model), ("--draft-revision", args.draft_revision),
                         ("--seed", args.seed)):
         if value is not None:
             cmd += [flag, str(value)]

@@ -32,7 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--speculator", default=None)
     p.add_argument("--speculator-revision", default=None)
-    p.add_argument("--mode", nargs="+", default=["spd"], choices=("spd", "pp"))
+    p.add_argument("--mode", nargs="+", default=["spd"], choices=("spd", "pp", "tree"))
+    p.add_argument("--draft-model", default=None, help="--mode tree: a small causal LM with the target's tokenizer")
+    p.add_argument("--draft-revision", default=None)
+    p.add_argument("--tree-width", type=int, default=4, help="--mode tree: tree nodes kept per level, W")
+    p.add_argument("--tree-children", type=int, default=4, help="--mode tree: candidate children per node, K")
     p.add_argument("--stages", type=int, default=None, help="must equal the world size - 1 (checked)")
     p.add_argument("--prompt", default=None)
     p.add_argument("--prompts", default=None, help='jsonl with a "prompt" field per row')
@@ -102,16 +106,26 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
 
     if "spd" in args.mode and args.speculator is None:
         raise SpdInputError("--mode spd needs --speculator DIR_OR_ID")
+    if "tree" in args.mode and (args.draft_model is None) == (args.speculator is None):
+        raise SpdInputError("--mode tree needs one token source: --draft-model DIR_OR_ID or --speculator DIR_OR_ID")
+    if "tree" in args.mode and (args.tree_width < 1 or args.tree_children < 1):
+        raise SpdInputError("--tree-width and --tree-children must be positive integers")
     tokenizer = load_tokenizer(args.tokenizer or args.target, args.revision if args.tokenizer is None else None)
     prompts = _prompts(args, tokenizer)
     staged = load_partial(args.target, n, 0, args.revision, dtype, device)
     head = load_speculator(args.speculator, args.speculator_revision, dtype, device) if args.speculator else None
     remote = RemoteStages(staged, config, control)
-    engine = PipelineEngine(staged, head, tokenizer, stages=remote)
     results: dict[str, list[dict]] = {}
     try:
+        chain = PipelineEngine(staged, head, tokenizer, stages=remote)
+        tree = None
+        if "tree" in args.mode:
+            from infer.generate import tree_engine
+
+            tree = tree_engine(args, staged, head, tokenizer, dtype, device, stages=remote)
         for mode in args.mode:
             results[mode] = []
+            engine = tree if mode == "tree" else chain
             for i, ids in enumerate(prompts):
                 out = engine.generate(ids, args.max_new_tokens, mode=mode, temperature=args.temperature,
                                       top_k=args.top_k, top_p=args.top_p,

@@ -44,9 +44,61 @@ from .errors import SpdInputError, first_line
 from .staging import StagedModel, StageKVCache, StageOutput
 
 # Message kinds (header[0]) and tags.
-PREFILL, TOKEN, STOP, REPORT = 1, 2, 3, 4
-DATA_TAG, REPORT_TAG, CONTROL_TAG = 1, 2, 3
-HEADER = 8  # kind, epoch, position, length, stage, send time (us), reserved x2
+PREFILL, TOKEN, STOP, REPORT, LEVEL = 1, 2, 3, 4, 5
+DATA_TAG, REPORT_TAG, CONTROL_TAG, KEPT_TAG = 1, 2, 3, 4
+HEADER = 8  # kind, epoch, position, length, stage, send time (us), payload width, extra length
+# Control notices (epoch, committed length, kind, kept count); a prune's kept indices follow on KEPT_TAG.
+FLUSH, PRUNE = 0, 1
+NOTICE = 4
+
+
+def follow_prunes(start: int, size: int, end: int, kepts: list[torch.Tensor]):
+    """Map a tree level through the prunes that happened since it was sent.
+
+    The level is tree nodes ``[start, start + size)`` of a tree with ``end`` nodes up to it; ``kepts`` are the
+    kept index sets of the prunes in order (:meth:`spd.tree.TokenTree.prune_to_child`). Returns None when no
+    node survives, else ``(rows, new_start, cols)``: the surviving rows of the level (indices into it), the
+    level's first tree index now, and the surviving tree nodes ``< end`` (old indices: the columns of the
+    level's ancestor mask to keep).
+    """
+    rows, current = torch.arange(size), torch.arange(start, start + size)
+    cols, col_current = torch.arange(end), torch.arange(end)
+    for kept in kepts:
+        alive = torch.isin(current, kept)
+        if not bool(alive.any()):
+            return None
+        rows, current = rows[alive], torch.searchsorted(kept, current[alive])
+        alive = torch.isin(col_current, kept)
+        cols, col_current = cols[alive], torch.searchsorted(kept, col_current[alive])
+    return rows, int(current[0]), cols
+
+
+class EpochLog:
+    """What each epoch of the current request was: a prune (its kept set) or anything else (flush, new request).
+
+    Work of epoch ``m`` seen in epoch ``e > m`` is still valid only if every epoch in ``(m, e]`` was a prune;
+    it is then mapped through those prunes (tree levels). Chain tokens are never pruned, so for them any
+    newer epoch means stale.
+    """
+
+    def __init__(self):
+        self.prunes: dict[int, torch.Tensor] = {}
+
+    def record(self, epoch: int, kept: torch.Tensor | None) -> None:
+        if kept is not None:
+            self.prunes[epoch] = kept
+
+    def since(self, old: int, now: int) -> list[torch.Tensor] | None:
+        """The kept sets of epochs ``old + 1 .. now`` in order, or None when one of them was not a prune."""
+        kepts = []
+        for epoch in range(old + 1, now + 1):
+            if epoch not in self.prunes:
+                return None
+            kepts.append(self.prunes[epoch])
+        return kepts
+
+    def forget_before(self, epoch: int) -> None:
+        self.prunes = {e: k for e, k in self.prunes.items() if e >= epoch}
 
 
 @dataclass
@@ -217,7 +269,7 @@ class Link:
 
 
 def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control_group, device: torch.device) -> None:
-    """The loop of rank ``stage + 1``: run this stage on every token that reaches it, until STOP."""
+    """The loop of rank ``stage + 1``: run this stage on every token or tree level that reaches it, until STOP."""
     rank, n = stage + 1, staged.n_stages
     prev, nxt = rank - 1, (rank + 1) % (n + 1)
     layers = list(staged.stage_layers(stage))
@@ -226,26 +278,40 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
     link = Link(rank, config, dtype, device, staged.config.hidden_size)
     cache = StageKVCache(layers, staged.kv_heads, staged.head_dim, 1, 256, dtype, device)
     epoch = 0
-    notices = 0  # flush notices received
+    log = EpochLog()
+    notices = 0  # control notices received
     token_anchors: list[int] = []
-    control_buf = torch.zeros(2, dtype=torch.long)
+    control_buf = torch.zeros(NOTICE, dtype=torch.long)
     control = dist.irecv(control_buf, 0, group=control_group, tag=CONTROL_TAG)
 
-    def apply_flushes(until_epoch: int | None) -> None:
-        """Apply arrived flush notices; with ``until_epoch``, block until that epoch's notice is applied."""
+    def take_notice() -> None:
+        """Apply the notice that has arrived (waiting for it if needed) and post the next receive."""
         nonlocal control, epoch, notices
+        link._wait(control, 0)
+        notices += 1
+        new_epoch, length, kind, count = control_buf.tolist()
+        kept = None
+        if kind == PRUNE:
+            kept = torch.empty(count, dtype=torch.long)
+            link._wait(dist.irecv(kept, 0, group=control_group, tag=KEPT_TAG), 0)
+        if new_epoch > epoch:  # notices of a finished request are ignored
+            epoch = new_epoch
+            log.record(new_epoch, kept)
+            if kind == PRUNE:
+                held = cache.length - length  # tree nodes this stage has run, the root first
+                cache.keep(length + 1, kept[kept < held] - 1)
+            else:
+                cache.truncate(length)
+        control = dist.irecv(control_buf, 0, group=control_group, tag=CONTROL_TAG)
+
+    def catch_up(until_epoch: int | None) -> None:
+        """Apply arrived notices; with ``until_epoch``, block until that epoch's notice is applied."""
         while True:
             if until_epoch is not None and epoch >= until_epoch:
                 return
             if until_epoch is None and not control.is_completed():
                 return
-            link._wait(control, 0)
-            notices += 1
-            new_epoch, length = int(control_buf[0]), int(control_buf[1])
-            if new_epoch > epoch:
-                epoch = new_epoch
-                cache.truncate(length)
-            control = dist.irecv(control_buf, 0, group=control_group, tag=CONTROL_TAG)
+            take_notice()
 
     with torch.inference_mode():
         while True:
@@ -253,18 +319,16 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
             kind, msg_epoch, position = int(header[0]), int(header[1]), int(header[2])
             if kind == STOP:
                 while notices < position:  # STOP carries the number of notices sent: take them all
-                    link._wait(control, 0)
-                    notices += 1
-                    if notices < position:
-                        control = dist.irecv(control_buf, 0, group=control_group, tag=CONTROL_TAG)
+                    take_notice()
                 link.send(nxt, DATA_TAG, STOP, msg_epoch, 0)
                 if nxt != 0:
                     link.send(0, REPORT_TAG, STOP, msg_epoch, 0, stage=rank)
                 break
-            apply_flushes(None)
+            catch_up(None)
             if kind == PREFILL:
                 # extra = per-layer flags for this request: bit 0 = report per token, bit 1 = report at prefill.
                 epoch = msg_epoch
+                log.forget_before(epoch)
                 cache.truncate(0)
                 flags = extra.tolist()
                 token_anchors = [l for l in range(first + 1, last + 1) if flags[l] & 1]
@@ -273,10 +337,27 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
                 _emulate(config)
                 _forward(link, nxt, rank, PREFILL, epoch, position, out, prefill_anchors, extra)
                 continue
-            if msg_epoch < epoch:
-                continue  # work of a flushed epoch: drop it without computing
             if msg_epoch > epoch:
-                apply_flushes(msg_epoch)
+                catch_up(msg_epoch)
+            if kind == LEVEL:
+                level = _level_now(extra, payload, msg_epoch, epoch, position, log)
+                if level is None:
+                    continue  # flushed, or every node pruned: drop it without computing
+                committed, start, positions_T, mask_TN, hidden_T1D = level
+                if cache.length != committed + start:
+                    raise RuntimeError(f"stage {stage}: a tree level starting at node {start} after {committed} "
+                                       f"committed rows, but the cache holds {cache.length}")
+                out = staged.run_stage(stage, hidden_T1D[:, 0][None], cache, positions_T[None], anchors=token_anchors,
+                                       tree_mask_TN=mask_TN)
+                _emulate(config)
+                end = mask_TN.shape[1]
+                level_extra = torch.cat([torch.tensor([start, len(positions_T), end]), positions_T,
+                                         mask_TN.flatten().long()])
+                _forward(link, nxt, rank, LEVEL, epoch, committed, out, token_anchors, level_extra,
+                         level_extra[:3])
+                continue
+            if msg_epoch < epoch:
+                continue  # a token of a flushed epoch: drop it without computing
             if cache.length != position:
                 raise RuntimeError(f"stage {stage}: token at position {position} but the cache holds {cache.length}")
             out = staged.run_stage(stage, payload[:, 0][None], cache, anchors=token_anchors)
@@ -285,13 +366,38 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
     link.drain_sends()
 
 
+def pack_level(start: int, positions_T: torch.Tensor, mask_TN: torch.Tensor) -> torch.Tensor:
+    """A tree level's int64 ``extra``: start, size, end (= N), the T positions, the (T, N) ancestor mask."""
+    return torch.cat([torch.tensor([start, positions_T.numel(), mask_TN.shape[1]]), positions_T.long().cpu(),
+                      mask_TN.flatten().long().cpu()])
+
+
+def _level_now(extra: torch.Tensor, payload_T1D: torch.Tensor, msg_epoch: int, epoch: int, committed: int,
+               log: EpochLog):
+    """A received tree level as of the current epoch: (committed, start, positions, mask, hidden) or None."""
+    start, size, end = extra[:3].tolist()
+    positions_T = extra[3:3 + size]
+    mask_TN = extra[3 + size:].view(size, end).bool()
+    if msg_epoch == epoch:
+        return committed, start, positions_T, mask_TN, payload_T1D
+    kepts = log.since(msg_epoch, epoch)
+    if kepts is None:
+        return None
+    mapped = follow_prunes(start, size, end, kepts)
+    if mapped is None:
+        return None
+    rows, start, cols = mapped
+    # Each prune commits one more row; absolute positions do not change.
+    return committed + len(kepts), start, positions_T[rows], mask_TN[rows][:, cols], payload_T1D[rows]
+
+
 def _emulate(config: RuntimeConfig) -> None:
     if config.emulate_stage_ms > 0:
         time.sleep(config.emulate_stage_ms / 1000)
 
 
 def _forward(link: Link, nxt: int, rank: int, kind: int, epoch: int, position: int, out: StageOutput,
-             anchors: list[int], extra: torch.Tensor | None) -> None:
+             anchors: list[int], extra: torch.Tensor | None, report_extra: torch.Tensor | None = None) -> None:
     """Send the stage output downstream and the anchors (plus H^L from the last stage) to rank 0."""
     hidden_TD = out.hidden_BTD[0]
     if nxt != 0:
@@ -299,7 +405,7 @@ def _forward(link: Link, nxt: int, rank: int, kind: int, epoch: int, position: i
     rows = [out.anchors[a][0] for a in anchors] + ([hidden_TD] if nxt == 0 else [])
     if rows:
         link.send(0, DATA_TAG if nxt == 0 else REPORT_TAG, REPORT, epoch, position, torch.stack(rows, dim=1),
-                  stage=rank)
+                  stage=rank, extra=report_extra)
 
 
 # ----------------------------------------------------------------------------------------- rank 0
@@ -317,13 +423,15 @@ class RemoteStages:
         self.epoch = 0
         self.stage_anchors: list[list[int]] = [[] for _ in range(self.n)]
         self._sent = (0, -1)  # (epoch, position) of the last token sent to stage 1
-        self.notices = 0  # flush notices sent (each stage receives all of them before it stops)
+        self.notices = 0  # control notices sent (each stage receives all of them before it stops)
+        self.log = EpochLog()
 
     def configure(self, stage_anchors: list[list[int]]) -> None:
         self.stage_anchors = stage_anchors
 
     def prefill(self, prompt_ids_1T: torch.Tensor, anchors: list[int], capacity: int) -> StageOutput:
         self.epoch += 1
+        self.log.forget_before(self.epoch)
         b, big_l = self.staged.boundaries, self.staged.num_layers
         flags = torch.zeros(big_l + 1, dtype=torch.long)
         for ids in self.stage_anchors:
@@ -369,11 +477,71 @@ class RemoteStages:
             slot.depth += 1
 
     def flush(self, length: int) -> None:
+        """Every stage drops its in-flight work and truncates its KV cache to ``length`` rows."""
+        self._notify(FLUSH, length, None)
+
+    def prune(self, committed: int, kept: torch.Tensor) -> None:
+        """Tree hit: every stage keeps the subtree ``kept`` after the committed root (row ``committed``)."""
+        self._notify(PRUNE, committed, torch.as_tensor(kept, dtype=torch.long).cpu().contiguous())
+
+    def _notify(self, kind: int, length: int, kept: torch.Tensor | None) -> None:
         self.epoch += 1
-        notice = torch.tensor([self.epoch, length], dtype=torch.long)
+        self.log.record(self.epoch, kept)
+        notice = torch.tensor([self.epoch, length, kind, 0 if kept is None else kept.numel()], dtype=torch.long)
         for rank in range(1, self.n + 1):
             self.link.post(dist.isend(notice, rank, group=self.control_group, tag=CONTROL_TAG), notice)
+            if kept is not None:
+                self.link.post(dist.isend(kept, rank, group=self.control_group, tag=KEPT_TAG), kept)
         self.notices += 1
+
+    # ------------------------------------------------------------------------------- tree levels
+    def launch_level(self, level, tree, committed: int) -> None:
+        """Send a new tree level (depth 0) to stage 1 with its positions and ancestor-mask rows."""
+        start, end = level.start, level.start + level.size
+        positions_T = tree.positions(committed)[start:end]
+        extra = pack_level(start, positions_T, tree.mask()[start:end, :end])
+        self.link.send(1, DATA_TAG, LEVEL, self.epoch, committed, level.hidden_1TD[0][:, None], extra=extra)
+
+    def advance(self, levels, tree, committed: int) -> None:
+        """Every level in flight ran its next stage: take the stage's report (anchors; H^L from stage n)."""
+        for level in levels:
+            stage = level.depth
+            mine = self.stage_anchors[stage]
+            is_last = stage == self.n - 1
+            if mine or is_last:
+                payload = self._recv_level_report(stage, level)
+                for i, a in enumerate(mine):
+                    level.anchors[a] = payload[:, i]
+                if is_last:
+                    level.hidden_1TD = payload[:, -1][None]
+            level.depth += 1
+
+    def _recv_level_report(self, stage: int, level) -> torch.Tensor:
+        """The report of ``stage`` on ``level``, mapped through the prunes since it was sent: (T, W, D).
+
+        Reports of flushed work and of levels pruned away entirely are skipped.
+        """
+        src = stage + 1
+        tag = DATA_TAG if stage == self.n - 1 else REPORT_TAG
+        while True:
+            header, extra, payload = self.link.recv(src, tag)
+            epoch = int(header[1])
+            if epoch < self.epoch:
+                kepts = self.log.since(epoch, self.epoch)
+                if kepts is None or int(header[0]) != REPORT or extra is None:
+                    continue
+                mapped = follow_prunes(*extra.tolist(), kepts)
+                if mapped is None:
+                    continue
+                rows, start, _ = mapped
+                payload = payload[rows]
+            else:
+                start = int(extra[0]) if extra is not None else -1
+            if epoch > self.epoch or start != level.start or payload.shape[0] != level.size:
+                raise RuntimeError(f"rank 0: stage {stage} reported a tree level (start {start}, {payload.shape[0]} "
+                                   f"nodes, epoch {epoch}), expected start {level.start}, {level.size} nodes, "
+                                   f"epoch {self.epoch}")
+            return payload
 
     def _recv_report(self, stage: int, position: int) -> torch.Tensor:
         """The current epoch's report of ``stage`` (0-based) for ``position``, skipping stale ones: (T, W, D)."""

@@ -56,7 +56,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .engine import PipelineStats, _as_callback, _stop_reason, prepare_prompt
+from .engine import LocalStages, PipelineStats, _as_callback, _stop_reason, prepare_prompt
 from .errors import SpdInputError
 from .generation import GenerationOutput, as_prompt_ids, check_request, eos_set, generate_ar
 from .sampling import SamplingParams, warped_probs
@@ -285,6 +285,34 @@ class SpdHeadSource:
         """Nothing to do: the cache holds committed rows only."""
 
 
+class LocalTreeStages(LocalStages):
+    """All ``n`` stages in this process: the tree engine's reference backend (the chain backend's caches
+    and prefill, plus tree levels). :class:`spd.runtime.RemoteStages` implements the same methods."""
+
+    def launch_level(self, level: Level, tree: TokenTree, committed: int) -> None:
+        """A new level (at depth 0) exists: remote stages may start on it early; here it runs at the next advance."""
+
+    def advance(self, levels: list[Level], tree: TokenTree, committed: int) -> None:
+        """Every level in flight runs its next stage: committed rows plus its ancestors, at committed + depth."""
+        for level in levels:
+            stage, start, end = level.depth, level.start, level.start + level.size
+            cache = self.caches[stage]
+            if cache.length != committed + start:
+                raise RuntimeError(f"stage {stage} holds {cache.length} rows but the level starting at tree node "
+                                   f"{start} expects {committed + start}")
+            positions_1T = tree.positions(committed)[start:end][None].to(self.staged.device)
+            out = self.staged.run_stage(stage, level.hidden_1TD, cache, positions_1T,
+                                        anchors=self.stage_anchors[stage], tree_mask_TN=tree.mask()[start:end, :end])
+            for index, hidden_1TD in out.anchors.items():
+                level.anchors[index] = hidden_1TD[0]
+            level.hidden_1TD = out.hidden_BTD
+            level.depth += 1
+
+    def prune(self, committed: int, kept: torch.Tensor) -> None:
+        """The root (row ``committed``) is committed; every stage keeps the subtree ``kept`` (old tree indices)."""
+        self.staged.prune_tree(self.caches, committed, kept)
+
+
 # -------------------------------------------------------------------------------------------- engine
 
 
@@ -292,10 +320,12 @@ class TreeEngine:
     """Runs one request at a time through the staged target with a token tree fed by a token source."""
 
     def __init__(self, staged: StagedModel, source: DraftModelSource | SpdHeadSource, width: int = 4,
-                 tokenizer=None):
+                 tokenizer=None, stages: "LocalTreeStages | None" = None):
         if width < 1:
             raise SpdInputError(f"the tree width must be a positive integer, got {width}")
         self.staged, self.source, self.width, self.tokenizer = staged, source, width, tokenizer
+        # Where the stages run: this process (default) or other processes (spd.runtime.RemoteStages).
+        self.stages = stages if stages is not None else LocalTreeStages(staged)
         b, needed = staged.boundaries, set(source.needed_anchors)
         # Anchors each stage hands to the source: H^l for l in (b[s], b[s+1]] (H^0 is taken at entry).
         self._stage_anchors = [sorted(a for a in needed if b[s] < a <= b[s + 1]) for s in range(staged.n_stages)]
@@ -360,10 +390,11 @@ class TreeEngine:
                           children=source.children, accepted_by_sibling=[0] * self.width)
         generator = None if sampling.greedy else sampling.generator(staged.device)
         capacity = end_position + n * self.width + 1
-        caches = staged.new_caches(capacity=capacity)
+        stages = self.stages
+        stages.configure(self._stage_anchors)
 
         t0 = time.perf_counter()
-        first = self._prefill(prompt, caches, sampling, generator, capacity)
+        first = self._prefill(prompt, sampling, generator, capacity)
         stats.prefill_time_s = time.perf_counter() - t0
         out = [first]
         if on_token is not None:
@@ -372,6 +403,8 @@ class TreeEngine:
         context = list(prompt)  # committed tokens before the root (the rows every stage keeps)
         tree = TokenTree(first)
         levels = [self._enter(tree, 0, 1, rank=0)]
+        if not stop:
+            stages.launch_level(levels[0], tree, len(context))
         grown = 0  # levels added since the last (re)seed
 
         while not stop:
@@ -388,13 +421,15 @@ class TreeEngine:
                     grown += 1
                     new_level = self._enter(tree, int(new_N[0]), len(tree), rank=min(grown, n))
                     stats.proposals += new_N.numel()
+                    # Remote stage 1 starts on it as soon as it is free; a prune or miss later in this step
+                    # reaches it through the epoch (the single-process backend runs it next step).
+                    stages.launch_level(new_level, tree, committed)
             stats.tree_nodes_total += len(tree)
             stats.max_tree_size = max(stats.max_tree_size, len(tree))
             # 2. Every stage advances the level it holds.
             tick = time.perf_counter()
-            for level in levels:
-                self._advance(level, tree, caches, committed)
-                stats.stage_nodes += level.size
+            stages.advance(levels, tree, committed)
+            stats.stage_nodes += sum(level.size for level in levels)
             stats.stage_time_s += time.perf_counter() - tick
             if new_level is not None:
                 levels.append(new_level)
@@ -406,23 +441,25 @@ class TreeEngine:
             source.commit_root(root)
             token, child = self._verify(root, tree, levels, sampling, generator, stats)
             context.append(int(tree.tokens_N[0]))
+            out.append(token)
+            stop = _stop_reason(token, out, eos, budget, max_new_tokens)
             if child is not None:
                 kept = tree.prune_to_child(child)
-                staged.prune_tree(caches, committed, kept)
+                stages.prune(committed, kept)
                 source.prune(committed, kept)
                 levels = [lv for lv in (self._prune_level(lv, kept) for lv in levels) if lv is not None]
             else:
                 # Miss (or nothing to verify): reseed from the committed token.
                 tree.reset(token)
-                staged.truncate(caches, committed + 1)
+                stages.flush(committed + 1)
                 source.reset(committed + 1)
                 levels = [self._enter(tree, 0, 1, rank=0)]
+                if not stop:
+                    stages.launch_level(levels[0], tree, committed + 1)
                 grown = 0
             stats.verify_time_s += time.perf_counter() - tick
-            out.append(token)
             if on_token is not None:
                 on_token(token)
-            stop = _stop_reason(token, out, eos, budget, max_new_tokens)
 
         stats.wall_time_s = time.perf_counter() - t0
         stats.stop_reason = stop
@@ -431,12 +468,12 @@ class TreeEngine:
         return GenerationOutput(out, stats, prompt)
 
     # ------------------------------------------------------------------------------------ pieces
-    def _prefill(self, prompt: list[int], caches: list[StageKVCache], sampling: SamplingParams,
-                 generator: torch.Generator | None, capacity: int) -> int:
+    def _prefill(self, prompt: list[int], sampling: SamplingParams, generator: torch.Generator | None,
+                 capacity: int) -> int:
         """Run the prompt through every stage and the source; the first new token comes from the last logits."""
         staged = self.staged
         ids_1T = torch.tensor([prompt], dtype=torch.long, device=staged.device)
-        out = staged.forward_stages(ids_1T, caches, anchors=self.source.prefill_anchors)
+        out = self.stages.prefill(ids_1T, list(self.source.prefill_anchors), capacity)
         self.source.start(prompt, out.anchors, capacity)
         logits_1V = staged.logits(out.hidden_BTD[:, -1])
         if sampling.greedy:
@@ -450,21 +487,6 @@ class TreeEngine:
         if self._needs_embedding:
             level.anchors[0] = hidden_1TD[0]
         return level
-
-    def _advance(self, level: Level, tree: TokenTree, caches: list[StageKVCache], committed: int) -> None:
-        """Run the level's next stage: committed rows plus its ancestors (mask rows), positions committed + depth."""
-        stage, start, end = level.depth, level.start, level.start + level.size
-        cache = caches[stage]
-        if cache.length != committed + start:
-            raise RuntimeError(f"stage {stage} holds {cache.length} rows but the level starting at tree node "
-                               f"{start} expects {committed + start}")
-        positions_1T = tree.positions(committed)[start:end][None].to(self.staged.device)
-        out = self.staged.run_stage(stage, level.hidden_1TD, cache, positions_1T, anchors=self._stage_anchors[stage],
-                                    tree_mask_TN=tree.mask()[start:end, :end])
-        for index, hidden_1TD in out.anchors.items():
-            level.anchors[index] = hidden_1TD[0]
-        level.hidden_1TD = out.hidden_BTD
-        level.depth += 1
 
     @staticmethod
     def _prune_level(level: Level, kept: torch.Tensor) -> Level | None:

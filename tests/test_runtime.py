@@ -15,8 +15,11 @@ import torch
 from conftest import REPO
 from spd.distill import DistillConfig, new_head
 from spd.engine import PipelineEngine
-from spd.runtime import load_partial, materialized_bytes
+from spd.runtime import EpochLog, _level_now, load_partial, materialized_bytes, pack_level
+from spd.speculator import load_speculator
 from spd.staging import StagedModel, load_tokenizer
+from spd.tree import TokenTree
+from spd.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
 
 PROMPTS = ["def main(argv):\n    ", "import os\n", "class A:\n    def __init__(self):"]
 
@@ -47,34 +50,107 @@ def _port() -> int:
     return free_port()
 
 
-def _reference(tiny_testbed, head_dir, n, mode, temperature, top_k, seed, max_new):
+def _reference(tiny_testbed, head_dir, n, mode, temperature, top_k, seed, max_new, width=2, draft=None):
+    """The single-process engine's tokens for PROMPTS (tree mode: SPD-head tree of ``width``, or a draft tree)."""
     torch.set_num_threads(1)
     staged = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=n)
     tok = load_tokenizer(tiny_testbed / "target")
-    from spd.speculator import load_speculator
-
-    engine = PipelineEngine(staged, load_speculator(head_dir), tok)
+    if mode == "tree" and draft is not None:
+        source = DraftModelSource(StagedModel.from_pretrained(draft, n_stages=1), staged, 4)
+        engine = TreeEngine(staged, source, width, tok)
+    elif mode == "tree":
+        engine = TreeEngine(staged, SpdHeadSource(load_speculator(head_dir), staged, 4), width, tok)
+    else:
+        engine = PipelineEngine(staged, load_speculator(head_dir), tok)
     return [engine.generate(tok(p)["input_ids"], max_new, mode=mode, temperature=temperature, top_k=top_k,
                             seed=None if seed is None else seed + i).token_ids for i, p in enumerate(PROMPTS)]
 
 
-@pytest.mark.parametrize("n,temperature", [(2, 0.0), (4, 1.0), (8, 0.0)])
+# Every n with greedy and seeded sampling; each run serves spd, pp and the SPD-head tree on the same processes.
+@pytest.mark.parametrize("n,temperature", [(2, 0.0), (2, 1.0), (4, 0.0), (4, 1.0), (8, 0.0), (8, 1.0)])
 def test_distributed_runtime_equals_single_process_engine(tiny_testbed, heads, tmp_path, n, temperature):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "out.json"
-    args = ["--target", str(tiny_testbed / "target"), "--speculator", str(heads[n]), "--mode", "spd", "pp",
-            "--prompts", str(prompts), "--max-new-tokens", "24", "--temperature", str(temperature), "--top-k", "20",
-            "--seed", "5", "--out", str(out)]
+    args = ["--target", str(tiny_testbed / "target"), "--speculator", str(heads[n]), "--mode", "spd", "pp", "tree",
+            "--tree-width", "2", "--prompts", str(prompts), "--max-new-tokens", "24", "--temperature",
+            str(temperature), "--top-k", "20", "--seed", "5", "--out", str(out)]
     proc = _torchrun(n, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    for mode in ("spd", "pp"):
+    for mode in ("spd", "pp", "tree"):
         got = [r["token_ids"] for r in report["results"][mode]]
         want = _reference(tiny_testbed, heads[n], n, mode, temperature, 20, 5, 24)
         assert got == want, mode
     spd_stats = [r["stats"] for r in report["results"]["spd"]]
     assert all(s["stages"] == n and s["steps"] > 0 for s in spd_stats)
+    tree_stats = [r["stats"] for r in report["results"]["tree"]]
+    assert all(s["width"] == 2 and s["max_tree_size"] > 1 for s in tree_stats)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_distributed_draft_tree_equals_single_process_engine(tiny_testbed, tmp_path, temperature):
+    """The training-free mode: a draft model on rank 0 feeding a tree of width 4 through 4 stage processes."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "out.json"
+    draft = tiny_testbed / "draft"
+    proc = _torchrun(4, "--target", str(tiny_testbed / "target"), "--mode", "tree", "--draft-model", str(draft),
+                     "--tree-width", "4", "--prompts", str(prompts), "--max-new-tokens", "24", "--temperature",
+                     str(temperature), "--top-k", "20", "--seed", "5", "--emulate-link-ms", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    got = [r["token_ids"] for r in report["results"]["tree"]]
+    assert got == _reference(tiny_testbed, None, 4, "tree", temperature, 20, 5, 24, width=4, draft=draft)
+    assert sum(r["stats"]["accepted"] for r in report["results"]["tree"]) > 0
+
+
+def test_tree_level_follows_prunes_like_the_tree():
+    """A level sent before one or more prunes, mapped on arrival, equals the level as the pruned tree has it."""
+    gen = torch.Generator().manual_seed(0)
+    outcomes = {"dropped": 0, "mapped": 0}
+    for trial in range(60):
+        tree, committed = TokenTree(7), 100
+        levels = [(0, 1)]
+        for _ in range(4):
+            bottom = tree.bottom_level().numel()
+            tokens = torch.stack([torch.randperm(50, generator=gen)[:3] for _ in range(bottom)])
+            logprobs = -torch.rand(bottom, 3, generator=gen) * 3
+            new = tree.append_level(tokens, logprobs, 4)
+            levels.append((int(new[0]), len(tree)))
+        start, end = levels[1 + trial % 4]
+        extra = pack_level(start, tree.positions(committed)[start:end], tree.mask()[start:end, :end])
+        payload = torch.arange(end - start, dtype=torch.float32)[:, None, None].expand(-1, 1, 3)
+        ids = torch.arange(start, end)  # the level's surviving nodes, followed through the prunes
+        rows = torch.arange(end - start)  # and their rows in the level as sent
+        log, epoch = EpochLog(), 3
+        for hop in range(1 + trial % 2):
+            children = tree.children(0)
+            if children.numel() == 0:
+                break
+            kept = tree.prune_to_child(int(children[torch.randint(children.numel(), (1,), generator=gen)]))
+            epoch += 1
+            log.record(epoch, kept)
+            alive = torch.isin(ids, kept)
+            ids, rows = torch.searchsorted(kept, ids[alive]), rows[alive]
+        got = _level_now(extra, payload, 3, epoch, committed, log)
+        hops = epoch - 3
+        if ids.numel() == 0:
+            assert got is None
+            outcomes["dropped"] += 1
+            continue
+        outcomes["mapped"] += 1
+        c, new_start, positions, mask, hidden = got
+        assert c == committed + hops and new_start == int(ids[0])
+        new_end = new_start + ids.numel()
+        assert torch.equal(positions, tree.positions(committed + hops)[new_start:new_end])
+        assert torch.equal(mask, tree.mask()[new_start:new_end, :new_end])
+        assert torch.equal(hidden[:, 0, 0], rows.float())
+    assert outcomes["dropped"] >= 3 and outcomes["mapped"] >= 10, outcomes
+    # Anything but a prune in between (a flush, a new request) makes old work stale.
+    log = EpochLog()
+    log.record(5, torch.tensor([1, 2]))
+    assert log.since(4, 5) is not None and log.since(4, 6) is None and log.since(3, 5) is None
 
 
 def test_stage_ranks_load_only_their_layers(tiny_testbed):
@@ -168,4 +244,4 @@ def test_spd_generate_runtime_distributed_matches_local(tiny_testbed, heads):
     bad = spd_generate(*common[:-1], "--runtime", "distributed", "--stages", "4")
     assert bad.returncode == 2 and bad.stderr.startswith("error: the speculator does not fit"), bad.stderr
     ar = spd_generate("--target", str(tiny_testbed / "target"), "--prompt", "x", "--runtime", "distributed")
-    assert ar.returncode == 2 and "--runtime distributed runs --mode spd or pp" in ar.stderr
+    assert ar.returncode == 2 and "--runtime distributed runs --mode spd, pp or tree" in ar.stderr
