@@ -36,6 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--emulate-stage-ms", type=float, default=0.0)
     p.add_argument("--emulate-link-ms", type=float, default=0.0)
+    p.add_argument("--early-launch", action="store_true",
+                   help="stage 1 starts a proposal before the step that made it is verified (run_pipeline)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--no-ar", action="store_true", help="skip the single-process ar reference")
@@ -52,7 +54,7 @@ def run_world(args, head: str, n: int, out: Path) -> dict:
            "--mode", "spd", "pp", "--prompts", args.prompts, "--num-prompts", str(args.num_prompts),
            "--max-new-tokens", str(args.max_new_tokens), "--emulate-stage-ms", str(args.emulate_stage_ms),
            "--emulate-link-ms", str(args.emulate_link_ms), "--threads", str(args.threads),
-           "--timeout-s", str(args.timeout_s), "--out", str(out)]
+           "--timeout-s", str(args.timeout_s), "--out", str(out)] + (["--early-launch"] if args.early_launch else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -111,8 +113,9 @@ def main(argv=None) -> int:
     except SpdInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    launch = "early" if args.early_launch else "after verification"
     print(f"emulated stage time {args.emulate_stage_ms:g} ms, link {args.emulate_link_ms:g} ms, "
-          f"{args.num_prompts} prompts x {args.max_new_tokens} new tokens")
+          f"{args.num_prompts} prompts x {args.max_new_tokens} new tokens, proposals launched {launch}")
     print("| n | head | spd tok/s | pp tok/s | ar tok/s | speedup vs pp | L'_acc | efficiency | spd == pp tokens |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -122,7 +125,8 @@ def main(argv=None) -> int:
               f"{r['efficiency']:.3f} | {r['identical_tokens_spd_pp']}/{args.num_prompts} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "emulate_stage_ms": args.emulate_stage_ms,
-                                          "emulate_link_ms": args.emulate_link_ms, "rows": rows}, indent=1) + "\n")
+                                          "emulate_link_ms": args.emulate_link_ms, "launch": launch,
+                                          "rows": rows}, indent=1) + "\n")
     print(f"\nJSON: {args.out}")
     return 0
 

@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=60.0, help="a rank silent this long counts as lost")
     p.add_argument("--emulate-stage-ms", type=float, default=0.0, help="added compute time per stage per token")
     p.add_argument("--emulate-link-ms", type=float, default=0.0, help="added latency per message")
+    p.add_argument("--early-launch", action="store_true",
+                   help="let stage 1 start a proposal before the step that made it is verified (see spd/runtime.py)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default=None)
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     config = RuntimeConfig(backend=backend, timeout_s=args.timeout_s, emulate_stage_ms=args.emulate_stage_ms,
-                           emulate_link_ms=args.emulate_link_ms)
+                           emulate_link_ms=args.emulate_link_ms, early_launch=args.early_launch)
     rank = -1
     try:
         rank, world, control = init_distributed(config)

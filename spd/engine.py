@@ -163,8 +163,12 @@ class LocalStages:
         self.caches = self.staged.new_caches(capacity=capacity)
         return self.staged.forward_stages(prompt_ids_1T, self.caches, anchors=anchors)
 
-    def launch(self, inflight: list[Slot]) -> None:
-        """Hand the newest slot, if it is about to enter stage 1, to the stages as early as possible."""
+    def launch(self, inflight: list[Slot], early: bool = False) -> None:
+        """Hand the newest slot, if it is about to enter stage 1, to the stages.
+
+        ``early``: the slot is a proposal made before this step's verification, which may still flush it
+        (remote stages start on it at once or once the step is verified; here it runs next step).
+        """
 
     def collect(self, inflight: list[Slot]) -> None:
         """Finish the step: every in-flight slot has advanced by one stage (hidden, anchors, depth)."""
@@ -278,27 +282,32 @@ class PipelineEngine:
             stats.steps += 1
             proposal = None
             self.stages.launch(inflight)
+            exits = inflight[0].depth == n - 1  # a token leaves stage n this step and is verified
             # 1. Input-state speculation reads the state at the start of the step (concurrent with 2).
             if head is not None and schedule == "input" and inflight[-1].position + 1 < end_position:
                 proposal = self._propose(head, head_cache, inflight, sampling, generator, stats)
-                # Remote stage 1 may start on it as soon as it is free; a flush later in this step
-                # invalidates it through the epoch (the single-process backend ignores this).
-                self.stages.launch([proposal])
-            # 2. Every stage advances the token it holds.
+                # Remote stage 1 may start on it at once; if this step verifies a token, a flush can still
+                # invalidate it (``early``); the single-process backend runs it next step either way.
+                self.stages.launch([proposal], early=exits)
+            # 2. Every stage advances the token it holds. The token leaving stage n is collected first, so
+            #    that its verification (3) releases stage 1's next token before the other reports are read.
             tick = time.perf_counter()
-            self.stages.collect(inflight)
+            self.stages.collect(inflight[:1] if exits else inflight)
             stats.stage_time_s += time.perf_counter() - tick
-            if head is not None:
-                self._retire_rows(head, head_cache, inflight)
-            # 3. The token that completed stage n exits and decides its successor.
-            if inflight[0].depth == n:
+            if not exits:
+                if head is not None:
+                    self._retire_rows(head, head_cache, inflight)
+            else:
+                # 3. The token that completed stage n exits and decides its successor.
                 tick = time.perf_counter()
                 exiting = inflight.pop(0)
+                if head is not None:
+                    self._retire_rows(head, head_cache, [exiting])
+                rest = list(inflight)  # their stages ran this step too; collected below
                 if proposal is not None:
                     inflight.append(proposal)  # n == 1: the proposal is the successor itself
                     proposal = None
                 token, flushed = self._verify(exiting, inflight, sampling, generator, stats)
-                stats.verify_time_s += time.perf_counter() - tick
                 if flushed:
                     stats.flushes += 1
                     inflight.clear()
@@ -309,11 +318,19 @@ class PipelineEngine:
                     # Reseed (or, without a proposal in flight, the plain pipeline's next token).
                     inflight.append(self._enter(token, exiting.position + 1))
                 out.append(token)
+                stop = _stop_reason(token, out, eos, budget, max_new_tokens)
+                if not stop:
+                    self.stages.launch(inflight)  # stage 1's next token, as soon as it is decided
+                stats.verify_time_s += time.perf_counter() - tick
                 if on_token is not None:
                     on_token(token)
-                stop = _stop_reason(token, out, eos, budget, max_new_tokens)
                 if stop or flushed:
-                    continue
+                    continue  # the other tokens in flight are discarded
+                tick = time.perf_counter()
+                self.stages.collect(rest)
+                stats.stage_time_s += time.perf_counter() - tick
+                if head is not None:
+                    self._retire_rows(head, head_cache, rest)
             # Output-state speculation reads the state after the stages ran (serial with them).
             if head is not None and schedule == "output" and inflight[-1].depth >= 1 \
                     and inflight[-1].position + 1 < end_position:

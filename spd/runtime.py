@@ -109,6 +109,10 @@ class RuntimeConfig:
     timeout_s: float = 60.0  # a peer silent for this long is declared lost
     emulate_stage_ms: float = 0.0  # added compute time per token per stage
     emulate_link_ms: float = 0.0  # added latency per message
+    # When stage 1 may start a proposal: False (default) once the step that made it has been verified
+    # (a flush then costs nothing extra); True as soon as it exists (saves the verification round trip
+    # on every step, but stage 1 may be busy with a doomed proposal when a flush comes: a step lost).
+    early_launch: bool = False
 
 
 class PipelineLost(RuntimeError):
@@ -189,10 +193,23 @@ def materialized_bytes(module: torch.nn.Module) -> int:
 
 
 class Link:
-    """Point-to-point messages (header + payload) with epoch bookkeeping, emulated latency, async sends."""
+    """Point-to-point messages with epoch bookkeeping, emulated latency and sends that never block.
+
+    A message is one flat byte tensor: the int64 header, then the int64 ``extra`` and the payload (T, W, D),
+    padded to a fixed slot size both sides know, so the receiver can have the next receive posted before the
+    message is sent (a gloo send completes only against a posted receive; posting after the header arrived
+    cost a second round trip per message). Header and payload in one send also halves the number of
+    operations. Extra + payload larger than the slot (a prompt, a wide tree level) follow in a second send
+    whose size the header gives.
+    """
 
     def __init__(self, rank: int, config: RuntimeConfig, dtype: torch.dtype, device: torch.device, hidden: int):
         self.rank, self.config, self.dtype, self.device, self.hidden = rank, config, dtype, device, hidden
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        # Room for a token's report (a few anchor rows plus H^L) and a small tree level's extra, inline.
+        self.inline = 6 * hidden * itemsize + 4096
+        self.slot = HEADER * 8 + self.inline
+        self._posted: dict[tuple[int, int], tuple[dist.Work, torch.Tensor]] = {}
         # Gloo completes a send only when the peer has received it and ``wait`` is called; a reaper thread
         # waits on sends in order (keeping their buffers alive), so the main loop never blocks on a send.
         self._sends: queue.Queue = queue.Queue()
@@ -202,17 +219,26 @@ class Link:
 
     def send(self, dst: int, tag: int, kind: int, epoch: int, position: int, payload_TWD: torch.Tensor | None = None,
              stage: int = 0, extra: torch.Tensor | None = None) -> None:
-        """Send a header, then an optional int64 ``extra`` and an optional (T, W, D) payload; never blocks."""
+        """Send a header, an optional int64 ``extra`` and an optional (T, W, D) payload; never blocks."""
         length, width = (0, 0) if payload_TWD is None else payload_TWD.shape[:2]
         header = torch.tensor([kind, epoch, position, length, stage, int(time.time() * 1e6), width,
                                0 if extra is None else extra.numel()], dtype=torch.long)
-        parts = [header]
+        body = []
         if extra is not None:
-            parts.append(extra.to(torch.long).contiguous())
+            body.append(extra.to(torch.long).contiguous().view(torch.uint8).flatten().to(self.device))
         if payload_TWD is not None:
-            parts.append(payload_TWD.to(self.dtype).contiguous())
-        for part in parts:
-            self.post(dist.isend(part, dst, tag=tag), part)
+            body.append(payload_TWD.to(self.dtype).contiguous().view(torch.uint8).flatten())
+        size = sum(part.numel() for part in body)
+        message = torch.empty(self.slot, dtype=torch.uint8, device=self.device)
+        message[:HEADER * 8] = header.view(torch.uint8).to(self.device)
+        if size <= self.inline:
+            if body:
+                message[HEADER * 8:HEADER * 8 + size] = torch.cat(body)
+            self.post(dist.isend(message, dst, tag=tag), message)
+        else:
+            spill = torch.cat(body)
+            self.post(dist.isend(message, dst, tag=tag), message)
+            self.post(dist.isend(spill, dst, tag=tag), spill)
 
     def post(self, work: dist.Work, buffer: torch.Tensor) -> None:
         """Hand a started send to the reaper."""
@@ -220,17 +246,32 @@ class Link:
             raise PipelineLost(f"rank {self.rank}: a send failed ({first_line(self._send_error)})")
         self._sends.put((work, buffer))
 
+    def _post_recv(self, src: int, tag: int) -> None:
+        buffer = torch.empty(self.slot, dtype=torch.uint8, device=self.device)
+        self._posted[(src, tag)] = (dist.irecv(buffer, src, tag=tag), buffer)
+
     def recv(self, src: int, tag: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Receive one message: (header, extra or None, payload (T, W, D) or None), after the emulated latency."""
-        header = torch.empty(HEADER, dtype=torch.long)
-        self._wait(dist.irecv(header, src, tag=tag), src)
+        if (src, tag) not in self._posted:
+            self._post_recv(src, tag)
+        work, message = self._posted.pop((src, tag))
+        self._wait(work, src)
+        header = message[:HEADER * 8].cpu().view(torch.long).clone()
+        n_extra, length, width = int(header[7]), int(header[3]), int(header[6])
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        size = n_extra * 8 + length * width * self.hidden * itemsize
+        if size <= self.inline:
+            body = message[HEADER * 8:HEADER * 8 + size]
+        else:  # the second part comes next on this (src, tag): receive it before posting the next slot
+            body = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self._wait(dist.irecv(body, src, tag=tag), src)
+        if int(header[0]) != STOP:
+            self._post_recv(src, tag)  # the next message from this peer can land as soon as it is sent
         extra = payload_TWD = None
-        if header[7] > 0:
-            extra = torch.empty(int(header[7]), dtype=torch.long)
-            self._wait(dist.irecv(extra, src, tag=tag), src)
-        if header[3] > 0:
-            payload_TWD = torch.empty(int(header[3]), int(header[6]), self.hidden, dtype=self.dtype)
-            self._wait(dist.irecv(payload_TWD, src, tag=tag), src)
+        if n_extra:
+            extra = body[:n_extra * 8].cpu().view(torch.long).clone()
+        if length:
+            payload_TWD = body[n_extra * 8:].view(self.dtype).view(length, width, self.hidden)
         if self.config.emulate_link_ms > 0:
             delay = int(header[5]) / 1e6 + self.config.emulate_link_ms / 1000 - time.time()
             if delay > 0:
@@ -455,8 +496,10 @@ class RemoteStages:
                 last_hidden = payload[:, -1][None]
         return StageOutput(last_hidden, collected)
 
-    def launch(self, inflight) -> None:
+    def launch(self, inflight, early: bool = False) -> None:
         """Send the newest slot to stage 1 if it has not entered yet (once per epoch and position)."""
+        if early and not self.config.early_launch:
+            return  # sent at the start of the next step, once this step's verification is done
         newest = inflight[-1]
         key = (self.epoch, newest.position)
         if newest.depth == 0 and key != self._sent:
@@ -495,8 +538,11 @@ class RemoteStages:
         self.notices += 1
 
     # ------------------------------------------------------------------------------- tree levels
-    def launch_level(self, level, tree, committed: int) -> None:
-        """Send a new tree level (depth 0) to stage 1 with its positions and ancestor-mask rows."""
+    def launch_level(self, level, tree, committed: int, early: bool = False) -> None:
+        """Send a new tree level (depth 0) to stage 1 with its positions and ancestor-mask rows (once)."""
+        if level.sent or (early and not self.config.early_launch):
+            return
+        level.sent = True
         start, end = level.start, level.start + level.size
         positions_T = tree.positions(committed)[start:end]
         extra = pack_level(start, positions_T, tree.mask()[start:end, :end])

@@ -107,6 +107,7 @@ class Level:
     depth: int = 0  # stages completed
     rank: int = 0  # k-th level after the last (re)seed, capped at n (0: a seed root)
     anchors: dict[int, torch.Tensor] = field(default_factory=dict)  # H^l (T, D) that an SPD head reads
+    sent: bool = False  # handed to remote stages already
 
     @property
     def size(self) -> int:
@@ -289,8 +290,9 @@ class LocalTreeStages(LocalStages):
     """All ``n`` stages in this process: the tree engine's reference backend (the chain backend's caches
     and prefill, plus tree levels). :class:`spd.runtime.RemoteStages` implements the same methods."""
 
-    def launch_level(self, level: Level, tree: TokenTree, committed: int) -> None:
-        """A new level (at depth 0) exists: remote stages may start on it early; here it runs at the next advance."""
+    def launch_level(self, level: Level, tree: TokenTree, committed: int, early: bool = False) -> None:
+        """A level at depth 0 is about to enter stage 1 (``early``: made during this step, before its
+        verification); remote stages get it now or at the next step; here it runs at the next advance."""
 
     def advance(self, levels: list[Level], tree: TokenTree, committed: int) -> None:
         """Every level in flight runs its next stage: committed rows plus its ancestors, at committed + depth."""
@@ -403,14 +405,14 @@ class TreeEngine:
         context = list(prompt)  # committed tokens before the root (the rows every stage keeps)
         tree = TokenTree(first)
         levels = [self._enter(tree, 0, 1, rank=0)]
-        if not stop:
-            stages.launch_level(levels[0], tree, len(context))
         grown = 0  # levels added since the last (re)seed
 
         while not stop:
             stats.steps += 1
             committed = len(context)
             new_level = None
+            if levels[-1].depth == 0:
+                stages.launch_level(levels[-1], tree, committed)
             # 1. The source grows the tree from the state at the start of the step (concurrent with 2).
             if committed + tree.depth + 1 < end_position:
                 tick = time.perf_counter()
@@ -421,9 +423,9 @@ class TreeEngine:
                     grown += 1
                     new_level = self._enter(tree, int(new_N[0]), len(tree), rank=min(grown, n))
                     stats.proposals += new_N.numel()
-                    # Remote stage 1 starts on it as soon as it is free; a prune or miss later in this step
-                    # reaches it through the epoch (the single-process backend runs it next step).
-                    stages.launch_level(new_level, tree, committed)
+                    # Remote stages may start on it before this step's verification (a prune or miss
+                    # reaches it through the epoch); the single-process backend runs it next step.
+                    stages.launch_level(new_level, tree, committed, early=True)
             stats.tree_nodes_total += len(tree)
             stats.max_tree_size = max(stats.max_tree_size, len(tree))
             # 2. Every stage advances the level it holds.
@@ -454,8 +456,6 @@ class TreeEngine:
                 stages.flush(committed + 1)
                 source.reset(committed + 1)
                 levels = [self._enter(tree, 0, 1, rank=0)]
-                if not stop:
-                    stages.launch_level(levels[0], tree, committed + 1)
                 grown = 0
             stats.verify_time_s += time.perf_counter() - tick
             if on_token is not None:

@@ -21,7 +21,11 @@ from spd.staging import StagedModel, load_tokenizer
 from spd.tree import TokenTree
 from spd.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
 
-PROMPTS = ["def main(argv):\n    ", "import os\n", "class A:\n    def __init__(self):"]
+PROMPTS = ["def main(argv):\n    ", "import os\n", "class A:\n    def __init__(self):",
+           # long enough that the prefill's activations do not fit one message slot (the spilled path)
+           "import sys\nimport os\n\n\ndef parse(argv):\n    options = {}\n    for arg in argv[1:]:\n"
+           "        key, _, value = arg.partition('=')\n        options[key.lstrip('-')] = value\n"
+           "    return options\n\n\nclass Runner:\n    def __init__(self, options):\n        self."]
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +107,14 @@ def test_distributed_draft_tree_equals_single_process_engine(tiny_testbed, tmp_p
     got = [r["token_ids"] for r in report["results"]["tree"]]
     assert got == _reference(tiny_testbed, None, 4, "tree", temperature, 20, 5, 24, width=4, draft=draft)
     assert sum(r["stats"]["accepted"] for r in report["results"]["tree"]) > 0
+
+
+def test_link_messages_arrive_intact_inline_and_spilled():
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(_port()), str(REPO / "tests" / "link_roundtrip.py")], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 1: ok" in proc.stdout and "rank 0: ok" in proc.stdout
 
 
 def test_tree_level_follows_prunes_like_the_tree():
@@ -209,9 +221,10 @@ def test_killed_stage_makes_every_rank_exit_cleanly(tiny_testbed, heads, tmp_pat
     with log.open("w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO, env=env)
         deadline = time.monotonic() + 240
-        while "1/60 prompts" not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
+        started = f"1/{len(PROMPTS) * 20} prompts"
+        while started not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.5)
-        assert "1/60 prompts" in log.read_text(), log.read_text()[-2000:]
+        assert started in log.read_text(), log.read_text()[-2000:]
         victim = next(pid for pid in _pids_with(marker) if _rank_of(pid) == 2)
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
