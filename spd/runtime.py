@@ -388,8 +388,8 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
                 if cache.length != committed + start:
                     raise RuntimeError(f"stage {stage}: a tree level starting at node {start} after {committed} "
                                        f"committed rows, but the cache holds {cache.length}")
-                out = staged.run_stage(stage, hidden_T1D[:, 0][None], cache, positions_T[None], anchors=token_anchors,
-                                       tree_mask_TN=mask_TN)
+                out = staged.run_stage(stage, hidden_T1D[:, 0][None], cache, positions_T[None].to(device),
+                                       anchors=token_anchors, tree_mask_TN=mask_TN)
                 _emulate(config)
                 end = mask_TN.shape[1]
                 level_extra = torch.cat([torch.tensor([start, len(positions_T), end]), positions_T,
