@@ -1,21 +1,25 @@
 """The multi-process pipeline runtime on ``torch.distributed`` (SPEC section 7).
 
-Rank 0 is the driver: embedding, final norm, LM head, the token source (speculation head), verification
-and control. It runs the very step loop of :class:`spd.engine.PipelineEngine`, with
-:class:`RemoteStages` as its stage backend, so it commits exactly the tokens of the single-process engine
-(same verification code, same random draws in the same order). Ranks ``1..n`` each own one stage: only
-that stage's decoder layers are loaded (:func:`load_partial`), plus its KV cache.
+Rank 0 is the driver: embedding, final norm, LM head, the token source (speculation head or draft model),
+verification and control. It runs the very step loop of :class:`spd.engine.PipelineEngine` (or of
+:class:`spd.tree_engine.TreeEngine`), with :class:`RemoteStages` as its stage backend, so it commits
+exactly the tokens of the single-process engines (same verification code, same random draws in the same
+order). Ranks ``1..n`` each own one stage: only that stage's decoder layers are loaded
+(:func:`load_partial`), plus its KV cache.
 
-Data path (``DATA`` tag): rank 0 -> 1 -> ... -> n -> 0, one message per token (a header tensor, then the
-hidden states). Each stage also reports the anchor hidden states the head reads to rank 0 (the last
-stage's report carries ``H^L`` too). Rank 0 sends the entering token first and speculates while the stages
-compute, then collects the step's reports (``RemoteStages.launch`` / ``collect``).
+Data path (``DATA`` tag): rank 0 -> 1 -> ... -> n -> 0, one message per token or tree level (:class:`Link`:
+header, optional int64 extra, hidden states, packed in one send). Each stage also reports the anchor hidden
+states the head reads to rank 0 (the last stage's report carries ``H^L`` too). Each step rank 0 speculates
+while the stages compute, takes the report of the token leaving stage n first, verifies it and releases
+stage 1's next token, then reads the other reports (``RemoteStages.launch`` / ``collect``).
 
-Control path: a second (gloo) process group carries flush notices ``(epoch, committed length)`` from rank 0
-to every stage. Every data message carries the epoch it belongs to: a stage drops work of an old epoch
-without computing it; work of a newer epoch waits until the stage has applied the flush (KV truncated).
-A new request (``PREFILL``) starts a new epoch and resets the stage's cache; ``STOP`` travels down the
-chain and back to rank 0, which drains every stage's reports so that no send is left pending.
+Control path: a second (gloo) process group carries notices ``(epoch, committed length, kind, count)`` from
+rank 0 to every stage: a flush (truncate the KV cache) or a tree prune (keep the accepted subtree; the kept
+indices follow). Every data message carries the epoch it belongs to: a stage drops work of an old epoch
+without computing it, unless only prunes happened since (a tree level is then mapped through them,
+:func:`follow_prunes`); work of a newer epoch waits until the stage has applied the notices. A new request
+(``PREFILL``) starts a new epoch and resets the stage's cache; ``STOP`` travels down the chain and back to
+rank 0, which drains every stage's reports so that no send is left pending.
 
 Emulation for measuring on one machine: ``emulate_stage_ms`` is slept by a stage after each token it
 computes, ``emulate_link_ms`` delays the delivery of every message (the receiver waits until the send time
