@@ -235,18 +235,16 @@ class PipelineEngine:
         """
         mode = mode or ("spd" if self.speculator is not None else "pp")
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        prompt, eos_token_id = prepare_prompt(self.tokenizer, prompt, eos_token_id)
-        on_token, end = _as_callback(streamer)
-        try:
-            if mode == "ar":
-                return generate_ar(self.staged, prompt, max_new_tokens, sampling, eos_token_id, on_token)
+
+        def decode(prompt_ids, eos, on_token):
             if mode == "spd" and self.speculator is None:
                 raise SpdInputError("mode 'spd' needs a speculation head; pass a speculator or use mode 'pp'")
             if mode not in MODES:
                 raise SpdInputError(f"unknown mode '{mode}'; expected one of: {', '.join(MODES)}")
-            return self.run(prompt, max_new_tokens, sampling, eos_token_id, on_token, use_head=mode == "spd")
-        finally:
-            end()
+            return self.run(prompt_ids, max_new_tokens, sampling, eos, on_token, use_head=mode == "spd")
+
+        return generate_request(self.staged, self.tokenizer, prompt, max_new_tokens, mode, sampling, eos_token_id,
+                                streamer, decode)
 
     @torch.inference_mode()
     def run(self, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: SamplingParams,
@@ -464,6 +462,22 @@ def prepare_prompt(tokenizer, prompt, eos_token_id):
     if eos_token_id is None and tokenizer is not None:
         eos_token_id = tokenizer.eos_token_id
     return prompt, eos_token_id
+
+
+def generate_request(staged: StagedModel, tokenizer, prompt, max_new_tokens: int, mode: str,
+                     sampling: SamplingParams, eos_token_id, streamer,
+                     decode: Callable[[list[int], int | Sequence[int] | None, Callable[[int], None] | None],
+                                      GenerationOutput]) -> GenerationOutput:
+    """What every engine's ``generate`` shares: the prompt and EOS, the streamer, and the ``ar`` mode;
+    ``decode(prompt_ids, eos_token_id, on_token)`` runs the engine's own modes."""
+    prompt, eos_token_id = prepare_prompt(tokenizer, prompt, eos_token_id)
+    on_token, end = _as_callback(streamer)
+    try:
+        if mode == "ar":
+            return generate_ar(staged, prompt, max_new_tokens, sampling, eos_token_id, on_token)
+        return decode(prompt, eos_token_id, on_token)
+    finally:
+        end()
 
 
 def _as_callback(streamer) -> tuple[Callable[[int], None] | None, Callable[[], None]]:

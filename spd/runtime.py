@@ -209,9 +209,9 @@ class Link:
 
     def __init__(self, rank: int, config: RuntimeConfig, dtype: torch.dtype, device: torch.device, hidden: int):
         self.rank, self.config, self.dtype, self.device, self.hidden = rank, config, dtype, device, hidden
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        self.itemsize = torch.empty(0, dtype=dtype).element_size()
         # Room for a token's report (a few anchor rows plus H^L) and a small tree level's extra, inline.
-        self.inline = 6 * hidden * itemsize + 4096
+        self.inline = 6 * hidden * self.itemsize + 4096
         self.slot = HEADER * 8 + self.inline
         self._posted: dict[tuple[int, int], tuple[dist.Work, torch.Tensor]] = {}
         # Gloo completes a send only when the peer has received it and ``wait`` is called; a reaper thread
@@ -262,8 +262,7 @@ class Link:
         self._wait(work, src)
         header = message[:HEADER * 8].cpu().view(torch.long).clone()
         n_extra, length, width = int(header[7]), int(header[3]), int(header[6])
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        size = n_extra * 8 + length * width * self.hidden * itemsize
+        size = n_extra * 8 + length * width * self.hidden * self.itemsize
         if size <= self.inline:
             body = message[HEADER * 8:HEADER * 8 + size]
         else:  # the second part comes next on this (src, tag): receive it before posting the next slot
@@ -395,9 +394,7 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
                 out = staged.run_stage(stage, hidden_T1D[:, 0][None], cache, positions_T[None].to(device),
                                        anchors=token_anchors, tree_mask_TN=mask_TN)
                 _emulate(config)
-                end = mask_TN.shape[1]
-                level_extra = torch.cat([torch.tensor([start, len(positions_T), end]), positions_T,
-                                         mask_TN.flatten().long()])
+                level_extra = pack_level(start, positions_T, mask_TN)
                 _forward(link, nxt, rank, LEVEL, epoch, committed, out, token_anchors, level_extra,
                          level_extra[:3])
                 continue
@@ -567,45 +564,44 @@ class RemoteStages:
             level.depth += 1
 
     def _recv_level_report(self, stage: int, level) -> torch.Tensor:
-        """The report of ``stage`` on ``level``, mapped through the prunes since it was sent: (T, W, D).
+        """The report of ``stage`` on ``level``, mapped through the prunes since it was sent: (T, W, D)."""
+        header, start, payload = self._recv_current(stage)
+        if int(header[1]) > self.epoch or start != level.start or payload.shape[0] != level.size:
+            raise RuntimeError(f"rank 0: stage {stage} reported a tree level (start {start}, {payload.shape[0]} "
+                               f"nodes, epoch {int(header[1])}), expected start {level.start}, {level.size} nodes, "
+                               f"epoch {self.epoch}")
+        return payload
 
-        Reports of flushed work and of levels pruned away entirely are skipped.
+    def _recv_report(self, stage: int, position: int) -> torch.Tensor:
+        """The current epoch's report of ``stage`` (0-based) for ``position``: (T, W, D)."""
+        header, _, payload = self._recv_current(stage)
+        if int(header[1]) != self.epoch or int(header[2]) != position:
+            raise RuntimeError(f"rank 0: stage {stage} reported position {int(header[2])} of epoch "
+                               f"{int(header[1])}, expected position {position} of epoch {self.epoch}")
+        return payload
+
+    def _recv_current(self, stage: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """The next report of ``stage`` (0-based) that still counts: (header, tree start or -1, payload).
+
+        Work of a flushed or finished request, still in the pipe, is skipped; a tree level's report from
+        before prunes is mapped through them (its surviving rows, its start now), or skipped if no node
+        survives.
         """
         src = stage + 1
         tag = DATA_TAG if stage == self.n - 1 else REPORT_TAG
         while True:
             header, extra, payload = self.link.recv(src, tag)
             epoch = int(header[1])
-            if epoch < self.epoch:
-                kepts = self.log.since(epoch, self.epoch)
-                if kepts is None or int(header[0]) != REPORT or extra is None:
-                    continue
-                mapped = follow_prunes(*extra.tolist(), kepts)
-                if mapped is None:
-                    continue
+            start = int(extra[0]) if extra is not None else -1
+            if epoch >= self.epoch:
+                return header, start, payload
+            kepts = self.log.since(epoch, self.epoch)
+            if kepts is None or int(header[0]) != REPORT or extra is None:
+                continue
+            mapped = follow_prunes(*extra.tolist(), kepts)
+            if mapped is not None:
                 rows, start, _ = mapped
-                payload = payload[rows]
-            else:
-                start = int(extra[0]) if extra is not None else -1
-            if epoch > self.epoch or start != level.start or payload.shape[0] != level.size:
-                raise RuntimeError(f"rank 0: stage {stage} reported a tree level (start {start}, {payload.shape[0]} "
-                                   f"nodes, epoch {epoch}), expected start {level.start}, {level.size} nodes, "
-                                   f"epoch {self.epoch}")
-            return payload
-
-    def _recv_report(self, stage: int, position: int) -> torch.Tensor:
-        """The current epoch's report of ``stage`` (0-based) for ``position``, skipping stale ones: (T, W, D)."""
-        src = stage + 1
-        tag = DATA_TAG if stage == self.n - 1 else REPORT_TAG
-        while True:
-            header, _, payload = self.link.recv(src, tag)
-            epoch = int(header[1])
-            if epoch < self.epoch:
-                continue  # a flushed or finished request's work, still in the pipe
-            if epoch != self.epoch or int(header[2]) != position:
-                raise RuntimeError(f"rank 0: stage {stage} reported position {int(header[2])} of epoch {epoch}, "
-                                   f"expected position {position} of epoch {self.epoch}")
-            return payload
+                return header, start, payload[rows]
 
     def shutdown(self) -> None:
         """STOP down the chain; drain every stage's reports until its STOP arrives."""

@@ -56,9 +56,9 @@ from types import SimpleNamespace
 
 import torch
 
-from .engine import LocalStages, PipelineStats, _as_callback, _stop_reason, prepare_prompt
+from .engine import LocalStages, PipelineStats, _stop_reason, generate_request
 from .errors import SpdInputError
-from .generation import GenerationOutput, as_prompt_ids, check_request, eos_set, generate_ar
+from .generation import GenerationOutput, as_prompt_ids, check_request, eos_set
 from .sampling import SamplingParams, warped_probs
 from .speculator import Speculator, check_compatible
 from .staging import StageKVCache, StagedModel
@@ -365,14 +365,9 @@ class TreeEngine:
         if mode not in MODES:
             raise SpdInputError(f"unknown mode '{mode}' for the tree engine; expected one of: {', '.join(MODES)}")
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        prompt, eos_token_id = prepare_prompt(self.tokenizer, prompt, eos_token_id)
-        on_token, end = _as_callback(streamer)
-        try:
-            if mode == "ar":
-                return generate_ar(self.staged, prompt, max_new_tokens, sampling, eos_token_id, on_token)
-            return self.run(prompt, max_new_tokens, sampling, eos_token_id, on_token)
-        finally:
-            end()
+        return generate_request(self.staged, self.tokenizer, prompt, max_new_tokens, mode, sampling, eos_token_id,
+                                streamer, lambda ids, eos, on_token: self.run(ids, max_new_tokens, sampling, eos,
+                                                                              on_token))
 
     @torch.inference_mode()
     def run(self, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: SamplingParams,
