@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from spd.distill import DistillConfig, expected_accept_length, load_config, new_head
+from spd.distill import DistillConfig, expected_accept_length, load_config, new_head, scale_fc_init
 from spd.errors import SpdInputError
 from spd.kd import sample_fills
 from spd.speculator import Speculator, check_compatible
@@ -134,6 +134,26 @@ def test_head_must_fit_the_target():
         check_compatible(head.config, StagedModel(tiny_model("llama"), boundaries=[0, 1, 2, 3, 8]))
     with pytest.raises(SpdInputError, match="target layers"):
         check_compatible(head.config, StagedModel(tiny_model("llama", layers=4), 4))
+
+
+def test_fc_init_options():
+    staged = StagedModel(tiny_model("llama"), 4)
+    with torch.no_grad():
+        hidden = staged.hidden_states(torch.randint(0, 100, (2, 12)), list(range(staged.num_layers + 1)))
+    # deepest: g^k starts as the deepest hidden state the depth has (identity on that anchor block)
+    head = new_head(staged, DistillConfig(n_stages=4, fc_init="deepest"))
+    for k in head.config.used_depths:
+        torch.testing.assert_close(head.features(k, hidden).detach(), hidden[head.config.boundaries[k]])
+    # scaled: every anchor block contributes about equally and g^k has unit RMS, whatever each H^a's scale
+    head = new_head(staged, DistillConfig(n_stages=4))
+    rms = {a: float(h.pow(2).mean().sqrt()) for a, h in hidden.items()}
+    assert max(rms.values()) / min(rms.values()) > 3  # the case the option is for: scales differ
+    torch.manual_seed(0)
+    scale_fc_init(head, rms)
+    for k in head.config.used_depths:
+        assert 0.6 < float(head.features(k, hidden).detach().pow(2).mean().sqrt()) < 1.6, k
+    with pytest.raises(SpdInputError, match="fc_init"):
+        DistillConfig(fc_init="xavier")
 
 
 def test_fill_sampling_policy():

@@ -79,7 +79,7 @@ def train(cfg, resume: bool) -> dict:
     from tqdm.auto import tqdm
     from spd.data import DataConfig, prepare_dataset
     from spd.distill import (collate, distill_step, evaluate, latest_checkpoint, list_checkpoints,
-                             new_head, save_head_atomic, teacher_anchors, teacher_pass)
+                             new_head, save_head_atomic, scale_fc_init, teacher_anchors, teacher_pass)
     from spd.kd import sample_fills
     from spd.speculator import Speculator, check_compatible
     from spd.paths import write_json_atomic
@@ -125,6 +125,13 @@ def train(cfg, resume: bool) -> dict:
         rows = [eval_ds[i] for i in range(min(cfg.eval_rows, len(eval_ds)))]
         eval_batches = [{k: v.to(accelerator.device) for k, v in collate(rows[i:i + cfg.batch_size], pad_id).items()}
                         for i in range(0, len(rows), cfg.batch_size)]
+
+    if cfg.fc_init == "scaled" and not cfg.init_from:
+        # Statistics from the first rows of the training set (the same on every process).
+        rows = [train_ds[i] for i in range(min(cfg.batch_size, len(train_ds)))]
+        first = {k: v.to(accelerator.device) for k, v in collate(rows, pad_id).items()}
+        hidden = teacher_pass(staged, head.needed_anchors(), first)
+        scale_fc_init(head, {a: float(h[first["valid"]].pow(2).mean().sqrt()) for a, h in hidden.items()})
 
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     head, optimizer, loader = accelerator.prepare(head, optimizer, loader)
