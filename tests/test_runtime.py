@@ -214,7 +214,10 @@ def test_killed_stage_makes_every_rank_exit_cleanly(tiny_testbed, heads, tmp_pat
     marker = f"--prompts={tmp_path}/kill.jsonl"  # unique in this test's command lines
     (tmp_path / "kill.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 20))
     log = tmp_path / "stderr.txt"
+    # torchrun's agent SIGTERMs the survivors once it sees a dead child; polling every 10 s (instead of every
+    # 0.1 s) leaves them the time to notice the loss themselves, which is what this test checks.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "5", "--master-port", str(_port()),
+           "--monitor-interval", "10",
            "-m", "infer.run_pipeline", "--target", str(tiny_testbed / "target"), "--speculator", str(heads[4]),
            "--mode", "spd", marker, "--max-new-tokens", "64", "--emulate-stage-ms", "20", "--timeout-s", "20"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
