@@ -76,7 +76,7 @@ def run_ar(args, n: int) -> dict:
     texts = [json.loads(line)["prompt"] for line in open(args.prompts, encoding="utf-8") if line.strip()]
     delay = n * args.emulate_stage_ms / 1000
 
-    def emulate(_token: int) -> None:
+    def emulate(_token: int, _accepted: bool) -> None:
         if delay:
             time.sleep(delay)
 

@@ -4,6 +4,7 @@
     spd-generate --mode spd --speculator runs/testbed-n4/final --stages 4 --prompt "import os" --json
     spd-generate --target Qwen/Qwen3-8B --revision main --prompt-file p.txt --temperature 0.7 --json
     spd-generate --mode tree --draft-model testbed/draft --stages 4 --tree-width 4 --prompt "import os"
+    spd-generate --target DIR --prompt-ids 1,15,27 --json      # a target without a tokenizer
 
 Modes: ``ar`` (autoregressive, every stage per token), ``pp`` (standard pipeline: one token in flight),
 ``spd`` (speculative pipeline decoding with a trained head; ``--stages`` defaults to the head's n),
@@ -11,7 +12,11 @@ Modes: ``ar`` (autoregressive, every stage per token), ``pp`` (standard pipeline
 draft-model mode, or ``--speculator`` for an SPD head with width ``--tree-width``).
 
 Text streams to stdout and a one-line summary goes to stderr; ``--json`` prints one JSON object
-``{"text", "token_ids", "stats"}`` instead. A wrong input prints one ``error:`` line and exits with 2.
+``{"text", "token_ids", "stats"}`` instead. ``--prompt-ids`` gives the prompt as token ids; without a
+tokenizer (the target has none and no ``--tokenizer`` was given) the new token ids stream instead of text,
+separated by spaces, and ``--json`` has ``"text": null``. ``--show-acceptance`` colours the streamed tokens
+that were accepted speculations (``stats.token_acceptance``) green with ANSI escape codes.
+A wrong input prints one ``error:`` line and exits with 2.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
 from spd.errors import SpdInputError
 from spd.paths import check_model_source, default_testbed_dir
+from spd.published.authors_file import is_authors_file
 
 MODES = ("ar", "pp", "spd", "tree")
 
@@ -77,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file whose contents are the prompt")
+    src.add_argument("--prompt-ids", help="the prompt as token ids, e.g. 1,15,27 (for targets without a tokenizer)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)
     p.add_argument("--temperature", type=_finite_float, default=0.0, help="0 = greedy (default)")
@@ -86,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--show-acceptance", action="store_true",
+                   help="colour the streamed tokens that were accepted speculations (ANSI green)")
     p.add_argument("--runtime", default="local", choices=("local", "distributed"),
                    help="local: one process; distributed: one process per stage plus rank 0 on torch.distributed, "
                         "spawned here with torchrun (modes spd, pp and tree)")
@@ -103,7 +113,10 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _read_prompt(args) -> str:
+def _read_prompt(args) -> str | list[int]:
+    """The prompt text, or its token ids with --prompt-ids."""
+    if args.prompt_ids is not None:
+        return parse_prompt_ids(args.prompt_ids)
     if args.prompt_file is not None:
         path = Path(args.prompt_file)
         if not path.is_file():
@@ -115,10 +128,25 @@ def _read_prompt(args) -> str:
     elif args.prompt is not None:
         text = args.prompt
     else:
-        raise SpdInputError("no prompt given; expected --prompt TEXT or --prompt-file FILE")
+        raise SpdInputError("no prompt given; expected --prompt TEXT, --prompt-file FILE or --prompt-ids IDS")
     if not text.strip():
         raise SpdInputError("the prompt is empty; expected some text")
     return text
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    """Token ids separated by commas and/or spaces ("1,15,27"); refuses empty lists, non-integers, negatives."""
+    parts = [part for part in re.split(r"[,\s]+", text) if part]
+    if not parts:
+        raise SpdInputError("--prompt-ids is empty; expected comma-separated token ids such as 1,15,27")
+    ids = []
+    for part in parts:
+        if not re.fullmatch(r"[+-]?\d+", part):
+            raise SpdInputError(f"--prompt-ids expects comma-separated integers, got '{part}'")
+        if int(part) < 0:
+            raise SpdInputError(f"--prompt-ids expects non-negative token ids, got {int(part)}")
+        ids.append(int(part))
+    return ids
 
 
 def _check_numbers(args) -> None:
@@ -147,6 +175,12 @@ def _check_numbers(args) -> None:
         raise SpdInputError("--emulate-stage-ms / --emulate-link-ms need --runtime distributed")
     if args.emulate_stage_ms < 0 or args.emulate_link_ms < 0 or args.timeout_s <= 0:
         raise SpdInputError("--emulate-stage-ms and --emulate-link-ms must be >= 0 and --timeout-s > 0")
+    if args.chat and args.prompt_ids is not None:
+        raise SpdInputError("--chat wraps a text prompt in the chat template; --prompt-ids are used as given, "
+                            "so pass the template's token ids yourself")
+    if args.show_acceptance and args.json:
+        raise SpdInputError("--show-acceptance colours the streamed text; with --json the flags are in "
+                            "stats.token_acceptance")
 
 
 def _load_tokenizer(source: str, revision: str | None):
@@ -160,27 +194,70 @@ def _load_tokenizer(source: str, revision: str | None):
         raise SpdInputError(f"{exc}; pass --tokenizer DIR_OR_ID") from None
 
 
-class _TextStreamer:
-    """Writes the decoded text of the tokens seen so far, holding back incomplete UTF-8 characters."""
+ACCEPTED_COLOUR, RESET_COLOUR = "\x1b[32m", "\x1b[0m"  # ANSI green for --show-acceptance
 
-    def __init__(self, tokenizer, stream):
-        self.tokenizer, self.stream = tokenizer, stream
+
+class TokenStreamer:
+    """The engines' ``on_token(token, accepted)``: writes the decoded text of the tokens seen so far (holding
+    back incomplete UTF-8 characters) or, without a tokenizer, the token ids separated by spaces.
+
+    With ``colour``, a written piece is wrapped in ANSI green when its tokens were accepted speculations: the
+    flag arrives with the token, so each piece is coloured when it is written. A piece held back over several
+    tokens (one UTF-8 character split across them) is green only if all of them were accepted.
+    """
+
+    def __init__(self, tokenizer, stream, colour: bool = False):
+        self.tokenizer, self.stream, self.colour = tokenizer, stream, colour
         self.ids: list[int] = []
+        self.held_accepted = True  # every token not yet written was accepted
         self.printed = 0
 
-    def __call__(self, token: int) -> None:
+    def _write(self, piece: str, accepted: bool) -> None:
+        if self.colour and accepted and piece:
+            piece = f"{ACCEPTED_COLOUR}{piece}{RESET_COLOUR}"
+        self.stream.write(piece)
+        self.stream.flush()
+
+    def __call__(self, token: int, accepted: bool = False) -> None:
         self.ids.append(token)
+        self.held_accepted = self.held_accepted and accepted
+        if self.tokenizer is None:
+            self.stream.write(" " if len(self.ids) > 1 else "")
+            self._write(str(token), accepted)
+            self.held_accepted = True
+            return
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):
             return
-        self.stream.write(text[self.printed:])
-        self.stream.flush()
-        self.printed = len(text)
+        self._write(text[self.printed:], self.held_accepted)
+        self.printed, self.held_accepted = len(text), True
 
     def close(self) -> None:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        self.stream.write(text[self.printed:] + "\n")
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            self._write(text[self.printed:], self.held_accepted)
+        self.stream.write("\n")
         self.stream.flush()
+
+
+def load_cli_tokenizer(args, prompt: str | list[int]):
+    """--tokenizer or the target's; with --prompt-ids a target without one is fine (None: ids are printed)."""
+    from spd.engine import has_tokenizer_files
+
+    if args.tokenizer is None and not has_tokenizer_files(args.target, args.revision):
+        if isinstance(prompt, list):
+            return None
+        raise SpdInputError(f"the target '{args.target}' has no tokenizer; pass --tokenizer DIR_OR_ID, or the "
+                            "prompt as token ids with --prompt-ids")
+    return _load_tokenizer(args.tokenizer or args.target, args.revision if args.tokenizer is None else None)
+
+
+def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
+    """Refuse --prompt-ids outside the target's vocabulary."""
+    bad = [t for t in prompt_ids if t >= vocab_size]
+    if bad:
+        raise SpdInputError(f"--prompt-ids has token id {bad[0]}, outside the target's vocabulary "
+                            f"(0..{vocab_size - 1})")
 
 
 def run(args) -> int:
@@ -189,19 +266,21 @@ def run(args) -> int:
     if args.runtime == "distributed":
         return run_distributed(args, prompt)
     check_model_source(args.target, "target")
-    if args.speculator is not None:
+    if args.speculator is not None and not is_authors_file(args.speculator):
         check_model_source(args.speculator, "speculator")
     if args.draft_model is not None:
         check_model_source(args.draft_model, "draft model")
     import torch
 
     from spd.engine import PipelineEngine
-    from spd.speculator import load_speculator
+    from spd.speculator import load_speculator, speculator_stages
     from spd.staging import StagedModel
 
     _quiet_libraries()
-    tokenizer = _load_tokenizer(args.tokenizer or args.target, args.revision if args.tokenizer is None else None)
-    if args.chat:
+    tokenizer = load_cli_tokenizer(args, prompt)
+    if isinstance(prompt, list):
+        prompt_ids = prompt
+    elif args.chat:
         if not tokenizer.chat_template:
             raise SpdInputError(f"--chat was given but the tokenizer of '{args.tokenizer or args.target}' "
                                 "has no chat template")
@@ -211,22 +290,24 @@ def run(args) -> int:
     else:
         prompt_ids = tokenizer(prompt)["input_ids"]
     dtype = getattr(torch, args.dtype)
-    head = None
-    if args.speculator is not None:
-        head = load_speculator(args.speculator, args.speculator_revision, dtype, args.device)
-    stages = args.stages or (head.config.n_stages if head is not None else 1)
+    stages = args.stages or (speculator_stages(args.speculator, args.speculator_revision) if args.speculator else 1)
     staged = StagedModel.from_pretrained(args.target, n_stages=stages, revision=args.revision, dtype=dtype,
                                          device=args.device)
+    head = None
+    if args.speculator is not None:
+        head = load_speculator(args.speculator, args.speculator_revision, dtype, args.device, target=staged)
+    check_prompt_ids(prompt_ids, staged.vocab_size)
     if args.mode == "tree":
         engine = tree_engine(args, staged, head, tokenizer, dtype, args.device)
     else:
         engine = PipelineEngine(staged, head, tokenizer)
-    streamer = None if args.json else _TextStreamer(tokenizer, sys.stdout)
+    streamer = None if args.json else TokenStreamer(tokenizer, sys.stdout, colour=args.show_acceptance)
     out = engine.generate(prompt_ids, args.max_new_tokens, mode=args.mode, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, streamer=streamer)
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, on_token=streamer)
     stats = out.stats.as_dict()
     if args.json:
-        text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        # Without a tokenizer the tokens cannot be decoded: "text" is null, the token ids are the output.
+        text = tokenizer.decode(out.token_ids, skip_special_tokens=True) if tokenizer is not None else None
         print(json.dumps({"text": text, "token_ids": out.token_ids, "stats": stats}))
     else:
         streamer.close()
@@ -248,7 +329,8 @@ def tree_engine(args, staged, head, tokenizer, dtype, device, stages=None):
     ``args`` carries draft_model, draft_revision, tree_width and tree_children; ``stages`` is the stage backend
     (default: this process).
     """
-    from spd.staging import StagedModel, load_tokenizer
+    from spd.engine import load_target_tokenizer
+    from spd.staging import StagedModel
     from spd.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
 
     if head is not None:
@@ -257,14 +339,14 @@ def tree_engine(args, staged, head, tokenizer, dtype, device, stages=None):
         draft = StagedModel.from_pretrained(args.draft_model, n_stages=1, revision=args.draft_revision, dtype=dtype,
                                             device=device)
         try:
-            draft_tokenizer = load_tokenizer(args.draft_model, args.draft_revision)
+            draft_tokenizer = load_target_tokenizer(args.draft_model, args.draft_revision)
         except SpdInputError:
             draft_tokenizer = None  # a model-only directory: only the vocabulary sizes can be compared
         source = DraftModelSource(draft, staged, args.tree_children, tokenizer, draft_tokenizer)
     return TreeEngine(staged, source, args.tree_width, tokenizer, stages=stages)
 
 
-def run_distributed(args, prompt: str) -> int:
+def run_distributed(args, prompt: str | list[int]) -> int:
     """Check the request here, then spawn ``stages + 1`` processes with torchrun (infer/run_pipeline.py)."""
     import os
     import subprocess
@@ -274,19 +356,20 @@ def run_distributed(args, prompt: str) -> int:
         check_model_source(args.draft_model, "draft model")
     stages = args.stages
     if args.speculator is not None:
-        from spd.speculator import load_speculator_config
+        from spd.speculator import speculator_stages
 
-        head_config = load_speculator_config(args.speculator, args.speculator_revision)
-        stages = stages or head_config.n_stages
-        if head_config.n_stages != stages:
+        head_stages = speculator_stages(args.speculator, args.speculator_revision)
+        stages = stages or head_stages
+        if head_stages != stages:
             raise SpdInputError(f"the speculator does not fit this target: it was trained for n = "
-                                f"{head_config.n_stages} stages but the pipeline has {stages}")
+                                f"{head_stages} stages but the pipeline has {stages}")
     stages = stages or 1
     from spd.runtime import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(stages + 1),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "infer.run_pipeline",
-           "--target", args.target, "--mode", args.mode, "--stages", str(stages), "--prompt", prompt,
+           "--target", args.target, "--mode", args.mode, "--stages", str(stages),
+           *(["--prompt-ids", ",".join(map(str, prompt))] if isinstance(prompt, list) else ["--prompt", prompt]),
            "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature),
            "--top-k", str(args.top_k), "--top-p", str(args.top_p), "--dtype", args.dtype,
            "--emulate-stage-ms", str(args.emulate_stage_ms), "--emulate-link-ms", str(args.emulate_link_ms),
@@ -301,6 +384,7 @@ def run_distributed(args, prompt: str) -> int:
             cmd += [flag, str(value)]
     cmd += ["--chat"] if args.chat else []
     cmd += ["--json"] if args.json else []
+    cmd += ["--show-acceptance"] if args.show_acceptance else []
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     # Rank 0's stdout is the result; torchrun's own failure report goes away, the ranks' error lines stay.
     proc = subprocess.run(cmd, stdout=sys.stdout, stderr=subprocess.PIPE, text=True, env=env)

@@ -7,7 +7,9 @@
 
 ``spd-generate --runtime distributed --stages N`` spawns the same program locally. The world size must
 be ``stages + 1``. Several ``--mode`` values run one after another on the same processes (the stages serve
-every mode). Rank 0 prints the results: with ``--prompt``, the text (or one JSON object with ``--json``);
+every mode). Rank 0 prints the results: with ``--prompt`` or ``--prompt-ids``, the text (the token ids when
+there is no tokenizer; ``--show-acceptance`` colours accepted speculations as spd-generate does) or one JSON
+object with ``--json``;
 with ``--prompts``, a per-mode summary and, with ``--out``, JSON with every prompt's tokens and stats.
 A wrong input exits with 2, a lost rank with 1; each prints one ``error:`` line.
 """
@@ -39,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-children", type=int, default=4, help="--mode tree: candidate children per node, K")
     p.add_argument("--stages", type=int, default=None, help="must equal the world size - 1 (checked)")
     p.add_argument("--prompt", default=None)
+    p.add_argument("--prompt-ids", default=None, help="the prompt as comma-separated token ids")
     p.add_argument("--prompts", default=None, help='jsonl with a "prompt" field per row')
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--chat", action="store_true")
@@ -56,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let stage 1 start a proposal before the step that made it is verified (see spd/runtime.py)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--show-acceptance", action="store_true", help="colour accepted speculations (ANSI green)")
     p.add_argument("--out", default=None)
     return p
 
@@ -101,10 +105,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _driver(args, n: int, config, control, device, dtype) -> None:
-    from spd.engine import PipelineEngine
+    from spd.engine import PipelineEngine, load_target_tokenizer
     from spd.runtime import RemoteStages, load_partial
     from spd.speculator import load_speculator
-    from spd.staging import load_tokenizer
 
     if "spd" in args.mode and args.speculator is None:
         raise SpdInputError("--mode spd needs --speculator DIR_OR_ID")
@@ -112,10 +115,13 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
         raise SpdInputError("--mode tree needs one token source: --draft-model DIR_OR_ID or --speculator DIR_OR_ID")
     if "tree" in args.mode and (args.tree_width < 1 or args.tree_children < 1):
         raise SpdInputError("--tree-width and --tree-children must be positive integers")
-    tokenizer = load_tokenizer(args.tokenizer or args.target, args.revision if args.tokenizer is None else None)
+    tokenizer = load_target_tokenizer(args.target, args.revision, args.tokenizer)  # None: a target without one
+    if tokenizer is None and args.prompt_ids is None:
+        raise SpdInputError(f"the target '{args.target}' has no tokenizer; pass --tokenizer DIR_OR_ID or --prompt-ids")
     prompts = _prompts(args, tokenizer)
     staged = load_partial(args.target, n, 0, args.revision, dtype, device)
-    head = load_speculator(args.speculator, args.speculator_revision, dtype, device) if args.speculator else None
+    head = (load_speculator(args.speculator, args.speculator_revision, dtype, device, target=staged)
+            if args.speculator else None)
     remote = RemoteStages(staged, config, control)
     results: dict[str, list[dict]] = {}
     try:
@@ -141,8 +147,14 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
 
 
 def _prompts(args, tokenizer) -> list[list[int]]:
-    if (args.prompt is None) == (args.prompts is None):
-        raise SpdInputError("give exactly one of --prompt TEXT and --prompts FILE")
+    if sum(x is not None for x in (args.prompt, args.prompt_ids, args.prompts)) != 1:
+        raise SpdInputError("give exactly one of --prompt TEXT, --prompt-ids IDS and --prompts FILE")
+    if args.prompt_ids is not None:
+        from infer.generate import parse_prompt_ids
+
+        if args.chat:
+            raise SpdInputError("--chat wraps a text prompt in the chat template; it cannot be used with --prompt-ids")
+        return [parse_prompt_ids(args.prompt_ids)]
     if args.prompt is not None:
         texts = [args.prompt]
     else:
@@ -172,14 +184,21 @@ def summarize(records: list[dict], n: int) -> dict:
 
 
 def _report(args, tokenizer, results: dict[str, list[dict]], n: int) -> None:
-    if args.prompt is not None and len(args.mode) == 1:
+    if args.prompts is None and len(args.mode) == 1:
         record = results[args.mode[0]][0]
-        text = tokenizer.decode(record["token_ids"], skip_special_tokens=True)
         if args.json:
+            # As spd-generate --json: "text" is null without a tokenizer.
+            text = tokenizer.decode(record["token_ids"], skip_special_tokens=True) if tokenizer is not None else None
             print(json.dumps({"text": text, "token_ids": record["token_ids"], "stats": record["stats"]}), flush=True)
         else:
+            from infer.generate import TokenStreamer
+
             s = record["stats"]
-            print(text, flush=True)
+            # The same output as spd-generate's streamer, written once the request is done.
+            streamer = TokenStreamer(tokenizer, sys.stdout, colour=args.show_acceptance)
+            for token, accepted in zip(record["token_ids"], s["token_acceptance"]):
+                streamer(token, accepted)
+            streamer.close()
             print(f"[{s['mode']}, {n} stages, distributed] {s['new_tokens']} tokens in {s['wall_time_s']:.2f} s "
                   f"({s['tokens_per_s']:.1f} tokens/s), {s['steps']} steps, L'_acc "
                   f"{s['equivalent_accept_length']:.2f}", file=sys.stderr, flush=True)

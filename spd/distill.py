@@ -195,7 +195,7 @@ def new_head(staged: StagedModel, cfg: DistillConfig) -> Speculator:
     head = Speculator(head_cfg).to(device=staged.device, dtype=staged.dtype)
     with torch.no_grad():
         head.lm_head.weight.copy_(staged.lm_head.weight)
-        head.norm.weight.copy_(staged.norm.weight)
+        head.norm.weight.copy_(staged.norm_scale())  # the target's scale (1 + w for Qwen3.5-style norms)
         if cfg.fc_init == "deepest":
             d = tcfg.hidden_size
             for k, fc in head.fc.items():

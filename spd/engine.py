@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import SpdInputError
-from .generation import GenerationOutput, GenerationStats, as_prompt_ids, check_request, eos_set, generate_ar
+from .generation import (GenerationOutput, GenerationStats, OnToken, as_prompt_ids, check_request, default_eos,
+                         eos_set, generate_ar)
 from .sampling import SamplingParams, warped_probs
 from .speculator import Speculator, SpeculatorCache, check_compatible
 from .staging import StageKVCache, StagedModel, StageOutput
@@ -212,26 +213,29 @@ class PipelineEngine:
                         revision: str | None = None, speculator_revision: str | None = None,
                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                         tokenizer: str | None = None) -> "PipelineEngine":
-        """Load a target (directory or hub id), cut it into ``stages`` (default: the head's n), and a head."""
-        from .speculator import load_speculator
-        from .staging import load_tokenizer
+        """Load a target (directory or hub id), cut it into ``stages`` (default: the head's n), and a head.
 
-        head = load_speculator(speculator, speculator_revision, dtype, device) if speculator else None
+        The tokenizer is ``tokenizer`` or the target's; a target without one gives an engine for token-id prompts.
+        """
+        from .speculator import load_speculator, speculator_stages
+
         if stages is None:
-            stages = head.config.n_stages if head is not None else 1
+            stages = speculator_stages(speculator, speculator_revision) if speculator else 1
         staged = StagedModel.from_pretrained(target, n_stages=stages, revision=revision, dtype=dtype, device=device)
-        tok = load_tokenizer(tokenizer or target, revision if tokenizer is None else None)
-        return cls(staged, head, tok)
+        head = load_speculator(speculator, speculator_revision, dtype, device, target=staged) if speculator else None
+        return cls(staged, head, load_target_tokenizer(target, revision, tokenizer))
 
     # ------------------------------------------------------------------------------------- public
     def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128, mode: str | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  eos_token_id: int | Sequence[int] | None = None,
-                 streamer: Callable[[int], None] | object | None = None) -> GenerationOutput:
+                 streamer: Callable[[int], None] | object | None = None,
+                 on_token: OnToken | None = None) -> GenerationOutput:
         """Generate from a prompt (text needs a tokenizer) or token ids; ``mode`` defaults to spd with a head.
 
         ``streamer`` is a callable taking each committed token id, or an object with ``put``/``end`` (a
-        Hugging Face ``TextStreamer``). ``eos_token_id`` defaults to the tokenizer's.
+        Hugging Face ``TextStreamer``); ``on_token(token, accepted)`` also gets the token's
+        ``stats.token_acceptance`` flag. ``eos_token_id`` defaults as in ``model.generate`` (:func:`default_eos`).
         """
         mode = mode or ("spd" if self.speculator is not None else "pp")
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -244,13 +248,13 @@ class PipelineEngine:
             return self.run(prompt_ids, max_new_tokens, sampling, eos, on_token, use_head=mode == "spd")
 
         return generate_request(self.staged, self.tokenizer, prompt, max_new_tokens, mode, sampling, eos_token_id,
-                                streamer, decode)
+                                streamer, decode, on_token)
 
     @torch.inference_mode()
     def run(self, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: SamplingParams,
-            eos_token_id: int | Sequence[int] | None = None, on_token: Callable[[int], None] | None = None,
+            eos_token_id: int | Sequence[int] | None = None, on_token: OnToken | None = None,
             use_head: bool = True) -> GenerationOutput:
-        """The step loop of SPEC section 5 (``use_head=False``: the standard pipeline)."""
+        """The step loop of SPEC section 5 (``use_head=False``: the standard pipeline); no EOS unless given."""
         staged = self.staged
         head = self.speculator if use_head else None
         prompt = as_prompt_ids(input_ids)
@@ -271,8 +275,9 @@ class PipelineEngine:
         first = self._prefill(prompt, end_position + n, head, head_cache, sampling, generator)
         stats.prefill_time_s = time.perf_counter() - t0
         out = [first]
+        stats.token_acceptance.append(False)  # from the prefill logits, not speculated
         if on_token is not None:
-            on_token(first)
+            on_token(first, False)
         stop = _stop_reason(first, out, eos, budget, max_new_tokens)
         inflight = [self._enter(first, len(prompt))]
 
@@ -305,7 +310,7 @@ class PipelineEngine:
                 if proposal is not None:
                     inflight.append(proposal)  # n == 1: the proposal is the successor itself
                     proposal = None
-                token, flushed = self._verify(exiting, inflight, sampling, generator, stats)
+                token, accepted, flushed = self._verify(exiting, inflight, sampling, generator, stats)
                 if flushed:
                     stats.flushes += 1
                     inflight.clear()
@@ -316,12 +321,13 @@ class PipelineEngine:
                     # Reseed (or, without a proposal in flight, the plain pipeline's next token).
                     inflight.append(self._enter(token, exiting.position + 1))
                 out.append(token)
+                stats.token_acceptance.append(accepted)
                 stop = _stop_reason(token, out, eos, budget, max_new_tokens)
                 if not stop:
                     self.stages.launch(inflight)  # stage 1's next token, as soon as it is decided
                 stats.verify_time_s += time.perf_counter() - tick
                 if on_token is not None:
-                    on_token(token)
+                    on_token(token, accepted)
                 if stop or flushed:
                     continue  # the other tokens in flight are discarded
                 tick = time.perf_counter()
@@ -349,10 +355,10 @@ class PipelineEngine:
         """Run the prompt through every stage; every prompt position enters the head's cache at full depth."""
         staged = self.staged
         ids_1T = torch.tensor([prompt], dtype=torch.long, device=staged.device)
-        anchors = head.config.anchors[head.config.max_depth] if head is not None else []
+        anchors = head.prefill_anchors() if head is not None else []
         out = self.stages.prefill(ids_1T, anchors, capacity)
         if head is not None:
-            head.append_memory(head_cache, head.features(head.config.max_depth, out.anchors))
+            head.prefill_memory(head_cache, out.anchors)
         logits_1V = staged.logits(out.hidden_BTD[:, -1])
         if sampling.greedy:
             return int(torch.argmax(logits_1V, dim=-1))
@@ -368,14 +374,8 @@ class PipelineEngine:
 
     @staticmethod
     def _retire_rows(head: Speculator, head_cache: SpeculatorCache, inflight: list[Slot]) -> None:
-        """Cache the head's memory row of every slot that just reached the head's deepest depth.
-
-        Slots reach it in position order, so the cache stays a contiguous prefix of positions.
-        """
-        max_depth = head.config.max_depth
-        for slot in inflight:
-            if slot.depth == max_depth and slot.position == head_cache.length:
-                head.append_memory(head_cache, head.features(max_depth, slot.anchors)[:, None])
+        """Hand the head the slots that may just have reached its deepest depth (it caches their rows)."""
+        head.retire(head_cache, inflight)
 
     def _propose(self, head: Speculator, head_cache: SpeculatorCache, inflight: list[Slot],
                  sampling: SamplingParams, generator: torch.Generator | None, stats: PipelineStats) -> Slot:
@@ -396,21 +396,12 @@ class PipelineEngine:
     @staticmethod
     def _head_logits(head: Speculator, head_cache: SpeculatorCache, inflight: list[Slot]) -> torch.Tensor:
         """The head's logits (1, V) for the position after the newest in-flight token."""
-        cfg = head.config
-        # Rows older than the cache are at max depth; the trailing rows are the in-flight tokens below it.
-        trailing = [s for s in inflight if s.position >= head_cache.length]
-        first_uncached = trailing[0].position if trailing else inflight[-1].position + 1
-        if first_uncached != head_cache.length:
-            raise RuntimeError("speculator cache and in-flight tokens are out of step")
-        rows = [(min(s.depth, cfg.max_depth), head.features(min(s.depth, cfg.max_depth), s.anchors))
-                for s in trailing]
-        newest = inflight[-1]
-        query_1D = rows[-1][1] if rows and rows[-1][0] == cfg.offset else head.features(cfg.offset, newest.anchors)
-        return head.logits(head.query(head_cache, rows, query_1D))
+        return head.propose_logits(head_cache, inflight)
 
     def _verify(self, exiting: Slot, inflight: list[Slot], sampling: SamplingParams,
-                generator: torch.Generator | None, stats: PipelineStats) -> tuple[int, bool]:
-        """The committed token for the position after ``exiting`` and whether the pipeline must flush."""
+                generator: torch.Generator | None, stats: PipelineStats) -> tuple[int, bool, bool]:
+        """The committed token for the position after ``exiting``, whether it is the accepted speculated token,
+        and whether the pipeline must flush (a speculated token was rejected)."""
         logits_1V = self.staged.logits(exiting.hidden_1TD[:, -1])
         candidate = inflight[0] if inflight else None
         if sampling.greedy:
@@ -423,13 +414,13 @@ class PipelineEngine:
             else:
                 token, accepted = _rejection_sample(p_V, candidate.q_V, candidate.token, generator)
         if candidate is None:
-            return token, False
+            return token, False, False
         stats.verified += 1
         stats.verified_by_position[candidate.rank - 1] += 1
         if accepted:
             stats.accepted += 1
             stats.accepted_by_position[candidate.rank - 1] += 1
-        return token, not accepted
+        return token, accepted, not accepted
 
 
 def _rejection_sample(p_V: torch.Tensor, q_V: torch.Tensor, token: int,
@@ -453,25 +444,70 @@ def _stop_reason(token: int, out: list[int], eos: frozenset[int], budget: int, m
     return ""
 
 
-def prepare_prompt(tokenizer, prompt, eos_token_id):
-    """Token ids of a text prompt (needs a tokenizer) or ids as given; EOS defaults to the tokenizer's."""
+def prepare_prompt(tokenizer, prompt, eos_token_id, model=None):
+    """Token ids of a text prompt (needs a tokenizer) or ids as given, and the EOS: ``eos_token_id`` if given,
+    else :func:`spd.generation.default_eos` (the model's generation config, as ``model.generate``, then the
+    tokenizer's)."""
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise SpdInputError("a text prompt needs a tokenizer; pass token ids or create the engine with one")
+            raise SpdInputError("a text prompt needs a tokenizer, but this engine has none (the target has no "
+                                "tokenizer files); pass token ids or load the engine with a tokenizer")
         prompt = tokenizer(prompt)["input_ids"]
-    if eos_token_id is None and tokenizer is not None:
-        eos_token_id = tokenizer.eos_token_id
+    if eos_token_id is None:
+        eos_token_id = default_eos(model, tokenizer)
     return prompt, eos_token_id
+
+
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+def has_tokenizer_files(source: str, revision: str | None = None) -> bool:
+    """Whether a model directory or hub repo ships a tokenizer.
+
+    Asked before loading because ``AutoTokenizer`` builds an empty tokenizer from ``config.json`` alone for some
+    families (Qwen3: one token), so a load without error does not mean there is a tokenizer.
+    """
+    from pathlib import Path
+
+    from transformers.utils import cached_file
+
+    path = Path(str(source)).expanduser()
+    if path.is_dir():
+        return any((path / name).is_file() for name in TOKENIZER_FILES)
+    for name in ("config.json", *TOKENIZER_FILES):
+        try:
+            found = cached_file(str(source), name, revision=revision, _raise_exceptions_for_missing_entries=False,
+                                _raise_exceptions_for_connection_errors=False) is not None
+        except OSError:
+            return True  # cannot tell (no such repo, a gated one): let the loaders report why
+        if name == "config.json" and not found:
+            return True  # the repo cannot be resolved (offline, not cached): likewise
+        if found and name != "config.json":
+            return True
+    return False
+
+
+def load_target_tokenizer(target: str, revision: str | None = None, tokenizer: str | None = None):
+    """``tokenizer`` if given, else the target's own tokenizer, or None when the target ships no tokenizer files
+    (token-id prompts still work). A tokenizer that is there but does not load is an error."""
+    from .staging import load_tokenizer
+
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    if not has_tokenizer_files(target, revision):
+        return None
+    return load_tokenizer(target, revision)
 
 
 def generate_request(staged: StagedModel, tokenizer, prompt, max_new_tokens: int, mode: str,
                      sampling: SamplingParams, eos_token_id, streamer,
-                     decode: Callable[[list[int], int | Sequence[int] | None, Callable[[int], None] | None],
-                                      GenerationOutput]) -> GenerationOutput:
+                     decode: Callable[[list[int], int | Sequence[int] | None, OnToken | None], GenerationOutput],
+                     on_token: OnToken | None = None) -> GenerationOutput:
     """What every engine's ``generate`` shares: the prompt and EOS, the streamer, and the ``ar`` mode;
     ``decode(prompt_ids, eos_token_id, on_token)`` runs the engine's own modes."""
-    prompt, eos_token_id = prepare_prompt(tokenizer, prompt, eos_token_id)
-    on_token, end = _as_callback(streamer)
+    prompt, eos_token_id = prepare_prompt(tokenizer, prompt, eos_token_id, staged.model)
+    on_token, end = _as_callback(streamer, on_token)
     try:
         if mode == "ar":
             return generate_ar(staged, prompt, max_new_tokens, sampling, eos_token_id, on_token)
@@ -480,12 +516,26 @@ def generate_request(staged: StagedModel, tokenizer, prompt, max_new_tokens: int
         end()
 
 
-def _as_callback(streamer) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
-    """A per-token callback and a finisher from a callable or a ``put``/``end`` streamer."""
+def _as_callback(streamer, on_token: OnToken | None = None) -> tuple[OnToken | None, Callable[[], None]]:
+    """The run loops' callback ``(token, accepted)`` and a finisher, from a streamer (a callable taking a token
+    id or a ``put``/``end`` object, which never sees the flag) and ``on_token``."""
+    end: Callable[[], None] = lambda: None
     if streamer is None:
-        return None, lambda: None
-    if hasattr(streamer, "put") and hasattr(streamer, "end"):
-        return (lambda token: streamer.put(torch.tensor([token]))), streamer.end
-    if callable(streamer):
-        return streamer, lambda: None
-    raise SpdInputError("streamer must be a callable taking a token id or an object with put() and end()")
+        put = None
+    elif hasattr(streamer, "put") and hasattr(streamer, "end"):
+        put, end = (lambda token: streamer.put(torch.tensor([token]))), streamer.end
+    elif callable(streamer):
+        put = streamer
+    else:
+        raise SpdInputError("streamer must be a callable taking a token id or an object with put() and end()")
+    if on_token is not None and not callable(on_token):
+        raise SpdInputError("on_token must be a callable taking a token id and its acceptance flag")
+    if put is None:
+        return on_token, end
+
+    def callback(token: int, accepted: bool) -> None:
+        put(token)
+        if on_token is not None:
+            on_token(token, accepted)
+
+    return callback, end

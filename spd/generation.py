@@ -27,6 +27,9 @@ class GenerationStats:
     stop_reason: str = ""  # "eos", "max_new_tokens" or "context_full"
     prefill_time_s: float = 0.0
     wall_time_s: float = 0.0  # prefill + decode
+    # One flag per new token: True where it is a speculated token that verification accepted (the first
+    # token, a replacement after a rejection, and every AR / plain-pipeline token are False).
+    token_acceptance: list[bool] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -47,6 +50,10 @@ class GenerationOutput:
     token_ids: list[int]
     stats: GenerationStats
     prompt_ids: list[int] = field(default_factory=list)
+
+
+# Called with each committed token and its ``token_acceptance`` flag, right after it is committed.
+OnToken = Callable[[int, bool], None]
 
 
 def as_prompt_ids(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
@@ -79,6 +86,21 @@ def check_request(staged: StagedModel, prompt_ids: list[int], max_new_tokens: in
     return max_new_tokens if limit is None else min(max_new_tokens, limit - len(prompt_ids))
 
 
+def default_eos(model, tokenizer=None) -> int | list[int] | None:
+    """The EOS a request stops at when none is given: the model's ``generation_config.eos_token_id``, else the
+    tokenizer's ``eos_token_id``, else None (no EOS).
+
+    This is what ``model.generate`` does: it stops at ``generation_config.eos_token_id`` (an int or a list,
+    e.g. Qwen3's ``[<|im_end|>, <|endoftext|>]``) and never looks at the tokenizer, so when both exist the
+    generation config wins. The tokenizer is only a fallback for models whose generation config names no EOS.
+    """
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None) if config is not None else None
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    return eos
+
+
 def eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
     if eos_token_id is None:
         return frozenset()
@@ -90,8 +112,11 @@ def eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
 @torch.inference_mode()
 def generate_ar(staged: StagedModel, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
                 sampling: SamplingParams = SamplingParams(), eos_token_id: int | Sequence[int] | None = None,
-                on_token: Callable[[int], None] | None = None) -> GenerationOutput:
-    """Plain autoregressive decoding through every stage; greedy or sampled (see SamplingParams)."""
+                on_token: OnToken | None = None) -> GenerationOutput:
+    """Plain autoregressive decoding through every stage; greedy or sampled (see SamplingParams).
+
+    ``eos_token_id=None`` means no EOS (``PipelineEngine.generate`` resolves the default, :func:`default_eos`).
+    """
     prompt = as_prompt_ids(input_ids)
     budget = check_request(staged, prompt, max_new_tokens)
     eos = eos_set(eos_token_id)
@@ -109,8 +134,9 @@ def generate_ar(staged: StagedModel, input_ids: Sequence[int] | torch.Tensor, ma
     while True:
         token = int(token_1)
         out.append(token)
+        stats.token_acceptance.append(False)  # nothing is speculated
         if on_token is not None:
-            on_token(token)
+            on_token(token, False)
         if token in eos:
             stats.stop_reason = "eos"
             break

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import SpdInputError, first_line
-from .staging import StagedModel, StageKVCache, StageOutput
+from .staging import StagedModel, StageOutput
 
 # Message kinds (header[0]) and tags.
 PREFILL, TOKEN, STOP, REPORT, LEVEL = 1, 2, 3, 4, 5
@@ -134,7 +134,7 @@ def load_partial(source: str, n_stages: int, role: int, revision: str | None = N
     import json
 
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     from transformers.utils import cached_file
 
     from .paths import check_model_source
@@ -169,7 +169,8 @@ def load_partial(source: str, n_stages: int, role: int, revision: str | None = N
         prefix = module_names[id(module)]
         for local, param in module.named_parameters():
             name = f"{prefix}.{local}"
-            key = name if name in files else None
+            # The multimodal layout (Qwen3.5) stores the text decoder under model.language_model.
+            key = next((k for k in (name, name.replace("model.", "model.language_model.", 1)) if k in files), None)
             if key is None and tied and name.endswith("lm_head.weight"):
                 key = next((k for k in files if k.endswith("embed_tokens.weight")), None)
             if key is None:
@@ -182,8 +183,14 @@ def load_partial(source: str, n_stages: int, role: int, revision: str | None = N
         model.get_output_embeddings().weight = base.embed_tokens.weight
     rotary = base.rotary_emb
     with torch.device(device):
-        base.rotary_emb = type(rotary)(config=config)
+        base.rotary_emb = type(rotary)(config=model.config.get_text_config())
     staged.rotary_emb = base.rotary_emb
+    if role == 0:
+        # As from_pretrained does: the EOS default (spd.generation.default_eos) reads the generation config.
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(source, revision=revision)
+        except OSError:
+            pass  # no generation_config.json: the one derived from config.json stays
     model.eval()
     return staged
 
@@ -320,7 +327,9 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
     first, last = staged.boundaries[stage], staged.boundaries[stage + 1]
     dtype = next(staged.layers[layers[0]].parameters()).dtype
     link = Link(rank, config, dtype, device, staged.config.hidden_size)
-    cache = StageKVCache(layers, staged.kv_heads, staged.head_dim, 1, 256, dtype, device)
+    # A stage may have run up to n tokens past the committed prefix when a flush notice reaches it (n in flight,
+    # plus a proposal launched before its step was verified): linear-attention layers keep n + 2 states.
+    cache = staged.new_stage_cache(stage, 1, 256, ring_depth=n + 2, dtype=dtype, device=device)
     epoch = 0
     log = EpochLog()
     notices = 0  # control notices received

@@ -437,6 +437,38 @@ class Speculator(PreTrainedModel):
         return h_BND
 
     # ------------------------------------------------------------------------------ inference path
+    # The engine's protocol (spd.engine): prefill_anchors / prefill_memory / retire / propose_logits. The
+    # authors' heads (spd.published.authors_head) implement the same four with their own schedule.
+    def prefill_anchors(self) -> list[int]:
+        """Hidden-state indices the prefill must return for every prompt position."""
+        return list(self.config.anchors[self.config.max_depth])
+
+    def prefill_memory(self, cache: "SpeculatorCache", anchors: dict[int, torch.Tensor]) -> None:
+        """Every prompt position enters the cache at full depth."""
+        self.append_memory(cache, self.features(self.config.max_depth, anchors))
+
+    def retire(self, cache: "SpeculatorCache", slots) -> None:
+        """Cache the memory row of every slot that just reached max depth (slots reach it in position order,
+        so the cache stays a contiguous prefix of positions)."""
+        max_depth = self.config.max_depth
+        for slot in slots:
+            if slot.depth == max_depth and slot.position == cache.length:
+                self.append_memory(cache, self.features(max_depth, slot.anchors)[:, None])
+
+    def propose_logits(self, cache: "SpeculatorCache", inflight) -> torch.Tensor:
+        """Logits (1, V) for the position after the newest in-flight slot, from the slots' current depths."""
+        cfg = self.config
+        # Rows older than the cache are at max depth; the trailing rows are the in-flight tokens below it.
+        trailing = [s for s in inflight if s.position >= cache.length]
+        first_uncached = trailing[0].position if trailing else inflight[-1].position + 1
+        if first_uncached != cache.length:
+            raise RuntimeError("speculator cache and in-flight tokens are out of step")
+        rows = [(min(s.depth, cfg.max_depth), self.features(min(s.depth, cfg.max_depth), s.anchors))
+                for s in trailing]
+        newest = inflight[-1]
+        query_1D = rows[-1][1] if rows and rows[-1][0] == cfg.offset else self.features(cfg.offset, newest.anchors)
+        return self.logits(self.query(cache, rows, query_1D))
+
     def new_cache(self, batch_size: int = 1, capacity: int = 256) -> "SpeculatorCache":
         p = next(self.parameters())
         return SpeculatorCache(self.config, batch_size, capacity, p.dtype, p.device)
@@ -532,9 +564,33 @@ def load_speculator_config(name_or_path: str, revision: str | None = None) -> Sp
         raise SpdInputError(f"could not load a speculation head from '{source}': {first_line(exc)}") from None
 
 
+def speculator_stages(name_or_path: str, revision: str | None = None) -> int:
+    """The n a head was trained for: from our config.json, or from an authors' head file (``.pt``/``hf://``)."""
+    from .published.authors_file import is_authors_file, load_authors_file
+
+    if is_authors_file(name_or_path):
+        return int(load_authors_file(name_or_path, revision).config["num_stages"])
+    return load_speculator_config(name_or_path, revision).n_stages
+
+
 def load_speculator(name_or_path: str, revision: str | None = None, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> Speculator:
-    """``Speculator.from_pretrained`` with one clear sentence for a wrong path, hub id or non-head directory."""
+                    device: str | torch.device = "cpu", target=None):
+    """A speculation head with one clear sentence for a wrong path, hub id or non-head directory.
+
+    Our heads: a directory or hub id (``Speculator.from_pretrained``). The SPD authors' released heads: a
+    ``.pt`` file or an ``hf://OWNER/REPO[@REVISION]/FILE.pt`` reference (:mod:`spd.published`); those use
+    the target's norm, embedding and rotary embedding, so they need ``target`` (a
+    :class:`spd.staging.StagedModel`) and take its dtype and device.
+    """
+    from .published.authors_file import is_authors_file
+
+    if is_authors_file(name_or_path):
+        if target is None:
+            raise SpdInputError(f"'{name_or_path}' is an SPD authors' head file; it is attached to its target when "
+                                "loaded: pass target=StagedModel (the engines and spd-generate do)")
+        from .published.authors_head import load_authors_head
+
+        return load_authors_head(str(name_or_path), target, revision)
     config = load_speculator_config(name_or_path, revision)
     source = str(name_or_path)
     try:

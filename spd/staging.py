@@ -26,26 +26,33 @@ import torch
 from torch import nn
 
 from .errors import SpdInputError, first_line
+from .linear_state import LinearStateRing
 from .paths import check_model_source
 
-# Decoder-layer kinds the staging wrapper runs (attention with a KV cache). Hybrid models with
-# linear-attention layers need a recurrent-state snapshot per stage, which is not implemented yet.
-_SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Decoder-layer kinds the staging wrapper runs: attention with a KV cache, and linear attention (Gated
+# DeltaNet, hybrid models such as Qwen3.5 / Qwen3-Next) with a conv + recurrent state (spd.linear_state).
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+_LINEAR_LAYER_TYPE = "linear_attention"
+_SUPPORTED_LAYER_TYPES = (*_ATTENTION_LAYER_TYPES, _LINEAR_LAYER_TYPE)
 # Attention backends whose mask format the wrapper builds; other backends are switched to sdpa.
 _MASK_FORMATS = ("sdpa", "eager")
 
 
 class StageKVCache:
-    """KV cache of one stage's layers: preallocated buffers, a committed length, O(1) truncation.
+    """Cache of one stage's layers: preallocated KV buffers, a committed length, O(1) truncation; on hybrid
+    targets also the linear-attention layers' state (:class:`spd.linear_state.LinearStateRing`).
 
     It implements the ``update(key, value, layer_idx)`` call that Hugging Face attention modules
-    make on their ``past_key_values``. All layers of one stage call write at the same offset; the
-    stage wrapper advances the length once per stage call (:meth:`advance`).
+    make on their ``past_key_values``, and the conv/recurrent-state calls of linear-attention layers.
+    All layers of one stage write at the same offset; the stage wrapper calls :meth:`begin` before and
+    :meth:`advance` after each stage call.
     """
 
     def __init__(self, layer_ids: list[int], kv_heads: int, head_dim: int, batch_size: int = 1,
-                 capacity: int = 256, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 capacity: int = 256, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 linear: LinearStateRing | None = None):
         self.slot = {layer: i for i, layer in enumerate(layer_ids)}
+        self.linear = linear  # None: no linear-attention layers in this stage
         self.length = 0  # tokens held by every layer of this stage
         self._shape = (batch_size, kv_heads, head_dim)
         self._dtype, self._device = dtype, torch.device(device)
@@ -84,14 +91,39 @@ class StageKVCache:
         self.values_LBHkCDh[i, :, :, self.length:end] = value_BHkTDh
         return self.keys_LBHkCDh[i, :, :, :end], self.values_LBHkCDh[i, :, :, :end]
 
+    def begin(self, n_tokens: int) -> None:
+        """A stage call on ``n_tokens`` new tokens starts."""
+        if self.linear is not None:
+            self.linear.begin(n_tokens)
+
     def advance(self, n_tokens: int) -> None:
         self.length += n_tokens
+        if self.linear is not None:
+            self.linear.advance(n_tokens)
 
     def truncate(self, length: int) -> None:
         """Forget every token at position >= ``length`` (rollback after a flush)."""
         if length < 0:
             raise ValueError(f"cannot truncate a KV cache to a negative length ({length})")
+        if self.linear is not None:
+            self.linear.truncate(length)
         self.length = min(self.length, length)
+
+    # Linear-attention layers call these on their ``cache_params`` (see spd.linear_state).
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return self.linear.get_conv_state(layer_idx, state_idx)
+
+    def update_conv_state(self, inputs_BCT: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        return self.linear.update_conv_state(inputs_BCT, layer_idx, state_idx, **kwargs)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return self.linear.get_recurrent_state(layer_idx, state_idx)
+
+    def update_recurrent_state(self, state: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        return self.linear.update_recurrent_state(state, layer_idx, state_idx, **kwargs)
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
 
     def keep(self, start: int, indices: torch.Tensor | list[int]) -> None:
         """Keep rows ``start + indices`` (in that order) at rows ``start, start+1, ...``; drop the other rows >= start.
@@ -99,6 +131,8 @@ class StageKVCache:
         This compacts a pruned tree's KV right after the committed rows ``[0, start)``; ``indices`` are
         offsets from ``start`` (tree indices when ``start`` is the root's row).
         """
+        if self.linear is not None:
+            raise SpdInputError(HYBRID_TREE_ERROR)
         indices = torch.as_tensor(indices, dtype=torch.long).flatten()
         held = self.length - start
         if not 0 <= start <= self.length:
@@ -150,20 +184,30 @@ def split_layers(num_layers: int, n_stages: int | None = None, boundaries: list[
     return [per * s for s in range(n_stages + 1)]
 
 
-def _layer_windows(config) -> list[int | None]:
-    """Per layer: the sliding-window size, or None for full attention."""
+HYBRID_TREE_ERROR = ("tree mode does not support targets with linear-attention layers (hybrid models such as "
+                     "Qwen3.5): each tree node would need its own recurrent state; use mode spd, pp or ar")
+
+
+def _layer_types(config) -> list[str]:
+    """Per layer: ``full_attention``, ``sliding_attention`` or ``linear_attention``."""
     n = config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:
         # Mistral-style configs: one sliding_window setting for every layer.
-        return [window] * n
+        kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+        return [kind] * n
     unsupported = sorted(set(layer_types) - set(_SUPPORTED_LAYER_TYPES))
     if unsupported:
         raise SpdInputError(
             f"the model has decoder layers of type {unsupported}, but staging supports only "
             f"{list(_SUPPORTED_LAYER_TYPES)} layers"
         )
+    return list(layer_types[:n])
+
+
+def _layer_windows(config, layer_types: list[str]) -> list[int | None]:
+    """Per layer: the sliding-window size, or None for full (or linear) attention."""
+    window = getattr(config, "sliding_window", None)
     return [window if t == "sliding_attention" else None for t in layer_types]
 
 
@@ -220,6 +264,9 @@ class StagedModel(nn.Module):
             model.set_attn_implementation("sdpa")
             impl = "sdpa"
         base = model.base_model
+        if isinstance(getattr(base, "language_model", None), nn.Module):
+            # The multimodal layout (Qwen3_5ForConditionalGeneration): the text decoder is ``language_model``.
+            base, config = base.language_model, config.get_text_config()
         try:
             self.embed_tokens: nn.Module = base.embed_tokens
             self.layers: nn.ModuleList = base.layers
@@ -238,7 +285,8 @@ class StagedModel(nn.Module):
         if n_stages is None and boundaries is None:
             n_stages = 1
         self.boundaries = split_layers(self.num_layers, n_stages, boundaries)
-        self.windows = _layer_windows(config)
+        self.layer_types = _layer_types(config)
+        self.windows = _layer_windows(config, self.layer_types)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
@@ -270,6 +318,11 @@ class StagedModel(nn.Module):
         return self.lm_head.weight.shape[0]
 
     @property
+    def is_hybrid(self) -> bool:
+        """Whether some decoder layers are linear attention (their state is rolled back from a ring)."""
+        return _LINEAR_LAYER_TYPE in self.layer_types
+
+    @property
     def max_positions(self) -> int | None:
         return getattr(self.config, "max_position_embeddings", None)
 
@@ -278,13 +331,23 @@ class StagedModel(nn.Module):
         return range(self.boundaries[stage], self.boundaries[stage + 1])
 
     # -------------------------------------------------------------------------------------- caches
-    def new_caches(self, batch_size: int = 1, capacity: int = 256) -> list[StageKVCache]:
-        """One empty KV cache per stage."""
-        return [
-            StageKVCache(list(self.stage_layers(s)), self.kv_heads, self.head_dim, batch_size, capacity,
-                         self.dtype, self.device)
-            for s in range(self.n_stages)
-        ]
+    def new_caches(self, batch_size: int = 1, capacity: int = 256, rollback: int | None = None) -> list[StageKVCache]:
+        """One empty cache per stage. ``rollback``: how many tokens a stage may run past a length it can still be
+        truncated back to (linear-attention layers keep ``rollback + 1`` states; default ``n``; KV caches always
+        truncate freely)."""
+        depth = (self.n_stages if rollback is None else rollback) + 1
+        return [self.new_stage_cache(s, batch_size, capacity, depth) for s in range(self.n_stages)]
+
+    def new_stage_cache(self, stage: int, batch_size: int = 1, capacity: int = 256, ring_depth: int | None = None,
+                        dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> StageKVCache:
+        """An empty cache for ``stage``'s layers (the distributed runtime builds only its own, with the dtype and
+        device of its layers)."""
+        layers = self.stage_layers(stage)
+        attention = [l for l in layers if self.layer_types[l] != _LINEAR_LAYER_TYPE]
+        linear = [l for l in layers if self.layer_types[l] == _LINEAR_LAYER_TYPE]
+        ring = LinearStateRing(linear, ring_depth or self.n_stages + 1) if linear else None
+        return StageKVCache(attention, self.kv_heads, self.head_dim, batch_size, capacity, dtype or self.dtype,
+                            device or self.device, linear=ring)
 
     @staticmethod
     def truncate(caches: list[StageKVCache], length: int) -> None:
@@ -353,8 +416,19 @@ class StagedModel(nn.Module):
         out = StageOutput(hidden_BTD)
         if first in anchors:
             out.anchors[first] = hidden_BTD
+        if tree_mask_TN is not None and cache.linear is not None:
+            raise SpdInputError(HYBRID_TREE_ERROR)
+        cache.begin(t)
         for layer in range(first, last):
             window = self.windows[layer]
+            if self.layer_types[layer] == _LINEAR_LAYER_TYPE:
+                # A recurrent layer reads its own state; it takes no attention mask (no padding here).
+                hidden_BTD = self.layers[layer](hidden_BTD, attention_mask=None, position_ids=position_ids_BT,
+                                                past_key_values=cache, use_cache=True,
+                                                position_embeddings=position_embeddings)
+                if layer + 1 in anchors:
+                    out.anchors[layer + 1] = hidden_BTD
+                continue
             if window not in masks and tree_mask_TN is not None:
                 masks[window] = tree_attention_mask(q_pos_T, cache.positions_C[:kv_len], tree_mask_TN, window,
                                                     self.attn_impl, hidden_BTD.dtype)
@@ -413,6 +487,13 @@ class StagedModel(nn.Module):
         out = {0: hidden_BND} if 0 in anchors else {}
         for layer in range(max(anchors)):
             window = self.windows[layer]
+            if self.layer_types[layer] == _LINEAR_LAYER_TYPE:
+                # Right padding never reaches earlier positions of a causal recurrence: no mask needed.
+                hidden_BND = self.layers[layer](hidden_BND, attention_mask=None, position_ids=position_ids_BN,
+                                                position_embeddings=rope)
+                if layer + 1 in anchors:
+                    out[layer + 1] = hidden_BND
+                continue
             if window not in masks:
                 masks[window] = attention_mask(position_ids_BN[0], n, window, self.attn_impl, hidden_BND.dtype, True)
             hidden_BND = self.layers[layer](hidden_BND, attention_mask=masks[window], position_ids=position_ids_BN,
@@ -424,6 +505,14 @@ class StagedModel(nn.Module):
     def logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
         """Target logits from final hidden states H^L: ``lm_head(norm(H^L))``."""
         return self.lm_head(self.norm(hidden_BTD))
+
+    @torch.no_grad()
+    def norm_scale(self) -> torch.Tensor:
+        """The final norm's per-channel scale ``g`` in ``norm(x) = g * x / rms(x)``, whatever the convention
+        (``w`` for Llama/Qwen3, ``1 + w`` for Qwen3.5/Qwen3-Next): read off the norm applied to a unit vector."""
+        ones_1D = torch.ones(1, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        eps = float(getattr(self.norm, "eps", None) or getattr(self.norm, "variance_epsilon", 0.0))
+        return (self.norm(ones_1D)[0].double() * (1.0 + eps) ** 0.5).to(self.dtype)  # rms(ones) = 1, up to eps
 
 
 def load_causal_lm(name_or_path: str | os.PathLike, revision: str | None = None,

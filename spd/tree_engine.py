@@ -56,12 +56,12 @@ from types import SimpleNamespace
 
 import torch
 
-from .engine import LocalStages, PipelineStats, _stop_reason, generate_request
+from .engine import LocalStages, PipelineStats, _stop_reason, generate_request, load_target_tokenizer
 from .errors import SpdInputError
-from .generation import GenerationOutput, as_prompt_ids, check_request, eos_set
+from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set
 from .sampling import SamplingParams, warped_probs
 from .speculator import Speculator, check_compatible
-from .staging import StageKVCache, StagedModel
+from .staging import HYBRID_TREE_ERROR, StageKVCache, StagedModel
 from .tree import TokenTree, verify_greedy, verify_sampled_deterministic
 
 MODES = ("tree", "ar")
@@ -223,6 +223,9 @@ class SpdHeadSource:
     schedule = "input"
 
     def __init__(self, head: Speculator, staged: StagedModel, children: int = 4):
+        if not isinstance(head, Speculator):
+            raise SpdInputError("tree mode runs our own heads only; the SPD authors' heads run in mode spd (their "
+                                "token tree at T > 0 is not lossless, and ours is not wired to their schedule)")
         check_compatible(head.config, staged)
         cfg = head.config
         if cfg.schedule != "input" or cfg.max_depth != cfg.n_stages:
@@ -325,6 +328,8 @@ class TreeEngine:
                  tokenizer=None, stages: "LocalTreeStages | None" = None):
         if width < 1:
             raise SpdInputError(f"the tree width must be a positive integer, got {width}")
+        if staged.is_hybrid or (isinstance(source, DraftModelSource) and source.draft.is_hybrid):
+            raise SpdInputError(HYBRID_TREE_ERROR)
         self.staged, self.source, self.width, self.tokenizer = staged, source, width, tokenizer
         # Where the stages run: this process (default) or other processes (spd.runtime.RemoteStages).
         self.stages = stages if stages is not None else LocalTreeStages(staged)
@@ -340,17 +345,16 @@ class TreeEngine:
                         tokenizer: str | None = None, draft_tokenizer=None) -> "TreeEngine":
         """Load a target (cut into ``stages``) and a draft model (directories or hub ids) for the draft tree mode.
 
-        ``draft_tokenizer`` (a loaded tokenizer) defaults to the draft directory's own, when it has one.
+        ``draft_tokenizer`` (a loaded tokenizer) defaults to the draft directory's own, when it has one. The
+        target's tokenizer is ``tokenizer`` or its own; without one, prompts are token ids.
         """
-        from .staging import load_tokenizer
-
-        tok = load_tokenizer(tokenizer or target, revision if tokenizer is None else None)
         staged = StagedModel.from_pretrained(target, n_stages=stages, revision=revision, dtype=dtype, device=device)
+        tok = load_target_tokenizer(target, revision, tokenizer)
         draft_staged = StagedModel.from_pretrained(draft, n_stages=1, revision=draft_revision, dtype=dtype,
                                                    device=device)
         if draft_tokenizer is None:
             try:
-                draft_tokenizer = load_tokenizer(draft, draft_revision)
+                draft_tokenizer = load_target_tokenizer(draft, draft_revision)
             except SpdInputError:
                 draft_tokenizer = None  # a model-only directory: the vocabulary sizes are still compared
         source = DraftModelSource(draft_staged, staged, children, tok, draft_tokenizer)
@@ -360,20 +364,21 @@ class TreeEngine:
     def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128, mode: str = "tree",
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  eos_token_id: int | Sequence[int] | None = None,
-                 streamer: Callable[[int], None] | object | None = None) -> GenerationOutput:
+                 streamer: Callable[[int], None] | object | None = None,
+                 on_token: OnToken | None = None) -> GenerationOutput:
         """Generate from a prompt (text needs a tokenizer) or token ids, as :meth:`PipelineEngine.generate`."""
         if mode not in MODES:
             raise SpdInputError(f"unknown mode '{mode}' for the tree engine; expected one of: {', '.join(MODES)}")
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         return generate_request(self.staged, self.tokenizer, prompt, max_new_tokens, mode, sampling, eos_token_id,
-                                streamer, lambda ids, eos, on_token: self.run(ids, max_new_tokens, sampling, eos,
-                                                                              on_token))
+                                streamer, lambda ids, eos, callback: self.run(ids, max_new_tokens, sampling, eos,
+                                                                              callback), on_token)
 
     @torch.inference_mode()
     def run(self, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: SamplingParams,
             eos_token_id: int | Sequence[int] | None = None,
-            on_token: Callable[[int], None] | None = None) -> GenerationOutput:
-        """The step loop of the module docstring."""
+            on_token: OnToken | None = None) -> GenerationOutput:
+        """The step loop of the module docstring (no EOS unless given)."""
         staged, source = self.staged, self.source
         prompt = as_prompt_ids(input_ids)
         budget = check_request(staged, prompt, max_new_tokens)
@@ -394,8 +399,9 @@ class TreeEngine:
         first = self._prefill(prompt, sampling, generator, capacity)
         stats.prefill_time_s = time.perf_counter() - t0
         out = [first]
+        stats.token_acceptance.append(False)  # from the prefill logits, not speculated
         if on_token is not None:
-            on_token(first)
+            on_token(first, False)
         stop = _stop_reason(first, out, eos, budget, max_new_tokens)
         context = list(prompt)  # committed tokens before the root (the rows every stage keeps)
         tree = TokenTree(first)
@@ -439,6 +445,7 @@ class TreeEngine:
             token, child = self._verify(root, tree, levels, sampling, generator, stats)
             context.append(int(tree.tokens_N[0]))
             out.append(token)
+            stats.token_acceptance.append(child is not None)  # a hit: the token is a tree node
             stop = _stop_reason(token, out, eos, budget, max_new_tokens)
             if child is not None:
                 kept = tree.prune_to_child(child)
@@ -454,7 +461,7 @@ class TreeEngine:
                 grown = 0
             stats.verify_time_s += time.perf_counter() - tick
             if on_token is not None:
-                on_token(token)
+                on_token(token, child is not None)
 
         stats.wall_time_s = time.perf_counter() - t0
         stats.stop_reason = stop

@@ -33,6 +33,20 @@ def tiny_config(family: str, layers: int = 8, vocab: int = 128, **overrides):
         return Qwen2Config(**common)
     if family == "qwen3":
         return Qwen3Config(**{"head_dim": 16, **common})
+    if family == "qwen3_5":
+        # Hybrid: three linear-attention (Gated DeltaNet) layers per full-attention layer, as in Qwen3.5.
+        from transformers import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig(**{"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                    "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                                    "linear_conv_kernel_dim": 4, **common})
+    if family == "qwen3_next":
+        from transformers import Qwen3NextConfig
+
+        return Qwen3NextConfig(**{"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                  "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+                                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                  "shared_expert_intermediate_size": 32, **common})
     raise ValueError(family)
 
 

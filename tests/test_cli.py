@@ -33,6 +33,7 @@ def test_json_output(tiny_testbed):
     assert stats["mode"] == "ar" and stats["new_tokens"] == len(out["token_ids"]) <= 12
     assert stats["wall_time_s"] > 0 and stats["tokens_per_s"] > 0
     assert stats["stop_reason"] in ("eos", "max_new_tokens")
+    assert stats["token_acceptance"] == [False] * stats["new_tokens"]  # ar speculates nothing
 
 
 def test_streams_text_and_matches_json(tiny_testbed, tmp_path):
@@ -111,6 +112,27 @@ def test_target_without_tokenizer(tiny_testbed, tmp_path):
     assert ok.returncode == 0, ok.stderr
 
 
+def test_show_acceptance_colours_exactly_the_accepted_tokens(tiny_testbed):
+    """Each streamed piece is green exactly when its token was an accepted speculation (stats.token_acceptance)."""
+    from transformers import AutoTokenizer
+
+    common = ["--target", str(tiny_testbed / "target"), "--mode", "tree", "--draft-model", str(tiny_testbed / "draft"),
+              "--stages", "2", "--prompt", "import os\n", "--max-new-tokens", "24"]
+    as_json = spd_generate(*common, "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    out = json.loads(as_json.stdout)
+    ids, flags = out["token_ids"], out["stats"]["token_acceptance"]
+    assert len(flags) == len(ids) and sum(flags) == out["stats"]["accepted"] > 0 and not flags[0]
+    tok = AutoTokenizer.from_pretrained(tiny_testbed / "target")
+    text = [tok.decode(ids[:i], skip_special_tokens=True) for i in range(len(ids) + 1)]
+    pieces = [text[i + 1][len(text[i]):] for i in range(len(ids))]
+    expected = "".join(f"\x1b[32m{p}\x1b[0m" if a and p else p for p, a in zip(pieces, flags)) + "\n"
+    proc = spd_generate(*common, "--show-acceptance")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == expected
+    assert proc.stdout.replace("\x1b[32m", "").replace("\x1b[0m", "") == out["text"] + "\n"
+
+
 def _fake_hub_cache(root: Path, repo_id: str, source: Path) -> str:
     """Lay out a Hugging Face hub cache entry for ``repo_id`` at branch ``main`` (no network needed)."""
     commit = "0123456789abcdef0123456789abcdef01234567"
@@ -173,6 +195,7 @@ def test_spd_mode_is_lossless_and_reports_pipeline_stats(tiny_testbed, tiny_head
         assert key in stats
     assert stats["equivalent_accept_length"] == pytest.approx(
         4 * (stats["new_tokens"] - 1) / stats["steps"], abs=1e-3)
+    assert len(stats["token_acceptance"]) == stats["new_tokens"] and sum(stats["token_acceptance"]) == stats["accepted"]
     pp = json.loads(spd_generate(*common, "--mode", "pp", "--stages", "4").stdout)
     assert pp["token_ids"] == ar["token_ids"]
     assert pp["stats"]["steps"] == 4 * (pp["stats"]["new_tokens"] - 1)

@@ -93,6 +93,10 @@ def _scripted(n, right, max_new=24, prompt=(5, 17, 3, 99), eos=None):
     scripted = ScriptedEngine(engine, reference, len(prompt), right)
     out = scripted.run(prompt, max_new, SamplingParams(), eos_token_id=eos)
     assert out.token_ids == reference
+    # Every token after the first was proposed; it is an accepted speculation exactly where the script was right.
+    expected = [False] + [bool(right(len(prompt) + i)) for i in range(1, len(reference))]
+    assert out.stats.token_acceptance == expected
+    assert sum(out.stats.token_acceptance) == out.stats.accepted
     return out.stats, reference
 
 
@@ -304,3 +308,30 @@ def test_generate_api_modes_and_streamer():
     for key in ("stages", "steps", "accepted", "flushes", "acceptance_rate", "equivalent_accept_length",
                 "theoretical_speedup"):
         assert key in stats
+
+
+# ------------------------------------------------------------------------------ token acceptance
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_token_acceptance_flags_every_mode(variant, temperature):
+    """One flag per new token, summing to ``accepted``; passed to ``on_token`` with its token; in ``as_dict``."""
+    engine, prompt = _engine(n=4, variant=variant), [5, 17, 3, 99]
+    if temperature == 0:  # the untrained head is never right: script it right at two positions in three
+        engine = ScriptedEngine(engine, generate_ar(engine.staged, prompt, 30).token_ids, len(prompt),
+                                lambda pos: pos % 3 != 0)
+    for mode in ("spd", "pp", "ar"):
+        seen, streamed = [], []
+        out = engine.generate(prompt, max_new_tokens=30, mode=mode, temperature=temperature, seed=3,
+                              eos_token_id=[], streamer=streamed.append,
+                              on_token=lambda token, accepted: seen.append((token, accepted)))
+        flags = out.stats.token_acceptance
+        assert len(flags) == out.stats.new_tokens == len(out.token_ids) == 30
+        assert seen == list(zip(out.token_ids, flags)) and streamed == out.token_ids
+        assert out.stats.as_dict()["token_acceptance"] == flags
+        assert flags[0] is False
+        if mode == "spd":
+            assert sum(flags) == out.stats.accepted > 0
+        else:
+            assert not any(flags)

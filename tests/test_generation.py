@@ -79,8 +79,9 @@ def test_bad_requests_are_clear_errors():
 def test_streaming_callback_sees_every_token_in_order():
     staged = StagedModel(tiny_model("qwen3"), 2)
     seen = []
-    out = generate_ar(staged, [4, 5, 6], 12, on_token=seen.append)
-    assert seen == out.token_ids
+    out = generate_ar(staged, [4, 5, 6], 12, on_token=lambda token, accepted: seen.append((token, accepted)))
+    assert seen == [(token, False) for token in out.token_ids]
+    assert out.stats.token_acceptance == [False] * len(out.token_ids)  # AR speculates nothing
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent():

@@ -20,6 +20,8 @@ from spd.speculator import load_speculator
 from spd.staging import StagedModel, load_tokenizer
 from spd.tree import TokenTree
 from spd.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
+from test_no_tokenizer import PROMPT as NO_TOKENIZER_PROMPT
+from test_no_tokenizer import model_only  # noqa: F401  (a fixture)
 
 PROMPTS = ["def main(argv):\n    ", "import os\n", "class A:\n    def __init__(self):",
            # long enough that the prefill's activations do not fit one message slot (the spilled path)
@@ -55,7 +57,7 @@ def _port() -> int:
 
 
 def _reference(tiny_testbed, head_dir, n, mode, temperature, top_k, seed, max_new, width=2, draft=None):
-    """The single-process engine's tokens for PROMPTS (tree mode: SPD-head tree of ``width``, or a draft tree)."""
+    """The single-process engine's outputs for PROMPTS (tree mode: SPD-head tree of ``width``, or a draft tree)."""
     torch.set_num_threads(1)
     staged = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=n)
     tok = load_tokenizer(tiny_testbed / "target")
@@ -67,7 +69,7 @@ def _reference(tiny_testbed, head_dir, n, mode, temperature, top_k, seed, max_ne
     else:
         engine = PipelineEngine(staged, load_speculator(head_dir), tok)
     return [engine.generate(tok(p)["input_ids"], max_new, mode=mode, temperature=temperature, top_k=top_k,
-                            seed=None if seed is None else seed + i).token_ids for i, p in enumerate(PROMPTS)]
+                            seed=None if seed is None else seed + i) for i, p in enumerate(PROMPTS)]
 
 
 # Every n with greedy and seeded sampling; each run serves spd, pp and the SPD-head tree on the same processes.
@@ -85,7 +87,11 @@ def test_distributed_runtime_equals_single_process_engine(tiny_testbed, heads, t
     for mode in ("spd", "pp", "tree"):
         got = [r["token_ids"] for r in report["results"][mode]]
         want = _reference(tiny_testbed, heads[n], n, mode, temperature, 20, 5, 24)
-        assert got == want, mode
+        assert got == [out.token_ids for out in want], mode
+        # The same verification outcomes, token by token.
+        flags = [r["stats"]["token_acceptance"] for r in report["results"][mode]]
+        assert flags == [out.stats.token_acceptance for out in want], mode
+        assert all(sum(f) == r["stats"]["accepted"] for f, r in zip(flags, report["results"][mode]))
     spd_stats = [r["stats"] for r in report["results"]["spd"]]
     assert all(s["stages"] == n and s["steps"] > 0 for s in spd_stats)
     tree_stats = [r["stats"] for r in report["results"]["tree"]]
@@ -105,7 +111,10 @@ def test_distributed_draft_tree_equals_single_process_engine(tiny_testbed, tmp_p
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     got = [r["token_ids"] for r in report["results"]["tree"]]
-    assert got == _reference(tiny_testbed, None, 4, "tree", temperature, 20, 5, 24, width=4, draft=draft)
+    want = _reference(tiny_testbed, None, 4, "tree", temperature, 20, 5, 24, width=4, draft=draft)
+    assert got == [out.token_ids for out in want]
+    assert [r["stats"]["token_acceptance"] for r in report["results"]["tree"]] == \
+        [out.stats.token_acceptance for out in want]
     assert sum(r["stats"]["accepted"] for r in report["results"]["tree"]) > 0
 
 
@@ -261,3 +270,24 @@ def test_spd_generate_runtime_distributed_matches_local(tiny_testbed, heads):
     assert bad.returncode == 2 and bad.stderr.startswith("error: the speculator does not fit"), bad.stderr
     ar = spd_generate("--target", str(tiny_testbed / "target"), "--prompt", "x", "--runtime", "distributed")
     assert ar.returncode == 2 and "--runtime distributed runs --mode spd, pp or tree" in ar.stderr
+
+
+def test_spd_generate_distributed_with_prompt_ids_and_no_tokenizer(model_only):
+    """A target without a tokenizer across processes: token-id prompt, the generation config's EOS (rank 0 loads
+    only its part of the model, generation_config.json included), acceptance flags in JSON and in colour."""
+    from test_cli import spd_generate
+
+    common = ["--target", str(model_only.target), "--mode", "tree", "--draft-model", str(model_only.draft),
+              "--stages", "2", "--tree-width", "2", "--prompt-ids", ",".join(map(str, NO_TOKENIZER_PROMPT)),
+              "--max-new-tokens", "32", "--runtime", "distributed"]
+    proc = spd_generate(*common, "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["text"] is None and out["token_ids"] == model_only.expected
+    assert out["stats"]["stop_reason"] == "eos"
+    flags = out["stats"]["token_acceptance"]
+    assert len(flags) == len(model_only.expected) and sum(flags) == out["stats"]["accepted"]
+    coloured = spd_generate(*common, "--show-acceptance")
+    assert coloured.returncode == 0, coloured.stderr
+    expected = " ".join(f"\x1b[32m{t}\x1b[0m" if a else str(t) for t, a in zip(model_only.expected, flags))
+    assert coloured.stdout == expected + "\n"

@@ -173,8 +173,8 @@ def test_explicit_boundaries_forward():
 
 def test_unsupported_layer_types_are_refused():
     model = tiny_model("qwen2")
-    model.config.layer_types = ["linear_attention"] * 8
-    with pytest.raises(SpdInputError, match="linear_attention"):
+    model.config.layer_types = ["chunked_attention"] * 8
+    with pytest.raises(SpdInputError, match="chunked_attention"):
         StagedModel(model, 2)
 
 

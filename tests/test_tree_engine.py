@@ -78,6 +78,8 @@ def _scripted(target_model, n, right, width=1, children=1, max_new=24, prompt=(5
     s = out.stats
     assert s.verified == s.accepted + s.flushes
     assert sum(s.verified_by_position) == s.verified and sum(s.accepted_by_position) == s.accepted
+    # Every position after the first had candidates; its token is a tree hit exactly where the script was right.
+    assert s.token_acceptance == [False] + [bool(right(len(prompt) + i)) for i in range(1, len(reference))]
     return s, reference
 
 
@@ -368,3 +370,20 @@ def test_from_pretrained_and_generate_api(tiny_testbed):
     assert out.token_ids == seen == ar.token_ids and out.stats.stages == 4
     with pytest.raises(SpdInputError, match="unknown mode"):
         engine.generate([5], mode="spd")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_token_acceptance_flags(target_model, temperature):
+    """One flag per new token (True: a tree hit), summing to ``accepted``, handed to ``on_token``; ar: all False."""
+    engine = _draft_engine(target_model, 4, 4, 4)
+    for mode in ("tree", "ar"):
+        seen = []
+        out = engine.generate([5, 17, 3, 99], max_new_tokens=30, mode=mode, temperature=temperature, seed=2,
+                              eos_token_id=[], on_token=lambda token, accepted: seen.append((token, accepted)))
+        flags = out.stats.token_acceptance
+        assert len(flags) == out.stats.new_tokens == 30 and flags[0] is False
+        assert seen == list(zip(out.token_ids, flags)) and out.stats.as_dict()["token_acceptance"] == flags
+        if mode == "tree":
+            assert sum(flags) == out.stats.accepted > 0
+        else:
+            assert not any(flags)

@@ -1,0 +1,54 @@
+"""spd-convert: the SPD authors' head files <-> our directory layout.
+
+    spd-convert heads/Qwen3.5-4B_s4_l4.pt runs/authors-4b-s4          # their .pt -> a directory
+    spd-convert hf://yuyijiong/speculative_pipeline_decoding@v10/Qwen3.5-4B_s4_l4.pt runs/authors-4b-s4
+    spd-convert runs/authors-4b-s4 Qwen3.5-4B_s4_l4.pt                # back to their .pt (bit-exact)
+    spd-convert runs/my-head/final my-head.pt --target Qwen/Qwen3-8B   # one of our heads -> their v10 .pt
+
+The direction follows the input: a ``.pt`` file or ``hf://`` reference becomes a directory, a converted
+directory becomes a ``.pt`` file. A wrong input prints one ``error:`` line and exits with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from spd.errors import SpdInputError
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="spd-convert", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", help="an authors' .pt file, an hf://OWNER/REPO[@REV]/FILE.pt reference, or a directory "
+                                  "written by spd-convert")
+    p.add_argument("out", help="the directory (from a .pt) or .pt file (from a directory) to write")
+    p.add_argument("--revision", default=None, help="hub revision for an hf:// reference")
+    p.add_argument("--target", default=None, help="our head -> their .pt: the head's target (directory or hub id)")
+    args = p.parse_args(argv)
+    from infer.generate import _quiet_libraries
+    from spd.published.convert import head_to_authors_file, to_authors_file, to_directory
+
+    _quiet_libraries()
+
+    try:
+        if args.target is not None:
+            from spd.speculator import load_speculator_config
+            from spd.staging import StagedModel
+
+            n = load_speculator_config(args.source).n_stages
+            out = head_to_authors_file(args.source, StagedModel.from_pretrained(args.target, n_stages=n), args.out)
+        elif Path(args.source).expanduser().is_dir():
+            out = to_authors_file(args.source, args.out)
+        else:
+            out = to_directory(args.source, args.out, args.revision)
+    except SpdInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

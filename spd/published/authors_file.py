@@ -1,0 +1,150 @@
+"""The SPD authors' head files: where they are and what is in them, loaded without unpickling code.
+
+A head file is ``torch.save({"state_dict": {name: tensor}, "config": {...}})`` (hub repo
+``yuyijiong/speculative_pipeline_decoding``, files ``{Qwen3.5-4B|Qwen3.5-9B}_s{n}_l{Ls}.pt``; branch
+``v10`` = the paper's architecture, ``main`` = version 11). It is named by
+
+- a local path (``heads/Qwen3.5-4B_s4_l4.pt``), or
+- a hub reference in the ``hf://`` form of ``huggingface_hub``'s file system:
+  ``hf://yuyijiong/speculative_pipeline_decoding@v10/Qwen3.5-4B_s4_l4.pt`` (``@revision`` optional:
+  a branch, tag or commit, URL-encoded if it contains ``/``; ``--speculator-revision`` also sets it).
+  It is fetched with ``hf_hub_download``, so ``HF_HUB_OFFLINE=1`` and the hub cache work as usual.
+
+Files are read with ``torch.load(..., weights_only=True)`` only: a file that needs arbitrary unpickling,
+a truncated file, a file of another kind or an unknown ``version`` is refused with one sentence.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote
+
+from ..errors import SpdInputError, first_line
+
+HUB_SCHEME = "hf://"
+VERSIONS = (10, 11)
+# Config keys every version has, and the ones each version adds.
+_COMMON_KEYS = ("hidden_size", "vocab_size", "num_stages", "num_spec_layers", "version")
+_VERSION_KEYS = {10: ("shallow_hidden_layer_indices",), 11: ("aggr_feature_bound",)}
+FILE_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+@dataclass
+class AuthorsCheckpoint:
+    """A validated head file: its tensors, its config and where it came from."""
+
+    state_dict: dict  # name -> torch.Tensor
+    config: dict
+    source: str
+
+    @property
+    def version(self) -> int:
+        return int(self.config["version"])
+
+
+DIR_MODEL_TYPE = "spd_authors_head"  # config.json model_type of an authors' head converted by spd-convert
+
+
+def is_authors_file(source: str | Path) -> bool:
+    """Whether ``source`` names an authors' head: an ``hf://`` reference, a ``.pt`` file, or a directory that
+    ``spd-convert`` wrote from one."""
+    text = str(source)
+    if text.startswith(HUB_SCHEME):
+        return True
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return _dir_model_type(path) == DIR_MODEL_TYPE
+    return path.is_file() or (not path.exists() and path.suffix in FILE_SUFFIXES)
+
+
+def _dir_model_type(path: Path) -> str | None:
+    import json
+
+    try:
+        return json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def parse_hub_reference(reference: str) -> tuple[str, str, str | None]:
+    """``hf://owner/name[@revision]/path/in/repo.pt`` -> (repo id, file path, revision or None)."""
+    rest = reference[len(HUB_SCHEME):]
+    parts = rest.split("/")
+    if len(parts) < 3 or not all(parts):
+        raise SpdInputError(f"the hub reference '{reference}' is malformed; expected "
+                            "hf://OWNER/REPO[@REVISION]/FILE.pt, e.g. "
+                            "hf://yuyijiong/speculative_pipeline_decoding@v10/Qwen3.5-4B_s4_l4.pt")
+    owner, name = parts[0], parts[1]
+    revision = None
+    if "@" in name:
+        name, revision = name.split("@", 1)
+        revision = unquote(revision) or None
+    return f"{owner}/{name}", "/".join(parts[2:]), revision
+
+
+def resolve(source: str | Path, revision: str | None = None) -> Path:
+    """The local path of a head file: the path itself, or the hub file downloaded (or found in the cache)."""
+    text = str(source)
+    if not text.startswith(HUB_SCHEME):
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise SpdInputError(f"the speculator file '{text}' does not exist; expected a .pt file of the SPD "
+                                "authors or a head directory written by train/distill.py")
+        return path
+    repo_id, filename, ref_revision = parse_hub_reference(text)
+    if ref_revision is not None and revision is not None and ref_revision != revision:
+        raise SpdInputError(f"the hub reference '{text}' names revision '{ref_revision}' but --speculator-revision "
+                            f"is '{revision}'; give the revision once")
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(repo_id, filename, revision=ref_revision or revision))
+    except Exception as exc:  # hub errors come in many classes (offline, 404, auth); all mean "not available"
+        raise SpdInputError(f"could not fetch '{filename}' from the hub repo '{repo_id}' (revision "
+                            f"{ref_revision or revision or 'main'}): {first_line(exc)}") from None
+
+
+def load_authors_file(source: str | Path, revision: str | None = None) -> AuthorsCheckpoint:
+    """Load and validate an authors' head file (``weights_only=True``; never executes code from the file)."""
+    import torch
+
+    if Path(str(source)).expanduser().is_dir():
+        from .convert import read_directory
+
+        return read_directory(Path(str(source)).expanduser())
+    path = resolve(source, revision)
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "global" in str(exc).lower():  # torch names the blocked global (a function or class to import)
+            raise SpdInputError(f"'{source}' needs arbitrary unpickling (it holds more than tensors and plain "
+                                "containers), which could run code; refused: expected a head file of plain "
+                                "tensors") from None
+        raise SpdInputError(f"'{source}' is not a torch.save file of tensors (unreadable pickle)") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as exc:
+        raise SpdInputError(f"'{source}' is truncated or not a torch.save file ({first_line(exc)})") from None
+    return validate(blob, str(source))
+
+
+def validate(blob, source: str) -> AuthorsCheckpoint:
+    """Check the structure of a loaded head file; one sentence for what is wrong."""
+    if not isinstance(blob, dict) or not isinstance(blob.get("state_dict"), dict) \
+            or not isinstance(blob.get("config"), dict):
+        raise SpdInputError(f"'{source}' is not an SPD authors' head file: expected a dict with 'state_dict' and "
+                            "'config'")
+    import torch
+
+    config = blob["config"]
+    version = config.get("version")
+    if version not in VERSIONS:
+        raise SpdInputError(f"'{source}' has head version {version!r}; this toolkit reads versions "
+                            f"{', '.join(map(str, VERSIONS))}")
+    missing = [k for k in (*_COMMON_KEYS, *_VERSION_KEYS[version]) if k not in config]
+    if missing:
+        raise SpdInputError(f"'{source}' (version {version}) lacks config keys {missing}")
+    bad = [k for k, v in blob["state_dict"].items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        raise SpdInputError(f"'{source}' has state_dict entries that are not named tensors: {bad[:3]}")
+    return AuthorsCheckpoint(dict(blob["state_dict"]), dict(config), source)

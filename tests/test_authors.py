@@ -1,0 +1,270 @@
+"""The SPD authors' released head format: our implementation proposes exactly what their code proposes.
+
+The references in tests/fixtures/authors were made by running the authors' own code (v10 at commit 0c068eb, v11
+at 186f366, transformers 5.8.0) on tiny random Qwen3 and Qwen3.5 targets; see its README and make_fixtures.py.
+"""
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from spd.engine import PipelineEngine
+from spd.errors import SpdInputError
+from spd.published.authors_file import load_authors_file, parse_hub_reference
+from spd.published.authors_head import AuthorsHead, load_authors_head
+from spd.published.convert import to_authors_file, to_directory
+from spd.sampling import SamplingParams
+from spd.speculator import load_speculator
+from spd.staging import StagedModel
+
+FIXTURES = REPO / "tests" / "fixtures" / "authors"
+EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
+HEADS = sorted(EXPECTED["heads"])
+
+
+def _staged(target: str, n: int) -> StagedModel:
+    return StagedModel.from_pretrained(FIXTURES / EXPECTED["targets"][target]["path"], n_stages=n,
+                                       dtype=torch.float32)
+
+
+def _head_file(name: str) -> Path:
+    return FIXTURES / EXPECTED["heads"][name]["path"]
+
+
+def _cli(*args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, **(env or {})})
+
+
+# ----------------------------------------------------------------------------- exactness against their code
+
+
+@pytest.mark.parametrize("name", HEADS)
+def test_greedy_generate_reproduces_the_authors_code(name):
+    """Tokens, per-token acceptance and step counts of their greedy generate, for every fixture run of a head."""
+    info = EXPECTED["heads"][name]
+    staged = _staged(info["target"], info["num_stages"])
+    runs = [r for r in EXPECTED["generate"] if r["head"] == name]
+    assert runs
+    for rec in runs:
+        head = load_authors_head(str(_head_file(name)), staged, use_deepest=rec["use_deepest_effective"])
+        assert head.config.version == info["version"]
+        out = PipelineEngine(staged, head).run(rec["prompt_ids"], rec["max_new_tokens"], SamplingParams(),
+                                               eos_token_id=EXPECTED["targets"][info["target"]]["eos_token_id"])
+        assert out.token_ids == rec["output_ids"] == rec["target_greedy_ids"]
+        # Their flag for the first token (from the prefill) is always True; ours is False (not a speculation).
+        assert out.stats.token_acceptance[1:] == rec["accepted"][1:], rec["prompt_index"]
+        assert out.stats.steps == rec["steps"]
+        assert out.stats.flushes == rec["num_rejections"]
+
+
+def test_draft_vocabulary_maps_back_to_target_ids():
+    name = next(h for h in HEADS if h.endswith("_draft"))
+    info = EXPECTED["heads"][name]
+    staged = _staged(info["target"], info["num_stages"])
+    head = load_authors_head(str(_head_file(name)), staged)
+    ids = sorted({int(t) for t in load_authors_file(_head_file(name)).config["draft_token_ids"]})
+    assert head.lm_head.weight.shape[0] == len(ids) == info["draft_vocab_size"] < staged.vocab_size
+    logits = head.logits(torch.randn(1, staged.config.hidden_size))
+    outside = torch.ones(staged.vocab_size, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isinf(logits[0, outside]).all() and torch.isfinite(logits[0, ids]).all()
+
+
+def test_loaded_through_every_entry_point(tmp_path):
+    """load_speculator, PipelineEngine.from_pretrained and spd-generate --speculator all take the file."""
+    name = "v11_qwen3_n4_l1_draft"
+    rec = next(r for r in EXPECTED["generate"] if r["head"] == name and r["prompt_index"] == 1)
+    target = FIXTURES / EXPECTED["targets"]["qwen3"]["path"]
+    staged = _staged("qwen3", 4)
+    assert isinstance(load_speculator(str(_head_file(name)), target=staged), AuthorsHead)
+    with pytest.raises(SpdInputError, match="attached to its target"):
+        load_speculator(str(_head_file(name)))
+    engine = PipelineEngine.from_pretrained(str(target), speculator=str(_head_file(name)))
+    assert engine.staged.n_stages == 4
+    out = engine.generate(rec["prompt_ids"], rec["max_new_tokens"])
+    assert out.token_ids == rec["output_ids"]
+    proc = _cli("-m", "infer.generate", "--target", str(target), "--mode", "spd", "--speculator",
+                str(_head_file(name)), "--prompt-ids", ",".join(map(str, rec["prompt_ids"])), "--max-new-tokens",
+                str(rec["max_new_tokens"]), "--json")
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["token_ids"] == rec["output_ids"]
+    assert got["stats"]["token_acceptance"][1:] == rec["accepted"][1:]
+
+
+# ------------------------------------------------------------------------------------------- hub reference
+
+
+def test_hub_reference_syntax():
+    assert parse_hub_reference("hf://yuyijiong/speculative_pipeline_decoding@v10/Qwen3.5-4B_s4_l4.pt") == (
+        "yuyijiong/speculative_pipeline_decoding", "Qwen3.5-4B_s4_l4.pt", "v10")
+    assert parse_hub_reference("hf://a/b/dir/f.pt") == ("a/b", "dir/f.pt", None)
+    assert parse_hub_reference("hf://a/b@refs%2Fpr%2F1/f.pt")[2] == "refs/pr/1"
+    with pytest.raises(SpdInputError, match="malformed"):
+        parse_hub_reference("hf://a/f.pt")
+
+
+def test_hub_reference_resolves_through_an_offline_hub_cache(tmp_path):
+    """hf://OWNER/REPO@BRANCH/FILE.pt through huggingface_hub's real cache layout, HF_HUB_OFFLINE=1."""
+    name = "v10_qwen3_n4_l1"
+    commit = "89abcdef0123456789abcdef0123456789abcdef"
+    entry = tmp_path / "hub" / "models--spd-tests--authors-heads"
+    (entry / "refs").mkdir(parents=True)
+    (entry / "refs" / "v10").write_text(commit)
+    (entry / "snapshots" / commit).mkdir(parents=True)
+    shutil.copy(_head_file(name), entry / "snapshots" / commit / "Qwen3-tiny_s4_l1.pt")
+    rec = next(r for r in EXPECTED["generate"] if r["head"] == name and r["use_deepest_effective"])
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    args = ["-m", "infer.generate", "--target", str(FIXTURES / "targets" / "qwen3"), "--mode", "spd",
+            "--prompt-ids", ",".join(map(str, rec["prompt_ids"])), "--max-new-tokens", str(rec["max_new_tokens"]),
+            "--json"]
+    proc = _cli(*args, "--speculator", "hf://spd-tests/authors-heads@v10/Qwen3-tiny_s4_l1.pt", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["token_ids"] == rec["output_ids"]
+    # The same through --speculator-revision; a revision the cache does not have is one error line.
+    proc = _cli(*args, "--speculator", "hf://spd-tests/authors-heads/Qwen3-tiny_s4_l1.pt", "--speculator-revision",
+                "v10", env=env)
+    assert proc.returncode == 0, proc.stderr
+    proc = _cli(*args, "--speculator", "hf://spd-tests/authors-heads@main/Qwen3-tiny_s4_l1.pt", env=env)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: could not fetch") and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------- converter
+
+
+@pytest.mark.parametrize("name", ["v10_qwen3_n8_l2_draft", "v11_qwen35_n4_l1"])
+def test_converter_round_trip_is_bit_exact(tmp_path, name):
+    proc = _cli("-m", "infer.convert", str(_head_file(name)), str(tmp_path / "dir"))
+    assert proc.returncode == 0, proc.stderr
+    proc = _cli("-m", "infer.convert", str(tmp_path / "dir"), str(tmp_path / "back.pt"))
+    assert proc.returncode == 0, proc.stderr
+    a = torch.load(_head_file(name), weights_only=True)
+    b = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert a["config"] == b["config"] and a["state_dict"].keys() == b["state_dict"].keys()
+    for key, tensor in a["state_dict"].items():
+        assert tensor.dtype == b["state_dict"][key].dtype and torch.equal(tensor, b["state_dict"][key]), key
+    # The directory is a head like any other.
+    info = EXPECTED["heads"][name]
+    staged = _staged(info["target"], info["num_stages"])
+    rec = next(r for r in EXPECTED["generate"] if r["head"] == name and r["use_deepest_effective"])
+    head = load_speculator(str(tmp_path / "dir"), target=staged)
+    out = PipelineEngine(staged, head).run(rec["prompt_ids"], rec["max_new_tokens"], SamplingParams(), eos_token_id=1)
+    assert out.stats.token_acceptance[1:] == rec["accepted"][1:]
+
+
+def test_our_head_in_their_layout_computes_what_ours_does(tmp_path):
+    """Our one-layer head on a Qwen3 target, written as their v10 file and loaded back as an authors' head:
+    their training forward equals ours at every fill (the final-norm ratio folded into the LM head)."""
+    from spd.distill import DistillConfig, new_head
+
+    staged = _staged("qwen3", 4)
+    torch.manual_seed(3)
+    head = new_head(staged, DistillConfig(n_stages=4))
+    with torch.no_grad():
+        head.norm.weight.uniform_(0.5, 1.5)  # a trained head's norm differs from the target's
+        for layer in head.layers:
+            layer.q_norm.weight.uniform_(0.5, 1.5)
+    head.save_pretrained(tmp_path / "ours")
+    proc = _cli("-m", "infer.convert", str(tmp_path / "ours"), str(tmp_path / "theirs.pt"), "--target",
+                str(FIXTURES / "targets" / "qwen3"))
+    assert proc.returncode == 0, proc.stderr
+    theirs = load_authors_head(str(tmp_path / "theirs.pt"), staged)
+    ids = torch.tensor([EXPECTED["training_forward"][0]["input_ids"]])
+    anchors = sorted(set(head.needed_anchors()) | set(theirs.needed_anchors()))
+    hidden = staged.hidden_states(ids, anchors)
+    for fill in range(1, 5):
+        with torch.no_grad():
+            ours = head.logits(head.forward_train(hidden, torch.tensor([fill])))
+        torch.testing.assert_close(theirs.train_logits(hidden, fill), ours, atol=2e-4, rtol=1e-4)
+
+
+def test_converter_refuses_what_their_layout_cannot_express(tmp_path, tiny_testbed):
+    from spd.distill import DistillConfig, new_head
+
+    staged = _staged("qwen3", 4)
+    new_head(staged, DistillConfig(n_stages=4, num_layers=2)).save_pretrained(tmp_path / "deep")
+    proc = _cli("-m", "infer.convert", str(tmp_path / "deep"), str(tmp_path / "x.pt"), "--target",
+                str(FIXTURES / "targets" / "qwen3"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "it has 2 layers" in proc.stderr
+    llama = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=4)
+    new_head(llama, DistillConfig(n_stages=4)).save_pretrained(tmp_path / "llama")
+    proc = _cli("-m", "infer.convert", str(tmp_path / "llama"), str(tmp_path / "x.pt"), "--target",
+                str(tiny_testbed / "target"))
+    assert proc.returncode == 2 and "no q/k norms" in proc.stderr and "Traceback" not in proc.stderr
+    proc = _cli("-m", "infer.convert", str(tmp_path / "llama"), str(tmp_path / "x.pt"))
+    assert proc.returncode == 2 and "--target" in proc.stderr
+
+
+# -------------------------------------------------------------------------------------------- bad files
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /tmp/spd-should-not-exist",))
+
+
+def _bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    good = torch.load(_head_file("v10_qwen3_n4_l1"), weights_only=True)
+    files = {}
+    raw = _head_file("v10_qwen3_n4_l1").read_bytes()
+    files["truncated"] = (tmp_path / "truncated.pt", "truncated or not a torch.save file")
+    files["truncated"][0].write_bytes(raw[: len(raw) // 2])
+    files["random"] = (tmp_path / "random.pt", "not a torch.save file")
+    files["random"][0].write_bytes(os.urandom(4096))
+    files["code"] = (tmp_path / "code.pt", "needs arbitrary unpickling")
+    torch.save({"state_dict": good["state_dict"], "config": good["config"], "x": _Payload()}, files["code"][0])
+    files["pickle"] = (tmp_path / "plain.pt", "needs arbitrary unpickling")
+    files["pickle"][0].write_bytes(pickle.dumps(_Payload(), protocol=2))
+    files["version"] = (tmp_path / "v12.pt", "head version 12")
+    torch.save({"state_dict": good["state_dict"], "config": {**good["config"], "version": 12}}, files["version"][0])
+    files["other"] = (tmp_path / "other.pt", "expected a dict with 'state_dict' and 'config'")
+    torch.save({"weight": torch.zeros(3)}, files["other"][0])
+    files["layout"] = (tmp_path / "layout.pt", "does not match its version's layout")
+    torch.save({"state_dict": {k: v for k, v in good["state_dict"].items() if "g0" not in k},
+                "config": good["config"]}, files["layout"][0])
+    files["hidden"] = (tmp_path / "hidden.pt", "does not fit this target: hidden size 32")
+    torch.save({"state_dict": good["state_dict"], "config": {**good["config"], "hidden_size": 32}}, files["hidden"][0])
+    files["stages"] = (tmp_path / "stages.pt", "n = 3 stages, which do not divide the target's 8 layers")
+    torch.save({"state_dict": good["state_dict"], "config": {**good["config"], "num_stages": 3}}, files["stages"][0])
+    return files
+
+
+def test_bad_files_are_refused_with_one_sentence(tmp_path):
+    staged = _staged("qwen3", 4)
+    for kind, (path, message) in _bad_files(tmp_path).items():
+        with pytest.raises(SpdInputError, match=message):
+            load_authors_head(str(path), staged)
+    assert not Path("/tmp/spd-should-not-exist").exists()
+
+
+def test_bad_files_in_the_cli_are_one_error_line(tmp_path):
+    for kind, (path, message) in _bad_files(tmp_path).items():
+        proc = _cli("-m", "infer.generate", "--target", str(FIXTURES / "targets" / "qwen3"), "--mode", "spd",
+                    "--stages", "4", "--speculator", str(path), "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "4")
+        assert proc.returncode == 2, (kind, proc.stderr)
+        assert proc.stderr.startswith("error:") and message in proc.stderr and "Traceback" not in proc.stderr, kind
+    assert not Path("/tmp/spd-should-not-exist").exists()
+
+
+@pytest.mark.parametrize("name", HEADS)
+def test_training_forward_top1_per_fill_reproduces_the_authors_code(name):
+    """Their training forward (the layout their heads were distilled with): the head's top-1 at every position
+    for every simulated fill a = 1..n."""
+    rec = next(r for r in EXPECTED["training_forward"] if r["head"] == name)
+    info = EXPECTED["heads"][name]
+    staged = _staged(info["target"], info["num_stages"])
+    head = load_authors_head(str(_head_file(name)), staged)
+    hidden = staged.hidden_states(torch.tensor([rec["input_ids"]]), head.needed_anchors())
+    assert sorted(map(int, rec["fills"])) == list(range(1, info["num_stages"] + 1))
+    for fill, want in rec["fills"].items():
+        logits = head.train_logits(hidden, int(fill))[0]
+        assert logits.argmax(-1).tolist() == want["top1"], fill
