@@ -268,3 +268,60 @@ def test_training_forward_top1_per_fill_reproduces_the_authors_code(name):
     for fill, want in rec["fills"].items():
         logits = head.train_logits(hidden, int(fill))[0]
         assert logits.argmax(-1).tolist() == want["top1"], fill
+
+
+@pytest.mark.slow
+def test_distributed_runtime_with_an_authors_head_on_a_hybrid_target():
+    """Stage processes with linear-attention rings; rank 0 runs their head: the same tokens and flags."""
+    rec = next(r for r in EXPECTED["generate"] if r["head"] == "v11_qwen35_n4_l1" and r["prompt_index"] == 0)
+    proc = _cli("-m", "infer.generate", "--target", str(FIXTURES / "targets" / "qwen35"), "--mode", "spd",
+                "--speculator", str(_head_file("v11_qwen35_n4_l1")), "--prompt-ids", ",".join(map(str, rec["prompt_ids"])),
+                "--max-new-tokens", str(rec["max_new_tokens"]), "--runtime", "distributed", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["token_ids"] == rec["output_ids"]
+    assert out["stats"]["token_acceptance"][1:] == rec["accepted"][1:]
+    assert out["stats"]["flushes"] == rec["num_rejections"] > 5
+
+
+def test_tree_mode_refuses_hybrid_targets_and_authors_heads_in_one_line():
+    qwen35, qwen3 = FIXTURES / "targets" / "qwen35", FIXTURES / "targets" / "qwen3"
+    common = ["-m", "infer.generate", "--mode", "tree", "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "4"]
+    proc = _cli(*common, "--target", str(qwen35), "--draft-model", str(qwen3), "--stages", "4")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "tree mode does not support targets with linear-attention layers" in proc.stderr
+    proc = _cli(*common, "--target", str(qwen3), "--speculator", str(_head_file("v10_qwen3_n4_l1")))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "tree mode runs our own heads only" in proc.stderr
+
+
+@pytest.mark.slow
+def test_sampling_with_an_authors_draft_vocabulary_head_follows_the_target(tmp_path):
+    """A head predicting over a subset of the vocabulary (q is zero elsewhere): chi-square, 2000 seeds."""
+    from conftest import tiny_model
+    from spd.distill import DistillConfig, new_head
+    from spd.published.convert import head_to_authors_file
+    from test_engine import _chi_square_p_value, _sample_outcomes, _sequence_probs
+
+    vocab, params = 6, SamplingParams(temperature=0.9, top_p=0.95)
+    staged = StagedModel(tiny_model("qwen3", seed=3, layers=4, vocab=vocab, bos_token_id=0, eos_token_id=None,
+                                    pad_token_id=0), 2)
+    with torch.no_grad():
+        staged.lm_head.weight.mul_(0.05)
+    torch.manual_seed(4)
+    head = new_head(staged, DistillConfig(n_stages=2))
+    with torch.no_grad():
+        head.lm_head.weight.normal_(0, 0.5)
+    head.save_pretrained(tmp_path / "ours")
+    head_to_authors_file(tmp_path / "ours", staged, tmp_path / "full.pt")
+    blob = torch.load(tmp_path / "full.pt", weights_only=True)
+    draft = [0, 2, 3, 5]
+    blob["state_dict"]["lm_head.weight"] = blob["state_dict"]["lm_head.weight"][draft]
+    blob["config"].update(draft_token_ids=draft, draft_vocab_size=len(draft))
+    torch.save(blob, tmp_path / "draft.pt")
+    engine = PipelineEngine(staged, load_authors_head(str(tmp_path / "draft.pt"), staged))
+    prompt = [1, 4, 2]
+    exact = _sequence_probs(staged, prompt, params, 3)
+    counts, stats = _sample_outcomes(engine, prompt, params, 3, 2000)
+    flushes, verified = sum(s.flushes for s in stats), sum(s.verified for s in stats)
+    assert 0.1 * verified < flushes < 0.9 * verified
+    assert _chi_square_p_value(counts, exact, 2000) > 1e-3

@@ -281,3 +281,15 @@ def test_trainer_distils_a_head_for_a_hybrid_target(tiny_testbed, hybrid_target,
     engine = PipelineEngine(staged, head)
     prompt = list(range(10, 30))
     assert engine.run(prompt, 24, SamplingParams()).token_ids == generate_ar(staged, prompt, 24).token_ids
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_new_head_starts_with_the_targets_final_norm(family):
+    """Qwen3.5 norms scale by 1 + w (Llama's by w): the head's own norm starts as the same function."""
+    staged = StagedModel(tiny_model(family), 4)
+    with torch.no_grad():
+        staged.norm.weight.uniform_(-0.5, 0.5)
+    head = new_head(staged, DistillConfig(n_stages=4))
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(head.norm(x), staged.norm(x), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,155 @@
+"""Benchmark: what rolling back a hybrid stage's linear-attention state costs per token.
+
+One pipeline stage of a Qwen3.5-shaped hybrid target (default: the Qwen3.5-4B text widths, 3 linear-attention
+layers + 1 full-attention layer, i.e. 32 layers cut into 8 stages; random weights) decodes tokens one at a time
+after a prefill, with three ways of keeping the linear layers' state:
+
+- ``ring``: ours (spd.linear_state): a ring of states indexed by length; the new state is written into its own
+  slot, a rollback moves an integer;
+- ``snapshot``: a live state plus a ring of snapshots copied after every token (SPEC section 5 read literally);
+  a rollback copies a snapshot back;
+- ``none``: one live state, no rollback possible (the lower bound).
+
+Every ``--flush-every`` tokens the stage is rolled back by ``--rollback`` tokens (as a pipeline flush does).
+The variants run interleaved, round after round, and the table gives the median ms per token of each and its
+ratio to ``none``; ``--out`` writes the JSON.
+
+    python infer/bench_linear_state.py                      # Qwen3.5-4B widths
+    python infer/bench_linear_state.py --hidden 1024 --rounds 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from spd.linear_state import LinearStateRing
+from spd.staging import StagedModel
+
+
+class SnapshotRing(LinearStateRing):
+    """The alternative: one live state (slot 0) plus snapshots copied out after every token."""
+
+    def __init__(self, layer_ids: list[int], depth: int):
+        super().__init__(layer_ids, 1)
+        self.snap_depth = depth
+        self.snaps: list[tuple[list, list] | None] = [None] * depth
+        self.snap_len = [-1] * depth
+
+    def advance(self, n_tokens: int) -> None:
+        super().advance(n_tokens)
+        i = self.length % self.snap_depth
+        conv = [c.clone() for c in self.conv_RBCK]  # the copies a snapshot ring makes every token
+        rec = [r.clone() for r in self.recurrent_RBHDkDv]
+        self.snaps[i], self.snap_len[i] = (conv, rec), self.length
+
+    def truncate(self, length: int) -> None:
+        if length >= self.length:
+            return
+        i = length % self.snap_depth
+        if self.snap_len[i] != length:
+            raise RuntimeError("snapshot not held")
+        conv, rec = self.snaps[i]
+        for live, saved in zip(self.conv_RBCK + self.recurrent_RBHDkDv, conv + rec):
+            live.copy_(saved)
+        self.length = length
+        self._held[0] = length
+
+
+def build_stage(args) -> StagedModel:
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(vocab_size=1024, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                            num_hidden_layers=4, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                            head_dim=args.head_dim, linear_num_key_heads=args.linear_k_heads,
+                            linear_num_value_heads=args.linear_v_heads, linear_key_head_dim=args.linear_dim,
+                            linear_value_head_dim=args.linear_dim, linear_conv_kernel_dim=4,
+                            layer_types=["linear_attention"] * 3 + ["full_attention"], tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(cfg).to(dtype=getattr(torch, args.dtype), device=args.device).eval()
+    return StagedModel(model, 1)
+
+
+def run_variant(staged: StagedModel, kind: str, args) -> float:
+    """ms per decoded token (rollbacks included)."""
+    depth = args.stages + 1
+    cache = staged.new_stage_cache(0, capacity=args.prompt + args.tokens + 8, ring_depth=depth)
+    if kind == "snapshot":
+        cache.linear = SnapshotRing(cache.linear.layers, depth)
+    elif kind == "none":
+        cache.linear = LinearStateRing(cache.linear.layers, 1)
+    ids = torch.randint(0, 1024, (1, args.prompt + args.tokens), generator=torch.Generator().manual_seed(1))
+    hidden = staged.embed(ids.to(staged.device))
+    with torch.inference_mode():
+        staged.run_stage(0, hidden[:, : args.prompt], cache)
+        _sync(staged)
+        start = time.perf_counter()
+        position = args.prompt
+        for step in range(args.tokens):
+            staged.run_stage(0, hidden[:, position:position + 1], cache)
+            position += 1
+            if kind != "none" and (step + 1) % args.flush_every == 0:
+                staged.truncate([cache], position - args.rollback)
+                position -= args.rollback
+        _sync(staged)
+    return 1000 * (time.perf_counter() - start) / args.tokens
+
+
+def _sync(staged: StagedModel) -> None:
+    if staged.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=2560)
+    p.add_argument("--intermediate", type=int, default=9216)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=256)
+    p.add_argument("--linear-k-heads", type=int, default=16)
+    p.add_argument("--linear-v-heads", type=int, default=32)
+    p.add_argument("--linear-dim", type=int, default=128)
+    p.add_argument("--stages", type=int, default=8, help="n: the ring keeps n + 1 states")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--flush-every", type=int, default=4)
+    p.add_argument("--rollback", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    staged = build_stage(args)
+    kinds = ("none", "ring", "snapshot")
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    run_variant(staged, "ring", args)  # warm-up
+    for _ in range(args.rounds):
+        for kind in kinds:
+            times[kind].append(run_variant(staged, kind, args))
+    ring = staged.new_stage_cache(0, capacity=args.prompt + 8, ring_depth=args.stages + 1)
+    with torch.inference_mode():
+        staged.run_stage(0, staged.embed(torch.zeros(1, 4, dtype=torch.long, device=staged.device)), ring)
+    per_slot = sum(r[0].numel() * r[0].element_size() for r in ring.linear.conv_RBCK + ring.linear.recurrent_RBHDkDv)
+    state_bytes = per_slot * (args.stages + 1)
+    base = statistics.median(times["none"])
+    rows = [{"variant": k, "ms_per_token_median": round(statistics.median(v), 3), "min": round(min(v), 3),
+             "max": round(max(v), 3), "ratio_to_none": round(statistics.median(v) / base, 4)} for k, v in times.items()]
+    print(f"{'variant':<10} {'ms/token (median)':>18} {'min':>8} {'max':>8} {'vs none':>8}")
+    for r in rows:
+        print(f"{r['variant']:<10} {r['ms_per_token_median']:>18.3f} {r['min']:>8.3f} {r['max']:>8.3f} "
+              f"{r['ratio_to_none']:>8.4f}")
+    print(f"linear state per stage: {per_slot / 2**20:.2f} MiB per length; ring of {args.stages + 1}: "
+          f"{state_bytes / 2**20:.1f} MiB")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": rows, "state_bytes_per_length": per_slot,
+                       "ring_bytes": state_bytes, "device": str(staged.device)}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
