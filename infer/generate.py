@@ -242,7 +242,7 @@ class TokenStreamer:
 
 def load_cli_tokenizer(args, prompt: str | list[int]):
     """--tokenizer or the target's; with --prompt-ids a target without one is fine (None: ids are printed)."""
-    from spd.engine import has_tokenizer_files
+    from spd.staging import has_tokenizer_files
 
     if args.tokenizer is None and not has_tokenizer_files(args.target, args.revision):
         if isinstance(prompt, list):
@@ -329,7 +329,7 @@ def tree_engine(args, staged, head, tokenizer, dtype, device, stages=None):
     ``args`` carries draft_model, draft_revision, tree_width and tree_children; ``stages`` is the stage backend
     (default: this process).
     """
-    from spd.engine import load_target_tokenizer
+    from spd.staging import load_target_tokenizer
     from spd.staging import StagedModel
     from spd.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
 

@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _driver(args, n: int, config, control, device, dtype) -> None:
-    from spd.engine import PipelineEngine, load_target_tokenizer
+    from spd.engine import PipelineEngine
+    from spd.staging import load_target_tokenizer
     from spd.runtime import RemoteStages, load_partial
     from spd.speculator import load_speculator
 

@@ -56,12 +56,12 @@ from types import SimpleNamespace
 
 import torch
 
-from .engine import LocalStages, PipelineStats, _stop_reason, generate_request, load_target_tokenizer
+from .engine import LocalStages, PipelineStats, _stop_reason, generate_request
 from .errors import SpdInputError
 from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set
 from .sampling import SamplingParams, warped_probs
 from .speculator import Speculator, check_compatible
-from .staging import HYBRID_TREE_ERROR, StageKVCache, StagedModel
+from .staging import HYBRID_TREE_ERROR, StageKVCache, StagedModel, load_target_tokenizer
 from .tree import TokenTree, verify_greedy, verify_sampled_deterministic
 
 MODES = ("tree", "ar")
