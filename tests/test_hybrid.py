@@ -293,3 +293,25 @@ def test_a_new_head_starts_with_the_targets_final_norm(family):
     x = torch.randn(3, 64)
     with torch.no_grad():
         torch.testing.assert_close(head.norm(x), staged.norm(x), atol=1e-5, rtol=1e-5)
+
+
+def test_stage_ranks_load_their_layers_from_the_multimodal_tied_layout(tmp_path):
+    """load_partial (one rank's share) on the released checkpoints' layout: model.language_model.*, tied head."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from spd.runtime import load_partial, materialized_bytes
+
+    torch.manual_seed(0)
+    config = Qwen3_5Config(text_config=tiny_config("qwen3_5", tie_word_embeddings=True).to_dict(),
+                           tie_word_embeddings=True, vision_config=dict(depth=1, hidden_size=32, intermediate_size=32,
+                                                                        num_heads=2, out_hidden_size=64))
+    model = Qwen3_5ForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(4))
+    parts = [load_partial(str(tmp_path), 2, role) for role in range(3)]
+    assert materialized_bytes(parts[1]) < materialized_bytes(model) / 2
+    with torch.no_grad():
+        hidden = parts[0].embed(ids)
+        for s in range(2):
+            hidden = parts[s + 1].run_stage(s, hidden, parts[s + 1].new_stage_cache(s, device="cpu")).hidden_BTD
+        torch.testing.assert_close(parts[0].logits(hidden), model(input_ids=ids).logits, atol=TOL, rtol=0)
