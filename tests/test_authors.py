@@ -219,7 +219,8 @@ def _bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     files["truncated"] = (tmp_path / "truncated.pt", "truncated or not a torch.save file")
     files["truncated"][0].write_bytes(raw[: len(raw) // 2])
     files["random"] = (tmp_path / "random.pt", "not a torch.save file")
-    files["random"][0].write_bytes(os.urandom(4096))
+    files["random"][0].write_bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0),
+                                                 dtype=torch.uint8).numpy().tobytes())
     files["code"] = (tmp_path / "code.pt", "needs arbitrary unpickling")
     torch.save({"state_dict": good["state_dict"], "config": good["config"], "x": _Payload()}, files["code"][0])
     files["pickle"] = (tmp_path / "plain.pt", "needs arbitrary unpickling")
@@ -236,6 +237,20 @@ def _bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     files["stages"] = (tmp_path / "stages.pt", "n = 3 stages, which do not divide the target's 8 layers")
     torch.save({"state_dict": good["state_dict"], "config": {**good["config"], "num_stages": 3}}, files["stages"][0])
     return files
+
+
+def test_random_and_corrupted_bytes_are_refused_with_one_sentence(tmp_path):
+    """Whatever the bytes, torch.load's failure (it can raise many kinds) becomes one sentence."""
+    raw = _head_file("v10_qwen3_n4_l1").read_bytes()
+    gen = torch.Generator().manual_seed(1)
+    for i in range(40):
+        noise = torch.randint(0, 256, (int(torch.randint(1, 5000, (1,), generator=gen)),), generator=gen,
+                              dtype=torch.uint8).numpy().tobytes()
+        data = noise if i % 2 else raw[: len(raw) // 3] + noise  # pure noise, or a zip cut and continued by noise
+        path = tmp_path / f"bad{i}.pt"
+        path.write_bytes(data)
+        with pytest.raises(SpdInputError, match="not a torch.save file"):
+            load_authors_file(path)
 
 
 def test_bad_files_are_refused_with_one_sentence(tmp_path):

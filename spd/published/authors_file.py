@@ -123,8 +123,9 @@ def load_authors_file(source: str | Path, revision: str | None = None) -> Author
                                 "containers), which could run code; refused: expected a head file of plain "
                                 "tensors") from None
         raise SpdInputError(f"'{source}' is not a torch.save file of tensors (unreadable pickle)") from None
-    except (RuntimeError, EOFError, ValueError, OSError) as exc:
-        raise SpdInputError(f"'{source}' is truncated or not a torch.save file ({first_line(exc)})") from None
+    except Exception as exc:  # a malformed file can fail anywhere inside the unpickler (IndexError, struct.error..)
+        raise SpdInputError(f"'{source}' is truncated or not a torch.save file ({type(exc).__name__}: "
+                            f"{first_line(exc)})") from None
     return validate(blob, str(source))
 
 
