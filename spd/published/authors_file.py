@@ -17,6 +17,7 @@ a truncated file, a file of another kind or an unknown ``version`` is refused wi
 from __future__ import annotations
 
 import pickle
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
@@ -116,7 +117,10 @@ def load_authors_file(source: str | Path, revision: str | None = None) -> Author
         return read_directory(Path(str(source)).expanduser())
     path = resolve(source, revision)
     try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
+        # mmap: a caller that only needs the config (speculator_stages, before the target is loaded) reads no
+        # tensor data, so looking at a multi-GB head file and then loading it does not read it twice.
+        # (torch can map only its zip format; anything else is read as before and judged by the unpickler.)
+        blob = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as exc:
         if "global" in str(exc).lower():  # torch names the blocked global (a function or class to import)
             raise SpdInputError(f"'{source}' needs arbitrary unpickling (it holds more than tensors and plain "
