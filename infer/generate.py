@@ -62,8 +62,8 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="spd-generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that say what to run (target, mode, head or draft model, runtime): spd-generate's and spd-serve's."""
     p.add_argument("--target", default=str(default_testbed_dir() / "target"),
                    help="target model: a local directory or a Hugging Face hub id (default: %(default)s)")
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of --target")
@@ -81,6 +81,45 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--mode tree: tree nodes kept per level, W (default: %(default)s)")
     p.add_argument("--tree-children", type=_positive_int, default=4,
                    help="--mode tree: candidate children per node, K (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--runtime", default="local", choices=("local", "distributed"),
+                   help="local: one process; distributed: one process per stage plus rank 0 on torch.distributed "
+                        "(modes spd, pp and tree)")
+    p.add_argument("--emulate-stage-ms", type=_finite_float, default=0.0,
+                   help="--runtime distributed: added compute time per stage per token")
+    p.add_argument("--emulate-link-ms", type=_finite_float, default=0.0,
+                   help="--runtime distributed: added latency per message")
+    p.add_argument("--timeout-s", type=_finite_float, default=60.0,
+                   help="--runtime distributed: a rank silent this long counts as lost")
+
+
+def check_model_flags(args) -> None:
+    """The checks of add_model_flags' values that need no model loaded (one SpdInputError each)."""
+    if args.mode not in MODES:
+        raise SpdInputError(f"unknown --mode '{args.mode}'; expected one of: {', '.join(MODES)}")
+    if args.mode == "spd" and args.speculator is None:
+        raise SpdInputError("--mode spd needs --speculator DIR_OR_ID (a head trained by train/distill.py)")
+    if args.mode not in ("spd", "tree") and args.speculator is not None:
+        raise SpdInputError(f"--speculator is only used by --mode spd and --mode tree, but --mode is '{args.mode}'")
+    if args.mode == "tree" and args.draft_model is None and args.speculator is None:
+        raise SpdInputError("--mode tree needs --draft-model DIR_OR_ID (a small causal LM with the target's "
+                            "tokenizer) or --speculator DIR_OR_ID (an SPD head)")
+    if args.mode == "tree" and args.draft_model is not None and args.speculator is not None:
+        raise SpdInputError("--mode tree takes one token source: --draft-model or --speculator, not both")
+    if args.mode != "tree" and args.draft_model is not None:
+        raise SpdInputError(f"--draft-model is only used by --mode tree, but --mode is '{args.mode}'")
+    if args.runtime == "distributed" and args.mode not in ("spd", "pp", "tree"):
+        raise SpdInputError(f"--runtime distributed runs --mode spd, pp or tree, not '{args.mode}'")
+    if args.runtime == "local" and (args.emulate_stage_ms or args.emulate_link_ms):
+        raise SpdInputError("--emulate-stage-ms / --emulate-link-ms need --runtime distributed")
+    if args.emulate_stage_ms < 0 or args.emulate_link_ms < 0 or args.timeout_s <= 0:
+        raise SpdInputError("--emulate-stage-ms and --emulate-link-ms must be >= 0 and --timeout-s > 0")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="spd-generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_flags(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file whose contents are the prompt")
@@ -91,20 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=_finite_float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--show-acceptance", action="store_true",
                    help="colour the streamed tokens that were accepted speculations (ANSI green)")
-    p.add_argument("--runtime", default="local", choices=("local", "distributed"),
-                   help="local: one process; distributed: one process per stage plus rank 0 on torch.distributed, "
-                        "spawned here with torchrun (modes spd, pp and tree)")
-    p.add_argument("--emulate-stage-ms", type=_finite_float, default=0.0,
-                   help="--runtime distributed: added compute time per stage per token")
-    p.add_argument("--emulate-link-ms", type=_finite_float, default=0.0,
-                   help="--runtime distributed: added latency per message")
-    p.add_argument("--timeout-s", type=_finite_float, default=60.0,
-                   help="--runtime distributed: a rank silent this long counts as lost")
     return p
 
 
@@ -156,25 +184,7 @@ def _check_numbers(args) -> None:
         raise SpdInputError(f"--top-k must be >= 0, got {args.top_k}")
     if not 0 < args.top_p <= 1:
         raise SpdInputError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.mode not in MODES:
-        raise SpdInputError(f"unknown --mode '{args.mode}'; expected one of: {', '.join(MODES)}")
-    if args.mode == "spd" and args.speculator is None:
-        raise SpdInputError("--mode spd needs --speculator DIR_OR_ID (a head trained by train/distill.py)")
-    if args.mode not in ("spd", "tree") and args.speculator is not None:
-        raise SpdInputError(f"--speculator is only used by --mode spd and --mode tree, but --mode is '{args.mode}'")
-    if args.mode == "tree" and args.draft_model is None and args.speculator is None:
-        raise SpdInputError("--mode tree needs --draft-model DIR_OR_ID (a small causal LM with the target's "
-                            "tokenizer) or --speculator DIR_OR_ID (an SPD head)")
-    if args.mode == "tree" and args.draft_model is not None and args.speculator is not None:
-        raise SpdInputError("--mode tree takes one token source: --draft-model or --speculator, not both")
-    if args.mode != "tree" and args.draft_model is not None:
-        raise SpdInputError(f"--draft-model is only used by --mode tree, but --mode is '{args.mode}'")
-    if args.runtime == "distributed" and args.mode not in ("spd", "pp", "tree"):
-        raise SpdInputError(f"--runtime distributed runs --mode spd, pp or tree, not '{args.mode}'")
-    if args.runtime == "local" and (args.emulate_stage_ms or args.emulate_link_ms):
-        raise SpdInputError("--emulate-stage-ms / --emulate-link-ms need --runtime distributed")
-    if args.emulate_stage_ms < 0 or args.emulate_link_ms < 0 or args.timeout_s <= 0:
-        raise SpdInputError("--emulate-stage-ms and --emulate-link-ms must be >= 0 and --timeout-s > 0")
+    check_model_flags(args)
     if args.chat and args.prompt_ids is not None:
         raise SpdInputError("--chat wraps a text prompt in the chat template; --prompt-ids are used as given, "
                             "so pass the template's token ids yourself")
@@ -324,26 +334,11 @@ def run(args) -> int:
 
 
 def tree_engine(args, staged, head, tokenizer, dtype, device, stages=None):
-    """The tree engine with an SPD head of width W, or with a draft model (refused unless it shares the tokenizer).
+    """The tree engine for the CLI's flags (draft_model, draft_revision, tree_width, tree_children)."""
+    from spd.tree_engine import build_tree_engine
 
-    ``args`` carries draft_model, draft_revision, tree_width and tree_children; ``stages`` is the stage backend
-    (default: this process).
-    """
-    from spd.staging import load_target_tokenizer
-    from spd.staging import StagedModel
-    from spd.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
-
-    if head is not None:
-        source = SpdHeadSource(head, staged, args.tree_children)
-    else:
-        draft = StagedModel.from_pretrained(args.draft_model, n_stages=1, revision=args.draft_revision, dtype=dtype,
-                                            device=device)
-        try:
-            draft_tokenizer = load_target_tokenizer(args.draft_model, args.draft_revision)
-        except SpdInputError:
-            draft_tokenizer = None  # a model-only directory: only the vocabulary sizes can be compared
-        source = DraftModelSource(draft, staged, args.tree_children, tokenizer, draft_tokenizer)
-    return TreeEngine(staged, source, args.tree_width, tokenizer, stages=stages)
+    return build_tree_engine(staged, head, tokenizer, args.draft_model, args.draft_revision, args.tree_width,
+                             args.tree_children, dtype, device, stages)
 
 
 def run_distributed(args, prompt: str | list[int]) -> int:

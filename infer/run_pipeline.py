@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                            emulate_link_ms=args.emulate_link_ms, early_launch=args.early_launch)
     rank = -1
     try:
-        rank, world, control = init_distributed(config)
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         n = world - 1
         if n < 1 or (args.stages is not None and args.stages != n):
             raise SpdInputError(f"the world has {world} processes but --stages is {args.stages}; "
@@ -85,12 +86,17 @@ def main(argv: list[str] | None = None) -> int:
         device = local_rank_device(backend)
         dtype = getattr(torch, args.dtype)
         _quiet()
+        if rank != 0:
+            from spd.runtime import load_partial
+
+            # Load before joining: once the world is complete every stage is ready for the first request.
+            staged = load_partial(args.target, n, rank, args.revision, dtype, device)
+        rank, world, control = init_distributed(config)
         if rank == 0:
             _driver(args, n, config, control, device, dtype)
         else:
-            from spd.runtime import load_partial, stage_worker
+            from spd.runtime import stage_worker
 
-            staged = load_partial(args.target, n, rank, args.revision, dtype, device)
             stage_worker(staged, rank - 1, config, control, device)
         dist.destroy_process_group()
         return 0

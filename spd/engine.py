@@ -235,7 +235,8 @@ class PipelineEngine:
 
         ``streamer`` is a callable taking each committed token id, or an object with ``put``/``end`` (a
         Hugging Face ``TextStreamer``); ``on_token(token, accepted)`` also gets the token's
-        ``stats.token_acceptance`` flag. ``eos_token_id`` defaults as in ``model.generate`` (:func:`default_eos`).
+        ``stats.token_acceptance`` flag and may return True to end the generation after that token
+        (``stop_reason`` "stopped": stop strings, cancelled requests). ``eos_token_id`` defaults as in ``model.generate`` (:func:`default_eos`).
         """
         mode = mode or ("spd" if self.speculator is not None else "pp")
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -276,9 +277,9 @@ class PipelineEngine:
         stats.prefill_time_s = time.perf_counter() - t0
         out = [first]
         stats.token_acceptance.append(False)  # from the prefill logits, not speculated
-        if on_token is not None:
-            on_token(first, False)
         stop = _stop_reason(first, out, eos, budget, max_new_tokens)
+        if on_token is not None and on_token(first, False) and not stop:
+            stop = "stopped"
         inflight = [self._enter(first, len(prompt))]
 
         while not stop:
@@ -326,8 +327,8 @@ class PipelineEngine:
                 if not stop:
                     self.stages.launch(inflight)  # stage 1's next token, as soon as it is decided
                 stats.verify_time_s += time.perf_counter() - tick
-                if on_token is not None:
-                    on_token(token, accepted)
+                if on_token is not None and on_token(token, accepted) and not stop:
+                    stop = "stopped"  # the caller ended the request (tokens still in flight are discarded)
                 if stop or flushed:
                     continue  # the other tokens in flight are discarded
                 tick = time.perf_counter()
@@ -491,9 +492,8 @@ def _as_callback(streamer, on_token: OnToken | None = None) -> tuple[OnToken | N
     if put is None:
         return on_token, end
 
-    def callback(token: int, accepted: bool) -> None:
+    def callback(token: int, accepted: bool) -> bool | None:
         put(token)
-        if on_token is not None:
-            on_token(token, accepted)
+        return on_token(token, accepted) if on_token is not None else None
 
     return callback, end

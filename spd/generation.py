@@ -24,7 +24,7 @@ class GenerationStats:
     mode: str
     prompt_tokens: int
     new_tokens: int = 0  # tokens returned (the first one comes from the prefill logits)
-    stop_reason: str = ""  # "eos", "max_new_tokens" or "context_full"
+    stop_reason: str = ""  # "eos", "max_new_tokens", "context_full" or "stopped" (on_token returned True)
     prefill_time_s: float = 0.0
     wall_time_s: float = 0.0  # prefill + decode
     # One flag per new token: True where it is a speculated token that verification accepted (the first
@@ -52,8 +52,9 @@ class GenerationOutput:
     prompt_ids: list[int] = field(default_factory=list)
 
 
-# Called with each committed token and its ``token_acceptance`` flag, right after it is committed.
-OnToken = Callable[[int, bool], None]
+# Called with each committed token and its ``token_acceptance`` flag, right after it is committed; returning
+# True ends the generation after this token (stop_reason "stopped"), e.g. a stop string or a cancelled request.
+OnToken = Callable[[int, bool], bool | None]
 
 
 def as_prompt_ids(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
@@ -135,13 +136,15 @@ def generate_ar(staged: StagedModel, input_ids: Sequence[int] | torch.Tensor, ma
         token = int(token_1)
         out.append(token)
         stats.token_acceptance.append(False)  # nothing is speculated
-        if on_token is not None:
-            on_token(token, False)
+        stopped = on_token is not None and on_token(token, False)
         if token in eos:
             stats.stop_reason = "eos"
             break
         if len(out) >= budget:
             stats.stop_reason = "max_new_tokens" if len(out) >= max_new_tokens else "context_full"
+            break
+        if stopped:
+            stats.stop_reason = "stopped"
             break
         hidden_11D = staged.forward_stages(token_1[None], caches).hidden_BTD
         token_1 = select_token(staged.logits(hidden_11D[:, -1]), sampling, generator)

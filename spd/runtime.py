@@ -19,7 +19,8 @@ indices follow). Every data message carries the epoch it belongs to: a stage dro
 without computing it, unless only prunes happened since (a tree level is then mapped through them,
 :func:`follow_prunes`); work of a newer epoch waits until the stage has applied the notices. A new request
 (``PREFILL``) starts a new epoch and resets the stage's cache; ``STOP`` travels down the chain and back to
-rank 0, which drains every stage's reports so that no send is left pending.
+rank 0, which drains every stage's reports so that no send is left pending. A server keeps idle stages
+waiting with ``PING`` (forwarded down the chain, dropped by stage n) more often than the timeout.
 
 Emulation for measuring on one machine: ``emulate_stage_ms`` is slept by a stage after each token it
 computes, ``emulate_link_ms`` delays the delivery of every message (the receiver waits until the send time
@@ -48,7 +49,7 @@ from .errors import SpdInputError, first_line
 from .staging import StagedModel, StageOutput
 
 # Message kinds (header[0]) and tags.
-PREFILL, TOKEN, STOP, REPORT, LEVEL = 1, 2, 3, 4, 5
+PREFILL, TOKEN, STOP, REPORT, LEVEL, PING = 1, 2, 3, 4, 5, 6
 DATA_TAG, REPORT_TAG, CONTROL_TAG, KEPT_TAG = 1, 2, 3, 4
 HEADER = 8  # kind, epoch, position, length, stage, send time (us), payload width, extra length
 # Control notices (epoch, committed length, kind, kept count); a prune's kept indices follow on KEPT_TAG.
@@ -117,6 +118,7 @@ class RuntimeConfig:
     # (a flush then costs nothing extra); True as soon as it exists (saves the verification round trip
     # on every step, but stage 1 may be busy with a doomed proposal when a flush comes: a step lost).
     early_launch: bool = False
+    join_timeout_s: float = 600.0  # how long a rank waits for the others to join (they load their layers first)
 
 
 class PipelineLost(RuntimeError):
@@ -370,6 +372,11 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
         while True:
             header, extra, payload = link.recv(prev, DATA_TAG)
             kind, msg_epoch, position = int(header[0]), int(header[1]), int(header[2])
+            if kind == PING:
+                # A serving driver keeps idle stages alive: every wait has a timeout, requests may be far apart.
+                if nxt != 0:
+                    link.send(nxt, DATA_TAG, PING, msg_epoch, 0)
+                continue
             if kind == STOP:
                 while notices < position:  # STOP carries the number of notices sent: take them all
                     take_notice()
@@ -612,6 +619,10 @@ class RemoteStages:
                 rows, start, _ = mapped
                 return header, start, payload[rows]
 
+    def ping(self) -> None:
+        """Tell every stage that rank 0 is alive while no request runs (a stage waits ``timeout_s`` at most)."""
+        self.link.send(1, DATA_TAG, PING, self.epoch, 0)
+
     def shutdown(self) -> None:
         """STOP down the chain; drain every stage's reports until its STOP arrives."""
         self.link.send(1, DATA_TAG, STOP, self.epoch, self.notices)
@@ -627,7 +638,9 @@ class RemoteStages:
 
 def init_distributed(config: RuntimeConfig):
     """Join the process group (env:// as torchrun sets it) and create the gloo control group."""
-    timeout = datetime.timedelta(seconds=config.timeout_s)
+    # The group's default timeout only bounds joining and the background send waits; every receive on the data
+    # and control paths has its own (config.timeout_s).
+    timeout = datetime.timedelta(seconds=max(config.timeout_s, config.join_timeout_s))
     dist.init_process_group(config.backend, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), control

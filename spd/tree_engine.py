@@ -400,9 +400,9 @@ class TreeEngine:
         stats.prefill_time_s = time.perf_counter() - t0
         out = [first]
         stats.token_acceptance.append(False)  # from the prefill logits, not speculated
-        if on_token is not None:
-            on_token(first, False)
         stop = _stop_reason(first, out, eos, budget, max_new_tokens)
+        if on_token is not None and on_token(first, False) and not stop:
+            stop = "stopped"
         context = list(prompt)  # committed tokens before the root (the rows every stage keeps)
         tree = TokenTree(first)
         levels = [self._enter(tree, 0, 1, rank=0)]
@@ -460,8 +460,8 @@ class TreeEngine:
                 levels = [self._enter(tree, 0, 1, rank=0)]
                 grown = 0
             stats.verify_time_s += time.perf_counter() - tick
-            if on_token is not None:
-                on_token(token, child is not None)
+            if on_token is not None and on_token(token, child is not None) and not stop:
+                stop = "stopped"  # the caller ended the request
 
         stats.wall_time_s = time.perf_counter() - t0
         stats.stop_reason = stop
@@ -526,3 +526,23 @@ class TreeEngine:
         stats.accepted_by_position[rank - 1] += 1
         stats.accepted_by_sibling[index] += 1
         return token, int(children_C[index])
+
+
+def build_tree_engine(staged: StagedModel, head, tokenizer, draft_model: str | None, draft_revision: str | None,
+                      width: int, children: int, dtype: torch.dtype, device: str | torch.device,
+                      stages=None) -> TreeEngine:
+    """The tree engine with an SPD head of width W, or with a draft model (refused unless it shares the tokenizer).
+
+    ``stages`` is the stage backend (default: this process; :class:`spd.runtime.RemoteStages` across processes).
+    """
+    if head is not None:
+        source = SpdHeadSource(head, staged, children)
+    else:
+        draft = StagedModel.from_pretrained(draft_model, n_stages=1, revision=draft_revision, dtype=dtype,
+                                            device=device)
+        try:
+            draft_tokenizer = load_target_tokenizer(draft_model, draft_revision)
+        except SpdInputError:
+            draft_tokenizer = None  # a model-only directory: only the vocabulary sizes can be compared
+        source = DraftModelSource(draft, staged, children, tokenizer, draft_tokenizer)
+    return TreeEngine(staged, source, width, tokenizer, stages=stages)

@@ -1,0 +1,182 @@
+"""Load benchmark of spd-serve: N requests from C concurrent clients, per configuration, side by side.
+
+    python infer/bench_serve.py --run spd:runs/quickstart-n4/final --run pp:4 --requests 50 --concurrency 8 \\
+        --runtime distributed --emulate-stage-ms 20 --emulate-link-ms 1 --out docs/results/serve-load.json
+
+Each ``--run`` starts its own server (``spd:HEAD_DIR``: SPD with that head, n from the head; ``pp:N``: the
+standard pipeline with N stages), sends the same requests (testbed prompts, greedy, streamed so that the
+time to the first token is seen) from ``--concurrency`` client threads, and stops it. Reported per run:
+request latency (arrival to last token: queueing included, since requests run one at a time) p50/p95, time
+to first token p50/p95, the pipeline's own time per request (the ``spd`` extension's ``wall_time_s``)
+p50/p95, completion tokens per second over the whole run, mean L'_acc. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class ServerProcess:
+    """``spd-serve`` (``python -m infer.serve``) in its own process on a free port; ``url`` once it listens."""
+
+    def __init__(self, *args: str, timeout: float = 300, threads: int = 1):
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "infer.serve", "--port", "0", *args], cwd=REPO, env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.url = None
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                break
+            self.lines.append(line)
+            match = re.search(r"listening on (http://\S+)", line)
+            if match:
+                self.url = match.group(1)
+                break
+        if self.url is None:
+            self.stop()
+            raise RuntimeError("spd-serve did not start:\n" + "".join(self.lines))
+        # Keep reading stderr so that the server never blocks on a full pipe.
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
+        import httpx
+
+        self.model = httpx.get(f"{self.url}/v1/models").json()["data"][0]["id"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def one_request(url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    """A streamed greedy completion: latency, time to first token, tokens, the server's stats."""
+    import httpx
+
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    start = time.perf_counter()
+    first = None
+    text, stats = [], None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=3600) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode()}")
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            choice = chunk["choices"][0]
+            if choice["text"] and first is None:
+                first = time.perf_counter() - start
+            text.append(choice["text"])
+            if choice["finish_reason"] is not None:
+                stats = chunk["spd"]
+    return {"latency_s": time.perf_counter() - start, "ttft_s": first, "text": "".join(text),
+            "tokens": stats["new_tokens"], "pipeline_s": stats["wall_time_s"],
+            "L_acc": stats.get("equivalent_accept_length"), "queue_s": stats["queue_time_s"]}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def run_load(args, name: str, server_args: list[str], prompts: list[str]) -> dict:
+    server = ServerProcess(*server_args, threads=args.threads)
+    try:
+        one_request(server.url, server.model, prompts[0], 4)  # warm-up
+        start = time.perf_counter()
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            results = list(pool.map(lambda p: one_request(server.url, server.model, p, args.max_tokens), prompts))
+        wall = time.perf_counter() - start
+    finally:
+        server.stop()
+    tokens = sum(r["tokens"] for r in results)
+
+    def pct(key):
+        values = [r[key] for r in results if r[key] is not None]
+        return {"p50": round(percentile(values, 50), 4), "p95": round(percentile(values, 95), 4)}
+
+    l_acc = [r["L_acc"] for r in results if r["L_acc"] is not None]
+    return {"name": name, "server_args": server_args, "requests": len(results), "wall_s": round(wall, 3),
+            "completion_tokens": tokens, "tokens_per_s": round(tokens / wall, 3), "latency_s": pct("latency_s"),
+            "ttft_s": pct("ttft_s"), "pipeline_s": pct("pipeline_s"),
+            "mean_L_acc": round(statistics.mean(l_acc), 4) if l_acc else None,
+            "texts": [r["text"] for r in results]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="testbed/target")
+    p.add_argument("--prompts", default="testbed/prompts.jsonl", help='jsonl with a "prompt" field per row')
+    p.add_argument("--run", action="append", required=True, help="spd:HEAD_DIR or pp:N (repeatable)")
+    p.add_argument("--requests", type=int, default=50)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--runtime", default="local", choices=("local", "distributed"))
+    p.add_argument("--emulate-stage-ms", type=float, default=0.0)
+    p.add_argument("--emulate-link-ms", type=float, default=0.0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the server process")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    rows = [json.loads(line)["prompt"] for line in Path(args.prompts).open(encoding="utf-8") if line.strip()]
+    prompts = [rows[i % len(rows)] for i in range(args.requests)]
+    common = ["--target", args.target, "--runtime", args.runtime, "--max-queue", str(max(64, args.requests))]
+    if args.runtime == "distributed":
+        common += ["--emulate-stage-ms", str(args.emulate_stage_ms), "--emulate-link-ms", str(args.emulate_link_ms)]
+    runs = []
+    for spec in args.run:
+        kind, _, value = spec.partition(":")
+        if kind == "spd":
+            server_args = [*common, "--mode", "spd", "--speculator", value]
+        elif kind == "pp":
+            server_args = [*common, "--mode", "pp", "--stages", value]
+        else:
+            p.error(f"--run expects spd:HEAD_DIR or pp:N, got '{spec}'")
+        print(f"[bench_serve] {spec}: {args.requests} requests, {args.concurrency} clients", file=sys.stderr, flush=True)
+        runs.append(run_load(args, spec, server_args, prompts))
+    same = all(r["texts"] == runs[0]["texts"] for r in runs)
+    print(f"\n{args.requests} requests x {args.max_tokens} tokens, {args.concurrency} concurrent clients, runtime "
+          f"{args.runtime}" + (f", emulated stage {args.emulate_stage_ms} ms, link {args.emulate_link_ms} ms"
+                               if args.runtime == "distributed" else "") + f"; identical outputs: {same}")
+    print("| run | tokens/s | latency p50 / p95 (s) | TTFT p50 / p95 (s) | pipeline time per request p50 / p95 (s) "
+          "| mean L'_acc |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in runs:
+        print(f"| {r['name']} | {r['tokens_per_s']:.2f} | {r['latency_s']['p50']:.2f} / {r['latency_s']['p95']:.2f} | "
+              f"{r['ttft_s']['p50']:.2f} / {r['ttft_s']['p95']:.2f} | {r['pipeline_s']['p50']:.2f} / "
+              f"{r['pipeline_s']['p95']:.2f} | {r['mean_L_acc'] if r['mean_L_acc'] is not None else '-'} |")
+    if args.out:
+        report = {"command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "identical_outputs": same,
+                  "requests": args.requests, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+                  "runtime": args.runtime, "emulate_stage_ms": args.emulate_stage_ms,
+                  "emulate_link_ms": args.emulate_link_ms, "runs": [{k: v for k, v in r.items() if k != "texts"}
+                                                                    for r in runs],
+                  "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""The server's Prometheus metrics (``GET /metrics``, text exposition format, prometheus_client).
+
+Acceptance follows the engine's convention (docs/engine.md): every pipeline step that verifies a token
+commits exactly one token, the accepted speculation or, on a rejection, the target's own replacement (the
+"bonus token" of EAGLE-style mean acceptance length is counted); the request's first token, from the
+prefill logits, is not a decode token. ``spd_mean_accept_length`` is therefore
+``L'_acc = n * decode_tokens / steps`` over every request served: tokens committed per full pass through the
+``n`` stages, i.e. the speedup over autoregressive decoding when a step costs ``1/n`` of a forward.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics, generate_latest
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+
+
+class ServerMetrics:
+    """Counters, gauges and histograms of one server, in their own registry."""
+
+    def __init__(self, model: str, mode: str, stages: int, runtime: str):
+        self.stages = stages
+        disable_created_metrics()  # the *_created series (process start times) only clutter the page
+        r = self.registry = CollectorRegistry()
+        Info("spd_server", "What this server runs", registry=r).info(
+            {"model": model, "mode": mode, "stages": str(stages), "runtime": runtime})
+        self.requests = Counter("spd_requests", "Requests answered, by endpoint and outcome (ok: generated; "
+                                "cancelled: the client went away; invalid: 400/404; rejected: 503; failed: 500)",
+                                ["endpoint", "outcome"], registry=r)
+        self.prompt_tokens = Counter("spd_prompt_tokens", "Prompt tokens of generated requests", registry=r)
+        self.generation_tokens = Counter("spd_generation_tokens", "Tokens generated (every request, cancelled "
+                                         "ones included)", registry=r)
+        self.queue_length = Gauge("spd_queue_length", "Requests waiting for the pipeline", registry=r)
+        self.running = Gauge("spd_running_requests", "Requests on the pipeline now (0 or 1)", registry=r)
+        self.latency = Histogram("spd_request_latency_seconds", "From arrival to the last token",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("spd_queue_time_seconds", "From arrival to the start of generation",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.first_token = Histogram("spd_time_to_first_token_seconds", "From arrival to the first token",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.steps = Counter("spd_pipeline_steps", "Pipeline steps (K) of pipelined modes", registry=r)
+        self.decode_tokens = Counter("spd_decode_tokens", "Tokens committed by pipeline steps (N): accepted "
+                                     "speculations plus the target's replacement tokens; not the prefill token",
+                                     registry=r)
+        self.accepted = Counter("spd_accepted_tokens", "Speculated tokens accepted by verification", registry=r)
+        self.flushes = Counter("spd_flushes", "Rejections (each flushes the pipeline)", registry=r)
+        self.verified_by_position = Counter(
+            "spd_verified_by_position", "Speculated tokens verified, by position after a (re)seed (n: full "
+            "pipeline)", ["position"], registry=r)
+        self.accepted_by_position = Counter(
+            "spd_accepted_by_position", "Speculated tokens accepted, by position after a (re)seed (n: full "
+            "pipeline)", ["position"], registry=r)
+        accept_length = Gauge("spd_mean_accept_length", "L'_acc = n * decode_tokens / steps over every request "
+                              "served (the replacement token after a rejection counts, the prefill token does not)",
+                              registry=r)
+        accept_length.set_function(self.mean_accept_length)
+        self._steps = self._decode = 0
+
+    def mean_accept_length(self) -> float:
+        return self.stages * self._decode / self._steps if self._steps else 0.0
+
+    def record_generation(self, stats: dict) -> None:
+        """Add one request's engine statistics (``GenerationStats.as_dict()``)."""
+        self.prompt_tokens.inc(stats["prompt_tokens"])
+        self.generation_tokens.inc(stats["new_tokens"])
+        if "steps" not in stats:
+            return  # ar: no pipeline
+        self._steps += stats["steps"]
+        self._decode += stats["decode_tokens"]
+        self.steps.inc(stats["steps"])
+        self.decode_tokens.inc(stats["decode_tokens"])
+        self.accepted.inc(stats["accepted"])
+        self.flushes.inc(stats["flushes"])
+        for i, (verified, accepted) in enumerate(zip(stats["verified_by_position"], stats["accepted_by_position"])):
+            self.verified_by_position.labels(position=str(i + 1)).inc(verified)
+            self.accepted_by_position.labels(position=str(i + 1)).inc(accepted)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,228 @@
+"""The pipeline a server runs every request on: loaded once, in this process or across stage processes.
+
+:class:`Pipeline` owns the engine (chain or tree) and is used from one thread only (the scheduler's). With
+``runtime="distributed"`` this process is rank 0 of a ``torch.distributed`` world (embedding, LM head, the
+head or draft model, verification) and ``n`` stage processes are started once, each loading only its own
+layers (``python -m infer.run_pipeline`` as a stage rank, spd/runtime.py); every request is a new epoch on
+the same processes (the stages reset their caches at each prefill). Between requests the driver pings the
+stages, whose waits have a timeout. A stage process that exits makes :meth:`Pipeline.lost` say so.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import SpdInputError, first_line
+from ..generation import GenerationOutput, OnToken
+
+
+@dataclass
+class PipelineSpec:
+    """What to serve: the same model flags as spd-generate."""
+
+    target: str
+    mode: str = "spd"  # spd, pp, tree or ar
+    stages: int | None = None  # default: the head's n, else 1
+    revision: str | None = None
+    tokenizer: str | None = None  # default: the target's
+    speculator: str | None = None
+    speculator_revision: str | None = None
+    draft_model: str | None = None
+    draft_revision: str | None = None
+    tree_width: int = 4
+    tree_children: int = 4
+    dtype: str = "float32"
+    device: str = "cpu"
+    runtime: str = "local"  # local or distributed
+    emulate_stage_ms: float = 0.0  # distributed: added compute per stage per token
+    emulate_link_ms: float = 0.0  # distributed: added latency per message
+    timeout_s: float = 60.0  # distributed: a stage silent this long (within a request) is lost
+
+
+class Pipeline:
+    """A loaded engine and its tokenizer; ``generate`` runs one request (one thread at a time)."""
+
+    def __init__(self, spec: PipelineSpec, engine, staged, tokenizer, n_stages: int, remote=None, procs=()):
+        self.spec, self.engine, self.staged, self.tokenizer = spec, engine, staged, tokenizer
+        self.n_stages = n_stages
+        self.remote, self.procs = remote, list(procs)
+        self._lost: str | None = None
+
+    @property
+    def max_positions(self) -> int | None:
+        return self.staged.max_positions
+
+    @property
+    def vocab_size(self) -> int:
+        return self.staged.vocab_size
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, on_token: OnToken, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> GenerationOutput:
+        """One request on the pipeline; EOS as ``model.generate`` (the target's generation config)."""
+        from ..runtime import PipelineLost
+
+        try:
+            return self.engine.generate(prompt_ids, max_new_tokens, mode=self.spec.mode, temperature=temperature,
+                                        top_k=top_k, top_p=top_p, seed=seed, on_token=on_token)
+        except PipelineLost as exc:
+            self._lost = str(exc)
+            raise
+
+    def lost(self) -> str | None:
+        """Why the pipeline cannot serve any more (a stage process exited or stopped answering), or None."""
+        for rank, proc in enumerate(self.procs, start=1):
+            code = proc.poll()
+            if code is not None and self._lost is None:
+                self._lost = f"the stage process of rank {rank} exited with status {code}"
+        return self._lost
+
+    def idle(self) -> None:
+        """Called between requests: keep the stage processes' waits from timing out."""
+        if self.remote is not None and self.lost() is None:
+            self.remote.ping()
+
+    def close(self) -> None:
+        """Stop the stage processes (STOP down the chain, then wait; kill what does not exit)."""
+        if self.remote is None:
+            return
+        import torch.distributed as dist
+
+        if self.lost() is None:
+            try:
+                self.remote.shutdown()
+            except Exception:  # noqa: BLE001 - a stage died while stopping: killed below
+                pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def open_pipeline(spec: PipelineSpec) -> Pipeline:
+    """Load the target, the head or draft model and the engine; start the stage processes if distributed."""
+    from ..paths import check_model_source
+    from ..published.authors_file import is_authors_file
+    from ..speculator import load_speculator, speculator_stages
+    from ..staging import StagedModel, load_target_tokenizer
+
+    check_model_source(spec.target, "target")
+    if spec.speculator is not None and not is_authors_file(spec.speculator):
+        check_model_source(spec.speculator, "speculator")
+    if spec.draft_model is not None:
+        check_model_source(spec.draft_model, "draft model")
+    dtype = getattr(torch, spec.dtype)
+    n = spec.stages
+    if spec.speculator is not None:
+        head_n = speculator_stages(spec.speculator, spec.speculator_revision)
+        if n is not None and n != head_n:
+            raise SpdInputError(f"the speculator does not fit this target: it was trained for n = {head_n} stages "
+                                f"but --stages is {n}")
+        n = head_n
+    n = n or 1
+    tokenizer = load_target_tokenizer(spec.target, spec.revision, spec.tokenizer)
+    if tokenizer is None:
+        raise SpdInputError(f"the target '{spec.target}' has no tokenizer, and a server answers in text; pass "
+                            "--tokenizer DIR_OR_ID")
+    if spec.runtime == "distributed":
+        return _open_distributed(spec, n, dtype, tokenizer)
+    staged = StagedModel.from_pretrained(spec.target, n_stages=n, revision=spec.revision, dtype=dtype,
+                                         device=spec.device)
+    head = (load_speculator(spec.speculator, spec.speculator_revision, dtype, spec.device, target=staged)
+            if spec.speculator else None)
+    return Pipeline(spec, _engine(spec, staged, head, tokenizer, dtype), staged, tokenizer, n)
+
+
+def _engine(spec: PipelineSpec, staged, head, tokenizer, dtype, stages=None):
+    from ..engine import PipelineEngine
+    from ..tree_engine import build_tree_engine
+
+    if spec.mode == "tree":
+        return build_tree_engine(staged, head, tokenizer, spec.draft_model, spec.draft_revision, spec.tree_width,
+                                 spec.tree_children, dtype, spec.device, stages)
+    return PipelineEngine(staged, head, tokenizer, stages=stages)
+
+
+def _open_distributed(spec: PipelineSpec, n: int, dtype: torch.dtype, tokenizer) -> Pipeline:
+    """Rank 0 here, ``n`` stage processes spawned now; a 2-token warm-up request proves the pipeline works."""
+    import torch.distributed as dist
+
+    from ..runtime import PipelineLost, RemoteStages, RuntimeConfig, free_port, load_partial
+    from ..speculator import load_speculator
+
+    if spec.mode not in ("spd", "pp", "tree"):
+        raise SpdInputError(f"--runtime distributed runs --mode spd, pp or tree, not '{spec.mode}'")
+    backend = "nccl" if torch.device(spec.device).type == "cuda" else "gloo"
+    config = RuntimeConfig(backend=backend, timeout_s=spec.timeout_s, emulate_stage_ms=spec.emulate_stage_ms,
+                           emulate_link_ms=spec.emulate_link_ms)
+    # Rank 0's part and the head load (and fail with one line) before any process starts.
+    staged = load_partial(spec.target, n, 0, spec.revision, dtype, spec.device)
+    head = (load_speculator(spec.speculator, spec.speculator_revision, dtype, spec.device, target=staged)
+            if spec.speculator else None)
+    port = free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(n + 1),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    cmd = [sys.executable, "-m", "infer.run_pipeline", "--target", spec.target, "--stages", str(n),
+           "--dtype", spec.dtype, "--backend", backend, "--timeout-s", str(spec.timeout_s),
+           "--emulate-stage-ms", str(spec.emulate_stage_ms), "--emulate-link-ms", str(spec.emulate_link_ms)]
+    if spec.revision is not None:
+        cmd += ["--revision", spec.revision]
+    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL) for r in range(1, n + 1)]
+    try:
+        control = _join(procs, port, n, backend, max(spec.timeout_s, config.join_timeout_s))
+        remote = RemoteStages(staged, config, control)
+        pipeline = Pipeline(spec, _engine(spec, staged, head, tokenizer, dtype, remote), staged, tokenizer, n,
+                            remote, procs)
+        pipeline.generate([0], 2, lambda token, accepted: None)
+        return pipeline
+    except (PipelineLost, RuntimeError) as exc:
+        lost = _exited(procs)
+        for proc in procs:
+            proc.kill()
+        raise SpdInputError(f"the stage processes did not start: {lost or first_line(exc)}") from None
+
+
+def _exited(procs) -> str | None:
+    for rank, proc in enumerate(procs, start=1):
+        if proc.poll() is not None:
+            return f"the stage process of rank {rank} exited with status {proc.returncode}"
+    return None
+
+
+def _join(procs, port: int, n: int, backend: str, timeout_s: float):
+    """Join the world as rank 0 while the stage processes load; fail at once if one of them exits."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    result: dict = {}
+
+    def join():
+        try:
+            timeout = datetime.timedelta(seconds=timeout_s)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=n + 1,
+                                    timeout=timeout)
+            result["control"] = dist.new_group(backend="gloo", timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - reported below as one line
+            result["error"] = exc
+
+    thread = threading.Thread(target=join, daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(timeout=0.2)
+        if thread.is_alive() and _exited(procs):
+            raise RuntimeError(_exited(procs) + " while loading (its error is above)")
+    if "error" in result:
+        raise RuntimeError(first_line(result["error"]))
+    return result["control"]

@@ -1,0 +1,414 @@
+"""spd-serve: the real server process on a free local port, talked to with the real openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import REPO
+from infer.bench_serve import ServerProcess
+from test_cli import spd_generate, tiny_heads  # noqa: F401  (tiny_heads is a fixture)
+
+openai = pytest.importorskip("openai")
+
+PROMPT = "def main(argv):\n"
+
+
+class Server(ServerProcess):
+    """``spd-serve`` in its own process on a free port, with the clients the tests use."""
+
+    def client(self, **kwargs):
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kwargs)
+
+    def post(self, path: str, body, **kwargs) -> httpx.Response:
+        data = body if isinstance(body, (str, bytes)) else json.dumps(body)
+        return httpx.post(f"{self.url}{path}", content=data, headers={"content-type": "application/json"},
+                          timeout=120, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """Samples of /metrics by name and labels, e.g. 'spd_requests_total{endpoint="chat",outcome="ok"}'."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{self.url}/metrics").text
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return samples
+
+
+@pytest.fixture(scope="module")
+def spd_server(tiny_testbed, tiny_heads):
+    server = Server("--target", str(tiny_testbed / "target"), "--mode", "spd", "--speculator", str(tiny_heads[4]))
+    yield server
+    server.stop()
+
+
+def cli_json(tiny_testbed, *args: str) -> dict:
+    proc = spd_generate("--target", str(tiny_testbed / "target"), "--json", *args)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+# ------------------------------------------------------------------------------ output == spd-generate
+
+
+def test_completion_equals_spd_generate(spd_server, tiny_testbed, tiny_heads):
+    expected = cli_json(tiny_testbed, "--mode", "spd", "--speculator", str(tiny_heads[4]), "--prompt", PROMPT,
+                        "--max-new-tokens", "24")
+    out = spd_server.client().completions.create(model=spd_server.model, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert out.choices[0].text == expected["text"]
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 24 and out.usage.prompt_tokens == expected["stats"]["prompt_tokens"]
+    spd = out.model_extra["spd"]
+    assert spd["mode"] == "spd" and spd["stages"] == 4
+    assert spd["equivalent_accept_length"] == pytest.approx(4 * spd["decode_tokens"] / spd["steps"], abs=1e-3)
+    assert len(spd["accepted_by_position"]) == 4 and sum(spd["token_acceptance"]) == spd["accepted"]
+
+
+def test_token_id_prompt_and_seeded_sampling_equal_spd_generate(spd_server, tiny_testbed, tiny_heads):
+    sampled = ["--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3"]
+    expected = cli_json(tiny_testbed, "--mode", "spd", "--speculator", str(tiny_heads[4]), "--prompt-ids", "5,17,40",
+                        "--max-new-tokens", "16", *sampled)
+    out = spd_server.post("/v1/completions", {"model": spd_server.model, "prompt": [5, 17, 40], "max_tokens": 16,
+                                              "temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 3}).json()
+    assert out["choices"][0]["text"] == expected["text"]
+    assert out["spd"]["token_acceptance"] == expected["stats"]["token_acceptance"]
+
+
+def test_chat_equals_spd_generate_chat(spd_server, tiny_testbed, tiny_heads):
+    expected = cli_json(tiny_testbed, "--mode", "spd", "--speculator", str(tiny_heads[4]), "--chat", "--prompt",
+                        "Write a parser.", "--max-new-tokens", "20")
+    out = spd_server.client().chat.completions.create(
+        model=spd_server.model, messages=[{"role": "user", "content": "Write a parser."}], max_tokens=20,
+        temperature=0)
+    assert out.choices[0].message.content == expected["text"] and out.choices[0].message.role == "assistant"
+    assert out.usage.prompt_tokens == expected["stats"]["prompt_tokens"]
+
+
+def test_streaming_equals_non_streaming(spd_server):
+    client = spd_server.client()
+    whole = client.completions.create(model=spd_server.model, prompt=PROMPT, max_tokens=30, temperature=0)
+    chunks = list(client.completions.create(model=spd_server.model, prompt=PROMPT, max_tokens=30, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 30
+    # Every token went out exactly once, in order (the spd extension of each chunk names its tokens).
+    streamed = [t for c in chunks if c.choices and "token_ids" in c.model_extra.get("spd", {})
+                for t in c.model_extra["spd"]["token_ids"]]
+    assert len(streamed) == 30
+
+    messages = [{"role": "user", "content": "hello"}]
+    whole = client.chat.completions.create(model=spd_server.model, messages=messages, max_tokens=25, temperature=0)
+    chunks = list(client.chat.completions.create(model=spd_server.model, messages=messages, max_tokens=25,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_stop_strings_cut_the_text_streamed_or_not(spd_server):
+    client = spd_server.client()
+    full = client.completions.create(model=spd_server.model, prompt="import os\n", max_tokens=40,
+                                     temperature=0).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert len(stop) == 3
+    expected = full[:full.index(stop)]
+    out = client.completions.create(model=spd_server.model, prompt="import os\n", max_tokens=40, temperature=0,
+                                    stop=[stop, "\x00never"])
+    assert out.choices[0].text == expected and out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens < 40 and out.model_extra["spd"]["stop_reason"] == "stopped"
+    chunks = list(client.completions.create(model=spd_server.model, prompt="import os\n", max_tokens=40,
+                                            temperature=0, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected  # nothing past the stop was ever streamed
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_sixteen_concurrent_clients_all_answered_correctly(spd_server):
+    client = spd_server.client(timeout=300)
+    prompts = [f"def f{i}(x):\n    return" for i in range(16)]
+    expected = [client.completions.create(model=spd_server.model, prompt=p, max_tokens=12, temperature=0)
+                .choices[0].text for p in prompts]
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda p: client.completions.create(model=spd_server.model, prompt=p, max_tokens=12,
+                                                                    temperature=0).choices[0].text, prompts))
+    assert answers == expected
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    ("{not json", 400, "not valid JSON"),
+    ('["a list"]', 400, "JSON object"),
+    ({"prompt": "x"}, 400, "'model' is required"),
+    ({"MODEL": "target", "prompt": "x"}, 400, "'model' is required"),
+    ({"model": "M", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"model": "M", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"model": "M", "prompt": "x", "temperature": 3}, 400, "temperature"),
+    ({"model": "M", "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"model": "M", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "M", "prompt": "x", "frobnicate": 1}, 400, "unknown field 'frobnicate'"),
+    ({"model": "M", "prompt": "x", "n": 2}, 400, "n = 2"),
+    ({"model": "M", "prompt": "x", "logprobs": 1}, 400, "logprobs"),
+    ({"model": "M", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"model": "M", "prompt": ""}, 400, "empty"),
+    ({"model": "M", "prompt": [1, 2, 10 ** 6]}, 400, "outside the vocabulary"),
+    ({"model": "M", "prompt": "x", "max_tokens": 100000}, 400, "context"),
+    ({"model": "M", "prompt": "word " * 400}, 400, "context"),
+    ({"model": "other-model", "prompt": "x"}, 404, "does not exist"),
+])
+def test_bad_requests_get_one_clear_openai_error(spd_server, body, status, needle):
+    if isinstance(body, dict) and body.get("model") == "M":
+        body = {**body, "model": spd_server.model}
+    response = spd_server.post("/v1/completions", body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert needle in error["message"] and "\n" not in error["message"] and error["type"]
+    # The server keeps serving.
+    ok = spd_server.post("/v1/completions", {"model": spd_server.model, "prompt": "x", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "content"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+])
+def test_bad_chat_requests(spd_server, body, needle):
+    response = spd_server.post("/v1/chat/completions", {"model": spd_server.model, **body})
+    assert response.status_code == 400 and needle in response.json()["error"]["message"]
+
+
+def test_openai_client_raises_on_bad_request(spd_server):
+    with pytest.raises(openai.BadRequestError, match="n = 3"):
+        spd_server.client().completions.create(model=spd_server.model, prompt="x", n=3)
+    with pytest.raises(openai.NotFoundError):
+        spd_server.client().completions.create(model="nope", prompt="x")
+
+
+# ----------------------------------------------------------------------------- health, models, metrics
+
+
+def test_health_models_and_metrics(spd_server):
+    health = httpx.get(f"{spd_server.url}/health").json()
+    assert health["status"] == "ok" and health["mode"] == "spd" and health["stages"] == 4
+    models = httpx.get(f"{spd_server.url}/v1/models").json()
+    assert models["data"][0]["id"] == spd_server.model == "target"
+    before = spd_server.metrics()
+    outs = [spd_server.post("/v1/completions", {"model": spd_server.model, "prompt": p, "max_tokens": 10,
+                                                "temperature": 0}).json() for p in ("a = 1\n", "class A:\n")]
+    after = spd_server.metrics()
+    ok = 'spd_requests_total{endpoint="completions",outcome="ok"}'
+    assert after[ok] - before.get(ok, 0) == 2
+    assert after["spd_generation_tokens_total"] - before["spd_generation_tokens_total"] == 20
+    steps = after["spd_pipeline_steps_total"] - before["spd_pipeline_steps_total"]
+    assert steps == sum(o["spd"]["steps"] for o in outs)
+    decode = after["spd_decode_tokens_total"]
+    assert after["spd_mean_accept_length"] == pytest.approx(4 * decode / after["spd_pipeline_steps_total"])
+    for position in range(1, 5):
+        assert f'spd_accepted_by_position_total{{position="{position}"}}' in after
+    assert after["spd_queue_length"] == 0 and "spd_request_latency_seconds_count" in after
+
+
+# ------------------------------------------------------------------------------------------ disconnect
+
+
+def test_client_disconnect_cancels_the_generation(spd_server):
+    before = spd_server.metrics()
+    body = {"model": spd_server.model, "prompt": "x", "max_tokens": 240, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{spd_server.url}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk arrived: generation is running; leave
+    # A non-streamed request whose client goes away is cancelled too.
+    url = httpx.URL(spd_server.url)
+    sock = socket.create_connection((url.host, url.port))
+    payload = json.dumps({**body, "stream": False}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    time.sleep(1.0)
+    sock.close()
+    key = 'spd_requests_total{endpoint="completions",outcome="cancelled"}'
+    deadline = time.time() + 60
+    while time.time() < deadline and spd_server.metrics().get(key, 0) - before.get(key, 0) < 2:
+        time.sleep(0.2)
+    after = spd_server.metrics()
+    assert after[key] - before.get(key, 0) == 2
+    # Neither ran to its 240 tokens.
+    assert after["spd_generation_tokens_total"] - before["spd_generation_tokens_total"] < 2 * 240
+    ok = spd_server.post("/v1/completions", {"model": spd_server.model, "prompt": "x", "max_tokens": 3})
+    assert ok.status_code == 200
+
+
+# ------------------------------------------------------------------------------- queue, pp, tree mode
+
+
+def test_full_queue_gets_503_with_retry_after(tiny_testbed):
+    server = Server("--target", str(tiny_testbed / "target"), "--mode", "pp", "--stages", "4", "--max-queue", "1")
+    try:
+        body = {"model": server.model, "prompt": "x", "max_tokens": 200, "temperature": 0}
+        with ThreadPoolExecutor(4) as pool:
+            responses = list(pool.map(lambda _: server.post("/v1/completions", body), range(4)))
+        codes = sorted(r.status_code for r in responses)
+        assert codes.count(503) >= 1 and codes.count(200) >= 2, codes
+        busy = next(r for r in responses if r.status_code == 503)
+        assert int(busy.headers["retry-after"]) >= 1 and "busy" in busy.json()["error"]["message"]
+        texts = {r.json()["choices"][0]["text"] for r in responses if r.status_code == 200}
+        assert len(texts) == 1  # the same greedy request, the same answer
+        assert server.metrics()['spd_requests_total{endpoint="completions",outcome="rejected"}'] >= 1
+    finally:
+        server.stop()
+
+
+def test_tree_mode_server_equals_spd_generate(tiny_testbed):
+    server = Server("--target", str(tiny_testbed / "target"), "--mode", "tree", "--draft-model",
+                    str(tiny_testbed / "draft"), "--stages", "2", "--tree-width", "3")
+    try:
+        expected = cli_json(tiny_testbed, "--mode", "ar", "--prompt", PROMPT, "--max-new-tokens", "30")
+        chunks = list(server.client().completions.create(model=server.model, prompt=PROMPT, max_tokens=30,
+                                                         temperature=0, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == expected["text"]
+        assert chunks[-1].model_extra["spd"]["mode"] == "tree"
+    finally:
+        server.stop()
+
+
+# ------------------------------------------------------------------------------- distributed runtime
+
+
+@pytest.mark.slow
+def test_distributed_server_serves_many_requests_on_one_set_of_processes(tiny_testbed, tiny_heads):
+    # A short timeout: idle stages must be kept alive by pings between requests.
+    server = Server("--target", str(tiny_testbed / "target"), "--mode", "spd", "--speculator", str(tiny_heads[4]),
+                    "--runtime", "distributed", "--timeout-s", "6")
+    try:
+        stages = _stage_pids(server.proc.pid)
+        assert len(stages) == 4
+        client = server.client()
+        for i, prompt in enumerate([PROMPT, "import os\n", "class A:\n"]):
+            expected = cli_json(tiny_testbed, "--mode", "spd", "--speculator", str(tiny_heads[4]), "--prompt", prompt,
+                                "--max-new-tokens", "16", "--temperature", "1", "--seed", str(i))
+            out = client.completions.create(model=server.model, prompt=prompt, max_tokens=16, temperature=1, seed=i)
+            assert out.choices[0].text == expected["text"]
+        time.sleep(8)  # longer than the stages' timeout: they stay up
+        chunks = list(client.completions.create(model=server.model, prompt=PROMPT, max_tokens=16, temperature=0,
+                                                stream=True))
+        expected = cli_json(tiny_testbed, "--mode", "ar", "--prompt", PROMPT, "--max-new-tokens", "16")
+        assert "".join(c.choices[0].text for c in chunks) == expected["text"]
+        assert _stage_pids(server.proc.pid) == stages  # the same processes served every request
+        assert httpx.get(f"{server.url}/health").json()["runtime"] == "distributed"
+
+        os.kill(stages[1], signal.SIGKILL)  # a dead stage: /health fails, requests get a clear 503
+        deadline = time.time() + 30
+        while time.time() < deadline and httpx.get(f"{server.url}/health").status_code == 200:
+            time.sleep(0.2)
+        health = httpx.get(f"{server.url}/health")
+        assert health.status_code == 503 and "rank 2" in health.json()["error"]["message"]
+        response = server.post("/v1/completions", {"model": server.model, "prompt": "x", "max_tokens": 4})
+        assert response.status_code == 503 and "pipeline is down" in response.json()["error"]["message"]
+    finally:
+        server.stop()
+    assert server.proc.returncode is not None
+    deadline = time.time() + 30
+    while time.time() < deadline and any(_alive(pid) for pid in stages):
+        time.sleep(0.5)
+    assert not any(_alive(pid) for pid in stages)
+
+
+def _stage_pids(parent: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(parent), "-f", "infer.run_pipeline"], capture_output=True, text=True)
+    return sorted(int(p) for p in out.stdout.split())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+# ------------------------------------------------------------------------------------------ the CLI
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--mode", "spd"], "--speculator"),
+    (["--target", "/nonexistent/model"], "does not exist"),
+    (["--mode", "fast"], "unknown --mode"),
+    (["--max-queue", "0"], "positive integer"),
+    (["--port", "70000"], "--port"),
+])
+def test_cli_bad_flags_one_line_exit_2(tiny_testbed, args, needle):
+    proc = subprocess.run([sys.executable, "-m", "infer.serve", "--target", str(tiny_testbed / "target"), *args],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], proc.stderr
+
+
+# ------------------------------------------------------------------------------- pieces, in process
+
+
+def test_engines_stop_when_on_token_says_so(tiny_testbed, tiny_heads):
+    from spd.engine import PipelineEngine
+    from spd.tree_engine import TreeEngine
+
+    spd = PipelineEngine.from_pretrained(str(tiny_testbed / "target"), speculator=str(tiny_heads[4]))
+    tree = TreeEngine.from_pretrained(str(tiny_testbed / "target"), str(tiny_testbed / "draft"), stages=2)
+    full = spd.generate(PROMPT, 20, mode="ar").token_ids
+    for engine, mode in ((spd, "ar"), (spd, "pp"), (spd, "spd"), (tree, "tree")):
+        seen = []
+        out = engine.generate(PROMPT, 20, mode=mode, on_token=lambda t, a: seen.append(t) or len(seen) == 7)
+        assert out.token_ids == seen == full[:7] and out.stats.stop_reason == "stopped", mode
+
+
+def test_text_tracker_holds_back_possible_stop_strings(tiny_testbed):
+    from spd.serving.scheduler import TextTracker
+    from spd.staging import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_testbed / "target"))
+    ids = tokenizer("alpha beta gamma delta")["input_ids"]
+    tracker = TextTracker(tokenizer, ["gamma"], threading.Lock())
+    streamed = ""
+    for token in ids:
+        streamed += tracker.add(token)
+        assert "gam" not in streamed
+        if tracker.stopped:
+            break
+    streamed += tracker.finish()
+    assert tracker.stopped and streamed == tracker.text == tokenizer.decode(ids, skip_special_tokens=True).split(
+        "gamma")[0]
+    free = TextTracker(tokenizer, ["zzz"], threading.Lock())
+    text = "".join(free.add(t) for t in ids) + free.finish()
+    assert text == tokenizer.decode(ids, skip_special_tokens=True) and not free.stopped
+
+
+def test_load_benchmark_runs_side_by_side(tiny_testbed, tiny_heads, tmp_path):
+    out = tmp_path / "load.json"
+    proc = subprocess.run([sys.executable, "infer/bench_serve.py", "--target", str(tiny_testbed / "target"),
+                           "--prompts", str(tiny_testbed / "prompts.jsonl"), "--run", f"spd:{tiny_heads[4]}",
+                           "--run", "pp:4", "--requests", "6", "--concurrency", "3", "--max-tokens", "8",
+                           "--out", str(out)], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["identical_outputs"] and [r["name"] for r in report["runs"]] == [f"spd:{tiny_heads[4]}", "pp:4"]
+    for run in report["runs"]:
+        assert run["requests"] == 6 and run["completion_tokens"] == 48
+        assert 0 < run["latency_s"]["p50"] <= run["latency_s"]["p95"]
+    assert "| pp:4 |" in proc.stdout
