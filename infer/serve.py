@@ -80,13 +80,19 @@ def serve(args) -> int:
     config = uvicorn.Config(create_app(scheduler, metrics, name), host=args.host, port=args.port,
                             log_level=args.log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
     _announce(server, args, name, pipeline)
+    # uvicorn handles SIGTERM while it runs and raises it again once it has stopped; then it must unwind through
+    # the finally below (stop the stage processes cleanly) instead of killing the process at once.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
         server.run()
     finally:
         scheduler.stop()
     return 0
+
+
+def _exit_cleanly(*_) -> None:
+    raise SystemExit(0)
 
 
 def _announce(server, args, name: str, pipeline) -> None:

@@ -313,7 +313,22 @@ def test_distributed_server_serves_many_requests_on_one_set_of_processes(tiny_te
         assert "".join(c.choices[0].text for c in chunks) == expected["text"]
         assert _stage_pids(server.proc.pid) == stages  # the same processes served every request
         assert httpx.get(f"{server.url}/health").json()["runtime"] == "distributed"
+        server.proc.send_signal(signal.SIGTERM)  # a clean stop: STOP down the chain, every process exits
+        assert server.proc.wait(timeout=60) == 0
+    finally:
+        server.stop()
+    _wait_gone(stages)
+    assert not [line for line in server.lines if line.startswith("error:")], server.lines
 
+
+@pytest.mark.slow
+def test_distributed_server_with_a_dead_stage_answers_503(tiny_testbed):
+    server = Server("--target", str(tiny_testbed / "target"), "--mode", "pp", "--stages", "2", "--runtime",
+                    "distributed")
+    try:
+        stages = _stage_pids(server.proc.pid)
+        ok = server.post("/v1/completions", {"model": server.model, "prompt": "x", "max_tokens": 4})
+        assert ok.status_code == 200
         os.kill(stages[1], signal.SIGKILL)  # a dead stage: /health fails, requests get a clear 503
         deadline = time.time() + 30
         while time.time() < deadline and httpx.get(f"{server.url}/health").status_code == 200:
@@ -322,13 +337,18 @@ def test_distributed_server_serves_many_requests_on_one_set_of_processes(tiny_te
         assert health.status_code == 503 and "rank 2" in health.json()["error"]["message"]
         response = server.post("/v1/completions", {"model": server.model, "prompt": "x", "max_tokens": 4})
         assert response.status_code == 503 and "pipeline is down" in response.json()["error"]["message"]
+        assert httpx.get(f"{server.url}/health").status_code == 503  # and stays so: no hang, no crash
     finally:
         server.stop()
     assert server.proc.returncode is not None
+    _wait_gone(stages)
+
+
+def _wait_gone(pids: list[int]) -> None:
     deadline = time.time() + 30
-    while time.time() < deadline and any(_alive(pid) for pid in stages):
+    while time.time() < deadline and any(_alive(pid) for pid in pids):
         time.sleep(0.5)
-    assert not any(_alive(pid) for pid in stages)
+    assert not any(_alive(pid) for pid in pids)
 
 
 def _stage_pids(parent: int) -> list[int]:
