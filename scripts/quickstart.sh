@@ -1,16 +1,58 @@
 #!/usr/bin/env bash
-# Install everything, build the testbed (cached after the first run, ~20 min on 2 CPU cores), then
-# decode from the testbed target cut into 4 pipeline stages: the exact autoregressive baseline, and the
-# training-free token-tree mode (the testbed's draft model feeds the pipeline; same output, fewer steps).
+# Install everything, build the testbed (cached; ~20 min on 2 CPU cores the first time), distil a small
+# SPD head for the testbed target cut into 4 stages (configs/quickstart-n4.yaml: cached; ~3 min on 2 cores
+# the first time; a run that was killed resumes from its last checkpoint), then decode one prompt with
+# the standard pipeline (--mode pp) and with SPD (--mode spd): the same text, token for token, in fewer
+# pipeline steps per token.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 PY=${SPD_VENV:-.venv}/bin
 TESTBED=${SPD_TESTBED:-testbed}
+HEAD=runs/quickstart-n4   # output_dir of configs/quickstart-n4.yaml
 PROMPT=$'import os\n\n\ndef read_config(path):'
-"$PY/python" data/build_testbed.py --out "$TESTBED"
-echo "[quickstart] autoregressive, greedy, from $TESTBED/target (4 stages):"
-"$PY/spd-generate" --target "$TESTBED/target" --mode ar --stages 4 --max-new-tokens 96 --prompt "$PROMPT"
-echo "[quickstart] pipelined token tree fed by $TESTBED/draft (4 stages, width 4; identical text):"
-"$PY/spd-generate" --target "$TESTBED/target" --mode tree --draft-model "$TESTBED/draft" --stages 4 \
-    --tree-width 4 --max-new-tokens 96 --prompt "$PROMPT"
+TOKENS=96
+
+"$PY/python" data/build_testbed.py --out "$TESTBED"   # does nothing once the testbed is complete
+
+if [ -d "$HEAD/final" ]; then
+    echo "[quickstart] SPD head: $HEAD/final (already trained)"
+else
+    echo "[quickstart] distilling the quickstart SPD head into $HEAD (n = 4)"
+    # --resume continues the newest checkpoint in $HEAD/checkpoints, or starts from scratch if there is none.
+    "$PY/accelerate" launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
+        train/distill.py --config configs/quickstart-n4.yaml --resume   # the target and data: $SPD_TESTBED or ./testbed
+fi
+
+OUT=$(mktemp -d)
+trap 'rm -rf "$OUT"' EXIT
+echo "[quickstart] greedy decoding of the same prompt from $TESTBED/target cut into 4 stages:"
+"$PY/spd-generate" --target "$TESTBED/target" --mode pp --stages 4 --max-new-tokens "$TOKENS" \
+    --prompt "$PROMPT" --json > "$OUT/pp.json"
+"$PY/spd-generate" --target "$TESTBED/target" --mode spd --speculator "$HEAD/final" --max-new-tokens "$TOKENS" \
+    --prompt "$PROMPT" --json > "$OUT/spd.json"
+
+# Print each mode's text and measurements; fail unless both produced the same token ids.
+"$PY/python" - "$OUT/pp.json" "$OUT/spd.json" <<'EOF'
+import json, sys
+
+runs = [json.load(open(path)) for path in sys.argv[1:]]
+names = {"pp": "standard pipeline, one token in flight", "spd": "speculative pipeline decoding"}
+for run in runs:
+    s = run["stats"]
+    print(f"\n--- --mode {s['mode']} ({names[s['mode']]}) ---")
+    print(run["text"])
+    print(f"--- [{s['mode']}] {s['new_tokens']} new tokens; {s['steps']} pipeline steps for the "
+          f"{s['decode_tokens']} tokens after the prefill's first: {s['steps'] / s['decode_tokens']:.2f} steps "
+          f"per token, L'_acc {s['equivalent_accept_length']:.2f} (= {s['stages']} stages / steps per token), "
+          f"{s['flushes']} flushes")
+pp, spd = runs
+if pp["token_ids"] != spd["token_ids"]:
+    sys.exit("[quickstart] ERROR: --mode spd produced different tokens than --mode pp")
+print(f"\n[quickstart] identical output: both modes produced the same {len(pp['token_ids'])} token ids; "
+      f"SPD needed {spd['stats']['steps']} pipeline steps where the standard pipeline needed {pp['stats']['steps']} "
+      f"({pp['stats']['steps'] / spd['stats']['steps']:.2f}x fewer)")
+EOF
+echo "[quickstart] streamed, accepted speculations in green: $PY/spd-generate --target $TESTBED/target --mode spd \\
+    --speculator $HEAD/final --prompt 'import os' --show-acceptance"
+echo "[quickstart] serve it (OpenAI-compatible): $PY/spd-serve --target $TESTBED/target --mode spd --speculator $HEAD/final"
