@@ -295,7 +295,7 @@ class Link:
         try:
             work.wait(datetime.timedelta(seconds=self.config.timeout_s))
         except RuntimeError as exc:
-            why = first_line(exc)
+            why = _short_reason(exc)
             if "imed out" in why or "imeout" in why:
                 raise PipelineLost(f"rank {self.rank}: no message from rank {peer} within "
                                    f"{self.config.timeout_s:g} s") from None
@@ -316,6 +316,14 @@ class Link:
         """Wait until every send has been received (at shutdown)."""
         self._sends.put(None)
         self._reaper.join(timeout=self.config.timeout_s)
+
+
+def _short_reason(exc: BaseException) -> str:
+    """Gloo's message without its source location and advice, e.g. "Connection closed by peer [127.0.0.1]:7371"."""
+    import re
+
+    why = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first_line(exc))
+    return why.split(". This is typically")[0].rstrip(".")
 
 
 # ------------------------------------------------------------------------------------- stage ranks

@@ -324,15 +324,17 @@ def test_distributed_server_serves_many_requests_on_one_set_of_processes(tiny_te
 @pytest.mark.slow
 def test_distributed_server_with_a_dead_stage_answers_503(tiny_testbed):
     server = Server("--target", str(tiny_testbed / "target"), "--mode", "pp", "--stages", "2", "--runtime",
-                    "distributed")
+                    "distributed", "--emulate-stage-ms", "20")
     try:
         stages = _stage_pids(server.proc.pid)
         ok = server.post("/v1/completions", {"model": server.model, "prompt": "x", "max_tokens": 4})
         assert ok.status_code == 200
-        os.kill(stages[1], signal.SIGKILL)  # a dead stage: /health fails, requests get a clear 503
-        deadline = time.time() + 30
-        while time.time() < deadline and httpx.get(f"{server.url}/health").status_code == 200:
-            time.sleep(0.2)
+        # A stage dies in the middle of a request (200 tokens x 2 stages x 20 ms: 8 s): that request gets a
+        # clear 503 naming it, not a hang; then /health fails and every new request gets a 503 too.
+        threading.Timer(1.5, os.kill, (stages[1], signal.SIGKILL)).start()
+        response = server.post("/v1/completions", {"model": server.model, "prompt": "x", "max_tokens": 200})
+        assert response.status_code == 503, response.text
+        assert "rank 2" in response.json()["error"]["message"]
         health = httpx.get(f"{server.url}/health")
         assert health.status_code == 503 and "rank 2" in health.json()["error"]["message"]
         response = server.post("/v1/completions", {"model": server.model, "prompt": "x", "max_tokens": 4})

@@ -71,7 +71,7 @@ class Pipeline:
             return self.engine.generate(prompt_ids, max_new_tokens, mode=self.spec.mode, temperature=temperature,
                                         top_k=top_k, top_p=top_p, seed=seed, on_token=on_token)
         except PipelineLost as exc:
-            self._lost = str(exc)
+            self._lost = _exited(self.procs) or str(exc)  # a stage that exited is the cause, not its neighbour
             raise
 
     def lost(self) -> str | None:
