@@ -236,7 +236,8 @@ class PipelineEngine:
         ``streamer`` is a callable taking each committed token id, or an object with ``put``/``end`` (a
         Hugging Face ``TextStreamer``); ``on_token(token, accepted)`` also gets the token's
         ``stats.token_acceptance`` flag and may return True to end the generation after that token
-        (``stop_reason`` "stopped": stop strings, cancelled requests). ``eos_token_id`` defaults as in ``model.generate`` (:func:`default_eos`).
+        (``stop_reason`` "stopped": stop strings, cancelled requests). ``eos_token_id`` defaults as in
+        ``model.generate`` (:func:`default_eos`).
         """
         mode = mode or ("spd" if self.speculator is not None else "pp")
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)

@@ -76,10 +76,8 @@ class Pipeline:
 
     def lost(self) -> str | None:
         """Why the pipeline cannot serve any more (a stage process exited or stopped answering), or None."""
-        for rank, proc in enumerate(self.procs, start=1):
-            code = proc.poll()
-            if code is not None and self._lost is None:
-                self._lost = f"the stage process of rank {rank} exited with status {code}"
+        if self._lost is None:
+            self._lost = _exited(self.procs)
         return self._lost
 
     def idle(self) -> None:
