@@ -88,6 +88,23 @@ def test_token_id_prompt_and_seeded_sampling_equal_spd_generate(spd_server, tiny
     assert out["spd"]["token_acceptance"] == expected["stats"]["token_acceptance"]
 
 
+def test_ignore_eos_runs_past_the_eos_token(spd_server):
+    # A seeded T = 1 request that ends at EOS; the same request with ignore_eos runs on to max_tokens, drawing
+    # the same tokens up to there.
+    body = {"model": spd_server.model, "prompt": "x", "max_tokens": 200, "temperature": 1.0}
+    for seed in range(40):
+        ended = spd_server.post("/v1/completions", {**body, "seed": seed}).json()
+        if ended["spd"]["stop_reason"] == "eos":
+            break
+    else:
+        pytest.fail("no seed in 0..39 reached EOS within 200 tokens")
+    assert ended["choices"][0]["finish_reason"] == "stop" and ended["usage"]["completion_tokens"] < 200
+    full = spd_server.post("/v1/completions", {**body, "seed": seed, "ignore_eos": True}).json()
+    assert full["choices"][0]["finish_reason"] == "length" and full["usage"]["completion_tokens"] == 200
+    assert full["spd"]["token_acceptance"][:ended["usage"]["completion_tokens"]] == ended["spd"]["token_acceptance"]
+    assert full["choices"][0]["text"].startswith(ended["choices"][0]["text"])
+
+
 def test_chat_equals_spd_generate_chat(spd_server, tiny_testbed, tiny_heads):
     expected = cli_json(tiny_testbed, "--mode", "spd", "--speculator", str(tiny_heads[4]), "--chat", "--prompt",
                         "Write a parser.", "--max-new-tokens", "20")
@@ -231,7 +248,8 @@ def test_health_models_and_metrics(spd_server):
 
 def test_client_disconnect_cancels_the_generation(spd_server):
     before = spd_server.metrics()
-    body = {"model": spd_server.model, "prompt": "x", "max_tokens": 240, "temperature": 0, "stream": True}
+    body = {"model": spd_server.model, "prompt": "x", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
+            "stream": True}
     with httpx.stream("POST", f"{spd_server.url}/v1/completions", json=body, timeout=60) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
@@ -262,7 +280,7 @@ def test_client_disconnect_cancels_the_generation(spd_server):
 def test_full_queue_gets_503_with_retry_after(tiny_testbed):
     server = Server("--target", str(tiny_testbed / "target"), "--mode", "pp", "--stages", "4", "--max-queue", "1")
     try:
-        body = {"model": server.model, "prompt": "x", "max_tokens": 200, "temperature": 0}
+        body = {"model": server.model, "prompt": "x", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
         with ThreadPoolExecutor(4) as pool:
             responses = list(pool.map(lambda _: server.post("/v1/completions", body), range(4)))
         codes = sorted(r.status_code for r in responses)
@@ -332,7 +350,8 @@ def test_distributed_server_with_a_dead_stage_answers_503(tiny_testbed):
         # A stage dies in the middle of a request (200 tokens x 2 stages x 20 ms: 8 s): that request gets a
         # clear 503 naming it, not a hang; then /health fails and every new request gets a 503 too.
         threading.Timer(1.5, os.kill, (stages[1], signal.SIGKILL)).start()
-        response = server.post("/v1/completions", {"model": server.model, "prompt": "x", "max_tokens": 200})
+        response = server.post("/v1/completions", {"model": server.model, "prompt": "x", "max_tokens": 200,
+                                                   "temperature": 0, "ignore_eos": True})
         assert response.status_code == 503, response.text
         assert "rank 2" in response.json()["error"]["message"]
         health = httpx.get(f"{server.url}/health")

@@ -63,13 +63,16 @@ class Pipeline:
         return self.staged.vocab_size
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, on_token: OnToken, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> GenerationOutput:
-        """One request on the pipeline; EOS as ``model.generate`` (the target's generation config)."""
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 ignore_eos: bool = False) -> GenerationOutput:
+        """One request on the pipeline; EOS as ``model.generate`` (the target's generation config), or none
+        with ``ignore_eos``."""
         from ..runtime import PipelineLost
 
         try:
             return self.engine.generate(prompt_ids, max_new_tokens, mode=self.spec.mode, temperature=temperature,
-                                        top_k=top_k, top_p=top_p, seed=seed, on_token=on_token)
+                                        top_k=top_k, top_p=top_p, seed=seed, on_token=on_token,
+                                        eos_token_id=[] if ignore_eos else None)
         except PipelineLost as exc:
             self._lost = _exited(self.procs) or str(exc)  # a stage that exited is the cause, not its neighbour
             raise

@@ -3,7 +3,7 @@
 Requests are pydantic models with ``extra="forbid"``: an unknown field is a 400 naming it, as a typo should
 be. Fields OpenAI defines that this server cannot honour (``n > 1``, ``logprobs``, penalties, ``logit_bias``,
 ``best_of``, ``echo``, ``suffix``, tools) are refused with a 400 saying so, instead of being silently
-ignored. ``top_k`` is an extension (vLLM and SGLang accept it too). Defaults are OpenAI's
+ignored. ``top_k`` and ``ignore_eos`` are extensions (vLLM and SGLang accept them too). Defaults are OpenAI's
 (``temperature`` 1, ``top_p`` 1, completions ``max_tokens`` 16; chat without ``max_tokens`` runs to EOS or
 the end of the context).
 """
@@ -33,6 +33,7 @@ class _Sampling(_Strict):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)  # extension; 0 or -1 = off
+    ignore_eos: bool = False  # extension (as vLLM's): run to max_tokens or a stop string, past the EOS token
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
@@ -64,7 +65,8 @@ class _Sampling(_Strict):
 
     def sampling(self) -> dict:
         """The engine's sampling arguments."""
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0), "seed": self.seed}
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0), "seed": self.seed,
+                "ignore_eos": self.ignore_eos}
 
 
 class CompletionRequest(_Sampling):
