@@ -48,7 +48,8 @@ class DistillConfig:
     memory_proj: bool = False  # per-layer per-depth memory projections
     fc_init: str = "random"  # random | deepest (FC_k = identity on its deepest anchor) | scaled (per-anchor std)
     init_from: str | None = None  # start from an existing head (dir or hub id) instead of a fresh one
-    # data
+    draft_vocab_size: int = 0  # K: the head's LM head covers the K most frequent supervised tokens (0: all)
+    # data: a dataset (the target runs online), or a capture directory (data/capture.py: no target needed)
     data: str = field(default_factory=lambda: _testbed("corpus", "train.jsonl"))
     data_revision: str | None = None
     eval_data: str | None = field(default_factory=lambda: _testbed("corpus", "validation.jsonl"))
@@ -91,6 +92,8 @@ class DistillConfig:
                 raise SpdInputError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.lr <= 0 or self.tau <= 0 or self.epochs <= 0:
             raise SpdInputError("lr, tau and epochs must be positive")
+        if self.draft_vocab_size < 0:
+            raise SpdInputError(f"draft_vocab_size must be 0 (the whole vocabulary) or positive, got {self.draft_vocab_size}")
         if self.max_steps is not None and self.max_steps < 1:
             raise SpdInputError(f"max_steps must be at least 1, got {self.max_steps}")
         if not 0 <= self.p_full <= 1:
@@ -175,8 +178,13 @@ def load_config(path: str | None, overrides: list[str]) -> DistillConfig:
 # ------------------------------------------------------------------------------------------ the head
 
 
-def new_head(staged: StagedModel, cfg: DistillConfig) -> Speculator:
-    """A fresh head for ``staged``: the target's attention shape, rope, norm and LM head (copied)."""
+def new_head(staged: StagedModel, cfg: DistillConfig, draft_ids: torch.Tensor | None = None,
+             draft_sha256: str | None = None) -> Speculator:
+    """A fresh head for ``staged``: the target's attention shape, rope, norm and LM head (copied; only the rows
+    of ``draft_ids`` with a draft vocabulary, spd.draft_vocab).
+
+    ``staged`` is a :class:`StagedModel` or, offline, a :class:`spd.capture.CapturedTarget`.
+    """
     tcfg = staged.config
     schedule, max_depth = VARIANTS[cfg.variant]
     head_cfg = SpeculatorConfig(
@@ -190,11 +198,16 @@ def new_head(staged: StagedModel, cfg: DistillConfig) -> Speculator:
                                                                         "rope_theta": getattr(tcfg, "rope_theta", 1e4)}),
         max_position_embeddings=staged.max_positions or 4096, schedule=schedule, max_depth=max_depth,
         memory_proj=cfg.memory_proj, target_name_or_path=cfg.target, target_revision=cfg.target_revision,
-        target_model_type=tcfg.model_type,
+        target_model_type=tcfg.model_type, draft_vocab_size=None if draft_ids is None else len(draft_ids),
+        draft_vocab_sha256=draft_sha256,
     )
     head = Speculator(head_cfg).to(device=staged.device, dtype=staged.dtype)
     with torch.no_grad():
-        head.lm_head.weight.copy_(staged.lm_head.weight)
+        if draft_ids is None:
+            head.lm_head.weight.copy_(staged.lm_head.weight)
+        else:
+            head.draft_ids.copy_(draft_ids)
+            head.lm_head.weight.copy_(staged.lm_head.weight[draft_ids.to(staged.device)])
         head.norm.weight.copy_(staged.norm_scale())  # the target's scale (1 + w for Qwen3.5-style norms)
         if cfg.fc_init == "deepest":
             d = tcfg.hidden_size
@@ -240,12 +253,20 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "valid": valid, "supervised": supervised}
 
 
+def to_device(batch: dict, device) -> dict:
+    """A batch (with nested ``hidden`` states) on ``device``."""
+    return {k: to_device(v, device) if isinstance(v, dict) else v.to(device) for k, v in batch.items()}
+
+
 def teacher_anchors(head: Speculator, staged: StagedModel) -> list[int]:
     """Hidden-state indices one teacher pass must capture: the head's anchors and H^L."""
     return sorted(set(head.needed_anchors()) | {staged.num_layers})
 
 
 def teacher_pass(staged: StagedModel, anchors: list[int], batch: dict) -> dict[int, torch.Tensor]:
+    """``{a: H^a}`` of a batch: from the target (online), or the states a captured batch carries (offline)."""
+    if "hidden" in batch:  # H^L is absent from a top-k capture, whose teacher does not need it
+        return {a: batch["hidden"][a] for a in anchors if a in batch["hidden"]}
     with torch.no_grad():
         return staged.hidden_states(batch["input_ids"], anchors)
 
@@ -256,7 +277,8 @@ def distill_step(head, staged: StagedModel, hidden: dict[int, torch.Tensor], bat
 
     ``head`` may be wrapped (DDP/DeepSpeed): its ``forward`` computes the loss, so the wrapper sees it all.
     """
-    result = head(hidden, fill_B, batch["valid"], batch["supervised"], staged.logits, tau, chunk)
+    topk = (batch["topk_ids"], batch["topk_logprobs"]) if "topk_ids" in batch else None
+    result = head(hidden, fill_B, batch["valid"], batch["supervised"], staged.logits, tau, chunk, topk)
     return result.loss_sum / max(1, result.count), result
 
 

@@ -43,6 +43,7 @@ from .errors import SpdInputError
 from .generation import (GenerationOutput, GenerationStats, OnToken, as_prompt_ids, check_request, default_eos,
                          eos_set, generate_ar)
 from .sampling import SamplingParams, warped_probs
+from .draft_vocab import check_draft_vocab
 from .speculator import Speculator, SpeculatorCache, check_compatible
 from .staging import StageKVCache, StagedModel, StageOutput, load_target_tokenizer
 
@@ -194,6 +195,8 @@ class PipelineEngine:
                  stages: LocalStages | None = None):
         if speculator is not None:
             check_compatible(speculator.config, staged)
+            if isinstance(speculator, Speculator):
+                check_draft_vocab(speculator, staged.vocab_size, tokenizer)
             head_param = next(speculator.parameters())
             if head_param.dtype != staged.dtype or head_param.device != staged.device:
                 raise SpdInputError(f"the speculator is {head_param.dtype} on {head_param.device} but the target is "

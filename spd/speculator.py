@@ -14,14 +14,16 @@ first-stage features (max_depth 1) with offset 1. These are settings, not separa
 Three forwards share the weights:
 - :meth:`Speculator.forward_train` - every position of a batch at once, never materialising the
   (n+1)N x N structural mask: causal attention over depth-max memory with offset ``a`` plus a band of
-  ``a`` single keys (``i = t - j`` at depth ``min(max_depth, j + offset)``);
+  ``a`` single keys (``i = t - j`` at depth ``min(max_depth, j + offset)``), in one softmax, blockwise over
+  query rows and flash-style (only the output and the log-sum-exp are kept for backward);
 - :meth:`Speculator.forward_dense` - the reference (n+1)x expanded layout with the dense structural mask
   of Appendix A.3 (for tests and the layout benchmark);
 - :meth:`Speculator.append_memory` / :meth:`Speculator.query` - incremental inference with cached K/V of
   depth-max rows; only the trailing rows are recomputed each step.
 
 Shape suffixes: B batch, N positions, D hidden, H query heads, Hk kv heads, Dh head dim, V vocabulary,
-J band offsets, R trailing rows, M expanded memory rows ((n+1)N).
+J band offsets, R trailing rows, M expanded memory rows ((n+1)N); inside the blockwise attention: K kv
+heads (= Hk), G query heads per kv head, C rows of a query block, Q = G x C, P deep keys a block sees.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from .errors import SpdInputError, first_line
-from .kd import KDResult, kd_loss
+from .kd import KDResult, kd_loss, kd_loss_topk
 from .paths import check_model_source
 
 SCHEDULES = {"input": 0, "output": 1}  # schedule -> depth offset of the newest position
@@ -65,6 +67,8 @@ class SpeculatorConfig(PretrainedConfig):
         schedule: str = "input",  # "input" (SPD) or "output" (ablation; PPSD)
         max_depth: int | None = None,  # deepest features used: n (SPD) or 1 (PPSD)
         memory_proj: bool = False,  # per-layer per-depth identity-initialised memory projections
+        draft_vocab_size: int | None = None,  # K: the LM head predicts K target tokens (None: the whole vocabulary)
+        draft_vocab_sha256: str | None = None,  # hash of the K tokens' strings, checked against a tokenizer at load
         target_name_or_path: str | None = None,  # the target this head was trained for (informational)
         target_revision: str | None = None,
         target_model_type: str | None = None,
@@ -88,6 +92,8 @@ class SpeculatorConfig(PretrainedConfig):
         self.schedule = schedule
         self.max_depth = n_stages if max_depth is None else max_depth
         self.memory_proj = memory_proj
+        self.draft_vocab_size = draft_vocab_size
+        self.draft_vocab_sha256 = draft_vocab_sha256
         self.target_name_or_path = target_name_or_path
         self.target_revision = target_revision
         self.target_model_type = target_model_type
@@ -112,6 +118,8 @@ class SpeculatorConfig(PretrainedConfig):
             raise ValueError(f"max_depth must be in 1..{n}, got {self.max_depth}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in 1..{self.vocab_size}, got {self.draft_vocab_size}")
 
     @property
     def offset(self) -> int:
@@ -269,41 +277,213 @@ class SpeculatorLayer(nn.Module):
         return x_BHkND if groups == 1 else x_BHkND.repeat_interleave(groups, dim=1)
 
 
-def _offset_band_attention(q_BHCD: torch.Tensor, k_deep_BHND: torch.Tensor, v_deep_BHND: torch.Tensor,
-                           k_band_JBHCD: torch.Tensor, v_band_JBHCD: torch.Tensor, fill_B: torch.Tensor,
-                           valid_BN: torch.Tensor, first: int) -> torch.Tensor:
-    """Attention of query rows ``first .. first+C-1``: deep keys ``i <= t - a`` plus ``a`` band keys, one softmax.
+class _ConcatLinear(torch.autograd.Function):
+    """``cat(xs, -1) @ weight.T`` without the concatenation: neither materialised nor kept for backward.
 
-    The deep part is an ordinary causal mask with offset ``a`` (per example); the band holds, for each
-    query, its own ``j < a`` keys (already gathered). Masks are built here for this block only.
+    Backward keeps the anchor states the caller holds anyway instead of a concatenated copy per depth
+    (len(anchors) x D per row: 25 D over the 9 depths of n = 8, 420 MB at D = N = 2048). Same products, summed per
+    anchor (equal to the concatenated product up to rounding); the autocast dtype under autocast.
     """
-    b, _, c, dh = q_BHCD.shape
-    n_pos = k_deep_BHND.shape[2]
-    dev = q_BHCD.device
-    t_C = torch.arange(first, first + c, device=dev)
-    i_N = torch.arange(n_pos, device=dev)
-    fill_B11 = fill_B.view(b, 1, 1)
-    deep_BCN = (t_C[None, :, None] - i_N[None, None, :] >= fill_B11) & valid_BN[:, None, :]
-    j_J = torch.arange(k_band_JBHCD.shape[0], device=dev)
-    src_CJ = t_C[:, None] - j_J[None, :]  # the position each band key comes from
-    band_BCJ = ((j_J[None, None, :] < fill_B11) & (src_CJ >= 0)[None]
-                & valid_BN.gather(1, src_CJ.clamp(min=0).flatten()[None].expand(b, -1)).view(b, c, -1))
-    scale = dh ** -0.5
-    scores_deep = torch.matmul(q_BHCD, k_deep_BHND.transpose(-1, -2)) * scale
-    scores_deep = scores_deep.masked_fill(~deep_BCN[:, None], float("-inf"))
-    scores_band = torch.einsum("bhcd,jbhcd->bhcj", q_BHCD, k_band_JBHCD) * scale
-    scores_band = scores_band.masked_fill(~band_BCJ[:, None], float("-inf"))
-    scores = torch.cat([scores_deep, scores_band], dim=-1)
-    probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q_BHCD.dtype)
-    out = torch.matmul(probs[..., :n_pos], v_deep_BHND)
-    return out + torch.einsum("bhcj,jbhcd->bhcd", probs[..., n_pos:], v_band_JBHCD)
+
+    @staticmethod
+    def forward(ctx, weight, *xs):
+        dev = weight.device
+        dt = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else weight.dtype
+        d = xs[0].shape[-1]
+        w = weight.to(dt)
+        out = torch.matmul(xs[0].to(dt), w[:, :d].t())
+        for i, x in enumerate(xs[1:], start=1):
+            out += torch.matmul(x.to(dt), w[:, i * d:(i + 1) * d].t())
+        ctx.save_for_backward(weight, *xs)
+        ctx.dt = dt
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        weight, *xs = ctx.saved_tensors
+        d = xs[0].shape[-1]
+        dout_flat = dout.to(ctx.dt).reshape(-1, dout.shape[-1])  # (batch x positions, D)
+        grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_w = torch.empty(weight.shape, dtype=ctx.dt, device=weight.device)
+            for i, x in enumerate(xs):
+                torch.mm(dout_flat.t(), x.to(ctx.dt).reshape(-1, d), out=grad_w[:, i * d:(i + 1) * d])
+            grad_w = grad_w.to(weight.dtype)
+        w = weight.to(ctx.dt)
+        grads_x = [torch.matmul(dout.to(ctx.dt), w[:, i * d:(i + 1) * d]).to(x.dtype)
+                   if ctx.needs_input_grad[i + 1] else None for i, x in enumerate(xs)]
+        return grad_w, *grads_x
 
 
-def _shift(x_BHND: torch.Tensor, j: int) -> torch.Tensor:
-    """Row t of the result is row t-j of x (zeros for t < j)."""
-    if j == 0:
-        return x_BHND
-    return F.pad(x_BHND, (0, 0, j, 0))[:, :, : x_BHND.shape[2]]
+def offset_band_attention(q_BHND: torch.Tensor, kv: dict[int, tuple[torch.Tensor, torch.Tensor]], deep_depth: int,
+                          band_depths: list[int], fill_B: torch.Tensor, valid_BN: torch.Tensor,
+                          query_chunk: int = 512) -> torch.Tensor:
+    """Attention (B, H, N, Dh) of every query ``t`` over deep keys ``i <= t - a`` and ``a`` band keys, one softmax.
+
+    ``kv`` maps depth -> (keys, values) (B, Hk, N, Dh). The deep keys are the rows at ``deep_depth``; band
+    key ``j`` of query ``t`` is row ``t - j`` at depth ``band_depths[j]``; ``a = fill_B`` per example;
+    padding rows (``~valid_BN``) are never attended. Queries run in blocks of ``query_chunk`` rows.
+    """
+    depths = sorted(kv)
+    return _OffsetBandAttention.apply(q_BHND, fill_B, valid_BN, depths.index(deep_depth),
+                                      tuple(depths.index(d) for d in band_depths), query_chunk,
+                                      *(x for d in depths for x in kv[d]))
+
+
+class _OffsetBandAttention(torch.autograd.Function):
+    """Flash-style blockwise attention: forward keeps only the output and the log-sum-exp for backward.
+
+    Per block of C query rows the deep scores cover only the keys left of the block's shifted causal
+    diagonal (keys right of it are never computed) and the J band scores join them in one softmax;
+    backward recomputes the probabilities from the log-sum-exp. So at most C x N scores per head exist at
+    a time and nothing of the score size lives from forward to backward. Matmuls run in the inputs' dtype
+    (the autocast dtype under autocast); softmax statistics and gradient sums in at least float32.
+    """
+
+    @staticmethod
+    def forward(ctx, q_BHND, fill_B, valid_BN, deep, band, chunk, *kv):
+        dev = q_BHND.device
+        dt = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else q_BHND.dtype
+        acc = torch.promote_types(dt, torch.float32)
+        b, h, n_pos, dh = q_BHND.shape
+        hk = kv[0].shape[1]
+        q_BKGND = q_BHND.to(dt).reshape(b, hk, h // hk, n_pos, dh)  # query head hk * G + r reads kv head hk
+        # The deep keys and values go through matmuls (contiguous, copied once); band rows are only
+        # multiplied elementwise, so they stay as they are (no copy of 2 x n x N x D).
+        keys = [x.to(dt).contiguous() if i == deep else x.to(dt) for i, x in enumerate(kv[0::2])]
+        values = [x.to(dt).contiguous() if i == deep else x.to(dt) for i, x in enumerate(kv[1::2])]
+        min_fill = int(fill_B.min())
+        out_BKGND = q_BKGND.new_empty(q_BKGND.shape)
+        lse_BKGN = torch.empty(q_BKGND.shape[:-1], dtype=acc, device=dev)
+        for lo in range(0, n_pos, chunk):
+            blk = _QueryBlock(q_BKGND, keys, values, deep, band, fill_B, valid_BN, min_fill, lo, chunk, acc)
+            p_deep, p_band, lse_BKGC = blk.probs()
+            out_BKGND[:, :, :, blk.rows] = blk.mix(p_deep, p_band)
+            lse_BKGN[:, :, :, blk.rows] = lse_BKGC
+        ctx.save_for_backward(q_BKGND, fill_B, valid_BN, out_BKGND, lse_BKGN, *keys, *values)
+        ctx.meta = (deep, band, chunk, min_fill, q_BHND.dtype, [x.dtype for x in kv])
+        return out_BKGND.view(b, h, n_pos, dh).to(q_BHND.dtype)
+
+    @staticmethod
+    def backward(ctx, dout_BHND):
+        q_BKGND, fill_B, valid_BN, out_BKGND, lse_BKGN, *kv = ctx.saved_tensors
+        deep, band, chunk, min_fill, q_dtype, kv_dtypes = ctx.meta
+        keys, values = kv[: len(kv) // 2], kv[len(kv) // 2:]
+        acc = lse_BKGN.dtype
+        b, hk, g, n_pos, dh = q_BKGND.shape
+        dout_BKGND = dout_BHND.to(q_BKGND.dtype).reshape(q_BKGND.shape)
+        dq_BKGND = torch.empty(q_BKGND.shape, dtype=acc, device=q_BKGND.device)
+        dkeys = [torch.zeros(k.shape, dtype=acc, device=k.device) for k in keys]
+        dvalues = [torch.zeros(v.shape, dtype=acc, device=v.device) for v in values]
+        for lo in range(0, n_pos, chunk):
+            blk = _QueryBlock(q_BKGND, keys, values, deep, band, fill_B, valid_BN, min_fill, lo, chunk, acc)
+            p_deep, p_band, _ = blk.probs(lse_BKGN[:, :, :, blk.rows])
+            dq_BKGND[:, :, :, blk.rows] = blk.backward(p_deep, p_band, dout_BKGND[:, :, :, blk.rows],
+                                                       out_BKGND[:, :, :, blk.rows], dkeys, dvalues)
+        grads_kv = []
+        for i, (dk, dv) in enumerate(zip(dkeys, dvalues)):
+            grads_kv += [dk.to(kv_dtypes[2 * i]), dv.to(kv_dtypes[2 * i + 1])]
+        return dq_BKGND.view(b, hk * g, n_pos, dh).to(q_dtype), None, None, None, None, None, *grads_kv
+
+
+class _QueryBlock:
+    """Query rows ``lo .. lo+C-1`` of :class:`_OffsetBandAttention`: masks, probabilities, output, gradients."""
+
+    def __init__(self, q_BKGND: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], deep: int,
+                 band: tuple[int, ...], fill_B: torch.Tensor, valid_BN: torch.Tensor, min_fill: int, lo: int,
+                 chunk: int, acc: torch.dtype):
+        b, _, _, n_pos, dh = q_BKGND.shape
+        dev = q_BKGND.device
+        hi = min(n_pos, lo + chunk)
+        self.lo, self.hi, self.rows, self.acc, self.scale = lo, hi, slice(lo, hi), acc, dh ** -0.5
+        self.q_BKGCD = q_BKGND[:, :, :, lo:hi]
+        self.keys, self.values, self.deep, self.band = keys, values, deep, band
+        # Only deep keys i <= t - a for some row t < hi of some example: the rest lie right of the diagonal.
+        self.n_deep = max(0, min(n_pos, hi - min_fill))
+        t_C = torch.arange(lo, hi, device=dev)
+        fill_B11 = fill_B.view(b, 1, 1)
+        i_P = torch.arange(self.n_deep, device=dev)
+        self.deep_B11CP = ((t_C[:, None] - i_P[None, :] >= fill_B11) & valid_BN[:, None, : self.n_deep])[:, None, None]
+        j_J = torch.arange(len(band), device=dev)
+        src_CJ = t_C[:, None] - j_J[None, :]  # the row that band key j of query t comes from
+        self.band_B11CJ = ((j_J < fill_B11) & (src_CJ >= 0) & valid_BN[:, src_CJ.clamp(min=0)])[:, None, None]
+
+    def _band_rows(self, x_BKND: torch.Tensor, j: int) -> torch.Tensor:
+        """Rows ``t - j`` for the block's rows ``t`` (B, K, C, Dh); zeros where ``t - j < 0`` (masked)."""
+        n_real = max(0, self.hi - j) - max(0, self.lo - j)
+        return F.pad(x_BKND[:, :, max(0, self.lo - j): max(0, self.hi - j)], (0, 0, self.hi - self.lo - n_real, 0))
+
+    def _add_band_rows(self, grad_BKND: torch.Tensor, j: int, g_BKCD: torch.Tensor) -> None:
+        """Adds a block's band-key gradient back to the rows it came from (inverse of :meth:`_band_rows`)."""
+        lo, hi = max(0, self.lo - j), max(0, self.hi - j)
+        grad_BKND[:, :, lo:hi] += g_BKCD[:, :, g_BKCD.shape[2] - (hi - lo):]
+
+    def _deep_scores(self) -> torch.Tensor:
+        b, hk, g, c, dh = self.q_BKGCD.shape
+        k_BKPD = self.keys[self.deep][:, :, : self.n_deep]
+        s = torch.matmul(self.q_BKGCD.reshape(b, hk, g * c, dh), k_BKPD.transpose(-1, -2))
+        s = s.view(b, hk, g, c, self.n_deep).to(self.acc).mul_(self.scale)
+        return s.masked_fill_(~self.deep_B11CP, float("-inf"))
+
+    def _band_scores(self) -> torch.Tensor:
+        q = self.q_BKGCD.to(self.acc)
+        s = torch.stack([(q * self._band_rows(self.keys[d], j)[:, :, None].to(self.acc)).sum(-1)
+                         for j, d in enumerate(self.band)], dim=-1)
+        return s.mul_(self.scale).masked_fill_(~self.band_B11CJ, float("-inf"))
+
+    def probs(self, lse_BKGC: torch.Tensor | None = None):
+        """Softmax probabilities of the deep and band keys, and the log-sum-exp (given: recomputation)."""
+        s_deep, s_band = self._deep_scores(), self._band_scores()
+        if lse_BKGC is None:
+            m_BKGC = s_band.amax(-1)
+            if self.n_deep:
+                m_BKGC = torch.maximum(m_BKGC, s_deep.amax(-1))
+            m_BKGC = torch.where(torch.isfinite(m_BKGC), m_BKGC, 0.0)  # a row with no key: output 0
+            s_deep.sub_(m_BKGC[..., None]).exp_()
+            s_band.sub_(m_BKGC[..., None]).exp_()
+            total_BKGC = s_deep.sum(-1) + s_band.sum(-1)
+            # +inf for a row with no key, so that recomputed probabilities are exp(-inf - inf) = 0.
+            lse_BKGC = torch.where(total_BKGC > 0, m_BKGC + total_BKGC.log(), float("inf"))
+            total_BKGC = torch.where(total_BKGC > 0, total_BKGC, 1.0)[..., None]
+            return s_deep.div_(total_BKGC), s_band.div_(total_BKGC), lse_BKGC
+        return s_deep.sub_(lse_BKGC[..., None]).exp_(), s_band.sub_(lse_BKGC[..., None]).exp_(), lse_BKGC
+
+    def mix(self, p_deep: torch.Tensor, p_band: torch.Tensor) -> torch.Tensor:
+        """The block's output (B, K, G, C, Dh): probabilities times values."""
+        b, hk, g, c, dh = self.q_BKGCD.shape
+        dt = self.q_BKGCD.dtype
+        v_BKPD = self.values[self.deep][:, :, : self.n_deep]
+        out = torch.matmul(p_deep.to(dt).view(b, hk, g * c, self.n_deep), v_BKPD).view(b, hk, g, c, dh).to(self.acc)
+        for j, d in enumerate(self.band):
+            out += p_band[..., j, None] * self._band_rows(self.values[d], j)[:, :, None].to(self.acc)
+        return out.to(dt)
+
+    def backward(self, p_deep, p_band, dout_BKGCD, out_BKGCD, dkeys, dvalues) -> torch.Tensor:
+        """Adds the block's key and value gradients to ``dkeys``/``dvalues``; returns its query gradient."""
+        b, hk, g, c, dh = self.q_BKGCD.shape
+        dt, acc, n_deep = self.q_BKGCD.dtype, self.acc, self.n_deep
+        q_BKQD = self.q_BKGCD.reshape(b, hk, g * c, dh)  # Q = G x C query rows per kv head
+        dout_BKQD = dout_BKGCD.reshape(b, hk, g * c, dh)
+        # The softmax backward's row term: sum_k p_k dp_k = dout . out.
+        delta_BKGC = (dout_BKGCD.to(acc) * out_BKGCD.to(acc)).sum(-1)
+        k_BKPD = self.keys[self.deep][:, :, :n_deep]
+        v_BKPD = self.values[self.deep][:, :, :n_deep]
+        p_BKQP = p_deep.to(dt).view(b, hk, g * c, n_deep)
+        dvalues[self.deep][:, :, :n_deep] += torch.matmul(p_BKQP.transpose(-1, -2), dout_BKQD)
+        dp = torch.matmul(dout_BKQD, v_BKPD.transpose(-1, -2)).view(b, hk, g, c, n_deep).to(acc)
+        ds_BKQP = p_deep.mul_(dp.sub_(delta_BKGC[..., None])).mul_(self.scale).to(dt).view(b, hk, g * c, n_deep)
+        dkeys[self.deep][:, :, :n_deep] += torch.matmul(ds_BKQP.transpose(-1, -2), q_BKQD)
+        dq_BKGCD = torch.matmul(ds_BKQP, k_BKPD).view(b, hk, g, c, dh).to(acc)
+        dout_acc, q_acc = dout_BKGCD.to(acc), self.q_BKGCD.to(acc)
+        for j, d in enumerate(self.band):
+            k_BK1CD = self._band_rows(self.keys[d], j)[:, :, None].to(acc)
+            v_BK1CD = self._band_rows(self.values[d], j)[:, :, None].to(acc)
+            p_BKGC1 = p_band[..., j, None]
+            ds_BKGC1 = p_BKGC1 * ((dout_acc * v_BK1CD).sum(-1, keepdim=True) - delta_BKGC[..., None]) * self.scale
+            dq_BKGCD += ds_BKGC1 * k_BK1CD
+            self._add_band_rows(dkeys[d], j, (ds_BKGC1 * q_acc).sum(2))
+            self._add_band_rows(dvalues[d], j, (p_BKGC1 * dout_acc).sum(2))
+        return dq_BKGCD
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -325,7 +505,12 @@ class Speculator(PreTrainedModel):
                                  for k in config.used_depths})
         self.layers = nn.ModuleList(SpeculatorLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
-        self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(d, config.draft_vocab_size or config.vocab_size, bias=False)
+        if config.draft_vocab_size:
+            # The target id of each LM-head row (sorted, unique); saved with the weights (spd.draft_vocab).
+            self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size), persistent=True)
+        else:
+            self.draft_ids = None
         self.rope = Rope(config)
         self.post_init()
 
@@ -341,26 +526,43 @@ class Speculator(PreTrainedModel):
     # ----------------------------------------------------------------------------------- features
     def features(self, depth: int, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """``g^depth = FC_depth(concat(H^a for a in anchors[depth]))`` for rows that all have this depth."""
-        return self.fc[str(depth)](torch.cat([hidden[a] for a in self.config.anchors[depth]], dim=-1))
+        return _ConcatLinear.apply(self.fc[str(depth)].weight, *(hidden[a] for a in self.config.anchors[depth]))
+
+    def get_input_embeddings(self):
+        return None  # the head has no embedding of its own (accelerate's FSDP2 set-up asks)
 
     def needed_anchors(self) -> list[int]:
         """Every hidden-state index the head reads (over the depths it uses)."""
         return sorted({a for d in self.config.used_depths for a in self.config.anchors[d]})
 
     def logits(self, hidden_BND: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits: over the target vocabulary, or the K draft tokens with a draft vocabulary."""
         return self.lm_head(self.norm(hidden_BND))
 
+    def vocab_logits(self, hidden_BND: torch.Tensor) -> torch.Tensor:
+        """Logits over the target's vocabulary (tokens outside a draft vocabulary get -inf)."""
+        logits = self.logits(hidden_BND)
+        if self.draft_ids is None:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.draft_ids, logits)
+
     def forward(self, hidden: dict[int, torch.Tensor], fill_B: torch.Tensor, valid_BN: torch.Tensor,
-                supervised_BN: torch.Tensor, teacher_logits, tau: float = 1.0, chunk_size: int = 512) -> KDResult:
-        """Training forward plus the chunked KD loss against the target (``teacher_logits(H^L)``).
+                supervised_BN: torch.Tensor, teacher_logits, tau: float = 1.0, chunk_size: int = 512,
+                topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> KDResult:
+        """Training forward plus the chunked KD loss against the target (``teacher_logits(H^L)``), or against
+        a stored top-k teacher ``topk = (ids_BNK, logprobs_BNK)`` (spd.capture).
 
         The loss is computed inside ``forward`` so that data-parallel wrappers (DDP, DeepSpeed) see every
         parameter used, the LM head included.
         """
         out_BND = self.forward_train(hidden, fill_B, valid_BN)
+        if topk is not None:
+            return kd_loss_topk(out_BND[supervised_BN], topk[0][supervised_BN], topk[1][supervised_BN], self.logits,
+                                chunk_size)
         teacher_BND = hidden[self.config.target_num_layers]
         return kd_loss(out_BND[supervised_BN], teacher_BND[supervised_BN], self.logits, teacher_logits, tau,
-                       chunk_size)
+                       chunk_size, self.draft_ids)
 
     # ------------------------------------------------------------------------------ training path
     def forward_train(self, hidden: dict[int, torch.Tensor], fill_B: torch.Tensor,
@@ -368,9 +570,9 @@ class Speculator(PreTrainedModel):
         """Query-stream outputs (B, N, D) for every position, each with the per-example fill ``a``.
 
         ``hidden`` maps anchor index -> H^a (B, N, D) from one target forward; ``valid_BN`` marks real
-        (non-padding) positions. Attention runs over blocks of ``query_chunk`` query rows; with several
-        blocks and gradients on, each block is checkpointed, so at most one block's scores (rows x N)
-        exist at a time instead of N x N.
+        (non-padding) positions. Attention (:func:`offset_band_attention`) runs over blocks of
+        ``query_chunk`` query rows and keeps only its output and log-sum-exp for backward, so at most one
+        block's scores (rows x N per head) exist at a time instead of N x N.
         """
         cfg = self.config
         b, n_pos, _ = hidden[0].shape
@@ -380,26 +582,13 @@ class Speculator(PreTrainedModel):
         if valid_BN is None:
             valid_BN = torch.ones(b, n_pos, dtype=torch.bool, device=dev)
         mem = {d: self.features(d, hidden) for d in cfg.used_depths}
-        band = range(cfg.n_stages)  # j < a <= n
-        checkpointed = torch.is_grad_enabled() and n_pos > query_chunk
+        band_depths = [cfg.depth(j, j + 1) for j in range(cfg.n_stages)]  # band key j < a <= n
         h_BND = mem[cfg.offset]
         for layer in self.layers:
             q = layer.query_heads(h_BND, cos, sin)  # (B, H, N, Dh)
             kv = {d: layer.memory_kv(m, d, cos, sin) for d, m in mem.items()}
-            k_deep, v_deep = (layer.expand_kv(x) for x in kv[cfg.max_depth])
-            # Band key j of query t is the row t - j at depth min(max_depth, j + offset): shifted copies.
-            band_k = [_shift(layer.expand_kv(kv[cfg.depth(j, j + 1)][0]), j) for j in band]
-            band_v = [_shift(layer.expand_kv(kv[cfg.depth(j, j + 1)][1]), j) for j in band]
-            blocks = []
-            for lo in range(0, n_pos, query_chunk):
-                hi = min(n_pos, lo + query_chunk)
-                args = (q[:, :, lo:hi], k_deep, v_deep, torch.stack([k[:, :, lo:hi] for k in band_k]),
-                        torch.stack([v[:, :, lo:hi] for v in band_v]), fill_B, valid_BN, lo)
-                if checkpointed:
-                    blocks.append(torch.utils.checkpoint.checkpoint(_offset_band_attention, *args, use_reentrant=False))
-                else:
-                    blocks.append(_offset_band_attention(*args))
-            h_BND = layer.finish(h_BND, torch.cat(blocks, dim=2))
+            attn = offset_band_attention(q, kv, cfg.max_depth, band_depths, fill_B, valid_BN, query_chunk)
+            h_BND = layer.finish(h_BND, attn)
         return h_BND
 
     def forward_dense(self, hidden: dict[int, torch.Tensor], fill_B: torch.Tensor,
@@ -467,7 +656,7 @@ class Speculator(PreTrainedModel):
                 for s in trailing]
         newest = inflight[-1]
         query_1D = rows[-1][1] if rows and rows[-1][0] == cfg.offset else self.features(cfg.offset, newest.anchors)
-        return self.logits(self.query(cache, rows, query_1D))
+        return self.vocab_logits(self.query(cache, rows, query_1D))
 
     def new_cache(self, batch_size: int = 1, capacity: int = 256) -> "SpeculatorCache":
         p = next(self.parameters())

@@ -60,6 +60,7 @@ from .engine import LocalStages, PipelineStats, _stop_reason, generate_request
 from .errors import SpdInputError
 from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set
 from .sampling import SamplingParams, warped_probs
+from .draft_vocab import check_draft_vocab
 from .speculator import Speculator, check_compatible
 from .staging import HYBRID_TREE_ERROR, StageKVCache, StagedModel, load_target_tokenizer
 from .tree import TokenTree, verify_greedy, verify_sampled_deterministic
@@ -227,6 +228,7 @@ class SpdHeadSource:
             raise SpdInputError("tree mode runs our own heads only; the SPD authors' heads run in mode spd (their "
                                 "token tree at T > 0 is not lossless, and ours is not wired to their schedule)")
         check_compatible(head.config, staged)
+        check_draft_vocab(head, staged.vocab_size)
         cfg = head.config
         if cfg.schedule != "input" or cfg.max_depth != cfg.n_stages:
             raise SpdInputError(f"the tree mode needs an SPD head (input-state schedule, max depth n), but this head "
@@ -272,7 +274,7 @@ class SpdHeadSource:
             view = SimpleNamespace(length=cache.length,
                                    keys=[k[:, :, :cache.length].expand(b, -1, -1, -1) for k in cache.keys],
                                    values=[v[:, :, :cache.length].expand(b, -1, -1, -1) for v in cache.values])
-        logprobs_LV = torch.log_softmax(head.logits(head.query(view, rows, query_LD)).float(), dim=-1)
+        logprobs_LV = torch.log_softmax(head.vocab_logits(head.query(view, rows, query_LD)).float(), dim=-1)
         top = torch.topk(logprobs_LV, self.children, dim=-1)
         return top.indices.cpu(), top.values.cpu()
 

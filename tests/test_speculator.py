@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from spd.speculator import Speculator, SpeculatorConfig, default_anchors
+from spd.speculator import Speculator, SpeculatorConfig, default_anchors, offset_band_attention
 
 L, D = 8, 32
 
@@ -29,23 +29,20 @@ VARIANTS = [dict(), dict(schedule="output"), dict(schedule="output", max_depth=1
             dict(memory_proj=True, qk_norm=True)]
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
-@pytest.mark.parametrize("num_layers", [1, 2])
-@pytest.mark.parametrize("variant", range(len(VARIANTS)))
-def test_efficient_layout_equals_dense_reference(n, num_layers, variant):
-    head = _head(n, num_layers, **VARIANTS[variant])
-    hidden, fill, valid = _inputs(3, 17, n)
+def _assert_equals_dense(head, hidden, fill, valid, **kw):
+    """forward_train (with ``kw``) equals forward_dense on valid rows, and so do all gradients."""
     for h in hidden.values():
         h.requires_grad_(True)
-    eff = head.forward_train(hidden, fill, valid)
-    (eff[valid] * torch.linspace(-1, 1, D, dtype=torch.float64)).sum().backward()
+    weights_D = torch.linspace(-1, 1, D, dtype=torch.float64)
+    eff = head.forward_train(hidden, fill, valid, **kw)
+    (eff[valid] * weights_D).sum().backward()
     grads_eff = [None if t.grad is None else t.grad.clone()
                  for t in [*head.parameters(), *(hidden[a] for a in sorted(hidden))]]
     head.zero_grad()
     for h in hidden.values():
         h.grad = None
     dense = head.forward_dense(hidden, fill, valid)
-    (dense[valid] * torch.linspace(-1, 1, D, dtype=torch.float64)).sum().backward()
+    (dense[valid] * weights_D).sum().backward()
     grads_dense = [t.grad for t in [*head.parameters(), *(hidden[a] for a in sorted(hidden))]]
     torch.testing.assert_close(eff[valid], dense[valid], atol=1e-12, rtol=0)
     assert sum(g is not None for g in grads_eff) > 10
@@ -55,14 +52,102 @@ def test_efficient_layout_equals_dense_reference(n, num_layers, variant):
             assert gd is None or not gd.any()
         else:
             torch.testing.assert_close(ge, gd, atol=1e-10, rtol=0)
+    return eff
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("num_layers", [1, 2])
+@pytest.mark.parametrize("variant", range(len(VARIANTS)))
+@pytest.mark.parametrize("query_chunk", [512, 4])
+def test_efficient_layout_equals_dense_reference(n, num_layers, variant, query_chunk):
+    """Outputs and gradients (weights and anchor states), random fills per example, right padding, GQA;
+    one query block, or blocks of 4 rows (band keys from the previous block, deep keys skipped per block)."""
+    head = _head(n, num_layers, **VARIANTS[variant])
+    hidden, fill, valid = _inputs(3, 17, n)
+    _assert_equals_dense(head, hidden, fill, valid, query_chunk=query_chunk)
+
+
+@pytest.mark.parametrize("variant", range(len(VARIANTS)))
+def test_every_fill_in_one_batch_equals_dense(variant):
+    """Fills 1 .. n side by side (the per-example offsets and band widths differ inside one block)."""
+    n = 8
+    head = _head(n, 1, **VARIANTS[variant])
+    hidden, _, valid = _inputs(n, 21, n, pad=False)
+    valid[2, 15:] = False
+    valid[5, 9:] = False
+    fill = torch.tensor([1, 8, 3, 5, 2, 8, 7, 4])
+    _assert_equals_dense(head, hidden, fill, valid, query_chunk=6)
+
+
+def test_rows_without_any_key_are_zero_and_finite():
+    """Left padding: a query row whose own row is padding and has no earlier real row attends nothing;
+    its attention output is 0 (not NaN) and every gradient stays finite."""
+    head = _head(4, 2)
+    hidden, _, valid = _inputs(2, 12, 4, pad=False)
+    valid[1, :5] = False
+    fill = torch.tensor([4, 2])
+    _assert_equals_dense(head, hidden, fill, valid, query_chunk=3)
+    for h in hidden.values():
+        h.grad = None
+    out = head.forward_train(hidden, fill, valid, query_chunk=3)
+    assert torch.isfinite(out).all()
+    out.pow(2).sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in [*head.parameters(), *hidden.values()] if t.grad is not None)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 12, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    kv = {d: tuple(torch.randn(2, 2, 12, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in "kv")
+          for d in range(5)}
+    attn = offset_band_attention(q, kv, 4, [0, 1, 2, 3], fill, valid, query_chunk=3)
+    assert attn[1, :, :5].eq(0).all() and attn[1, :, 5:].ne(0).all() and attn[0].ne(0).all()
+    attn.sum().backward()
+    assert torch.isfinite(q.grad).all() and all(torch.isfinite(t.grad).all() for pair in kv.values() for t in pair)
+
+
+def test_features_equal_the_linear_layer_on_the_concatenation():
+    """features() sums one product per anchor; it is FC_d on the concatenated anchors, gradients included
+    (the default anchors of depth 1 repeat H^0)."""
+    head = _head(8, 1)
+    hidden, _, _ = _inputs(2, 5, 8, pad=False)
+    for h in hidden.values():
+        h.requires_grad_(True)
+    for depth in (0, 1, 5):
+        anchors = head.config.anchors[depth]
+        fc = head.fc[str(depth)]
+        weights_BND = torch.randn(2, 5, D, dtype=torch.float64)
+        grads = []
+        for out in (head.features(depth, hidden), fc(torch.cat([hidden[a] for a in anchors], dim=-1))):
+            (out * weights_BND).sum().backward()
+            grads.append([fc.weight.grad.clone(), *(hidden[a].grad.clone() for a in sorted(set(anchors)))])
+            head.zero_grad()
+            for h in hidden.values():
+                h.grad = None
+            grads[-1].append(out.detach())
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_training_forward_under_autocast():
+    """bf16 autocast (as accelerate's mixed precision): the blockwise attention and the per-anchor
+    features run in bf16 and stay close to the float32 forward; backward gives float32 gradients."""
+    head = _head(4, 2).float()
+    hidden, fill, valid = _inputs(2, 19, 4)
+    hidden = {k: v.float() for k, v in hidden.items()}
+    ref = head.forward_train(hidden, fill, valid, query_chunk=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = head.forward_train(hidden, fill, valid, query_chunk=8)
+    out.float().pow(2).sum().backward()
+    assert all(p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all()
+               for p in head.parameters() if p.grad is not None)
+    torch.testing.assert_close(out.float()[valid], ref[valid], atol=0.05, rtol=0.05)
 
 
 def test_efficient_layout_equals_dense_in_float32():
     head = _head(4, 2).float()
     hidden, fill, valid = _inputs(2, 33, 4)
     hidden = {k: v.float() for k, v in hidden.items()}
-    torch.testing.assert_close(head.forward_train(hidden, fill, valid)[valid],
-                               head.forward_dense(hidden, fill, valid)[valid], atol=2e-5, rtol=0)
+    for chunk in (512, 7):
+        torch.testing.assert_close(head.forward_train(hidden, fill, valid, query_chunk=chunk)[valid],
+                                   head.forward_dense(hidden, fill, valid)[valid], atol=2e-5, rtol=0)
 
 
 def test_fill_changes_the_output():
@@ -147,8 +232,8 @@ def test_bad_configs_are_clear_errors(kwargs, match):
 
 
 @pytest.mark.parametrize("n", [2, 8])
-def test_query_blocks_with_checkpointing_equal_one_block(n):
-    """Blocked (checkpointed) attention is the same computation: same outputs and gradients."""
+def test_query_blocks_equal_one_block(n):
+    """Blockwise attention is the same computation for any block size: same outputs and gradients."""
     head = _head(n, 2, memory_proj=True)
     hidden, fill, valid = _inputs(2, 23, n)
     for h in hidden.values():

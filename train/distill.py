@@ -71,27 +71,75 @@ def check_trackers(cfg) -> list[str]:
     return [name for name, on in (("wandb", cfg.wandb), ("tensorboard", cfg.tensorboard)) if on]
 
 
+def load_target_and_data(cfg, accelerator):
+    """The frozen target and the rows: (target, train rows, eval rows or None, collate_fn, token strings or None).
+
+    Online: the target (bf16 on GPU, fp32 on CPU; only its forward runs, under no_grad) and prepared datasets.
+    Offline (``data`` is a capture, data/capture.py): the capture's rows and a stand-in for the target
+    holding its config, final norm and LM head; no target layers are loaded.
+    """
+    from spd.capture import CapturedDataset, CapturedTarget, collate_captured, is_capture
+    from spd.data import DataConfig, prepare_dataset
+    from spd.distill import collate
+    from spd.staging import StagedModel, load_tokenizer
+
+    stages = {"n_stages": None if cfg.boundaries else cfg.n_stages, "boundaries": cfg.boundaries}
+    if is_capture(cfg.data):
+        target = CapturedTarget(cfg.data, device=accelerator.device, **stages)
+        train_ds = CapturedDataset(cfg.data)
+        eval_ds = None
+        if cfg.eval_data:
+            if not is_capture(cfg.eval_data):
+                raise SpdInputError(f"data is a capture, so eval_data must be one too (data/capture.py over the "
+                                    f"held-out rows), got '{cfg.eval_data}'; or pass eval_data=none")
+            eval_ds = CapturedDataset(cfg.eval_data)
+            if eval_ds.manifest["target_config"] != train_ds.manifest["target_config"]:
+                raise SpdInputError(f"the captures '{cfg.data}' and '{cfg.eval_data}' come from different targets")
+        if train_ds.teacher == "topk" and cfg.tau != 1:
+            raise SpdInputError(f"a top-k capture holds the teacher at temperature 1; train it with tau=1, got {cfg.tau}")
+        if train_ds.teacher == "topk" and cfg.draft_vocab_size:
+            raise SpdInputError("draft_vocab_size needs the full teacher (the target's distribution restricted to the "
+                                "draft tokens); capture with --teacher full")
+        pad_id = train_ds.manifest["pad_id"]
+        return target, train_ds, eval_ds, partial(collate_captured, pad_id=pad_id), target.token_strings()
+    on_gpu = torch.cuda.is_available()
+    staged = StagedModel.from_pretrained(cfg.target, revision=cfg.target_revision, device=accelerator.device,
+                                         dtype=torch.bfloat16 if on_gpu else torch.float32, **stages)
+    staged.requires_grad_(False)
+    tokenizer = load_tokenizer(cfg.target, revision=cfg.target_revision)
+    data_cfg = DataConfig(max_length=cfg.max_length, overflow=cfg.overflow, revision=cfg.data_revision)
+    with accelerator.main_process_first():
+        train_ds = prepare_dataset(cfg.data, tokenizer, data_cfg, cfg.cache_dir, report=accelerator.print)
+        eval_ds = (prepare_dataset(cfg.eval_data, tokenizer, data_cfg, cfg.cache_dir, report=accelerator.print)
+                   if cfg.eval_data else None)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return staged, train_ds, eval_ds, partial(collate, pad_id=pad_id), tokens
+
+
 def train(cfg, resume: bool) -> dict:
     log_with = check_trackers(cfg)  # before anything slow is loaded
-    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate import DataLoaderConfiguration
     from accelerate.utils import ProjectConfiguration, set_seed
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
-    from spd.data import DataConfig, prepare_dataset
-    from spd.distill import (collate, distill_step, evaluate, latest_checkpoint, list_checkpoints,
-                             new_head, save_head_atomic, scale_fc_init, teacher_anchors, teacher_pass)
+    from spd.capture import CapturedDataset
+    from spd.distill import (distill_step, evaluate, latest_checkpoint, list_checkpoints, new_head,
+                             save_head_atomic, scale_fc_init, teacher_anchors, teacher_pass, to_device)
+    from spd.draft_vocab import check_draft_vocab, select_draft_vocab, token_counts, tokens_sha256
+    from spd.backends import make_accelerator, plain_head
     from spd.kd import sample_fills
     from spd.speculator import Speculator, check_compatible
     from spd.paths import write_json_atomic
-    from spd.staging import StagedModel, load_tokenizer
 
     on_gpu = torch.cuda.is_available()
     mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if on_gpu else "no")
-    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=mixed,
-                              log_with=log_with or None,
-                              project_config=ProjectConfiguration(project_dir=cfg.output_dir,
-                                                                  logging_dir=str(Path(cfg.output_dir) / "logs")),
-                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    # DDP, DeepSpeed ZeRO-2 or FSDP2 as `accelerate launch` asked, on GPUs or CPU (spd/backends.py)
+    accelerator = make_accelerator(cfg.max_grad_norm, gradient_accumulation_steps=cfg.grad_accum,
+                                   mixed_precision=mixed, log_with=log_with or None,
+                                   project_config=ProjectConfiguration(project_dir=cfg.output_dir,
+                                                                       logging_dir=str(Path(cfg.output_dir) / "logs")),
+                                   dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     main = accelerator.is_main_process
     say = accelerator.print
     set_seed(cfg.seed)
@@ -99,39 +147,43 @@ def train(cfg, resume: bool) -> dict:
     if main:
         out.mkdir(parents=True, exist_ok=True)
 
-    # The frozen target: bf16 on GPU, fp32 on CPU; only its forward runs, under no_grad.
-    staged = StagedModel.from_pretrained(cfg.target, n_stages=None if cfg.boundaries else cfg.n_stages,
-                                         boundaries=cfg.boundaries, revision=cfg.target_revision,
-                                         dtype=torch.bfloat16 if on_gpu else torch.float32, device=accelerator.device)
-    staged.requires_grad_(False)
-    tokenizer = load_tokenizer(cfg.target, revision=cfg.target_revision)
+    staged, train_ds, eval_ds, collate_fn, token_strings = load_target_and_data(cfg, accelerator)
+    offline = isinstance(train_ds, CapturedDataset)
+    if offline:
+        cfg = dataclasses.replace(cfg, target=staged.settings["target"], target_revision=staged.settings["target_revision"])
     if cfg.init_from:
         head = Speculator.from_pretrained(cfg.init_from, dtype=torch.float32).to(accelerator.device)
         check_compatible(head.config, staged)
+        check_draft_vocab(head, staged.vocab_size)
+    elif cfg.draft_vocab_size:
+        ids_rows, mask_rows = train_ds.row_tokens() if offline else (train_ds["input_ids"], train_ds["loss_mask"])
+        draft_ids = select_draft_vocab(token_counts(ids_rows, mask_rows, staged.vocab_size), cfg.draft_vocab_size)
+        known = token_strings is not None and int(draft_ids.max()) < len(token_strings)
+        sha = tokens_sha256([token_strings[i] for i in draft_ids.tolist()]) if known else None
+        head = new_head(staged, cfg, draft_ids, sha).float()
     else:
         head = new_head(staged, cfg).float()
     anchors = teacher_anchors(head, staged)
+    if offline:
+        missing = sorted(set(head.needed_anchors()) - set(train_ds.states))
+        if missing:
+            raise SpdInputError(f"the capture '{cfg.data}' stores hidden states {train_ds.states} but this head needs "
+                                f"{missing} as well; capture with --stages {staged.n_stages} (or --anchors)")
 
-    data_cfg = DataConfig(max_length=cfg.max_length, overflow=cfg.overflow, revision=cfg.data_revision)
-    with accelerator.main_process_first():
-        train_ds = prepare_dataset(cfg.data, tokenizer, data_cfg, cfg.cache_dir, report=say)
-        eval_ds = (prepare_dataset(cfg.eval_data, tokenizer, data_cfg, cfg.cache_dir, report=say)
-                   if cfg.eval_data else None)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    loader = DataLoader(train_ds, batch_size=cfg.batch_size, shuffle=True, collate_fn=partial(collate, pad_id=pad_id),
-                        generator=torch.Generator().manual_seed(cfg.seed))
     eval_batches = []
     if eval_ds is not None:
         rows = [eval_ds[i] for i in range(min(cfg.eval_rows, len(eval_ds)))]
-        eval_batches = [{k: v.to(accelerator.device) for k, v in collate(rows[i:i + cfg.batch_size], pad_id).items()}
+        eval_batches = [to_device(collate_fn(rows[i:i + cfg.batch_size]), accelerator.device)
                         for i in range(0, len(rows), cfg.batch_size)]
+    loader = DataLoader(train_ds, batch_size=cfg.batch_size, shuffle=True, collate_fn=collate_fn,
+                        generator=torch.Generator().manual_seed(cfg.seed))
 
     if cfg.fc_init == "scaled" and not cfg.init_from:
         # Statistics from the first rows of the training set (the same on every process).
         rows = [train_ds[i] for i in range(min(cfg.batch_size, len(train_ds)))]
-        first = {k: v.to(accelerator.device) for k, v in collate(rows, pad_id).items()}
+        first = to_device(collate_fn(rows), accelerator.device)
         hidden = teacher_pass(staged, head.needed_anchors(), first)
-        scale_fc_init(head, {a: float(h[first["valid"]].pow(2).mean().sqrt()) for a, h in hidden.items()})
+        scale_fc_init(head, {a: float(h[first["valid"]].float().pow(2).mean().sqrt()) for a, h in hidden.items()})
 
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     head, optimizer, loader = accelerator.prepare(head, optimizer, loader)
@@ -171,14 +223,18 @@ def train(cfg, resume: bool) -> dict:
         accelerator.save_state(str(tmp))
         torch.save(fill_gen.get_state(), tmp / f"fill_rng_{accelerator.process_index}.pt")
         accelerator.wait_for_everyone()
+        whole = plain_head(accelerator, head)  # every process: under FSDP this gathers the shards
         if main:
-            save_head_atomic(accelerator.unwrap_model(head), tmp / "head")
+            save_head_atomic(whole, tmp / "head")
             write_json_atomic(tmp / "trainer_state.json",
                               {"step": step, "batches_done": batches_done, "elapsed_s": elapsed_before + time.time() - t0})
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)  # a checkpoint exists only once it is complete
             for old in list_checkpoints(out)[: -cfg.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
+                gone = old.with_name(old.name + ".tmp")  # renamed first: never a half-deleted step-N
+                shutil.rmtree(gone, ignore_errors=True)
+                old.rename(gone)
+                shutil.rmtree(gone, ignore_errors=True)
         accelerator.wait_for_everyone()
 
     def run_eval() -> dict:
@@ -236,12 +292,15 @@ def train(cfg, resume: bool) -> dict:
             if cfg.save_every and step % cfg.save_every == 0:
                 save_checkpoint()
     bar.close()
+    loop_minutes = (elapsed_before + time.time() - t0) / 60  # training steps only (no final save, no final eval)
     save_checkpoint()
     if eval_batches:
         metrics = run_eval()
+    whole = plain_head(accelerator, head)
     if main:
-        save_head_atomic(accelerator.unwrap_model(head), out / "final")
+        save_head_atomic(whole, out / "final")
         summary = {"step": step, "total_steps": total_steps, "train_minutes": (elapsed_before + time.time() - t0) / 60,
+                   "loop_minutes": loop_minutes,
                    "processes": accelerator.num_processes, "config": dataclasses.asdict(cfg), "eval": metrics}
         write_json_atomic(out / "summary.json", summary)
         say(f"[done] head written to {out / 'final'}")

@@ -1,0 +1,404 @@
+"""Offline target states: run the frozen target once over a prepared dataset and keep what training needs.
+
+Training a head online runs the target's forward for every batch of every head; a capture runs it once,
+and every head trained from it (variants, n, L_s, seeds) reads the stored states instead. A capture
+directory holds:
+
+- ``capture.json``: the manifest (target and revision, the target's config, anchors, dtype, teacher kind,
+  rows and tokens, the shards done so far); rewritten atomically after every shard, ``complete`` at the end;
+- ``teacher.safetensors``: the target's final-norm scale and LM head, so that training needs no target;
+- ``tokens.json``: the tokenizer's token strings by id (when the target has a tokenizer);
+- ``shard-NNNNN.safetensors``: concatenated rows: ``input_ids`` and ``loss_mask`` (T,), ``offsets`` (R+1,),
+  ``hidden.{a}`` (T, D) for every captured anchor ``a``, and with a top-k teacher ``topk_ids`` /
+  ``topk_logprobs`` (T, k). Shards are read lazily through safetensors' memory map.
+
+Teacher: ``full`` stores ``H^L`` and reproduces the target's whole distribution at training time through
+the stored norm and LM head (exact; the LM head's cost is paid while training); ``topk`` stores the top-k
+log-probabilities at temperature 1 and trains on k + 1 buckets (the top k and the rest of the mass), so the
+trainer skips the target's LM head (cheaper over a 150k-250k vocabulary; approximate).
+
+Shards are planned from the row lengths before anything runs, and the target's batches never cross a
+shard, so an interrupted capture resumes at the first missing shard and ends bit-identical.
+
+Shape suffixes: T tokens of a shard, R rows, D hidden, V vocabulary, K top-k.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import SpdInputError
+from .paths import write_json_atomic
+
+MANIFEST = "capture.json"
+TEACHER_FILE = "teacher.safetensors"
+TOKENS_FILE = "tokens.json"  # the target tokenizer's token strings by id (draft vocabularies check against them)
+FORMAT = 1
+TEACHERS = ("full", "topk")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def is_capture(path: str | os.PathLike | None) -> bool:
+    """Whether ``path`` is a capture directory (has a manifest)."""
+    return path is not None and (Path(path).expanduser() / MANIFEST).is_file()
+
+
+@dataclass
+class CaptureSettings:
+    """What a capture stores; a resumed capture must ask for the same."""
+
+    target: str
+    target_revision: str | None
+    anchors: list[int]  # hidden-state indices stored (H^L is added for the full teacher)
+    dtype: str  # of the stored states and LM head
+    teacher: str  # full | topk
+    topk: int  # k for the top-k teacher (0 otherwise)
+    shard_tokens: int  # a shard closes after the row that reaches this many tokens
+    batch_tokens: int  # padded tokens per target forward
+    data_fingerprint: str  # of the prepared rows (ids and masks)
+
+
+def anchors_for_stages(num_layers: int, stages: list[int]) -> list[int]:
+    """The union of the default anchors (SPEC section 2) of equal splits into each n of ``stages``."""
+    from .speculator import _equal_split, default_anchors
+
+    out: set[int] = set()
+    for n in stages:
+        try:
+            boundaries = _equal_split(num_layers, n)
+        except ValueError:
+            raise SpdInputError(f"{n} stages do not divide the target's {num_layers} layers evenly") from None
+        out.update(a for depth in default_anchors(boundaries) for a in depth)
+    return sorted(out)
+
+
+def plan_shards(lengths: list[int], shard_tokens: int) -> list[tuple[int, int]]:
+    """Row ranges ``[start, end)`` of the shards: a shard closes after the row that reaches ``shard_tokens``."""
+    shards, start, tokens = [], 0, 0
+    for i, length in enumerate(lengths):
+        tokens += length
+        if tokens >= shard_tokens:
+            shards.append((start, i + 1))
+            start, tokens = i + 1, 0
+    if start < len(lengths):
+        shards.append((start, len(lengths)))
+    return shards
+
+
+def rows_fingerprint(dataset) -> str:
+    """A hash of the prepared rows, so that a resumed capture reads the same data."""
+    h = hashlib.sha256()
+    for row in dataset:
+        h.update(json.dumps([row["input_ids"], row["loss_mask"]]).encode())
+    return h.hexdigest()[:16]
+
+
+def bytes_per_token(settings: CaptureSettings, hidden_size: int, num_layers: int) -> int:
+    """Disk bytes one captured token takes."""
+    states = len(stored_states(settings, num_layers))
+    item = _DTYPES[settings.dtype].itemsize
+    topk = settings.topk * 8 if settings.teacher == "topk" else 0  # int32 id + fp32 log-prob
+    return states * hidden_size * item + 4 + 1 + topk
+
+
+def stored_states(settings: CaptureSettings, num_layers: int) -> list[int]:
+    """Hidden-state indices a shard holds: the anchors, plus H^L for the full teacher."""
+    return sorted(set(settings.anchors) | ({num_layers} if settings.teacher == "full" else set()))
+
+
+def _batches(lengths: list[int], start: int, end: int, batch_tokens: int):
+    """Consecutive row ranges of one shard whose padded size stays within ``batch_tokens`` (at least one row)."""
+    lo = start
+    while lo < end:
+        hi, longest = lo, 0
+        while hi < end and (hi == lo or max(longest, lengths[hi]) * (hi - lo + 1) <= batch_tokens):
+            longest = max(longest, lengths[hi])
+            hi += 1
+        yield lo, hi
+        lo = hi
+
+
+@torch.no_grad()
+def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettings, pad_id: int = 0,
+            source: dict | None = None, tokens: list[str] | None = None, report=print) -> dict:
+    """Run ``staged`` over ``dataset`` (prepared rows) and write the capture to ``out_dir``; resumes."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir).expanduser()
+    num_layers, hidden_size = staged.num_layers, staged.config.hidden_size
+    bad = [a for a in settings.anchors if not 0 <= a <= num_layers]
+    if bad:
+        raise SpdInputError(f"anchors {bad} are not hidden-state indices of a {num_layers}-layer target (0..{num_layers})")
+    if settings.teacher not in TEACHERS:
+        raise SpdInputError(f"teacher must be one of {', '.join(TEACHERS)}, got '{settings.teacher}'")
+    if settings.teacher == "topk" and not 1 <= settings.topk < staged.vocab_size:
+        raise SpdInputError(f"topk must be in 1..{staged.vocab_size - 1} for the top-k teacher, got {settings.topk}")
+    dtype = _DTYPES[settings.dtype]
+    lengths = [len(ids) for ids in dataset["input_ids"]]
+    shards = plan_shards(lengths, settings.shard_tokens)
+    states = stored_states(settings, num_layers)
+    total_tokens = sum(lengths)
+    need = total_tokens * bytes_per_token(settings, hidden_size, num_layers) + staged.vocab_size * hidden_size * dtype.itemsize
+
+    manifest_path = out / MANIFEST
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("settings") != asdict(settings):
+            raise SpdInputError(f"'{out}' holds a capture made with other settings ({_diff(manifest['settings'], asdict(settings))}); "
+                                "pass another output directory or delete it")
+        if manifest["complete"]:
+            report(f"[capture] {out} is complete: {manifest['rows']} rows, {manifest['tokens']} tokens")
+            return manifest
+        report(f"[capture] resuming {out}: {len(manifest['shards'])} of {len(shards)} shards done")
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(out).free
+        report(f"[capture] {len(lengths)} rows, {total_tokens} tokens, {len(shards)} shards, states {states} in "
+               f"{settings.dtype}, teacher {settings.teacher}: needs {need / 2**30:.2f} GiB on disk "
+               f"({free / 2**30:.1f} GiB free)")
+        if need > free:
+            raise SpdInputError(f"the capture needs {need / 2**30:.2f} GiB but only {free / 2**30:.1f} GiB are free "
+                                f"under '{out}'; capture fewer rows (--max-tokens) or fewer anchors")
+        teacher = {"norm_scale": staged.norm_scale().to(dtype).contiguous(),
+                   "lm_head": staged.lm_head.weight.detach().to(dtype).contiguous()}
+        save_file(teacher, str(out / (TEACHER_FILE + ".tmp")))
+        os.replace(out / (TEACHER_FILE + ".tmp"), out / TEACHER_FILE)
+        if tokens is not None:
+            write_json_atomic(out / TOKENS_FILE, tokens)
+        config = staged.config.to_dict()
+        manifest = {"format": FORMAT, "settings": asdict(settings), "target_config": config,
+                    "num_layers": num_layers, "hidden_size": hidden_size, "vocab_size": staged.vocab_size,
+                    "norm_eps": _norm_eps(staged), "pad_id": pad_id, "states": states, "source": source or {},
+                    "rows": len(lengths), "tokens": total_tokens, "bytes": need,
+                    "shards": [], "complete": False}
+        write_json_atomic(manifest_path, manifest)
+
+    ids_all, mask_all = dataset["input_ids"], dataset["loss_mask"]
+    for index in range(len(manifest["shards"]), len(shards)):
+        start, end = shards[index]
+        tensors: dict[str, list[torch.Tensor]] = {}
+        for lo, hi in _batches(lengths, start, end, settings.batch_tokens):
+            rows = ids_all[lo:hi]
+            width = max(lengths[lo:hi])
+            ids_BN = torch.full((hi - lo, width), pad_id, dtype=torch.long)
+            for b, row in enumerate(rows):
+                ids_BN[b, :len(row)] = torch.tensor(row)
+            hidden = staged.hidden_states(ids_BN.to(staged.device), states)
+            if settings.teacher == "topk":
+                logp_BNV = torch.log_softmax(staged.logits(hidden[num_layers]).float(), dim=-1)
+                top = logp_BNV.topk(settings.topk, dim=-1)
+            for b, row in enumerate(rows):
+                n = len(row)
+                for a in states:
+                    tensors.setdefault(f"hidden.{a}", []).append(hidden[a][b, :n].to("cpu", dtype))
+                if settings.teacher == "topk":
+                    tensors.setdefault("topk_ids", []).append(top.indices[b, :n].to("cpu", torch.int32))
+                    tensors.setdefault("topk_logprobs", []).append(top.values[b, :n].cpu())
+        lens = lengths[start:end]
+        shard = {name: torch.cat(parts).contiguous() for name, parts in tensors.items()}
+        shard["input_ids"] = torch.tensor([t for row in ids_all[start:end] for t in row], dtype=torch.int32)
+        shard["loss_mask"] = torch.tensor([m for row in mask_all[start:end] for m in row], dtype=torch.uint8)
+        shard["offsets"] = torch.tensor([0] + list(_cumsum(lens)), dtype=torch.int64)
+        name = f"shard-{index:05d}.safetensors"
+        save_file(shard, str(out / (name + ".tmp")))
+        os.replace(out / (name + ".tmp"), out / name)  # a shard exists only once it is whole
+        manifest["shards"].append({"file": name, "rows": end - start, "tokens": sum(lens)})
+        write_json_atomic(manifest_path, manifest)
+        report(f"[capture] shard {index + 1}/{len(shards)}: rows {start}..{end - 1}")
+    manifest["complete"] = True
+    write_json_atomic(manifest_path, manifest)
+    report(f"[capture] done: {out} ({sum(p.stat().st_size for p in out.iterdir()) / 2**30:.2f} GiB)")
+    return manifest
+
+
+def _cumsum(values):
+    total = 0
+    for v in values:
+        total += v
+        yield total
+
+
+def _diff(old: dict, new: dict) -> str:
+    return ", ".join(f"{k}: {old.get(k)!r} there vs {new.get(k)!r} now" for k in new if old.get(k) != new.get(k))
+
+
+def _norm_eps(staged) -> float:
+    return float(getattr(staged.norm, "eps", None) or getattr(staged.norm, "variance_epsilon", 0.0) or
+                 getattr(staged.config, "rms_norm_eps", 1e-6))
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    """A complete capture's manifest, or one clear error."""
+    root = Path(path).expanduser()
+    if not (root / MANIFEST).is_file():
+        raise SpdInputError(f"'{path}' is not a capture directory (no {MANIFEST}); make one with data/capture.py")
+    manifest = json.loads((root / MANIFEST).read_text())
+    if manifest.get("format") != FORMAT:
+        raise SpdInputError(f"the capture '{path}' has format {manifest.get('format')}; this version reads {FORMAT}")
+    if not manifest["complete"]:
+        raise SpdInputError(f"the capture '{path}' is incomplete ({len(manifest['shards'])} shards); run "
+                            "data/capture.py again with the same arguments to finish it")
+    return manifest
+
+
+class CapturedDataset(torch.utils.data.Dataset):
+    """Rows of a capture: ``input_ids``, ``loss_mask`` and the stored states, read lazily from the shards."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.root = Path(path).expanduser()
+        self.manifest = read_manifest(self.root)
+        self.states: list[int] = self.manifest["states"]
+        self.teacher: str = self.manifest["settings"]["teacher"]
+        self._ends = list(_cumsum(s["rows"] for s in self.manifest["shards"]))
+        self._open: dict[int, tuple] = {}  # shard -> (safe_open handle, offsets); per process (DataLoader workers)
+
+    def __len__(self) -> int:
+        return self.manifest["rows"]
+
+    def _shard(self, index: int):
+        if index not in self._open:
+            from safetensors import safe_open
+
+            handle = safe_open(str(self.root / self.manifest["shards"][index]["file"]), framework="pt")
+            self._open[index] = (handle, handle.get_tensor("offsets").tolist())
+        return self._open[index]
+
+    def row_tokens(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every row's ``input_ids`` and ``loss_mask`` (no states): for vocabulary counts."""
+        ids, masks = [], []
+        for index in range(len(self._ends)):
+            handle, offsets = self._shard(index)
+            all_ids, all_masks = handle.get_tensor("input_ids").long(), handle.get_tensor("loss_mask").bool()
+            for lo, hi in zip(offsets, offsets[1:]):
+                ids.append(all_ids[lo:hi])
+                masks.append(all_masks[lo:hi])
+        return ids, masks
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        index = bisect.bisect_right(self._ends, i)
+        local = i - (self._ends[index - 1] if index else 0)
+        handle, offsets = self._shard(index)
+        lo, hi = offsets[local], offsets[local + 1]
+        row = {"input_ids": handle.get_slice("input_ids")[lo:hi].long(),
+               "loss_mask": handle.get_slice("loss_mask")[lo:hi].bool(),
+               "hidden": {a: handle.get_slice(f"hidden.{a}")[lo:hi] for a in self.states}}
+        if self.teacher == "topk":
+            row["topk_ids"] = handle.get_slice("topk_ids")[lo:hi].long()
+            row["topk_logprobs"] = handle.get_slice("topk_logprobs")[lo:hi]
+        return row
+
+
+def collate_captured(rows: list[dict], pad_id: int = 0) -> dict:
+    """Right-pad captured rows: the batch of :func:`spd.distill.collate` plus ``hidden`` (and the top-k teacher)."""
+    n = max(len(r["input_ids"]) for r in rows)
+    b = len(rows)
+    ids = torch.full((b, n), pad_id, dtype=torch.long)
+    valid = torch.zeros(b, n, dtype=torch.bool)
+    supervised = torch.zeros(b, n, dtype=torch.bool)
+    first = rows[0]
+    hidden = {a: first["hidden"][a].new_zeros(b, n, first["hidden"][a].shape[-1]) for a in first["hidden"]}
+    topk = "topk_ids" in first
+    if topk:
+        k = first["topk_ids"].shape[-1]
+        topk_ids = torch.zeros(b, n, k, dtype=torch.long)
+        topk_logprobs = torch.zeros(b, n, k, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        length = len(r["input_ids"])
+        ids[i, :length] = r["input_ids"]
+        valid[i, :length] = True
+        supervised[i, :length - 1] = r["loss_mask"][1:]
+        for a, h in r["hidden"].items():
+            hidden[a][i, :length] = h
+        if topk:
+            topk_ids[i, :length] = r["topk_ids"]
+            topk_logprobs[i, :length] = r["topk_logprobs"]
+    batch = {"input_ids": ids, "valid": valid, "supervised": supervised, "hidden": hidden}
+    if topk:
+        batch["topk_ids"], batch["topk_logprobs"] = topk_ids, topk_logprobs
+    return batch
+
+
+class CapturedTarget(nn.Module):
+    """What training needs of a target, from a capture: its shape (config, stages), final norm and LM head.
+
+    Stands in for :class:`spd.staging.StagedModel` in the trainer (``new_head``, ``check_compatible``,
+    teacher logits), without the target's layers.
+    """
+
+    def __init__(self, path: str | os.PathLike, n_stages: int | None = None, boundaries: list[int] | None = None,
+                 device: str | torch.device = "cpu"):
+        super().__init__()
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+
+        from .staging import split_layers
+
+        self.root = Path(path).expanduser()
+        self.manifest = read_manifest(self.root)
+        cfg = dict(self.manifest["target_config"])
+        self.config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        self.num_layers = self.manifest["num_layers"]
+        self.boundaries = split_layers(self.num_layers, n_stages, boundaries)
+        self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        self.kv_heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
+        weights = load_file(str(self.root / TEACHER_FILE), device=str(device))
+        vocab, hidden = weights["lm_head"].shape
+        # skip_init: no random initialisation, which would draw from the RNG the head's initialisation uses next
+        self.lm_head = torch.nn.utils.skip_init(nn.Linear, hidden, vocab, bias=False, device=device,
+                                                dtype=weights["lm_head"].dtype)
+        self.lm_head.weight.data.copy_(weights["lm_head"])
+        self.register_buffer("scale", weights["norm_scale"])
+        self.eps = self.manifest["norm_eps"]
+        self.requires_grad_(False)
+
+    @property
+    def settings(self) -> dict:
+        return self.manifest["settings"]
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.boundaries) - 1
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.config, "max_position_embeddings", None)
+
+    def token_strings(self) -> list[str] | None:
+        """The target tokenizer's token strings by id, if the capture has them."""
+        path = self.root / TOKENS_FILE
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def norm_scale(self) -> torch.Tensor:
+        return self.scale
+
+    def norm(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
+        x = hidden_BTD.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.scale * x.to(hidden_BTD.dtype)
+
+    def logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
+        """The target's logits from H^L: ``lm_head(norm(H^L))``."""
+        return self.lm_head(self.norm(hidden_BTD))
