@@ -38,6 +38,7 @@ from torch import nn
 
 from .errors import SpdInputError
 from .paths import write_json_atomic
+from .staging import TargetShape
 
 MANIFEST = "capture.json"
 TEACHER_FILE = "teacher.safetensors"
@@ -329,7 +330,7 @@ def collate_captured(rows: list[dict], pad_id: int = 0) -> dict:
     return batch
 
 
-class CapturedTarget(nn.Module):
+class CapturedTarget(TargetShape, nn.Module):
     """What training needs of a target, from a capture: its shape (config, stages), final norm and LM head.
 
     Stands in for :class:`spd.staging.StagedModel` in the trainer (``new_head``, ``check_compatible``,
@@ -365,26 +366,6 @@ class CapturedTarget(nn.Module):
     @property
     def settings(self) -> dict:
         return self.manifest["settings"]
-
-    @property
-    def n_stages(self) -> int:
-        return len(self.boundaries) - 1
-
-    @property
-    def vocab_size(self) -> int:
-        return self.lm_head.weight.shape[0]
-
-    @property
-    def device(self) -> torch.device:
-        return self.lm_head.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
-
-    @property
-    def max_positions(self) -> int | None:
-        return getattr(self.config, "max_position_embeddings", None)
 
     def token_strings(self) -> list[str] | None:
         """The target tokenizer's token strings by id, if the capture has them."""

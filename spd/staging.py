@@ -253,7 +253,36 @@ def _backend_mask(allowed_TK: torch.Tensor, q_pos_T: torch.Tensor, key_pos_K: to
     return torch.where(allowed_TK, zero, torch.finfo(dtype).min)[None, None]
 
 
-class StagedModel(nn.Module):
+class TargetShape:
+    """Properties of a staged target read off its ``boundaries``, ``lm_head`` and ``config``: shared by
+    :class:`StagedModel` and its offline stand-in, :class:`spd.capture.CapturedTarget`."""
+
+    boundaries: list[int]
+    lm_head: nn.Module
+    config: object
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.boundaries) - 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.config, "max_position_embeddings", None)
+
+
+class StagedModel(TargetShape, nn.Module):
     """A Hugging Face causal LM cut into pipeline stages; see the module docstring."""
 
     def __init__(self, model: nn.Module, n_stages: int | None = None, boundaries: list[int] | None = None):
@@ -302,29 +331,9 @@ class StagedModel(nn.Module):
 
     # ---------------------------------------------------------------------------------- properties
     @property
-    def n_stages(self) -> int:
-        return len(self.boundaries) - 1
-
-    @property
-    def device(self) -> torch.device:
-        return self.lm_head.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
-
-    @property
-    def vocab_size(self) -> int:
-        return self.lm_head.weight.shape[0]
-
-    @property
     def is_hybrid(self) -> bool:
         """Whether some decoder layers are linear attention (their state is rolled back from a ring)."""
         return _LINEAR_LAYER_TYPE in self.layer_types
-
-    @property
-    def max_positions(self) -> int | None:
-        return getattr(self.config, "max_position_embeddings", None)
 
     def stage_layers(self, stage: int) -> range:
         """Indices of the decoder layers owned by ``stage`` (0-based)."""
