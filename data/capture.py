@@ -64,8 +64,8 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def run(args) -> int:
-    from spd.capture import CaptureSettings, anchors_for_stages, capture, rows_fingerprint
-    from spd.data import DataConfig, prepare_dataset
+    from spd.capture import CaptureSettings, anchors_for_stages, capture, row_lengths
+    from spd.data import DataConfig, fingerprint, prepare_dataset
     from spd.staging import StagedModel, load_tokenizer
     from transformers import AutoConfig
 
@@ -85,10 +85,10 @@ def run(args) -> int:
         rows = min(rows, args.max_rows)
     if args.max_tokens is not None:
         total, cut = 0, 0
-        for ids in ds["input_ids"][:rows]:
-            if total + len(ids) > args.max_tokens:
+        for length in row_lengths(ds.select(range(rows))):
+            if total + length > args.max_tokens:
                 break
-            total, cut = total + len(ids), cut + 1
+            total, cut = total + length, cut + 1
         rows = cut
     if rows < 1:
         raise SpdInputError("no rows to capture (--max-rows / --max-tokens leave none)")
@@ -98,7 +98,7 @@ def run(args) -> int:
     settings = CaptureSettings(target=args.target, target_revision=args.revision, anchors=anchors, dtype=dtype,
                                teacher=args.teacher, topk=args.topk if args.teacher == "topk" else 0,
                                shard_tokens=args.shard_tokens, batch_tokens=args.batch_tokens,
-                               data_fingerprint=rows_fingerprint(ds))
+                               data_fingerprint=f"{fingerprint(args.data, tokenizer, data_cfg)}-{rows}")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     source = {"data": args.data, "data_revision": args.data_revision, "split": args.split,
               "max_length": args.max_length, "overflow": args.overflow}

@@ -65,7 +65,7 @@ class CaptureSettings:
     topk: int  # k for the top-k teacher (0 otherwise)
     shard_tokens: int  # a shard closes after the row that reaches this many tokens
     batch_tokens: int  # padded tokens per target forward
-    data_fingerprint: str  # of the prepared rows (ids and masks)
+    data_fingerprint: str  # of the prepared rows: their source, tokenizer and preparation settings, and count
 
 
 def anchors_for_stages(num_layers: int, stages: list[int]) -> list[int]:
@@ -95,12 +95,12 @@ def plan_shards(lengths: list[int], shard_tokens: int) -> list[tuple[int, int]]:
     return shards
 
 
-def rows_fingerprint(dataset) -> str:
-    """A hash of the prepared rows, so that a resumed capture reads the same data."""
-    h = hashlib.sha256()
-    for row in dataset:
-        h.update(json.dumps([row["input_ids"], row["loss_mask"]]).encode())
-    return h.hexdigest()[:16]
+def row_lengths(dataset) -> list[int]:
+    """Every row's length, read a column batch at a time (a million-row dataset never sits in Python lists)."""
+    lengths: list[int] = []
+    for batch in dataset.iter(batch_size=4096):
+        lengths.extend(len(ids) for ids in batch["input_ids"])
+    return lengths
 
 
 def bytes_per_token(settings: CaptureSettings, hidden_size: int, num_layers: int) -> int:
@@ -144,7 +144,7 @@ def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettin
     if settings.teacher == "topk" and not 1 <= settings.topk < staged.vocab_size:
         raise SpdInputError(f"topk must be in 1..{staged.vocab_size - 1} for the top-k teacher, got {settings.topk}")
     dtype = _DTYPES[settings.dtype]
-    lengths = [len(ids) for ids in dataset["input_ids"]]
+    lengths = row_lengths(dataset)
     shards = plan_shards(lengths, settings.shard_tokens)
     states = stored_states(settings, num_layers)
     total_tokens = sum(lengths)
@@ -183,12 +183,13 @@ def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettin
                     "shards": [], "complete": False}
         write_json_atomic(manifest_path, manifest)
 
-    ids_all, mask_all = dataset["input_ids"], dataset["loss_mask"]
     for index in range(len(manifest["shards"]), len(shards)):
         start, end = shards[index]
+        part = dataset.select(range(start, end))  # one shard's rows in Python at a time
+        ids_all, mask_all = part["input_ids"], part["loss_mask"]
         tensors: dict[str, list[torch.Tensor]] = {}
         for lo, hi in _batches(lengths, start, end, settings.batch_tokens):
-            rows = ids_all[lo:hi]
+            rows = ids_all[lo - start:hi - start]
             width = max(lengths[lo:hi])
             ids_BN = torch.full((hi - lo, width), pad_id, dtype=torch.long)
             for b, row in enumerate(rows):
@@ -206,8 +207,8 @@ def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettin
                     tensors.setdefault("topk_logprobs", []).append(top.values[b, :n].cpu())
         lens = lengths[start:end]
         shard = {name: torch.cat(parts).contiguous() for name, parts in tensors.items()}
-        shard["input_ids"] = torch.tensor([t for row in ids_all[start:end] for t in row], dtype=torch.int32)
-        shard["loss_mask"] = torch.tensor([m for row in mask_all[start:end] for m in row], dtype=torch.uint8)
+        shard["input_ids"] = torch.tensor([t for row in ids_all for t in row], dtype=torch.int32)
+        shard["loss_mask"] = torch.tensor([m for row in mask_all for m in row], dtype=torch.uint8)
         shard["offsets"] = torch.tensor([0] + list(_cumsum(lens)), dtype=torch.int64)
         name = f"shard-{index:05d}.safetensors"
         save_file(shard, str(out / (name + ".tmp")))
@@ -273,16 +274,13 @@ class CapturedDataset(torch.utils.data.Dataset):
             self._open[index] = (handle, handle.get_tensor("offsets").tolist())
         return self._open[index]
 
-    def row_tokens(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Every row's ``input_ids`` and ``loss_mask`` (no states): for vocabulary counts."""
-        ids, masks = [], []
+    def row_tokens(self):
+        """Every row's ``(input_ids, loss_mask)``, without states, a shard at a time: for vocabulary counts."""
         for index in range(len(self._ends)):
             handle, offsets = self._shard(index)
             all_ids, all_masks = handle.get_tensor("input_ids").long(), handle.get_tensor("loss_mask").bool()
             for lo, hi in zip(offsets, offsets[1:]):
-                ids.append(all_ids[lo:hi])
-                masks.append(all_masks[lo:hi])
-        return ids, masks
+                yield all_ids[lo:hi], all_masks[lo:hi]
 
     def __getitem__(self, i: int) -> dict:
         if not 0 <= i < len(self):

@@ -19,10 +19,10 @@ import torch
 from .errors import SpdInputError
 
 
-def token_counts(ids_rows: Iterable, mask_rows: Iterable, vocab_size: int) -> torch.Tensor:
-    """How often each token id is a supervised target (``loss_mask`` 1) in the rows."""
+def token_counts(rows: Iterable[tuple], vocab_size: int) -> torch.Tensor:
+    """How often each token id is a supervised target (``loss_mask`` 1) in ``(input_ids, loss_mask)`` rows."""
     counts_V = torch.zeros(vocab_size, dtype=torch.long)
-    for ids, mask in zip(ids_rows, mask_rows):
+    for ids, mask in rows:
         ids, mask = torch.as_tensor(ids, dtype=torch.long), torch.as_tensor(mask, dtype=torch.bool)
         counts_V += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
     return counts_V

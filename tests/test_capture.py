@@ -216,7 +216,7 @@ def test_draft_vocab_selection_breaks_ties_by_id():
     counts = torch.tensor([0, 5, 3, 5, 1, 3, 0])
     assert select_draft_vocab(counts, 3).tolist() == [1, 2, 3]  # 5, 5, then the lower of the two 3s
     assert select_draft_vocab(counts, 6).tolist() == [0, 1, 2, 3, 4, 5]
-    assert token_counts([[1, 2, 2, 3]], [[0, 1, 1, 0]], 5).tolist() == [0, 0, 2, 0, 0]
+    assert token_counts([([1, 2, 2, 3], [0, 1, 1, 0])], 5).tolist() == [0, 0, 2, 0, 0]
     with pytest.raises(SpdInputError, match="draft_vocab_size"):
         select_draft_vocab(counts, 8)
 
@@ -244,8 +244,8 @@ def test_draft_vocab_head_round_trip(tiny_testbed, draft_head):
     head = load_speculator(str(draft_head))
     tok = load_tokenizer(str(tiny_testbed / "target"))
     rows, _ = _rows(tiny_testbed)
-    want = select_draft_vocab(token_counts([r["input_ids"] for r in rows], [r["loss_mask"] for r in rows],
-                                           head.config.vocab_size), 64)
+    want = select_draft_vocab(token_counts([(r["input_ids"], r["loss_mask"]) for r in rows], head.config.vocab_size),
+                              64)
     assert head.config.draft_vocab_size == 64 and head.lm_head.weight.shape[0] == 64
     assert torch.equal(head.draft_ids, want)
     assert head.config.draft_vocab_sha256 == tokens_sha256(tok.convert_ids_to_tokens(want.tolist()))

@@ -156,8 +156,9 @@ def train(cfg, resume: bool) -> dict:
         check_compatible(head.config, staged)
         check_draft_vocab(head, staged.vocab_size)
     elif cfg.draft_vocab_size:
-        ids_rows, mask_rows = train_ds.row_tokens() if offline else (train_ds["input_ids"], train_ds["loss_mask"])
-        draft_ids = select_draft_vocab(token_counts(ids_rows, mask_rows, staged.vocab_size), cfg.draft_vocab_size)
+        rows = (train_ds.row_tokens() if offline else
+                (pair for batch in train_ds.iter(batch_size=4096) for pair in zip(batch["input_ids"], batch["loss_mask"])))
+        draft_ids = select_draft_vocab(token_counts(rows, staged.vocab_size), cfg.draft_vocab_size)
         known = token_strings is not None and int(draft_ids.max()) < len(token_strings)
         sha = tokens_sha256([token_strings[i] for i in draft_ids.tolist()]) if known else None
         head = new_head(staged, cfg, draft_ids, sha).float()
