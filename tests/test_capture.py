@@ -100,7 +100,7 @@ def test_offline_step_equals_online_step(tiny_testbed, subset, captured):
         hidden = teacher_pass(target, teacher_anchors(head, target), batch)
         loss, result = distill_step(head, target, hidden, batch, fill, 1.0, 64)
         loss.backward()
-        results.append((float(loss), result.agree, {k: p.grad.clone() for k, p in head.named_parameters()}))
+        results.append((float(loss.detach()), result.agree, {k: p.grad.clone() for k, p in head.named_parameters()}))
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-5) and results[0][1] == results[1][1]
     for name, grad in results[0][2].items():
         torch.testing.assert_close(results[1][2][name], grad, atol=1e-6, rtol=1e-4)
