@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 from dataclasses import asdict, dataclass
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -178,7 +179,7 @@ def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettin
         config = staged.config.to_dict()
         manifest = {"format": FORMAT, "settings": asdict(settings), "target_config": config,
                     "num_layers": num_layers, "hidden_size": hidden_size, "vocab_size": staged.vocab_size,
-                    "norm_eps": _norm_eps(staged), "pad_id": pad_id, "states": states, "source": source or {},
+                    "norm_eps": staged.norm_eps, "pad_id": pad_id, "states": states, "source": source or {},
                     "rows": len(lengths), "tokens": total_tokens, "bytes": need,
                     "shards": [], "complete": False}
         write_json_atomic(manifest_path, manifest)
@@ -209,7 +210,7 @@ def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettin
         shard = {name: torch.cat(parts).contiguous() for name, parts in tensors.items()}
         shard["input_ids"] = torch.tensor([t for row in ids_all for t in row], dtype=torch.int32)
         shard["loss_mask"] = torch.tensor([m for row in mask_all for m in row], dtype=torch.uint8)
-        shard["offsets"] = torch.tensor([0] + list(_cumsum(lens)), dtype=torch.int64)
+        shard["offsets"] = torch.tensor([0, *accumulate(lens)], dtype=torch.int64)
         name = f"shard-{index:05d}.safetensors"
         save_file(shard, str(out / (name + ".tmp")))
         os.replace(out / (name + ".tmp"), out / name)  # a shard exists only once it is whole
@@ -222,20 +223,8 @@ def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettin
     return manifest
 
 
-def _cumsum(values):
-    total = 0
-    for v in values:
-        total += v
-        yield total
-
-
 def _diff(old: dict, new: dict) -> str:
     return ", ".join(f"{k}: {old.get(k)!r} there vs {new.get(k)!r} now" for k in new if old.get(k) != new.get(k))
-
-
-def _norm_eps(staged) -> float:
-    return float(getattr(staged.norm, "eps", None) or getattr(staged.norm, "variance_epsilon", 0.0) or
-                 getattr(staged.config, "rms_norm_eps", 1e-6))
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
@@ -260,7 +249,7 @@ class CapturedDataset(torch.utils.data.Dataset):
         self.manifest = read_manifest(self.root)
         self.states: list[int] = self.manifest["states"]
         self.teacher: str = self.manifest["settings"]["teacher"]
-        self._ends = list(_cumsum(s["rows"] for s in self.manifest["shards"]))
+        self._ends = list(accumulate(s["rows"] for s in self.manifest["shards"]))
         self._open: dict[int, tuple] = {}  # shard -> (safe_open handle, offsets); per process (DataLoader workers)
 
     def __len__(self) -> int:
@@ -300,32 +289,23 @@ class CapturedDataset(torch.utils.data.Dataset):
 
 def collate_captured(rows: list[dict], pad_id: int = 0) -> dict:
     """Right-pad captured rows: the batch of :func:`spd.distill.collate` plus ``hidden`` (and the top-k teacher)."""
-    n = max(len(r["input_ids"]) for r in rows)
-    b = len(rows)
-    ids = torch.full((b, n), pad_id, dtype=torch.long)
-    valid = torch.zeros(b, n, dtype=torch.bool)
-    supervised = torch.zeros(b, n, dtype=torch.bool)
-    first = rows[0]
-    hidden = {a: first["hidden"][a].new_zeros(b, n, first["hidden"][a].shape[-1]) for a in first["hidden"]}
-    topk = "topk_ids" in first
-    if topk:
-        k = first["topk_ids"].shape[-1]
-        topk_ids = torch.zeros(b, n, k, dtype=torch.long)
-        topk_logprobs = torch.zeros(b, n, k, dtype=torch.float32)
+    from .distill import collate
+
+    batch = collate(rows, pad_id)
+    b, n = batch["input_ids"].shape
+    padded = {f"hidden.{a}": h for a, h in rows[0]["hidden"].items()}
+    if "topk_ids" in rows[0]:
+        padded.update(topk_ids=rows[0]["topk_ids"], topk_logprobs=rows[0]["topk_logprobs"])
+    out = {name: x.new_zeros(b, n, *x.shape[1:]) for name, x in padded.items()}
     for i, r in enumerate(rows):
         length = len(r["input_ids"])
-        ids[i, :length] = r["input_ids"]
-        valid[i, :length] = True
-        supervised[i, :length - 1] = r["loss_mask"][1:]
         for a, h in r["hidden"].items():
-            hidden[a][i, :length] = h
-        if topk:
-            topk_ids[i, :length] = r["topk_ids"]
-            topk_logprobs[i, :length] = r["topk_logprobs"]
-    batch = {"input_ids": ids, "valid": valid, "supervised": supervised, "hidden": hidden}
-    if topk:
-        batch["topk_ids"], batch["topk_logprobs"] = topk_ids, topk_logprobs
-    return batch
+            out[f"hidden.{a}"][i, :length] = h
+        if "topk_ids" in r:
+            out["topk_ids"][i, :length] = r["topk_ids"]
+            out["topk_logprobs"][i, :length] = r["topk_logprobs"]
+    batch["hidden"] = {a: out.pop(f"hidden.{a}") for a in rows[0]["hidden"]}
+    return {**batch, **out}
 
 
 class CapturedTarget(TargetShape, nn.Module):
@@ -349,8 +329,6 @@ class CapturedTarget(TargetShape, nn.Module):
         self.config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
         self.num_layers = self.manifest["num_layers"]
         self.boundaries = split_layers(self.num_layers, n_stages, boundaries)
-        self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
-        self.kv_heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
         weights = load_file(str(self.root / TEACHER_FILE), device=str(device))
         vocab, hidden = weights["lm_head"].shape
         # skip_init: no random initialisation, which would draw from the RNG the head's initialisation uses next
@@ -365,10 +343,13 @@ class CapturedTarget(TargetShape, nn.Module):
     def settings(self) -> dict:
         return self.manifest["settings"]
 
-    def token_strings(self) -> list[str] | None:
-        """The target tokenizer's token strings by id, if the capture has them."""
+    def token_strings(self, ids: list[int]) -> list[str | None] | None:
+        """The target tokenizer's strings of ``ids`` (None for ids it lacks), or None if the capture has none."""
         path = self.root / TOKENS_FILE
-        return json.loads(path.read_text()) if path.is_file() else None
+        if not path.is_file():
+            return None
+        tokens = json.loads(path.read_text())
+        return [tokens[i] if i < len(tokens) else None for i in ids]
 
     def norm_scale(self) -> torch.Tensor:
         return self.scale

@@ -246,9 +246,9 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     supervised = torch.zeros(len(rows), n, dtype=torch.bool)
     for b, r in enumerate(rows):
         length = len(r["input_ids"])
-        ids[b, :length] = torch.tensor(r["input_ids"])
+        ids[b, :length] = torch.as_tensor(r["input_ids"])
         valid[b, :length] = True
-        mask = torch.tensor(r["loss_mask"], dtype=torch.bool)
+        mask = torch.as_tensor(r["loss_mask"], dtype=torch.bool)
         supervised[b, : length - 1] = mask[1:]
     return {"input_ids": ids, "valid": valid, "supervised": supervised}
 

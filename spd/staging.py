@@ -281,6 +281,14 @@ class TargetShape:
     def max_positions(self) -> int | None:
         return getattr(self.config, "max_position_embeddings", None)
 
+    @property
+    def head_dim(self) -> int:
+        return getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
+
 
 class StagedModel(TargetShape, nn.Module):
     """A Hugging Face causal LM cut into pipeline stages; see the module docstring."""
@@ -316,8 +324,6 @@ class StagedModel(TargetShape, nn.Module):
         self.boundaries = split_layers(self.num_layers, n_stages, boundaries)
         self.layer_types = _layer_types(config)
         self.windows = _layer_windows(config, self.layer_types)
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
     # ------------------------------------------------------------------------------------ loading
     @classmethod
@@ -515,12 +521,17 @@ class StagedModel(TargetShape, nn.Module):
         """Target logits from final hidden states H^L: ``lm_head(norm(H^L))``."""
         return self.lm_head(self.norm(hidden_BTD))
 
+    @property
+    def norm_eps(self) -> float:
+        """The final norm's epsilon (``eps`` or ``variance_epsilon`` by model family)."""
+        return float(getattr(self.norm, "eps", None) or getattr(self.norm, "variance_epsilon", 0.0))
+
     @torch.no_grad()
     def norm_scale(self) -> torch.Tensor:
         """The final norm's per-channel scale ``g`` in ``norm(x) = g * x / rms(x)``, whatever the convention
         (``w`` for Llama/Qwen3, ``1 + w`` for Qwen3.5/Qwen3-Next): read off the norm applied to a unit vector."""
         ones_1D = torch.ones(1, self.config.hidden_size, dtype=self.dtype, device=self.device)
-        eps = float(getattr(self.norm, "eps", None) or getattr(self.norm, "variance_epsilon", 0.0))
+        eps = self.norm_eps
         return (self.norm(ones_1D)[0].double() * (1.0 + eps) ** 0.5).to(self.dtype)  # rms(ones) = 1, up to eps
 
 

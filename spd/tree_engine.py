@@ -274,9 +274,11 @@ class SpdHeadSource:
             view = SimpleNamespace(length=cache.length,
                                    keys=[k[:, :, :cache.length].expand(b, -1, -1, -1) for k in cache.keys],
                                    values=[v[:, :, :cache.length].expand(b, -1, -1, -1) for v in cache.values])
-        logprobs_LV = torch.log_softmax(head.vocab_logits(head.query(view, rows, query_LD)).float(), dim=-1)
+        # Over the head's own outputs (V, or K draft tokens): the top children, then their target ids.
+        logprobs_LV = torch.log_softmax(head.logits(head.query(view, rows, query_LD)).float(), dim=-1)
         top = torch.topk(logprobs_LV, self.children, dim=-1)
-        return top.indices.cpu(), top.values.cpu()
+        ids = top.indices if head.draft_ids is None else head.draft_ids[top.indices]
+        return ids.cpu(), top.values.cpu()
 
     def commit_root(self, root: Level) -> None:
         """The root left stage n: its row at full depth joins the head's cache (it is committed either way)."""

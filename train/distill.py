@@ -72,7 +72,10 @@ def check_trackers(cfg) -> list[str]:
 
 
 def load_target_and_data(cfg, accelerator):
-    """The frozen target and the rows: (target, train rows, eval rows or None, collate_fn, token strings or None).
+    """The frozen target and the rows: (target, train rows, eval rows or None, collate_fn, token_strings).
+
+    ``token_strings(ids)`` gives the target tokenizer's strings of ``ids`` (None if unknown), read only when
+    a draft vocabulary needs them.
 
     Online: the target (bf16 on GPU, fp32 on CPU; only its forward runs, under no_grad) and prepared datasets.
     Offline (``data`` is a capture, data/capture.py): the capture's rows and a stand-in for the target
@@ -101,7 +104,7 @@ def load_target_and_data(cfg, accelerator):
             raise SpdInputError("draft_vocab_size needs the full teacher (the target's distribution restricted to the "
                                 "draft tokens); capture with --teacher full")
         pad_id = train_ds.manifest["pad_id"]
-        return target, train_ds, eval_ds, partial(collate_captured, pad_id=pad_id), target.token_strings()
+        return target, train_ds, eval_ds, partial(collate_captured, pad_id=pad_id), target.token_strings
     on_gpu = torch.cuda.is_available()
     staged = StagedModel.from_pretrained(cfg.target, revision=cfg.target_revision, device=accelerator.device,
                                          dtype=torch.bfloat16 if on_gpu else torch.float32, **stages)
@@ -113,8 +116,7 @@ def load_target_and_data(cfg, accelerator):
         eval_ds = (prepare_dataset(cfg.eval_data, tokenizer, data_cfg, cfg.cache_dir, report=accelerator.print)
                    if cfg.eval_data else None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    return staged, train_ds, eval_ds, partial(collate, pad_id=pad_id), tokens
+    return staged, train_ds, eval_ds, partial(collate, pad_id=pad_id), tokenizer.convert_ids_to_tokens
 
 
 def train(cfg, resume: bool) -> dict:
@@ -159,8 +161,8 @@ def train(cfg, resume: bool) -> dict:
         rows = (train_ds.row_tokens() if offline else
                 (pair for batch in train_ds.iter(batch_size=4096) for pair in zip(batch["input_ids"], batch["loss_mask"])))
         draft_ids = select_draft_vocab(token_counts(rows, staged.vocab_size), cfg.draft_vocab_size)
-        known = token_strings is not None and int(draft_ids.max()) < len(token_strings)
-        sha = tokens_sha256([token_strings[i] for i in draft_ids.tolist()]) if known else None
+        strings = token_strings(draft_ids.tolist())
+        sha = tokens_sha256(strings) if strings is not None and None not in strings else None
         head = new_head(staged, cfg, draft_ids, sha).float()
     else:
         head = new_head(staged, cfg).float()
