@@ -418,6 +418,7 @@ class TreeEngine:
             new_level = None
             if levels[-1].depth == 0:
                 stages.launch_level(levels[-1], tree, committed)
+            exits = levels[0].depth == n - 1  # the root's level leaves stage n this step and is verified
             # 1. The source grows the tree from the state at the start of the step (concurrent with 2).
             if committed + tree.depth + 1 < end_position:
                 tick = time.perf_counter()
@@ -430,21 +431,25 @@ class TreeEngine:
                     stats.proposals += new_N.numel()
                     # Remote stages may start on it before this step's verification (a prune or miss
                     # reaches it through the epoch); the single-process backend runs it next step.
-                    stages.launch_level(new_level, tree, committed, early=True)
+                    stages.launch_level(new_level, tree, committed, early=exits)
             stats.tree_nodes_total += len(tree)
             stats.max_tree_size = max(stats.max_tree_size, len(tree))
-            # 2. Every stage advances the level it holds.
-            tick = time.perf_counter()
-            stages.advance(levels, tree, committed)
             stats.stage_nodes += sum(level.size for level in levels)
+            # 2. Every stage advances the level it holds. The root's level, leaving stage n, is taken first, so
+            #    that its verification (3) releases stage 1's next level before the other reports are read.
+            tick = time.perf_counter()
+            stages.advance(levels[:1] if exits else levels, tree, committed)
             stats.stage_time_s += time.perf_counter() - tick
-            if new_level is not None:
-                levels.append(new_level)
-            if levels[0].depth < n:
+            if not exits:
+                if new_level is not None:
+                    levels.append(new_level)
                 continue
             # 3. The root left stage n: the target's p for the next position decides among its children.
             tick = time.perf_counter()
             root = levels.pop(0)
+            rest = list(levels)  # their stages ran this step too; taken below, after the prune
+            if new_level is not None:
+                levels.append(new_level)
             source.commit_root(root)
             token, child = self._verify(root, tree, levels, sampling, generator, stats)
             context.append(int(tree.tokens_N[0]))
@@ -456,6 +461,7 @@ class TreeEngine:
                 stages.prune(committed, kept)
                 source.prune(committed, kept)
                 levels = [lv for lv in (self._prune_level(lv, kept) for lv in levels) if lv is not None]
+                rest = [lv for lv in levels if any(lv is r for r in rest)]
             else:
                 # Miss (or nothing to verify): reseed from the committed token.
                 tree.reset(token)
@@ -463,9 +469,17 @@ class TreeEngine:
                 source.reset(committed + 1)
                 levels = [self._enter(tree, 0, 1, rank=0)]
                 grown = 0
+                rest = []  # discarded with the flush
+            if not stop and levels[-1].depth == 0:
+                stages.launch_level(levels[-1], tree, len(context))  # stage 1's next level, as soon as it is decided
             stats.verify_time_s += time.perf_counter() - tick
             if on_token is not None and on_token(token, child is not None) and not stop:
-                stop = "stopped"  # the caller ended the request
+                stop = "stopped"  # the caller ended the request (levels still in flight are discarded)
+            if stop or not rest:
+                continue
+            tick = time.perf_counter()
+            stages.advance(rest, tree, len(context))
+            stats.stage_time_s += time.perf_counter() - tick
 
         stats.wall_time_s = time.perf_counter() - t0
         stats.stop_reason = stop
