@@ -41,8 +41,9 @@ class RunSpec:
     stages: int = 1
     head: str | None = None
     source: str | None = None  # tree: a draft model or an SPD head directory
-    width: int = 1  # tree: W
+    width: int | str = 1  # tree: W, or "auto"
     children: int = 1  # tree: K
+    candidates: str = "auto"  # tree at T > 0: sampled (auto) or top-k
 
 
 def parse_run(text: str) -> RunSpec:
@@ -56,13 +57,19 @@ def parse_run(text: str) -> RunSpec:
     if mode == "spd" and arg:
         return RunSpec(name or arg, "spd", 0, arg)
     if mode == "tree":
+        rule = "auto"
+        if arg.rsplit(":", 1)[-1] in ("sampled", "top-k", "auto"):
+            arg, rule = arg.rsplit(":", 1)
         source, *numbers = arg.rsplit(":", 3)
-        if source and len(numbers) == 3 and all(x.isdigit() and int(x) >= 1 for x in numbers):
-            n, width, children = (int(x) for x in numbers)
-            return RunSpec(name or f"tree {source} n={n} W={width} K={children}", "tree", n, None, source, width,
-                           children)
-    raise SpdInputError(f"--run '{text}' is not a run; expected ar, pp:N, spd:HEAD_DIR or tree:SOURCE:N:W:K "
-                        "(optionally NAME=...)")
+        if source and len(numbers) == 3 and all(x.isdigit() and int(x) >= 1 for x in numbers[::2]) \
+                and (numbers[1] == "auto" or numbers[1].isdigit() and int(numbers[1]) >= 1):
+            n, children = int(numbers[0]), int(numbers[2])
+            width = "auto" if numbers[1] == "auto" else int(numbers[1])
+            return RunSpec(name or f"tree {source} n={n} W={width} K={children}" + ("" if rule == "auto" else
+                                                                                    f" {rule}"),
+                           "tree", n, None, source, width, children, rule)
+    raise SpdInputError(f"--run '{text}' is not a run; expected ar, pp:N, spd:HEAD_DIR or tree:SOURCE:N:W:K[:RULE] "
+                        "(W a number or auto, RULE sampled or top-k; optionally NAME=...)")
 
 
 def parse_args(argv=None):
@@ -72,7 +79,9 @@ def parse_args(argv=None):
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: the target's)")
     p.add_argument("--prompts", default=str(tb / "prompts.jsonl"), help="jsonl of prompts")
     p.add_argument("--num-prompts", type=int, default=50)
-    p.add_argument("--run", action="append", default=[], help="ar | pp:N | spd:HEAD | tree:SOURCE:N:W:K (repeatable)")
+    p.add_argument("--run", action="append", default=[],
+                   help="ar | pp:N | spd:HEAD | tree:SOURCE:N:W:K[:RULE] (repeatable)")
+    p.add_argument("--tree-max-width", type=int, default=8, help="tree runs with W = auto: the largest width")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0])
     p.add_argument("--top-k", type=int, default=50, help="top-k when sampling (the paper's T=1 setting: 50)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -144,6 +153,8 @@ def summarize(records: list[dict], stages: int) -> dict:
     if "mean_tree_size" in records[0]:
         out["mean_tree_size"] = sum(r["tree_nodes_total"] for r in records) / steps if steps else None
         out["stage_nodes_per_token"] = sum(r["stage_nodes"] for r in records) / decode if decode else None
+        expansions = sum(r["expansions"] for r in records)
+        out["mean_width"] = sum(r["width_total"] for r in records) / expansions if expansions else None
     if steps and records[0].get("schedule") is not None:
         # Theoretical speedup over all prompts, with the variant's step cost (PipelineStats).
         ratio = statistics.fmean(r["theoretical_speedup"] / r["equivalent_accept_length"]
@@ -182,7 +193,8 @@ def _bench(args, runs: list[RunSpec]) -> int:
         if run.mode == "tree":
             if run.stages not in staged_by_n:
                 staged_by_n[run.stages] = StagedModel.from_pretrained(args.target, n_stages=run.stages)
-            engines[run.name], info[run.name] = _tree_run(run, staged_by_n[run.stages], tokenizer)
+            engines[run.name], info[run.name] = _tree_run(run, staged_by_n[run.stages], tokenizer,
+                                                          args.tree_max_width)
             continue
         head = load_speculator(run.head) if run.head else None
         n = head.config.n_stages if head is not None else run.stages
@@ -246,8 +258,8 @@ def _bench(args, runs: list[RunSpec]) -> int:
     return 0
 
 
-def _tree_run(run: RunSpec, staged, tokenizer):
-    """The tree engine of a ``tree:SOURCE:N:W:K`` run and its info row."""
+def _tree_run(run: RunSpec, staged, tokenizer, max_width: int = 8):
+    """The tree engine of a ``tree:SOURCE:N:W:K[:RULE]`` run and its info row."""
     from spd.speculator import SpeculatorConfig, load_speculator
     from spd.staging import StagedModel, load_tokenizer
     from spd.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
@@ -264,9 +276,10 @@ def _tree_run(run: RunSpec, staged, tokenizer):
         except SpdInputError:
             draft_tokenizer = None
         source, kind, layers = DraftModelSource(draft, staged, run.children, tokenizer, draft_tokenizer), "draft", 0
-    engine = TreeEngine(staged, source, run.width, tokenizer)
+    engine = TreeEngine(staged, source, run.width, tokenizer, candidates=run.candidates, max_width=max_width)
     info = {"mode": "tree", "stages": run.stages, "head": run.source if is_head else None,
             "draft": None if is_head else run.source, "width": run.width, "children": run.children,
+            "candidates": run.candidates, "max_width": max_width if run.width == "auto" else None,
             "variant": f"tree-{kind} W={run.width} K={run.children}", "speculator_layers": layers}
     return engine, info
 
@@ -274,7 +287,8 @@ def _tree_run(run: RunSpec, staged, tokenizer):
 def render_table(results: dict) -> str:
     """A markdown table: one row per temperature and run."""
     head = ("| T | run | variant | n | L'_acc (all) | L'_acc (mean/prompt) | theor. speedup | flushes "
-            "| acceptance by position k=1..n | identical to ar | tok/s (1 proc) | steps/token | mean tree |")
+            "| acceptance by position k=1..n | identical to ar | tok/s (1 proc) | steps/token | mean tree "
+            "| node-stage evals/token | mean W |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for key_t, by_run in results.items():
         for name, r in by_run.items():
@@ -288,7 +302,8 @@ def render_table(results: dict) -> str:
             lines.append(f"| {key_t[2:]} | {name} | {r['variant']} | {r['stages']} | {fmt(s.get('L_acc'))} "
                          f"| {fmt(s.get('L_acc_mean_per_prompt'))} | {fmt(s.get('theoretical_speedup'))} "
                          f"| {s.get('flushes', '-')} | {fills} | {same} | {fmt(s.get('tokens_per_s'), 1)} "
-                         f"| {fmt(s.get('steps_per_token'))} | {fmt(s.get('mean_tree_size'), 1)} |")
+                         f"| {fmt(s.get('steps_per_token'))} | {fmt(s.get('mean_tree_size'), 1)} "
+                         f"| {fmt(s.get('stage_nodes_per_token'), 1)} | {fmt(s.get('mean_width'), 2)} |")
     return "\n".join(lines)
 
 

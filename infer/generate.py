@@ -42,6 +42,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
+def _tree_width(text: str) -> int | str:
+    from spd.tree_width import parse_tree_width
+
+    try:
+        return parse_tree_width(text)
+    except SpdInputError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got '{text}'") from None
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -77,10 +86,16 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="draft model for --mode tree: a directory or hub id of a small causal LM with the target's "
                         "tokenizer")
     p.add_argument("--draft-revision", default=None, help="hub revision of --draft-model")
-    p.add_argument("--tree-width", type=_positive_int, default=4,
-                   help="--mode tree: tree nodes kept per level, W (default: %(default)s)")
+    p.add_argument("--tree-width", type=_tree_width, default=4,
+                   help="--mode tree: tree nodes kept per level, W, or 'auto' (follows the measured acceptance, up to "
+                        "--tree-max-width) (default: %(default)s)")
     p.add_argument("--tree-children", type=_positive_int, default=4,
                    help="--mode tree: candidate children per node, K (default: %(default)s)")
+    p.add_argument("--tree-max-width", type=_positive_int, default=8,
+                   help="--mode tree --tree-width auto: the largest width (default: %(default)s)")
+    p.add_argument("--tree-candidates", default="auto", choices=("auto", "sampled", "top-k"),
+                   help="--mode tree at T > 0: children drawn from the source's distribution (sampled) or its top-K "
+                        "(top-k); auto = sampled (greedy always uses top-k) (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--runtime", default="local", choices=("local", "distributed"),
@@ -334,11 +349,12 @@ def run(args) -> int:
 
 
 def tree_engine(args, staged, head, tokenizer, dtype, device, stages=None):
-    """The tree engine for the CLI's flags (draft_model, draft_revision, tree_width, tree_children)."""
+    """The tree engine for the CLI's flags (draft_model, draft_revision and the tree_* flags)."""
     from spd.tree_engine import build_tree_engine
 
     return build_tree_engine(staged, head, tokenizer, args.draft_model, args.draft_revision, args.tree_width,
-                             args.tree_children, dtype, device, stages)
+                             args.tree_children, dtype, device, stages, candidates=args.tree_candidates,
+                             max_width=args.tree_max_width)
 
 
 def run_distributed(args, prompt: str | list[int]) -> int:
@@ -370,7 +386,8 @@ def run_distributed(args, prompt: str | list[int]) -> int:
            "--emulate-stage-ms", str(args.emulate_stage_ms), "--emulate-link-ms", str(args.emulate_link_ms),
            "--timeout-s", str(args.timeout_s)]
     if args.mode == "tree":
-        cmd += ["--tree-width", str(args.tree_width), "--tree-children", str(args.tree_children)]
+        cmd += ["--tree-width", str(args.tree_width), "--tree-children", str(args.tree_children),
+                "--tree-max-width", str(args.tree_max_width), "--tree-candidates", args.tree_candidates]
     for flag, value in (("--revision", args.revision), ("--tokenizer", args.tokenizer),
                         ("--speculator", args.speculator), ("--speculator-revision", args.speculator_revision),
                         ("--draft-model", args.draft_model), ("--draft-revision", args.draft_revision),

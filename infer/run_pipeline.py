@@ -38,8 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", nargs="+", default=["spd"], choices=("spd", "pp", "tree"))
     p.add_argument("--draft-model", default=None, help="--mode tree: a small causal LM with the target's tokenizer")
     p.add_argument("--draft-revision", default=None)
-    p.add_argument("--tree-width", type=int, default=4, help="--mode tree: tree nodes kept per level, W")
+    p.add_argument("--tree-width", default="4", help="--mode tree: tree nodes kept per level, W, or 'auto'")
     p.add_argument("--tree-children", type=int, default=4, help="--mode tree: candidate children per node, K")
+    p.add_argument("--tree-max-width", type=int, default=8, help="--mode tree --tree-width auto: the largest width")
+    p.add_argument("--tree-candidates", default="auto", choices=("auto", "sampled", "top-k"),
+                   help="--mode tree at T > 0: sampled children or the source's top-K (auto: sampled)")
     p.add_argument("--stages", type=int, default=None, help="must equal the world size - 1 (checked)")
     p.add_argument("--prompt", default=None)
     p.add_argument("--prompt-ids", default=None, help="the prompt as comma-separated token ids")
@@ -120,8 +123,12 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
         raise SpdInputError("--mode spd needs --speculator DIR_OR_ID")
     if "tree" in args.mode and (args.draft_model is None) == (args.speculator is None):
         raise SpdInputError("--mode tree needs one token source: --draft-model DIR_OR_ID or --speculator DIR_OR_ID")
-    if "tree" in args.mode and (args.tree_width < 1 or args.tree_children < 1):
-        raise SpdInputError("--tree-width and --tree-children must be positive integers")
+    if "tree" in args.mode:
+        from spd.tree_width import parse_tree_width
+
+        args.tree_width = parse_tree_width(args.tree_width)
+        if args.tree_children < 1 or args.tree_max_width < 1:
+            raise SpdInputError("--tree-children and --tree-max-width must be positive integers")
     tokenizer = load_target_tokenizer(args.target, args.revision, args.tokenizer)  # None: a target without one
     if tokenizer is None and args.prompt_ids is None:
         raise SpdInputError(f"the target '{args.target}' has no tokenizer; pass --tokenizer DIR_OR_ID or --prompt-ids")

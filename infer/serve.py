@@ -68,7 +68,9 @@ def serve(args) -> int:
                         tokenizer=args.tokenizer, speculator=args.speculator,
                         speculator_revision=args.speculator_revision, draft_model=args.draft_model,
                         draft_revision=args.draft_revision, tree_width=args.tree_width,
-                        tree_children=args.tree_children, dtype=args.dtype, device=args.device, runtime=args.runtime,
+                        tree_children=args.tree_children, tree_max_width=args.tree_max_width,
+                        tree_candidates=args.tree_candidates, dtype=args.dtype, device=args.device,
+                        runtime=args.runtime,
                         emulate_stage_ms=args.emulate_stage_ms, emulate_link_ms=args.emulate_link_ms,
                         timeout_s=args.timeout_s)
     name = args.served_model_name or (Path(args.target).name if Path(args.target).is_dir() else args.target)

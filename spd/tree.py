@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import torch
 
 from .errors import SpdInputError
+from .sampling import SamplingParams, warped_probs
 
 
 class TokenTree:
@@ -51,6 +52,8 @@ class TokenTree:
         self.logprobs_N = torch.zeros(1)  # log-prob of the edge parent -> node (root 0)
         self.cum_logprobs_N = torch.zeros(1)  # sum of edge log-probs from the root (root 0)
         self.mask_NN = torch.ones(1, 1, dtype=torch.bool)  # ancestor mask M
+        # Sampled candidates: node -> the distribution q its children were drawn from (see grow_sampled).
+        self.drafts: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
         return self.tokens_N.shape[0]
@@ -98,22 +101,65 @@ class TokenTree:
                 f"{bottom_L.shape[0]} (the bottom level's size), got {tuple(tokens_LK.shape)} and "
                 f"{tuple(logprobs_LK.shape)}"
             )
+        chosen = self._best(bottom_L, logprobs_LK, width)
+        k = tokens_LK.shape[1]
+        return self._append(bottom_L, chosen // k, chosen % k, tokens_LK, logprobs_LK)
+
+    def child_counts(self, sorted_logprobs_LK: torch.Tensor, width: int) -> torch.Tensor:
+        """How many children each bottom node gets: the ``width`` best slots by cumulative log-prob.
+
+        Row ``l`` holds the bottom node's ``K`` best edge log-probs in descending order (the source's
+        top-K, or -inf past its support). The slots are ranked as :meth:`append_level` ranks candidates,
+        so with the same rows both choose the same number of children per node; here the choice is made
+        *before* the children are drawn (see :func:`grow_sampled`). Shape (L,), int64.
+        """
+        bottom_L = self.bottom_level()
+        sorted_logprobs_LK = torch.as_tensor(sorted_logprobs_LK).float().cpu()
+        if sorted_logprobs_LK.dim() != 2 or sorted_logprobs_LK.shape[0] != bottom_L.shape[0]:
+            raise SpdInputError(f"child_counts expects log-probs of shape (L, K) with L = {bottom_L.shape[0]} (the "
+                                f"bottom level's size), got {tuple(sorted_logprobs_LK.shape)}")
+        chosen = self._best(bottom_L, sorted_logprobs_LK, width)
+        return torch.bincount(chosen // sorted_logprobs_LK.shape[1], minlength=bottom_L.shape[0])
+
+    def append_children(self, counts_L: torch.Tensor, tokens_LK: torch.Tensor,
+                        logprobs_LK: torch.Tensor) -> torch.Tensor:
+        """Append the first ``counts_L[l]`` candidates of each bottom node ``l``, in order; return the new indices."""
+        bottom_L = self.bottom_level()
+        tokens_LK = torch.as_tensor(tokens_LK, dtype=torch.long).cpu()
+        logprobs_LK = torch.as_tensor(logprobs_LK).float().cpu()
+        counts_L = torch.as_tensor(counts_L, dtype=torch.long).cpu()
+        k = tokens_LK.shape[1] if tokens_LK.dim() == 2 else 0
+        if tokens_LK.dim() != 2 or tokens_LK.shape[0] != bottom_L.shape[0] or logprobs_LK.shape != tokens_LK.shape \
+                or counts_L.shape != bottom_L.shape or bool((counts_L < 0).any()) or bool((counts_L > k).any()):
+            raise SpdInputError(
+                f"append_children expects counts of shape (L,) in [0, K] and candidates of shape (L, K) with L = "
+                f"{bottom_L.shape[0]} (the bottom level's size), got {tuple(counts_L.shape)} and "
+                f"{tuple(tokens_LK.shape)}")
+        parent_rank = torch.repeat_interleave(torch.arange(bottom_L.shape[0]), counts_L)
+        cand = torch.cat([torch.arange(int(c)) for c in counts_L]) if parent_rank.numel() else parent_rank
+        return self._append(bottom_L, parent_rank, cand, tokens_LK, logprobs_LK)
+
+    def _best(self, bottom_L: torch.Tensor, logprobs_LK: torch.Tensor, width: int) -> torch.Tensor:
+        """Flat (parent rank, candidate) indices of the ``width`` best finite cumulative log-probs, sorted."""
         if width < 1:
             raise SpdInputError(f"the tree width must be a positive integer, got {width}")
-        k = tokens_LK.shape[1]
-        cum_LK = self.cum_logprobs_N[bottom_L][:, None] + logprobs_LK
+        cum = (self.cum_logprobs_N[bottom_L][:, None] + logprobs_LK).flatten()
         # A stable descending sort breaks ties by flat index = (parent rank, candidate rank).
-        order = torch.sort(cum_LK.flatten(), descending=True, stable=True).indices[:width]
-        order = order[torch.isfinite(cum_LK.flatten()[order])]
-        chosen = torch.sort(order).values  # back to (parent, candidate) order: BFS order of the new level
-        parent_rank, cand = chosen // k, chosen % k
+        order = torch.sort(cum, descending=True, stable=True).indices[:width]
+        order = order[torch.isfinite(cum[order])]
+        return torch.sort(order).values  # back to (parent, candidate) order: BFS order of the new level
+
+    def _append(self, bottom_L: torch.Tensor, parent_rank: torch.Tensor, cand: torch.Tensor, tokens_LK: torch.Tensor,
+                logprobs_LK: torch.Tensor) -> torch.Tensor:
+        """Append candidates ``(parent_rank, cand)`` (grouped by parent, in order) as the new bottom level."""
         parents_T = bottom_L[parent_rank]
-        n, t = len(self), chosen.shape[0]
+        n, t = len(self), parents_T.shape[0]
+        edge_T = logprobs_LK[parent_rank, cand]
         self.tokens_N = torch.cat([self.tokens_N, tokens_LK[parent_rank, cand]])
         self.parents_N = torch.cat([self.parents_N, parents_T])
         self.depths_N = torch.cat([self.depths_N, self.depths_N[parents_T] + 1])
-        self.logprobs_N = torch.cat([self.logprobs_N, logprobs_LK[parent_rank, cand]])
-        self.cum_logprobs_N = torch.cat([self.cum_logprobs_N, cum_LK[parent_rank, cand]])
+        self.logprobs_N = torch.cat([self.logprobs_N, edge_T])
+        self.cum_logprobs_N = torch.cat([self.cum_logprobs_N, self.cum_logprobs_N[parents_T] + edge_T])
         # New rows: the parent's row plus the node itself; no old node has a new node as ancestor.
         rows_TN = torch.cat([self.mask_NN[parents_T], torch.eye(t, dtype=torch.bool)], dim=1)
         self.mask_NN = torch.cat([torch.cat([self.mask_NN, torch.zeros(n, t, dtype=torch.bool)], 1), rows_TN])
@@ -143,6 +189,7 @@ class TokenTree:
         self.logprobs_N[0] = 0.0
         self.cum_logprobs_N = self.cum_logprobs_N[kept] - self.cum_logprobs_N[child]
         self.mask_NN = self.mask_NN[kept][:, kept]
+        self.drafts = {int(new_index[i]): q for i, q in self.drafts.items() if new_index[i] >= 0}
         return kept
 
 
@@ -196,7 +243,8 @@ def verify_sampled_deterministic(p_V: torch.Tensor, child_tokens: torch.Tensor |
 
 def verify_sampled_recursive(p_V: torch.Tensor, child_tokens: torch.Tensor | Sequence[int],
                              q_list: torch.Tensor | Sequence[torch.Tensor],
-                             generator: torch.Generator | None) -> tuple[int | None, int]:
+                             generator: torch.Generator | None,
+                             without_replacement: bool = False) -> tuple[int | None, int]:
     """Recursive rejection sampling (SpecInfer) for sampled candidates: ``(index or None, token)``.
 
     Candidate ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``; on rejection
@@ -204,25 +252,35 @@ def verify_sampled_recursive(p_V: torch.Tensor, child_tokens: torch.Tensor | Seq
     residual. Step ``i`` outputs ``min(p_i, q_i) + max(p_i - q_i, 0) = p_i``, so the token is
     distributed exactly as ``p`` provided that (1) ``p_V`` is the target's warped distribution after
     the root, and (2) given the context and the earlier candidates ``x_1..x_{i-1}`` (but not this
-    function's draws), ``x_i`` was drawn from ``q_list[i]`` (one (V,) tensor stands for every
-    candidate, a (C, V) tensor or a list gives one per candidate). I.i.d. draws from one draft distribution
-    (sampling with replacement: every ``q_i = q``) qualify, and so do draws without replacement when
+    function's draws), ``x_i`` was drawn from ``q_i`` and the number of candidates was fixed without
+    looking at their values. ``q_list``: one (V,) tensor for i.i.d. draws (every ``q_i = q``), a
+    (C, V) tensor or a list for one per candidate; with ``without_replacement`` the candidates were
+    drawn one after another without replacement from the one (V,) ``q`` (:func:`grow_sampled`), so
     ``q_i`` is ``q`` renormalised without ``x_1..x_{i-1}``. Candidates that were filtered after
     sampling by a rule that looks at the sampled values (e.g. keeping the top-W of a level by
     cumulative probability) do not qualify: use deterministic candidates and
     :func:`verify_sampled_deterministic` for such trees.
     """
     cands = _candidates(child_tokens)
-    if isinstance(q_list, torch.Tensor) and q_list.dim() == 1:
+    if without_replacement:
+        if not isinstance(q_list, torch.Tensor) or q_list.dim() != 1:
+            raise SpdInputError("verify_sampled_recursive without replacement needs the one (V,) draft distribution "
+                                "the candidates were drawn from")
+        q_rest = _probs(q_list, "the draft distribution q")
+    elif isinstance(q_list, torch.Tensor) and q_list.dim() == 1:
         q_list = [q_list] * len(cands)
-    if len(q_list) != len(cands):
+    if not without_replacement and len(q_list) != len(cands):
         raise SpdInputError(f"verify_sampled_recursive needs one draft distribution per candidate: got "
                             f"{len(q_list)} for {len(cands)} candidates")
     p_i = _probs(p_V)
     p_i /= p_i.sum()
     for i, x in enumerate(cands):
-        q_i = _probs(q_list[i], "each draft distribution q")
-        q_i /= q_i.sum()
+        if without_replacement:
+            q_i = q_rest / q_rest.sum()
+            q_rest[x] = 0.0  # the next candidate was drawn from the rest
+        else:
+            q_i = _probs(q_list[i], "each draft distribution q")
+            q_i /= q_i.sum()
         # u < p/q written as u * q < p: q(x) = 0 (x could not have been drawn) accepts whenever p(x) > 0.
         if _uniform(p_i, generator) * float(q_i[x]) < float(p_i[x]):
             return i, x
@@ -231,3 +289,57 @@ def verify_sampled_recursive(p_V: torch.Tensor, child_tokens: torch.Tensor | Seq
         if mass > 0:  # mass 0 means p_i == q_i: rejection has probability 0 then, keep p_i.
             p_i = residual_V / mass
     return None, _draw(p_i, generator)
+
+
+# ---------------------------------------------------------------------------------- growing the tree
+def grow_top_k(tree: TokenTree, logprobs_LX: torch.Tensor, ids_X: torch.Tensor | None, width: int,
+               children: int) -> torch.Tensor:
+    """Deterministic candidates: each bottom node's top-``children`` tokens, the ``width`` best kept.
+
+    ``logprobs_LX``: the token source's log-probabilities after each bottom node (rows in
+    :meth:`TokenTree.bottom_level` order) over its own outputs ``X``; ``ids_X`` maps them to target ids
+    (None: ``X`` is the target's vocabulary). Verified by :func:`verify_greedy` or
+    :func:`verify_sampled_deterministic`. Returns the new nodes' indices.
+    """
+    top = torch.topk(logprobs_LX.float(), min(children, logprobs_LX.shape[-1]), dim=-1)
+    tokens_LK = top.indices if ids_X is None else ids_X[top.indices]
+    return tree.append_level(tokens_LK.cpu(), top.values.cpu(), width)
+
+
+def grow_sampled(tree: TokenTree, logprobs_LX: torch.Tensor, ids_X: torch.Tensor | None, width: int,
+                 children: int, params: SamplingParams, generator: torch.Generator | None,
+                 vocab_size: int) -> torch.Tensor:
+    """Sampled candidates: each bottom node's children drawn from the source's warped ``q``, without replacement.
+
+    ``q`` is the source's distribution warped like the target's (``params``: temperature, top-k,
+    top-p). How many children each node gets is fixed first, from the ``width`` best slots of the
+    nodes' expected scores (their cumulative log-prob plus ``q``'s sorted top-``children`` log-probs:
+    :meth:`TokenTree.child_counts`), so the count never depends on the draws; then node ``l``'s
+    ``c_l`` children are its first ``c_l`` draws of a sequence without replacement from ``q``
+    (Gumbel top-k: the order of the keys ``log q + Gumbel noise`` is a Plackett-Luce sample, i.e.
+    draws one after another without replacement). The parent's ``q`` over the target's vocabulary
+    (``vocab_size``) is kept in ``tree.drafts`` for :func:`verify_sampled_recursive` with
+    ``without_replacement``. Node log-probs are ``log q`` of the drawn tokens. Returns the new indices.
+    """
+    q_LX = warped_probs(logprobs_LX, params)
+    logq_LX = torch.log(q_LX)
+    k = min(children, logq_LX.shape[-1])
+    counts_L = tree.child_counts(torch.topk(logq_LX, k, dim=-1).values, width)
+    rows = torch.nonzero(counts_L)[:, 0]
+    tokens_LK = torch.zeros(counts_L.shape[0], k, dtype=torch.long)
+    logprobs_LK = torch.full((counts_L.shape[0], k), float("-inf"))
+    if rows.numel():
+        dev = generator.device if generator is not None else logq_LX.device
+        u_RX = torch.rand((rows.numel(), logq_LX.shape[-1]), generator=generator, dtype=torch.float64, device=dev)
+        gumbel_RX = -torch.log(-torch.log(u_RX)).to(logq_LX.device)
+        logq_RX = logq_LX[rows.to(logq_LX.device)]
+        drawn_RK = torch.topk(logq_RX.double() + gumbel_RX, k, dim=-1).indices
+        logprobs_LK[rows] = logq_RX.gather(-1, drawn_RK).float().cpu()
+        tokens_LK[rows] = (drawn_RK if ids_X is None else ids_X[drawn_RK]).cpu()
+        bottom_L = tree.bottom_level()
+        for row in rows.tolist():
+            q_V = q_LX[row] if ids_X is None and q_LX.shape[-1] == vocab_size else \
+                torch.zeros(vocab_size, dtype=q_LX.dtype, device=q_LX.device).index_copy_(
+                    0, torch.arange(q_LX.shape[-1], device=q_LX.device) if ids_X is None else ids_X, q_LX[row])
+            tree.drafts[int(bottom_L[row])] = q_V
+    return tree.append_children(counts_L, tokens_LK, logprobs_LK)

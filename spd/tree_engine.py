@@ -63,9 +63,12 @@ from .sampling import SamplingParams, warped_probs
 from .draft_vocab import check_draft_vocab
 from .speculator import Speculator, check_compatible
 from .staging import HYBRID_TREE_ERROR, StageKVCache, StagedModel, load_target_tokenizer
-from .tree import TokenTree, verify_greedy, verify_sampled_deterministic
+from .tree import (TokenTree, grow_sampled, grow_top_k, verify_greedy, verify_sampled_deterministic,
+                   verify_sampled_recursive)
+from .tree_width import AdaptiveWidth, FixedWidth, tree_width
 
 MODES = ("tree", "ar")
+CANDIDATES = ("auto", "sampled", "top-k")  # how children are chosen at T > 0 (greedy: always top-k)
 
 
 # ------------------------------------------------------------------------------------------ statistics
@@ -78,8 +81,11 @@ class TreeStats(PipelineStats):
     k-th level after a (re)seed (k = n: the full pipeline); ``proposals`` counts tree nodes created."""
 
     source: str = ""  # "draft" or "head"
-    width: int = 1  # W: nodes kept per level
-    children: int = 1  # K: candidates per node
+    width: int | str = 1  # W: nodes kept per level ("auto": adaptive, up to max_width)
+    children: int = 1  # K: candidates per node (at most)
+    candidates: str = "top-k"  # the rule that chose the children: "top-k" (deterministic) or "sampled"
+    width_total: int = 0  # the width used by each expansion, summed (mean_width = width_total / expansions)
+    expansions: int = 0
     accepted_by_sibling: list[int] = field(default_factory=list)  # hits by the accepted child's rank among its siblings
     candidates_verified: int = 0  # children offered to verification, summed
     tree_nodes_total: int = 0  # tree size after each step's expansion, summed over steps
@@ -90,9 +96,14 @@ class TreeStats(PipelineStats):
     def mean_tree_size(self) -> float:
         return self.tree_nodes_total / self.steps if self.steps else 0.0
 
+    @property
+    def mean_width(self) -> float:
+        return self.width_total / self.expansions if self.expansions else 0.0
+
     def as_dict(self) -> dict:
         d = super().as_dict()
         d["mean_tree_size"] = round(self.mean_tree_size, 4)
+        d["mean_width"] = round(self.mean_width, 4)
         return d
 
 
@@ -145,13 +156,15 @@ class DraftModelSource:
     """Token source (a): a small causal LM (one 1-stage :class:`StagedModel`) proposing tree levels, no training.
 
     Its KV cache holds the committed tokens and the tree nodes it has run (BFS prefix), like a target
-    stage; it runs each node once and keeps the node's top-``K`` candidates, so that a bottom level
-    left shallow by a prune is expanded again without recomputation. Committed tokens it never ran
+    stage; it runs each node once and keeps the node's output, so that a bottom level
+    left shallow by a prune is expanded again without recomputation (its log-probabilities per node, N x V
+    floats: at most ``n * W + 1`` rows). Committed tokens it never ran
     (a root committed before it was expanded) are run first, as a plain causal chunk.
     """
 
     needed_anchors: tuple[int, ...] = ()
     prefill_anchors: tuple[int, ...] = ()
+    ids = None  # its outputs are target token ids
     schedule = "none"
     num_layers = 0  # not a head: the step cost model assumes the draft is hidden behind a stage
 
@@ -166,9 +179,8 @@ class DraftModelSource:
         self._empty()
 
     def _empty(self) -> None:
-        # Top-K candidates of the tree nodes run so far (rows = tree indices 0..held-1).
-        self.tokens_NK = torch.zeros(0, self.children, dtype=torch.long)
-        self.logprobs_NK = torch.zeros(0, self.children)
+        # Log-probabilities after each tree node run so far (rows = tree indices 0..held-1).
+        self.logprobs_NX = torch.zeros(0, self.vocab, device=self.draft.device)
 
     def start(self, prompt_ids: list[int], anchors: dict[int, torch.Tensor], capacity: int) -> None:
         """Prefill the draft's cache with the prompt."""
@@ -176,8 +188,8 @@ class DraftModelSource:
         self._empty()
         self.draft.forward_stages(torch.tensor([prompt_ids], device=self.draft.device), [self.cache])
 
-    def expand(self, tree: TokenTree, context: list[int], levels: list[Level]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Candidate children ``(tokens_LK, logprobs_LK)`` of the bottom level; ``context`` = committed tokens."""
+    def expand(self, tree: TokenTree, context: list[int], levels: list[Level]) -> torch.Tensor:
+        """The draft's log-probabilities after each bottom node, ``(L, X)``; ``context`` = committed tokens."""
         draft, cache, committed = self.draft, self.cache, len(context)
         if cache.length < committed:
             ids_1T = torch.tensor([context[cache.length:]], device=draft.device)
@@ -187,12 +199,9 @@ class DraftModelSource:
             ids_1T = tree.tokens_N[held:][None].to(draft.device)
             positions_1T = tree.positions(committed)[held:][None].to(draft.device)
             out = draft.run_stage(0, draft.embed(ids_1T), cache, positions_1T, tree_mask_TN=tree.mask()[held:])
-            logprobs_TV = torch.log_softmax(draft.logits(out.hidden_BTD[0]).float()[:, :self.vocab], dim=-1)
-            top = torch.topk(logprobs_TV, self.children, dim=-1)
-            self.tokens_NK = torch.cat([self.tokens_NK, top.indices.cpu()])
-            self.logprobs_NK = torch.cat([self.logprobs_NK, top.values.cpu()])
-        bottom_L = tree.bottom_level()
-        return self.tokens_NK[bottom_L], self.logprobs_NK[bottom_L]
+            logprobs_TX = torch.log_softmax(draft.logits(out.hidden_BTD[0]).float()[:, :self.vocab], dim=-1)
+            self.logprobs_NX = torch.cat([self.logprobs_NX, logprobs_TX])
+        return self.logprobs_NX[tree.bottom_level().to(self.logprobs_NX.device)]
 
     def commit_root(self, root: Level) -> None:
         """Nothing to do: the root's row becomes committed in :meth:`prune` / :meth:`reset`."""
@@ -201,8 +210,7 @@ class DraftModelSource:
         """The root (row ``committed``) is committed and the tree keeps the subtree ``kept`` (old indices)."""
         if self.cache.length > committed:  # the draft ran the root (else it catches up in expand)
             StagedModel.prune_tree([self.cache], committed, kept)
-        rows = kept[kept < self.tokens_NK.shape[0]]
-        self.tokens_NK, self.logprobs_NK = self.tokens_NK[rows], self.logprobs_NK[rows]
+        self.logprobs_NX = self.logprobs_NX[kept[kept < self.logprobs_NX.shape[0]].to(self.logprobs_NX.device)]
 
     def reset(self, committed: int) -> None:
         """Miss: drop the tree; the cache keeps at most the ``committed`` committed rows."""
@@ -237,6 +245,7 @@ class SpdHeadSource:
             raise SpdInputError(f"the number of tree children must be a positive integer, got {children}")
         self.head = head
         self.vocab = cfg.vocab_size
+        self.ids = head.draft_ids  # None, or the target ids of a draft-vocabulary head's outputs
         self.children = min(children, cfg.vocab_size)
         self.needed_anchors = tuple(head.needed_anchors())
         self.prefill_anchors = tuple(cfg.anchors[cfg.max_depth])
@@ -249,8 +258,8 @@ class SpdHeadSource:
         self.cache = head.new_cache(capacity=capacity)
         head.append_memory(self.cache, head.features(head.config.max_depth, anchors))
 
-    def expand(self, tree: TokenTree, context: list[int], levels: list[Level]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Candidate children of the bottom level from one batched head query over the bottom nodes' paths."""
+    def expand(self, tree: TokenTree, context: list[int], levels: list[Level]) -> torch.Tensor:
+        """The head's log-probabilities after each bottom node, ``(L, X)``: one batched query over their paths."""
         head, cfg, cache = self.head, self.head.config, self.cache
         if cache.length != len(context):
             raise RuntimeError("speculator cache and committed tokens are out of step")
@@ -274,11 +283,8 @@ class SpdHeadSource:
             view = SimpleNamespace(length=cache.length,
                                    keys=[k[:, :, :cache.length].expand(b, -1, -1, -1) for k in cache.keys],
                                    values=[v[:, :, :cache.length].expand(b, -1, -1, -1) for v in cache.values])
-        # Over the head's own outputs (V, or K draft tokens): the top children, then their target ids.
-        logprobs_LV = torch.log_softmax(head.logits(head.query(view, rows, query_LD)).float(), dim=-1)
-        top = torch.topk(logprobs_LV, self.children, dim=-1)
-        ids = top.indices if head.draft_ids is None else head.draft_ids[top.indices]
-        return ids.cpu(), top.values.cpu()
+        # Over the head's own outputs X (V, or its draft vocabulary: ``ids`` maps them to target ids).
+        return torch.log_softmax(head.logits(head.query(view, rows, query_LD)).float(), dim=-1)
 
     def commit_root(self, root: Level) -> None:
         """The root left stage n: its row at full depth joins the head's cache (it is committed either way)."""
@@ -328,13 +334,19 @@ class LocalTreeStages(LocalStages):
 class TreeEngine:
     """Runs one request at a time through the staged target with a token tree fed by a token source."""
 
-    def __init__(self, staged: StagedModel, source: DraftModelSource | SpdHeadSource, width: int = 4,
-                 tokenizer=None, stages: "LocalTreeStages | None" = None):
-        if width < 1:
-            raise SpdInputError(f"the tree width must be a positive integer, got {width}")
+    def __init__(self, staged: StagedModel, source: DraftModelSource | SpdHeadSource,
+                 width: int | str | FixedWidth | AdaptiveWidth = 4, tokenizer=None,
+                 stages: "LocalTreeStages | None" = None, candidates: str = "auto", max_width: int = 8):
+        """``width``: W, ``"auto"`` (:class:`spd.tree_width.AdaptiveWidth` up to ``max_width``) or a policy;
+        ``candidates``: how children are chosen at T > 0 (``auto`` = ``sampled``; greedy always uses top-k)."""
+        if candidates not in CANDIDATES:
+            raise SpdInputError(f"unknown tree candidate rule '{candidates}'; expected one of: {', '.join(CANDIDATES)}")
         if staged.is_hybrid or (isinstance(source, DraftModelSource) and source.draft.is_hybrid):
             raise SpdInputError(HYBRID_TREE_ERROR)
-        self.staged, self.source, self.width, self.tokenizer = staged, source, width, tokenizer
+        self.staged, self.source, self.tokenizer, self.candidates = staged, source, tokenizer, candidates
+        self.policy = width if isinstance(width, (FixedWidth, AdaptiveWidth)) else \
+            tree_width(width, source.children, max_width)
+        self.width = "auto" if self.policy.adaptive else self.policy.width
         # Where the stages run: this process (default) or other processes (spd.runtime.RemoteStages).
         self.stages = stages if stages is not None else LocalTreeStages(staged)
         b, needed = staged.boundaries, set(source.needed_anchors)
@@ -389,13 +401,16 @@ class TreeEngine:
         eos = eos_set(eos_token_id)
         n = staged.n_stages
         end_position = len(prompt) + budget  # positions >= this are never committed
+        rule = "top-k" if sampling.greedy or self.candidates == "top-k" else "sampled"
         stats = TreeStats(mode="tree", prompt_tokens=len(prompt), stages=n, verified_by_position=[0] * n,
                           accepted_by_position=[0] * n, schedule=source.schedule,
                           speculator_layers=source.num_layers, target_layers=staged.num_layers,
                           source="head" if isinstance(source, SpdHeadSource) else "draft", width=self.width,
-                          children=source.children, accepted_by_sibling=[0] * self.width)
+                          children=self.policy.max_children, candidates=rule,
+                          accepted_by_sibling=[0] * max(self.policy.max_width, self.policy.max_children))
         generator = None if sampling.greedy else sampling.generator(staged.device)
-        capacity = end_position + n * self.width + 1
+        capacity = end_position + n * self.policy.max_width + 1
+        self.policy.reset()
         stages = self.stages
         stages.configure(self._stage_anchors)
 
@@ -422,9 +437,16 @@ class TreeEngine:
             # 1. The source grows the tree from the state at the start of the step (concurrent with 2).
             if committed + tree.depth + 1 < end_position:
                 tick = time.perf_counter()
-                tokens_LK, logprobs_LK = source.expand(tree, context, levels)
-                new_N = tree.append_level(tokens_LK, logprobs_LK, self.width)
+                logprobs_LX = source.expand(tree, context, levels)
+                width, children = self.policy.width, self.policy.children
+                if rule == "top-k":
+                    new_N = grow_top_k(tree, logprobs_LX, source.ids, width, children)
+                else:
+                    new_N = grow_sampled(tree, logprobs_LX, source.ids, width, children, sampling, generator,
+                                         staged.vocab_size)
                 stats.speculator_time_s += time.perf_counter() - tick
+                stats.width_total += width
+                stats.expansions += 1
                 if new_N.numel():
                     grown += 1
                     new_level = self._enter(tree, int(new_N[0]), len(tree), rank=min(grown, n))
@@ -451,7 +473,7 @@ class TreeEngine:
             if new_level is not None:
                 levels.append(new_level)
             source.commit_root(root)
-            token, child = self._verify(root, tree, levels, sampling, generator, stats)
+            token, child = self._verify(root, tree, levels, sampling, generator, stats, rule)
             context.append(int(tree.tokens_N[0]))
             out.append(token)
             stats.token_acceptance.append(child is not None)  # a hit: the token is a tree node
@@ -522,17 +544,21 @@ class TreeEngine:
         return level
 
     def _verify(self, root: Level, tree: TokenTree, levels: list[Level], sampling: SamplingParams,
-                generator: torch.Generator | None, stats: TreeStats) -> tuple[int, int | None]:
+                generator: torch.Generator | None, stats: TreeStats, rule: str) -> tuple[int, int | None]:
         """The committed token after the root and the tree index of the accepted child (None: a miss)."""
         logits_1V = self.staged.logits(root.hidden_1TD[:, -1])
         children_C = tree.children(0)
         tokens_C = tree.tokens_N[children_C]
         if sampling.greedy:
             index, token = verify_greedy(logits_1V[0], tokens_C)
+        elif rule == "sampled" and children_C.numel():
+            p_V = warped_probs(logits_1V, sampling)[0]
+            index, token = self._verify_sampled(p_V, tokens_C, tree.drafts[0].to(p_V.device), generator)
         else:
             index, token = verify_sampled_deterministic(warped_probs(logits_1V, sampling)[0], tokens_C, generator)
         if children_C.numel() == 0:
             return token, None
+        self.policy.observe(index)
         rank = levels[0].rank  # the children's level is the oldest one still in flight
         stats.verified += 1
         stats.candidates_verified += children_C.numel()
@@ -546,12 +572,21 @@ class TreeEngine:
         return token, int(children_C[index])
 
 
+    @staticmethod
+    def _verify_sampled(p_V: torch.Tensor, tokens_C: torch.Tensor, q_V: torch.Tensor,
+                        generator: torch.Generator | None) -> tuple[int | None, int]:
+        """Sampled children (drawn without replacement from ``q_V``): recursive rejection sampling."""
+        return verify_sampled_recursive(p_V, tokens_C, q_V, generator, without_replacement=True)
+
+
 def build_tree_engine(staged: StagedModel, head, tokenizer, draft_model: str | None, draft_revision: str | None,
-                      width: int, children: int, dtype: torch.dtype, device: str | torch.device,
-                      stages=None) -> TreeEngine:
+                      width: int | str, children: int, dtype: torch.dtype, device: str | torch.device,
+                      stages=None, candidates: str = "auto", max_width: int = 8) -> TreeEngine:
     """The tree engine with an SPD head of width W, or with a draft model (refused unless it shares the tokenizer).
 
-    ``stages`` is the stage backend (default: this process; :class:`spd.runtime.RemoteStages` across processes).
+    ``width`` is W or ``"auto"`` (adaptive up to ``max_width``); ``candidates`` the rule at T > 0 (see
+    :class:`TreeEngine`); ``stages`` the stage backend (default: this process; :class:`spd.runtime.RemoteStages`
+    across processes).
     """
     if head is not None:
         source = SpdHeadSource(head, staged, children)
@@ -563,4 +598,4 @@ def build_tree_engine(staged: StagedModel, head, tokenizer, draft_model: str | N
         except SpdInputError:
             draft_tokenizer = None  # a model-only directory: only the vocabulary sizes can be compared
         source = DraftModelSource(draft, staged, children, tokenizer, draft_tokenizer)
-    return TreeEngine(staged, source, width, tokenizer, stages=stages)
+    return TreeEngine(staged, source, width, tokenizer, stages=stages, candidates=candidates, max_width=max_width)

@@ -32,6 +32,21 @@ def test_tree_mode_with_a_draft_model_is_lossless_and_reports_tree_stats(tiny_te
     assert stats["equivalent_accept_length"] == pytest.approx(4 * (stats["new_tokens"] - 1) / stats["steps"], abs=1e-3)
 
 
+def test_tree_mode_auto_width_and_candidate_rules(tiny_testbed):
+    common = ["--target", str(tiny_testbed / "target"), "--prompt", "def main(argv):\n", "--max-new-tokens", "24",
+              "--json", "--mode", "tree", "--draft-model", str(tiny_testbed / "draft"), "--stages", "4"]
+    auto = json.loads(spd_generate(*common, "--tree-width", "auto", "--tree-max-width", "16").stdout)
+    ar = json.loads(spd_generate("--target", str(tiny_testbed / "target"), "--prompt", "def main(argv):\n",
+                                 "--max-new-tokens", "24", "--json").stdout)
+    assert auto["token_ids"] == ar["token_ids"]
+    assert auto["stats"]["width"] == "auto" and 1 <= auto["stats"]["mean_width"] <= 16
+    assert auto["stats"]["candidates"] == "top-k"  # greedy
+    sampled = json.loads(spd_generate(*common, "--temperature", "0.8", "--seed", "3").stdout)
+    assert sampled["stats"]["candidates"] == "sampled"
+    top_k = json.loads(spd_generate(*common, "--temperature", "0.8", "--seed", "3", "--tree-candidates", "top-k").stdout)
+    assert top_k["stats"]["candidates"] == "top-k"
+
+
 def test_tree_mode_streams_text_with_a_summary(tiny_testbed):
     proc = spd_generate("--target", str(tiny_testbed / "target"), "--mode", "tree", "--draft-model",
                         str(tiny_testbed / "draft"), "--stages", "2", "--prompt", "import os\n",
@@ -70,6 +85,8 @@ def mismatched_drafts(tiny_testbed, tmp_path_factory):
     (["--mode", "pp", "--draft-model", "DRAFT"], "--draft-model is only used by --mode tree"),
     (["--mode", "tree", "--draft-model", "DRAFT", "--speculator", "HEAD4"], "not both"),
     (["--mode", "tree", "--draft-model", "DRAFT", "--tree-width", "0"], "--tree-width: expected a positive integer"),
+    (["--mode", "tree", "--draft-model", "DRAFT", "--tree-width", "wide"], "--tree-width: expected a positive integer or 'auto'"),
+    (["--mode", "tree", "--draft-model", "DRAFT", "--tree-candidates", "random"], "--tree-candidates: invalid choice"),
     (["--mode", "tree", "--draft-model", "DRAFT", "--tree-children", "x"], "--tree-children: expected a positive"),
     (["--mode", "tree", "--draft-model", "SMALL_VOCAB"],
      "the draft model's vocabulary has 64 tokens but the target's has 512"),
@@ -95,11 +112,16 @@ def test_bench_compares_tree_runs_with_the_pipeline(tiny_testbed, tiny_heads, tm
     draft = tiny_testbed / "draft"
     proc = run_script("infer/bench.py", "--target", str(tiny_testbed / "target"), "--prompts", str(prompts),
                       "--run", "pp:4", "--run", f"w4=tree:{draft}:4:4:2", "--run", f"head=tree:{tiny_heads[4]}:4:4:4",
+                      "--run", f"auto=tree:{draft}:4:auto:4", "--run", f"topk=tree:{tiny_heads[4]}:4:2:2:top-k",
                       "--temperatures", "0", "1", "--max-new-tokens", "12", "--out", str(out))
     assert "| 0 | w4 | tree-draft W=4 K=2 | 4 |" in proc.stdout and "| 0 | head | tree-spd W=4 K=4 | 4 |" in proc.stdout
-    greedy = json.loads(out.read_text())["results"]["T=0"]
-    for name in ("pp n=4", "w4", "head"):
+    assert "| 1 | auto | tree-draft W=auto K=4 | 4 |" in proc.stdout
+    results = json.loads(out.read_text())["results"]
+    greedy = results["T=0"]
+    for name in ("pp n=4", "w4", "head", "auto", "topk"):
         assert greedy[name]["summary"]["identical_to_ar"] == 2
+    assert results["T=1"]["topk"]["candidates"] == "top-k" and results["T=1"]["head"]["candidates"] == "auto"
+    assert 1 <= results["T=1"]["auto"]["summary"]["mean_width"] <= 8
     assert greedy["pp n=4"]["summary"]["steps_per_token"] == 4.0
     assert 1.0 <= greedy["w4"]["summary"]["mean_tree_size"] <= 1 + 4 * 4
     bad = run_script("infer/bench.py", "--run", f"tree:{draft}:4:4", "--prompts", str(prompts), check=False)

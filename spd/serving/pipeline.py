@@ -35,8 +35,10 @@ class PipelineSpec:
     speculator_revision: str | None = None
     draft_model: str | None = None
     draft_revision: str | None = None
-    tree_width: int = 4
+    tree_width: int | str = 4  # or "auto"
     tree_children: int = 4
+    tree_max_width: int = 8  # tree_width "auto": the largest width
+    tree_candidates: str = "auto"  # at T > 0: "sampled" (auto) or "top-k"
     dtype: str = "float32"
     device: str = "cpu"
     runtime: str = "local"  # local or distributed
@@ -149,7 +151,8 @@ def _engine(spec: PipelineSpec, staged, head, tokenizer, dtype, stages=None):
 
     if spec.mode == "tree":
         return build_tree_engine(staged, head, tokenizer, spec.draft_model, spec.draft_revision, spec.tree_width,
-                                 spec.tree_children, dtype, spec.device, stages)
+                                 spec.tree_children, dtype, spec.device, stages, candidates=spec.tree_candidates,
+                                 max_width=spec.tree_max_width)
     return PipelineEngine(staged, head, tokenizer, stages=stages)
 
 
