@@ -8,7 +8,9 @@ order, siblings in candidate order). The ancestor mask ``M`` (lower triangular, 
 mask, and its column ``c`` is the subtree of ``c``.
 
 A step of tree decoding:
-1. :meth:`TokenTree.append_level` grows the tree by one level from the token source's candidates;
+1. :func:`grow_top_k` (top-K candidates, :meth:`TokenTree.append_level`) or :func:`grow_sampled`
+   (children drawn from the source's ``q``, :meth:`TokenTree.child_counts` and
+   :meth:`TokenTree.append_children`) grows the tree by one level from the token source's distributions;
 2. the target's stages run the new nodes with ``mask()`` rows and ``positions(committed)``
    (:meth:`spd.staging.StagedModel.run_stage` with ``tree_mask_TN``);
 3. once the target's distribution ``p`` after the root is known, a verification function picks the
@@ -22,7 +24,7 @@ rule that matches how they were chosen; never check branches independently (that
 - :func:`verify_greedy` - temperature 0: accept the child equal to the argmax;
 - :func:`verify_sampled_deterministic` - children chosen deterministically (top-k / top-W);
 - :func:`verify_sampled_recursive` - children drawn at random from draft distributions (SpecInfer-style
-  recursive rejection sampling).
+  recursive rejection sampling; ``without_replacement`` for the children of :func:`grow_sampled`).
 
 Shape suffixes: N tree nodes, L nodes of the current bottom level, K candidates per node,
 V vocabulary, C candidates being verified.
