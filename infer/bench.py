@@ -7,7 +7,9 @@ A run is ``ar``, ``pp:N`` (standard pipeline with N stages), ``spd:HEAD`` (a tra
 has the head's n stages and the head's variant: SPD, output-state or PPSD) or ``tree:SOURCE:N:W:K`` (the
 token-tree engine with N stages, W nodes kept per level, K children per node; SOURCE is a draft model
 sharing the target's tokenizer, or an SPD head directory for the head with width W), optionally named
-``NAME=SPEC``. Prompts are jsonl rows with ``"prompt"`` (raw text) or ``"messages"``/``"conversations"``
+``NAME=SPEC``; ``sd:DRAFT:M`` is serial speculative decoding of the whole target with a draft model
+drafting M tokens per target forward (its L'_acc is the mean acceptance length, bonus token included,
+and its theoretical speedup ``L_acc * L / (L_s * M + L)``). Prompts are jsonl rows with ``"prompt"`` (raw text) or ``"messages"``/``"conversations"``
 (rendered with the tokenizer's chat template, a trailing assistant turn dropped). Every run sees every
 prompt at every temperature, in interleaved order. At T=0 each run's tokens are compared with ``ar``'s
 (the lossless check). Sampling uses ``--seed`` + the prompt index, so runs are reproducible.
@@ -44,6 +46,7 @@ class RunSpec:
     width: int | str = 1  # tree: W, or "auto"
     children: int = 1  # tree: K
     candidates: str = "auto"  # tree at T > 0: sampled (auto) or top-k
+    draft_steps: int = 0  # sd: m
 
 
 def parse_run(text: str) -> RunSpec:
@@ -56,6 +59,10 @@ def parse_run(text: str) -> RunSpec:
         return RunSpec(name or f"pp n={arg}", "pp", int(arg))
     if mode == "spd" and arg:
         return RunSpec(name or arg, "spd", 0, arg)
+    if mode == "sd":
+        source, _, steps = arg.rpartition(":")
+        if source and steps.isdigit() and int(steps) >= 1:
+            return RunSpec(name or f"sd {source} m={steps}", "sd", 1, None, source, draft_steps=int(steps))
     if mode == "tree":
         rule = "auto"
         if arg.rsplit(":", 1)[-1] in ("sampled", "top-k", "auto"):
@@ -68,8 +75,8 @@ def parse_run(text: str) -> RunSpec:
             return RunSpec(name or f"tree {source} n={n} W={width} K={children}" + ("" if rule == "auto" else
                                                                                     f" {rule}"),
                            "tree", n, None, source, width, children, rule)
-    raise SpdInputError(f"--run '{text}' is not a run; expected ar, pp:N, spd:HEAD_DIR or tree:SOURCE:N:W:K[:RULE] "
-                        "(W a number or auto, RULE sampled or top-k; optionally NAME=...)")
+    raise SpdInputError(f"--run '{text}' is not a run; expected ar, pp:N, spd:HEAD_DIR, tree:SOURCE:N:W:K[:RULE] "
+                        "(W a number or auto, RULE sampled or top-k) or sd:DRAFT:M (optionally NAME=...)")
 
 
 def parse_args(argv=None):
@@ -80,7 +87,7 @@ def parse_args(argv=None):
     p.add_argument("--prompts", default=str(tb / "prompts.jsonl"), help="jsonl of prompts")
     p.add_argument("--num-prompts", type=int, default=50)
     p.add_argument("--run", action="append", default=[],
-                   help="ar | pp:N | spd:HEAD | tree:SOURCE:N:W:K[:RULE] (repeatable)")
+                   help="ar | pp:N | spd:HEAD | tree:SOURCE:N:W:K[:RULE] | sd:DRAFT:M (repeatable)")
     p.add_argument("--tree-max-width", type=int, default=8, help="tree runs with W = auto: the largest width")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0])
     p.add_argument("--top-k", type=int, default=50, help="top-k when sampling (the paper's T=1 setting: 50)")
@@ -133,8 +140,9 @@ def summarize(records: list[dict], stages: int) -> dict:
     """Aggregate per-prompt statistics of one run at one temperature."""
     steps = sum(r["steps"] for r in records)
     decode = sum(r["decode_tokens"] for r in records)
-    verified = [sum(r["verified_by_position"][i] for r in records) for i in range(stages)]
-    accepted = [sum(r["accepted_by_position"][i] for r in records) for i in range(stages)]
+    positions = len(records[0]["verified_by_position"])  # n (sd: the m drafts of an iteration)
+    verified = [sum(r["verified_by_position"][i] for r in records) for i in range(positions)]
+    accepted = [sum(r["accepted_by_position"][i] for r in records) for i in range(positions)]
     wall = sum(r["wall_time_s"] for r in records)
     out = {
         "prompts": len(records),
@@ -155,7 +163,11 @@ def summarize(records: list[dict], stages: int) -> dict:
         out["stage_nodes_per_token"] = sum(r["stage_nodes"] for r in records) / decode if decode else None
         expansions = sum(r["expansions"] for r in records)
         out["mean_width"] = sum(r["width_total"] for r in records) / expansions if expansions else None
-    if steps and records[0].get("schedule") is not None:
+    if steps and "draft_steps" in records[0]:  # sd: L_acc * L / (L_s * m + L)
+        r = records[0]
+        out["theoretical_speedup"] = out["L_acc"] * r["target_layers"] / (
+            r["draft_layers"] * r["draft_steps"] + r["target_layers"])
+    elif steps and records[0].get("schedule") is not None:
         # Theoretical speedup over all prompts, with the variant's step cost (PipelineStats).
         ratio = statistics.fmean(r["theoretical_speedup"] / r["equivalent_accept_length"]
                                  for r in records if r["equivalent_accept_length"])
@@ -190,6 +202,17 @@ def _bench(args, runs: list[RunSpec]) -> int:
     engines: dict[str, PipelineEngine] = {}
     info: dict[str, dict] = {}
     for run in runs:
+        if run.mode == "sd":
+            from spd.sd import build_sd_engine
+
+            if 1 not in staged_by_n:
+                staged_by_n[1] = StagedModel.from_pretrained(args.target, n_stages=1)
+            engines[run.name] = build_sd_engine(staged_by_n[1], tokenizer, run.source, None, run.draft_steps,
+                                                torch.float32, "cpu")
+            info[run.name] = {"mode": "sd", "stages": 1, "head": None, "draft": run.source,
+                              "draft_steps": run.draft_steps, "variant": f"sd m={run.draft_steps}",
+                              "speculator_layers": engines[run.name].draft.num_layers}
+            continue
         if run.mode == "tree":
             if run.stages not in staged_by_n:
                 staged_by_n[run.stages] = StagedModel.from_pretrained(args.target, n_stages=run.stages)
@@ -223,6 +246,9 @@ def _bench(args, runs: list[RunSpec]) -> int:
                                                  top_k=args.top_k if temperature > 0 else 0,
                                                  top_p=args.top_p if temperature > 0 else 1.0, seed=args.seed + i)
                 record = out.stats.as_dict()
+                if run.mode == "sd":  # an iteration (one target forward) is its step; L_acc its acceptance length
+                    record["steps"] = record["iterations"]
+                    record["equivalent_accept_length"] = record["mean_acceptance_length"]
                 record.setdefault("steps", 0)
                 record.setdefault("decode_tokens", record["new_tokens"] - 1)
                 record.setdefault("equivalent_accept_length", 0.0)

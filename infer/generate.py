@@ -32,7 +32,7 @@ from spd.errors import SpdInputError
 from spd.paths import check_model_source, default_testbed_dir
 from spd.published.authors_file import is_authors_file
 
-MODES = ("ar", "pp", "spd", "tree")
+MODES = ("ar", "pp", "spd", "tree", "sd")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -83,8 +83,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculator", default=None, help="speculation head for --mode spd: a directory or hub id")
     p.add_argument("--speculator-revision", default=None, help="hub revision of --speculator")
     p.add_argument("--draft-model", default=None,
-                   help="draft model for --mode tree: a directory or hub id of a small causal LM with the target's "
-                        "tokenizer")
+                   help="draft model for --mode tree or sd: a directory or hub id of a small causal LM with the "
+                        "target's tokenizer")
+    p.add_argument("--draft-steps", type=_positive_int, default=4,
+                   help="--mode sd: tokens the draft model drafts one after another per target forward, m "
+                        "(default: %(default)s)")
     p.add_argument("--draft-revision", default=None, help="hub revision of --draft-model")
     p.add_argument("--tree-width", type=_tree_width, default=4,
                    help="--mode tree: tree nodes kept per level, W, or 'auto' (follows the measured acceptance, up to "
@@ -122,8 +125,13 @@ def check_model_flags(args) -> None:
                             "tokenizer) or --speculator DIR_OR_ID (an SPD head)")
     if args.mode == "tree" and args.draft_model is not None and args.speculator is not None:
         raise SpdInputError("--mode tree takes one token source: --draft-model or --speculator, not both")
-    if args.mode != "tree" and args.draft_model is not None:
-        raise SpdInputError(f"--draft-model is only used by --mode tree, but --mode is '{args.mode}'")
+    if args.mode == "sd" and args.draft_model is None:
+        raise SpdInputError("--mode sd needs --draft-model DIR_OR_ID (a small causal LM with the target's tokenizer)")
+    if args.mode == "sd" and args.stages not in (None, 1):
+        raise SpdInputError(f"--mode sd runs the whole target in one process (no pipeline), so --stages must be 1, "
+                            f"got {args.stages}")
+    if args.mode not in ("tree", "sd") and args.draft_model is not None:
+        raise SpdInputError(f"--draft-model is only used by --mode tree and --mode sd, but --mode is '{args.mode}'")
     if args.runtime == "distributed" and args.mode not in ("spd", "pp", "tree"):
         raise SpdInputError(f"--runtime distributed runs --mode spd, pp or tree, not '{args.mode}'")
     if args.runtime == "local" and (args.emulate_stage_ms or args.emulate_link_ms):
@@ -324,6 +332,11 @@ def run(args) -> int:
     check_prompt_ids(prompt_ids, staged.vocab_size)
     if args.mode == "tree":
         engine = tree_engine(args, staged, head, tokenizer, dtype, args.device)
+    elif args.mode == "sd":
+        from spd.sd import build_sd_engine
+
+        engine = build_sd_engine(staged, tokenizer, args.draft_model, args.draft_revision, args.draft_steps, dtype,
+                                 args.device)
     else:
         engine = PipelineEngine(staged, head, tokenizer)
     streamer = None if args.json else TokenStreamer(tokenizer, sys.stdout, colour=args.show_acceptance)
@@ -342,6 +355,9 @@ def run(args) -> int:
             line += (f"; {stats['stages']} stages, {stats['steps']} steps, {stats['flushes']} flushes, "
                      f"L'_acc {stats['equivalent_accept_length']:.2f}, "
                      f"theoretical speedup {stats['theoretical_speedup']:.2f}")
+        if "mean_acceptance_length" in stats:
+            line += (f"; m = {stats['draft_steps']}, {stats['iterations']} target forwards, mean acceptance length "
+                     f"{stats['mean_acceptance_length']:.2f}, theoretical speedup {stats['theoretical_speedup']:.2f}")
         if "mean_tree_size" in stats:
             line += f"; tree W={stats['width']} K={stats['children']}, mean size {stats['mean_tree_size']:.1f}"
         print(line, file=sys.stderr)

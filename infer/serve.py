@@ -69,7 +69,7 @@ def serve(args) -> int:
                         speculator_revision=args.speculator_revision, draft_model=args.draft_model,
                         draft_revision=args.draft_revision, tree_width=args.tree_width,
                         tree_children=args.tree_children, tree_max_width=args.tree_max_width,
-                        tree_candidates=args.tree_candidates, dtype=args.dtype, device=args.device,
+                        tree_candidates=args.tree_candidates, draft_steps=args.draft_steps, dtype=args.dtype, device=args.device,
                         runtime=args.runtime,
                         emulate_stage_ms=args.emulate_stage_ms, emulate_link_ms=args.emulate_link_ms,
                         timeout_s=args.timeout_s)

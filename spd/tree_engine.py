@@ -5,18 +5,24 @@ instead of single tokens. The tree (:class:`spd.tree.TokenTree`) is rooted at th
 (position ``P`` = committed length); its level ``d`` holds speculated tokens for position ``P + d``.
 One **step** (the unit ``K`` counts):
 
-1. The token source grows the tree by one level: each node of the bottom level gets its top-``K``
-   children (``--tree-children``), and the ``W`` best of them by cumulative log-probability are kept
-   (``--tree-width``). It reads the state at the start of the step, so in a deployment it runs
-   concurrently with 2 on its own device. The new level enters stage 1 next step.
+1. The token source grows the tree by one level: it gives its distribution after each bottom node and
+   the request's *candidate rule* picks at most ``W`` children for the level (``--tree-width``, fixed
+   or adaptive: :mod:`spd.tree_width`), at most ``K`` per node (``--tree-children``): greedy or
+   ``top-k``: each node's top-``K``, the ``W`` best by cumulative log-probability kept
+   (:func:`spd.tree.grow_top_k`); ``sampled`` (the default at T > 0): per-node counts fixed from the
+   expected scores, then children drawn without replacement from the source's warped ``q``
+   (:func:`spd.tree.grow_sampled`). It reads the state at the start of the step, so in a deployment it
+   runs concurrently with 2 on its own device. The new level enters stage 1 next step.
 2. Every stage advances the level it holds by one stage: stage ``s`` runs the level's nodes over its
    KV cache (committed rows, causal, plus the tree nodes it has run, under the ancestor mask), at
-   position ids ``P + depth``, and appends their KV.
+   position ids ``P + depth``, and appends their KV. The level leaving stage ``n`` is taken first.
 3. When the root's level leaves stage ``n``, the target's distribution ``p`` for position ``P + 1``
-   is known and the root's children are verified: greedy: the child equal to ``argmax p``;
-   sampling: children tried in order, accepting ``x`` with probability ``p(x)`` and otherwise
-   removing ``x`` from ``p`` (:func:`spd.tree.verify_sampled_deterministic`). The chosen token is
-   committed; then
+   is known and the root's children are verified: greedy: the child equal to ``argmax p``; top-K
+   candidates at T > 0: children tried in order, accepting ``x`` with probability ``p(x)`` and
+   otherwise removing ``x`` from ``p`` (:func:`spd.tree.verify_sampled_deterministic`); sampled
+   candidates: recursive rejection sampling against the ``q`` they were drawn from
+   (:func:`spd.tree.verify_sampled_recursive`). The chosen token is committed, stage 1's next level is
+   released, then the other stages' reports are taken;
    - hit (it is a child ``c``): the tree, every stage's tree KV, the in-flight activations and the
      source's own state are pruned with one index set (the subtree of ``c``); the old root's KV row
      becomes the last committed row; ``c`` is the new root, already in flight;
@@ -32,13 +38,15 @@ when it runs a node its cache holds the committed prefix plus exactly that node'
 hides every other tree row) at consecutive positions: the target computes every node as a plain
 forward of ``committed + path`` would. Pruning keeps exactly the rows of the surviving subtree, and a
 miss cuts every cache back to the committed tokens. Verification is exact: greedy equality with the
-argmax, or the multi-candidate rule above, which outputs ``p(x)`` for every ``x`` because the
-candidate list is a deterministic function of the committed prefix (top-K / top-W of a deterministic
-source), fixed before the verification's random draws. Never accept branches independently: that
-over-samples the candidates.
+argmax; for top-K candidates the deterministic multi-candidate rule, exact because the candidate list
+is fixed before the verification's random draws; for sampled candidates recursive rejection sampling,
+exact because each child was drawn from ``q`` without the earlier siblings and the number of children
+was fixed before drawing (docs/method.md). Never accept branches independently: that over-samples the
+candidates.
 
-Two token sources share one small interface (``start``, ``expand``, ``commit_root``, ``prune``,
-``reset``): :class:`DraftModelSource`, a small causal LM with the target's tokenizer and its own KV cache
+Two token sources share one small interface (``start``, ``expand`` - log-probabilities ``(L, X)`` over
+the source's outputs, which ``ids`` maps to target ids when they are not the target's vocabulary -
+``commit_root``, ``prune``, ``reset``): :class:`DraftModelSource`, a small causal LM with the target's tokenizer and its own KV cache
 over committed tokens and tree nodes, pruned with the tree (the training-free SpecPipe/PipeDec mode);
 and :class:`SpdHeadSource`, a trained input-state SPD head queried once per bottom node with that
 node's root path at its current depths.
@@ -147,6 +155,17 @@ def check_same_vocabulary(target: StagedModel, draft: StagedModel, target_tokeni
             f"the draft model's vocabulary has {draft.vocab_size} tokens but the target's has {target.vocab_size}; "
             "the tree mode needs a draft model with the target's tokenizer and vocabulary")
     return target.vocab_size
+
+
+def load_draft_model(draft: str, revision: str | None, dtype: torch.dtype,
+                     device: str | torch.device) -> tuple[StagedModel, object | None]:
+    """A draft model (directory or hub id) as a 1-stage StagedModel, and its tokenizer (None: a model-only
+    directory, whose vocabulary size is then the only thing :func:`check_same_vocabulary` can compare)."""
+    staged = StagedModel.from_pretrained(draft, n_stages=1, revision=revision, dtype=dtype, device=device)
+    try:
+        return staged, load_target_tokenizer(draft, revision)
+    except SpdInputError:
+        return staged, None
 
 
 # --------------------------------------------------------------------------------------- token sources
@@ -366,14 +385,8 @@ class TreeEngine:
         """
         staged = StagedModel.from_pretrained(target, n_stages=stages, revision=revision, dtype=dtype, device=device)
         tok = load_target_tokenizer(target, revision, tokenizer)
-        draft_staged = StagedModel.from_pretrained(draft, n_stages=1, revision=draft_revision, dtype=dtype,
-                                                   device=device)
-        if draft_tokenizer is None:
-            try:
-                draft_tokenizer = load_target_tokenizer(draft, draft_revision)
-            except SpdInputError:
-                draft_tokenizer = None  # a model-only directory: the vocabulary sizes are still compared
-        source = DraftModelSource(draft_staged, staged, children, tok, draft_tokenizer)
+        draft_staged, own_tokenizer = load_draft_model(draft, draft_revision, dtype, device)
+        source = DraftModelSource(draft_staged, staged, children, tok, draft_tokenizer or own_tokenizer)
         return cls(staged, source, width, tok)
 
     # ------------------------------------------------------------------------------------- public
@@ -591,11 +604,6 @@ def build_tree_engine(staged: StagedModel, head, tokenizer, draft_model: str | N
     if head is not None:
         source = SpdHeadSource(head, staged, children)
     else:
-        draft = StagedModel.from_pretrained(draft_model, n_stages=1, revision=draft_revision, dtype=dtype,
-                                            device=device)
-        try:
-            draft_tokenizer = load_target_tokenizer(draft_model, draft_revision)
-        except SpdInputError:
-            draft_tokenizer = None  # a model-only directory: only the vocabulary sizes can be compared
+        draft, draft_tokenizer = load_draft_model(draft_model, draft_revision, dtype, device)
         source = DraftModelSource(draft, staged, children, tokenizer, draft_tokenizer)
     return TreeEngine(staged, source, width, tokenizer, stages=stages, candidates=candidates, max_width=max_width)

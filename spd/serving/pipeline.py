@@ -27,7 +27,7 @@ class PipelineSpec:
     """What to serve: the same model flags as spd-generate."""
 
     target: str
-    mode: str = "spd"  # spd, pp, tree or ar
+    mode: str = "spd"  # spd, pp, tree, sd or ar
     stages: int | None = None  # default: the head's n, else 1
     revision: str | None = None
     tokenizer: str | None = None  # default: the target's
@@ -39,6 +39,7 @@ class PipelineSpec:
     tree_children: int = 4
     tree_max_width: int = 8  # tree_width "auto": the largest width
     tree_candidates: str = "auto"  # at T > 0: "sampled" (auto) or "top-k"
+    draft_steps: int = 4  # sd: tokens drafted per target forward, m
     dtype: str = "float32"
     device: str = "cpu"
     runtime: str = "local"  # local or distributed
@@ -149,6 +150,11 @@ def _engine(spec: PipelineSpec, staged, head, tokenizer, dtype, stages=None):
     from ..engine import PipelineEngine
     from ..tree_engine import build_tree_engine
 
+    if spec.mode == "sd":
+        from ..sd import build_sd_engine
+
+        return build_sd_engine(staged, tokenizer, spec.draft_model, spec.draft_revision, spec.draft_steps, dtype,
+                               spec.device)
     if spec.mode == "tree":
         return build_tree_engine(staged, head, tokenizer, spec.draft_model, spec.draft_revision, spec.tree_width,
                                  spec.tree_children, dtype, spec.device, stages, candidates=spec.tree_candidates,
