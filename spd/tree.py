@@ -108,20 +108,34 @@ class TokenTree:
         return self._append(bottom_L, chosen // k, chosen % k, tokens_LK, logprobs_LK)
 
     def child_counts(self, sorted_logprobs_LK: torch.Tensor, width: int) -> torch.Tensor:
-        """How many children each bottom node gets: the ``width`` best slots by cumulative log-prob.
+        """How many children each bottom node gets, decided before any is drawn (see :func:`grow_sampled`).
 
         Row ``l`` holds the bottom node's ``K`` best edge log-probs in descending order (the source's
-        top-K, or -inf past its support). The slots are ranked as :meth:`append_level` ranks candidates,
-        so with the same rows both choose the same number of children per node; here the choice is made
-        *before* the children are drawn (see :func:`grow_sampled`). Shape (L,), int64.
+        top-K, or -inf past its support). Every bottom node keeps its branch alive with one child, in order
+        of cumulative log-prob while slots last; the remaining slots go to the best further candidates by
+        cumulative log-prob (ties to the earlier parent, then the earlier candidate). Keeping every branch
+        alive matters for sampled children: a hit on a sibling whose subtree stopped short of the bottom
+        leaves empty levels in the pipeline (measured in docs/benchmarks.md). Shape (L,), int64.
         """
         bottom_L = self.bottom_level()
         sorted_logprobs_LK = torch.as_tensor(sorted_logprobs_LK).float().cpu()
         if sorted_logprobs_LK.dim() != 2 or sorted_logprobs_LK.shape[0] != bottom_L.shape[0]:
             raise SpdInputError(f"child_counts expects log-probs of shape (L, K) with L = {bottom_L.shape[0]} (the "
                                 f"bottom level's size), got {tuple(sorted_logprobs_LK.shape)}")
-        chosen = self._best(bottom_L, sorted_logprobs_LK, width)
-        return torch.bincount(chosen // sorted_logprobs_LK.shape[1], minlength=bottom_L.shape[0])
+        if width < 1:
+            raise SpdInputError(f"the tree width must be a positive integer, got {width}")
+        cum_L = self.cum_logprobs_N[bottom_L]
+        first_L = torch.where(torch.isfinite(sorted_logprobs_LK[:, 0]), cum_L, float("-inf"))
+        first = torch.sort(first_L, descending=True, stable=True).indices[:width]
+        first = first[torch.isfinite(first_L[first])]
+        counts_L = torch.zeros(bottom_L.shape[0], dtype=torch.long)
+        counts_L[first] = 1
+        if width > first.numel():
+            further_LK = sorted_logprobs_LK.clone()
+            further_LK[:, 0] = float("-inf")  # the first children are given
+            more = self._best(bottom_L, further_LK, width - first.numel())
+            counts_L += torch.bincount(more // further_LK.shape[1], minlength=bottom_L.shape[0])
+        return counts_L
 
     def append_children(self, counts_L: torch.Tensor, tokens_LK: torch.Tensor,
                         logprobs_LK: torch.Tensor) -> torch.Tensor:
@@ -314,9 +328,10 @@ def grow_sampled(tree: TokenTree, logprobs_LX: torch.Tensor, ids_X: torch.Tensor
     """Sampled candidates: each bottom node's children drawn from the source's warped ``q``, without replacement.
 
     ``q`` is the source's distribution warped like the target's (``params``: temperature, top-k,
-    top-p). How many children each node gets is fixed first, from the ``width`` best slots of the
-    nodes' expected scores (their cumulative log-prob plus ``q``'s sorted top-``children`` log-probs:
-    :meth:`TokenTree.child_counts`), so the count never depends on the draws; then node ``l``'s
+    top-p). How many children each node gets is fixed first, from the nodes' cumulative log-probs and
+    ``q``'s sorted top-``children`` log-probs (:meth:`TokenTree.child_counts`: one child per node while
+    the ``width`` slots last, the rest to the best expected scores), so the count never depends on the
+    draws; then node ``l``'s
     ``c_l`` children are its first ``c_l`` draws of a sequence without replacement from ``q``
     (Gumbel top-k: the order of the keys ``log q + Gumbel noise`` is a Plackett-Luce sample, i.e.
     draws one after another without replacement). The parent's ``q`` over the target's vocabulary
