@@ -479,6 +479,30 @@ def generate_request(staged: StagedModel, tokenizer, prompt, max_new_tokens: int
         end()
 
 
+class OneModeEngine:
+    """``generate`` for an engine with one decoding mode besides ``ar`` (the tree engine, serial speculative
+    decoding): a subclass sets ``mode`` and ``engine_name``, has ``staged`` and ``tokenizer``, and implements
+    ``run(prompt_ids, max_new_tokens, sampling, eos_token_id, on_token)``."""
+
+    mode = ""
+    engine_name = ""
+
+    def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128, mode: str | None = None,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 eos_token_id: int | Sequence[int] | None = None,
+                 streamer: Callable[[int], None] | object | None = None,
+                 on_token: OnToken | None = None) -> GenerationOutput:
+        """Generate from a prompt (text needs a tokenizer) or token ids, as :meth:`PipelineEngine.generate`;
+        ``mode`` is the engine's own (default) or ``ar``."""
+        mode = mode or self.mode
+        if mode not in (self.mode, "ar"):
+            raise SpdInputError(f"unknown mode '{mode}' for {self.engine_name}; expected one of: {self.mode}, ar")
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        return generate_request(self.staged, self.tokenizer, prompt, max_new_tokens, mode, sampling, eos_token_id,
+                                streamer, lambda ids, eos, callback: self.run(ids, max_new_tokens, sampling, eos,
+                                                                              callback), on_token)
+
+
 def _as_callback(streamer, on_token: OnToken | None = None) -> tuple[OnToken | None, Callable[[], None]]:
     """The run loops' callback ``(token, accepted)`` and a finisher, from a streamer (a callable taking a token
     id or a ``put``/``end`` object, which never sees the flag) and ``on_token``."""

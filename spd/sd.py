@@ -31,12 +31,12 @@ measured tokens/s is this process's real speed, comparable with ``--mode ar`` on
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from .engine import _stop_reason, generate_request
+from .engine import OneModeEngine, _stop_reason
 from .errors import SpdInputError
 from .generation import GenerationOutput, GenerationStats, OnToken, as_prompt_ids, check_request, eos_set
 from .sampling import SamplingParams, select_token, warped_probs
@@ -44,7 +44,6 @@ from .staging import StagedModel, load_target_tokenizer
 from .tree import verify_sampled_recursive
 from .tree_engine import check_same_vocabulary, load_draft_model
 
-MODES = ("sd", "ar")
 
 
 @dataclass
@@ -84,8 +83,10 @@ class SdStats(GenerationStats):
         return d
 
 
-class SpeculativeDecoder:
+class SpeculativeDecoder(OneModeEngine):
     """Serial speculative decoding of a whole target with a draft model (one process, no pipeline)."""
+
+    mode, engine_name = "sd", "speculative decoding"
 
     def __init__(self, target: StagedModel, draft: StagedModel, draft_steps: int = 4, tokenizer=None,
                  target_tokenizer=None, draft_tokenizer=None):
@@ -97,6 +98,7 @@ class SpeculativeDecoder:
                                 "spd or pp")
         self.vocab = check_same_vocabulary(target, draft, target_tokenizer or tokenizer, draft_tokenizer)
         self.target, self.draft, self.draft_steps, self.tokenizer = target, draft, draft_steps, tokenizer
+        self.staged = target  # OneModeEngine's name for the target
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str, draft_steps: int = 4, revision: str | None = None,
@@ -106,19 +108,6 @@ class SpeculativeDecoder:
         staged = StagedModel.from_pretrained(target, n_stages=1, revision=revision, dtype=dtype, device=device)
         tok = load_target_tokenizer(target, revision, tokenizer)
         return build_sd_engine(staged, tok, draft, draft_revision, draft_steps, dtype, device)
-
-    def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128, mode: str = "sd",
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 eos_token_id: int | Sequence[int] | None = None,
-                 streamer: Callable[[int], None] | object | None = None,
-                 on_token: OnToken | None = None) -> GenerationOutput:
-        """Generate from a prompt (text needs a tokenizer) or token ids, as :meth:`PipelineEngine.generate`."""
-        if mode not in MODES:
-            raise SpdInputError(f"unknown mode '{mode}' for speculative decoding; expected one of: {', '.join(MODES)}")
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        return generate_request(self.target, self.tokenizer, prompt, max_new_tokens, mode, sampling, eos_token_id,
-                                streamer, lambda ids, eos, callback: self.run(ids, max_new_tokens, sampling, eos,
-                                                                              callback), on_token)
 
     @torch.inference_mode()
     def run(self, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: SamplingParams,

@@ -58,13 +58,13 @@ node, D hidden size, V vocabulary; a leading 1 is the batch.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
 
-from .engine import LocalStages, PipelineStats, _stop_reason, generate_request
+from .engine import LocalStages, OneModeEngine, PipelineStats, _stop_reason
 from .errors import SpdInputError
 from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set
 from .sampling import SamplingParams, warped_probs
@@ -75,7 +75,6 @@ from .tree import (TokenTree, grow_sampled, grow_top_k, verify_greedy, verify_sa
                    verify_sampled_recursive)
 from .tree_width import AdaptiveWidth, FixedWidth, tree_width
 
-MODES = ("tree", "ar")
 CANDIDATES = ("auto", "sampled", "top-k")  # how children are chosen at T > 0 (greedy: always top-k)
 
 
@@ -350,8 +349,10 @@ class LocalTreeStages(LocalStages):
 # -------------------------------------------------------------------------------------------- engine
 
 
-class TreeEngine:
+class TreeEngine(OneModeEngine):
     """Runs one request at a time through the staged target with a token tree fed by a token source."""
+
+    mode, engine_name = "tree", "the tree engine"
 
     def __init__(self, staged: StagedModel, source: DraftModelSource | SpdHeadSource,
                  width: int | str | FixedWidth | AdaptiveWidth = 4, tokenizer=None,
@@ -390,19 +391,6 @@ class TreeEngine:
         return cls(staged, source, width, tok)
 
     # ------------------------------------------------------------------------------------- public
-    def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128, mode: str = "tree",
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 eos_token_id: int | Sequence[int] | None = None,
-                 streamer: Callable[[int], None] | object | None = None,
-                 on_token: OnToken | None = None) -> GenerationOutput:
-        """Generate from a prompt (text needs a tokenizer) or token ids, as :meth:`PipelineEngine.generate`."""
-        if mode not in MODES:
-            raise SpdInputError(f"unknown mode '{mode}' for the tree engine; expected one of: {', '.join(MODES)}")
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        return generate_request(self.staged, self.tokenizer, prompt, max_new_tokens, mode, sampling, eos_token_id,
-                                streamer, lambda ids, eos, callback: self.run(ids, max_new_tokens, sampling, eos,
-                                                                              callback), on_token)
-
     @torch.inference_mode()
     def run(self, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: SamplingParams,
             eos_token_id: int | Sequence[int] | None = None,
