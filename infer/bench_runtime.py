@@ -1,7 +1,11 @@
-"""Benchmark the distributed runtime: tokens/s of spd vs pp (and ar on one process), measured vs theoretical.
+"""Benchmark the distributed runtime: tokens/s of spd (or tree) vs pp (and ar on one process), measured vs theoretical.
 
     python infer/bench_runtime.py --heads runs/testbed-n4/final runs/testbed-n8/final \\
         --emulate-stage-ms 20 --emulate-link-ms 1 --num-prompts 10 --out bench_runtime.json
+    python infer/bench_runtime.py --tree-width 4 --heads runs/testbed-n4/final \\
+        --emulate-stage-ms 20 --emulate-link-ms 1 --out bench_runtime_tree.json
+    python infer/bench_runtime.py --tree-width 4 --draft-model testbed/draft --stages 4 8 \\
+        --emulate-stage-ms 20 --emulate-link-ms 1 --out bench_runtime_tree_draft.json
 
 For every head (its n sets the pipeline) one ``torchrun`` world of n + 1 processes runs the prompts in
 ``spd`` mode and then in ``pp`` mode (the same processes, one after the other). ``ar`` runs in this
@@ -9,6 +13,11 @@ process: the plain decoder with the emulated time of a whole forward (n x stage 
 The table reports decode tokens/s (prefill excluded), ``speedup_vs_pp``, ``L'_acc`` of the spd run, and
 ``efficiency = speedup_vs_pp / L'_acc`` (1.0: the pipeline delivers the theoretical speedup). With no
 emulation the stages run real CPU compute on this machine's cores, shared by all processes.
+
+With ``--tree-width W`` the worlds run the token-tree engine (``tree``) instead of ``spd``, side by side
+with ``pp``: its token source is each head of ``--heads``, or the draft model of ``--draft-model`` in one
+world per n of ``--stages``. Every row also gives rank 0's time per step (``step_ms``: the token source,
+the verification with its prune and flush notices, the waits for the stages' reports).
 """
 
 from __future__ import annotations
@@ -31,7 +40,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=str(tb / "target"))
     p.add_argument("--prompts", default=str(tb / "prompts.jsonl"))
-    p.add_argument("--heads", nargs="+", required=True, help="speculation heads (one pipeline per head)")
+    p.add_argument("--heads", nargs="+", default=[], help="speculation heads (one pipeline per head)")
+    p.add_argument("--tree-width", type=int, default=None,
+                   help="run the tree mode with W nodes per level instead of spd (run_pipeline --mode tree)")
+    p.add_argument("--tree-children", type=int, default=4, help="with --tree-width: candidate children per node, K")
+    p.add_argument("--draft-model", default=None, help="with --tree-width: the token source instead of the heads")
+    p.add_argument("--stages", type=int, nargs="+", default=[], help="with --draft-model: one pipeline per n")
     p.add_argument("--num-prompts", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--emulate-stage-ms", type=float, default=0.0)
@@ -45,13 +59,17 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def run_world(args, head: str, n: int, out: Path) -> dict:
-    """One torchrun world: spd then pp on the same prompts; returns run_pipeline's JSON report."""
+def run_world(args, source: list[str], mode: str, n: int, out: Path) -> dict:
+    """One torchrun world: ``mode`` (spd or tree) then pp on the same prompts; returns run_pipeline's JSON report.
+
+    ``source`` is the token source's flags (``--speculator DIR`` or ``--draft-model DIR``).
+    """
     from spd.runtime import free_port
 
+    tree = ["--tree-width", str(args.tree_width), "--tree-children", str(args.tree_children)] if mode == "tree" else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n + 1), "--master-port",
-           str(free_port()), "-m", "infer.run_pipeline", "--target", args.target, "--speculator", head,
-           "--mode", "spd", "pp", "--prompts", args.prompts, "--num-prompts", str(args.num_prompts),
+           str(free_port()), "-m", "infer.run_pipeline", "--target", args.target, *source, *tree,
+           "--mode", mode, "pp", "--prompts", args.prompts, "--num-prompts", str(args.num_prompts),
            "--max-new-tokens", str(args.max_new_tokens), "--emulate-stage-ms", str(args.emulate_stage_ms),
            "--emulate-link-ms", str(args.emulate_link_ms), "--threads", str(args.threads),
            "--timeout-s", str(args.timeout_s), "--out", str(out)] + (["--early-launch"] if args.early_launch else [])
@@ -90,42 +108,69 @@ def run_ar(args, n: int) -> dict:
     return {"decode_tokens": decode, "decode_tokens_per_s": decode / decode_time if decode_time > 0 else None}
 
 
+def worlds(args) -> list[tuple[str, list[str], int]]:
+    """The pipelines to run: (label, token source flags, n) each."""
+    from spd.speculator import load_speculator_config
+
+    if args.tree_width is None and (args.draft_model is not None or args.stages):
+        raise SpdInputError("--draft-model and --stages select the tree mode's token source; add --tree-width W")
+    if args.draft_model is not None:
+        if args.heads or not args.stages:
+            raise SpdInputError("--draft-model needs --stages N [N ...] (one pipeline per n) and no --heads")
+        return [(args.draft_model, ["--draft-model", args.draft_model], n) for n in args.stages]
+    if not args.heads:
+        raise SpdInputError("give --heads DIR [DIR ...], or --tree-width W --draft-model DIR --stages N [N ...]")
+    return [(head, ["--speculator", head], load_speculator_config(head).n_stages) for head in args.heads]
+
+
+def step_ms(records: list[dict]) -> dict:
+    """Rank 0's time per step in ms, over a mode's prompts: token source, verification, waits for the stages."""
+    steps = sum(r["stats"]["steps"] for r in records)
+    return {name: round(1000 * sum(r["stats"][f"{name}_time_s"] for r in records) / steps, 3) if steps else None
+            for name in ("speculator", "verify", "stage")}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    mode = "spd" if args.tree_width is None else "tree"
+    load_before = os.getloadavg()  # other work on the machine's cores slows the stages: recorded with the result
     try:
-        from spd.speculator import load_speculator_config
-
         rows = []
         with tempfile.TemporaryDirectory() as tmp:
-            for i, head in enumerate(args.heads):
-                n = load_speculator_config(head).n_stages
-                report = run_world(args, head, n, Path(tmp) / f"world{i}.json")
-                spd, pp = report["summary"]["spd"], report["summary"]["pp"]
+            for i, (label, source, n) in enumerate(worlds(args)):
+                report = run_world(args, source, mode, n, Path(tmp) / f"world{i}.json")
+                spec, pp = report["summary"][mode], report["summary"]["pp"]
                 ar = None if args.no_ar else run_ar(args, n)
-                speedup = spd["decode_tokens_per_s"] / pp["decode_tokens_per_s"]
-                rows.append({
-                    "head": head, "stages": n, "spd": spd, "pp": pp, "ar": ar,
-                    "speedup_vs_pp": speedup, "L_acc": spd["L_acc"], "efficiency": speedup / spd["L_acc"],
-                    "speedup_vs_ar": spd["decode_tokens_per_s"] / ar["decode_tokens_per_s"] if ar else None,
-                    "identical_tokens_spd_pp": sum(a["token_ids"] == b["token_ids"] for a, b in
-                                                   zip(report["results"]["spd"], report["results"]["pp"])),
-                })
+                speedup = spec["decode_tokens_per_s"] / pp["decode_tokens_per_s"]
+                row = {"head": label, "stages": n, mode: spec, "pp": pp, "ar": ar,
+                       "speedup_vs_pp": speedup, "L_acc": spec["L_acc"], "efficiency": speedup / spec["L_acc"],
+                       "speedup_vs_ar": spec["decode_tokens_per_s"] / ar["decode_tokens_per_s"] if ar else None,
+                       f"identical_tokens_{mode}_pp": sum(a["token_ids"] == b["token_ids"] for a, b in
+                                                          zip(report["results"][mode], report["results"]["pp"])),
+                       "step_ms": step_ms(report["results"][mode])}
+                if mode == "tree":
+                    row.update(width=args.tree_width, children=args.tree_children)
+                rows.append(row)
     except SpdInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     launch = "early" if args.early_launch else "after verification"
+    tree = f", tree W = {args.tree_width}, K = {args.tree_children}" if mode == "tree" else ""
     print(f"emulated stage time {args.emulate_stage_ms:g} ms, link {args.emulate_link_ms:g} ms, "
-          f"{args.num_prompts} prompts x {args.max_new_tokens} new tokens, proposals launched {launch}")
-    print("| n | head | spd tok/s | pp tok/s | ar tok/s | speedup vs pp | L'_acc | efficiency | spd == pp tokens |")
+          f"{args.num_prompts} prompts x {args.max_new_tokens} new tokens, proposals launched {launch}{tree}")
+    source = "head" if mode == "spd" else "source"
+    print(f"| n | {source} | {mode} tok/s | pp tok/s | ar tok/s | speedup vs pp | L'_acc | efficiency | "
+          f"{mode} == pp tokens |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ar = f"{r['ar']['decode_tokens_per_s']:.2f}" if r["ar"] else "-"
-        print(f"| {r['stages']} | {r['head']} | {r['spd']['decode_tokens_per_s']:.2f} | "
+        print(f"| {r['stages']} | {r['head']} | {r[mode]['decode_tokens_per_s']:.2f} | "
               f"{r['pp']['decode_tokens_per_s']:.2f} | {ar} | {r['speedup_vs_pp']:.3f} | {r['L_acc']:.3f} | "
-              f"{r['efficiency']:.3f} | {r['identical_tokens_spd_pp']}/{args.num_prompts} |")
+              f"{r['efficiency']:.3f} | {r[f'identical_tokens_{mode}_pp']}/{args.num_prompts} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "emulate_stage_ms": args.emulate_stage_ms,
-                                          "emulate_link_ms": args.emulate_link_ms, "launch": launch,
+                                          "emulate_link_ms": args.emulate_link_ms, "launch": launch, "mode": mode,
+                                          "load_average_before": load_before, "load_average_after": os.getloadavg(),
                                           "rows": rows}, indent=1) + "\n")
     print(f"\nJSON: {args.out}")
     return 0

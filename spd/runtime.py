@@ -15,11 +15,14 @@ stage 1's next token, then reads the other reports (``RemoteStages.launch`` / ``
 
 Control path: a second (gloo) process group carries notices ``(epoch, committed length, kind, count)`` from
 rank 0 to every stage: a flush (truncate the KV cache) or a tree prune (keep the accepted subtree; the kept
-indices follow). Every data message carries the epoch it belongs to: a stage drops work of an old epoch
-without computing it, unless only prunes happened since (a tree level is then mapped through them,
-:func:`follow_prunes`); work of a newer epoch waits until the stage has applied the notices. A new request
-(``PREFILL``) starts a new epoch and resets the stage's cache; ``STOP`` travels down the chain and back to
-rank 0, which drains every stage's reports so that no send is left pending. A server keeps idle stages
+indices ride in the same message). Rank 0 sends a step's notice to stage 1 just before stage 1's next input
+and to the other stages just after it. On a stage a thread receives the notices (:class:`Notices`) and the
+stage applies those that have arrived after it forwards its output, while its next input is on the way.
+Every data message carries the epoch it belongs to: a stage drops work of an old epoch without computing
+it, unless only prunes happened since (a tree level is then mapped through them, :func:`follow_prunes`);
+work of a newer epoch waits until the stage has applied the notices. A new request (``PREFILL``) starts a
+new epoch and resets the stage's cache; ``STOP`` (after the ``CLOSE`` notice) travels down the chain and
+back to rank 0, which drains every stage's reports so that no send is left pending. A server keeps idle stages
 waiting with ``PING`` (forwarded down the chain, dropped by stage n) more often than the timeout.
 
 Emulation for measuring on one machine: ``emulate_stage_ms`` is slept by a stage after each token it
@@ -52,9 +55,11 @@ from .staging import StagedModel, StageOutput
 PREFILL, TOKEN, STOP, REPORT, LEVEL, PING = 1, 2, 3, 4, 5, 6
 DATA_TAG, REPORT_TAG, CONTROL_TAG, KEPT_TAG = 1, 2, 3, 4
 HEADER = 8  # kind, epoch, position, length, stage, send time (us), payload width, extra length
-# Control notices (epoch, committed length, kind, kept count); a prune's kept indices follow on KEPT_TAG.
-FLUSH, PRUNE = 0, 1
-NOTICE = 4
+# Control notices (epoch, committed length, kind, kept count), then a prune's kept indices in the same message
+# (up to KEPT_INLINE; more follow on KEPT_TAG). CLOSE, the last notice, ends the stage's notice thread.
+FLUSH, PRUNE, CLOSE = 0, 1, 2
+NOTICE, KEPT_INLINE = 4, 252
+NOTICE_WAIT = datetime.timedelta(days=365)  # the notice thread waits through idle time; the data path has the timeouts
 
 
 def follow_prunes(start: int, size: int, end: int, kepts: list[torch.Tensor]):
@@ -66,16 +71,22 @@ def follow_prunes(start: int, size: int, end: int, kepts: list[torch.Tensor]):
     level's first tree index now, and the surviving tree nodes ``< end`` (old indices: the columns of the
     level's ancestor mask to keep).
     """
-    rows, current = torch.arange(size), torch.arange(start, start + size)
-    cols, col_current = torch.arange(end), torch.arange(end)
+    # Python lists: a level has a few nodes and a tree a few dozen, where each torch op would cost more.
+    rows, current = list(range(size)), list(range(start, start + size))
+    cols, col_current = list(range(end)), list(range(end))
     for kept in kepts:
-        alive = torch.isin(current, kept)
-        if not bool(alive.any()):
+        new_index = {old: new for new, old in enumerate(kept.tolist())}
+        rows, current = _survivors(rows, current, new_index)
+        if not rows:
             return None
-        rows, current = rows[alive], torch.searchsorted(kept, current[alive])
-        alive = torch.isin(col_current, kept)
-        cols, col_current = cols[alive], torch.searchsorted(kept, col_current[alive])
-    return rows, int(current[0]), cols
+        cols, col_current = _survivors(cols, col_current, new_index)
+    return torch.tensor(rows), current[0], torch.tensor(cols)
+
+
+def _survivors(ids: list[int], nodes: list[int], new_index: dict[int, int]) -> tuple[list[int], list[int]]:
+    """The ``ids`` whose tree node survives a prune, and those nodes' new indices."""
+    kept = [(i, new_index[node]) for i, node in zip(ids, nodes) if node in new_index]
+    return [i for i, _ in kept], [node for _, node in kept]
 
 
 class EpochLog:
@@ -318,6 +329,54 @@ class Link:
         self._reaper.join(timeout=self.config.timeout_s)
 
 
+class Notices:
+    """A stage's end of the control path: a thread receives rank 0's notices as they arrive, the stage loop takes them.
+
+    A gloo receive reports completion only once it has been waited on (``is_completed`` stays False before), so
+    the stage loop could not tell whether a notice has arrived without blocking; the thread waits instead.
+    """
+
+    def __init__(self, rank: int, group, timeout_s: float):
+        self.rank, self.timeout_s = rank, timeout_s
+        self._arrived: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._receive_loop, args=(group,), daemon=True)
+        self._thread.start()
+
+    def _receive_loop(self, group) -> None:
+        while True:
+            buffer = torch.empty(NOTICE + KEPT_INLINE, dtype=torch.long)
+            try:
+                dist.irecv(buffer, 0, group=group, tag=CONTROL_TAG).wait(NOTICE_WAIT)
+                epoch, length, kind, count = buffer[:NOTICE].tolist()
+                kept = buffer[NOTICE:NOTICE + min(count, KEPT_INLINE)] if kind == PRUNE else None
+                if kind == PRUNE and count > KEPT_INLINE:
+                    spill = torch.empty(count - KEPT_INLINE, dtype=torch.long)
+                    dist.irecv(spill, 0, group=group, tag=KEPT_TAG).wait(NOTICE_WAIT)
+                    kept = torch.cat([kept, spill])
+            except RuntimeError as exc:  # rank 0 is gone; the stage loop reports it if it needs a notice
+                self._arrived.put(exc)
+                return
+            self._arrived.put((epoch, length, kind, kept))
+            if kind == CLOSE:
+                return
+
+    def take(self, block: bool) -> tuple[int, int, int, torch.Tensor | None] | None:
+        """The next notice ``(epoch, committed length, kind, kept)``; None when none has arrived and not ``block``."""
+        try:
+            item = self._arrived.get(block, self.timeout_s if block else None)
+        except queue.Empty:
+            if not block:
+                return None
+            raise PipelineLost(f"rank {self.rank}: no notice from rank 0 within {self.timeout_s:g} s") from None
+        if isinstance(item, BaseException):
+            raise PipelineLost(f"rank {self.rank}: lost contact with rank 0 ({_short_reason(item)})")
+        return item
+
+    def close(self) -> None:
+        """After the CLOSE notice was taken: the thread has ended or is about to."""
+        self._thread.join(timeout=self.timeout_s)
+
+
 def _short_reason(exc: BaseException) -> str:
     """Gloo's message without its source location and advice, e.g. "Connection closed by peer [127.0.0.1]:7371"."""
     import re
@@ -344,20 +403,17 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
     log = EpochLog()
     notices = 0  # control notices received
     token_anchors: list[int] = []
-    control_buf = torch.zeros(NOTICE, dtype=torch.long)
-    control = dist.irecv(control_buf, 0, group=control_group, tag=CONTROL_TAG)
+    control = Notices(rank, control_group, config.timeout_s)
 
-    def take_notice() -> None:
-        """Apply the notice that has arrived (waiting for it if needed) and post the next receive."""
-        nonlocal control, epoch, notices
-        link._wait(control, 0)
+    def take_notice(block: bool = True) -> bool:
+        """Apply the next notice (waiting for it if ``block``); False when none has arrived."""
+        nonlocal epoch, notices
+        notice = control.take(block)
+        if notice is None:
+            return False
         notices += 1
-        new_epoch, length, kind, count = control_buf.tolist()
-        kept = None
-        if kind == PRUNE:
-            kept = torch.empty(count, dtype=torch.long)
-            link._wait(dist.irecv(kept, 0, group=control_group, tag=KEPT_TAG), 0)
-        if new_epoch > epoch:  # notices of a finished request are ignored
+        new_epoch, length, kind, kept = notice
+        if kind != CLOSE and new_epoch > epoch:  # notices of a finished request are ignored
             epoch = new_epoch
             log.record(new_epoch, kept)
             if kind == PRUNE:
@@ -365,16 +421,13 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
                 cache.keep(length + 1, kept[kept < held] - 1)
             else:
                 cache.truncate(length)
-        control = dist.irecv(control_buf, 0, group=control_group, tag=CONTROL_TAG)
+        return True
 
     def catch_up(until_epoch: int | None) -> None:
         """Apply arrived notices; with ``until_epoch``, block until that epoch's notice is applied."""
-        while True:
-            if until_epoch is not None and epoch >= until_epoch:
+        while until_epoch is None or epoch < until_epoch:
+            if not take_notice(block=until_epoch is not None):
                 return
-            if until_epoch is None and not control.is_completed():
-                return
-            take_notice()
 
     with torch.inference_mode():
         while True:
@@ -386,8 +439,9 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
                     link.send(nxt, DATA_TAG, PING, msg_epoch, 0)
                 continue
             if kind == STOP:
-                while notices < position:  # STOP carries the number of notices sent: take them all
+                while notices < position:  # STOP carries the number of notices sent (CLOSE last): take them all
                     take_notice()
+                control.close()
                 link.send(nxt, DATA_TAG, STOP, msg_epoch, 0)
                 if nxt != 0:
                     link.send(0, REPORT_TAG, STOP, msg_epoch, 0, stage=rank)
@@ -404,6 +458,7 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
                 out = staged.run_stage(stage, payload[:, 0][None], cache, anchors=prefill_anchors)
                 _emulate(config)
                 _forward(link, nxt, rank, PREFILL, epoch, position, out, prefill_anchors, extra)
+                catch_up(None)
                 continue
             if msg_epoch > epoch:
                 catch_up(msg_epoch)
@@ -418,9 +473,11 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
                 out = staged.run_stage(stage, hidden_T1D[:, 0][None], cache, positions_T[None].to(device),
                                        anchors=token_anchors, tree_mask_TN=mask_TN)
                 _emulate(config)
-                level_extra = pack_level(start, positions_T, mask_TN)
+                # Unless prunes remapped it, the level goes on as it came.
+                level_extra = extra if msg_epoch == epoch else pack_level(start, positions_T, mask_TN)
                 _forward(link, nxt, rank, LEVEL, epoch, committed, out, token_anchors, level_extra,
                          level_extra[:3])
+                catch_up(None)  # this step's prune has usually arrived: apply it while the next input is on its way
                 continue
             if msg_epoch < epoch:
                 continue  # a token of a flushed epoch: drop it without computing
@@ -429,6 +486,7 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
             out = staged.run_stage(stage, payload[:, 0][None], cache, anchors=token_anchors)
             _emulate(config)
             _forward(link, nxt, rank, TOKEN, epoch, position, out, token_anchors, None)
+            catch_up(None)
     link.drain_sends()
 
 
@@ -491,6 +549,9 @@ class RemoteStages:
         self._sent = (0, -1)  # (epoch, position) of the last token sent to stage 1
         self.notices = 0  # control notices sent (each stage receives all of them before it stops)
         self.log = EpochLog()
+        # Notices decided but not sent yet, per stage rank: stage 1's go right before its next input, the
+        # others' right after it; all before rank 0 waits for anything.
+        self._unsent: dict[int, list[tuple]] = {rank: [] for rank in range(1, self.n + 1)}  # (notice, spill)
 
     def configure(self, stage_anchors: list[list[int]]) -> None:
         self.stage_anchors = stage_anchors
@@ -506,6 +567,7 @@ class RemoteStages:
         for a in anchors:
             flags[a] |= 2
         hidden_1TD = self.staged.embed(prompt_ids_1T)
+        self._post_notices()
         self.link.send(1, DATA_TAG, PREFILL, self.epoch, 0, hidden_1TD[0][:, None], extra=flags)
         collected: dict[int, torch.Tensor] = {0: hidden_1TD} if 0 in anchors else {}
         last_hidden = None
@@ -528,8 +590,10 @@ class RemoteStages:
         newest = inflight[-1]
         key = (self.epoch, newest.position)
         if newest.depth == 0 and key != self._sent:
+            self._post_notices([1])
             self.link.send(1, DATA_TAG, TOKEN, self.epoch, newest.position, newest.hidden_1TD[0][:, None])
             self._sent = key
+        self._post_notices()
 
     def collect(self, inflight) -> None:
         for slot in inflight:
@@ -553,25 +617,45 @@ class RemoteStages:
         self._notify(PRUNE, committed, torch.as_tensor(kept, dtype=torch.long).cpu().contiguous())
 
     def _notify(self, kind: int, length: int, kept: torch.Tensor | None) -> None:
-        self.epoch += 1
-        self.log.record(self.epoch, kept)
-        notice = torch.tensor([self.epoch, length, kind, 0 if kept is None else kept.numel()], dtype=torch.long)
-        for rank in range(1, self.n + 1):
-            self.link.post(dist.isend(notice, rank, group=self.control_group, tag=CONTROL_TAG), notice)
-            if kept is not None:
-                self.link.post(dist.isend(kept, rank, group=self.control_group, tag=KEPT_TAG), kept)
+        """Start a new epoch now (what is sent from here on carries it); the notice waits in ``_unsent``."""
+        if kind != CLOSE:  # CLOSE ends the control path; it starts no epoch
+            self.epoch += 1
+            self.log.record(self.epoch, kept)
+        count = 0 if kept is None else kept.numel()
+        notice = torch.zeros(NOTICE + KEPT_INLINE, dtype=torch.long)
+        notice[:NOTICE] = torch.tensor([self.epoch, length, kind, count])
+        if kept is not None:
+            notice[NOTICE:NOTICE + min(count, KEPT_INLINE)] = kept[:KEPT_INLINE]
+        spill = kept[KEPT_INLINE:].contiguous() if count > KEPT_INLINE else None
+        for pending in self._unsent.values():
+            pending.append((notice, spill))
         self.notices += 1
+
+    def _post_notices(self, ranks: list[int] | None = None) -> None:
+        """Send the notices not yet sent to ``ranks`` (default: every stage).
+
+        Stage 1 needs a step's notice before its next input (it waits for the notice of a newer epoch before
+        it computes), the other stages only when that input reaches them: their n - 1 sends go after it,
+        so that they do not delay it. Rank 0 sends every notice before it waits for anything.
+        """
+        for rank in ranks or self._unsent:
+            for notice, spill in self._unsent[rank]:
+                self.link.post(dist.isend(notice, rank, group=self.control_group, tag=CONTROL_TAG), notice)
+                if spill is not None:
+                    self.link.post(dist.isend(spill, rank, group=self.control_group, tag=KEPT_TAG), spill)
+            self._unsent[rank] = []
 
     # ------------------------------------------------------------------------------- tree levels
     def launch_level(self, level, tree, committed: int, early: bool = False) -> None:
         """Send a new tree level (depth 0) to stage 1 with its positions and ancestor-mask rows (once)."""
-        if level.sent or (early and not self.config.early_launch):
-            return
-        level.sent = True
-        start, end = level.start, level.start + level.size
-        positions_T = tree.positions(committed)[start:end]
-        extra = pack_level(start, positions_T, tree.mask()[start:end, :end])
-        self.link.send(1, DATA_TAG, LEVEL, self.epoch, committed, level.hidden_1TD[0][:, None], extra=extra)
+        if not level.sent and not (early and not self.config.early_launch):
+            level.sent = True
+            start, end = level.start, level.start + level.size
+            positions_T = tree.positions(committed)[start:end]
+            extra = pack_level(start, positions_T, tree.mask()[start:end, :end])
+            self._post_notices([1])
+            self.link.send(1, DATA_TAG, LEVEL, self.epoch, committed, level.hidden_1TD[0][:, None], extra=extra)
+        self._post_notices()
 
     def advance(self, levels, tree, committed: int) -> None:
         """Every level in flight ran its next stage: take the stage's report (anchors; H^L from stage n)."""
@@ -613,6 +697,7 @@ class RemoteStages:
         """
         src = stage + 1
         tag = DATA_TAG if stage == self.n - 1 else REPORT_TAG
+        self._post_notices()
         while True:
             header, extra, payload = self.link.recv(src, tag)
             epoch = int(header[1])
@@ -629,10 +714,13 @@ class RemoteStages:
 
     def ping(self) -> None:
         """Tell every stage that rank 0 is alive while no request runs (a stage waits ``timeout_s`` at most)."""
+        self._post_notices()
         self.link.send(1, DATA_TAG, PING, self.epoch, 0)
 
     def shutdown(self) -> None:
-        """STOP down the chain; drain every stage's reports until its STOP arrives."""
+        """CLOSE the control path; STOP down the chain; drain every stage's reports until its STOP arrives."""
+        self._notify(CLOSE, 0, None)
+        self._post_notices()
         self.link.send(1, DATA_TAG, STOP, self.epoch, self.notices)
         for s in range(self.n):
             tag = DATA_TAG if s == self.n - 1 else REPORT_TAG

@@ -473,7 +473,6 @@ class TreeEngine(OneModeEngine):
             rest = list(levels)  # their stages ran this step too; taken below, after the prune
             if new_level is not None:
                 levels.append(new_level)
-            source.commit_root(root)
             token, child = self._verify(root, tree, levels, sampling, generator, stats, rule)
             context.append(int(tree.tokens_N[0]))
             out.append(token)
@@ -482,19 +481,23 @@ class TreeEngine(OneModeEngine):
             if child is not None:
                 kept = tree.prune_to_child(child)
                 stages.prune(committed, kept)
-                source.prune(committed, kept)
                 levels = [lv for lv in (self._prune_level(lv, kept) for lv in levels) if lv is not None]
                 rest = [lv for lv in levels if any(lv is r for r in rest)]
             else:
                 # Miss (or nothing to verify): reseed from the committed token.
                 tree.reset(token)
                 stages.flush(committed + 1)
-                source.reset(committed + 1)
                 levels = [self._enter(tree, 0, 1, rank=0)]
                 grown = 0
                 rest = []  # discarded with the flush
             if not stop and levels[-1].depth == 0:
                 stages.launch_level(levels[-1], tree, len(context))  # stage 1's next level, as soon as it is decided
+            # The source's own bookkeeping comes after that release (it is not on the stages' critical path).
+            source.commit_root(root)
+            if child is not None:
+                source.prune(committed, kept)
+            else:
+                source.reset(committed + 1)
             stats.verify_time_s += time.perf_counter() - tick
             if on_token is not None and on_token(token, child is not None) and not stop:
                 stop = "stopped"  # the caller ended the request (levels still in flight are discarded)

@@ -118,6 +118,30 @@ def test_distributed_draft_tree_equals_single_process_engine(tiny_testbed, tmp_p
     assert sum(r["stats"]["accepted"] for r in report["results"]["tree"]) > 0
 
 
+def test_bench_runtime_compares_the_tree_with_pp_in_one_world(tiny_testbed, tmp_path):
+    """infer/bench_runtime.py --tree-width: one world per n runs tree then pp; its row compares them."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "bench.json"
+    bench = [sys.executable, str(REPO / "infer" / "bench_runtime.py"), "--target", str(tiny_testbed / "target"),
+             "--prompts", str(prompts), "--draft-model", str(tiny_testbed / "draft"), "--stages", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(bench + ["--tree-width", "2", "--num-prompts", "2", "--max-new-tokens", "8", "--no-ar",
+                                   "--out", str(out)], capture_output=True, text=True, timeout=400, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    row = report["rows"][0]
+    assert report["mode"] == "tree" and row["stages"] == 2 and row["width"] == 2 and row["children"] == 4
+    assert row["identical_tokens_tree_pp"] == 2  # greedy: the tree commits the plain pipeline's tokens
+    assert row["efficiency"] == pytest.approx(row["speedup_vs_pp"] / row["tree"]["L_acc"])
+    assert set(row["step_ms"]) == {"speculator", "verify", "stage"} and row["step_ms"]["speculator"] > 0
+    # A token source without the tree mode is refused with one line.
+    proc = subprocess.run(bench + ["--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=60,
+                          cwd=REPO, env=env)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: --draft-model and --stages select the tree mode's token source; add --tree-width W"]
+
+
 def test_link_messages_arrive_intact_inline_and_spilled():
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                            str(_port()), str(REPO / "tests" / "link_roundtrip.py")], capture_output=True, text=True,
