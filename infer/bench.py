@@ -7,8 +7,9 @@ A run is ``ar``, ``pp:N`` (standard pipeline with N stages), ``spd:HEAD`` (a tra
 has the head's n stages and the head's variant: SPD, output-state or PPSD) or ``tree:SOURCE:N:W:K`` (the
 token-tree engine with N stages, W nodes kept per level, K children per node; SOURCE is a draft model
 sharing the target's tokenizer, or an SPD head directory for the head with width W), optionally named
-``NAME=SPEC``; ``sd:DRAFT:M`` is serial speculative decoding of the whole target with a draft model
-drafting M tokens per target forward (its L'_acc is the mean acceptance length, bonus token included,
+``NAME=SPEC``; ``sd:SOURCE:M`` is serial speculative decoding of the whole target, SOURCE (a draft model,
+or a head trained with ``variant=eagle``) drafting M tokens per target forward (its L'_acc is the mean
+acceptance length, bonus token included,
 and its theoretical speedup ``L_acc * L / (L_s * M + L)``). Prompts are jsonl rows with ``"prompt"`` (raw text) or ``"messages"``/``"conversations"``
 (rendered with the tokenizer's chat template, a trailing assistant turn dropped). Every run sees every
 prompt at every temperature, in interleaved order. At T=0 each run's tokens are compared with ``ar``'s
@@ -76,7 +77,7 @@ def parse_run(text: str) -> RunSpec:
                                                                                     f" {rule}"),
                            "tree", n, None, source, width, children, rule)
     raise SpdInputError(f"--run '{text}' is not a run; expected ar, pp:N, spd:HEAD_DIR, tree:SOURCE:N:W:K[:RULE] "
-                        "(W a number or auto, RULE sampled or top-k) or sd:DRAFT:M (optionally NAME=...)")
+                        "(W a number or auto, RULE sampled or top-k) or sd:SOURCE:M (optionally NAME=...)")
 
 
 def parse_args(argv=None):
@@ -89,7 +90,7 @@ def parse_args(argv=None):
                         "(question.jsonl) or gsm8k:FILE (test.jsonl)")
     p.add_argument("--num-prompts", type=int, default=50)
     p.add_argument("--run", action="append", default=[],
-                   help="ar | pp:N | spd:HEAD | tree:SOURCE:N:W:K[:RULE] | sd:DRAFT:M (repeatable)")
+                   help="ar | pp:N | spd:HEAD | tree:SOURCE:N:W:K[:RULE] | sd:SOURCE:M (repeatable)")
     p.add_argument("--tree-max-width", type=int, default=8, help="tree runs with W = auto: the largest width")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0])
     p.add_argument("--top-k", type=int, default=50, help="top-k when sampling (the paper's T=1 setting: 50)")
@@ -210,11 +211,13 @@ def _bench(args, runs: list[RunSpec]) -> int:
 
             if 1 not in staged_by_n:
                 staged_by_n[1] = StagedModel.from_pretrained(args.target, n_stages=1)
-            engines[run.name] = build_sd_engine(staged_by_n[1], tokenizer, run.source, None, run.draft_steps,
-                                                torch.float32, "cpu")
-            info[run.name] = {"mode": "sd", "stages": 1, "head": None, "draft": run.source,
-                              "draft_steps": run.draft_steps, "variant": f"sd m={run.draft_steps}",
-                              "speculator_layers": engines[run.name].draft.num_layers}
+            head = load_speculator(run.source) if _is_head(run.source) else None
+            engines[run.name] = build_sd_engine(staged_by_n[1], tokenizer, None if head else run.source, None,
+                                                run.draft_steps, torch.float32, "cpu", head=head)
+            info[run.name] = {"mode": "sd", "stages": 1, "head": run.source if head else None,
+                              "draft": None if head else run.source, "draft_steps": run.draft_steps,
+                              "variant": f"sd-{'eagle' if head else 'draft'} m={run.draft_steps}",
+                              "speculator_layers": engines[run.name].drafter.num_layers}
             continue
         if run.mode == "tree":
             if run.stages not in staged_by_n:
@@ -287,14 +290,21 @@ def _bench(args, runs: list[RunSpec]) -> int:
     return 0
 
 
+def _is_head(source: str) -> bool:
+    """Whether a run's SOURCE directory holds one of our heads (else it is a draft model)."""
+    from spd.speculator import SpeculatorConfig
+
+    config = Path(source).expanduser() / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("model_type") == SpeculatorConfig.model_type
+
+
 def _tree_run(run: RunSpec, staged, tokenizer, max_width: int = 8):
     """The tree engine of a ``tree:SOURCE:N:W:K[:RULE]`` run and its info row."""
-    from spd.speculator import SpeculatorConfig, load_speculator
+    from spd.speculator import load_speculator
     from spd.staging import StagedModel, load_tokenizer
     from spd.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
 
-    config = Path(run.source).expanduser() / "config.json"
-    is_head = config.is_file() and json.loads(config.read_text()).get("model_type") == SpeculatorConfig.model_type
+    is_head = _is_head(run.source)
     if is_head:
         head = load_speculator(run.source)
         source, kind, layers = SpdHeadSource(head, staged, run.children), "spd", head.config.num_layers

@@ -80,13 +80,15 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="ar", help=f"decoding mode: one of {', '.join(MODES)} (default: ar)")
     p.add_argument("--stages", type=_positive_int, default=None,
                    help="pipeline stages the target is cut into (default: the speculator's n, else 1)")
-    p.add_argument("--speculator", default=None, help="speculation head for --mode spd: a directory or hub id")
+    p.add_argument("--speculator", default=None,
+                   help="speculation head for --mode spd or tree (a head trained for the pipeline), or --mode sd (a "
+                        "head trained with variant=eagle): a directory or hub id")
     p.add_argument("--speculator-revision", default=None, help="hub revision of --speculator")
     p.add_argument("--draft-model", default=None,
                    help="draft model for --mode tree or sd: a directory or hub id of a small causal LM with the "
                         "target's tokenizer")
     p.add_argument("--draft-steps", type=_positive_int, default=4,
-                   help="--mode sd: tokens the draft model drafts one after another per target forward, m "
+                   help="--mode sd: tokens drafted one after another per target forward, m "
                         "(default: %(default)s)")
     p.add_argument("--draft-revision", default=None, help="hub revision of --draft-model")
     p.add_argument("--tree-width", type=_tree_width, default=4,
@@ -118,15 +120,16 @@ def check_model_flags(args) -> None:
         raise SpdInputError(f"unknown --mode '{args.mode}'; expected one of: {', '.join(MODES)}")
     if args.mode == "spd" and args.speculator is None:
         raise SpdInputError("--mode spd needs --speculator DIR_OR_ID (a head trained by train/distill.py)")
-    if args.mode not in ("spd", "tree") and args.speculator is not None:
-        raise SpdInputError(f"--speculator is only used by --mode spd and --mode tree, but --mode is '{args.mode}'")
+    if args.mode not in ("spd", "tree", "sd") and args.speculator is not None:
+        raise SpdInputError(f"--speculator is only used by --mode spd, tree and sd, but --mode is '{args.mode}'")
     if args.mode == "tree" and args.draft_model is None and args.speculator is None:
         raise SpdInputError("--mode tree needs --draft-model DIR_OR_ID (a small causal LM with the target's "
                             "tokenizer) or --speculator DIR_OR_ID (an SPD head)")
     if args.mode == "tree" and args.draft_model is not None and args.speculator is not None:
         raise SpdInputError("--mode tree takes one token source: --draft-model or --speculator, not both")
-    if args.mode == "sd" and args.draft_model is None:
-        raise SpdInputError("--mode sd needs --draft-model DIR_OR_ID (a small causal LM with the target's tokenizer)")
+    if args.mode == "sd" and (args.draft_model is None) == (args.speculator is None):
+        raise SpdInputError("--mode sd takes one drafter: --draft-model DIR_OR_ID (a small causal LM with the target's "
+                            "tokenizer) or --speculator DIR_OR_ID (a head trained with variant=eagle)")
     if args.mode == "sd" and args.stages not in (None, 1):
         raise SpdInputError(f"--mode sd runs the whole target in one process (no pipeline), so --stages must be 1, "
                             f"got {args.stages}")
@@ -336,7 +339,7 @@ def run(args) -> int:
         from spd.sd import build_sd_engine
 
         engine = build_sd_engine(staged, tokenizer, args.draft_model, args.draft_revision, args.draft_steps, dtype,
-                                 args.device)
+                                 args.device, head=head)
     else:
         engine = PipelineEngine(staged, head, tokenizer)
     streamer = None if args.json else TokenStreamer(tokenizer, sys.stdout, colour=args.show_acceptance)

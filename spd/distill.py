@@ -26,6 +26,7 @@ VARIANTS = {  # variant -> (schedule, max_depth or None for n); SPEC section 3
     "spd": ("input", None),
     "output_state": ("output", None),
     "ppsd": ("output", 1),
+    "eagle": ("serial", 1),  # the EAGLE-style serial drafter of --mode sd (n_stages 1, see DistillConfig)
 }
 
 
@@ -40,9 +41,10 @@ class DistillConfig:
     # what is trained
     target: str = field(default_factory=lambda: _testbed("target"))  # target dir or hub id
     target_revision: str | None = None
-    n_stages: int = 8  # n
+    n_stages: int = 8  # n (variant eagle: always 1, the whole target; its drafts in flight are draft_steps)
     boundaries: list[int] | None = None  # explicit stage boundaries (default: equal split)
-    variant: str = "spd"  # spd | output_state | ppsd
+    variant: str = "spd"  # spd | output_state | ppsd | eagle
+    draft_steps: int = 8  # eagle: trained for up to this many serial drafts per target forward (--draft-steps m)
     num_layers: int = 1  # L_s
     anchors: list[list[int]] | None = None  # per depth; default (0, b[k]//2, b[k]) (SPEC section 2)
     memory_proj: bool = False  # per-layer per-depth memory projections
@@ -86,6 +88,13 @@ class DistillConfig:
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise SpdInputError(f"variant must be one of {', '.join(VARIANTS)}, got '{self.variant}'")
+        if self.variant == "eagle":
+            # The serial drafter reads the whole target's features: one stage, whatever a preset's n says.
+            if self.boundaries is not None:
+                raise SpdInputError("variant eagle reads the whole target (one stage); remove boundaries")
+            self.n_stages = 1
+            if self.draft_steps < 1:
+                raise SpdInputError(f"draft_steps must be at least 1, got {self.draft_steps}")
         for name in ("n_stages", "num_layers", "batch_size", "grad_accum", "max_length", "kd_chunk", "eval_rows",
                      "log_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
@@ -197,6 +206,7 @@ def new_head(staged: StagedModel, cfg: DistillConfig, draft_ids: torch.Tensor | 
         rope_parameters=dict(getattr(tcfg, "rope_parameters", None) or {"rope_type": "default",
                                                                         "rope_theta": getattr(tcfg, "rope_theta", 1e4)}),
         max_position_embeddings=staged.max_positions or 4096, schedule=schedule, max_depth=max_depth,
+        draft_steps=cfg.draft_steps if schedule == "serial" else None,
         memory_proj=cfg.memory_proj, target_name_or_path=cfg.target, target_revision=cfg.target_revision,
         target_model_type=tcfg.model_type, draft_vocab_size=None if draft_ids is None else len(draft_ids),
         draft_vocab_sha256=draft_sha256,
@@ -304,10 +314,37 @@ def expected_accept_length(agreement: dict[int, float], n: int) -> dict[str, flo
     return {"alpha": alpha, "L_acc": n * alpha}
 
 
+def expected_serial_length(agreement: dict[int, float], m: int) -> float:
+    """Mean acceptance length of serial drafting with m drafts (bonus / replacement token included), greedy.
+
+    Draft j is made with j rows in flight (the newest committed token and j - 1 earlier drafts) and counts
+    only if every earlier draft was accepted: ``1 + sum_j prod_{i <= j} p_i``.
+    """
+    prefix, length = 1.0, 1.0
+    for j in range(1, m + 1):
+        prefix *= min(max(agreement[j], 0.0), 1.0)
+        length += prefix
+    return length
+
+
+def training_fills(cfg: DistillConfig) -> tuple[int, float]:
+    """``(max fill, p_full)`` for :func:`spd.kd.sample_fills`: the pipeline's n and the paper's rule, or for the
+    serial drafter (variant eagle) every number of drafts in flight 1..draft_steps equally often (p_full 1/m)."""
+    if cfg.variant == "eagle":
+        return cfg.draft_steps, 1.0 / cfg.draft_steps
+    return cfg.n_stages, cfg.p_full
+
+
 @torch.no_grad()
 def evaluate(head: Speculator, staged: StagedModel, batches: list[dict], tau: float, chunk: int) -> dict:
-    """KD loss and top-1 agreement with the target for every fill a = 1..n (a = n: full pipeline)."""
-    n = head.config.n_stages
+    """KD loss and top-1 agreement with the target for every fill a = 1..n (a = n: full pipeline).
+
+    A serial head (variant eagle) is measured at every number of drafts in flight a = 1..draft_steps; its
+    ``kd_loss`` is their mean, ``top1_full`` the first draft's agreement and ``L_acc_est`` the expected
+    acceptance length of ``--mode sd --draft-steps draft_steps`` (bonus included; ``alpha_est`` = L_acc / (m + 1)).
+    """
+    cfg = head.config
+    n = cfg.max_fill
     was_training = head.training
     head.eval()
     sums = {a: [0.0, 0, 0] for a in range(1, n + 1)}
@@ -322,6 +359,16 @@ def evaluate(head: Speculator, staged: StagedModel, batches: list[dict], tau: fl
             sums[a][2] += r.agree
     head.train(was_training)
     agreement = {a: s[2] / max(1, s[1]) for a, s in sums.items()}
+    if cfg.schedule == "serial":
+        length = expected_serial_length(agreement, n)
+        return {
+            "kd_loss": sum(s[0] for s in sums.values()) / max(1, sum(s[1] for s in sums.values())),
+            "top1_full": agreement[1],
+            "top1_by_fill": {str(a): round(v, 4) for a, v in agreement.items()},
+            "alpha_est": length / (n + 1),
+            "L_acc_est": length,
+            "positions": sums[1][1],
+        }
     est = expected_accept_length(agreement, n)
     return {
         "kd_loss": sums[n][0] / max(1, sums[n][1]),

@@ -194,7 +194,7 @@ class PipelineEngine:
     def __init__(self, staged: StagedModel, speculator: Speculator | None = None, tokenizer=None,
                  stages: LocalStages | None = None):
         if speculator is not None:
-            check_compatible(speculator.config, staged)
+            check_compatible(speculator.config, staged, mode="spd")
             if isinstance(speculator, Speculator):
                 check_draft_vocab(speculator, staged.vocab_size, tokenizer)
             head_param = next(speculator.parameters())

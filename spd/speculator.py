@@ -9,7 +9,11 @@ position). The LM head reads the query stream at ``t`` and predicts ``x_{t+1}``.
 Depth of position ``i`` seen from the query at ``t`` with ``a`` tokens in flight (the fill):
 ``depth(t, i) = min(max_depth, t - i + offset)`` if ``t - i < a`` else ``max_depth``. The SPD default is the
 input-state schedule (offset 0, max_depth n); the output-state ablation has offset 1; PPSD uses only
-first-stage features (max_depth 1) with offset 1. These are settings, not separate code (STYLE 8).
+first-stage features (max_depth 1) with offset 1. The *serial* schedule (``variant=eagle``, the EAGLE-style
+baseline of ``--mode sd``) has no pipeline: the whole target is one stage (max_depth 1), rows the target has
+run are at depth 1, and the ``a`` newest rows (the last committed token and the head's own earlier drafts)
+at depth 0: ``depth(t, i) = 0`` if ``t - i < a`` else ``max_depth``, for ``a`` up to ``draft_steps``. These are
+settings, not separate code (STYLE 8).
 
 Three forwards share the weights:
 - :meth:`Speculator.forward_train` - every position of a batch at once, never materialising the
@@ -39,7 +43,7 @@ from .errors import SpdInputError, first_line
 from .kd import KDResult, kd_loss, kd_loss_topk
 from .paths import check_model_source
 
-SCHEDULES = {"input": 0, "output": 1}  # schedule -> depth offset of the newest position
+SCHEDULES = {"input": 0, "output": 1, "serial": 0}  # schedule -> depth offset of the newest position
 
 
 class SpeculatorConfig(PretrainedConfig):
@@ -64,8 +68,9 @@ class SpeculatorConfig(PretrainedConfig):
         qk_norm: bool = False,  # per-head RMSNorm on q and k (Qwen3 style)
         rope_parameters: dict | None = None,  # as in the target's config (rope_type, rope_theta, ...)
         max_position_embeddings: int = 4096,
-        schedule: str = "input",  # "input" (SPD) or "output" (ablation; PPSD)
-        max_depth: int | None = None,  # deepest features used: n (SPD) or 1 (PPSD)
+        schedule: str = "input",  # "input" (SPD), "output" (ablation; PPSD) or "serial" (EAGLE-style, --mode sd)
+        max_depth: int | None = None,  # deepest features used: n (SPD) or 1 (PPSD, serial)
+        draft_steps: int | None = None,  # serial: the most drafts in flight it is trained for (default 8)
         memory_proj: bool = False,  # per-layer per-depth identity-initialised memory projections
         draft_vocab_size: int | None = None,  # K: the LM head predicts K target tokens (None: the whole vocabulary)
         draft_vocab_sha256: str | None = None,  # hash of the K tokens' strings, checked against a tokenizer at load
@@ -91,6 +96,7 @@ class SpeculatorConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.schedule = schedule
         self.max_depth = n_stages if max_depth is None else max_depth
+        self.draft_steps = (draft_steps or 8) if schedule == "serial" else None
         self.memory_proj = memory_proj
         self.draft_vocab_size = draft_vocab_size
         self.draft_vocab_sha256 = draft_vocab_sha256
@@ -116,6 +122,9 @@ class SpeculatorConfig(PretrainedConfig):
             raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got '{self.schedule}'")
         if not 1 <= self.max_depth <= n:
             raise ValueError(f"max_depth must be in 1..{n}, got {self.max_depth}")
+        if self.schedule == "serial" and (n != 1 or self.draft_steps < 1):
+            raise ValueError(f"the serial schedule reads the whole target (n_stages 1) with draft_steps >= 1, got "
+                             f"n_stages {n} and draft_steps {self.draft_steps}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
@@ -127,20 +136,37 @@ class SpeculatorConfig(PretrainedConfig):
         return SCHEDULES[self.schedule]
 
     @property
+    def max_fill(self) -> int:
+        """The most positions in flight (the fill ``a``): n for the pipelined schedules, draft_steps for serial."""
+        return self.draft_steps if self.schedule == "serial" else self.n_stages
+
+    @property
     def used_depths(self) -> list[int]:
         """Depths whose features the head can ever see: band depths and max_depth."""
-        return sorted({min(self.max_depth, j + self.offset) for j in range(self.n_stages)} | {self.max_depth})
+        return sorted({self.depth(j, j + 1) for j in range(self.max_fill)} | {self.max_depth})
 
     def depth(self, distance: int, fill: int) -> int:
         """Depth of a position ``distance = t - i`` back from the query when ``fill`` tokens are in flight."""
-        return min(self.max_depth, distance + self.offset) if distance < fill else self.max_depth
+        if distance >= fill:
+            return self.max_depth
+        return 0 if self.schedule == "serial" else min(self.max_depth, distance + self.offset)
 
 
-def check_compatible(head_config: SpeculatorConfig, staged) -> None:
+def check_compatible(head_config: SpeculatorConfig, staged, mode: str | None = None) -> None:
     """Refuse a head trained for another target shape or another pipeline (one clear sentence).
 
-    ``staged`` is a :class:`spd.staging.StagedModel` (not imported here: the head does not need the target).
+    ``staged`` is a :class:`spd.staging.StagedModel` (not imported here: the head does not need the target);
+    ``mode`` (spd, tree or sd) the engine that will run it: a serial head (variant eagle) drafts in ``sd`` only,
+    and ``sd`` takes no pipelined head.
     """
+    serial = head_config.schedule == "serial"
+    if mode is not None and serial and mode != "sd":
+        raise SpdInputError(f"this head was trained with variant=eagle, a serial drafter for --mode sd; --mode {mode} "
+                            "takes a head trained for the pipeline (variant spd, output_state or ppsd)")
+    if mode == "sd" and not serial:
+        raise SpdInputError(f"--mode sd drafts serially and takes a head trained with variant=eagle (or --draft-model), "
+                            f"but this head has the '{head_config.schedule}' schedule of a pipeline; run it with "
+                            "--mode spd")
     problems = []
     if head_config.hidden_size != staged.config.hidden_size:
         problems.append(f"hidden size {head_config.hidden_size} vs the target's {staged.config.hidden_size}")
@@ -582,7 +608,7 @@ class Speculator(PreTrainedModel):
         if valid_BN is None:
             valid_BN = torch.ones(b, n_pos, dtype=torch.bool, device=dev)
         mem = {d: self.features(d, hidden) for d in cfg.used_depths}
-        band_depths = [cfg.depth(j, j + 1) for j in range(cfg.n_stages)]  # band key j < a <= n
+        band_depths = [cfg.depth(j, j + 1) for j in range(cfg.max_fill)]  # band key j < a <= max_fill
         h_BND = mem[cfg.offset]
         for layer in self.layers:
             q = layer.query_heads(h_BND, cos, sin)  # (B, H, N, Dh)
@@ -608,9 +634,10 @@ class Speculator(PreTrainedModel):
         dist_NN = t_N[:, None] - t_N[None, :]  # t - T
         masks = []
         for d in depths:
-            # depth(t, T) as a tensor: min(max_depth, t - T + offset) inside the fill, else max_depth.
-            want_BNN = torch.where(dist_NN[None] < fill_B.view(b, 1, 1),
-                                   (dist_NN + cfg.offset).clamp(max=cfg.max_depth)[None].expand(b, -1, -1),
+            # depth(t, T) as a tensor: min(max_depth, t - T + offset) inside the fill (serial: 0), else max_depth.
+            inside_NN = torch.zeros_like(dist_NN) if cfg.schedule == "serial" else (
+                dist_NN + cfg.offset).clamp(max=cfg.max_depth)
+            want_BNN = torch.where(dist_NN[None] < fill_B.view(b, 1, 1), inside_NN[None].expand(b, -1, -1),
                                    torch.full_like(dist_NN, cfg.max_depth)[None].expand(b, -1, -1))
             masks.append((dist_NN[None] >= 0) & (want_BNN == d) & valid_BN[:, None, :])
         mask_BNM = torch.cat(masks, dim=-1)  # the (n+1)N-wide structural mask

@@ -253,7 +253,7 @@ class SpdHeadSource:
         if not isinstance(head, Speculator):
             raise SpdInputError("tree mode runs our own heads only; the SPD authors' heads run in mode spd (their "
                                 "token tree at T > 0 is not lossless, and ours is not wired to their schedule)")
-        check_compatible(head.config, staged)
+        check_compatible(head.config, staged, mode="tree")
         check_draft_vocab(head, staged.vocab_size)
         cfg = head.config
         if cfg.schedule != "input" or cfg.max_depth != cfg.n_stages:

@@ -95,7 +95,7 @@ def test_two_process_cpu_data_parallel(tiny_testbed, tmp_path):
 @pytest.mark.parametrize("args,expected", [
     (["bogus_key=1"], "unknown config key 'bogus_key'"),
     (["max_steps=ten"], "bad value for max_steps"),
-    (["variant=eagle"], "variant must be one of"),
+    (["variant=medusa"], "variant must be one of"),
     (["n_stages=3"], "do not divide"),
     (["data=/no/such/data.jsonl"], "does not exist"),
     (["--config", "/no/such.yaml"], "config file"),

@@ -1,6 +1,7 @@
-"""--mode sd (serial speculative decoding on the whole target): greedy output equals AR for every m, sampled
-output follows the target's distribution (chi-square, with a negative control), budgets and EOS inside an
-iteration, acceptance statistics, and clear errors."""
+"""--mode sd (serial speculative decoding on the whole target), with a draft model and with a head trained with
+variant=eagle: greedy output equals AR for every m, sampled output follows the target's distribution
+(chi-square, with a negative control), budgets and EOS inside an iteration, acceptance statistics, the eagle
+variant trained by train/distill.py and run from the CLI and the bench, and clear errors."""
 
 import json
 
@@ -8,12 +9,15 @@ import pytest
 import torch
 
 from conftest import run_script, tiny_model
+from spd.distill import DistillConfig, new_head
 from spd.errors import SpdInputError
 from spd.generation import generate_ar
 from spd.sampling import SamplingParams
-from spd.sd import SpeculativeDecoder
+from spd.sd import HeadDrafter, SpeculativeDecoder
+from spd.speculator import Speculator
 from spd.staging import StagedModel
 from test_cli import spd_generate
+from test_distill import _args, _train
 from test_engine import _chi_square_p_value, _sample_outcomes, _sequence_probs
 from test_tree_engine import _noisy_copy
 
@@ -40,6 +44,59 @@ def test_greedy_sd_equals_ar(target_model, m, noise):
         assert s.mean_acceptance_length == pytest.approx(29 / s.iterations)
         if noise == 0.0:
             assert s.accepted == s.drafted and s.iterations == -(-29 // (m + 1))  # only the last one is short
+
+
+def _eagle_head(target: StagedModel, draft_steps: int, seed: int = 4, spread: float = 0.5) -> Speculator:
+    """An untrained variant=eagle head whose LM head is redrawn: its q differs from p (rejections, residuals)."""
+    torch.manual_seed(seed)
+    head = new_head(target, DistillConfig(variant="eagle", draft_steps=draft_steps)).eval()
+    with torch.no_grad():
+        head.lm_head.weight.normal_(0, spread)
+    return head
+
+
+def _small_vocab_target(vocab: int = 6, scale: float = 1.0) -> tuple[torch.nn.Module, StagedModel]:
+    model = tiny_model("llama", seed=3, layers=2, vocab=vocab, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    target = StagedModel(model, 1)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(scale)
+    return model, target
+
+
+@pytest.mark.parametrize("m", [1, 3, 7])
+def test_greedy_sd_with_an_eagle_head_equals_ar(m):
+    """The head drafts from its memory of the rows the target ran plus the rows in flight at depth 0."""
+    _, target = _small_vocab_target()
+    sd = SpeculativeDecoder(target, HeadDrafter(_eagle_head(target, m), target), m)
+    accepted = 0
+    for prompt in ([1, 4, 2], [3], [5, 1, 1, 2, 3, 4, 0, 2]):
+        out = sd.run(prompt, 30, SamplingParams())
+        assert out.token_ids == generate_ar(target, prompt, 30).token_ids
+        s = out.stats
+        assert s.source == "head" and s.draft_layers == 1 and s.decode_tokens == 29
+        assert s.accepted == sum(s.token_acceptance) == sum(s.accepted_by_position)
+        accepted += s.accepted
+    assert 0 < accepted  # some drafts were right (6 tokens), so the cache commits accepted rows too
+
+
+def test_the_head_drafter_reads_the_target_rows_and_its_drafts():
+    """Draft j equals the head's training forward at the newest committed position with fill j (its own earlier
+    drafts at depth 0): incremental drafting is the computation the head was trained for."""
+    _, target = _small_vocab_target()
+    head = _eagle_head(target, 4)
+    drafter = HeadDrafter(head, target)
+    prompt, m = [1, 4, 2, 5, 3], 4
+    caches = target.new_caches(capacity=16)
+    prefill = target.forward_stages(torch.tensor([prompt]), caches, anchors=drafter.anchors)
+    drafter.start(prompt, prefill.anchors, 16, m)
+    first = int(torch.argmax(target.logits(prefill.hidden_BTD[:, -1])))
+    drafts, _ = drafter.draft_tokens(prompt + [first], m, SamplingParams(), None)
+    sequence = prompt + [first] + drafts
+    hidden = target.hidden_states(torch.tensor([sequence]), sorted(set(head.needed_anchors())))
+    for j, token in enumerate(drafts):
+        t = len(prompt) + j  # the query position of draft j + 1: the first committed-but-unrun token plus j drafts
+        out = head.forward_train(hidden, torch.tensor([j + 1]))
+        assert int(torch.argmax(head.vocab_logits(out[:, t]))) == token
 
 
 def test_greedy_sd_on_the_testbed(tiny_testbed):
@@ -85,17 +142,22 @@ class NoResidual(SpeculativeDecoder):
         return None, int(torch.multinomial(p_V, 1, generator=generator))
 
 
-@pytest.mark.parametrize("cls,params", [
-    (SpeculativeDecoder, SamplingParams(temperature=1.0)),
-    (SpeculativeDecoder, SamplingParams(temperature=0.7, top_k=4, top_p=0.9)),
-    (NoResidual, SamplingParams(temperature=1.0)),
+@pytest.mark.parametrize("cls,params,kind", [
+    (SpeculativeDecoder, SamplingParams(temperature=1.0), "draft"),
+    (SpeculativeDecoder, SamplingParams(temperature=0.7, top_k=4, top_p=0.9), "draft"),
+    (NoResidual, SamplingParams(temperature=1.0), "draft"),
+    (SpeculativeDecoder, SamplingParams(temperature=1.0), "head"),
+    (SpeculativeDecoder, SamplingParams(temperature=0.7, top_k=4, top_p=0.9), "head"),
+    (NoResidual, SamplingParams(temperature=1.0), "head"),
 ])
-def test_sampled_sd_follows_the_target_distribution(cls, params):
-    """3-token continuations from 800 seeds vs the exact warped target distribution (p > 1e-3; the control fails)."""
-    vocab, length, samples = 6, 3, 800
-    model = tiny_model("llama", seed=3, layers=2, vocab=vocab, bos_token_id=0, eos_token_id=None, pad_token_id=0)
-    target = StagedModel(model, 1)
-    sd = cls(target, StagedModel(_noisy_copy(model, 1.0), 1), 2)
+def test_sampled_sd_follows_the_target_distribution(cls, params, kind):
+    """3-token continuations from 800 seeds vs the exact warped target distribution (p > 1e-3; the control fails),
+    with a draft model and with an eagle head drafting."""
+    length, samples = 3, 800
+    model, target = _small_vocab_target()
+    drafter = StagedModel(_noisy_copy(model, 1.0), 1) if kind == "draft" else HeadDrafter(
+        _eagle_head(target, 2, spread=0.2), target)
+    sd = cls(target, drafter, 2)
     prompt = [1, 4, 2]
     counts, stats = _sample_outcomes(sd, prompt, params, length, samples)
     p_value = _chi_square_p_value(counts, _sequence_probs(target, prompt, params, length), samples)
@@ -131,7 +193,7 @@ def test_cli_and_bench(tiny_testbed, tmp_path):
     got = json.loads(sd.stdout)
     assert got["token_ids"] == json.loads(spd_generate(*common).stdout)["token_ids"]
     assert got["stats"]["mode"] == "sd" and got["stats"]["draft_steps"] == 3
-    for args, expected in ((["--mode", "sd"], "--mode sd needs --draft-model"),
+    for args, expected in ((["--mode", "sd"], "--mode sd takes one drafter"),
                            (["--mode", "sd", "--draft-model", str(tiny_testbed / "draft"), "--stages", "2"],
                             "--stages must be 1"),
                            (["--mode", "sd", "--draft-model", str(tiny_testbed / "draft"), "--draft-steps", "0"],
@@ -149,3 +211,44 @@ def test_cli_and_bench(tiny_testbed, tmp_path):
     greedy = results["T=0"]["sd3"]["summary"]
     assert greedy["identical_to_ar"] == 2 and greedy["L_acc"] >= 1.0 and len(greedy["acceptance_by_position"]) == 3
     assert results["T=1"]["sd3"]["summary"]["theoretical_speedup"] > 0
+
+
+def test_eagle_variant_trains_loads_and_drafts(tiny_testbed, tmp_path):
+    """train/distill.py variant=eagle: a one-stage head trained for 1..draft_steps drafts in flight, with the
+    expected acceptance length in its summary; spd-generate / the bench run it in --mode sd (greedy == ar), and
+    the modes that take other heads refuse it (and sd refuses a pipeline head) with one line."""
+    out = tmp_path / "eagle"
+    _train(*_args(tiny_testbed, out, "variant=eagle", "draft_steps=3", "max_steps=3", "save_every=0"))
+    head = Speculator.from_pretrained(out / "final")
+    cfg = head.config
+    assert (cfg.schedule, cfg.n_stages, cfg.max_depth, cfg.draft_steps) == ("serial", 1, 1, 3)  # n_stages=4 ignored
+    assert sorted(head.fc) == ["0", "1"] and cfg.anchors[1] == [0, 4, 8]
+    ev = json.loads((out / "summary.json").read_text())["eval"]
+    agree = [ev["top1_by_fill"][str(a)] for a in (1, 2, 3)]
+    assert ev["top1_full"] == agree[0]
+    assert ev["L_acc_est"] == pytest.approx(1 + agree[0] + agree[0] * agree[1] + agree[0] * agree[1] * agree[2],
+                                            abs=1e-3)
+    common = ["--target", str(tiny_testbed / "target"), "--prompt", "class A:\n", "--max-new-tokens", "16", "--json"]
+    sd = spd_generate(*common, "--mode", "sd", "--speculator", str(out / "final"), "--draft-steps", "3")
+    assert sd.returncode == 0, sd.stderr
+    got = json.loads(sd.stdout)
+    assert got["token_ids"] == json.loads(spd_generate(*common).stdout)["token_ids"]
+    assert got["stats"]["source"] == "head" and got["stats"]["draft_layers"] == 1
+    spd_head = tmp_path / "spd"
+    _train(*_args(tiny_testbed, spd_head, "n_stages=2", "max_steps=1", "save_every=0", "eval_data=none"))
+    for args, expected in ((["--mode", "spd", "--speculator", str(out / "final")], "variant=eagle, a serial drafter"),
+                           (["--mode", "tree", "--speculator", str(out / "final")], "variant=eagle, a serial drafter"),
+                           (["--mode", "sd", "--speculator", str(spd_head / "final")], "takes a head trained with "
+                                                                                        "variant=eagle"),
+                           (["--mode", "sd", "--speculator", str(out / "final"), "--draft-model",
+                             str(tiny_testbed / "draft")], "--mode sd takes one drafter")):
+        bad = spd_generate(*common, *args)
+        lines = bad.stderr.strip().splitlines()
+        assert bad.returncode == 2 and len(lines) == 1 and expected in lines[0], bad.stderr
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "import os\n"}) + "\n")
+    bench = tmp_path / "bench.json"
+    run_script("infer/bench.py", "--target", str(tiny_testbed / "target"), "--prompts", str(prompts), "--run",
+               f"eagle=sd:{out / 'final'}:3", "--max-new-tokens", "12", "--out", str(bench))
+    report = json.loads(bench.read_text())
+    assert report["results"]["T=0"]["eagle"]["summary"]["identical_to_ar"] == 1

@@ -164,9 +164,13 @@ def test_fill_changes_the_output():
 @pytest.mark.parametrize("n,num_layers", [(2, 1), (4, 2), (8, 1)])
 @pytest.mark.parametrize("variant", range(len(VARIANTS)))
 def test_incremental_forward_equals_training_forward(n, num_layers, variant):
-    head = _head(n, num_layers, **VARIANTS[variant])
+    _check_incremental(_head(n, num_layers, **VARIANTS[variant]), n)
+
+
+def _check_incremental(head, max_fill):
+    """Inference (cached depth-max rows + trailing rows at their depths) equals the training forward at every t."""
     cfg = head.config
-    hidden, fill, _ = _inputs(1, 15, n, pad=False)
+    hidden, fill, _ = _inputs(1, 15, max_fill, pad=False)
     train = head.forward_train(hidden, fill)
     a = int(fill[0])
     for t in range(15):
@@ -180,6 +184,34 @@ def test_incremental_forward_equals_training_forward(n, num_layers, variant):
                     for i in range(committed, t + 1)]
         query = head.features(cfg.offset, {k: v[:, t] for k, v in hidden.items()})
         torch.testing.assert_close(head.query(cache, trailing, query), train[:, t], atol=1e-12, rtol=0)
+
+
+SERIAL = dict(schedule="serial", max_depth=1, memory_proj=True)
+
+
+def test_serial_schedule_depths():
+    """variant eagle: the whole target is one stage; the a newest rows are at depth 0, the rest at depth 1."""
+    cfg = SpeculatorConfig(hidden_size=D, n_stages=1, target_num_layers=8, schedule="serial", max_depth=1)
+    assert cfg.draft_steps == 8 and cfg.max_fill == 8 and cfg.used_depths == [0, 1]
+    assert cfg.anchors == [[0], [0, 4, 8]]  # low / mid / high features of the whole target, as EAGLE-3
+    assert [cfg.depth(d, 3) for d in range(5)] == [0, 0, 0, 1, 1]
+    assert SpeculatorConfig(hidden_size=D, n_stages=4, target_num_layers=8).draft_steps is None
+    with pytest.raises(ValueError, match="serial schedule reads the whole target"):
+        SpeculatorConfig(hidden_size=D, n_stages=4, target_num_layers=8, schedule="serial", max_depth=1)
+
+
+@pytest.mark.parametrize("draft_steps", [1, 3, 8])
+@pytest.mark.parametrize("query_chunk", [512, 4])
+def test_serial_schedule_efficient_layout_equals_dense(draft_steps, query_chunk):
+    """The band of the serial schedule (every band key at depth 0) in the blockwise path equals the dense mask."""
+    head = _head(1, 2, draft_steps=draft_steps, **SERIAL)
+    hidden, fill, valid = _inputs(3, 17, draft_steps)
+    _assert_equals_dense(head, hidden, fill, valid, query_chunk=query_chunk)
+
+
+@pytest.mark.parametrize("draft_steps", [1, 4])
+def test_serial_schedule_incremental_forward_equals_training_forward(draft_steps):
+    _check_incremental(_head(1, 2, draft_steps=draft_steps, **SERIAL), draft_steps)
 
 
 def test_cache_truncation_is_rollback():

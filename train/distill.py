@@ -127,7 +127,8 @@ def train(cfg, resume: bool) -> dict:
     from tqdm.auto import tqdm
     from spd.capture import CapturedDataset
     from spd.distill import (distill_step, evaluate, latest_checkpoint, list_checkpoints, new_head,
-                             save_head_atomic, scale_fc_init, teacher_anchors, teacher_pass, to_device)
+                             save_head_atomic, scale_fc_init, teacher_anchors, teacher_pass, to_device,
+                             training_fills)
     from spd.draft_vocab import check_draft_vocab, select_draft_vocab, token_counts, tokens_sha256
     from spd.backends import make_accelerator, plain_head
     from spd.kd import sample_fills
@@ -242,13 +243,15 @@ def train(cfg, resume: bool) -> dict:
 
     def run_eval() -> dict:
         metrics = evaluate(accelerator.unwrap_model(head), staged, eval_batches, cfg.tau, cfg.kd_chunk)
-        say(f"[eval] step {step}: kd_loss {metrics['kd_loss']:.4f}, top-1 (full pipeline) {metrics['top1_full']:.4f}, "
-            f"by fill {metrics['top1_by_fill']}, L'_acc est {metrics['L_acc_est']:.3f}")
+        full, length = ("first draft", "L_acc (sd)") if cfg.variant == "eagle" else ("full pipeline", "L'_acc")
+        say(f"[eval] step {step}: kd_loss {metrics['kd_loss']:.4f}, top-1 ({full}) {metrics['top1_full']:.4f}, "
+            f"by fill {metrics['top1_by_fill']}, {length} est {metrics['L_acc_est']:.3f}")
         logs = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, float)}
         logs.update({f"eval/top1_fill{fill}": v for fill, v in metrics["top1_by_fill"].items()})
         accelerator.log(logs, step=step)
         return metrics
 
+    max_fill, p_full = training_fills(cfg)
     t0 = time.time()
     head.train()
     bar = tqdm(total=total_steps, initial=step, desc="distill", unit="step", disable=not main)
@@ -262,7 +265,7 @@ def train(cfg, resume: bool) -> dict:
         for batch in active:
             with accelerator.accumulate(head):
                 hidden = teacher_pass(staged, anchors, batch)
-                fill_B = sample_fills(batch["input_ids"].shape[0], staged.n_stages, fill_gen, cfg.p_full)
+                fill_B = sample_fills(batch["input_ids"].shape[0], max_fill, fill_gen, p_full)
                 loss, result = distill_step(head, staged, hidden, batch, fill_B.to(accelerator.device),
                                             cfg.tau, cfg.kd_chunk)
                 accelerator.backward(loss)

@@ -154,7 +154,7 @@ def _engine(spec: PipelineSpec, staged, head, tokenizer, dtype, stages=None):
         from ..sd import build_sd_engine
 
         return build_sd_engine(staged, tokenizer, spec.draft_model, spec.draft_revision, spec.draft_steps, dtype,
-                               spec.device)
+                               spec.device, head=head)
     if spec.mode == "tree":
         return build_tree_engine(staged, head, tokenizer, spec.draft_model, spec.draft_revision, spec.tree_width,
                                  spec.tree_children, dtype, spec.device, stages, candidates=spec.tree_candidates,
