@@ -186,21 +186,34 @@ def test_bad_input_is_refused(target_model):
         sd.generate([5], mode="tree")
 
 
-def test_cli_and_bench(tiny_testbed, tmp_path):
-    common = ["--target", str(tiny_testbed / "target"), "--prompt", "class A:\n", "--max-new-tokens", "16", "--json"]
-    sd = spd_generate(*common, "--mode", "sd", "--draft-model", str(tiny_testbed / "draft"), "--draft-steps", "3")
+def _cli_common(tiny_testbed) -> list[str]:
+    return ["--target", str(tiny_testbed / "target"), "--prompt", "class A:\n", "--max-new-tokens", "16", "--json"]
+
+
+def _cli_sd_equals_ar(tiny_testbed, *drafter: str) -> dict:
+    """spd-generate --mode sd with ``drafter``'s flags and m = 3: the tokens of --mode ar; returns its stats."""
+    common = _cli_common(tiny_testbed)
+    sd = spd_generate(*common, "--mode", "sd", *drafter, "--draft-steps", "3")
     assert sd.returncode == 0, sd.stderr
     got = json.loads(sd.stdout)
     assert got["token_ids"] == json.loads(spd_generate(*common).stdout)["token_ids"]
     assert got["stats"]["mode"] == "sd" and got["stats"]["draft_steps"] == 3
-    for args, expected in ((["--mode", "sd"], "--mode sd takes one drafter"),
-                           (["--mode", "sd", "--draft-model", str(tiny_testbed / "draft"), "--stages", "2"],
-                            "--stages must be 1"),
-                           (["--mode", "sd", "--draft-model", str(tiny_testbed / "draft"), "--draft-steps", "0"],
-                            "--draft-steps: expected a positive integer")):
-        bad = spd_generate(*common, *args)
+    return got["stats"]
+
+
+def _refused_in_one_line(tiny_testbed, cases) -> None:
+    for args, expected in cases:
+        bad = spd_generate(*_cli_common(tiny_testbed), *args)
         lines = bad.stderr.strip().splitlines()
         assert bad.returncode == 2 and len(lines) == 1 and expected in lines[0], bad.stderr
+
+
+def test_cli_and_bench(tiny_testbed, tmp_path):
+    assert _cli_sd_equals_ar(tiny_testbed, "--draft-model", str(tiny_testbed / "draft"))["source"] == "draft"
+    draft = ["--mode", "sd", "--draft-model", str(tiny_testbed / "draft")]
+    _refused_in_one_line(tiny_testbed, [(["--mode", "sd"], "--mode sd takes one drafter"),
+                                        (draft + ["--stages", "2"], "--stages must be 1"),
+                                        (draft + ["--draft-steps", "0"], "--draft-steps: expected a positive integer")])
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "import os\n"}) + "\n" + json.dumps({"prompt": "def f(x):\n"}) + "\n")
     out = tmp_path / "bench.json"
@@ -228,23 +241,17 @@ def test_eagle_variant_trains_loads_and_drafts(tiny_testbed, tmp_path):
     assert ev["top1_full"] == agree[0]
     assert ev["L_acc_est"] == pytest.approx(1 + agree[0] + agree[0] * agree[1] + agree[0] * agree[1] * agree[2],
                                             abs=1e-3)
-    common = ["--target", str(tiny_testbed / "target"), "--prompt", "class A:\n", "--max-new-tokens", "16", "--json"]
-    sd = spd_generate(*common, "--mode", "sd", "--speculator", str(out / "final"), "--draft-steps", "3")
-    assert sd.returncode == 0, sd.stderr
-    got = json.loads(sd.stdout)
-    assert got["token_ids"] == json.loads(spd_generate(*common).stdout)["token_ids"]
-    assert got["stats"]["source"] == "head" and got["stats"]["draft_layers"] == 1
-    spd_head = tmp_path / "spd"
-    _train(*_args(tiny_testbed, spd_head, "n_stages=2", "max_steps=1", "save_every=0", "eval_data=none"))
-    for args, expected in ((["--mode", "spd", "--speculator", str(out / "final")], "variant=eagle, a serial drafter"),
-                           (["--mode", "tree", "--speculator", str(out / "final")], "variant=eagle, a serial drafter"),
-                           (["--mode", "sd", "--speculator", str(spd_head / "final")], "takes a head trained with "
-                                                                                        "variant=eagle"),
-                           (["--mode", "sd", "--speculator", str(out / "final"), "--draft-model",
-                             str(tiny_testbed / "draft")], "--mode sd takes one drafter")):
-        bad = spd_generate(*common, *args)
-        lines = bad.stderr.strip().splitlines()
-        assert bad.returncode == 2 and len(lines) == 1 and expected in lines[0], bad.stderr
+    stats = _cli_sd_equals_ar(tiny_testbed, "--speculator", str(out / "final"))
+    assert stats["source"] == "head" and stats["draft_layers"] == 1
+    spd_head = tmp_path / "spd"  # a pipeline head (untrained: only its refusal is tested)
+    new_head(StagedModel.from_pretrained(tiny_testbed / "target", n_stages=2), DistillConfig(
+        n_stages=2, target=str(tiny_testbed / "target"))).save_pretrained(spd_head / "final")
+    eagle = ["--speculator", str(out / "final")]
+    _refused_in_one_line(tiny_testbed, [
+        (["--mode", "spd", *eagle], "variant=eagle, a serial drafter"),
+        (["--mode", "tree", *eagle], "variant=eagle, a serial drafter"),
+        (["--mode", "sd", "--speculator", str(spd_head / "final")], "takes a head trained with variant=eagle"),
+        (["--mode", "sd", *eagle, "--draft-model", str(tiny_testbed / "draft")], "--mode sd takes one drafter")])
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "import os\n"}) + "\n")
     bench = tmp_path / "bench.json"

@@ -294,15 +294,17 @@ def test_full_queue_gets_503_with_retry_after(tiny_testbed):
         server.stop()
 
 
-def test_tree_mode_server_equals_spd_generate(tiny_testbed):
-    server = Server("--target", str(tiny_testbed / "target"), "--mode", "tree", "--draft-model",
-                    str(tiny_testbed / "draft"), "--stages", "2", "--tree-width", "3")
+@pytest.mark.parametrize("mode,flags", [("tree", ["--stages", "2", "--tree-width", "3"]), ("sd", ["--draft-steps", "3"])])
+def test_draft_model_server_equals_spd_generate(tiny_testbed, mode, flags):
+    """spd-serve with a draft model: a token tree in the pipeline, or serial speculative decoding."""
+    server = Server("--target", str(tiny_testbed / "target"), "--mode", mode, "--draft-model",
+                    str(tiny_testbed / "draft"), *flags)
     try:
         expected = cli_json(tiny_testbed, "--mode", "ar", "--prompt", PROMPT, "--max-new-tokens", "30")
         chunks = list(server.client().completions.create(model=server.model, prompt=PROMPT, max_tokens=30,
                                                          temperature=0, stream=True))
         assert "".join(c.choices[0].text for c in chunks) == expected["text"]
-        assert chunks[-1].model_extra["spd"]["mode"] == "tree"
+        assert chunks[-1].model_extra["spd"]["mode"] == mode
     finally:
         server.stop()
 
