@@ -3,6 +3,11 @@
     python data/build_testbed.py --out testbed              # the default build (~20 minutes on 2 CPU cores)
     python data/build_testbed.py --out tb --minutes 30      # train the target for a 30-minute budget instead
     python data/build_testbed.py --out /tmp/tb --tiny       # a miniature build in seconds (for tests)
+    python data/build_testbed.py --preset deep              # paper-shaped: a 32-layer target in testbed-deep
+
+The ``deep`` preset is the default target made four times deeper (32 layers, so that n = 4, 8 and 16
+divide it, as the paper's targets), same width, tokenizer, draft and steps: about four times the target's
+training time (an hour or more on 2 cores). The default 8-layer testbed stays the quickstart's.
 """
 
 import argparse
@@ -18,7 +23,11 @@ def parse_args(argv=None):
 
     d = TestbedConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(default_testbed_dir()), help="output directory (default: %(default)s)")
+    p.add_argument("--preset", choices=PRESETS, default="default",
+                   help="default (8-layer target) or deep (32-layer target) (default: %(default)s)")
+    p.add_argument("--out", default=None,
+                   help=f"output directory (default: {default_testbed_dir()}, or {default_testbed_dir()}-deep with "
+                        "--preset deep)")
     p.add_argument("--target-steps", type=int, default=d.target.steps,
                    help="target optimizer steps (default: %(default)s, ~15 min on 2 cores)")
     p.add_argument("--draft-steps", type=int, default=d.draft.steps,
@@ -35,6 +44,16 @@ def parse_args(argv=None):
     p.add_argument("--no-compile", action="store_true", help="train without torch.compile")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p.parse_args(argv)
+
+
+PRESETS = ("default", "deep")
+DEEP_LAYERS = 32
+
+
+def output_dir(args) -> str:
+    if args.out is not None:
+        return args.out
+    return str(default_testbed_dir()) + ("-deep" if args.preset == "deep" else "")
 
 
 def config_from_args(args):
@@ -55,6 +74,8 @@ def config_from_args(args):
                                          steps=None if args.minutes else args.target_steps)
         cfg.draft = dataclasses.replace(cfg.draft, minutes=args.draft_minutes, compile=not args.no_compile,
                                         steps=None if args.draft_minutes else args.draft_steps)
+    if args.preset == "deep":
+        cfg.target = dataclasses.replace(cfg.target, layers=DEEP_LAYERS)
     return cfg
 
 
@@ -66,10 +87,11 @@ def main(argv=None) -> int:
             return 2
     from spd.testbed import build_testbed
 
-    result = build_testbed(args.out, config_from_args(args), progress=not args.quiet)
+    out = output_dir(args)
+    result = build_testbed(out, config_from_args(args), progress=not args.quiet)
     summary = {name: {k: result[name][k] for k in ("parameters", "steps", "train_tokens", "validation_perplexity")}
                for name in ("target", "draft")}
-    print(json.dumps({"testbed": args.out, **summary}, indent=2))
+    print(json.dumps({"testbed": out, **summary}, indent=2))
     return 0
 
 

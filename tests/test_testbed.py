@@ -1,5 +1,6 @@
 """The testbed builder, run as a user would (a miniature build), and the loading of what it writes."""
 
+import dataclasses
 import json
 
 import torch
@@ -9,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from spd.testbed import ModelSpec, build_testbed, stdlib_dir, stdlib_source_files
 from spd.testbed import TestbedConfig as Config
 
-from conftest import run_script
+from conftest import REPO, run_script
 
 
 def test_miniature_build_writes_loadable_models(tiny_testbed):
@@ -84,3 +85,26 @@ def test_bad_budget_is_a_clear_error():
     proc = run_script("data/build_testbed.py", "--out", "/tmp/unused", "--minutes", "0", check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "--minutes" in proc.stderr
+
+
+def test_deep_preset_is_the_default_target_four_times_deeper(tmp_path, monkeypatch):
+    """--preset deep: 32 layers (n = 4, 8 and 16 divide it), everything else as the default build; its own
+    directory by default. A miniature deep build loads and cuts into 16 stages."""
+    import sys
+
+    from spd.staging import StagedModel
+
+    sys.path.insert(0, str(REPO / "data"))
+    import build_testbed as builder
+
+    monkeypatch.delenv("SPD_TESTBED", raising=False)
+    default, deep = (builder.parse_args(a) for a in ([], ["--preset", "deep"]))
+    assert builder.output_dir(default) == "testbed" and builder.output_dir(deep) == "testbed-deep"
+    a, b = builder.config_from_args(default), builder.config_from_args(deep)
+    assert (a.target.layers, b.target.layers) == (8, 32)
+    assert dataclasses.replace(b.target, layers=8) == a.target and b.draft == a.draft
+    assert b.vocab_size == a.vocab_size
+    run_script("data/build_testbed.py", "--preset", "deep", "--tiny", "--out", str(tmp_path / "deep"), "--quiet")
+    info = json.loads((tmp_path / "deep" / "testbed.json").read_text())
+    assert info["target"]["spec"]["layers"] == 32 and info["draft"]["spec"]["layers"] == 2
+    assert StagedModel.from_pretrained(tmp_path / "deep" / "target", n_stages=16).boundaries[1] == 2
