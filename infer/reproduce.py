@@ -1,0 +1,212 @@
+"""The paper's comparison (its Table 1) on a testbed, in one command: what is missing is trained, then measured.
+
+    python infer/reproduce.py --testbed testbed --out docs/results/reproduction
+    python infer/reproduce.py --testbed testbed-deep --stages 4 8 16 --out docs/results/reproduction-deep
+
+1. One offline capture of the target's states over the testbed's training and validation text
+   (``data/capture.py``, resumed if interrupted), shared by every head.
+2. The heads, each trained from that capture by ``train/distill.py`` unless ``<runs>/<name>/final`` exists:
+   SPD (``variant=spd``) for every n of ``--stages`` and L_s of ``--layers``, PPSD (``variant=ppsd``, L_s 1)
+   for every n, and the EAGLE-style serial drafter (``variant=eagle``, trained for up to max(--draft-steps)).
+3. One ``infer/bench.py`` run on ``--prompts`` (default: HumanEval's 164 problems, the first
+   ``--num-prompts``) at every temperature of ``--temperatures``: EAGLE-style ``sd`` for every m, SPD and
+   PPSD chains, and the SPD head's token tree of width 4 (sampled candidates at T > 0).
+4. The Table-1-shaped result in ``--out``: ``table.md`` (acceptance length and theoretical speedup per
+   method and setting), ``table.json`` (the same rows plus the benchmark's command and data set) and
+   ``table.png``.
+
+Acceptance lengths: ``sd`` rows give L_acc (tokens per target forward, the bonus token included), pipeline
+rows L'_acc (n x tokens per step); the theoretical speedups are the paper's (serial:
+``L_acc * L / (L_s * m + L)``; SPD: L'_acc; PPSD: its step cost included; spd/engine.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from spd.errors import SpdInputError  # noqa: E402
+from spd.paths import default_testbed_dir  # noqa: E402
+
+
+@dataclass
+class Head:
+    name: str
+    variant: str
+    stages: int  # n (1 for the serial drafter)
+    layers: int  # L_s
+
+    def overrides(self, steps: int, draft_steps: int) -> list[str]:
+        keys = [f"variant={self.variant}", f"n_stages={self.stages}", f"num_layers={self.layers}",
+                f"max_steps={steps}", "max_minutes=none", f"save_every={steps}", f"eval_every={steps}"]
+        return keys + ([f"draft_steps={draft_steps}"] if self.variant == "eagle" else [])
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--testbed", default=str(default_testbed_dir()), help="testbed directory (default: %(default)s)")
+    p.add_argument("--stages", type=int, nargs="+", default=None,
+                   help="pipeline sizes n (default: those of 4, 8, 16 that divide the target's layers)")
+    p.add_argument("--layers", type=int, nargs="+", default=[1, 2], help="SPD head layers L_s (default: 1 2)")
+    p.add_argument("--draft-steps", type=int, nargs="+", default=[3, 7, 15],
+                   help="EAGLE-style serial drafts per target forward, m (default: 3 7 15)")
+    p.add_argument("--steps", type=int, default=800, help="optimizer steps per head (default: %(default)s)")
+    p.add_argument("--config", default=str(REPO / "configs" / "testbed-n4.yaml"),
+                   help="trainer preset the heads start from (default: %(default)s)")
+    p.add_argument("--prompts", default="humaneval", help="infer/bench.py --prompts (default: %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=50)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--capture-tokens", type=int, default=None,
+                   help="capture only this many training tokens (default: the whole training text)")
+    p.add_argument("--runs", default=None, help="where captures, heads and the raw benchmark go "
+                                                "(default: runs/reproduce-<testbed name>)")
+    p.add_argument("--out", default="reproduction", help="directory of table.md / table.json / table.png")
+    return p.parse_args(argv)
+
+
+def plan_heads(stages: list[int], layers: list[int]) -> list[Head]:
+    heads = [Head(f"spd-n{n}-ls{ls}", "spd", n, ls) for n in stages for ls in layers]
+    heads += [Head(f"ppsd-n{n}", "ppsd", n, 1) for n in stages]
+    return heads + [Head("eagle", "eagle", 1, 1)]
+
+
+def _run(cmd: list[str], what: str) -> None:
+    print(f"[reproduce] {what}: {' '.join(cmd)}", flush=True)
+    proc = subprocess.run(cmd, cwd=REPO)
+    if proc.returncode != 0:
+        raise SpdInputError(f"{what} failed (exit {proc.returncode}); its output is above")
+
+
+def capture(args, testbed: Path, runs: Path, stages: list[int]) -> tuple[Path, Path]:
+    """One capture per split (data/capture.py resumes an interrupted one and skips a finished one)."""
+    out = {}
+    for split in ("train", "validation"):
+        out[split] = runs / f"capture-{split}"
+        cmd = [sys.executable, str(REPO / "data" / "capture.py"), "--target", str(testbed / "target"),
+               "--data", str(testbed / "corpus" / f"{split}.jsonl"), "--stages", ",".join(map(str, stages)),
+               "--max-length", "256", "--out", str(out[split])]
+        if split == "train" and args.capture_tokens:
+            cmd += ["--max-tokens", str(args.capture_tokens)]
+        _run(cmd, f"capture ({split})")
+    return out["train"], out["validation"]
+
+
+def train(args, testbed: Path, runs: Path, head: Head, data: Path, eval_data: Path) -> Path:
+    final = runs / head.name / "final"
+    if (final / "config.json").is_file():
+        print(f"[reproduce] {head.name}: trained already ({final})", flush=True)
+        return final
+    cmd = [sys.executable, str(REPO / "train" / "distill.py"), "--config", args.config,
+           f"target={testbed / 'target'}", f"data={data}", f"eval_data={eval_data}",
+           f"output_dir={runs / head.name}", *head.overrides(args.steps, max(args.draft_steps))]
+    _run(cmd + (["--resume"] if (runs / head.name / "checkpoints").is_dir() else []), f"training {head.name}")
+    return final
+
+
+def bench(args, testbed: Path, runs: Path, finals: dict[str, Path], stages: list[int]) -> dict:
+    spec = [f"eagle m={m}=sd:{finals['eagle']}:{m}" for m in args.draft_steps]
+    for n in stages:
+        spec += [f"spd n={n} Ls={ls}=spd:{finals[f'spd-n{n}-ls{ls}']}" for ls in args.layers]
+        spec += [f"ppsd n={n}=spd:{finals[f'ppsd-n{n}']}"]
+        spec += [f"spd n={n} Ls={args.layers[0]} W=4=tree:{finals[f'spd-n{n}-ls{args.layers[0]}']}:{n}:4:4"]
+    out = runs / "bench.json"
+    cmd = [sys.executable, str(REPO / "infer" / "bench.py"), "--target", str(testbed / "target"),
+           "--prompts", args.prompts, "--num-prompts", str(args.num_prompts), "--max-new-tokens",
+           str(args.max_new_tokens), "--temperatures", *map(str, args.temperatures), "--out", str(out)]
+    _run(cmd + [x for s in spec for x in ("--run", s)], "benchmark")
+    return json.loads(out.read_text())
+
+
+def table(report: dict) -> list[dict]:
+    """One row per method and setting: acceptance length and theoretical speedup at every temperature."""
+    rows: dict[str, dict] = {}
+    for temperature, runs in report["results"].items():
+        for name, run in runs.items():
+            if name == "ar":
+                continue
+            method, _, setting = name.partition(" ")
+            summary = run["summary"]
+            row = rows.setdefault(name, {"method": "EAGLE-style (sd)" if method == "eagle" else method.upper(),
+                                         "setting": setting})
+            row[temperature] = {"acceptance_length": summary["L_acc"],
+                                "theoretical_speedup": summary.get("theoretical_speedup"),
+                                "identical_to_ar": summary.get("identical_to_ar")}
+    return list(rows.values())
+
+
+def markdown(rows: list[dict], temperatures: list[str], report: dict) -> str:
+    head = "| method | setting | " + " | ".join(f"{t}: length | {t}: speedup" for t in temperatures) + " |"
+    lines = [f"Data set: {report['dataset']} ({report['num_prompts']} prompts, {report['max_new_tokens']} new tokens). "
+             "Length: L_acc for sd (bonus token included), L'_acc for the pipeline; speedup: theoretical.", "",
+             head, "|" + " --- |" * (2 + 2 * len(temperatures))]
+    for row in rows:
+        cells = [" | ".join("-" if row.get(t, {}).get(k) is None else f"{row[t][k]:.2f}"
+                            for k in ("acceptance_length", "theoretical_speedup")) for t in temperatures]
+        lines.append(f"| {row['method']} | {row['setting']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], temperatures: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 0.35 * len(rows) + 1.5),
+                             squeeze=False)
+    for ax, t in zip(axes[0], temperatures):
+        labels = [f"{r['method']} {r['setting']}" for r in rows if t in r]
+        ax.barh(labels, [r[t]["theoretical_speedup"] or 0.0 for r in rows if t in r])
+        ax.set_title(f"theoretical speedup, {t}")
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        testbed = Path(args.testbed)
+        config = json.loads((testbed / "target" / "config.json").read_text()) if (
+            testbed / "target" / "config.json").is_file() else None
+        if config is None or not (testbed / "corpus" / "train.jsonl").is_file():
+            raise SpdInputError(f"'{testbed}' is not a testbed (expected target/config.json and corpus/train.jsonl; "
+                                "build one with data/build_testbed.py)")
+        num_layers = config["num_hidden_layers"]
+        stages = args.stages or [n for n in (4, 8, 16) if num_layers % n == 0]
+        bad = [n for n in stages if n < 1 or num_layers % n]
+        if bad or not stages:
+            raise SpdInputError(f"--stages {bad or stages} must divide the target's {num_layers} layers")
+        if min(args.draft_steps) < 1 or min(args.layers) < 1 or args.steps < 1:
+            raise SpdInputError("--draft-steps, --layers and --steps must be positive")
+        runs = Path(args.runs or REPO / "runs" / f"reproduce-{testbed.resolve().name}")
+        data, eval_data = capture(args, testbed, runs, stages)
+        finals = {h.name: train(args, testbed, runs, h, data, eval_data) for h in plan_heads(stages, args.layers)}
+        report = bench(args, testbed, runs, finals, stages)
+    except SpdInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    rows = table(report)
+    temperatures = list(report["results"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(markdown(rows, temperatures, report))
+    (out / "table.json").write_text(json.dumps({"command": " ".join(sys.argv), "bench_command": report["command"],
+                                                "dataset": report["dataset"], "testbed": str(testbed),
+                                                "steps_per_head": args.steps, "rows": rows}, indent=1) + "\n")
+    plot(rows, temperatures, out / "table.png")
+    print((out / "table.md").read_text())
+    print(f"written: {out / 'table.md'}, {out / 'table.json'}, {out / 'table.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
