@@ -3,6 +3,7 @@ variant=eagle: greedy output equals AR for every m, sampled output follows the t
 (chi-square, with a negative control), budgets and EOS inside an iteration, acceptance statistics, the eagle
 variant trained by train/distill.py and run from the CLI and the bench, and clear errors."""
 
+import concurrent.futures
 import json
 
 import pytest
@@ -202,10 +203,12 @@ def _cli_sd_equals_ar(tiny_testbed, *drafter: str) -> dict:
 
 
 def _refused_in_one_line(tiny_testbed, cases) -> None:
-    for args, expected in cases:
-        bad = spd_generate(*_cli_common(tiny_testbed), *args)
-        lines = bad.stderr.strip().splitlines()
-        assert bad.returncode == 2 and len(lines) == 1 and expected in lines[0], bad.stderr
+    """Each case's spd-generate exits 2 with one line naming the problem (two processes at a time)."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        procs = pool.map(lambda args: spd_generate(*_cli_common(tiny_testbed), *args), [args for args, _ in cases])
+        for (_, expected), bad in zip(cases, procs):
+            lines = bad.stderr.strip().splitlines()
+            assert bad.returncode == 2 and len(lines) == 1 and expected in lines[0], bad.stderr
 
 
 def test_cli_and_bench(tiny_testbed, tmp_path):
