@@ -157,15 +157,12 @@ class HeadDrafter:
         check_draft_vocab(head, target.vocab_size)
         self.head, self.target, self.num_layers = head, target, head.config.num_layers
         self.anchors = tuple(head.prefill_anchors())
+        self._dtype = next(head.parameters()).dtype  # the target's states are cast to it
         self.cache = None
 
     def start(self, prompt: list[int], anchors: dict[int, torch.Tensor], capacity: int, rollback: int) -> None:
         self.cache = self.head.new_cache(capacity=capacity)
         self.head.prefill_memory(self.cache, {a: h.to(self._dtype) for a, h in anchors.items()})
-
-    @property
-    def _dtype(self) -> torch.dtype:
-        return next(self.head.parameters()).dtype
 
     def _row(self, token: int) -> torch.Tensor:
         """``g^0`` of a token (1, D): its embedding in the target, through the head's FC_0."""

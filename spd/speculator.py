@@ -632,14 +632,12 @@ class Speculator(PreTrainedModel):
         cos, sin = self.rope(pos_BN, hidden[0].dtype)
         t_N = torch.arange(n_pos, device=dev)
         dist_NN = t_N[:, None] - t_N[None, :]  # t - T
-        masks = []
-        for d in depths:
-            # depth(t, T) as a tensor: min(max_depth, t - T + offset) inside the fill (serial: 0), else max_depth.
-            inside_NN = torch.zeros_like(dist_NN) if cfg.schedule == "serial" else (
-                dist_NN + cfg.offset).clamp(max=cfg.max_depth)
-            want_BNN = torch.where(dist_NN[None] < fill_B.view(b, 1, 1), inside_NN[None].expand(b, -1, -1),
-                                   torch.full_like(dist_NN, cfg.max_depth)[None].expand(b, -1, -1))
-            masks.append((dist_NN[None] >= 0) & (want_BNN == d) & valid_BN[:, None, :])
+        # depth(t, T) as a tensor: min(max_depth, t - T + offset) inside the fill (serial: 0), else max_depth.
+        inside_NN = torch.zeros_like(dist_NN) if cfg.schedule == "serial" else (
+            dist_NN + cfg.offset).clamp(max=cfg.max_depth)
+        want_BNN = torch.where(dist_NN[None] < fill_B.view(b, 1, 1), inside_NN[None].expand(b, -1, -1),
+                               torch.full_like(dist_NN, cfg.max_depth)[None].expand(b, -1, -1))
+        masks = [(dist_NN[None] >= 0) & (want_BNN == d) & valid_BN[:, None, :] for d in depths]
         mask_BNM = torch.cat(masks, dim=-1)  # the (n+1)N-wide structural mask
         mem = {d: self.features(d, hidden) for d in depths}
         h_BND = mem[cfg.offset]
