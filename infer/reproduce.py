@@ -6,18 +6,20 @@
 1. One offline capture of the target's states over the testbed's training and validation text
    (``data/capture.py``, resumed if interrupted), shared by every head.
 2. The heads, each trained from that capture by ``train/distill.py`` unless ``<runs>/<name>/final`` exists:
-   SPD (``variant=spd``) for every n of ``--stages`` and L_s of ``--layers``, PPSD (``variant=ppsd``, L_s 1)
-   for every n, and the EAGLE-style serial drafter (``variant=eagle``, trained for up to max(--draft-steps)).
+   SPD (``variant=spd``) for every n of ``--stages`` and L_s of ``--layers``; its output-state ablation
+   (``variant=output_state``, the first L_s of ``--layers``) and PPSD (``variant=ppsd``, L_s 1) for every n;
+   and the EAGLE-style serial drafter (``variant=eagle``, trained for up to max(--draft-steps)).
 3. One ``infer/bench.py`` run on ``--prompts`` (default: HumanEval's 164 problems, the first
-   ``--num-prompts``) at every temperature of ``--temperatures``: EAGLE-style ``sd`` for every m, SPD and
-   PPSD chains, and the SPD head's token tree of width 4 (sampled candidates at T > 0).
+   ``--num-prompts``) at every temperature of ``--temperatures``: EAGLE-style ``sd`` for every m, SPD,
+   output-state and PPSD chains, and the SPD head's token tree of width 4 (sampled candidates at T > 0).
 4. The Table-1-shaped result in ``--out``: ``table.md`` (acceptance length and theoretical speedup per
    method and setting), ``table.json`` (the same rows plus the benchmark's command and data set) and
    ``table.png``.
 
 Acceptance lengths: ``sd`` rows give L_acc (tokens per target forward, the bonus token included), pipeline
 rows L'_acc (n x tokens per step); the theoretical speedups are the paper's (serial:
-``L_acc * L / (L_s * m + L)``; SPD: L'_acc; PPSD: its step cost included; spd/engine.py).
+``L_acc * L / (L_s * m + L)``; SPD: L'_acc; output-state and PPSD: the head's cost after the last stage
+included; spd/engine.py).
 """
 
 from __future__ import annotations
@@ -74,8 +76,12 @@ def parse_args(argv=None):
 
 def plan_heads(stages: list[int], layers: list[int]) -> list[Head]:
     heads = [Head(f"spd-n{n}-ls{ls}", "spd", n, ls) for n in stages for ls in layers]
+    heads += [Head(f"output-n{n}-ls{layers[0]}", "output_state", n, layers[0]) for n in stages]
     heads += [Head(f"ppsd-n{n}", "ppsd", n, 1) for n in stages]
     return heads + [Head("eagle", "eagle", 1, 1)]
+
+
+METHODS = {"eagle": "EAGLE-style (sd)", "spd": "SPD", "output": "SPD, output state", "ppsd": "PPSD"}
 
 
 def _run(cmd: list[str], what: str) -> None:
@@ -115,6 +121,7 @@ def bench(args, testbed: Path, runs: Path, finals: dict[str, Path], stages: list
     spec = [f"eagle m={m}=sd:{finals['eagle']}:{m}" for m in args.draft_steps]
     for n in stages:
         spec += [f"spd n={n} Ls={ls}=spd:{finals[f'spd-n{n}-ls{ls}']}" for ls in args.layers]
+        spec += [f"output n={n} Ls={args.layers[0]}=spd:{finals[f'output-n{n}-ls{args.layers[0]}']}"]
         spec += [f"ppsd n={n}=spd:{finals[f'ppsd-n{n}']}"]
         spec += [f"spd n={n} Ls={args.layers[0]} W=4=tree:{finals[f'spd-n{n}-ls{args.layers[0]}']}:{n}:4:4"]
     out = runs / "bench.json"
@@ -134,8 +141,7 @@ def table(report: dict) -> list[dict]:
                 continue
             method, _, setting = name.partition(" ")
             summary = run["summary"]
-            row = rows.setdefault(name, {"method": "EAGLE-style (sd)" if method == "eagle" else method.upper(),
-                                         "setting": setting})
+            row = rows.setdefault(name, {"method": METHODS[method], "setting": setting})
             row[temperature] = {"acceptance_length": summary["L_acc"],
                                 "theoretical_speedup": summary.get("theoretical_speedup"),
                                 "identical_to_ar": summary.get("identical_to_ar")}

@@ -16,20 +16,22 @@ def _reproduce(tiny_testbed, tmp_path, *extra, check=True):
 def test_reproduce_trains_what_is_missing_and_writes_the_table(tiny_testbed, tmp_path):
     proc = _reproduce(tiny_testbed, tmp_path)
     runs, out = tmp_path / "runs", tmp_path / "out"
-    for name in ("spd-n2-ls1", "ppsd-n2", "eagle"):
+    for name in ("spd-n2-ls1", "output-n2-ls1", "ppsd-n2", "eagle"):
         assert (runs / name / "final" / "config.json").is_file(), name
     assert json.loads((runs / "eagle" / "final" / "config.json").read_text())["schedule"] == "serial"
     assert json.loads((runs / "ppsd-n2" / "final" / "config.json").read_text())["max_depth"] == 1
+    assert json.loads((runs / "output-n2-ls1" / "final" / "config.json").read_text())["schedule"] == "output"
     table = json.loads((out / "table.json").read_text())
     settings = {(r["method"], r["setting"]) for r in table["rows"]}
-    assert settings == {("EAGLE-style (sd)", "m=2"), ("SPD", "n=2 Ls=1"), ("PPSD", "n=2"), ("SPD", "n=2 Ls=1 W=4")}
+    assert settings == {("EAGLE-style (sd)", "m=2"), ("SPD", "n=2 Ls=1"), ("SPD, output state", "n=2 Ls=1"),
+                        ("PPSD", "n=2"), ("SPD", "n=2 Ls=1 W=4")}
     for row in table["rows"]:
         assert set(row) >= {"T=0", "T=1"} and row["T=0"]["identical_to_ar"] == 2  # every greedy run is lossless
         assert row["T=1"]["acceptance_length"] >= 1 and row["T=1"]["theoretical_speedup"] > 0
     assert "| EAGLE-style (sd) | m=2 |" in (out / "table.md").read_text() and (out / "table.png").stat().st_size
     # A second run trains nothing and captures nothing new.
     again = _reproduce(tiny_testbed, tmp_path, "--temperatures", "0")
-    assert again.stdout.count("trained already") == 3 and "training " not in again.stdout
+    assert again.stdout.count("trained already") == 4 and "training " not in again.stdout
     bad = _reproduce(tiny_testbed, tmp_path, "--stages", "3", check=False)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --stages [3] must divide the target's 8 layers"
     assert proc.returncode == 0
