@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -71,6 +73,13 @@ def tiny_testbed(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("testbed")
     run_script("data/build_testbed.py", "--out", str(out), "--tiny", "--quiet")
     return out
+
+
+def two_at_a_time(run: Callable, cases: Iterable) -> list:
+    """``[run(case) for case in cases]``, two at a time: for independent CLI processes, which spend most of
+    their time importing torch and transformers (CI has 2 cores)."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(run, cases))
 
 
 def run_script(script: str, *args: str, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:

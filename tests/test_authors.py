@@ -4,7 +4,6 @@ The references in tests/fixtures/authors were made by running the authors' own c
 at 186f366, transformers 5.8.0) on tiny random Qwen3 and Qwen3.5 targets; see its README and make_fixtures.py.
 """
 
-import concurrent.futures
 import json
 import os
 import pickle
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, two_at_a_time
 from spd.engine import PipelineEngine
 from spd.errors import SpdInputError
 from spd.published.authors_file import load_authors_file, parse_hub_reference
@@ -265,13 +264,12 @@ def test_bad_files_are_refused_with_one_sentence(tmp_path):
 def test_bad_files_in_the_cli_are_one_error_line(tmp_path):
     bad = _bad_files(tmp_path)
     # One spd-generate per bad file, two at a time (each spends its time importing torch and transformers).
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        procs = pool.map(lambda path: _cli(
-            "-m", "infer.generate", "--target", str(FIXTURES / "targets" / "qwen3"), "--mode", "spd", "--stages", "4",
-            "--speculator", str(path), "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "4"), [p for p, _ in bad.values()])
-        for (kind, (_, message)), proc in zip(bad.items(), procs):
-            assert proc.returncode == 2, (kind, proc.stderr)
-            assert proc.stderr.startswith("error:") and message in proc.stderr and "Traceback" not in proc.stderr, kind
+    procs = two_at_a_time(lambda path: _cli(
+        "-m", "infer.generate", "--target", str(FIXTURES / "targets" / "qwen3"), "--mode", "spd", "--stages", "4",
+        "--speculator", str(path), "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "4"), [p for p, _ in bad.values()])
+    for (kind, (_, message)), proc in zip(bad.items(), procs):
+        assert proc.returncode == 2, (kind, proc.stderr)
+        assert proc.stderr.startswith("error:") and message in proc.stderr and "Traceback" not in proc.stderr, kind
     assert not Path("/tmp/spd-should-not-exist").exists()
 
 

@@ -1,7 +1,6 @@
 """The torch.distributed runtime: real processes (torchrun, gloo) produce exactly the single-process engine's
 tokens; each stage rank holds only its layers; a killed stage makes the whole run exit cleanly."""
 
-import concurrent.futures
 import json
 import os
 import signal
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, two_at_a_time
 from spd.distill import DistillConfig, new_head
 from spd.engine import PipelineEngine
 from spd.runtime import EpochLog, _level_now, load_partial, materialized_bytes, pack_level
@@ -292,8 +291,7 @@ def test_spd_generate_runtime_distributed_matches_local(tiny_testbed, heads):
     runs = [common, [*common, "--runtime", "distributed", "--emulate-stage-ms", "1"],
             [*common[:-1], "--runtime", "distributed", "--stages", "4"],
             ["--target", str(tiny_testbed / "target"), "--prompt", "x", "--runtime", "distributed"]]
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # independent processes, two at a time
-        local, remote, bad, ar = pool.map(lambda args: spd_generate(*args), runs)
+    local, remote, bad, ar = two_at_a_time(lambda args: spd_generate(*args), runs)
     assert local.returncode == 0 and remote.returncode == 0, remote.stderr
     a, b = json.loads(local.stdout), json.loads(remote.stdout)
     assert a["token_ids"] == b["token_ids"] and a["stats"]["steps"] == b["stats"]["steps"]
@@ -309,8 +307,7 @@ def test_spd_generate_distributed_with_prompt_ids_and_no_tokenizer(model_only):
     common = ["--target", str(model_only.target), "--mode", "tree", "--draft-model", str(model_only.draft),
               "--stages", "2", "--tree-width", "2", "--prompt-ids", ",".join(map(str, NO_TOKENIZER_PROMPT)),
               "--max-new-tokens", "32", "--runtime", "distributed"]
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two independent runs at once
-        proc, coloured = pool.map(lambda flag: spd_generate(*common, flag), ["--json", "--show-acceptance"])
+    proc, coloured = two_at_a_time(lambda flag: spd_generate(*common, flag), ["--json", "--show-acceptance"])
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["text"] is None and out["token_ids"] == model_only.expected

@@ -3,13 +3,12 @@ variant=eagle: greedy output equals AR for every m, sampled output follows the t
 (chi-square, with a negative control), budgets and EOS inside an iteration, acceptance statistics, the eagle
 variant trained by train/distill.py and run from the CLI and the bench, and clear errors."""
 
-import concurrent.futures
 import json
 
 import pytest
 import torch
 
-from conftest import run_script, tiny_model
+from conftest import run_script, tiny_model, two_at_a_time
 from spd.distill import DistillConfig, new_head
 from spd.errors import SpdInputError
 from spd.generation import generate_ar
@@ -204,11 +203,10 @@ def _cli_sd_equals_ar(tiny_testbed, *drafter: str) -> dict:
 
 def _refused_in_one_line(tiny_testbed, cases) -> None:
     """Each case's spd-generate exits 2 with one line naming the problem (two processes at a time)."""
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        procs = pool.map(lambda args: spd_generate(*_cli_common(tiny_testbed), *args), [args for args, _ in cases])
-        for (_, expected), bad in zip(cases, procs):
-            lines = bad.stderr.strip().splitlines()
-            assert bad.returncode == 2 and len(lines) == 1 and expected in lines[0], bad.stderr
+    procs = two_at_a_time(lambda args: spd_generate(*_cli_common(tiny_testbed), *args), [args for args, _ in cases])
+    for (_, expected), bad in zip(cases, procs):
+        lines = bad.stderr.strip().splitlines()
+        assert bad.returncode == 2 and len(lines) == 1 and expected in lines[0], bad.stderr
 
 
 def test_cli_and_bench(tiny_testbed, tmp_path):
