@@ -6,8 +6,9 @@
     python data/build_testbed.py --preset deep              # paper-shaped: a 32-layer target in testbed-deep
 
 The ``deep`` preset is the default target made four times deeper (32 layers, so that n = 4, 8 and 16
-divide it, as the paper's targets), same width, tokenizer, draft and steps: about four times the target's
-training time (an hour or more on 2 cores). The default 8-layer testbed stays the quickstart's.
+divide it, as the paper's targets), same width, tokenizer, draft and steps: about twice the target's
+training time (40 minutes on the 2-core project machine; docs/testbed.md). The default 8-layer testbed
+stays the quickstart's.
 """
 
 import argparse
