@@ -3,7 +3,8 @@
     python infer/bench.py --run ar --run pp:4 --run spd:runs/testbed-n4/final --run spd:runs/testbed-n8/final \
         --temperatures 0 1 --num-prompts 50 --out bench.json --plot bench.png
 
-A run is ``ar``, ``pp:N`` (standard pipeline with N stages), ``spd:HEAD`` (a trained head; the pipeline
+A run is ``ar``, ``pp:N`` (standard pipeline with N stages; ``pp:8,16,23`` cuts at explicit layer boundaries,
+and ``pp:N`` next to a head of n = N takes the head's cut), ``spd:HEAD`` (a trained head; the pipeline
 has the head's n stages and the head's variant: SPD, output-state or PPSD) or ``tree:SOURCE:N:W:K`` (the
 token-tree engine with N stages, W nodes kept per level, K children per node; SOURCE is a draft model
 sharing the target's tokenizer, or an SPD head directory for the head with width W), optionally named
@@ -43,6 +44,7 @@ class RunSpec:
     mode: str  # ar / pp / spd / tree
     stages: int = 1
     head: str | None = None
+    boundaries: list[int] | None = None  # pp / tree: an explicit (uneven) cut; spd: the head's own
     source: str | None = None  # tree: a draft model or an SPD head directory
     width: int | str = 1  # tree: W, or "auto"
     children: int = 1  # tree: K
@@ -58,6 +60,11 @@ def parse_run(text: str) -> RunSpec:
         return RunSpec(name or "ar", "ar")
     if mode == "pp" and arg.isdigit() and int(arg) >= 1:
         return RunSpec(name or f"pp n={arg}", "pp", int(arg))
+    if mode == "pp" and "," in arg:  # pp:8,16,23 - the standard pipeline over an uneven cut
+        from spd.staging import parse_boundaries
+
+        inner = [b for b in parse_boundaries(arg) if b != 0]
+        return RunSpec(name or f"pp b={arg}", "pp", 0, boundaries=[0] + inner)  # n: from the cut
     if mode == "spd" and arg:
         return RunSpec(name or arg, "spd", 0, arg)
     if mode == "sd":
@@ -76,7 +83,7 @@ def parse_run(text: str) -> RunSpec:
             return RunSpec(name or f"tree {source} n={n} W={width} K={children}" + ("" if rule == "auto" else
                                                                                     f" {rule}"),
                            "tree", n, None, source, width, children, rule)
-    raise SpdInputError(f"--run '{text}' is not a run; expected ar, pp:N, spd:HEAD_DIR, tree:SOURCE:N:W:K[:RULE] "
+    raise SpdInputError(f"--run '{text}' is not a run; expected ar, pp:N, pp:B1,B2,..., spd:HEAD_DIR, tree:SOURCE:N:W:K[:RULE] "
                         "(W a number or auto, RULE sampled or top-k) or sd:SOURCE:M (optionally NAME=...)")
 
 
@@ -195,24 +202,35 @@ def _bench(args, runs: list[RunSpec]) -> int:
 
     from spd.engine import PipelineEngine
     from spd.speculator import load_speculator
-    from spd.staging import StagedModel, load_tokenizer
+    from spd.staging import StagedModel, load_tokenizer, split_layers
 
     transformers.utils.logging.set_verbosity_error()
     if args.threads:
         torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(args.tokenizer or args.target)
     dataset, prompts = load_prompts(args.prompts, tokenizer, args.num_prompts)
-    staged_by_n: dict[int, StagedModel] = {}
+    base = StagedModel.from_pretrained(args.target, n_stages=1)
+    staged_by_cut: dict[tuple[int, ...], StagedModel] = {(0, base.num_layers): base}
+
+    def staged(n: int, boundaries: list[int] | None = None) -> StagedModel:
+        """The target cut into n stages (equal) or at ``boundaries``; one model, one wrapper per cut."""
+        cut = tuple(split_layers(base.num_layers, None if boundaries else n, boundaries))
+        if cut not in staged_by_cut:
+            staged_by_cut[cut] = StagedModel(base.model, boundaries=list(cut))
+        return staged_by_cut[cut]
+
+    # A run without an explicit cut takes the cut of a head with the same n in this benchmark (pp:4 next to an
+    # uneven n = 4 head runs the head's pipeline), else the equal one.
+    head_cuts = {len(b) - 1: b for b in (_head_boundaries(r.head or r.source) for r in runs if r.mode in ("spd", "tree"))
+                 if b is not None}
     engines: dict[str, PipelineEngine] = {}
     info: dict[str, dict] = {}
     for run in runs:
         if run.mode == "sd":
             from spd.sd import build_sd_engine
 
-            if 1 not in staged_by_n:
-                staged_by_n[1] = StagedModel.from_pretrained(args.target, n_stages=1)
             head = load_speculator(run.source) if _is_head(run.source) else None
-            engines[run.name] = build_sd_engine(staged_by_n[1], tokenizer, None if head else run.source, None,
+            engines[run.name] = build_sd_engine(staged(1), tokenizer, None if head else run.source, None,
                                                 run.draft_steps, torch.float32, "cpu", head=head)
             info[run.name] = {"mode": "sd", "stages": 1, "head": run.source if head else None,
                               "draft": None if head else run.source, "draft_steps": run.draft_steps,
@@ -220,23 +238,22 @@ def _bench(args, runs: list[RunSpec]) -> int:
                               "speculator_layers": engines[run.name].drafter.num_layers}
             continue
         if run.mode == "tree":
-            if run.stages not in staged_by_n:
-                staged_by_n[run.stages] = StagedModel.from_pretrained(args.target, n_stages=run.stages)
-            engines[run.name], info[run.name] = _tree_run(run, staged_by_n[run.stages], tokenizer,
-                                                          args.tree_max_width)
+            engines[run.name], info[run.name] = _tree_run(
+                run, staged(run.stages, run.boundaries or head_cuts.get(run.stages)), tokenizer, args.tree_max_width)
             continue
         head = load_speculator(run.head) if run.head else None
         n = head.config.n_stages if head is not None else run.stages
-        if n not in staged_by_n:
-            staged_by_n[n] = StagedModel.from_pretrained(args.target, n_stages=n)
-        engines[run.name] = PipelineEngine(staged_by_n[n], head, tokenizer)
+        cut = head.config.boundaries if head is not None else run.boundaries or head_cuts.get(n)
+        engines[run.name] = PipelineEngine(staged(n, cut), head, tokenizer)
+        n = engines[run.name].staged.n_stages
         variant = "ar" if run.mode == "ar" else "pp" if head is None else (
             "ppsd" if head.config.max_depth == 1 else f"spd-{head.config.schedule}")
-        info[run.name] = {"mode": run.mode, "stages": n, "head": run.head, "variant": variant,
+        info[run.name] = {"mode": run.mode, "stages": n, "boundaries": engines[run.name].staged.boundaries,
+                          "head": run.head, "variant": variant,
                           "speculator_layers": head.config.num_layers if head is not None else 0}
     if "ar" not in {r.mode for r in runs} and 0.0 in args.temperatures:
         runs.append(RunSpec("ar", "ar"))  # the lossless reference at T=0
-        engines["ar"] = PipelineEngine(next(iter(staged_by_n.values())), None, tokenizer)
+        engines["ar"] = PipelineEngine(base, None, tokenizer)
         info["ar"] = {"mode": "ar", "stages": 1, "head": None, "variant": "ar", "speculator_layers": 0}
 
     results: dict[str, dict] = {}
@@ -288,6 +305,13 @@ def _bench(args, runs: list[RunSpec]) -> int:
         plot(results, args.plot)
         print(f"plot: {args.plot}")
     return 0
+
+
+def _head_boundaries(source: str | None) -> list[int] | None:
+    """The stage boundaries of one of our heads, None for anything else."""
+    if source is None or not _is_head(source):
+        return None
+    return json.loads((Path(source).expanduser() / "config.json").read_text()).get("boundaries")
 
 
 def _is_head(source: str) -> bool:

@@ -80,6 +80,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="ar", help=f"decoding mode: one of {', '.join(MODES)} (default: ar)")
     p.add_argument("--stages", type=_positive_int, default=None,
                    help="pipeline stages the target is cut into (default: the speculator's n, else 1)")
+    p.add_argument("--boundaries", default=None,
+                   help="cut the target at these layer indices instead of equally, e.g. 8,16,23 for 30 layers in 4 "
+                        "stages of 8, 8, 7, 7 (default: the speculator's cut, else an equal one)")
     p.add_argument("--speculator", default=None,
                    help="speculation head for --mode spd or tree (a head trained for the pipeline), or --mode sd (a "
                         "head trained with variant=eagle): a directory or hub id")
@@ -309,8 +312,8 @@ def run(args) -> int:
     import torch
 
     from spd.engine import PipelineEngine
-    from spd.speculator import load_speculator, speculator_stages
-    from spd.staging import StagedModel
+    from spd.speculator import load_speculator, pipeline_cut
+    from spd.staging import StagedModel, parse_boundaries
 
     _quiet_libraries()
     tokenizer = load_cli_tokenizer(args, prompt)
@@ -326,9 +329,10 @@ def run(args) -> int:
     else:
         prompt_ids = tokenizer(prompt)["input_ids"]
     dtype = getattr(torch, args.dtype)
-    stages = args.stages or (speculator_stages(args.speculator, args.speculator_revision) if args.speculator else 1)
-    staged = StagedModel.from_pretrained(args.target, n_stages=stages, revision=args.revision, dtype=dtype,
-                                         device=args.device)
+    stages, boundaries = pipeline_cut(args.stages, parse_boundaries(args.boundaries) if args.boundaries else None,
+                                      args.speculator, args.speculator_revision)
+    staged = StagedModel.from_pretrained(args.target, n_stages=stages, boundaries=boundaries, revision=args.revision,
+                                         dtype=dtype, device=args.device)
     head = None
     if args.speculator is not None:
         head = load_speculator(args.speculator, args.speculator_revision, dtype, args.device, target=staged)

@@ -215,16 +215,17 @@ class PipelineEngine:
     def from_pretrained(cls, target: str, speculator: str | None = None, stages: int | None = None,
                         revision: str | None = None, speculator_revision: str | None = None,
                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                        tokenizer: str | None = None) -> "PipelineEngine":
-        """Load a target (directory or hub id), cut it into ``stages`` (default: the head's n), and a head.
+                        tokenizer: str | None = None, boundaries: list[int] | None = None) -> "PipelineEngine":
+        """Load a target (directory or hub id), cut it into ``stages`` (default: the head's cut), and a head.
 
-        The tokenizer is ``tokenizer`` or the target's; a target without one gives an engine for token-id prompts.
+        ``boundaries`` cuts it unevenly (e.g. ``[0, 8, 16, 23, 30]``). The tokenizer is ``tokenizer`` or the
+        target's; a target without one gives an engine for token-id prompts.
         """
-        from .speculator import load_speculator, speculator_stages
+        from .speculator import load_speculator, pipeline_cut
 
-        if stages is None:
-            stages = speculator_stages(speculator, speculator_revision) if speculator else 1
-        staged = StagedModel.from_pretrained(target, n_stages=stages, revision=revision, dtype=dtype, device=device)
+        stages, boundaries = pipeline_cut(stages, boundaries, speculator, speculator_revision)
+        staged = StagedModel.from_pretrained(target, n_stages=stages, boundaries=boundaries, revision=revision,
+                                             dtype=dtype, device=device)
         head = load_speculator(speculator, speculator_revision, dtype, device, target=staged) if speculator else None
         return cls(staged, head, load_target_tokenizer(target, revision, tokenizer))
 

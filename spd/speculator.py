@@ -179,7 +179,9 @@ def check_compatible(head_config: SpeculatorConfig, staged, mode: str | None = N
                         f"{staged.n_stages}; pass --stages {head_config.n_stages} or use a head trained for "
                         f"{staged.n_stages} stages")
     elif head_config.boundaries != staged.boundaries:
-        problems.append(f"stage boundaries {head_config.boundaries} vs the pipeline's {staged.boundaries}")
+        problems.append(f"stage boundaries {head_config.boundaries} vs the pipeline's {staged.boundaries}; pass "
+                        f"--boundaries {','.join(map(str, head_config.boundaries[1:-1]))} or leave --stages and "
+                        f"--boundaries out (the head's cut is the default)")
     if problems:
         raise SpdInputError("the speculator does not fit this target: " + "; ".join(problems))
 
@@ -785,6 +787,30 @@ def speculator_stages(name_or_path: str, revision: str | None = None) -> int:
     if is_authors_file(name_or_path):
         return int(load_authors_file(name_or_path, revision).config["num_stages"])
     return load_speculator_config(name_or_path, revision).n_stages
+
+
+def speculator_boundaries(name_or_path: str, revision: str | None = None) -> list[int] | None:
+    """The stage boundaries a head was trained for (None for the authors' heads: they cut equally)."""
+    from .published.authors_file import is_authors_file
+
+    if is_authors_file(name_or_path):
+        return None
+    return list(load_speculator_config(name_or_path, revision).boundaries)
+
+
+def pipeline_cut(stages: int | None, boundaries: list[int] | None, speculator: str | None = None,
+                 revision: str | None = None) -> tuple[int | None, list[int] | None]:
+    """``(n_stages, boundaries)`` for :class:`~spd.staging.StagedModel`: explicit boundaries, else the head's cut
+    (when ``stages`` is not given or agrees with it), else ``stages`` equal stages (default 1)."""
+    if boundaries is not None:
+        return stages, list(boundaries)
+    if speculator:
+        head_boundaries = speculator_boundaries(speculator, revision)
+        if head_boundaries is None:
+            return stages or speculator_stages(speculator, revision), None
+        if stages is None or stages == len(head_boundaries) - 1:
+            return None, head_boundaries
+    return stages or 1, None
 
 
 def load_speculator(name_or_path: str, revision: str | None = None, dtype: torch.dtype = torch.float32,

@@ -1,0 +1,91 @@
+"""Uneven pipeline cuts (a layer count that n does not divide, e.g. 30 layers in 4 or 8 stages): the cut is
+explicit, the head carries it, and every mode stays lossless over it."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import REPO, run_script, tiny_model
+from spd.distill import DistillConfig, new_head
+from spd.engine import PipelineEngine
+from spd.errors import SpdInputError
+from spd.generation import generate_ar
+from spd.sampling import SamplingParams
+from spd.speculator import pipeline_cut
+from spd.staging import StagedModel, balanced_boundaries, split_layers
+from spd.tree_engine import SpdHeadSource, TreeEngine
+
+PROMPTS = [[5, 17, 3, 99, 42, 8], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
+
+
+def test_balanced_boundaries():
+    assert balanced_boundaries(30, 4) == [0, 8, 16, 23, 30]
+    assert balanced_boundaries(30, 8) == [0, 4, 8, 12, 16, 20, 24, 27, 30]
+    assert balanced_boundaries(30, 5) == split_layers(30, 5)  # equal when n divides L
+    with pytest.raises(SpdInputError, match=r"--boundaries 8,16,23 \(stages of 8, 8, 7, 7 layers\)"):
+        split_layers(30, 4)
+    with pytest.raises(SpdInputError, match="at least 9 layers"):
+        split_layers(8, 9)
+
+
+@pytest.mark.parametrize("boundaries", [[0, 2, 4, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7]])
+def test_uneven_cut_every_mode_equals_ar(boundaries):
+    """7 layers cut 2,2,2,1 (n = 4) and 1,1,1,1,1,1,1 with stages of one layer: spd, pp, tree == ar."""
+    staged = StagedModel(tiny_model("llama", layers=7), boundaries=boundaries)
+    torch.manual_seed(1)
+    head = new_head(staged, DistillConfig(n_stages=len(boundaries) - 1, boundaries=boundaries)).eval()
+    assert head.config.boundaries == boundaries
+    engine = PipelineEngine(staged, head)
+    tree = TreeEngine(staged, SpdHeadSource(head, staged, 3), 3)
+    for prompt in PROMPTS:
+        ar = generate_ar(staged, prompt, 24).token_ids
+        assert engine.run(prompt, 24, SamplingParams()).token_ids == ar
+        assert engine.run(prompt, 24, SamplingParams(), use_head=False).token_ids == ar
+        assert tree.generate(prompt, 24).token_ids == ar
+
+
+def test_head_carries_its_cut(tmp_path):
+    """A saved uneven head gives its cut to the engine; a pipeline cut otherwise is refused with the flag to use."""
+    staged = StagedModel(tiny_model("llama", layers=7), boundaries=[0, 2, 4, 6, 7])
+    head = new_head(staged, DistillConfig(n_stages=4, boundaries=[0, 2, 4, 6, 7]))
+    head.save_pretrained(tmp_path / "head")
+    staged.model.save_pretrained(tmp_path / "target")
+    assert pipeline_cut(None, None, str(tmp_path / "head")) == (None, [0, 2, 4, 6, 7])
+    assert pipeline_cut(4, None, str(tmp_path / "head")) == (None, [0, 2, 4, 6, 7])
+    assert pipeline_cut(None, [3, 5], str(tmp_path / "head")) == (None, [3, 5])
+    assert pipeline_cut(None, None) == (1, None)
+    engine = PipelineEngine.from_pretrained(str(tmp_path / "target"), speculator=str(tmp_path / "head"))
+    assert engine.staged.boundaries == [0, 2, 4, 6, 7]
+    with pytest.raises(SpdInputError, match="--boundaries 2,4,6"):
+        PipelineEngine.from_pretrained(str(tmp_path / "target"), speculator=str(tmp_path / "head"),
+                                       boundaries=[0, 1, 2, 3, 7])
+
+
+def test_cli_and_bench_take_boundaries(tmp_path):
+    """spd-generate --boundaries and bench pp:B1,B2,... run the uneven cut; the head's cut is the default."""
+    staged = StagedModel(tiny_model("llama", layers=7), boundaries=[0, 2, 4, 6, 7])
+    head = new_head(staged, DistillConfig(n_stages=4, boundaries=[0, 2, 4, 6, 7]))
+    head.save_pretrained(tmp_path / "head")
+    staged.model.save_pretrained(tmp_path / "target")
+    target, ids = str(tmp_path / "target"), "5,17,3,99"
+    common = ["--target", target, "--prompt-ids", ids, "--max-new-tokens", "12", "--json"]
+    ar = json.loads(run_script("infer/generate.py", *common).stdout)
+    pp = json.loads(run_script("infer/generate.py", *common, "--mode", "pp", "--boundaries", "2,4,6").stdout)
+    spd = json.loads(run_script("infer/generate.py", *common, "--mode", "spd", "--speculator",
+                                str(tmp_path / "head")).stdout)
+    assert pp["token_ids"] == spd["token_ids"] == ar["token_ids"]
+    assert pp["stats"]["stages"] == spd["stats"]["stages"] == 4
+    bad = run_script("infer/generate.py", *common, "--mode", "pp", "--stages", "4", check=False)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: 4 stages do not divide")
+
+
+def test_bench_uneven_pp(tiny_testbed, tmp_path):
+    """bench pp:B1,B2 runs the standard pipeline over an uneven cut and matches ar."""
+    out = tmp_path / "bench.json"
+    run_script("infer/bench.py", "--target", str(tiny_testbed / "target"), "--prompts",
+               str(tiny_testbed / "prompts.jsonl"), "--num-prompts", "2", "--max-new-tokens", "8",
+               "--run", "ar", "--run", "pp:3,5", "--out", str(out))
+    row = json.loads(out.read_text())["results"]["T=0"]["pp b=3,5"]
+    assert row["boundaries"] == [0, 3, 5, 8] and row["stages"] == 3
+    assert row["summary"]["identical_to_ar"] == 2
