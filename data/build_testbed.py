@@ -5,6 +5,11 @@
     python data/build_testbed.py --out /tmp/tb --tiny       # a miniature build in seconds (for tests)
     python data/build_testbed.py --preset deep              # paper-shaped: a 32-layer target in testbed-deep
 
+The builder replaces only what it wrote itself (spd/testbed.py says how it recognises that): an ``--out``
+whose ``corpus/``, ``tokenizer/``, ``target/``, ``draft/``, ``prompts.jsonl`` or ``testbed.json`` someone else
+wrote is refused with one ``error:`` line, unless ``--force``, which writes the testbed's files beside what is
+there and removes nothing.
+
 The ``deep`` preset is the default target made four times deeper (32 layers, so that n = 4, 8 and 16
 divide it, as the paper's targets), same width, tokenizer, draft and steps: about twice the target's
 training time (40 minutes on the 2-core project machine; docs/testbed.md). The default 8-layer testbed
@@ -42,6 +47,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--tiny", action="store_true",
                    help="miniature build for tests: 60 files, 512-token vocab, tiny models, a few steps")
+    p.add_argument("--force", action="store_true",
+                   help="build even where --out holds paths the builder did not write (its files go beside theirs; "
+                        "nothing is removed)")
     p.add_argument("--no-compile", action="store_true", help="train without torch.compile")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p.parse_args(argv)
@@ -86,10 +94,15 @@ def main(argv=None) -> int:
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             print(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}", file=sys.stderr)
             return 2
+    from spd.errors import SpdInputError
     from spd.testbed import build_testbed
 
     out = output_dir(args)
-    result = build_testbed(out, config_from_args(args), progress=not args.quiet)
+    try:
+        result = build_testbed(out, config_from_args(args), progress=not args.quiet, force=args.force)
+    except SpdInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     summary = {name: {k: result[name][k] for k in ("parameters", "steps", "train_tokens", "validation_perplexity")}
                for name in ("target", "draft")}
     print(json.dumps({"testbed": out, **summary}, indent=2))

@@ -7,6 +7,10 @@
 
 The direction follows the input: a ``.pt`` file or ``hf://`` reference becomes a directory, a converted
 directory becomes a ``.pt`` file. A wrong input prints one ``error:`` line and exits with 2.
+
+An existing output is replaced only when spd-convert wrote it (a directory holding exactly its ``config.json``
+and ``model.safetensors``); anything else is refused unless ``--force``, and even then only the files
+spd-convert writes are replaced: nothing else in an existing directory is removed.
 """
 
 from __future__ import annotations
@@ -26,9 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", help="the directory (from a .pt) or .pt file (from a directory) to write")
     p.add_argument("--revision", default=None, help="hub revision for an hf:// reference")
     p.add_argument("--target", default=None, help="our head -> their .pt: the head's target (directory or hub id)")
+    p.add_argument("--force", action="store_true",
+                   help="write over an existing output spd-convert did not write (only its own file names are "
+                        "replaced; nothing else is removed)")
     args = p.parse_args(argv)
     from infer.generate import _quiet_libraries
-    from spd.published.convert import head_to_authors_file, to_authors_file, to_directory
+    from spd.published.convert import (check_output_file, head_to_authors_file, to_authors_file,
+                                       to_directory)
 
     _quiet_libraries()
 
@@ -37,12 +45,14 @@ def main(argv: list[str] | None = None) -> int:
             from spd.speculator import load_speculator_config
             from spd.staging import StagedModel
 
+            check_output_file(args.out, args.force)  # before the target is loaded
             n = load_speculator_config(args.source).n_stages
-            out = head_to_authors_file(args.source, StagedModel.from_pretrained(args.target, n_stages=n), args.out)
+            out = head_to_authors_file(args.source, StagedModel.from_pretrained(args.target, n_stages=n), args.out,
+                                       args.force)
         elif Path(args.source).expanduser().is_dir():
-            out = to_authors_file(args.source, args.out)
+            out = to_authors_file(args.source, args.out, args.force)
         else:
-            out = to_directory(args.source, args.out, args.revision)
+            out = to_directory(args.source, args.out, args.revision, args.force)
     except SpdInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

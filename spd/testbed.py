@@ -11,6 +11,12 @@ settings does nothing. By default the models train for fixed step counts (about 
 2-core reference machine), so the result does not depend on how busy the machine is. A time budget
 (``minutes``) instead derives the step count from the measured speed of the first steps; ``testbed.json``
 records it, and passing it back as ``steps`` rebuilds the identical model.
+
+The builder replaces only what it wrote itself: ``corpus/`` (recognised by its ``corpus.json``),
+``tokenizer/``, ``target/`` and ``draft/`` (by their ``testbed_build.json``, which lists the files the build
+wrote), ``prompts.jsonl`` and ``testbed.json`` (by their contents). Anything else at those paths is refused
+(:class:`spd.errors.SpdInputError`) unless ``force``; even then the builder only writes its own files beside
+what is there, and removes nothing it did not write.
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import sys
 import sysconfig
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +40,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .paths import default_testbed_dir, write_json_atomic
+from .errors import SpdInputError
+from .paths import default_testbed_dir
 
 # Directories under the standard library that are not part of its own source code.
 _EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
@@ -120,7 +129,25 @@ def build_corpus(out_dir: Path, cfg: TestbedConfig) -> dict:
     counts = {"train": 0, "validation": 0}
     chars = {"train": 0, "validation": 0}
     digest = hashlib.sha256()
-    tmp = {split: out_dir / f"{split}.jsonl.tmp" for split in counts}
+    tmp = {split: _temp_file(out_dir, f"{split}.jsonl") for split in counts}
+    try:
+        _write_corpus(files, root, cfg, tmp, counts, chars, digest)
+        if counts["train"] == 0 or counts["validation"] == 0:
+            raise RuntimeError(
+                f"the corpus split is empty ({counts}); use more files (max_files) or another val_fraction"
+            )
+        for split, p in tmp.items():
+            os.replace(p, out_dir / f"{split}.jsonl")
+    finally:
+        for p in tmp.values():
+            p.unlink(missing_ok=True)
+    return {"source": str(root), "python": platform.python_version(), "files": counts, "chars": chars,
+            "sha256": digest.hexdigest()}
+
+
+def _write_corpus(files: list[Path], root: Path, cfg: TestbedConfig, tmp: dict[str, Path], counts: dict,
+                  chars: dict, digest) -> None:
+    """One JSON row per readable, non-empty file, into the temporary file of its split."""
     with open(tmp["train"], "w") as f_train, open(tmp["validation"], "w") as f_val:
         for path in tqdm(files, desc="corpus", unit="file"):
             rel = path.relative_to(root).as_posix()
@@ -135,14 +162,6 @@ def build_corpus(out_dir: Path, cfg: TestbedConfig) -> dict:
             counts[split] += 1
             chars[split] += len(text)
             digest.update(rel.encode() + b"\0" + text.encode() + b"\0")
-    if counts["train"] == 0 or counts["validation"] == 0:
-        raise RuntimeError(
-            f"the corpus split is empty ({counts}); use more files (max_files) or another val_fraction"
-        )
-    for split, p in tmp.items():
-        os.replace(p, out_dir / f"{split}.jsonl")
-    return {"source": str(root), "python": platform.python_version(), "files": counts, "chars": chars,
-            "sha256": digest.hexdigest()}
 
 
 def make_prompts(corpus_dir: Path, count: int, seed: int, max_chars: int = 400) -> list[dict]:
@@ -197,12 +216,7 @@ def train_tokenizer(corpus_dir: Path, out_dir: Path, vocab_size: int, model_max_
         additional_special_tokens=[f"<|{r}|>" for r in CHAT_ROLES],
         chat_template=CHAT_TEMPLATE, model_max_length=model_max_length,
     )
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    hf_tok.save_pretrained(tmp)
-    write_json_atomic(tmp / "testbed_build.json", {"key": key})
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    _install_dir(out_dir, hf_tok.save_pretrained, {"key": key})
     return hf_tok
 
 
@@ -350,28 +364,140 @@ def _read_json(path: Path) -> dict | None:
 
 
 def _save_model_dir(model, tokenizer, out_dir: Path, meta: dict) -> None:
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    write_json_atomic(tmp / "testbed_build.json", meta)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+
+    def save(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    _install_dir(out_dir, save, meta)
+
+
+# ------------------------------------------------------------------------------------- what is ours
+
+MARKER = "testbed_build.json"  # in tokenizer/, target/, draft/: the component's key and the files the build wrote
+CORPUS_MARKER = "corpus.json"
+COMPONENT_DIRS = {"corpus": CORPUS_MARKER, "tokenizer": MARKER, "target": MARKER, "draft": MARKER}
+_STREAM = re.compile(r"(train|validation)\.[0-9a-f]{16}\.npy")  # token streams the builder caches in corpus/
+_TEMP_DIR = re.compile(r"\.(tokenizer|target|draft)\.[a-z0-9_]{8}\.tmp")  # _install_dir's, left by a killed build
+
+
+def _temp_file(directory: Path, name: str) -> Path:
+    """A new, uniquely named empty file in ``directory`` (a fixed temporary name could be someone's file)."""
+    fd, path = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    return Path(path)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a unique temporary file beside ``path`` and rename it over ``path``."""
+    tmp = _temp_file(path.parent, path.name)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write_json(path: Path, obj) -> None:
+    _write_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+def _install_dir(out_dir: Path, save, meta: dict) -> None:
+    """``save(tmp)`` into a new temporary directory beside ``out_dir``, then put its files in place.
+
+    A new ``out_dir`` is the temporary directory renamed. An existing one (ours, empty, or forced) gets the new
+    files over their namesakes; of the rest, only files the previous build's marker lists are removed.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        save(tmp)
+        files = sorted(p.name for p in tmp.iterdir() if p.name != MARKER)
+        if not out_dir.exists():
+            _write_json(tmp / MARKER, {**meta, "files": files})
+            os.rename(tmp, out_dir)
+            return
+        old = _read_json(out_dir / MARKER)
+        old_files = old.get("files", []) if isinstance(old, dict) and isinstance(old.get("files"), list) else []
+        old_files = [f for f in old_files if isinstance(f, str) and "/" not in f and f not in ("", ".", "..")]
+        # Killed from here on, the directory is still recognised as ours, and its key forces a rebuild.
+        _write_json(out_dir / MARKER, {"key": None, "files": sorted(set(old_files) | set(files))})
+        for name in files:
+            os.replace(tmp / name, out_dir / name)
+        for name in set(old_files) - set(files):
+            (out_dir / name).unlink(missing_ok=True)
+        _write_json(out_dir / MARKER, {**meta, "files": files})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _is_prompts_file(path: Path) -> bool:
+    """Whether ``path`` is a prompts file the builder wrote (its first row has exactly our keys)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = f.readline()
+        return set(json.loads(first)) == {"prompt", "path", "line"} if first.strip() else path.stat().st_size == 0
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _is_testbed_json(path: Path) -> bool:
+    info = _read_json(path)
+    return isinstance(info, dict) and {"settings", "corpus", "tokens", "target", "draft"} <= set(info)
+
+
+def _owned(path: Path, kind: str) -> bool | None:
+    """True: absent, empty or written by the builder; False: someone else's; None: a file where a directory
+    goes or the other way round (not even ``force`` writes there)."""
+    if not path.exists() and not path.is_symlink():
+        return True
+    if kind == "dir":
+        if not path.is_dir():
+            return None
+        if not any(path.iterdir()):
+            return True
+        marker = _read_json(path / COMPONENT_DIRS[path.name])
+        return isinstance(marker, dict) and "key" in marker
+    if not path.is_file():
+        return None
+    return _is_prompts_file(path) if path.name == "prompts.jsonl" else _is_testbed_json(path)
+
+
+def check_outputs(out: Path, force: bool = False) -> None:
+    """Refuse (one sentence) to build where the builder would write over paths it did not write."""
+    if out.exists() and not out.is_dir():
+        raise SpdInputError(f"the testbed output '{out}' is a file; expected a directory")
+    paths = [(out / name, "dir") for name in COMPONENT_DIRS] + [(out / "prompts.jsonl", "file"),
+                                                              (out / "testbed.json", "file")]
+    owned = {path: _owned(path, kind) for path, kind in paths}
+    clash = [f"{p.name} ({'not a directory' if kind == 'dir' else 'not a file'})" for p, kind in paths
+             if owned[p] is None]
+    if clash:
+        raise SpdInputError(f"'{out}' has {', '.join(clash)} where the testbed writes its own; pass another --out")
+    foreign = [f"{p.name}/" if kind == "dir" else p.name for p, kind in paths if owned[p] is False]
+    if foreign and not force:
+        raise SpdInputError(f"'{out}' already holds {', '.join(foreign)}, which the testbed builder did not write; "
+                            "pass another --out, or --force to write the testbed's files beside their contents")
 
 
 def build_testbed(out: str | os.PathLike | None = None, cfg: TestbedConfig | None = None,
-                  progress: bool = True) -> dict:
+                  progress: bool = True, force: bool = False) -> dict:
     """Build (or reuse) the testbed under ``out`` and return the contents of ``testbed.json``."""
     out = Path(out) if out is not None else default_testbed_dir()
     cfg = cfg or TestbedConfig()
+    check_outputs(out, force)
     out.mkdir(parents=True, exist_ok=True)
+    for leftover in out.iterdir():
+        if _TEMP_DIR.fullmatch(leftover.name) and leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     settings = dataclasses.asdict(cfg)
     existing = _read_json(out / "testbed.json")
-    done = all((out / name).is_dir() for name in ("target", "draft", "tokenizer")) and (out / "prompts.jsonl").is_file()
+    # Each component complete: a build killed while it put a directory in place left that marker's key null.
+    done = all(isinstance(m := _read_json(out / name / marker), dict) and m.get("key")
+               for name, marker in COMPONENT_DIRS.items()) and (out / "prompts.jsonl").is_file()
     if existing and existing.get("settings") == settings and done:
         return existing
 
@@ -380,19 +506,21 @@ def build_testbed(out: str | os.PathLike | None = None, cfg: TestbedConfig | Non
     # Each component is keyed by the settings it depends on, so a changed model spec reuses the corpus.
     corpus_key = _key([settings["val_fraction"], settings["max_files"], str(stdlib_dir())])
     corpus_dir = out / "corpus"
-    corpus_meta = _read_json(corpus_dir / "corpus.json")
-    if not corpus_meta or corpus_meta.get("key") != corpus_key:
+    corpus_meta = _read_json(corpus_dir / CORPUS_MARKER)
+    if not isinstance(corpus_meta, dict) or corpus_meta.get("key") != corpus_key:
+        corpus_dir.mkdir(exist_ok=True)
+        # Marked as ours before anything is written into it, so a killed build is resumed, not refused.
+        _write_json(corpus_dir / CORPUS_MARKER, {"key": None})
         corpus_meta = {"key": corpus_key, **build_corpus(corpus_dir, cfg)}
-        write_json_atomic(corpus_dir / "corpus.json", corpus_meta)
-        for stale in corpus_dir.glob("*.npy"):
-            stale.unlink()
+        _write_json(corpus_dir / CORPUS_MARKER, corpus_meta)
+        _remove_streams(corpus_dir)
 
     tok_key = _key([corpus_meta["sha256"], cfg.vocab_size])
     tok_dir = out / "tokenizer"
-    if _read_json(tok_dir / "testbed_build.json") != {"key": tok_key}:
+    tok_meta = _read_json(tok_dir / MARKER)
+    if not isinstance(tok_meta, dict) or tok_meta.get("key") != tok_key:
         train_tokenizer(corpus_dir, tok_dir, cfg.vocab_size, 4 * cfg.target.seq_len, tok_key)
-        for stale in corpus_dir.glob("*.npy"):
-            stale.unlink()
+        _remove_streams(corpus_dir)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
 
     streams = {}
@@ -400,8 +528,13 @@ def build_testbed(out: str | os.PathLike | None = None, cfg: TestbedConfig | Non
         path = corpus_dir / f"{split}.{tok_key}.npy"
         if not path.exists():
             arr = tokenize_split(corpus_dir, split, tokenizer)
-            np.save(str(path) + ".tmp.npy", arr)
-            os.replace(str(path) + ".tmp.npy", path)
+            tmp = _temp_file(corpus_dir, path.name)
+            try:
+                with open(tmp, "wb") as f:
+                    np.save(f, arr)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
         streams[split] = np.load(path)
 
     models = {}
@@ -409,8 +542,8 @@ def build_testbed(out: str | os.PathLike | None = None, cfg: TestbedConfig | Non
         spec: ModelSpec = getattr(cfg, name)
         model_key = _key([tok_key, dataclasses.asdict(spec), cfg.seed, cfg.eval_tokens])
         model_dir = out / name
-        meta = _read_json(model_dir / "testbed_build.json")
-        if meta is None or meta.get("key") != model_key:
+        meta = _read_json(model_dir / MARKER)
+        if not isinstance(meta, dict) or meta.get("key") != model_key:
             model, record = train_model(name, spec, tokenizer, streams["train"], cfg.seed, progress=progress)
             val_loss = evaluate_loss(model, streams["validation"], spec.seq_len, cfg.eval_tokens)
             meta = {
@@ -424,12 +557,10 @@ def build_testbed(out: str | os.PathLike | None = None, cfg: TestbedConfig | Non
                 "validation_tokens": min(len(streams["validation"]) - 1, cfg.eval_tokens) // spec.seq_len * spec.seq_len,
             }
             _save_model_dir(model, tokenizer, model_dir, meta)
-        models[name] = {k: v for k, v in meta.items() if k != "key"}
+        models[name] = {k: v for k, v in meta.items() if k not in ("key", "files")}
 
     prompts = make_prompts(corpus_dir, 100, cfg.seed)
-    with open(out / "prompts.jsonl.tmp", "w") as f:
-        f.writelines(json.dumps(p) + "\n" for p in prompts)
-    os.replace(out / "prompts.jsonl.tmp", out / "prompts.jsonl")
+    _write_atomic(out / "prompts.jsonl", "".join(json.dumps(p) + "\n" for p in prompts))
 
     result = {
         "settings": settings,
@@ -441,5 +572,12 @@ def build_testbed(out: str | os.PathLike | None = None, cfg: TestbedConfig | Non
         "torch": torch.__version__,
         "python": sys.version.split()[0],
     }
-    write_json_atomic(out / "testbed.json", result)
+    _write_json(out / "testbed.json", result)
     return result
+
+
+def _remove_streams(corpus_dir: Path) -> None:
+    """Drop the cached token streams (only files named as the builder names them)."""
+    for stale in corpus_dir.iterdir():
+        if _STREAM.fullmatch(stale.name) and stale.is_file():
+            stale.unlink()

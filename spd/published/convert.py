@@ -18,30 +18,141 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
-from ..errors import SpdInputError
+from ..errors import SpdInputError, first_line
 from .authors_file import DIR_MODEL_TYPE, AuthorsCheckpoint, load_authors_file, validate
 
+DIR_FILES = ("config.json", "model.safetensors")  # everything to_directory writes, and all a directory of ours holds
 
-def to_directory(source: str, out_dir: str | Path, revision: str | None = None) -> Path:
+
+def is_converted_directory(path: Path) -> bool:
+    """Whether ``path`` is exactly a directory :func:`to_directory` wrote: its two files and nothing else."""
+    try:
+        if sorted(p.name for p in path.iterdir()) != sorted(DIR_FILES):
+            return False
+        return json.loads((path / "config.json").read_text()).get("model_type") == DIR_MODEL_TYPE
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_output_directory(out_dir: str | Path, force: bool = False) -> str:
+    """How ``out_dir`` may be written ("new", "ours", "empty", "force"), or one sentence why it may not."""
+    out = Path(out_dir).expanduser()
+    if not out.exists() and not out.is_symlink():
+        return "new"
+    if not out.is_dir():
+        # Replacing a file with a directory would delete a file we did not write, --force or not.
+        raise SpdInputError(f"the output '{out_dir}' exists and is not a directory; expected a new or converted "
+                            "head directory")
+    if is_converted_directory(out):
+        return "ours"
+    if not any(out.iterdir()):
+        return "empty"
+    if not force:
+        raise SpdInputError(f"the output directory '{out_dir}' already holds files that spd-convert did not write; "
+                            f"pass a new directory, or --force to write {' and '.join(DIR_FILES)} beside them")
+    return "force"
+
+
+def check_output_file(out_file: str | Path, force: bool = False) -> None:
+    """Refuse an existing ``.pt`` output (we cannot tell their files from ours) unless ``force``; never a directory."""
+    out = Path(out_file).expanduser()
+    if out.is_dir():
+        raise SpdInputError(f"the output '{out_file}' is a directory; expected the path of a .pt file to write")
+    if out.exists() and not force:
+        raise SpdInputError(f"the output file '{out_file}' already exists; pass another path, or --force to replace it")
+
+
+def _temp_dir_beside(out: Path) -> Path:
+    """A new, uniquely named directory in ``out``'s parent (same file system: the final renames are atomic)."""
+    parent = out.resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{out.resolve().name}.", suffix=".tmp", dir=parent))
+    except OSError as exc:
+        raise SpdInputError(f"cannot write beside '{out}' ({first_line(exc)})") from None
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def to_directory(source: str, out_dir: str | Path, revision: str | None = None, force: bool = False) -> Path:
     """An authors' head file (path or ``hf://`` reference) -> our directory layout, written atomically."""
     from safetensors.torch import save_file
 
+    how = check_output_directory(out_dir, force)
     checkpoint = load_authors_file(source, revision)
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.contiguous() for k, v in checkpoint.state_dict.items()}
-    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-    config = {"model_type": DIR_MODEL_TYPE, "source": str(source), "revision": revision,
-              "authors_config": checkpoint.config}
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if out.exists():
-        import shutil
+    out = Path(out_dir).expanduser()
+    tmp = _temp_dir_beside(out)
+    aside = tmp.with_name(tmp.name + ".old")
+    try:
+        tensors = {k: v.contiguous() for k, v in checkpoint.state_dict.items()}
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        config = {"model_type": DIR_MODEL_TYPE, "source": str(source), "revision": revision,
+                  "authors_config": checkpoint.config}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name in DIR_FILES:
+            _fsync(tmp / name)
+        # Checked again now that the (slow) work is done: what was there then may have changed.
+        how = check_output_directory(out_dir, force)
+        if how == "new":
+            os.rename(tmp, out)  # fails rather than replaces if something appeared at out meanwhile
+        elif how == "ours" and not out.is_symlink():
+            # Swap whole directories, so a reader sees the old head or the new one, never a mix; the old one
+            # held only our two files (checked above).
+            os.rename(out, aside)
+            os.rename(tmp, out)
+            for name in DIR_FILES:
+                (aside / name).unlink(missing_ok=True)
+            aside.rmdir()
+        else:  # an empty directory, or --force: our files replace their namesakes, nothing else is removed
+            for name in DIR_FILES:
+                os.replace(tmp / name, out / name)
+            tmp.rmdir()
+        _fsync(out.resolve().parent)
+    except OSError as exc:
+        raise SpdInputError(f"could not write '{out_dir}' ({first_line(exc)})") from None
+    finally:
+        if aside.is_dir() and not out.exists():  # failed mid-swap: the old head goes back where it was
+            os.rename(aside, out)
+        if tmp.exists():  # a failure on the way: the temporary directory is ours alone
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+
+def _save_file_atomic(obj, out_file: str | Path, force: bool) -> Path:
+    """``torch.save`` to a unique temporary file beside ``out_file``, fsync, rename over it; cleaned up on failure."""
+    import torch
+
+    check_output_file(out_file, force)
+    out = Path(out_file).expanduser()
+    parent = out.resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=parent)
+    except OSError as exc:
+        raise SpdInputError(f"cannot write beside '{out_file}' ({first_line(exc)})") from None
+    tmp = Path(name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        check_output_file(out_file, force)
+        os.replace(tmp, out)
+        _fsync(parent)
+    except OSError as exc:
+        raise SpdInputError(f"could not write '{out_file}' ({first_line(exc)})") from None
+    finally:
+        tmp.unlink(missing_ok=True)
     return out
 
 
@@ -59,10 +170,10 @@ def read_directory(path: Path) -> AuthorsCheckpoint:
     return validate({"state_dict": state, "config": config["authors_config"]}, str(path))
 
 
-def to_authors_file(source_dir: str | Path, out_file: str | Path) -> Path:
-    """Our directory of an authors' head -> their ``.pt`` layout, written atomically."""
-    import torch
-
+def to_authors_file(source_dir: str | Path, out_file: str | Path, force: bool = False) -> Path:
+    """Our directory of an authors' head -> their ``.pt`` layout, written atomically (an existing file only with
+    ``force``)."""
+    check_output_file(out_file, force)
     source_dir = Path(source_dir)
     config_file = source_dir / "config.json"
     model_type = None
@@ -75,19 +186,16 @@ def to_authors_file(source_dir: str | Path, out_file: str | Path) -> Path:
         raise SpdInputError(f"'{source_dir}' is one of our heads: convert it with head_to_authors_file (it needs "
                             "the target) or spd-convert --target")
     checkpoint = read_directory(source_dir)
-    out = Path(out_file)
-    tmp = out.with_name(out.name + ".tmp")
-    torch.save({"state_dict": checkpoint.state_dict, "config": checkpoint.config}, tmp)
-    os.replace(tmp, out)
-    return out
+    return _save_file_atomic({"state_dict": checkpoint.state_dict, "config": checkpoint.config}, out_file, force)
 
 
-def head_to_authors_file(head_dir: str | Path, target, out_file: str | Path) -> Path:
+def head_to_authors_file(head_dir: str | Path, target, out_file: str | Path, force: bool = False) -> Path:
     """One of our heads -> their v10 ``.pt`` file, for its target ``target`` (a StagedModel); atomic."""
     import torch
 
     from ..speculator import check_compatible, load_speculator
 
+    check_output_file(out_file, force)
     head = load_speculator(str(head_dir))
     cfg, tcfg = head.config, target.config
     check_compatible(cfg, target)
@@ -133,9 +241,5 @@ def head_to_authors_file(head_dir: str | Path, target, out_file: str | Path) -> 
               "base_model_path": cfg.target_name_or_path, "draft_vocab_size": cfg.vocab_size, "num_stages": n,
               "num_spec_layers": cfg.num_layers, "version": 10, "trained_with_use_deepest": True,
               "shallow_hidden_layer_indices": [list(cfg.anchors[n - b]) for b in range(n)]}
-    out = Path(out_file)
-    tmp = out.with_name(out.name + ".tmp")
-    torch.save({"state_dict": {k: v.detach().clone().contiguous() for k, v in state.items()}, "config": config},
-               tmp)
-    os.replace(tmp, out)
-    return out
+    return _save_file_atomic({"state_dict": {k: v.detach().clone().contiguous() for k, v in state.items()},
+                              "config": config}, out_file, force)
