@@ -7,12 +7,15 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as server-sent
 events), GET /v1/models, GET /health, GET /metrics (Prometheus). The model flags are spd-generate's. The
 model loads once, requests run one at a time on the pipeline in arrival order, at most --max-queue wait
-(then 503 with Retry-After). A wrong flag prints one ``error:`` line and exits with 2.
+(then 503 with Retry-After). Limits (docs/serving.md): --max-body-bytes, --max-model-len (prompt +
+max_tokens; the KV cache of the one running request is sized for at most this), --api-key (or SPD_API_KEY)
+for /v1/*, --enable-docs for /docs. A wrong flag prints one ``error:`` line and exits with 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -30,11 +33,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model id clients send (default: the target's directory name or hub id)")
     p.add_argument("--max-queue", type=_positive_int, default=64,
                    help="requests that may wait for the pipeline; one more gets 503 (default: %(default)s)")
-    p.add_argument("--idle-ping-s", type=_finite_float, default=None,
-                   help="--runtime distributed: ping idle stages this often (default: a quarter of --timeout-s)")
+    p.add_argument("--idle-ping-s", type=_positive_seconds, default=None,
+                   help="--runtime distributed: ping idle stages this often, in seconds, less than --timeout-s "
+                        "(default: a quarter of --timeout-s, at most 5)")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=8 * 2 ** 20,
+                   help="largest request body; a larger one gets 413 before it is read (default: %(default)s = 8 MiB)")
+    p.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="most tokens of prompt + max_tokens per request, which sizes the running request's KV "
+                        "cache (default: the model's context)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPD_API_KEY, else none); /health "
+                        "and /metrics stay open")
+    p.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default: %(default)s)")
     return p
+
+
+def _positive_seconds(text: str) -> float:
+    value = _finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +72,12 @@ def serve(args) -> int:
     check_model_flags(args)
     if not 0 <= args.port < 65536:
         raise SpdInputError(f"--port must be in 0..65535, got {args.port}")
+    if args.idle_ping_s is not None and args.runtime == "distributed" and args.idle_ping_s >= args.timeout_s:
+        raise SpdInputError(f"--idle-ping-s ({args.idle_ping_s:g}) must be less than --timeout-s "
+                            f"({args.timeout_s:g}), or idle stages time out between pings")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("SPD_API_KEY") or None
+    if api_key is not None and not api_key.strip():
+        raise SpdInputError("--api-key is empty; expected a key clients will send as 'Authorization: Bearer KEY'")
     try:
         import uvicorn
 
@@ -59,6 +85,7 @@ def serve(args) -> int:
     except ImportError as exc:
         raise SpdInputError(f"spd-serve needs the serve extra ({exc.name} is missing); pip install 'spd[serve]'") \
             from None
+    from spd.serving.app import Limits
     from spd.serving.metrics import ServerMetrics
     from spd.serving.pipeline import PipelineSpec, open_pipeline
     from spd.serving.scheduler import Scheduler
@@ -74,30 +101,66 @@ def serve(args) -> int:
                         emulate_stage_ms=args.emulate_stage_ms, emulate_link_ms=args.emulate_link_ms,
                         timeout_s=args.timeout_s)
     name = args.served_model_name or (Path(args.target).name if Path(args.target).is_dir() else args.target)
-    pipeline = open_pipeline(spec)
-    metrics = ServerMetrics(name, args.mode, pipeline.n_stages, args.runtime)
-    idle_s = args.idle_ping_s or min(5.0, args.timeout_s / 4)
-    scheduler = Scheduler(pipeline, metrics, max_queue=args.max_queue, idle_s=idle_s)
-    scheduler.start()
-    config = uvicorn.Config(create_app(scheduler, metrics, name), host=args.host, port=args.port,
-                            log_level=args.log_level, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
-    _announce(server, args, name, pipeline)
-    # uvicorn handles SIGTERM while it runs and raises it again once it has stopped; then it must unwind through
-    # the finally below (stop the stage processes cleanly) instead of killing the process at once.
+    # SIGTERM unwinds (SystemExit) from here on, through the loading too: open_pipeline then stops the stage
+    # processes it started, and the finally below the ones of a running server. uvicorn handles SIGTERM itself
+    # while it runs and raises it again once it has stopped.
     signal.signal(signal.SIGTERM, _exit_cleanly)
+    pipeline = open_pipeline(spec)
     try:
+        max_model_len = _max_model_len(args, pipeline)
+        metrics = ServerMetrics(name, args.mode, pipeline.n_stages, args.runtime)
+        idle_s = args.idle_ping_s or min(5.0, args.timeout_s / 4)
+        scheduler = Scheduler(pipeline, metrics, max_queue=args.max_queue, idle_s=idle_s)
+    except BaseException:
+        pipeline.close()
+        raise
+    scheduler.start()
+    try:
+        limits = Limits(max_body_bytes=args.max_body_bytes, max_model_len=max_model_len, api_key=api_key,
+                        enable_docs=args.enable_docs)
+        # Connections beyond what the queue can take get uvicorn's 503 before their body is read: with the
+        # body cap this bounds the memory that request bodies can hold at once.
+        config = uvicorn.Config(create_app(scheduler, metrics, name, limits), host=args.host, port=args.port,
+                                log_level=args.log_level, timeout_graceful_shutdown=5,
+                                limit_concurrency=2 * args.max_queue + 16)
+        server = uvicorn.Server(config)
+        _announce(server, args, name, pipeline, max_model_len)
         server.run()
     finally:
         scheduler.stop()
     return 0
 
 
+def _max_model_len(args, pipeline) -> int:
+    """--max-model-len, at most the model's context (the model's context by default)."""
+    context = pipeline.max_positions
+    if args.max_model_len is None:
+        if context is None:
+            raise SpdInputError("the target names no context length (max_position_embeddings); pass --max-model-len")
+        return context
+    if context is not None and args.max_model_len > context:
+        raise SpdInputError(f"--max-model-len {args.max_model_len} is more than the model's context of {context} "
+                            "tokens")
+    return args.max_model_len
+
+
+def _kv_bytes_per_token(pipeline) -> int | None:
+    """The target's KV cache bytes per token position (all layers, keys and values), if the config says."""
+    import torch
+
+    try:
+        staged = pipeline.staged
+        return 2 * staged.config.num_hidden_layers * staged.kv_heads * staged.head_dim * \
+            getattr(torch, pipeline.spec.dtype).itemsize
+    except (AttributeError, TypeError):
+        return None
+
+
 def _exit_cleanly(*_) -> None:
     raise SystemExit(0)
 
 
-def _announce(server, args, name: str, pipeline) -> None:
+def _announce(server, args, name: str, pipeline, max_model_len: int) -> None:
     """One line on stderr once the socket listens (with --port 0, the port it got)."""
     import threading
     import time
@@ -107,8 +170,11 @@ def _announce(server, args, name: str, pipeline) -> None:
             time.sleep(0.05)
         if server.started:
             port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
-            print(f"[spd-serve] {name}: mode {args.mode}, {pipeline.n_stages} stages, runtime {args.runtime}; "
-                  f"listening on http://{args.host}:{port}", file=sys.stderr, flush=True)
+            per_token = _kv_bytes_per_token(pipeline)
+            kv = f" (target KV at most {per_token * max_model_len / 2 ** 20:.0f} MiB)" if per_token else ""
+            print(f"[spd-serve] {name}: mode {args.mode}, {pipeline.n_stages} stages, runtime {args.runtime}, "
+                  f"max model len {max_model_len}{kv}; listening on http://{args.host}:{port}", file=sys.stderr,
+                  flush=True)
 
     threading.Thread(target=wait_and_print, daemon=True).start()
 

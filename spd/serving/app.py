@@ -1,7 +1,12 @@
 """The HTTP layer: a FastAPI app with OpenAI's completions and chat endpoints, health, models and metrics.
 
 Every request is checked here before it is queued (a wrong body, an unknown model, a prompt that does not
-fit the context: a 400/404 with OpenAI's error JSON, and nothing reaches the pipeline). Generation happens
+fit the context: a 400/404 with OpenAI's error JSON, and nothing reaches the pipeline). What one request
+may cost is bounded before it costs it (:class:`Limits`): the API key is checked and the body's size capped
+(by its Content-Length, then counted as it arrives) before the body is read; only a JSON content type is
+parsed; a prompt longer in characters than the context could hold is refused before it is tokenized, and
+tokenizing runs on a worker thread, never on the event loop. Every error, 404 and 405 included, is
+OpenAI's error JSON. Generation happens
 on the scheduler's thread; this side waits for the job's events, streams them as server-sent events
 (``data: {json}`` per chunk, ``data: [DONE]`` at the end, as OpenAI does) or assembles one response, and
 cancels the job when the client disconnects.
@@ -10,41 +15,145 @@ cancels the job when the client disconnects.
 from __future__ import annotations
 
 import asyncio
+import copy
+import hmac
 import json
+import threading
 import time
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, HttpError, chunk_body, completion_body, new_id,
                        usage, validation_message)
-from .scheduler import Job, QueueFull, Scheduler
+from .scheduler import EngineDown, Job, QueueFull, Scheduler
+
+ROUTES = "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics"
 
 
-def create_app(scheduler: Scheduler, metrics: ServerMetrics, model_name: str) -> FastAPI:
+@dataclass
+class Limits:
+    """What one request may cost the server, and who may send one (spd-serve's flags)."""
+
+    max_body_bytes: int = 8 * 2 ** 20  # --max-body-bytes
+    max_model_len: int | None = None  # --max-model-len: prompt + max_tokens (default: the model's context)
+    api_key: str | None = None  # --api-key / SPD_API_KEY: required on /v1/* when set
+    enable_docs: bool = False  # --enable-docs: /docs, /redoc, /openapi.json
+
+
+class Guard:
+    """Pure ASGI middleware in front of every route: the API key on /v1/*, then the body's size, both before the
+    body is read. A Content-Length over the cap is refused at once; a body without one (chunked) is counted
+    as it arrives and refused as soon as it passes the cap, so no request holds more than the cap in memory."""
+
+    def __init__(self, app, max_body_bytes: int, api_key: str | None):
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.api_key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        if self.api_key is not None and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            refusal = self._refuse_key(headers.get("authorization"))
+            if refusal is not None:
+                return await _error_response(refusal)(scope, receive, send)
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            error = (HttpError(413, f"the request body has {length} bytes; expected at most {self.max_body_bytes} "
+                               "(--max-body-bytes)") if length.isdigit() else
+                     HttpError(400, f"the Content-Length header '{length}' is not a number of bytes"))
+            return await _error_response(error, close=True)(scope, receive, send)
+        received = 0
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise HttpError(413, f"the request body is over {self.max_body_bytes} bytes; expected at most "
+                                    f"{self.max_body_bytes} (--max-body-bytes)", headers={"Connection": "close"})
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _refuse_key(self, authorization: str | None) -> HttpError | None:
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            return HttpError(401, "the API key is missing; expected the header 'Authorization: Bearer <key>'",
+                             headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(key.strip().encode(), self.api_key):  # constant time: no key guessing by timing
+            return HttpError(401, "the API key is wrong; expected the key this server was started with",
+                             headers={"WWW-Authenticate": "Bearer"})
+        return None
+
+
+def _error_response(exc: HttpError, close: bool = False) -> JSONResponse:
+    headers = {**exc.headers, **({"Connection": "close"} if close else {})}
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def prompt_char_limit(tokenizer, max_model_len: int) -> int:
+    """The most characters a prompt that fits ``max_model_len`` tokens can have, with room to spare: no token
+    covers more characters than the longest vocabulary entry (byte-level entries: one character per byte),
+    doubled for normalizers that fold characters together."""
+    longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+    return max_model_len * max(longest, 4) * 2
+
+
+def create_app(scheduler: Scheduler, metrics: ServerMetrics, model_name: str, limits: Limits | None = None) -> FastAPI:
     """The server's routes around a started scheduler."""
+    limits = limits or Limits()
     pipeline = scheduler.pipeline
     tokenizer = pipeline.tokenizer
-    app = FastAPI(title="spd-serve", summary="Speculative Pipeline Decoding, OpenAI-compatible")
+    max_model_len = limits.max_model_len or pipeline.max_positions
+    max_chars = prompt_char_limit(tokenizer, max_model_len) if max_model_len else None
+    # Prompts are tokenized on worker threads with their own copy of the tokenizer, so that a long prompt never
+    # holds the lock the engine thread decodes the running request with.
+    try:
+        encoder = copy.deepcopy(tokenizer)
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is shared, under the engine's lock
+        encoder = tokenizer
+    encode_lock = scheduler.tokenizer_lock if encoder is tokenizer else threading.Lock()
+    docs = {} if limits.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="spd-serve", summary="Speculative Pipeline Decoding, OpenAI-compatible", **docs)
+    app.add_middleware(Guard, max_body_bytes=limits.max_body_bytes, api_key=limits.api_key)
 
     @app.exception_handler(HttpError)
     async def _http_error(request: Request, exc: HttpError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return _error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette_error(request: Request, exc: StarletteHTTPException):
+        # Unknown paths and wrong methods: OpenAI's error JSON too, not FastAPI's {"detail": ...}.
+        if exc.status_code == 404:
+            message = f"there is no route {request.url.path}; this server has {ROUTES}"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "another method")
+            message = f"{request.method} is not allowed on {request.url.path}; expected {allowed}"
+        else:
+            message = str(exc.detail)
+        return _error_response(HttpError(exc.status_code, message, headers=exc.headers))
 
     @app.get("/health")
     async def health():
-        lost = pipeline.lost()
-        if lost is not None:
-            raise HttpError(503, f"the pipeline is down ({lost})")
+        failure = scheduler.failure()
+        if failure is not None:
+            raise HttpError(503, failure)
         return {"status": "ok", "model": model_name, "mode": pipeline.spec.mode, "stages": pipeline.n_stages,
                 "runtime": pipeline.spec.runtime, "queue_length": scheduler.queue.qsize()}
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "spd", "max_model_len": pipeline.max_positions}]}
+                                            "owned_by": "spd", "max_model_len": max_model_len}]}
 
     @app.get("/metrics")
     async def prometheus():
@@ -59,8 +168,8 @@ def create_app(scheduler: Scheduler, metrics: ServerMetrics, model_name: str) ->
             if isinstance(req.prompt, str):
                 if not req.prompt:
                     raise HttpError(400, "the prompt is empty; expected some text", "prompt")
-                with scheduler.tokenizer_lock:
-                    prompt_ids = tokenizer(req.prompt)["input_ids"]
+                _check_chars(len(req.prompt), "prompt")
+                prompt_ids = await run_in_threadpool(_encode, req.prompt, True)
             else:
                 prompt_ids = req.prompt
             return await _generate(request, req, prompt_ids, req.max_tokens, chat=False)
@@ -75,10 +184,9 @@ def create_app(scheduler: Scheduler, metrics: ServerMetrics, model_name: str) ->
             if not tokenizer.chat_template:
                 raise HttpError(400, f"the model '{model_name}' has no chat template; use /v1/completions")
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            _check_chars(sum(len(m["content"]) for m in messages), "messages")
             try:
-                with scheduler.tokenizer_lock:
-                    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-                    prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+                prompt_ids = await run_in_threadpool(_encode_chat, messages)
             except Exception as exc:  # noqa: BLE001 - the template's own complaint (e.g. role order) is the message
                 raise HttpError(400, f"the chat template refused these messages: {exc}", "messages") from None
             return await _generate(request, req, prompt_ids, req.budget(), chat=True)
@@ -86,7 +194,28 @@ def create_app(scheduler: Scheduler, metrics: ServerMetrics, model_name: str) ->
             metrics.requests.labels("chat", "rejected" if exc.status == 503 else "invalid").inc()
             raise
 
+    def _check_chars(chars: int, param: str) -> None:
+        """Refuse text that cannot fit the context before tokenizing it (tokenizing costs memory and time)."""
+        if max_chars is not None and chars > max_chars:
+            raise HttpError(400, f"the {param} has {chars} characters, more than a context of {max_model_len} "
+                            f"tokens can hold (at most {max_chars}); expected a shorter {param}", param)
+
+    def _encode(text: str, special: bool) -> list[int]:
+        with encode_lock:
+            return encoder(text, add_special_tokens=special)["input_ids"]
+
+    def _encode_chat(messages: list[dict]) -> list[int]:
+        with encode_lock:
+            text = encoder.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return _encode(text, False)
+
     async def _parse(request: Request, model: type[BaseModel], endpoint: str):
+        media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+            # A browser sends a cross-site text/plain or form POST without asking first: only JSON is parsed.
+            metrics.requests.labels(endpoint, "invalid").inc()
+            raise HttpError(415, f"the request body must be JSON sent with 'Content-Type: application/json', not "
+                            f"'{media or 'no content type'}'")
         body = await request.body()
         try:
             req = model.model_validate_json(body)
@@ -108,30 +237,37 @@ def create_app(scheduler: Scheduler, metrics: ServerMetrics, model_name: str) ->
         """max_tokens (default: the rest of the context), refused when prompt + max_tokens overflow it."""
         if not prompt_ids:
             raise HttpError(400, "the prompt is empty; expected at least one token", "prompt")
+        if max_model_len is not None and len(prompt_ids) >= max_model_len:
+            raise HttpError(400, f"the prompt has {len(prompt_ids)} tokens but the server's context (max model len) "
+                            f"is {max_model_len} tokens; expected a shorter prompt", "prompt")
         bad = [t for t in prompt_ids if not 0 <= t < pipeline.vocab_size]
         if bad:
             raise HttpError(400, f"prompt token id {bad[0]} is outside the vocabulary (0..{pipeline.vocab_size - 1})",
                             "prompt")
-        limit = pipeline.max_positions
+        limit = max_model_len
         if limit is None:
             return max_tokens or 4096
         if len(prompt_ids) >= limit:
-            raise HttpError(400, f"the prompt has {len(prompt_ids)} tokens but the model's context is {limit} "
-                            "tokens; expected a shorter prompt", "prompt")
+            raise HttpError(400, f"the prompt has {len(prompt_ids)} tokens but the server's context (max model len) "
+                            f"is {limit} tokens; expected a shorter prompt", "prompt")
         if max_tokens is not None and len(prompt_ids) + max_tokens > limit:
             raise HttpError(400, f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceed the "
-                            f"model's context of {limit} tokens; expected max_tokens <= {limit - len(prompt_ids)}",
-                            "max_tokens")
+                            f"server's context (max model len) of {limit} tokens; expected max_tokens <= "
+                            f"{limit - len(prompt_ids)}", "max_tokens")
         return max_tokens or limit - len(prompt_ids)
 
     async def _generate(request: Request, req, prompt_ids: list[int], max_tokens: int | None, chat: bool):
         endpoint = "chat" if chat else "completions"
-        job = Job(list(prompt_ids), _budget(prompt_ids, max_tokens), req.sampling(), req.stop or [],
+        sampling = req.sampling()
+        sampling["top_k"] = min(sampling["top_k"], pipeline.vocab_size)  # the same draw; no k beyond the vocabulary
+        job = Job(list(prompt_ids), _budget(prompt_ids, max_tokens), sampling, req.stop or [],
                   asyncio.get_running_loop(), endpoint)
         try:
             scheduler.submit(job)
         except QueueFull as exc:
             raise HttpError(503, str(exc), headers={"Retry-After": str(exc.retry_after)}) from None
+        except EngineDown as exc:
+            raise HttpError(503, str(exc)) from None
         rid = new_id("chatcmpl" if chat else "cmpl")
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -143,10 +279,7 @@ def create_app(scheduler: Scheduler, metrics: ServerMetrics, model_name: str) ->
         tokens = 0
         checked = time.monotonic()
         while True:
-            try:
-                event = await asyncio.wait_for(job.events.get(), timeout=0.25)
-            except asyncio.TimeoutError:
-                event = None
+            event = await _next_event(job, 0.25)
             if time.monotonic() - checked >= 0.25:  # tokens may arrive faster than the timeout: check by the clock
                 checked = time.monotonic()
                 if await request.is_disconnected():
@@ -166,6 +299,19 @@ def create_app(scheduler: Scheduler, metrics: ServerMetrics, model_name: str) ->
             else:  # cancelled
                 return Response(status_code=499)
 
+    async def _next_event(job: Job, timeout: float | None):
+        """The job's next event (None after ``timeout``), or an error event once the engine is dead: its events
+        would never come."""
+        while True:
+            try:
+                return await asyncio.wait_for(job.events.get(), timeout=timeout or 0.5)
+            except asyncio.TimeoutError:
+                failure = scheduler.failure()
+                if failure is not None and job.events.empty():
+                    return ("error", 503, failure)
+                if timeout is not None:
+                    return None
+
     async def _stream(job: Job, rid: str, chat: bool, include_usage: bool):
         def sse(body: dict) -> str:
             return f"data: {json.dumps(body)}\n\n"
@@ -177,7 +323,7 @@ def create_app(scheduler: Scheduler, metrics: ServerMetrics, model_name: str) ->
             ids: list[int] = []
             flags: list[bool] = []
             while True:
-                event = await job.events.get()
+                event = await _next_event(job, None)
                 if event[0] == "token":
                     _, piece, token, accepted = event
                     tokens += 1

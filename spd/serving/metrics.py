@@ -32,6 +32,8 @@ class ServerMetrics:
                                          "ones included)", registry=r)
         self.queue_length = Gauge("spd_queue_length", "Requests waiting for the pipeline", registry=r)
         self.running = Gauge("spd_running_requests", "Requests on the pipeline now (0 or 1)", registry=r)
+        self.kv_tokens = Gauge("spd_kv_reserved_tokens", "Token positions the running request's KV cache is sized "
+                               "for (prompt + max_tokens, at most --max-model-len; 0 when idle)", registry=r)
         self.latency = Histogram("spd_request_latency_seconds", "From arrival to the last token",
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("spd_queue_time_seconds", "From arrival to the start of generation",

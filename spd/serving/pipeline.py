@@ -5,7 +5,10 @@
 head or draft model, verification) and ``n`` stage processes are started once, each loading only its own
 layers (``python -m infer.run_pipeline`` as a stage rank, spd/runtime.py); every request is a new epoch on
 the same processes (the stages reset their caches at each prefill). Between requests the driver pings the
-stages, whose waits have a timeout. A stage process that exits makes :meth:`Pipeline.lost` say so.
+stages, whose waits have a timeout. A stage process that exits makes :meth:`Pipeline.lost` say so; a lost
+pipeline is not restarted (the stages' process group cannot be re-formed in this process), the server says
+it must be restarted. The stage processes end with the server: each runs in its own session with SIGTERM on
+the server's death (children.py), and a server stopped while loading stops the ones it started.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from ..errors import SpdInputError, first_line
 from ..generation import GenerationOutput, OnToken
+from .children import end_child, start_child
 
 
 @dataclass
@@ -106,8 +110,7 @@ class Pipeline:
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                end_child(proc, grace_s=5)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -186,9 +189,11 @@ def _open_distributed(spec: PipelineSpec, n: int, dtype: torch.dtype, tokenizer)
            "--emulate-stage-ms", str(spec.emulate_stage_ms), "--emulate-link-ms", str(spec.emulate_link_ms)]
     if spec.revision is not None:
         cmd += ["--revision", spec.revision]
-    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL) for r in range(1, n + 1)]
+    procs: list[subprocess.Popen] = []
     try:
+        for r in range(1, n + 1):
+            procs.append(start_child(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL))
         control = _join(procs, port, n, backend, max(spec.timeout_s, config.join_timeout_s))
         remote = RemoteStages(staged, config, control)
         pipeline = Pipeline(spec, _engine(spec, staged, head, tokenizer, dtype, remote), staged, tokenizer, n,
@@ -198,8 +203,12 @@ def _open_distributed(spec: PipelineSpec, n: int, dtype: torch.dtype, tokenizer)
     except (PipelineLost, RuntimeError) as exc:
         lost = _exited(procs)
         for proc in procs:
-            proc.kill()
+            end_child(proc, grace_s=0)
         raise SpdInputError(f"the stage processes did not start: {lost or first_line(exc)}") from None
+    except BaseException:  # SIGTERM (SystemExit) or Ctrl-C while loading: no stage process outlives the server
+        for proc in procs:
+            end_child(proc, grace_s=2)
+        raise
 
 
 def _exited(procs) -> str | None:

@@ -6,6 +6,11 @@ be. Fields OpenAI defines that this server cannot honour (``n > 1``, ``logprobs`
 ignored. ``top_k`` and ``ignore_eos`` are extensions (vLLM and SGLang accept them too). Defaults are OpenAI's
 (``temperature`` 1, ``top_p`` 1, completions ``max_tokens`` 16; chat without ``max_tokens`` runs to EOS or
 the end of the context).
+
+Every number has a bound, so that no value a client sends reaches the engine as an overflow (a 500) or as
+an allocation: ``seed`` is what ``torch.Generator.manual_seed`` takes (-2**63 .. 2**64 - 1), token counts
+and ``top_k`` are at most 2**31 - 1 (the context check then gives the real limit), and stop strings are at
+most :data:`MAX_STOPS` of at most :data:`MAX_STOP_CHARS` characters each.
 """
 
 from __future__ import annotations
@@ -15,6 +20,11 @@ import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOPS = 4  # OpenAI's own limit
+MAX_STOP_CHARS = 1000  # per stop string: far above any real one, and it bounds the per-token matching work
+MAX_INT = 2 ** 31 - 1  # token counts and top_k: beyond any context, below any overflow
+SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
 
 
 class _Strict(BaseModel):
@@ -32,10 +42,10 @@ class _Sampling(_Strict):
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)  # extension; 0 or -1 = off
+    top_k: int = Field(0, ge=-1, le=MAX_INT)  # extension; 0 or -1 = off
     ignore_eos: bool = False  # extension (as vLLM's): run to max_tokens or a stop string, past the EOS token
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -49,8 +59,10 @@ class _Sampling(_Strict):
     @classmethod
     def _stop(cls, value):
         stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop must be a non-empty string or a list of at most 4 non-empty strings")
+        if len(stops) > MAX_STOPS or any(not s for s in stops):
+            raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOPS} non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string has {max(map(len, stops))} characters; expected at most {MAX_STOP_CHARS}")
         return stops
 
     def unsupported(self) -> str | None:
@@ -73,7 +85,7 @@ class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
     prompt: str | list[int]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=1, le=MAX_INT)
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
@@ -105,8 +117,8 @@ class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list | None = None
@@ -132,7 +144,9 @@ class ChatCompletionRequest(_Sampling):
 class HttpError(Exception):
     """An error answered with OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
 
-    TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable", 500: "internal_error"}
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+             503: "service_unavailable", 500: "internal_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
         super().__init__(message)

@@ -10,6 +10,10 @@ that request at its next committed token (the engines' ``on_token`` returning Tr
 Stop strings are applied here, on the text: generation ends at the token that completes a stop string, the
 text is cut before it, and while a suffix of the text could still be the start of a stop string it is held
 back from the stream, so a streamed response never shows text the whole response would not have.
+
+If the engine thread ever dies (an error outside a request, or a lost distributed pipeline), the server
+cannot serve any more: :meth:`Scheduler.failure` says why, in words that say to restart it, the waiting
+requests get a 503 with that sentence, new ones are refused with it, and it is logged once on stderr.
 """
 
 from __future__ import annotations
@@ -17,13 +21,19 @@ from __future__ import annotations
 import asyncio
 import math
 import queue
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 from ..errors import SpdInputError, first_line
 from .metrics import ServerMetrics
 from .pipeline import Pipeline
+
+
+class EngineDown(Exception):
+    """The engine thread is gone or the pipeline is lost: nothing can be served until a restart."""
 
 
 class QueueFull(Exception):
@@ -55,14 +65,53 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
+class StopMatcher:
+    """One stop string found in a growing text, in time linear in the characters added (Knuth-Morris-Pratt).
+
+    ``state`` is the length of the longest prefix of the stop string that ends the text fed so far: the
+    characters to hold back from the stream. Feeding is amortized O(1) per character, whatever the length of
+    the stop string (a scan of every prefix at every token would be quadratic in it).
+    """
+
+    def __init__(self, stop: str):
+        self.stop = stop
+        self.fail = [0] * len(stop)  # fail[i]: longest proper prefix of stop[:i + 1] that is also its suffix
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self.fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            self.fail[i] = k
+        self.state = 0
+
+    def feed(self, text: str, start: int) -> int:
+        """Feed ``text[start:]``; return where the first match in it starts, or -1."""
+        stop, fail, k = self.stop, self.fail, self.state
+        for i in range(start, len(text)):
+            c = text[i]
+            while k and c != stop[k]:
+                k = fail[k - 1]
+            if c == stop[k]:
+                k += 1
+                if k == len(stop):
+                    self.state = k
+                    return i + 1 - k
+        self.state = k
+        return -1
+
+
 class TextTracker:
     """Decoded text of the tokens so far, with stop strings applied; ``add`` returns the text safe to stream."""
 
     def __init__(self, tokenizer, stops: list[str], lock: threading.Lock):
         self.tokenizer, self.stops, self.lock = tokenizer, stops, lock
+        self.matchers = [StopMatcher(stop) for stop in stops]
+        self.longest = max(map(len, stops), default=0)
         self.ids: list[int] = []
         self.sent = 0  # characters streamed so far
         self.text = ""  # the response text as it stands (cut at a stop string once one matched)
+        self.scanned = ""  # the text the matchers have seen
         self.stopped = False
 
     def add(self, token: int) -> str:
@@ -70,15 +119,35 @@ class TextTracker:
         self.ids.append(token)
         with self.lock:
             text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        hits = [i for i in (text.find(stop) for stop in self.stops) if i >= 0]
+        start = self._rescan_from(text)
+        hits = [i for i in (m.feed(text, start) for m in self.matchers) if i >= 0]
+        self.scanned = text
         if hits:
             self.text, self.stopped = text[:min(hits)], True
             return self._take(len(self.text))
         self.text = text  # what a whole response would say, even if it ends in half a character
         if text.endswith("\ufffd"):
             return ""  # an incomplete UTF-8 character: wait for its other bytes
-        held = max((k for stop in self.stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+        held = max((m.state for m in self.matchers), default=0)
         return self._take(len(text) - held)
+
+    def _rescan_from(self, text: str) -> int:
+        """Where the matchers go on from: the end of the text they saw, or, when decoding the new token changed
+        earlier characters (half a UTF-8 character completed, spaces cleaned up), the longest stop string before
+        the first changed one, with the matchers reset (their state depends only on that many characters)."""
+        old = self.scanned
+        if text.startswith(old):
+            return len(old)
+        same = 0
+        for back in (16, 256, 4096):  # the change is near the end: find an unchanged prefix without a full scan
+            if back < len(old) and text.startswith(old[:len(old) - back]):
+                same = len(old) - back
+                break
+        while same < min(len(old), len(text)) and old[same] == text[same]:
+            same += 1
+        for m in self.matchers:
+            m.state = 0
+        return max(0, same - self.longest + 1)
 
     def finish(self) -> str:
         """The rest of the text (what was held back for a stop string that never came)."""
@@ -101,58 +170,106 @@ class Scheduler:
         self.service_s = 1.0  # moving average of a request's time on the pipeline (Retry-After hint)
         metrics.queue_length.set_function(self.queue.qsize)
         self._thread = threading.Thread(target=self._loop, name="spd-pipeline", daemon=True)
+        self._stopping = False
+        self._died: str | None = None  # why the engine thread ended, when it was not asked to
+        self._logged = False
+        self._log_lock = threading.Lock()
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
         """Finish the running request, refuse the waiting ones, close the pipeline."""
+        self._stopping = True
+        self._refuse_waiting("the server is shutting down")
+        if self._thread.is_alive():
+            self.queue.put(None)
+            self._thread.join(timeout=120)
+
+    def failure(self) -> str | None:
+        """Why the server cannot serve (one sentence ending in what to do), or None while it can."""
+        if self._died is None and self._thread.ident is not None and not self._thread.is_alive() \
+                and not self._stopping:
+            self._died = "the engine thread exited"
+        if self._died is not None:
+            reason = f"the engine thread died ({self._died}); the server must be restarted"
+        else:
+            lost = self.pipeline.lost()
+            if lost is None:
+                return None
+            reason = f"the pipeline is down ({lost}); the server must be restarted"
+        self._log_once(reason)
+        return reason
+
+    def submit(self, job: Job) -> None:
+        """Queue a job, or raise QueueFull (the queue is full) or EngineDown (nothing will ever run it)."""
+        failure = self.failure()
+        if failure is not None:
+            raise EngineDown(failure)
+        try:
+            self.queue.put_nowait(job)
+        except queue.Full:
+            waiting = self.queue.qsize()
+            raise QueueFull(waiting, max(1, math.ceil(self.service_s * waiting))) from None
+        if self._died is not None:  # it died between the check and the put: the loop's drain may have missed it
+            self._refuse_waiting(self.failure())
+
+    def _refuse_waiting(self, message: str) -> None:
         while True:
             try:
                 job = self.queue.get_nowait()
             except queue.Empty:
                 break
             if job is not None:
-                job.emit("error", 503, "the server is shutting down")
-        self.queue.put(None)
-        self._thread.join(timeout=120)
+                job.emit("error", 503, message)
 
-    def submit(self, job: Job) -> None:
-        """Queue a job, or raise QueueFull."""
-        try:
-            self.queue.put_nowait(job)
-        except queue.Full:
-            waiting = self.queue.qsize()
-            raise QueueFull(waiting, max(1, math.ceil(self.service_s * waiting))) from None
+    def _log_once(self, reason: str) -> None:
+        with self._log_lock:
+            if self._logged:
+                return
+            self._logged = True
+        print(f"[spd-serve] error: {reason}", file=sys.stderr, flush=True)
 
     # ----------------------------------------------------------------------------- engine thread
     def _loop(self) -> None:
-        while True:
-            try:
-                job = self.queue.get(timeout=self.idle_s)
-            except queue.Empty:
-                self._idle()
-                continue
-            if job is None:
-                break
-            self._run(job)
-        self.pipeline.close()
+        job = None
+        try:
+            while True:
+                try:
+                    job = self.queue.get(timeout=self.idle_s)
+                except queue.Empty:
+                    self._idle()
+                    continue
+                if job is None:
+                    break
+                self._run(job)
+                job = None
+        except BaseException as exc:  # noqa: BLE001 - whatever ends this thread must be seen, not hang requests
+            self._died = f"{type(exc).__name__}: {first_line(exc)}"
+            traceback.print_exc(file=sys.stderr)
+            reason = self.failure()
+            if job is not None:
+                job.emit("error", 503, reason)
+            self._refuse_waiting(reason)
+        finally:
+            self.pipeline.close()
 
     def _idle(self) -> None:
         try:
             self.pipeline.idle()
         except Exception:  # noqa: BLE001 - a lost stage shows in lost(); the next request gets a 503
             pass
+        self.failure()  # a stage lost while idle is logged now, not at the next request
 
     def _run(self, job: Job) -> None:
         metrics = self.metrics
         if job.cancelled.is_set():
             metrics.requests.labels(job.endpoint, "cancelled").inc()
             return
-        lost = self.pipeline.lost()
-        if lost is not None:
+        failure = self.failure()
+        if failure is not None:
             metrics.requests.labels(job.endpoint, "rejected").inc()
-            job.emit("error", 503, f"the pipeline is down ({lost}); restart the server")
+            job.emit("error", 503, failure)
             return
         started = time.perf_counter()
         metrics.queue_time.observe(started - job.arrived)
@@ -168,6 +285,7 @@ class Scheduler:
             return tracker.stopped or job.cancelled.is_set()
 
         metrics.running.set(1)
+        metrics.kv_tokens.set(len(job.prompt_ids) + job.max_new_tokens)
         try:
             out = self.pipeline.generate(job.prompt_ids, job.max_new_tokens, on_token, **job.sampling)
         except SpdInputError as exc:
@@ -175,14 +293,13 @@ class Scheduler:
             job.emit("error", 400, str(exc))
             return
         except Exception as exc:  # noqa: BLE001 - the request fails alone; the server keeps serving
-            lost = self.pipeline.lost()
-            status = 503 if lost else 500
-            metrics.requests.labels(job.endpoint, "rejected" if lost else "failed").inc()
-            job.emit("error", status, f"the pipeline is down ({lost}); restart the server" if lost
-                     else f"generation failed: {first_line(exc)}")
+            failure = self.failure()
+            metrics.requests.labels(job.endpoint, "rejected" if failure else "failed").inc()
+            job.emit("error", 503 if failure else 500, failure or f"generation failed: {first_line(exc)}")
             return
         finally:
             metrics.running.set(0)
+            metrics.kv_tokens.set(0)
         elapsed = time.perf_counter() - started
         self.service_s = 0.8 * self.service_s + 0.2 * elapsed
         stats = out.stats.as_dict()
