@@ -421,9 +421,19 @@ def run_distributed(args, prompt: str | list[int]) -> int:
     cmd += ["--json"] if args.json else []
     cmd += ["--show-acceptance"] if args.show_acceptance else []
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    from spd.serving.children import end_child, sigterm_unwinds, start_child
+
+    # torchrun and its ranks end with this process: SIGTERM or Ctrl-C here stops them (torchrun stops its ranks
+    # on SIGTERM), and a kill that runs no handler reaches torchrun through its parent-death signal.
+    sigterm_unwinds()
     # Rank 0's stdout is the result; torchrun's own failure report goes away, the ranks' error lines stay.
-    proc = subprocess.run(cmd, stdout=sys.stdout, stderr=subprocess.PIPE, text=True, env=env)
-    lines = proc.stderr.splitlines()
+    proc = start_child(cmd, stdout=sys.stdout, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _, stderr = proc.communicate()
+    except BaseException:
+        end_child(proc)
+        raise
+    lines = stderr.splitlines()
     errors = [line for line in lines if line.startswith("error:")]
     if proc.returncode != 0:
         print(errors[0] if errors else f"error: the distributed runtime failed (exit {proc.returncode})",
