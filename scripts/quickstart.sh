@@ -32,27 +32,7 @@ echo "[quickstart] greedy decoding of the same prompt from $TESTBED/target cut i
 "$PY/spd-generate" --target "$TESTBED/target" --mode spd --speculator "$HEAD/final" --max-new-tokens "$TOKENS" \
     --prompt "$PROMPT" --json > "$OUT/spd.json"
 
-# Print each mode's text and measurements; fail unless both produced the same token ids.
-"$PY/python" - "$OUT/pp.json" "$OUT/spd.json" <<'EOF'
-import json, sys
-
-runs = [json.load(open(path)) for path in sys.argv[1:]]
-names = {"pp": "standard pipeline, one token in flight", "spd": "speculative pipeline decoding"}
-for run in runs:
-    s = run["stats"]
-    print(f"\n--- --mode {s['mode']} ({names[s['mode']]}) ---")
-    print(run["text"])
-    print(f"--- [{s['mode']}] {s['new_tokens']} new tokens; {s['steps']} pipeline steps for the "
-          f"{s['decode_tokens']} tokens after the prefill's first: {s['steps'] / s['decode_tokens']:.2f} steps "
-          f"per token, L'_acc {s['equivalent_accept_length']:.2f} (= {s['stages']} stages / steps per token), "
-          f"{s['flushes']} flushes")
-pp, spd = runs
-if pp["token_ids"] != spd["token_ids"]:
-    sys.exit("[quickstart] ERROR: --mode spd produced different tokens than --mode pp")
-print(f"\n[quickstart] identical output: both modes produced the same {len(pp['token_ids'])} token ids; "
-      f"SPD needed {spd['stats']['steps']} pipeline steps where the standard pipeline needed {pp['stats']['steps']} "
-      f"({pp['stats']['steps'] / spd['stats']['steps']:.2f}x fewer)")
-EOF
+"$PY/python" scripts/compare.py "$OUT/pp.json" "$OUT/spd.json"   # fails unless both produced the same tokens
 echo "[quickstart] streamed, accepted speculations in green: $PY/spd-generate --target $TESTBED/target --mode spd \\
     --speculator $HEAD/final --prompt 'import os' --show-acceptance"
 echo "[quickstart] serve it (OpenAI-compatible): $PY/spd-serve --target $TESTBED/target --mode spd --speculator $HEAD/final"

@@ -70,16 +70,17 @@ class CaptureSettings:
 
 
 def anchors_for_stages(num_layers: int, stages: list[int]) -> list[int]:
-    """The union of the default anchors (SPEC section 2) of equal splits into each n of ``stages``."""
-    from .speculator import _equal_split, default_anchors
+    """The union of the default anchors (SPEC section 2) of the cuts into each n of ``stages``: the equal cut, or
+    where n does not divide the layers the balanced one (:func:`spd.staging.balanced_boundaries`, as the presets
+    for such targets use); other cuts name their anchors with ``--anchors``."""
+    from .speculator import default_anchors
+    from .staging import balanced_boundaries
 
     out: set[int] = set()
     for n in stages:
-        try:
-            boundaries = _equal_split(num_layers, n)
-        except ValueError:
-            raise SpdInputError(f"{n} stages do not divide the target's {num_layers} layers evenly") from None
-        out.update(a for depth in default_anchors(boundaries) for a in depth)
+        if not 1 <= n <= num_layers:
+            raise SpdInputError(f"{n} stages cannot cut the target's {num_layers} layers; expected 1 to {num_layers}")
+        out.update(a for depth in default_anchors(balanced_boundaries(num_layers, n)) for a in depth)
     return sorted(out)
 
 

@@ -175,6 +175,12 @@ def load_config(path: str | None, overrides: list[str]) -> DistillConfig:
         if key not in fields:
             raise SpdInputError(f"unknown config key '{key}'; valid keys: {', '.join(fields)}")
         raw[key] = text
+    # A preset for a target that a data script prepared names its data beside the target
+    # ("{target}/../data/train.jsonl"), so target=DIR/target alone moves both.
+    target = str(raw.get("target") or DistillConfig.__dataclass_fields__["target"].default_factory())
+    for key in ("data", "eval_data"):
+        if isinstance(raw.get(key), str) and "{target}" in raw[key]:
+            raw[key] = os.path.normpath(raw[key].replace("{target}", target))
     values = {}
     for key, value in raw.items():
         try:

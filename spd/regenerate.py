@@ -1,0 +1,104 @@
+"""Regenerate chat data: a target's own answers to a list of prompts, stored as conversations.
+
+A speculation head learns to predict its target, so the best training data are the target's own responses
+(EAGLE and SpecForge regenerate their data the same way). The rows written here are
+``{"id", "messages": [user, assistant], "finish_reason", "new_tokens"}``; ``train/distill.py`` renders them
+with the target's chat template and supervises the assistant turn only.
+
+Batched (prompts of similar length together, left padding) and resumable: each finished batch is appended
+and fsynced, a restart skips the ids already written and drops a last line a kill cut short.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .errors import SpdInputError
+
+
+def read_done(path: Path) -> set[str]:
+    """Ids already in ``path``; a partial last line (a kill mid-write) is cut off the file."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    good = data[: data.rfind(b"\n") + 1]
+    if len(good) != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(len(good))
+    done = set()
+    for number, line in enumerate(good.decode("utf-8").splitlines(), 1):
+        try:
+            done.add(json.loads(line)["id"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SpdInputError(f"{path}:{number} is not a regenerated row ({exc}); move the file away to start "
+                                f"again") from exc
+    return done
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    """The prompt as one user turn, rendered with the chat template and the assistant's header."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+@torch.no_grad()
+def regenerate(model, tokenizer, prompts: Sequence[dict], out: str | os.PathLike, batch_size: int = 16,
+               max_new_tokens: int = 384, temperature: float = 0.0, seed: int = 0, progress: bool = True) -> dict:
+    """Append the target's answer to every prompt ``{"id", "prompt"}`` not yet in ``out``; return statistics."""
+    from tqdm import tqdm
+
+    if tokenizer.chat_template is None:
+        raise SpdInputError("regeneration needs a target whose tokenizer has a chat template")
+    if batch_size < 1 or max_new_tokens < 1:
+        raise SpdInputError(f"batch size and max new tokens must be positive, got {batch_size} and {max_new_tokens}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = read_done(out)
+    todo = [(p, chat_ids(tokenizer, p["prompt"])) for p in prompts if p["id"] not in done]
+    todo.sort(key=lambda item: len(item[1]))  # similar lengths per batch: little padding
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids))
+    device = next(model.parameters()).device
+    new_tokens, start = 0, time.perf_counter()
+    bar = tqdm(total=len(todo), desc="regenerating", unit="prompt", disable=not progress)
+    with open(out, "a", encoding="utf-8") as f:
+        for first in range(0, len(todo), batch_size):
+            batch = todo[first: first + batch_size]
+            width = max(len(ids) for _, ids in batch)
+            input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            attention = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, (_, ids) in enumerate(batch):  # left padding: every row's answer starts at `width`
+                input_ids[row, width - len(ids):] = torch.tensor(ids)
+                attention[row, width - len(ids):] = 1
+            torch.manual_seed(seed + first)
+            generated = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
+                                       max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+                                       temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
+                                       pad_token_id=pad)[:, width:].tolist()
+            for (prompt, _), ids in zip(batch, generated):
+                stop = next((i for i, t in enumerate(ids) if t in eos_ids), None)
+                answer = ids if stop is None else ids[:stop]
+                new_tokens += len(answer)
+                row = {"id": prompt["id"], "messages": [
+                    {"role": "user", "content": prompt["prompt"]},
+                    {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}],
+                    "finish_reason": "length" if stop is None else "stop", "new_tokens": len(answer)}
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
+    bar.close()
+    seconds = time.perf_counter() - start
+    return {"prompts": len(prompts), "skipped_done": len(done), "generated": len(todo), "new_tokens": new_tokens,
+            "seconds": round(seconds, 1), "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None}
