@@ -77,7 +77,8 @@ def serve(args) -> int:
                             f"({args.timeout_s:g}), or idle stages time out between pings")
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPD_API_KEY") or None
     if api_key is not None and not api_key.strip():
-        raise SpdInputError("--api-key is empty; expected a key clients will send as 'Authorization: Bearer KEY'")
+        raise SpdInputError("the API key (--api-key or SPD_API_KEY) is empty; expected a key clients will send as "
+                            "'Authorization: Bearer KEY'")
     try:
         import uvicorn
 

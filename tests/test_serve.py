@@ -358,9 +358,13 @@ def test_distributed_server_with_a_dead_stage_answers_503(tiny_testbed):
         assert "rank 2" in response.json()["error"]["message"]
         health = httpx.get(f"{server.url}/health")
         assert health.status_code == 503 and "rank 2" in health.json()["error"]["message"]
+        assert "must be restarted" in health.json()["error"]["message"]
         response = server.post("/v1/completions", {"model": server.model, "prompt": "x", "max_tokens": 4})
         assert response.status_code == 503 and "pipeline is down" in response.json()["error"]["message"]
         assert httpx.get(f"{server.url}/health").status_code == 503  # and stays so: no hang, no crash
+        # The operator learns it from the log too, once.
+        logged = [line for line in server.lines if "error: the pipeline is down" in line]
+        assert len(logged) == 1 and "rank 2" in logged[0] and "must be restarted" in logged[0], server.lines
     finally:
         server.stop()
     assert server.proc.returncode is not None
@@ -396,6 +400,13 @@ def _alive(pid: int) -> bool:
     (["--mode", "fast"], "unknown --mode"),
     (["--max-queue", "0"], "positive integer"),
     (["--port", "70000"], "--port"),
+    (["--idle-ping-s", "-1"], "positive number of seconds"),  # it used to kill the engine thread at its first wait
+    (["--idle-ping-s", "0"], "positive number of seconds"),
+    (["--idle-ping-s", "nan"], "finite"),
+    (["--runtime", "distributed", "--mode", "pp", "--timeout-s", "4", "--idle-ping-s", "5"], "less than --timeout-s"),
+    (["--max-body-bytes", "0"], "positive integer"),
+    (["--max-model-len", "100000"], "more than the model's context of 256"),
+    (["--api-key", " "], "API key (--api-key or SPD_API_KEY) is empty"),
 ])
 def test_cli_bad_flags_one_line_exit_2(tiny_testbed, args, needle):
     proc = subprocess.run([sys.executable, "-m", "infer.serve", "--target", str(tiny_testbed / "target"), *args],
@@ -440,6 +451,66 @@ def test_text_tracker_holds_back_possible_stop_strings(tiny_testbed):
     free = TextTracker(tokenizer, ["zzz"], threading.Lock())
     text = "".join(free.add(t) for t in ids) + free.finish()
     assert text == tokenizer.decode(ids, skip_special_tokens=True) and not free.stopped
+
+
+def _naive_tracker_text(tokenizer, ids: list[int], stops: list[str]) -> tuple[str, str, bool]:
+    """The stop-string semantics by brute force (every prefix of every stop at every token): (streamed text, whole
+    text, stopped)."""
+    streamed, sent = "", 0
+    for i in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:i], skip_special_tokens=True)
+        hits = [j for j in (text.find(stop) for stop in stops) if j >= 0]
+        if hits:
+            text = text[:min(hits)]
+            return streamed + text[sent:], text, True
+        if text.endswith("\ufffd"):
+            continue
+        held = max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+        if len(text) - held > sent:
+            streamed, sent = streamed + text[sent:len(text) - held], len(text) - held
+    return streamed + text[sent:], text, False
+
+
+def test_text_tracker_matches_brute_force_stop_semantics(tiny_testbed):
+    import random
+
+    from spd.serving.scheduler import TextTracker
+    from spd.staging import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_testbed / "target"))
+    rng = random.Random(0)
+    text = "def parse(path):\n    with open(path) as f:\n        return [line.split(',') for line in f]\n" * 3
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    for _ in range(60):
+        stops = []
+        for _ in range(rng.randint(1, 4)):
+            start = rng.randrange(len(text) - 1)
+            stops.append(text[start:start + rng.randint(1, 12)] + ("" if rng.random() < 0.7 else "\x00"))
+        tracker = TextTracker(tokenizer, stops, threading.Lock())
+        streamed = ""
+        for token in ids:
+            streamed += tracker.add(token)
+            if tracker.stopped:
+                break
+        streamed += tracker.finish()
+        assert (streamed, tracker.text, tracker.stopped) == _naive_tracker_text(tokenizer, ids, stops), stops
+
+
+def test_text_tracker_is_linear_in_stop_string_length(tiny_testbed):
+    # Issue 25: four 100,000-character stop strings made a 16-token request take 7 s (every prefix of every stop
+    # string was copied at every token). The protocol now refuses stop strings over 1,000 characters, and the
+    # tracker's work per token does not grow with their length anyway.
+    from spd.serving.scheduler import TextTracker
+    from spd.staging import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_testbed / "target"))
+    ids = tokenizer("alpha beta gamma delta " * 4, add_special_tokens=False)["input_ids"][:16]
+    stops = ["a" * 100_000, "alpha beta " * 10_000, "x" * 100_000, " " * 100_000]
+    start = time.perf_counter()
+    tracker = TextTracker(tokenizer, stops, threading.Lock())
+    streamed = "".join(tracker.add(token) for token in ids) + tracker.finish()
+    assert time.perf_counter() - start < 1.0
+    assert not tracker.stopped and streamed == tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def test_load_benchmark_runs_side_by_side(tiny_testbed, tiny_heads, tmp_path):

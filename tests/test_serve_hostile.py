@@ -36,8 +36,8 @@ NORMAL = {"prompt": "def main(argv):\n", "max_tokens": 12, "temperature": 0}
 class Server:
     """``spd-serve`` in its own process on a free port (``cmd`` after the interpreter), stderr collected."""
 
-    def __init__(self, *cmd: str, key: str | None = KEY, timeout: float = 300):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    def __init__(self, *cmd: str, key: str | None = KEY, env: dict | None = None, timeout: float = 300):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.key = key
         self.proc = subprocess.Popen([sys.executable, *cmd, "--port", "0"], cwd=REPO, env=env,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -339,8 +339,11 @@ def test_a_dead_engine_thread_fails_health_and_requests_not_hangs(tiny_testbed):
     # now (test_serve.py), so the same death is brought about through the Python API, as before the fix.
     script = ("import sys; from infer.serve import build_parser, serve; args = build_parser().parse_args("
               "sys.argv[1:]); args.idle_ping_s = -1.0; sys.exit(serve(args))")
-    server = Server("-c", script, "--target", str(tiny_testbed / "target"), key=None)
+    # The key comes from the environment here (SPD_API_KEY), as a deployment would pass it.
+    server = Server("-c", script, "--target", str(tiny_testbed / "target"), env={"SPD_API_KEY": KEY})
     try:
+        assert server.post("/v1/completions", {"model": server.model, **NORMAL},
+                           headers={"content-type": "application/json"}).status_code == 401
         health = httpx.get(f"{server.url}/health", timeout=10)
         assert health.status_code == 503
         assert_openai_error(health.json(), 503, "must be restarted")

@@ -6,10 +6,10 @@ may cost is bounded before it costs it (:class:`Limits`): the API key is checked
 (by its Content-Length, then counted as it arrives) before the body is read; only a JSON content type is
 parsed; a prompt longer in characters than the context could hold is refused before it is tokenized, and
 tokenizing runs on a worker thread, never on the event loop. Every error, 404 and 405 included, is
-OpenAI's error JSON. Generation happens
-on the scheduler's thread; this side waits for the job's events, streams them as server-sent events
-(``data: {json}`` per chunk, ``data: [DONE]`` at the end, as OpenAI does) or assembles one response, and
-cancels the job when the client disconnects.
+OpenAI's error JSON. Generation happens on the scheduler's thread; this side waits for the job's events,
+streams them as server-sent events (``data: {json}`` per chunk, ``data: [DONE]`` at the end, as OpenAI
+does) or assembles one response, and cancels the job when the client disconnects; if the engine dies
+meanwhile, the waiting request gets a 503 instead of waiting forever.
 """
 
 from __future__ import annotations
