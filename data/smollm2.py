@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     p.add_argument("--gguf", default=None, help="read this GGUF file instead of the package's")
     p.add_argument("--cache", type=Path, default=Path(default_cache_dir()), help="where the wheel is kept")
     p.add_argument("--no-data", action="store_true", help="materialise the target only")
-    p.add_argument("--train-prompts", type=int, default=1024, help="instructions answered for training")
+    p.add_argument("--train-prompts", type=int, default=640, help="instructions answered for training")
     p.add_argument("--validation-prompts", type=int, default=64, help="held-out instructions answered")
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer regenerated")
     p.add_argument("--batch-size", type=int, default=32, help="prompts answered at once")

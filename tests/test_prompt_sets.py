@@ -19,6 +19,18 @@ def test_humaneval_ships_164_problems():
     assert "def has_close_elements(" in rows[0]["prompt"]
 
 
+def test_humaneval_chat_wraps_each_problem_as_a_user_turn():
+    _, raw = load_prompt_set("humaneval")
+    name, rows = load_prompt_set("humaneval-chat")
+    assert name == "humaneval-chat" and len(rows) == 164 and rows[5]["id"] == raw[5]["id"]
+    message = rows[5]["messages"]
+    assert len(message) == 1 and message[0]["role"] == "user"
+    assert message[0]["content"].startswith("Complete the following Python function:\n```python\n")
+    assert raw[5]["prompt"] in message[0]["content"] and message[0]["content"].endswith("```")
+    with pytest.raises(SpdInputError, match="takes no file"):
+        load_prompt_set("humaneval-chat:x.jsonl")
+
+
 def test_mt_bench_and_gsm8k_files(tmp_path):
     mt = tmp_path / "question.jsonl"
     mt.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]})
