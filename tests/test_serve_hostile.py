@@ -303,7 +303,7 @@ def test_65_concurrent_streams_then_disconnects(server):
         limits = httpx.Limits(max_connections=100)
         async with httpx.AsyncClient(base_url=server.url, headers=server.headers(), limits=limits,
                                      timeout=60) as client:
-            opened = asyncio.Event()
+            opened, leave = asyncio.Event(), asyncio.Event()
             started = []
 
             async def one(i: int):
@@ -312,13 +312,22 @@ def test_65_concurrent_streams_then_disconnects(server):
                     started.append(i)
                     if len(started) == 65:
                         opened.set()
-                    await opened.wait()  # every stream is open (one running, 64 queued): all leave together
+                    await leave.wait()  # every stream is open (one running, the rest queued): all leave together
 
             tasks = [asyncio.create_task(one(i)) for i in range(65)]
             await asyncio.wait_for(opened.wait(), timeout=60)
+            # The burst queues rather than fails, and the KV cache is sized for the one running request only.
+            waiting = await asyncio.to_thread(server.metric, "spd_queue_length")
+            for _ in range(20):  # between two requests it reads 0 for an instant
+                reserved = await asyncio.to_thread(server.metric, "spd_kv_reserved_tokens")
+                if reserved:
+                    break
+            leave.set()
             await asyncio.gather(*tasks)
+            return waiting, reserved
 
-    asyncio.run(attack())
+    waiting, reserved = asyncio.run(attack())
+    assert waiting >= 50 and 120 < reserved <= MAX_MODEL_LEN, (waiting, reserved)
     answered = lambda: server.metric(cancelled) + server.metric(ok) - before[cancelled] - before[ok]  # noqa: E731
     deadline = time.time() + 60
     while time.time() < deadline and answered() < 65:
