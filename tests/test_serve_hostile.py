@@ -396,9 +396,10 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _sigterm_then_all_gone(proc: subprocess.Popen, wanted: int, needle: str, within_s: float = 8) -> None:
-    """Wait until ``proc`` has ``wanted`` descendants whose command line has ``needle``, SIGTERM it, and check
-    that it and every descendant it had are gone within ``within_s``."""
+def _signal_then_all_gone(proc: subprocess.Popen, wanted: int, needle: str, within_s: float = 8,
+                          sig: int = signal.SIGTERM) -> None:
+    """Wait until ``proc`` has ``wanted`` descendants whose command line has ``needle``, send it ``sig``, and
+    check that it and every descendant it had are gone within ``within_s``."""
     deadline = time.time() + 240
     children: set[int] = set()
     while time.time() < deadline and proc.poll() is None:
@@ -409,7 +410,7 @@ def _sigterm_then_all_gone(proc: subprocess.Popen, wanted: int, needle: str, wit
         time.sleep(0.05)
     assert len(children) >= wanted and proc.poll() is None, "the children never started"
     everyone = _descendants(proc.pid)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     deadline = time.time() + within_s
     while time.time() < deadline and (proc.poll() is None or any(_alive(p) for p in everyone)):
         time.sleep(0.1)
@@ -417,25 +418,25 @@ def _sigterm_then_all_gone(proc: subprocess.Popen, wanted: int, needle: str, wit
     if left:
         for pid in left:
             os.kill(pid, signal.SIGKILL)  # the test cleans up what the code under test left behind
-    assert proc.poll() is not None and not left, f"still running {within_s} s after SIGTERM: {left}"
+    assert proc.poll() is not None and not left, f"still running {within_s} s after signal {sig}: {left}"
 
 
-@pytest.mark.slow
-def test_sigterm_while_loading_stops_the_stage_processes(tiny_testbed):
-    # The stage processes start as soon as rank 0's layers are loaded; SIGTERM lands while they load and join.
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_server_stopped_while_loading_leaves_no_stage_process(tiny_testbed, sig):
+    # The stage processes start as soon as rank 0's layers are loaded; the signal lands while they load and join.
+    # SIGTERM: the server stops them on its way out; SIGKILL runs no handler: their parent-death signal does it.
     proc = subprocess.Popen([sys.executable, "-m", "infer.serve", "--target", str(tiny_testbed / "target"),
                              "--mode", "pp", "--stages", "2", "--runtime", "distributed", "--port", "0"],
                             cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        _sigterm_then_all_gone(proc, 2, "infer.run_pipeline")
+        _signal_then_all_gone(proc, 2, "infer.run_pipeline", sig=sig)
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
 
 
-@pytest.mark.slow
 def test_sigterm_to_spd_generate_distributed_stops_torchrun_and_its_ranks(tiny_testbed):
     proc = subprocess.Popen([sys.executable, "-m", "infer.generate", "--target", str(tiny_testbed / "target"),
                              "--mode", "pp", "--stages", "2", "--runtime", "distributed", "--prompt", "x",
@@ -443,7 +444,7 @@ def test_sigterm_to_spd_generate_distributed_stops_torchrun_and_its_ranks(tiny_t
                             cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        _sigterm_then_all_gone(proc, 4, "infer.run_pipeline")  # torchrun (named in its arguments) and ranks 0..2
+        _signal_then_all_gone(proc, 4, "infer.run_pipeline")  # torchrun (named in its arguments) and ranks 0..2
     finally:
         if proc.poll() is None:
             proc.kill()
