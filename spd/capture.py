@@ -29,6 +29,7 @@ import bisect
 import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import asdict, dataclass
 from itertools import accumulate
@@ -37,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import SpdInputError
+from .errors import SpdInputError, first_line
 from .paths import write_json_atomic
 from .staging import TargetShape
 
@@ -154,7 +155,7 @@ def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettin
 
     manifest_path = out / MANIFEST
     if manifest_path.is_file():
-        manifest = json.loads(manifest_path.read_text())
+        manifest = _load_manifest(out, out)
         if manifest.get("settings") != asdict(settings):
             raise SpdInputError(f"'{out}' holds a capture made with other settings ({_diff(manifest['settings'], asdict(settings))}); "
                                 "pass another output directory or delete it")
@@ -162,15 +163,17 @@ def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettin
             report(f"[capture] {out} is complete: {manifest['rows']} rows, {manifest['tokens']} tokens")
             return manifest
         report(f"[capture] resuming {out}: {len(manifest['shards'])} of {len(shards)} shards done")
+        # What the remaining shards take must fit too (the disk may have filled since the capture began).
+        done = sum(s.get("tokens", 0) for s in manifest["shards"] if isinstance(s, dict))
+        _check_free(out, max(0, total_tokens - done) * bytes_per_token(settings, hidden_size, num_layers),
+                    "the rest of the capture")
     else:
         out.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(out).free
         report(f"[capture] {len(lengths)} rows, {total_tokens} tokens, {len(shards)} shards, states {states} in "
                f"{settings.dtype}, teacher {settings.teacher}: needs {need / 2**30:.2f} GiB on disk "
                f"({free / 2**30:.1f} GiB free)")
-        if need > free:
-            raise SpdInputError(f"the capture needs {need / 2**30:.2f} GiB but only {free / 2**30:.1f} GiB are free "
-                                f"under '{out}'; capture fewer rows (--max-tokens) or fewer anchors")
+        _check_free(out, need, "the capture")
         teacher = {"norm_scale": staged.norm_scale().to(dtype).contiguous(),
                    "lm_head": staged.lm_head.weight.detach().to(dtype).contiguous()}
         save_file(teacher, str(out / (TEACHER_FILE + ".tmp")))
@@ -224,8 +227,48 @@ def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettin
     return manifest
 
 
+def _check_free(out: Path, need: int, what: str) -> None:
+    free = shutil.disk_usage(out).free
+    if need > free:
+        # MiB below 1 GiB: "0.00 GiB" would not say how far off it is.
+        size = (lambda b: f"{b / 2**30:.2f} GiB") if need >= 2**30 else (lambda b: f"{b / 2**20:.1f} MiB")
+        raise SpdInputError(f"{what} needs {size(need)} but only {size(free)} are free under '{out}'; free some space, "
+                            "or capture fewer rows (--max-tokens) or fewer anchors")
+
+
 def _diff(old: dict, new: dict) -> str:
     return ", ".join(f"{k}: {old.get(k)!r} there vs {new.get(k)!r} now" for k in new if old.get(k) != new.get(k))
+
+
+_SHARD_NAME = re.compile(r"shard-\d{5}\.safetensors")
+# Manifest keys and their JSON types (what the trainer reads); a manifest lacking one, or of another type, is corrupt.
+_MANIFEST_KEYS = {"format": int, "settings": dict, "target_config": dict, "num_layers": int, "hidden_size": int,
+                  "vocab_size": int, "norm_eps": (int, float), "pad_id": int, "states": list, "rows": int,
+                  "tokens": int, "shards": list, "complete": bool}
+
+
+def _load_manifest(root: Path, path) -> dict:
+    """The manifest of the capture at ``root`` with every field the trainer reads checked, or one clear error."""
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise SpdInputError(f"the capture '{path}' has an unreadable {MANIFEST} ({first_line(exc)}); capture it "
+                            "again with data/capture.py") from None
+    if not isinstance(manifest, dict):
+        raise SpdInputError(f"the capture '{path}' has a corrupt {MANIFEST} (not a JSON object); capture it again "
+                            "with data/capture.py")
+    bad = [k for k, kind in _MANIFEST_KEYS.items()
+           if not isinstance(manifest.get(k), kind) or (kind is int and isinstance(manifest[k], bool))]
+    if not bad:
+        bad = [f"shards[{i}]" for i, s in enumerate(manifest["shards"])
+               if not (isinstance(s, dict) and isinstance(s.get("file"), str) and _SHARD_NAME.fullmatch(s["file"])
+                       and all(isinstance(s.get(k), int) and s[k] >= 0 for k in ("rows", "tokens")))]
+        bad += ["states"] if not all(isinstance(a, int) and not isinstance(a, bool) for a in manifest["states"]) else []
+        bad += [f"settings.{k}" for k in ("teacher", "dtype") if not isinstance(manifest["settings"].get(k), str)]
+    if bad:
+        raise SpdInputError(f"the capture '{path}' has a corrupt {MANIFEST} (missing or malformed: "
+                            f"{', '.join(bad[:4])}); capture it again with data/capture.py")
+    return manifest
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
@@ -233,13 +276,47 @@ def read_manifest(path: str | os.PathLike) -> dict:
     root = Path(path).expanduser()
     if not (root / MANIFEST).is_file():
         raise SpdInputError(f"'{path}' is not a capture directory (no {MANIFEST}); make one with data/capture.py")
-    manifest = json.loads((root / MANIFEST).read_text())
+    manifest = _load_manifest(root, path)
     if manifest.get("format") != FORMAT:
         raise SpdInputError(f"the capture '{path}' has format {manifest.get('format')}; this version reads {FORMAT}")
     if not manifest["complete"]:
         raise SpdInputError(f"the capture '{path}' is incomplete ({len(manifest['shards'])} shards); run "
                             "data/capture.py again with the same arguments to finish it")
+    if sum(s["rows"] for s in manifest["shards"]) != manifest["rows"]:
+        raise SpdInputError(f"the capture '{path}' has a corrupt {MANIFEST} (its shards hold "
+                            f"{sum(s['rows'] for s in manifest['shards'])} rows, it says {manifest['rows']})")
     return manifest
+
+
+def check_shards(root: Path, manifest: dict, path) -> None:
+    """Open every shard's header and offsets: a missing, truncated or mismatched shard is one error now, not a
+    failure in the middle of training."""
+    from safetensors import safe_open
+
+    names = {"input_ids", "loss_mask", "offsets", *(f"hidden.{a}" for a in manifest["states"])}
+    if manifest["settings"]["teacher"] == "topk":
+        names |= {"topk_ids", "topk_logprobs"}
+    hidden = manifest["hidden_size"]
+    for shard in manifest["shards"]:
+        file = root / shard["file"]
+        tokens = shard["tokens"]
+        try:
+            # safe_open refuses a file shorter than its header says (a truncated shard)
+            with safe_open(str(file), framework="pt") as handle:
+                shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
+                offsets = handle.get_tensor("offsets") if shapes.get("offsets") == (shard["rows"] + 1,) else None
+        except Exception as exc:  # safetensors raises its own error classes for a damaged file
+            raise SpdInputError(f"the capture '{path}' has an unreadable shard {shard['file']} "
+                                f"({first_line(exc)}); capture it again with data/capture.py") from None
+        want = {"input_ids": (tokens,), "loss_mask": (tokens,), "offsets": (shard["rows"] + 1,),
+                **{f"hidden.{a}": (tokens, hidden) for a in manifest["states"]}}
+        wrong = sorted(k for k in names if k not in shapes or (k in want and shapes[k] != want[k]))
+        if not wrong and (offsets is None or int(offsets[0]) != 0 or int(offsets[-1]) != tokens
+                          or bool((offsets[1:] < offsets[:-1]).any())):
+            wrong = ["offsets"]
+        if wrong:
+            raise SpdInputError(f"the capture '{path}' has a damaged shard {shard['file']} (bad or missing: "
+                                f"{', '.join(wrong[:4])}); capture it again with data/capture.py")
 
 
 class CapturedDataset(torch.utils.data.Dataset):
@@ -248,6 +325,7 @@ class CapturedDataset(torch.utils.data.Dataset):
     def __init__(self, path: str | os.PathLike):
         self.root = Path(path).expanduser()
         self.manifest = read_manifest(self.root)
+        check_shards(self.root, self.manifest, path)
         self.states: list[int] = self.manifest["states"]
         self.teacher: str = self.manifest["settings"]["teacher"]
         self._ends = list(accumulate(s["rows"] for s in self.manifest["shards"]))
@@ -330,7 +408,13 @@ class CapturedTarget(TargetShape, nn.Module):
         self.config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
         self.num_layers = self.manifest["num_layers"]
         self.boundaries = split_layers(self.num_layers, n_stages, boundaries)
-        weights = load_file(str(self.root / TEACHER_FILE), device=str(device))
+        try:
+            weights = load_file(str(self.root / TEACHER_FILE), device=str(device))
+            if set(weights) != {"lm_head", "norm_scale"} or weights["lm_head"].dim() != 2:
+                raise ValueError("expected the tensors lm_head (V, D) and norm_scale")
+        except Exception as exc:  # safetensors raises its own error classes for a damaged file
+            raise SpdInputError(f"the capture '{path}' has an unreadable {TEACHER_FILE} ({first_line(exc)}); "
+                                "capture it again with data/capture.py") from None
         vocab, hidden = weights["lm_head"].shape
         # skip_init: no random initialisation, which would draw from the RNG the head's initialisation uses next
         self.lm_head = torch.nn.utils.skip_init(nn.Linear, hidden, vocab, bias=False, device=device,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,8 +100,18 @@ class DistillConfig:
                      "log_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise SpdInputError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.lr <= 0 or self.tau <= 0 or self.epochs <= 0:
-            raise SpdInputError("lr, tau and epochs must be positive")
+        # nan passes every comparison and inf every lower bound: each number must be finite as well.
+        for name in ("lr", "tau", "epochs", "max_grad_norm"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise SpdInputError(f"{name} must be a positive finite number, got {value}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise SpdInputError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if self.max_minutes is not None and not (math.isfinite(self.max_minutes) and self.max_minutes > 0):
+            raise SpdInputError(f"max_minutes must be a positive finite number, got {self.max_minutes}")
+        for name in ("warmup_steps", "eval_every", "save_every"):
+            if getattr(self, name) < 0:
+                raise SpdInputError(f"{name} must be 0 or more, got {getattr(self, name)}")
         if self.draft_vocab_size < 0:
             raise SpdInputError(f"draft_vocab_size must be 0 (the whole vocabulary) or positive, got {self.draft_vocab_size}")
         if self.max_steps is not None and self.max_steps < 1:
@@ -389,31 +400,104 @@ def evaluate(head: Speculator, staged: StagedModel, batches: list[dict], tau: fl
 # ----------------------------------------------------------------------------------------- checkpoints
 
 
+def fsync_tree(root: str | Path) -> None:
+    """fsync every file and directory under ``root`` (and ``root``): its contents are on disk before a rename."""
+    root = Path(root)
+    for dirpath, _, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            _fsync(Path(dirpath) / name)
+        _fsync(Path(dirpath))
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_dir(tmp: Path, final: Path, tag: str) -> None:
+    """Put the complete directory ``tmp`` in place as ``final``: fsynced, renamed, the old ``final`` removed last.
+
+    A directory cannot be renamed over a non-empty one, so an existing ``final`` is first renamed aside to
+    ``<final>.old-<tag>`` (still whole: :func:`list_checkpoints` falls back to it if the process dies before the
+    new one is in), and removed only once the new one is in place and its parent directory synced.
+    """
+    fsync_tree(tmp)
+    aside = final.with_name(f"{final.name}.old-{tag}")
+    if final.exists():
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    _fsync(final.parent)
+    if aside.exists():
+        shutil.rmtree(aside)
+
+
 def save_head_atomic(head: Speculator, out_dir: str | Path) -> None:
-    """``save_pretrained`` into a temporary directory, then rename: a reader never sees half a head."""
+    """``save_pretrained`` into a unique temporary directory, then :func:`replace_dir`: never half a head."""
+    import tempfile
+
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    head.save_pretrained(tmp, safe_serialization=True)
-    old = out_dir.with_name(out_dir.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if out_dir.exists():
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        head.save_pretrained(tmp, safe_serialization=True)
+        replace_dir(tmp, out_dir, tmp.name.rsplit("-", 1)[1])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints (``checkpoints/step-N`` with a ``trainer_state.json``), oldest first."""
+# checkpoints/step-N: complete; step-N.tmp-T: being written; step-N.old-T: a complete step-N moved aside while its
+# replacement is renamed in; step-N.del-T: being deleted. T is unique per run, shared by its processes.
+_CHECKPOINT = re.compile(r"step-(\d+)(?:\.(tmp|old|del)-(\w+))?")
+
+
+def _checkpoint_dirs(output_dir: str | Path) -> list[tuple[int, str | None, Path]]:
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if p.name.startswith("step-") and not p.name.endswith(".tmp")
-            and (p / "trainer_state.json").is_file()]
-    return sorted(done, key=lambda p: int(p.name.split("-")[1]))
+    found = []
+    for p in root.iterdir():
+        m = _CHECKPOINT.fullmatch(p.name)
+        if m and p.is_dir() and not p.is_symlink():
+            found.append((int(m.group(1)), m.group(2), p))
+    return found
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints (``checkpoints/step-N`` with a ``trainer_state.json``), oldest first.
+
+    A step whose ``step-N`` is missing but whose previous copy was moved aside (``step-N.old-T``, a run killed
+    while replacing it) is listed by that copy.
+    """
+    done: dict[int, Path] = {}
+    for step, kind, p in sorted(_checkpoint_dirs(output_dir), key=lambda t: t[1] is not None):
+        if kind in (None, "old") and step not in done and (p / "trainer_state.json").is_file():
+            done[step] = p
+    return [done[step] for step in sorted(done)]
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """The newest complete checkpoint, if any."""
     done = list_checkpoints(output_dir)
     return done[-1] if done else None
+
+
+def commit_checkpoint(tmp: Path, final: Path, keep: int, tag: str) -> None:
+    """Put a complete checkpoint ``tmp`` in place as ``final`` (:func:`replace_dir`), then drop all but the newest
+    ``keep`` (each renamed first, so a half-deleted one is never taken for a checkpoint)."""
+    replace_dir(tmp, final, tag)
+    for old in list_checkpoints(final.parent.parent)[:-keep]:
+        gone = old.with_name(f"{old.name.split('.')[0]}.del-{tag}")
+        os.rename(old, gone)
+        shutil.rmtree(gone, ignore_errors=True)
+
+
+def clean_checkpoints(output_dir: str | Path) -> None:
+    """Remove what killed runs left: unfinished ``.tmp-``, half-deleted ``.del-`` and superseded ``.old-`` copies."""
+    complete = {step for step, kind, p in _checkpoint_dirs(output_dir)
+                if kind is None and (p / "trainer_state.json").is_file()}
+    for step, kind, p in _checkpoint_dirs(output_dir):
+        if kind in ("tmp", "del") or (kind == "old" and step in complete):
+            shutil.rmtree(p, ignore_errors=True)

@@ -126,3 +126,156 @@ def test_testbed_force_writes_beside_foreign_files_and_rebuilds_only_its_own(tin
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
     run_script("data/build_testbed.py", "--out", str(out), "--tiny", "--quiet", "--seed", "1")
     assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+
+def _fake_checkpoint(path: Path, step: int) -> Path:
+    path.mkdir(parents=True)
+    (path / "weights.bin").write_bytes(bytes([step]) * 64)
+    (path / "trainer_state.json").write_text(json.dumps({"step": step}))
+    return path
+
+
+def test_checkpoint_replacement_never_loses_the_newest_checkpoint(tmp_path):
+    from spd.distill import clean_checkpoints, commit_checkpoint, latest_checkpoint, list_checkpoints
+
+    root = tmp_path / "checkpoints"
+    _fake_checkpoint(root / "step-2", 2)
+    _fake_checkpoint(root / "step-4", 4)
+    # Killed while replacing step-4: the old copy is renamed aside, its replacement not yet renamed in (and a
+    # half-written checkpoint and a half-deleted one lie beside it).
+    (root / "step-4").rename(root / "step-4.old-run1")
+    _fake_checkpoint(root / "step-6.tmp-run1", 6).joinpath("trainer_state.json").unlink()
+    _fake_checkpoint(root / "step-1.del-run1", 1)
+    assert latest_checkpoint(tmp_path) == root / "step-4.old-run1"
+    assert list_checkpoints(tmp_path) == [root / "step-2", root / "step-4.old-run1"]
+    clean_checkpoints(tmp_path)  # the resumed run's start: the copy it resumes from stays
+    assert sorted(p.name for p in root.iterdir()) == ["step-2", "step-4.old-run1"]
+    # The resumed run writes step-4 again (under its own temporary name) and step-6; two are kept.
+    commit_checkpoint(_fake_checkpoint(root / "step-4.tmp-run2", 40), root / "step-4", 2, "run2")
+    assert sorted(p.name for p in root.iterdir()) == ["step-2", "step-4", "step-4.old-run1"]
+    assert json.loads((root / "step-4" / "trainer_state.json").read_text()) == {"step": 40}
+    clean_checkpoints(tmp_path)  # superseded now
+    commit_checkpoint(_fake_checkpoint(root / "step-6.tmp-run2", 6), root / "step-6", 2, "run2")
+    assert sorted(p.name for p in root.iterdir()) == ["step-4", "step-6"]
+    # Replacing an existing step-N: the new one is in place and the old one gone, nothing else left.
+    commit_checkpoint(_fake_checkpoint(root / "step-6.tmp-run3", 60), root / "step-6", 2, "run3")
+    assert sorted(p.name for p in root.iterdir()) == ["step-4", "step-6"]
+    assert (root / "step-6" / "weights.bin").read_bytes() == bytes([60]) * 64
+
+
+def _train(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "train" / "distill.py"), *args], capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
+
+
+def _train_args(tb, out, *extra):
+    return [f"target={tb / 'target'}", f"data={tb / 'corpus' / 'train.jsonl'}", "eval_data=none", "n_stages=4",
+            "max_length=48", "batch_size=3", "max_steps=4", "save_every=2", "eval_every=0", "lr=3e-3",
+            "warmup_steps=1", f"output_dir={out}", f"cache_dir={out.parent / 'cache'}", *extra]
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /tmp/spd-fill-rng-ran-code",))
+
+
+def test_resume_replaces_its_checkpoint_in_place_and_loads_rng_state_without_code(tiny_testbed, tmp_path):
+    out = tmp_path / "run"
+    proc = _train(*_train_args(tiny_testbed, out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    final = (out / "final" / "model.safetensors").read_bytes()
+    # Resumed at its last step: step-4 is written again over itself, the head is the same.
+    proc = _train(*_train_args(tiny_testbed, out), "--resume")
+    assert proc.returncode == 0 and "[resume] step-4" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(("final", "."))) == ["final"]
+    assert (out / "final" / "model.safetensors").read_bytes() == final
+    # A fill-RNG file that unpickles code is refused (weights_only), in one line.
+    Path("/tmp/spd-fill-rng-ran-code").unlink(missing_ok=True)
+    torch.save({"state": _Payload()}, out / "checkpoints" / "step-4" / "fill_rng_0.pt")
+    proc = _train(*_train_args(tiny_testbed, out), "--resume")
+    assert not Path("/tmp/spd-fill-rng-ran-code").exists()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: the checkpoint '{out / 'checkpoints' / 'step-4'}' "
+                                                           "cannot be resumed (UnpicklingError")
+
+
+# ---------------------------------------------------------------------------------------- captures
+
+
+@pytest.fixture(scope="module")
+def small_capture(tiny_testbed, tmp_path_factory):
+    out = tmp_path_factory.mktemp("capture") / "cap"
+    proc = subprocess.run([sys.executable, str(REPO / "data" / "capture.py"), "--target", str(tiny_testbed / "target"),
+                           "--data", str(tiny_testbed / "corpus" / "train.jsonl"), "--max-length", "48", "--out",
+                           str(out), "--stages", "4", "--max-rows", "24", "--shard-tokens", "300", "--cache-dir",
+                           str(out.parent / "cache")], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(json.loads((out / "capture.json").read_text())["shards"]) >= 3
+    return out
+
+
+def test_a_damaged_capture_is_one_error_line_before_training(small_capture, tmp_path):
+    cases = {}
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(small_capture, corrupt)
+    text = (corrupt / "capture.json").read_text()
+    (corrupt / "capture.json").write_text(text[: len(text) // 2])  # as a full disk or a crash leaves it
+    cases[corrupt] = "has an unreadable capture.json ("
+    truncated = tmp_path / "truncated"
+    shutil.copytree(small_capture, truncated)
+    last = json.loads((truncated / "capture.json").read_text())["shards"][-1]["file"]
+    raw = (truncated / last).read_bytes()
+    (truncated / last).write_bytes(raw[: len(raw) - 1000])
+    cases[truncated] = f"has an unreadable shard {last} (Error while deserializing header"
+    escaped = tmp_path / "escaped"
+    shutil.copytree(small_capture, escaped)
+    manifest = json.loads((escaped / "capture.json").read_text())
+    manifest["shards"][0]["file"] = "../../etc/passwd"
+    (escaped / "capture.json").write_text(json.dumps(manifest))
+    cases[escaped] = "has a corrupt capture.json (missing or malformed: shards[0])"
+    for path, message in cases.items():
+        proc = _train(f"data={path}", "eval_data=none", "n_stages=4", "max_steps=2", "batch_size=4", "save_every=0",
+                      f"output_dir={tmp_path / 'run'}")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        lines = proc.stderr.strip().splitlines()
+        assert lines[-1].startswith(f"error: the capture '{path}' {message}"), lines[-1]
+        assert not (tmp_path / "run" / "checkpoints").exists()  # refused at the start, not mid-training
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir()
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_resumed_capture_checks_free_disk_space(tiny_testbed, small_capture, tmp_path):
+    """The space the remaining shards need is checked on resume too, as at the start."""
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "512k"):
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        out = disk / "cap"
+        out.mkdir()
+        manifest = json.loads((small_capture / "capture.json").read_text())
+        first = manifest["shards"][0]
+        # A capture killed after its first shard, resumed where the rest cannot fit.
+        shutil.copy(small_capture / first["file"], out / first["file"])
+        shutil.copy(small_capture / "teacher.safetensors", out / "teacher.safetensors")
+        (out / "capture.json").write_text(json.dumps({**manifest, "shards": [first], "complete": False}))
+        (disk / "filler").write_bytes(b"\0" * (shutil.disk_usage(disk).free - 4096))
+        proc = subprocess.run([sys.executable, str(REPO / "data" / "capture.py"), "--target",
+                               str(tiny_testbed / "target"), "--data", str(tiny_testbed / "corpus" / "train.jsonl"),
+                               "--max-length", "48", "--out", str(out), "--stages", "4", "--max-rows", "24",
+                               "--shard-tokens", "300", "--cache-dir", str(small_capture.parent / "cache")],
+                              capture_output=True, text=True, timeout=600, cwd=REPO)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert proc.stderr.strip().splitlines()[-1].startswith("error: the rest of the capture needs ")
+        assert sorted(p.name for p in out.iterdir()) == ["capture.json", first["file"], "teacher.safetensors"]
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

@@ -6,7 +6,8 @@
 
 Every config key can be overridden as ``key=value``. The head is written to ``<output_dir>/final``
 (a ``from_pretrained`` directory); checkpoints go to ``<output_dir>/checkpoints/step-N`` and ``--resume``
-continues the newest one exactly (weights, optimizer, scheduler, data position, RNG).
+continues the newest one exactly (weights, optimizer, scheduler, data position, RNG). A checkpoint is written
+under a new temporary name, synced to disk and renamed into place; the one it replaces is removed only after.
 ``tensorboard=true`` logs to ``<output_dir>/logs`` (``tensorboard --logdir <output_dir>/logs``); ``wandb=true``
 logs offline by default (``wandb_mode=offline``) to ``<output_dir>/wandb`` (upload later with ``wandb sync``).
 """
@@ -18,15 +19,16 @@ import dataclasses
 import importlib
 import json
 import math
-import shutil
+import pickle
 import sys
 import time
+import uuid
 from functools import partial
 from pathlib import Path
 
 import torch
 
-from spd.errors import SpdInputError
+from spd.errors import SpdInputError, first_line
 
 
 class _Parser(argparse.ArgumentParser):
@@ -122,12 +124,12 @@ def load_target_and_data(cfg, accelerator):
 def train(cfg, resume: bool) -> dict:
     log_with = check_trackers(cfg)  # before anything slow is loaded
     from accelerate import DataLoaderConfiguration
-    from accelerate.utils import ProjectConfiguration, set_seed
+    from accelerate.utils import ProjectConfiguration, broadcast_object_list, set_seed
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
     from spd.capture import CapturedDataset
-    from spd.distill import (distill_step, evaluate, latest_checkpoint, list_checkpoints, new_head,
-                             save_head_atomic, scale_fc_init, teacher_anchors, teacher_pass, to_device,
+    from spd.distill import (clean_checkpoints, commit_checkpoint, distill_step, evaluate, latest_checkpoint,
+                             new_head, save_head_atomic, scale_fc_init, teacher_anchors, teacher_pass, to_device,
                              training_fills)
     from spd.draft_vocab import check_draft_vocab, select_draft_vocab, token_counts, tokens_sha256
     from spd.backends import make_accelerator, plain_head
@@ -149,6 +151,9 @@ def train(cfg, resume: bool) -> dict:
     out = Path(cfg.output_dir)
     if main:
         out.mkdir(parents=True, exist_ok=True)
+    # This run's temporary checkpoint names (one per run, the same on every process): never a name that a killed
+    # run, or another run in the same directory, may still hold.
+    tag = broadcast_object_list([uuid.uuid4().hex[:12] if main else None])[0]
 
     staged, train_ds, eval_ds, collate_fn, token_strings = load_target_and_data(cfg, accelerator)
     offline = isinstance(train_ds, CapturedDataset)
@@ -202,13 +207,21 @@ def train(cfg, resume: bool) -> dict:
 
     step, batches_done, elapsed_before = 0, 0, 0.0
     ckpt = latest_checkpoint(out) if resume else None
+    if main:
+        clean_checkpoints(out)  # what a killed run left (a step-N.old- copy that is the newest checkpoint stays)
+    accelerator.wait_for_everyone()
     if resume and ckpt is None:
         say(f"[resume] no checkpoint in {out / 'checkpoints'}; starting from scratch")
     if ckpt is not None:
-        accelerator.load_state(str(ckpt))
-        state = json.loads((ckpt / "trainer_state.json").read_text())
-        step, batches_done, elapsed_before = state["step"], state["batches_done"], state["elapsed_s"]
-        fill_gen.set_state(torch.load(ckpt / f"fill_rng_{accelerator.process_index}.pt"))
+        try:
+            accelerator.load_state(str(ckpt))
+            state = json.loads((ckpt / "trainer_state.json").read_text())
+            step, batches_done, elapsed_before = state["step"], state["batches_done"], state["elapsed_s"]
+            # weights_only: the RNG state is a tensor; a file holding anything else must not run code.
+            fill_gen.set_state(torch.load(ckpt / f"fill_rng_{accelerator.process_index}.pt", weights_only=True))
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+            raise SpdInputError(f"the checkpoint '{ckpt}' cannot be resumed ({type(exc).__name__}: "
+                                f"{first_line(exc)}); remove it to resume from the one before") from None
         say(f"[resume] {ckpt.name}: step {step}, {batches_done} batches done")
 
     if log_with:
@@ -220,10 +233,7 @@ def train(cfg, resume: bool) -> dict:
 
     def save_checkpoint() -> None:
         final = out / "checkpoints" / f"step-{step}"
-        tmp = final.with_name(final.name + ".tmp")
-        if main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.wait_for_everyone()
+        tmp = final.with_name(f"{final.name}.tmp-{tag}")
         accelerator.save_state(str(tmp))
         torch.save(fill_gen.get_state(), tmp / f"fill_rng_{accelerator.process_index}.pt")
         accelerator.wait_for_everyone()
@@ -232,13 +242,9 @@ def train(cfg, resume: bool) -> dict:
             save_head_atomic(whole, tmp / "head")
             write_json_atomic(tmp / "trainer_state.json",
                               {"step": step, "batches_done": batches_done, "elapsed_s": elapsed_before + time.time() - t0})
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)  # a checkpoint exists only once it is complete
-            for old in list_checkpoints(out)[: -cfg.keep_checkpoints]:
-                gone = old.with_name(old.name + ".tmp")  # renamed first: never a half-deleted step-N
-                shutil.rmtree(gone, ignore_errors=True)
-                old.rename(gone)
-                shutil.rmtree(gone, ignore_errors=True)
+            # Synced, then renamed over an older step-N (moved aside first, removed last): a checkpoint exists only
+            # once it is complete, and a kill at any point leaves the newest complete one loadable.
+            commit_checkpoint(tmp, final, cfg.keep_checkpoints, tag)
         accelerator.wait_for_everyone()
 
     def run_eval() -> dict:
