@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -68,8 +69,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_numbers(args) -> None:
+    """Refuse numbers no run can use (one sentence), before any process joins the world."""
+    # nan passes every comparison and inf every lower bound: the float flags must be finite as well.
+    if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
+        raise SpdInputError(f"--timeout-s must be a positive number of seconds, got {args.timeout_s}")
+    for flag in ("emulate_stage_ms", "emulate_link_ms", "temperature"):
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and value >= 0):
+            raise SpdInputError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
+    if not 0 < args.top_p <= 1:
+        raise SpdInputError(f"--top-p must be in (0, 1], got {args.top_p}")
+    for flag, low in (("threads", 1), ("max_new_tokens", 1), ("num_prompts", 1), ("top_k", 0)):
+        value = getattr(args, flag)
+        if value is not None and value < low:
+            raise SpdInputError(f"--{flag.replace('_', '-')} must be at least {low}, got {value}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        check_numbers(args)
+    except SpdInputError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     import torch
     import torch.distributed as dist
 
@@ -176,7 +199,7 @@ def _prompts(args, tokenizer) -> list[list[int]]:
         if not path.is_file():
             raise SpdInputError(f"the prompts file '{args.prompts}' does not exist")
         texts = [json.loads(line)["prompt"] for line in path.open(encoding="utf-8") if line.strip()]
-        texts = texts[: args.num_prompts] if args.num_prompts else texts
+        texts = texts[: args.num_prompts] if args.num_prompts is not None else texts
     if args.chat:
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                                tokenize=False) for t in texts]

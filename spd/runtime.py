@@ -29,6 +29,12 @@ Emulation for measuring on one machine: ``emulate_stage_ms`` is slept by a stage
 computes, ``emulate_link_ms`` delays the delivery of every message (the receiver waits until the send time
 plus the link latency; sends never block).
 
+Local worlds (``MASTER_ADDR`` a loopback address, as ``spd-generate --runtime distributed`` and ``spd-serve``
+spawn them) keep their sockets on the loopback interface: gloo's (``GLOO_SOCKET_IFNAME``, unless set) and the
+store that rank 0 serves when no launcher agent does (:func:`init_distributed`). Every size a message header
+gives is bounded by what the model can send (:meth:`Link.check_header`): a corrupt or hostile header is a
+clear error, not a huge allocation.
+
 Failure handling: every rank runs under a process-group timeout; a dead peer (connection reset) or a silent
 one (timeout) raises, the rank prints one ``error:`` line naming itself and exits non-zero, and the
 launcher (``torchrun`` / ``spd-generate --runtime distributed``) tears the other ranks down.
@@ -60,6 +66,12 @@ HEADER = 8  # kind, epoch, position, length, stage, send time (us), payload widt
 FLUSH, PRUNE, CLOSE = 0, 1, 2
 NOTICE, KEPT_INLINE = 4, 252
 NOTICE_WAIT = datetime.timedelta(days=365)  # the notice thread waits through idle time; the data path has the timeouts
+KINDS = (PREFILL, TOKEN, STOP, REPORT, LEVEL, PING)
+NOTICE_KINDS = (FLUSH, PRUNE, CLOSE)
+# Bounds on header fields when the model gives none: tokens per message (a prompt, a tree level), rows per token
+# (anchors of a stage plus H^L), int64 extras (a prefill's per-layer flags, a tree level's positions and mask)
+# and kept indices of a prune.
+DEFAULT_MAX_TOKENS, DEFAULT_MAX_WIDTH, MAX_EXTRA, MAX_KEPT = 1 << 20, 1024, 1 << 22, 1 << 20
 
 
 def follow_prunes(start: int, size: int, end: int, kepts: list[torch.Tensor]):
@@ -227,8 +239,12 @@ class Link:
     whose size the header gives.
     """
 
-    def __init__(self, rank: int, config: RuntimeConfig, dtype: torch.dtype, device: torch.device, hidden: int):
+    def __init__(self, rank: int, config: RuntimeConfig, dtype: torch.dtype, device: torch.device, hidden: int,
+                 max_tokens: int | None = None, max_width: int | None = None):
         self.rank, self.config, self.dtype, self.device, self.hidden = rank, config, dtype, device, hidden
+        # What a peer may announce in a header (check_header): the model's context and rows per token.
+        self.max_tokens = max_tokens or DEFAULT_MAX_TOKENS
+        self.max_width = max_width or DEFAULT_MAX_WIDTH
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
         # Room for a token's report (a few anchor rows plus H^L) and a small tree level's extra, inline.
         self.inline = 6 * hidden * self.itemsize + 4096
@@ -281,8 +297,8 @@ class Link:
         work, message = self._posted.pop((src, tag))
         self._wait(work, src)
         header = message[:HEADER * 8].cpu().view(torch.long).clone()
+        size = self.check_header(header, src)
         n_extra, length, width = int(header[7]), int(header[3]), int(header[6])
-        size = n_extra * 8 + length * width * self.hidden * self.itemsize
         if size <= self.inline:
             body = message[HEADER * 8:HEADER * 8 + size]
         else:  # the second part comes next on this (src, tag): receive it before posting the next slot
@@ -298,8 +314,24 @@ class Link:
         if self.config.emulate_link_ms > 0:
             delay = int(header[5]) / 1e6 + self.config.emulate_link_ms / 1000 - time.time()
             if delay > 0:
-                time.sleep(delay)
+                time.sleep(min(delay, self.config.emulate_link_ms / 1000))  # a skewed send time never waits longer
         return header, extra, payload_TWD
+
+    def check_header(self, header: torch.Tensor, src: int) -> int:
+        """The body size a received header announces, after checking every field against what a peer can send."""
+        kind, epoch, position, length, stage, _, width, n_extra = header.tolist()
+        bounds = (("kind", kind, min(KINDS), max(KINDS)), ("epoch", epoch, 0, 2**62),
+                  ("position", position, 0, 2**62), ("length", length, 0, self.max_tokens),
+                  ("stage", stage, 0, 2**20), ("payload width", width, 0, self.max_width),
+                  ("extra length", n_extra, 0, MAX_EXTRA))
+        for name, value, low, high in bounds:
+            if not low <= value <= high:
+                raise PipelineLost(f"rank {self.rank}: a message from rank {src} has a bad header ({name} {value}, "
+                                   f"expected {low}..{high}); the peer is corrupt or not one of ours")
+        if (length == 0) != (width == 0):
+            raise PipelineLost(f"rank {self.rank}: a message from rank {src} has a bad header (a payload of "
+                               f"{length} tokens x {width} rows)")
+        return n_extra * 8 + length * width * self.hidden * self.itemsize
 
     def _wait(self, work: dist.Work, peer: int) -> None:
         """Wait for a receive; a dead or silent peer becomes PipelineLost naming both ranks."""
@@ -348,6 +380,11 @@ class Notices:
             try:
                 dist.irecv(buffer, 0, group=group, tag=CONTROL_TAG).wait(NOTICE_WAIT)
                 epoch, length, kind, count = buffer[:NOTICE].tolist()
+                if kind not in NOTICE_KINDS or not 0 <= count <= MAX_KEPT or epoch < 0 or length < 0:
+                    self._arrived.put(PipelineLost(
+                        f"rank {self.rank}: a notice from rank 0 is malformed (kind {kind}, kept count {count}, "
+                        f"epoch {epoch}, length {length}); the peer is corrupt or not one of ours"))
+                    return
                 kept = buffer[NOTICE:NOTICE + min(count, KEPT_INLINE)] if kind == PRUNE else None
                 if kind == PRUNE and count > KEPT_INLINE:
                     spill = torch.empty(count - KEPT_INLINE, dtype=torch.long)
@@ -368,6 +405,8 @@ class Notices:
             if not block:
                 return None
             raise PipelineLost(f"rank {self.rank}: no notice from rank 0 within {self.timeout_s:g} s") from None
+        if isinstance(item, PipelineLost):
+            raise item
         if isinstance(item, BaseException):
             raise PipelineLost(f"rank {self.rank}: lost contact with rank 0 ({_short_reason(item)})")
         return item
@@ -395,7 +434,8 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
     layers = list(staged.stage_layers(stage))
     first, last = staged.boundaries[stage], staged.boundaries[stage + 1]
     dtype = next(staged.layers[layers[0]].parameters()).dtype
-    link = Link(rank, config, dtype, device, staged.config.hidden_size)
+    link = Link(rank, config, dtype, device, staged.config.hidden_size, staged.max_positions,
+                staged.num_layers + 2)
     # A stage may have run up to n tokens past the committed prefix when a flush notice reaches it (n in flight,
     # plus a proposal launched before its step was verified): linear-attention layers keep n + 2 states.
     cache = staged.new_stage_cache(stage, 1, 256, ring_depth=n + 2, dtype=dtype, device=device)
@@ -452,7 +492,10 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
                 epoch = msg_epoch
                 log.forget_before(epoch)
                 cache.truncate(0)
-                flags = extra.tolist()
+                flags = extra.tolist() if extra is not None else []
+                if len(flags) != staged.num_layers + 1:
+                    raise PipelineLost(f"rank {rank}: a prefill from rank {prev} carries {len(flags)} layer flags, "
+                                       f"expected {staged.num_layers + 1}")
                 token_anchors = [l for l in range(first + 1, last + 1) if flags[l] & 1]
                 prefill_anchors = [l for l in range(first + 1, last + 1) if flags[l] & 2]
                 out = staged.run_stage(stage, payload[:, 0][None], cache, anchors=prefill_anchors)
@@ -496,9 +539,23 @@ def pack_level(start: int, positions_T: torch.Tensor, mask_TN: torch.Tensor) -> 
                       mask_TN.flatten().long().cpu()])
 
 
+def check_level_extra(extra: torch.Tensor | None, payload_T1D: torch.Tensor | None) -> None:
+    """A tree level's ``extra`` (:func:`pack_level`) must describe its payload: start, size, end and size * end
+    mask entries."""
+    ok = extra is not None and extra.numel() >= 3 and payload_T1D is not None
+    if ok:
+        start, size, end = extra[:3].tolist()
+        ok = (size == payload_T1D.shape[0] and 0 <= start and start + size <= end
+              and extra.numel() == 3 + size + size * end)
+    if not ok:
+        raise PipelineLost(f"a tree level message is malformed (extra {None if extra is None else extra[:3].tolist()}, "
+                           f"payload {None if payload_T1D is None else tuple(payload_T1D.shape)})")
+
+
 def _level_now(extra: torch.Tensor, payload_T1D: torch.Tensor, msg_epoch: int, epoch: int, committed: int,
                log: EpochLog):
     """A received tree level as of the current epoch: (committed, start, positions, mask, hidden) or None."""
+    check_level_extra(extra, payload_T1D)
     start, size, end = extra[:3].tolist()
     positions_T = extra[3:3 + size]
     mask_TN = extra[3 + size:].view(size, end).bool()
@@ -543,7 +600,8 @@ class RemoteStages:
         self.n = staged.n_stages
         self.config = config
         self.control_group = control_group
-        self.link = Link(0, config, staged.dtype, staged.device, staged.config.hidden_size)
+        self.link = Link(0, config, staged.dtype, staged.device, staged.config.hidden_size, staged.max_positions,
+                         staged.num_layers + 2)
         self.epoch = 0
         self.stage_anchors: list[list[int]] = [[] for _ in range(self.n)]
         self._sent = (0, -1)  # (epoch, position) of the last token sent to stage 1
@@ -707,6 +765,9 @@ class RemoteStages:
             kepts = self.log.since(epoch, self.epoch)
             if kepts is None or int(header[0]) != REPORT or extra is None:
                 continue
+            if extra.numel() != 3:
+                raise PipelineLost(f"rank 0: stage {stage} reported a tree level with {extra.numel()} extras, "
+                                   "expected 3 (start, size, end)")
             mapped = follow_prunes(*extra.tolist(), kepts)
             if mapped is not None:
                 rows, start, _ = mapped
@@ -732,12 +793,87 @@ class RemoteStages:
 # ------------------------------------------------------------------------------------------ setup
 
 
+def is_loopback(address: str | None) -> bool:
+    """Whether ``address`` (a host name or IP) names this machine's loopback interface."""
+    import ipaddress
+
+    if address is None:
+        return False
+    if address.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def loopback_interface() -> str | None:
+    """The loopback network interface's name (``lo`` on Linux, ``lo0`` on macOS), if there is one."""
+    import socket
+
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), next((n for n in names if n.startswith("lo")), None))
+
+
+def bind_local_world(env=None) -> None:
+    """For a world that meets on this machine (``MASTER_ADDR`` a loopback address): gloo's sockets on the loopback
+    interface too (``GLOO_SOCKET_IFNAME``), unless the user set an interface. Anything else is left alone."""
+    env = os.environ if env is None else env
+    if not is_loopback(env.get("MASTER_ADDR")) or env.get("GLOO_SOCKET_IFNAME"):
+        return
+    name = loopback_interface()
+    if name is not None:
+        env["GLOO_SOCKET_IFNAME"] = name
+
+
+def local_world_env(port: int, env=None) -> dict:
+    """The environment for processes of a world spawned on this machine: rendezvous and gloo on loopback."""
+    env = dict(os.environ if env is None else env)
+    env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", str(port)
+    bind_local_world(env)
+    return env
+
+
+_STORE_SOCKETS: list = []
+
+
+def _loopback_store(timeout: datetime.timedelta):
+    """Rank 0's store of a local world started without a launcher agent, listening on loopback only (a store
+    created from MASTER_ADDR alone listens on every interface); None when this process does not serve it."""
+    import socket
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or os.environ.get("RANK", "0") != "0"
+            or not is_loopback(addr) or not (port or "").isdigit()):
+        return None
+    family = socket.AF_INET6 if ":" in addr.strip("[]") else socket.AF_INET
+    host = addr.strip("[]") if addr.lower() != "localhost" else "127.0.0.1"
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, int(port)))
+    sock.listen(1024)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    store = dist.TCPStore(host, int(port), world, True, timeout=timeout, master_listen_fd=sock.fileno())
+    _STORE_SOCKETS.append(sock)  # the store listens on this socket: it must stay open as long as the process
+    return store
+
+
 def init_distributed(config: RuntimeConfig):
     """Join the process group (env:// as torchrun sets it) and create the gloo control group."""
     # The group's default timeout only bounds joining and the background send waits; every receive on the data
     # and control paths has its own (config.timeout_s).
     timeout = datetime.timedelta(seconds=max(config.timeout_s, config.join_timeout_s))
-    dist.init_process_group(config.backend, timeout=timeout)
+    bind_local_world()
+    store = _loopback_store(timeout)
+    if store is None:
+        dist.init_process_group(config.backend, timeout=timeout)
+    else:
+        # The prefix env:// rendezvous puts on the store (the other ranks join through it).
+        dist.init_process_group(config.backend, store=dist.PrefixStore("default_pg", store), rank=0,
+                                world_size=int(os.environ.get("WORLD_SIZE", "1")), timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), control
 

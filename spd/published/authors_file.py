@@ -152,4 +152,44 @@ def validate(blob, source: str) -> AuthorsCheckpoint:
     bad = [k for k, v in blob["state_dict"].items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
     if bad:
         raise SpdInputError(f"'{source}' has state_dict entries that are not named tensors: {bad[:3]}")
+    _check_config(config, blob["state_dict"], source)
     return AuthorsCheckpoint(dict(blob["state_dict"]), dict(config), source)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_config(config: dict, state_dict: dict, source: str) -> None:
+    """Types and ranges of the config values the head is built from, checked before any module is: a value of
+    the wrong type or size is one sentence, not a crash or a huge allocation."""
+    for key in ("hidden_size", "vocab_size", "num_stages", "num_spec_layers"):
+        if not _is_int(config[key]) or config[key] < 1:
+            raise SpdInputError(f"'{source}' has config {key} = {config[key]!r}; expected a positive integer")
+    for key in ("draft_vocab_size", "spec_intermediate_size_fallback"):
+        if key in config and config[key] is not None and (not _is_int(config[key]) or config[key] < 1):
+            raise SpdInputError(f"'{source}' has config {key} = {config[key]!r}; expected a positive integer")
+    # The tower is built with num_spec_layers layers: it must be the number the file holds tensors for.
+    layers = {int(k.split(".")[1]) for k in state_dict if k.startswith("spec_layers.") and k.split(".")[1].isdigit()}
+    if layers != set(range(config["num_spec_layers"])):
+        raise SpdInputError(f"'{source}' has config num_spec_layers = {config['num_spec_layers']} but holds tensors "
+                            f"for {len(layers)} spec layer(s)")
+    if config["version"] == 10:
+        shallow = config["shallow_hidden_layer_indices"]
+        if not (isinstance(shallow, list)
+                and all(isinstance(a, list) and a and all(_is_int(k) and k >= 0 for k in a) for a in shallow)):
+            raise SpdInputError(f"'{source}' has config shallow_hidden_layer_indices that are not lists of layer "
+                                "indices")
+    else:
+        bound = config["aggr_feature_bound"]
+        if not (isinstance(bound, list) and bound and all(_is_int(k) and k >= 0 for k in bound)):
+            raise SpdInputError(f"'{source}' has config aggr_feature_bound = {bound!r}; expected a list of layer "
+                                "indices")
+    draft = config.get("draft_token_ids")
+    if draft is not None and not (isinstance(draft, list) and all(_is_int(t) and t >= 0 for t in draft)
+                                  and len(draft) <= config["vocab_size"]):
+        raise SpdInputError(f"'{source}' has config draft_token_ids that are not a list of at most vocab_size "
+                            f"({config['vocab_size']}) token ids")
+    if "trained_with_use_deepest" in config and not isinstance(config["trained_with_use_deepest"], bool):
+        raise SpdInputError(f"'{source}' has config trained_with_use_deepest = "
+                            f"{config['trained_with_use_deepest']!r}; expected true or false")
