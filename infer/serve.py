@@ -90,9 +90,11 @@ def serve(args) -> int:
     from spd.serving.metrics import ServerMetrics
     from spd.serving.pipeline import PipelineSpec, open_pipeline
     from spd.serving.scheduler import Scheduler
+    from spd.staging import parse_boundaries
 
     _quiet_libraries()
     spec = PipelineSpec(target=args.target, mode=args.mode, stages=args.stages, revision=args.revision,
+                        boundaries=parse_boundaries(args.boundaries) if args.boundaries else None,
                         tokenizer=args.tokenizer, speculator=args.speculator,
                         speculator_revision=args.speculator_revision, draft_model=args.draft_model,
                         draft_revision=args.draft_revision, tree_width=args.tree_width,

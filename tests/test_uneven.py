@@ -89,3 +89,17 @@ def test_bench_uneven_pp(tiny_testbed, tmp_path):
     row = json.loads(out.read_text())["results"]["T=0"]["pp b=3,5"]
     assert row["boundaries"] == [0, 3, 5, 8] and row["stages"] == 3
     assert row["summary"]["identical_to_ar"] == 2
+
+
+def test_server_takes_boundaries(tiny_testbed):
+    """spd-serve --boundaries serves the standard pipeline over an uneven cut, with ar's text."""
+    from test_serve import PROMPT, Server, cli_json
+
+    server = Server("--target", str(tiny_testbed / "target"), "--mode", "pp", "--boundaries", "3,5")
+    try:
+        expected = cli_json(tiny_testbed, "--mode", "ar", "--prompt", PROMPT, "--max-new-tokens", "20")
+        out = server.client().completions.create(model=server.model, prompt=PROMPT, max_tokens=20, temperature=0)
+        assert out.choices[0].text == expected["text"]
+        assert out.model_extra["spd"]["stages"] == 3
+    finally:
+        server.stop()

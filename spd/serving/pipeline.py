@@ -33,6 +33,7 @@ class PipelineSpec:
     target: str
     mode: str = "spd"  # spd, pp, tree, sd or ar
     stages: int | None = None  # default: the head's n, else 1
+    boundaries: list[int] | None = None  # an explicit (uneven) cut; default: the head's cut, else an equal one
     revision: str | None = None
     tokenizer: str | None = None  # default: the target's
     speculator: str | None = None
@@ -119,7 +120,7 @@ def open_pipeline(spec: PipelineSpec) -> Pipeline:
     """Load the target, the head or draft model and the engine; start the stage processes if distributed."""
     from ..paths import check_model_source
     from ..published.authors_file import is_authors_file
-    from ..speculator import load_speculator, speculator_stages
+    from ..speculator import load_speculator, pipeline_cut, speculator_stages
     from ..staging import StagedModel, load_target_tokenizer
 
     check_model_source(spec.target, "target")
@@ -128,22 +129,21 @@ def open_pipeline(spec: PipelineSpec) -> Pipeline:
     if spec.draft_model is not None:
         check_model_source(spec.draft_model, "draft model")
     dtype = getattr(torch, spec.dtype)
-    n = spec.stages
+    stages, boundaries = pipeline_cut(spec.stages, spec.boundaries, spec.speculator, spec.speculator_revision)
+    n = len(boundaries) - 1 if boundaries else stages
     if spec.speculator is not None:
         head_n = speculator_stages(spec.speculator, spec.speculator_revision)
-        if n is not None and n != head_n:
+        if n != head_n:
             raise SpdInputError(f"the speculator does not fit this target: it was trained for n = {head_n} stages "
-                                f"but --stages is {n}")
-        n = head_n
-    n = n or 1
+                                f"but the pipeline has {n}")
     tokenizer = load_target_tokenizer(spec.target, spec.revision, spec.tokenizer)
     if tokenizer is None:
         raise SpdInputError(f"the target '{spec.target}' has no tokenizer, and a server answers in text; pass "
                             "--tokenizer DIR_OR_ID")
     if spec.runtime == "distributed":
         return _open_distributed(spec, n, dtype, tokenizer)
-    staged = StagedModel.from_pretrained(spec.target, n_stages=n, revision=spec.revision, dtype=dtype,
-                                         device=spec.device)
+    staged = StagedModel.from_pretrained(spec.target, n_stages=stages, boundaries=boundaries, revision=spec.revision,
+                                         dtype=dtype, device=spec.device)
     head = (load_speculator(spec.speculator, spec.speculator_revision, dtype, spec.device, target=staged)
             if spec.speculator else None)
     return Pipeline(spec, _engine(spec, staged, head, tokenizer, dtype), staged, tokenizer, n)
