@@ -421,11 +421,11 @@ def replace_dir(tmp: Path, final: Path, tag: str) -> None:
     """Put the complete directory ``tmp`` in place as ``final``: fsynced, renamed, the old ``final`` removed last.
 
     A directory cannot be renamed over a non-empty one, so an existing ``final`` is first renamed aside to
-    ``<final>.old-<tag>`` (still whole: :func:`list_checkpoints` falls back to it if the process dies before the
+    ``<final>.<tag>.old`` (still whole: :func:`list_checkpoints` falls back to it if the process dies before the
     new one is in), and removed only once the new one is in place and its parent directory synced.
     """
     fsync_tree(tmp)
-    aside = final.with_name(f"{final.name}.old-{tag}")
+    aside = final.with_name(f"{final.name}.{tag}.old")
     if final.exists():
         os.rename(final, aside)
     os.rename(tmp, final)
@@ -440,17 +440,17 @@ def save_head_atomic(head: Speculator, out_dir: str | Path) -> None:
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
         head.save_pretrained(tmp, safe_serialization=True)
-        replace_dir(tmp, out_dir, tmp.name.rsplit("-", 1)[1])
+        replace_dir(tmp, out_dir, tmp.name.split(".")[-2])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-# checkpoints/step-N: complete; step-N.tmp-T: being written; step-N.old-T: a complete step-N moved aside while its
-# replacement is renamed in; step-N.del-T: being deleted. T is unique per run, shared by its processes.
-_CHECKPOINT = re.compile(r"step-(\d+)(?:\.(tmp|old|del)-(\w+))?")
+# checkpoints/step-N: complete; step-N.T.tmp: being written; step-N.T.old: a complete step-N moved aside while its
+# replacement is renamed in; step-N.T.del.tmp: being deleted. T is unique per run, shared by its processes.
+_CHECKPOINT = re.compile(r"step-(\d+)(?:\.\w+\.(tmp|old|del\.tmp))?")
 
 
 def _checkpoint_dirs(output_dir: str | Path) -> list[tuple[int, str | None, Path]]:
@@ -468,11 +468,11 @@ def _checkpoint_dirs(output_dir: str | Path) -> list[tuple[int, str | None, Path
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
     """Complete checkpoints (``checkpoints/step-N`` with a ``trainer_state.json``), oldest first.
 
-    A step whose ``step-N`` is missing but whose previous copy was moved aside (``step-N.old-T``, a run killed
+    A step whose ``step-N`` is missing but whose previous copy was moved aside (``step-N.T.old``, a run killed
     while replacing it) is listed by that copy.
     """
     done: dict[int, Path] = {}
-    for step, kind, p in sorted(_checkpoint_dirs(output_dir), key=lambda t: t[1] is not None):
+    for step, kind, p in sorted(_checkpoint_dirs(output_dir), key=lambda t: (t[1] is not None, t[2].name)):
         if kind in (None, "old") and step not in done and (p / "trainer_state.json").is_file():
             done[step] = p
     return [done[step] for step in sorted(done)]
@@ -489,15 +489,15 @@ def commit_checkpoint(tmp: Path, final: Path, keep: int, tag: str) -> None:
     ``keep`` (each renamed first, so a half-deleted one is never taken for a checkpoint)."""
     replace_dir(tmp, final, tag)
     for old in list_checkpoints(final.parent.parent)[:-keep]:
-        gone = old.with_name(f"{old.name.split('.')[0]}.del-{tag}")
+        gone = old.with_name(f"{old.name.split('.')[0]}.{tag}.del.tmp")
         os.rename(old, gone)
         shutil.rmtree(gone, ignore_errors=True)
 
 
 def clean_checkpoints(output_dir: str | Path) -> None:
-    """Remove what killed runs left: unfinished ``.tmp-``, half-deleted ``.del-`` and superseded ``.old-`` copies."""
+    """Remove what killed runs left: unfinished ``.tmp``, half-deleted ``.del.tmp`` and superseded ``.old`` copies."""
     complete = {step for step, kind, p in _checkpoint_dirs(output_dir)
                 if kind is None and (p / "trainer_state.json").is_file()}
     for step, kind, p in _checkpoint_dirs(output_dir):
-        if kind in ("tmp", "del") or (kind == "old" and step in complete):
+        if kind in ("tmp", "del.tmp") or (kind == "old" and step in complete):
             shutil.rmtree(p, ignore_errors=True)

@@ -146,22 +146,22 @@ def test_checkpoint_replacement_never_loses_the_newest_checkpoint(tmp_path):
     _fake_checkpoint(root / "step-4", 4)
     # Killed while replacing step-4: the old copy is renamed aside, its replacement not yet renamed in (and a
     # half-written checkpoint and a half-deleted one lie beside it).
-    (root / "step-4").rename(root / "step-4.old-run1")
-    _fake_checkpoint(root / "step-6.tmp-run1", 6).joinpath("trainer_state.json").unlink()
-    _fake_checkpoint(root / "step-1.del-run1", 1)
-    assert latest_checkpoint(tmp_path) == root / "step-4.old-run1"
-    assert list_checkpoints(tmp_path) == [root / "step-2", root / "step-4.old-run1"]
+    (root / "step-4").rename(root / "step-4.run1.old")
+    _fake_checkpoint(root / "step-6.run1.tmp", 6).joinpath("trainer_state.json").unlink()
+    _fake_checkpoint(root / "step-1.run1.del.tmp", 1)
+    assert latest_checkpoint(tmp_path) == root / "step-4.run1.old"
+    assert list_checkpoints(tmp_path) == [root / "step-2", root / "step-4.run1.old"]
     clean_checkpoints(tmp_path)  # the resumed run's start: the copy it resumes from stays
-    assert sorted(p.name for p in root.iterdir()) == ["step-2", "step-4.old-run1"]
+    assert sorted(p.name for p in root.iterdir()) == ["step-2", "step-4.run1.old"]
     # The resumed run writes step-4 again (under its own temporary name) and step-6; two are kept.
-    commit_checkpoint(_fake_checkpoint(root / "step-4.tmp-run2", 40), root / "step-4", 2, "run2")
-    assert sorted(p.name for p in root.iterdir()) == ["step-2", "step-4", "step-4.old-run1"]
+    commit_checkpoint(_fake_checkpoint(root / "step-4.run2.tmp", 40), root / "step-4", 2, "run2")
+    assert sorted(p.name for p in root.iterdir()) == ["step-2", "step-4", "step-4.run1.old"]
     assert json.loads((root / "step-4" / "trainer_state.json").read_text()) == {"step": 40}
     clean_checkpoints(tmp_path)  # superseded now
-    commit_checkpoint(_fake_checkpoint(root / "step-6.tmp-run2", 6), root / "step-6", 2, "run2")
+    commit_checkpoint(_fake_checkpoint(root / "step-6.run2.tmp", 6), root / "step-6", 2, "run2")
     assert sorted(p.name for p in root.iterdir()) == ["step-4", "step-6"]
     # Replacing an existing step-N: the new one is in place and the old one gone, nothing else left.
-    commit_checkpoint(_fake_checkpoint(root / "step-6.tmp-run3", 60), root / "step-6", 2, "run3")
+    commit_checkpoint(_fake_checkpoint(root / "step-6.run3.tmp", 60), root / "step-6", 2, "run3")
     assert sorted(p.name for p in root.iterdir()) == ["step-4", "step-6"]
     assert (root / "step-6" / "weights.bin").read_bytes() == bytes([60]) * 64
 

@@ -208,7 +208,7 @@ def train(cfg, resume: bool) -> dict:
     step, batches_done, elapsed_before = 0, 0, 0.0
     ckpt = latest_checkpoint(out) if resume else None
     if main:
-        clean_checkpoints(out)  # what a killed run left (a step-N.old- copy that is the newest checkpoint stays)
+        clean_checkpoints(out)  # what a killed run left (a step-N.T.old copy that is the newest checkpoint stays)
     accelerator.wait_for_everyone()
     if resume and ckpt is None:
         say(f"[resume] no checkpoint in {out / 'checkpoints'}; starting from scratch")
@@ -233,7 +233,7 @@ def train(cfg, resume: bool) -> dict:
 
     def save_checkpoint() -> None:
         final = out / "checkpoints" / f"step-{step}"
-        tmp = final.with_name(f"{final.name}.tmp-{tag}")
+        tmp = final.with_name(f"{final.name}.{tag}.tmp")
         accelerator.save_state(str(tmp))
         torch.save(fill_gen.get_state(), tmp / f"fill_rng_{accelerator.process_index}.pt")
         accelerator.wait_for_everyone()
