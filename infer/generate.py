@@ -389,6 +389,13 @@ def run_distributed(args, prompt: str | list[int]) -> int:
     if args.draft_model is not None:
         check_model_source(args.draft_model, "draft model")
     stages = args.stages
+    if args.boundaries:  # the cut decides the world size; checked against the target's layers here
+        from transformers import AutoConfig
+
+        from spd.staging import parse_boundaries, split_layers
+
+        num_layers = AutoConfig.from_pretrained(args.target, revision=args.revision).get_text_config().num_hidden_layers
+        stages = len(split_layers(num_layers, stages, parse_boundaries(args.boundaries))) - 1
     if args.speculator is not None:
         from spd.speculator import speculator_stages
 
@@ -411,7 +418,7 @@ def run_distributed(args, prompt: str | list[int]) -> int:
     if args.mode == "tree":
         cmd += ["--tree-width", str(args.tree_width), "--tree-children", str(args.tree_children),
                 "--tree-max-width", str(args.tree_max_width), "--tree-candidates", args.tree_candidates]
-    for flag, value in (("--revision", args.revision), ("--tokenizer", args.tokenizer),
+    for flag, value in (("--revision", args.revision), ("--tokenizer", args.tokenizer), ("--boundaries", args.boundaries),
                         ("--speculator", args.speculator), ("--speculator-revision", args.speculator_revision),
                         ("--draft-model", args.draft_model), ("--draft-revision", args.draft_revision),
                         ("--seed", args.seed)):

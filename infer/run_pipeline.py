@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-candidates", default="auto", choices=("auto", "sampled", "top-k"),
                    help="--mode tree at T > 0: sampled children or the source's top-K (auto: sampled)")
     p.add_argument("--stages", type=int, default=None, help="must equal the world size - 1 (checked)")
+    p.add_argument("--boundaries", default=None,
+                   help="cut the target at these layer indices, e.g. 8,16,23 (default: the speculator's cut, else equal)")
     p.add_argument("--prompt", default=None)
     p.add_argument("--prompt-ids", default=None, help="the prompt as comma-separated token ids")
     p.add_argument("--prompts", default=None, help='jsonl with a "prompt" field per row')
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             from spd.runtime import load_partial
 
             # Load before joining: once the world is complete every stage is ready for the first request.
-            staged = load_partial(args.target, n, rank, args.revision, dtype, device)
+            staged = load_partial(args.target, n, rank, args.revision, dtype, device, _boundaries(args, n))
         rank, world, control = init_distributed(config)
         if rank == 0:
             _driver(args, n, config, control, device, dtype)
@@ -134,6 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _boundaries(args, n: int) -> list[int] | None:
+    """The cut every rank loads: --boundaries, else the speculator's own cut when it has n stages, else equal."""
+    from spd.speculator import pipeline_cut
+    from spd.staging import parse_boundaries
+
+    explicit = parse_boundaries(args.boundaries) if args.boundaries else None
+    stages, boundaries = pipeline_cut(n, explicit, args.speculator, args.speculator_revision)
+    return boundaries
 
 
 def _driver(args, n: int, config, control, device, dtype) -> None:
@@ -156,7 +168,7 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
     if tokenizer is None and args.prompt_ids is None:
         raise SpdInputError(f"the target '{args.target}' has no tokenizer; pass --tokenizer DIR_OR_ID or --prompt-ids")
     prompts = _prompts(args, tokenizer)
-    staged = load_partial(args.target, n, 0, args.revision, dtype, device)
+    staged = load_partial(args.target, n, 0, args.revision, dtype, device, _boundaries(args, n))
     head = (load_speculator(args.speculator, args.speculator_revision, dtype, device, target=staged)
             if args.speculator else None)
     remote = RemoteStages(staged, config, control)

@@ -152,7 +152,8 @@ class PipelineLost(RuntimeError):
 
 
 def load_partial(source: str, n_stages: int, role: int, revision: str | None = None,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> StagedModel:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 boundaries: list[int] | None = None) -> StagedModel:
     """A StagedModel whose parameters exist only for ``role``: 0 = embedding, final norm and LM head (the
     driver), ``s >= 1`` = the decoder layers of stage ``s`` (1-based). Everything else stays on the meta
     device (no memory), so a stage holds about 1/n of the target's layers."""
@@ -180,7 +181,7 @@ def load_partial(source: str, n_stages: int, role: int, revision: str | None = N
         raise SpdInputError(f"could not load safetensors weights of '{source}': {first_line(exc)}") from None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
-    staged = StagedModel(model, n_stages=n_stages)
+    staged = StagedModel(model, n_stages=n_stages, boundaries=boundaries)
     base = model.base_model
     if role == 0:
         modules = {"embed": base.embed_tokens, "norm": base.norm, "head": model.get_output_embeddings()}
@@ -843,20 +844,24 @@ _STORE_SOCKETS: list = []
 def _loopback_store(timeout: datetime.timedelta):
     """Rank 0's store of a local world started without a launcher agent, listening on loopback only (a store
     created from MASTER_ADDR alone listens on every interface); None when this process does not serve it."""
-    import socket
-
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or os.environ.get("RANK", "0") != "0"
             or not is_loopback(addr) or not (port or "").isdigit()):
         return None
+    return loopback_store(addr, int(port), int(os.environ.get("WORLD_SIZE", "1")), timeout)
+
+
+def loopback_store(addr: str, port: int, world: int, timeout: datetime.timedelta):
+    """A TCPStore server for ``world`` processes listening on the loopback address ``addr`` only."""
+    import socket
+
     family = socket.AF_INET6 if ":" in addr.strip("[]") else socket.AF_INET
     host = addr.strip("[]") if addr.lower() != "localhost" else "127.0.0.1"
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, int(port)))
+    sock.bind((host, port))
     sock.listen(1024)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    store = dist.TCPStore(host, int(port), world, True, timeout=timeout, master_listen_fd=sock.fileno())
+    store = dist.TCPStore(host, port, world, True, timeout=timeout, master_listen_fd=sock.fileno())
     _STORE_SOCKETS.append(sock)  # the store listens on this socket: it must stay open as long as the process
     return store
 

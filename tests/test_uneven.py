@@ -103,3 +103,13 @@ def test_server_takes_boundaries(tiny_testbed):
         assert out.model_extra["spd"]["stages"] == 3
     finally:
         server.stop()
+
+
+def test_distributed_runtime_takes_boundaries(tiny_testbed):
+    """--runtime distributed over an uneven cut: each stage process loads its own layers; the tokens are ar's."""
+    common = ["--target", str(tiny_testbed / "target"), "--prompt", "def main(argv):", "--max-new-tokens", "12",
+              "--json"]
+    ar = json.loads(run_script("infer/generate.py", *common).stdout)
+    pp = json.loads(run_script("infer/generate.py", *common, "--mode", "pp", "--boundaries", "3,5",
+                               "--runtime", "distributed").stdout)
+    assert pp["token_ids"] == ar["token_ids"] and pp["stats"]["stages"] == 3

@@ -141,7 +141,7 @@ def open_pipeline(spec: PipelineSpec) -> Pipeline:
         raise SpdInputError(f"the target '{spec.target}' has no tokenizer, and a server answers in text; pass "
                             "--tokenizer DIR_OR_ID")
     if spec.runtime == "distributed":
-        return _open_distributed(spec, n, dtype, tokenizer)
+        return _open_distributed(spec, n, boundaries, dtype, tokenizer)
     staged = StagedModel.from_pretrained(spec.target, n_stages=stages, boundaries=boundaries, revision=spec.revision,
                                          dtype=dtype, device=spec.device)
     head = (load_speculator(spec.speculator, spec.speculator_revision, dtype, spec.device, target=staged)
@@ -165,11 +165,12 @@ def _engine(spec: PipelineSpec, staged, head, tokenizer, dtype, stages=None):
     return PipelineEngine(staged, head, tokenizer, stages=stages)
 
 
-def _open_distributed(spec: PipelineSpec, n: int, dtype: torch.dtype, tokenizer) -> Pipeline:
+def _open_distributed(spec: PipelineSpec, n: int, boundaries: list[int] | None, dtype: torch.dtype,
+                      tokenizer) -> Pipeline:
     """Rank 0 here, ``n`` stage processes spawned now; a 2-token warm-up request proves the pipeline works."""
     import torch.distributed as dist
 
-    from ..runtime import PipelineLost, RemoteStages, RuntimeConfig, free_port, load_partial
+    from ..runtime import PipelineLost, RemoteStages, RuntimeConfig, free_port, load_partial, local_world_env
     from ..speculator import load_speculator
 
     if spec.mode not in ("spd", "pp", "tree"):
@@ -178,17 +179,18 @@ def _open_distributed(spec: PipelineSpec, n: int, dtype: torch.dtype, tokenizer)
     config = RuntimeConfig(backend=backend, timeout_s=spec.timeout_s, emulate_stage_ms=spec.emulate_stage_ms,
                            emulate_link_ms=spec.emulate_link_ms)
     # Rank 0's part and the head load (and fail with one line) before any process starts.
-    staged = load_partial(spec.target, n, 0, spec.revision, dtype, spec.device)
+    staged = load_partial(spec.target, n, 0, spec.revision, dtype, spec.device, boundaries)
     head = (load_speculator(spec.speculator, spec.speculator_revision, dtype, spec.device, target=staged)
             if spec.speculator else None)
     port = free_port()
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(n + 1),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**local_world_env(port), "WORLD_SIZE": str(n + 1), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cmd = [sys.executable, "-m", "infer.run_pipeline", "--target", spec.target, "--stages", str(n),
            "--dtype", spec.dtype, "--backend", backend, "--timeout-s", str(spec.timeout_s),
            "--emulate-stage-ms", str(spec.emulate_stage_ms), "--emulate-link-ms", str(spec.emulate_link_ms)]
     if spec.revision is not None:
         cmd += ["--revision", spec.revision]
+    if boundaries is not None:
+        cmd += ["--boundaries", ",".join(map(str, boundaries))]
     procs: list[subprocess.Popen] = []
     try:
         for r in range(1, n + 1):
@@ -225,12 +227,18 @@ def _join(procs, port: int, n: int, backend: str, timeout_s: float):
 
     import torch.distributed as dist
 
+    from ..runtime import loopback_interface, loopback_store
+
     result: dict = {}
 
     def join():
         try:
             timeout = datetime.timedelta(seconds=timeout_s)
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=n + 1,
+            # The stages meet on this machine: the store listens on loopback only, and gloo binds to it too.
+            if not os.environ.get("GLOO_SOCKET_IFNAME") and loopback_interface():
+                os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
+            store = loopback_store("127.0.0.1", port, n + 1, timeout)
+            dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=0, world_size=n + 1,
                                     timeout=timeout)
             result["control"] = dist.new_group(backend="gloo", timeout=timeout)
         except Exception as exc:  # noqa: BLE001 - reported below as one line
