@@ -381,7 +381,7 @@ def tree_engine(args, staged, head, tokenizer, dtype, device, stages=None):
 
 
 def run_distributed(args, prompt: str | list[int]) -> int:
-    """Check the request here, then spawn ``stages + 1`` processes with torchrun (infer/run_pipeline.py)."""
+    """Check the request here, then start ``stages + 1`` processes of infer/run_pipeline.py (one per rank)."""
     import os
     import subprocess
 
@@ -405,10 +405,9 @@ def run_distributed(args, prompt: str | list[int]) -> int:
             raise SpdInputError(f"the speculator does not fit this target: it was trained for n = "
                                 f"{head_stages} stages but the pipeline has {stages}")
     stages = stages or 1
-    from spd.runtime import free_port
+    from spd.runtime import free_port, local_world_env
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(stages + 1),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "infer.run_pipeline",
+    cmd = [sys.executable, "-m", "infer.run_pipeline",
            "--target", args.target, "--mode", args.mode, "--stages", str(stages),
            *(["--prompt-ids", ",".join(map(str, prompt))] if isinstance(prompt, list) else ["--prompt", prompt]),
            "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature),
@@ -427,29 +426,68 @@ def run_distributed(args, prompt: str | list[int]) -> int:
     cmd += ["--chat"] if args.chat else []
     cmd += ["--json"] if args.json else []
     cmd += ["--show-acceptance"] if args.show_acceptance else []
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # One process per rank, started here rather than by torchrun: rank 0 then serves the rendezvous store on
+    # loopback only (torchrun's agent store listens on every interface), and gloo binds to loopback too.
+    env = {**local_world_env(free_port()), "WORLD_SIZE": str(stages + 1),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     from spd.serving.children import end_child, sigterm_unwinds, start_child
 
-    # torchrun and its ranks end with this process: SIGTERM or Ctrl-C here stops them (torchrun stops its ranks
-    # on SIGTERM), and a kill that runs no handler reaches torchrun through its parent-death signal.
+    # The ranks end with this process: SIGTERM or Ctrl-C here stops them, and a kill that runs no handler reaches
+    # them through their parent-death signal. A rank that fails makes the others exit with an error line within
+    # --timeout-s (the runtime's promise); whatever is still running after that is stopped here.
     sigterm_unwinds()
-    # Rank 0's stdout is the result; torchrun's own failure report goes away, the ranks' error lines stay.
-    proc = start_child(cmd, stdout=sys.stdout, stderr=subprocess.PIPE, text=True, env=env)
+    procs, errs = [], []
     try:
-        _, stderr = proc.communicate()
+        for rank in range(stages + 1):
+            procs.append(start_child(cmd, stdout=sys.stdout if rank == 0 else subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True,
+                                     env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+        errs = _collect_stderr(procs, grace_s=args.timeout_s + 10)
     except BaseException:
-        end_child(proc)
+        for proc in procs:
+            end_child(proc)
         raise
+    stderr = errs[0] + "".join(e for e in errs[1:])  # rank 0's lines first: its summary and its error
+    returncode = next((p.returncode for p in procs if p.returncode != 0), 0)
     lines = stderr.splitlines()
     errors = [line for line in lines if line.startswith("error:")]
-    if proc.returncode != 0:
-        print(errors[0] if errors else f"error: the distributed runtime failed (exit {proc.returncode})",
+    if returncode != 0:
+        print(errors[0] if errors else f"error: the distributed runtime failed (exit {returncode})",
               file=sys.stderr)
         return 1 if errors and errors[0].startswith("error: rank") else 2  # a lost rank vs a wrong input
     for line in lines:
         if line.startswith("["):
             print(line, file=sys.stderr)
     return 0
+
+
+def _collect_stderr(procs, grace_s: float) -> list[str]:
+    """Each process's stderr, read on threads until all have exited; once one has failed, those still running
+    after ``grace_s`` are stopped."""
+    import threading
+    import time
+
+    from spd.serving.children import end_child
+
+    out = [""] * len(procs)
+
+    def read(i):
+        out[i] = procs[i].stderr.read()
+
+    threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(procs))]
+    for t in threads:
+        t.start()
+    failed_at = None
+    while any(p.poll() is None for p in procs):
+        if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace_s:
+            for p in procs:
+                end_child(p)
+        time.sleep(0.1)
+    for t in threads:
+        t.join(timeout=5)
+    return out
 
 
 def _quiet_libraries() -> None:

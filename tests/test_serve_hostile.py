@@ -437,15 +437,42 @@ def test_a_server_stopped_while_loading_leaves_no_stage_process(tiny_testbed, si
         proc.wait()
 
 
-def test_sigterm_to_spd_generate_distributed_stops_torchrun_and_its_ranks(tiny_testbed):
+def test_sigterm_to_spd_generate_distributed_stops_its_ranks(tiny_testbed):
     proc = subprocess.Popen([sys.executable, "-m", "infer.generate", "--target", str(tiny_testbed / "target"),
                              "--mode", "pp", "--stages", "2", "--runtime", "distributed", "--prompt", "x",
                              "--max-new-tokens", "200", "--emulate-stage-ms", "50"],
                             cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        _signal_then_all_gone(proc, 4, "infer.run_pipeline")  # torchrun (named in its arguments) and ranks 0..2
+        _signal_then_all_gone(proc, 3, "infer.run_pipeline")  # ranks 0..2
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def test_spd_generate_distributed_listens_on_loopback_only(tiny_testbed):
+    """The local world's rendezvous store and gloo sockets listen on 127.0.0.1, never on every interface."""
+    import shutil
+
+    if shutil.which("ss") is None:
+        pytest.skip("needs the ss command (iproute2)")
+    proc = subprocess.Popen([sys.executable, "-m", "infer.generate", "--target", str(tiny_testbed / "target"),
+                             "--mode", "pp", "--stages", "2", "--runtime", "distributed", "--prompt", "x",
+                             "--max-new-tokens", "200", "--emulate-stage-ms", "50"],
+                            cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline, listening = time.time() + 240, []
+        while time.time() < deadline and proc.poll() is None:
+            pids = {str(p) for p in _descendants(proc.pid)}
+            lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
+            listening = [line.split()[3] for line in lines if any(f"pid={pid}," in line for pid in pids)]
+            if len(listening) >= 3:  # the store and the ranks' gloo sockets
+                break
+            time.sleep(0.2)
+        assert len(listening) >= 3, f"the ranks never listened: {listening}"
+        assert all(addr.startswith("127.0.0.1:") for addr in listening), listening
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
