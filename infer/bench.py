@@ -44,12 +44,12 @@ class RunSpec:
     mode: str  # ar / pp / spd / tree
     stages: int = 1
     head: str | None = None
-    boundaries: list[int] | None = None  # pp / tree: an explicit (uneven) cut; spd: the head's own
     source: str | None = None  # tree: a draft model or an SPD head directory
     width: int | str = 1  # tree: W, or "auto"
     children: int = 1  # tree: K
     candidates: str = "auto"  # tree at T > 0: sampled (auto) or top-k
     draft_steps: int = 0  # sd: m
+    boundaries: list[int] | None = None  # pp / tree: an explicit (uneven) cut; spd: the head's own
 
 
 def parse_run(text: str) -> RunSpec:

@@ -39,7 +39,9 @@ def parse_args(argv=None):
     tb = default_testbed_dir()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=str(tb / "target"))
-    p.add_argument("--prompts", default=str(tb / "prompts.jsonl"))
+    p.add_argument("--prompts", default=str(tb / "prompts.jsonl"),
+                   help="a jsonl of prompts or a named set (humaneval-chat, ...: infer/bench.py --prompts); sets of "
+                        "user messages are rendered with the chat template")
     p.add_argument("--heads", nargs="+", default=[], help="speculation heads (one pipeline per head)")
     p.add_argument("--tree-width", type=int, default=None,
                    help="run the tree mode with W nodes per level instead of spd (run_pipeline --mode tree)")
@@ -69,7 +71,8 @@ def run_world(args, source: list[str], mode: str, n: int, out: Path) -> dict:
     tree = ["--tree-width", str(args.tree_width), "--tree-children", str(args.tree_children)] if mode == "tree" else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n + 1), "--master-port",
            str(free_port()), "-m", "infer.run_pipeline", "--target", args.target, *source, *tree,
-           "--mode", mode, "pp", "--prompts", args.prompts, "--num-prompts", str(args.num_prompts),
+           "--mode", mode, "pp", "--prompts", args.prompts_file, "--num-prompts", str(args.num_prompts),
+           *(["--chat"] if args.chat else []),
            "--max-new-tokens", str(args.max_new_tokens), "--emulate-stage-ms", str(args.emulate_stage_ms),
            "--emulate-link-ms", str(args.emulate_link_ms), "--threads", str(args.threads),
            "--timeout-s", str(args.timeout_s), "--out", str(out)] + (["--early-launch"] if args.early_launch else [])
@@ -79,6 +82,22 @@ def run_world(args, source: list[str], mode: str, n: int, out: Path) -> dict:
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         raise SpdInputError(errors[0][7:] if errors else f"the runtime failed (exit {proc.returncode})")
     return json.loads(out.read_text())
+
+
+def prompt_file(spec: str, path: Path) -> tuple[str, bool]:
+    """A jsonl of ``{"prompt"}`` rows for run_pipeline, and whether they are user turns (``--chat``)."""
+    from spd.prompt_sets import SETS, load_prompt_set
+
+    if spec.partition(":")[0] not in SETS:
+        if not Path(spec).is_file():
+            raise SpdInputError(f"the prompts file '{spec}' does not exist")
+        return spec, False
+    _, rows = load_prompt_set(spec)
+    chat = "messages" in rows[0]
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps({"prompt": row["messages"][0]["content"] if chat else row["prompt"]}) + "\n")
+    return str(path), chat
 
 
 def run_ar(args, n: int) -> dict:
@@ -91,7 +110,10 @@ def run_ar(args, n: int) -> dict:
     torch.set_num_threads(args.threads)
     tok = load_tokenizer(args.target)
     staged = StagedModel.from_pretrained(args.target, n_stages=1)
-    texts = [json.loads(line)["prompt"] for line in open(args.prompts, encoding="utf-8") if line.strip()]
+    texts = [json.loads(line)["prompt"] for line in open(args.prompts_file, encoding="utf-8") if line.strip()]
+    if args.chat:
+        texts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+                 for t in texts]
     delay = n * args.emulate_stage_ms / 1000
 
     def emulate(_token: int, _accepted: bool) -> None:
@@ -100,7 +122,8 @@ def run_ar(args, n: int) -> dict:
 
     decode, decode_time = 0, 0.0
     for text in texts[: args.num_prompts]:
-        out = generate_ar(staged, tok(text)["input_ids"], args.max_new_tokens, eos_token_id=tok.eos_token_id,
+        ids = tok(text, add_special_tokens=not args.chat)["input_ids"]  # a rendered template has its own tokens
+        out = generate_ar(staged, ids, args.max_new_tokens, eos_token_id=tok.eos_token_id,
                           on_token=emulate)
         decode += out.stats.new_tokens - 1
         # The first token comes from the prefill; its emulated time belongs to the prefill too.
@@ -137,6 +160,7 @@ def main(argv=None) -> int:
     try:
         rows = []
         with tempfile.TemporaryDirectory() as tmp:
+            args.prompts_file, args.chat = prompt_file(args.prompts, Path(tmp) / "prompts.jsonl")
             for i, (label, source, n) in enumerate(worlds(args)):
                 report = run_world(args, source, mode, n, Path(tmp) / f"world{i}.json")
                 spec, pp = report["summary"][mode], report["summary"]["pp"]

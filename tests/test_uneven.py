@@ -113,3 +113,17 @@ def test_distributed_runtime_takes_boundaries(tiny_testbed):
     pp = json.loads(run_script("infer/generate.py", *common, "--mode", "pp", "--boundaries", "3,5",
                                "--runtime", "distributed").stdout)
     assert pp["token_ids"] == ar["token_ids"] and pp["stats"]["stages"] == 3
+
+
+def test_bench_run_specs():
+    """Every run kind keeps its fields (the cut is the last field of a run)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "infer"))
+    from bench import parse_run
+
+    tree = parse_run("t=tree:runs/h:4:3:2")
+    assert (tree.source, tree.stages, tree.width, tree.children, tree.boundaries) == ("runs/h", 4, 3, 2, None)
+    sd = parse_run("sd:runs/d:3")
+    assert (sd.source, sd.draft_steps, sd.boundaries) == ("runs/d", 3, None)
+    assert parse_run("pp:8,16,23").boundaries == [0, 8, 16, 23]
