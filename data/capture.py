@@ -8,8 +8,8 @@
         data=captures/testbed-train eval_data=captures/testbed-val
 
 It prints the disk space it needs before it starts, and an interrupted capture resumes when run again with
-the same arguments. ``--stages`` stores the anchors every default head for those n needs (``--anchors``
-names them instead); ``--teacher full`` (default) stores H^L and the target's LM head, so training sees the
+the same arguments. ``--stages`` stores the anchors every default head for those n needs, on the balanced
+cut where n does not divide the layers (``--anchors`` names them instead); ``--teacher full`` (default) stores H^L and the target's LM head, so training sees the
 target's exact distribution; ``--teacher topk --topk K`` stores the top-K log-probabilities instead
 (spd/capture.py says when each pays).
 """

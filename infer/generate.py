@@ -330,7 +330,7 @@ def run(args) -> int:
         prompt_ids = tokenizer(prompt)["input_ids"]
     dtype = getattr(torch, args.dtype)
     stages, boundaries = pipeline_cut(args.stages, parse_boundaries(args.boundaries) if args.boundaries else None,
-                                      args.speculator, args.speculator_revision)
+                                      args.speculator, args.speculator_revision, args.target, args.revision)
     staged = StagedModel.from_pretrained(args.target, n_stages=stages, boundaries=boundaries, revision=args.revision,
                                          dtype=dtype, device=args.device)
     head = None
@@ -390,11 +390,9 @@ def run_distributed(args, prompt: str | list[int]) -> int:
         check_model_source(args.draft_model, "draft model")
     stages = args.stages
     if args.boundaries:  # the cut decides the world size; checked against the target's layers here
-        from transformers import AutoConfig
+        from spd.staging import parse_boundaries, split_layers, target_num_layers
 
-        from spd.staging import parse_boundaries, split_layers
-
-        num_layers = AutoConfig.from_pretrained(args.target, revision=args.revision).get_text_config().num_hidden_layers
+        num_layers = target_num_layers(args.target, args.revision)
         stages = len(split_layers(num_layers, stages, parse_boundaries(args.boundaries))) - 1
     if args.speculator is not None:
         from spd.speculator import speculator_stages

@@ -144,7 +144,7 @@ def _boundaries(args, n: int) -> list[int] | None:
     from spd.staging import parse_boundaries
 
     explicit = parse_boundaries(args.boundaries) if args.boundaries else None
-    stages, boundaries = pipeline_cut(n, explicit, args.speculator, args.speculator_revision)
+    stages, boundaries = pipeline_cut(n, explicit, args.speculator, args.speculator_revision, args.target, args.revision)
     return boundaries
 
 

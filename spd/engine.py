@@ -223,7 +223,7 @@ class PipelineEngine:
         """
         from .speculator import load_speculator, pipeline_cut
 
-        stages, boundaries = pipeline_cut(stages, boundaries, speculator, speculator_revision)
+        stages, boundaries = pipeline_cut(stages, boundaries, speculator, speculator_revision, target, revision)
         staged = StagedModel.from_pretrained(target, n_stages=stages, boundaries=boundaries, revision=revision,
                                              dtype=dtype, device=device)
         head = load_speculator(speculator, speculator_revision, dtype, device, target=staged) if speculator else None

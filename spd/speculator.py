@@ -799,9 +799,14 @@ def speculator_boundaries(name_or_path: str, revision: str | None = None) -> lis
 
 
 def pipeline_cut(stages: int | None, boundaries: list[int] | None, speculator: str | None = None,
-                 revision: str | None = None) -> tuple[int | None, list[int] | None]:
+                 revision: str | None = None, target: str | None = None,
+                 target_revision: str | None = None) -> tuple[int | None, list[int] | None]:
     """``(n_stages, boundaries)`` for :class:`~spd.staging.StagedModel`: explicit boundaries, else the head's cut
-    (when ``stages`` is not given or agrees with it), else ``stages`` equal stages (default 1)."""
+    (when ``stages`` is not given or agrees with it), else ``stages`` equal stages (default 1).
+
+    With ``target`` the head's cut is checked against the target's depth first, so a head trained for another
+    target is refused as such rather than as a bad cut.
+    """
     if boundaries is not None:
         return stages, list(boundaries)
     if speculator:
@@ -809,6 +814,13 @@ def pipeline_cut(stages: int | None, boundaries: list[int] | None, speculator: s
         if head_boundaries is None:
             return stages or speculator_stages(speculator, revision), None
         if stages is None or stages == len(head_boundaries) - 1:
+            if target is not None:
+                from .staging import target_num_layers
+
+                num_layers = target_num_layers(target, target_revision)
+                if head_boundaries[-1] != num_layers:
+                    raise SpdInputError(f"the speculator does not fit this target: it was trained for a target of "
+                                        f"{head_boundaries[-1]} layers, and this one has {num_layers}")
             return None, head_boundaries
     return stages or 1, None
 

@@ -215,6 +215,17 @@ HYBRID_TREE_ERROR = ("tree mode does not support targets with linear-attention l
                      "Qwen3.5): each tree node would need its own recurrent state; use mode spd, pp or ar")
 
 
+def target_num_layers(target: str, revision: str | None = None) -> int:
+    """The decoder depth of ``target`` (a directory or hub id), read from its config alone."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(target, revision=revision)
+    except (OSError, ValueError) as exc:
+        raise SpdInputError(f"could not read the target's config from '{target}': {first_line(exc)}") from None
+    return config.get_text_config().num_hidden_layers
+
+
 def _layer_types(config) -> list[str]:
     """Per layer: ``full_attention``, ``sliding_attention`` or ``linear_attention``."""
     n = config.num_hidden_layers

@@ -140,7 +140,8 @@ def test_killed_capture_resumes_to_the_same_files(tiny_testbed, subset, tmp_path
             str(tmp_path / "cache"), "--shard-tokens", "600", "--batch-tokens", "256"]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
-    while time.time() < deadline and not (out / "shard-00001.safetensors").exists():
+    # Killed as soon as the first shard is in: the later ones are still to come however fast this machine is.
+    while time.time() < deadline and not (out / "shard-00000.safetensors").exists():
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -200,8 +201,18 @@ def test_offline_training_refuses_bad_input(tiny_testbed, captured, tmp_path):
     assert proc.returncode == 2 and "capture with --stages 8" in proc.stderr
     proc = subprocess.run([sys.executable, str(REPO / "data" / "capture.py"), "--target", str(tiny_testbed / "target"),
                            "--data", str(tiny_testbed / "corpus" / "train.jsonl"), "--out", str(tmp_path / "c"),
-                           "--stages", "3"], capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert proc.returncode == 2 and "error: 3 stages do not divide" in proc.stderr
+                           "--stages", "9"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 2 and "error: 9 stages cannot cut the target's 8 layers" in proc.stderr
+
+
+def test_capture_anchors_for_uneven_cuts():
+    """n that does not divide the layers stores the anchors of the balanced cut (what the presets train)."""
+    from spd.capture import anchors_for_stages
+    from spd.speculator import default_anchors
+    from spd.staging import balanced_boundaries
+
+    assert anchors_for_stages(8, [3]) == sorted({a for d in default_anchors(balanced_boundaries(8, 3)) for a in d})
+    assert anchors_for_stages(30, [4]) == [0, 4, 8, 11, 15, 16, 23, 30]
 
 
 def test_shards_are_planned_from_row_lengths():

@@ -55,6 +55,11 @@ def test_head_carries_its_cut(tmp_path):
     assert pipeline_cut(4, None, str(tmp_path / "head")) == (None, [0, 2, 4, 6, 7])
     assert pipeline_cut(None, [3, 5], str(tmp_path / "head")) == (None, [3, 5])
     assert pipeline_cut(None, None) == (1, None)
+    assert pipeline_cut(None, None, str(tmp_path / "head"), target=str(tmp_path / "target")) == (None, [0, 2, 4, 6, 7])
+    tiny_model("llama", layers=3).save_pretrained(tmp_path / "shallow")
+    with pytest.raises(SpdInputError, match="does not fit this target: it was trained for a target of 7 layers, "
+                                            "and this one has 3"):
+        pipeline_cut(None, None, str(tmp_path / "head"), target=str(tmp_path / "shallow"))
     engine = PipelineEngine.from_pretrained(str(tmp_path / "target"), speculator=str(tmp_path / "head"))
     assert engine.staged.boundaries == [0, 2, 4, 6, 7]
     with pytest.raises(SpdInputError, match="--boundaries 2,4,6"):

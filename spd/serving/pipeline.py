@@ -129,7 +129,8 @@ def open_pipeline(spec: PipelineSpec) -> Pipeline:
     if spec.draft_model is not None:
         check_model_source(spec.draft_model, "draft model")
     dtype = getattr(torch, spec.dtype)
-    stages, boundaries = pipeline_cut(spec.stages, spec.boundaries, spec.speculator, spec.speculator_revision)
+    stages, boundaries = pipeline_cut(spec.stages, spec.boundaries, spec.speculator, spec.speculator_revision,
+                                      spec.target, spec.revision)
     n = len(boundaries) - 1 if boundaries else stages
     if spec.speculator is not None:
         head_n = speculator_stages(spec.speculator, spec.speculator_revision)
