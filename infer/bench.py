@@ -22,12 +22,19 @@ by position in the pipeline (k = 1: the first proposal after a (re)seed, ..., k 
 for an input-state head k is the fill a of SPEC section 3), flushes,
 greedy identity with ``ar`` and single-process tokens/s (informational: a single process runs the
 stages one after another, so its wall clock shows no pipeline speedup). JSON has every per-prompt number.
+
+A long benchmark resumes: each result is journalled to ``OUT.progress.jsonl`` as it finishes, and the same
+command run again after a kill skips what is done (seeded sampling makes the numbers those of an unbroken
+run; only tokens/s mixes the two runs' machines). The journal goes once ``OUT`` is written.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -35,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spd.errors import SpdInputError
+from spd.journal import Journal
 from spd.paths import default_testbed_dir
 
 
@@ -259,6 +267,11 @@ def _bench(args, runs: list[RunSpec]) -> int:
         info["ar"] = {"mode": "ar", "stages": 1, "head": None, "variant": "ar", "speculator_layers": 0}
 
     results: dict[str, dict] = {}
+    journal = Journal(_journal_path(args.out), _settings(args, runs, prompts))
+    done = {(e["T"], e["prompt"], e["run"]): e for e in journal.entries}
+    if done:
+        print(f"[bench] resuming from {journal.path}: {len(done)} of "
+              f"{len(args.temperatures) * len(prompts) * len(runs)} results done", file=sys.stderr)
     started = time.perf_counter()
     for temperature in args.temperatures:
         key_t = f"T={temperature:g}"
@@ -267,6 +280,11 @@ def _bench(args, runs: list[RunSpec]) -> int:
         for i, ids in enumerate(prompts):
             order = runs if i % 2 == 0 else runs[::-1]  # alternate so that machine noise hits every run alike
             for run in order:
+                if (key_t, i, run.name) in done:
+                    entry = done[(key_t, i, run.name)]
+                    per_run[run.name].append(entry["record"])
+                    tokens[run.name].append(entry["tokens"])
+                    continue
                 out = engines[run.name].generate(ids, args.max_new_tokens, mode=run.mode, temperature=temperature,
                                                  top_k=args.top_k if temperature > 0 else 0,
                                                  top_p=args.top_p if temperature > 0 else 1.0, seed=args.seed + i)
@@ -282,6 +300,8 @@ def _bench(args, runs: list[RunSpec]) -> int:
                 record.setdefault("accepted_by_position", [0] * info[run.name]["stages"])
                 per_run[run.name].append(record)
                 tokens[run.name].append(out.token_ids)
+                journal.append({"T": key_t, "prompt": i, "run": run.name, "record": record,
+                                "tokens": out.token_ids})
             print(f"\r{key_t}: {i + 1}/{len(prompts)} prompts ({time.perf_counter() - started:.0f} s)",
                   end="", file=sys.stderr, flush=True)
         print(file=sys.stderr)
@@ -300,13 +320,29 @@ def _bench(args, runs: list[RunSpec]) -> int:
               "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "top_k": args.top_k,
               "top_p": args.top_p, "seed": args.seed, "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    tmp = Path(f"{args.out}.tmp")
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    os.replace(tmp, args.out)
+    journal.remove()
     print(render_table(results))
     print(f"\nJSON: {args.out}")
     if args.plot:
         plot(results, args.plot)
         print(f"plot: {args.plot}")
     return 0
+
+
+def _journal_path(out: str) -> Path:
+    return Path(f"{out}.progress.jsonl")
+
+
+def _settings(args, runs: list[RunSpec], prompts: list[list[int]]) -> dict:
+    """What decides a benchmark's numbers: a journal resumes only a run with exactly these."""
+    digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+    return {"target": args.target, "prompts": args.prompts, "prompt_ids_sha256": digest,
+            "max_new_tokens": args.max_new_tokens, "temperatures": args.temperatures, "top_k": args.top_k,
+            "top_p": args.top_p, "seed": args.seed, "tree_max_width": args.tree_max_width,
+            "runs": [dataclasses.asdict(r) for r in runs]}
 
 
 def _head_boundaries(source: str | None) -> list[int] | None:

@@ -2,8 +2,10 @@
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -253,3 +255,42 @@ def test_bench_runs_modes_and_heads(tiny_testbed, tiny_heads, tmp_path):
     assert png.stat().st_size > 10_000
     bad = run_script("infer/bench.py", "--run", "spd", "--prompts", str(prompts), check=False)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --run 'spd' is not a run")
+
+
+def test_killed_bench_resumes_to_the_same_numbers(tiny_testbed, tiny_heads, tmp_path):
+    """A benchmark killed mid-way and run again gives the numbers of an unbroken run (T = 0 and sampled)."""
+    from conftest import run_script
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"import os\nx = {i}\n"}) + "\n" for i in range(8)))
+    args = ["--target", str(tiny_testbed / "target"), "--prompts", str(prompts), "--run", f"h2=spd:{tiny_heads[2]}",
+            "--run", f"t2=tree:{tiny_heads[2]}:2:2:2", "--temperatures", "0", "1", "--max-new-tokens", "12"]
+    whole = tmp_path / "whole.json"
+    run_script("infer/bench.py", *args, "--out", str(whole))
+    out = tmp_path / "broken.json"
+    journal = tmp_path / "broken.json.progress.jsonl"
+    proc = subprocess.Popen([sys.executable, str(REPO / "infer" / "bench.py"), *args, "--out", str(out)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and (not journal.exists() or journal.read_text().count("\n") < 4):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists() and journal.exists(), "the benchmark finished before it could be killed"
+    with open(journal, "a") as f:
+        f.write('{"T": "T=0", "prom')  # a line the kill cut short
+    other = run_script("infer/bench.py", *args, "--out", str(out), "--seed", "7", check=False)
+    assert other.returncode == 2 and "other settings (seed: 0 there, 7 now)" in other.stderr, other.stderr
+    resumed = run_script("infer/bench.py", *args, "--out", str(out))
+    assert "[bench] resuming" in resumed.stderr and not journal.exists()
+
+    def timing(key):  # the machine's, not the method's
+        return key.endswith(("time_s", "_per_s", "_ms"))
+
+    def numbers(path):
+        results = json.loads(path.read_text())["results"]
+        return {(t, name): ([{k: v for k, v in r.items() if not timing(k)} for r in run["per_prompt"]],
+                            {k: v for k, v in run["summary"].items() if not timing(k)})
+                for t, runs in results.items() for name, run in runs.items()}
+
+    assert numbers(out) == numbers(whole)
