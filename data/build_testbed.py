@@ -5,7 +5,7 @@
     python data/build_testbed.py --out /tmp/tb --tiny       # a miniature build in seconds (for tests)
     python data/build_testbed.py --preset deep              # paper-shaped: a 32-layer target in testbed-deep
 
-The builder replaces only what it wrote itself (spd/testbed.py says how it recognises that): an ``--out``
+The builder replaces only what it wrote itself (spd/target/testbed.py says how it recognises that): an ``--out``
 whose ``corpus/``, ``tokenizer/``, ``target/``, ``draft/``, ``prompts.jsonl`` or ``testbed.json`` someone else
 wrote is refused with one ``error:`` line, unless ``--force``, which writes the testbed's files beside what is
 there and removes nothing.
@@ -25,7 +25,7 @@ from spd.paths import default_testbed_dir
 
 
 def parse_args(argv=None):
-    from spd.testbed import TestbedConfig
+    from spd.target.testbed import TestbedConfig
 
     d = TestbedConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,7 +66,7 @@ def output_dir(args) -> str:
 
 
 def config_from_args(args):
-    from spd.testbed import ModelSpec, TestbedConfig
+    from spd.target.testbed import ModelSpec, TestbedConfig
 
     cfg = TestbedConfig(vocab_size=args.vocab_size, max_files=args.max_files, seed=args.seed)
     if args.tiny:
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
             print(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}", file=sys.stderr)
             return 2
     from spd.errors import SpdInputError
-    from spd.testbed import build_testbed
+    from spd.target.testbed import build_testbed
 
     out = output_dir(args)
     try:

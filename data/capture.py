@@ -11,7 +11,7 @@ It prints the disk space it needs before it starts, and an interrupted capture r
 the same arguments. ``--stages`` stores the anchors every default head for those n needs, on the balanced
 cut where n does not divide the layers (``--anchors`` names them instead); ``--teacher full`` (default) stores H^L and the target's LM head, so training sees the
 target's exact distribution; ``--teacher topk --topk K`` stores the top-K log-probabilities instead
-(spd/capture.py says when each pays).
+(spd/training/capture.py says when each pays).
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def run(args) -> int:
-    from spd.capture import CaptureSettings, anchors_for_stages, capture, row_lengths
-    from spd.data import DataConfig, fingerprint, prepare_dataset
-    from spd.staging import StagedModel, load_tokenizer
+    from spd.training.capture import CaptureSettings, anchors_for_stages, capture, row_lengths
+    from spd.data.prepare import DataConfig, fingerprint, prepare_dataset
+    from spd.target.staging import StagedModel, load_tokenizer
     from transformers import AutoConfig
 
     for flag in ("max_length", "topk", "shard_tokens", "batch_tokens"):

@@ -24,8 +24,8 @@ def main(argv=None) -> int:
     p.add_argument("--overflow", default="auto", choices=("auto", "drop", "truncate", "split"))
     p.add_argument("--cache-dir", default=default_cache_dir())
     args = p.parse_args(argv)
-    from spd.data import DataConfig, prepare_dataset
-    from spd.staging import load_tokenizer
+    from spd.data.prepare import DataConfig, prepare_dataset
+    from spd.target.staging import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(args.target, revision=args.revision)

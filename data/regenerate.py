@@ -5,7 +5,7 @@
 
 ``--prompts`` is a jsonl file of ``{"prompt": ...}`` rows (an ``"id"`` is optional; the row number is used
 otherwise) or ``stdlib[:N]``: N coding instructions made from the Python standard library's documented
-functions (spd/instructions.py). Answers are greedy unless ``--temperature`` is set; they are written in
+functions (spd/data/instructions.py). Answers are greedy unless ``--temperature`` is set; they are written in
 batches and a run that is interrupted continues where it stopped (the ids already in ``--out`` are skipped).
 The rows train a head directly: ``accelerate launch train/distill.py ... data=chats.jsonl``.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 def read_prompts(spec: str) -> list[dict]:
     """``{"id", "prompt"}`` rows from a jsonl file or ``stdlib[:N]``."""
     from spd.errors import SpdInputError
-    from spd.instructions import stdlib_instructions
+    from spd.data.instructions import stdlib_instructions
 
     if spec == "stdlib" or spec.startswith("stdlib:"):
         count = spec.partition(":")[2]
@@ -69,8 +69,8 @@ def main(argv=None) -> int:
     try:
         import torch
 
-        from spd.regenerate import regenerate
-        from spd.staging import load_causal_lm, load_tokenizer
+        from spd.data.regenerate import regenerate
+        from spd.target.staging import load_causal_lm, load_tokenizer
 
         if args.threads:
             torch.set_num_threads(args.threads)

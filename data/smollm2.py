@@ -14,8 +14,8 @@ the Q4_1 weights to fp32, and the model is saved as an ordinary ``save_pretraine
 It writes, under ``--out``:
 
     target/                    the model and tokenizer (AutoModelForCausalLM.from_pretrained loads it)
-    data/prompts.jsonl         coding instructions made from the Python standard library (spd/instructions.py)
-    data/train.jsonl           the target's own greedy answers to them, as conversations (spd/regenerate.py)
+    data/prompts.jsonl         coding instructions made from the Python standard library (spd/data/instructions.py)
+    data/train.jsonl           the target's own greedy answers to them, as conversations (spd/data/regenerate.py)
     data/validation.jsonl      held-out conversations of the same kind, for evaluation
     captures/{train,validation}  the target's states over both (data/capture.py; anchors for n = 4 and 8)
     smollm2.json               what was built, with the time each part took
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     import torch
 
     from spd.errors import SpdInputError
-    from spd.gguf import file_sha256, is_materialized, materialize_gguf
+    from spd.target.gguf import file_sha256, is_materialized, materialize_gguf
 
     torch.set_num_threads(min(torch.get_num_threads(), 16))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -169,9 +169,9 @@ def main(argv=None) -> int:
 
 def prepare_data(args, target: Path, manifest: dict, save_manifest) -> None:
     """Instructions from the standard library, then the target's answers to them (train and validation)."""
-    from spd.instructions import stdlib_instructions
-    from spd.regenerate import regenerate
-    from spd.staging import load_causal_lm, load_tokenizer
+    from spd.data.instructions import stdlib_instructions
+    from spd.data.regenerate import regenerate
+    from spd.target.staging import load_causal_lm, load_tokenizer
 
     data = args.out / "data"
     data.mkdir(exist_ok=True)

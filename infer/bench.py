@@ -69,7 +69,7 @@ def parse_run(text: str) -> RunSpec:
     if mode == "pp" and arg.isdigit() and int(arg) >= 1:
         return RunSpec(name or f"pp n={arg}", "pp", int(arg))
     if mode == "pp" and "," in arg:  # pp:8,16,23 - the standard pipeline over an uneven cut
-        from spd.staging import parse_boundaries
+        from spd.target.staging import parse_boundaries
 
         inner = [b for b in parse_boundaries(arg) if b != 0]
         return RunSpec(name or f"pp b={arg}", "pp", 0, boundaries=[0] + inner)  # n: from the cut
@@ -123,10 +123,10 @@ def load_prompts(spec: str, tokenizer, limit: int) -> tuple[str, list[list[int]]
     """The prompt set's name and the token ids of its first ``limit`` prompts (raw text or conversations).
 
     ``spec``: a jsonl file, ``humaneval``, ``humaneval-chat``, ``mt-bench:FILE`` or ``gsm8k:FILE``
-    (:mod:`spd.prompt_sets`).
+    (:mod:`spd.data.prompt_sets`).
     """
-    from spd.data import normalize_messages
-    from spd.prompt_sets import SETS, load_prompt_set
+    from spd.data.prepare import normalize_messages
+    from spd.data.prompt_sets import SETS, load_prompt_set
 
     if spec.partition(":")[0] not in SETS and not Path(spec).is_file():
         raise SpdInputError(f"the prompts file '{spec}' does not exist (build the testbed first: "
@@ -210,9 +210,9 @@ def _bench(args, runs: list[RunSpec]) -> int:
     import torch
     import transformers
 
-    from spd.engine import PipelineEngine
-    from spd.speculator import load_speculator
-    from spd.staging import StagedModel, load_tokenizer, split_layers
+    from spd.decoding.engine import PipelineEngine
+    from spd.heads.speculator import load_speculator
+    from spd.target.staging import StagedModel, load_tokenizer, split_layers
 
     transformers.utils.logging.set_verbosity_error()
     if args.threads:
@@ -237,7 +237,7 @@ def _bench(args, runs: list[RunSpec]) -> int:
     info: dict[str, dict] = {}
     for run in runs:
         if run.mode == "sd":
-            from spd.sd import build_sd_engine
+            from spd.decoding.sd import build_sd_engine
 
             head = load_speculator(run.source) if _is_head(run.source) else None
             engines[run.name] = build_sd_engine(staged(1), tokenizer, None if head else run.source, None,
@@ -354,7 +354,7 @@ def _head_boundaries(source: str | None) -> list[int] | None:
 
 def _is_head(source: str) -> bool:
     """Whether a run's SOURCE directory holds one of our heads (else it is a draft model)."""
-    from spd.speculator import SpeculatorConfig
+    from spd.heads.speculator import SpeculatorConfig
 
     config = Path(source).expanduser() / "config.json"
     return config.is_file() and json.loads(config.read_text()).get("model_type") == SpeculatorConfig.model_type
@@ -362,9 +362,9 @@ def _is_head(source: str) -> bool:
 
 def _tree_run(run: RunSpec, staged, tokenizer, max_width: int = 8):
     """The tree engine of a ``tree:SOURCE:N:W:K[:RULE]`` run and its info row."""
-    from spd.speculator import load_speculator
-    from spd.staging import StagedModel, load_tokenizer
-    from spd.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
+    from spd.heads.speculator import load_speculator
+    from spd.target.staging import StagedModel, load_tokenizer
+    from spd.decoding.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
 
     is_head = _is_head(run.source)
     if is_head:

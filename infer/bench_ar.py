@@ -19,7 +19,7 @@ import torch
 
 
 def parse_args(argv=None):
-    from spd.testbed import default_testbed_dir
+    from spd.target.testbed import default_testbed_dir
 
     tb = default_testbed_dir()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,8 +38,8 @@ def main(argv=None) -> int:
     import transformers
     from transformers import AutoTokenizer
 
-    from spd.generation import generate_ar
-    from spd.staging import SpdInputError, StagedModel
+    from spd.decoding.generation import generate_ar
+    from spd.target.staging import SpdInputError, StagedModel
 
     transformers.utils.logging.set_verbosity_error()
     if args.threads:

@@ -4,7 +4,7 @@ One pipeline stage of a Qwen3.5-shaped hybrid target (default: the Qwen3.5-4B te
 layers + 1 full-attention layer, i.e. 32 layers cut into 8 stages; random weights) decodes tokens one at a time
 after a prefill, with three ways of keeping the linear layers' state:
 
-- ``ring``: ours (spd.linear_state): a ring of states indexed by length; the new state is written into its own
+- ``ring``: ours (spd.target.linear_state): a ring of states indexed by length; the new state is written into its own
   slot, a rollback moves an integer;
 - ``snapshot``: a live state plus a ring of snapshots copied after every token (SPEC section 5 read literally);
   a rollback copies a snapshot back;
@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from spd.linear_state import LinearStateRing
-from spd.staging import StagedModel
+from spd.target.linear_state import LinearStateRing
+from spd.target.staging import StagedModel
 
 
 class SnapshotRing(LinearStateRing):

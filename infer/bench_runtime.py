@@ -86,7 +86,7 @@ def run_world(args, source: list[str], mode: str, n: int, out: Path) -> dict:
 
 def prompt_file(spec: str, path: Path) -> tuple[str, bool]:
     """A jsonl of ``{"prompt"}`` rows for run_pipeline, and whether they are user turns (``--chat``)."""
-    from spd.prompt_sets import SETS, load_prompt_set
+    from spd.data.prompt_sets import SETS, load_prompt_set
 
     if spec.partition(":")[0] not in SETS:
         if not Path(spec).is_file():
@@ -104,8 +104,8 @@ def run_ar(args, n: int) -> dict:
     """Single-process autoregressive decoding with n x stage time of emulated compute per token."""
     import torch
 
-    from spd.generation import generate_ar
-    from spd.staging import StagedModel, load_tokenizer
+    from spd.decoding.generation import generate_ar
+    from spd.target.staging import StagedModel, load_tokenizer
 
     torch.set_num_threads(args.threads)
     tok = load_tokenizer(args.target)
@@ -133,7 +133,7 @@ def run_ar(args, n: int) -> dict:
 
 def worlds(args) -> list[tuple[str, list[str], int]]:
     """The pipelines to run: (label, token source flags, n) each."""
-    from spd.speculator import load_speculator_config
+    from spd.heads.speculator import load_speculator_config
 
     if args.tree_width is None and (args.draft_model is not None or args.stages):
         raise SpdInputError("--draft-model and --stages select the tree mode's token source; add --tree-width W")

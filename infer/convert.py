@@ -35,15 +35,15 @@ def main(argv: list[str] | None = None) -> int:
                         "replaced; nothing else is removed)")
     args = p.parse_args(argv)
     from infer.generate import _quiet_libraries
-    from spd.published.convert import (check_output_file, head_to_authors_file, to_authors_file,
+    from spd.heads.published.convert import (check_output_file, head_to_authors_file, to_authors_file,
                                        to_directory)
 
     _quiet_libraries()
 
     try:
         if args.target is not None:
-            from spd.speculator import load_speculator_config
-            from spd.staging import StagedModel
+            from spd.heads.speculator import load_speculator_config
+            from spd.target.staging import StagedModel
 
             check_output_file(args.out, args.force)  # before the target is loaded
             n = load_speculator_config(args.source).n_stages

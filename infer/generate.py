@@ -30,7 +30,7 @@ from pathlib import Path
 
 from spd.errors import SpdInputError
 from spd.paths import check_model_source, default_testbed_dir
-from spd.published.authors_file import is_authors_file
+from spd.heads.published.authors_file import is_authors_file
 
 MODES = ("ar", "pp", "spd", "tree", "sd")
 
@@ -43,7 +43,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _tree_width(text: str) -> int | str:
-    from spd.tree_width import parse_tree_width
+    from spd.decoding.tree_width import parse_tree_width
 
     try:
         return parse_tree_width(text)
@@ -223,7 +223,7 @@ def _check_numbers(args) -> None:
 
 
 def _load_tokenizer(source: str, revision: str | None):
-    from spd.staging import load_tokenizer
+    from spd.target.staging import load_tokenizer
 
     try:
         return load_tokenizer(source, revision)
@@ -281,7 +281,7 @@ class TokenStreamer:
 
 def load_cli_tokenizer(args, prompt: str | list[int]):
     """--tokenizer or the target's; with --prompt-ids a target without one is fine (None: ids are printed)."""
-    from spd.staging import has_tokenizer_files
+    from spd.target.staging import has_tokenizer_files
 
     if args.tokenizer is None and not has_tokenizer_files(args.target, args.revision):
         if isinstance(prompt, list):
@@ -311,9 +311,9 @@ def run(args) -> int:
         check_model_source(args.draft_model, "draft model")
     import torch
 
-    from spd.engine import PipelineEngine
-    from spd.speculator import load_speculator, pipeline_cut
-    from spd.staging import StagedModel, parse_boundaries
+    from spd.decoding.engine import PipelineEngine
+    from spd.heads.speculator import load_speculator, pipeline_cut
+    from spd.target.staging import StagedModel, parse_boundaries
 
     _quiet_libraries()
     tokenizer = load_cli_tokenizer(args, prompt)
@@ -340,7 +340,7 @@ def run(args) -> int:
     if args.mode == "tree":
         engine = tree_engine(args, staged, head, tokenizer, dtype, args.device)
     elif args.mode == "sd":
-        from spd.sd import build_sd_engine
+        from spd.decoding.sd import build_sd_engine
 
         engine = build_sd_engine(staged, tokenizer, args.draft_model, args.draft_revision, args.draft_steps, dtype,
                                  args.device, head=head)
@@ -373,7 +373,7 @@ def run(args) -> int:
 
 def tree_engine(args, staged, head, tokenizer, dtype, device, stages=None):
     """The tree engine for the CLI's flags (draft_model, draft_revision and the tree_* flags)."""
-    from spd.tree_engine import build_tree_engine
+    from spd.decoding.tree_engine import build_tree_engine
 
     return build_tree_engine(staged, head, tokenizer, args.draft_model, args.draft_revision, args.tree_width,
                              args.tree_children, dtype, device, stages, candidates=args.tree_candidates,
@@ -390,12 +390,12 @@ def run_distributed(args, prompt: str | list[int]) -> int:
         check_model_source(args.draft_model, "draft model")
     stages = args.stages
     if args.boundaries:  # the cut decides the world size; checked against the target's layers here
-        from spd.staging import parse_boundaries, split_layers, target_num_layers
+        from spd.target.staging import parse_boundaries, split_layers, target_num_layers
 
         num_layers = target_num_layers(args.target, args.revision)
         stages = len(split_layers(num_layers, stages, parse_boundaries(args.boundaries))) - 1
     if args.speculator is not None:
-        from spd.speculator import speculator_stages
+        from spd.heads.speculator import speculator_stages
 
         head_stages = speculator_stages(args.speculator, args.speculator_revision)
         stages = stages or head_stages

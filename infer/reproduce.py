@@ -19,7 +19,7 @@
 Acceptance lengths: ``sd`` rows give L_acc (tokens per target forward, the bonus token included), pipeline
 rows L'_acc (n x tokens per step); the theoretical speedups are the paper's (serial:
 ``L_acc * L / (L_s * m + L)``; SPD: L'_acc; output-state and PPSD: the head's cost after the last stage
-included; spd/engine.py).
+included; spd/decoding/engine.py).
 """
 
 from __future__ import annotations

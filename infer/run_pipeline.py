@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _boundaries(args, n: int) -> list[int] | None:
     """The cut every rank loads: --boundaries, else the speculator's own cut when it has n stages, else equal."""
-    from spd.speculator import pipeline_cut
-    from spd.staging import parse_boundaries
+    from spd.heads.speculator import pipeline_cut
+    from spd.target.staging import parse_boundaries
 
     explicit = parse_boundaries(args.boundaries) if args.boundaries else None
     stages, boundaries = pipeline_cut(n, explicit, args.speculator, args.speculator_revision, args.target, args.revision)
@@ -149,17 +149,17 @@ def _boundaries(args, n: int) -> list[int] | None:
 
 
 def _driver(args, n: int, config, control, device, dtype) -> None:
-    from spd.engine import PipelineEngine
-    from spd.staging import load_target_tokenizer
+    from spd.decoding.engine import PipelineEngine
+    from spd.target.staging import load_target_tokenizer
     from spd.runtime import RemoteStages, load_partial
-    from spd.speculator import load_speculator
+    from spd.heads.speculator import load_speculator
 
     if "spd" in args.mode and args.speculator is None:
         raise SpdInputError("--mode spd needs --speculator DIR_OR_ID")
     if "tree" in args.mode and (args.draft_model is None) == (args.speculator is None):
         raise SpdInputError("--mode tree needs one token source: --draft-model DIR_OR_ID or --speculator DIR_OR_ID")
     if "tree" in args.mode:
-        from spd.tree_width import parse_tree_width
+        from spd.decoding.tree_width import parse_tree_width
 
         args.tree_width = parse_tree_width(args.tree_width)
         if args.tree_children < 1 or args.tree_max_width < 1:

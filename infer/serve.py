@@ -90,7 +90,7 @@ def serve(args) -> int:
     from spd.serving.metrics import ServerMetrics
     from spd.serving.pipeline import PipelineSpec, open_pipeline
     from spd.serving.scheduler import Scheduler
-    from spd.staging import parse_boundaries
+    from spd.target.staging import parse_boundaries
 
     _quiet_libraries()
     spec = PipelineSpec(target=args.target, mode=args.mode, stages=args.stages, revision=args.revision,

@@ -1,8 +1,8 @@
 """The multi-process pipeline runtime on ``torch.distributed`` (SPEC section 7).
 
 Rank 0 is the driver: embedding, final norm, LM head, the token source (speculation head or draft model),
-verification and control. It runs the very step loop of :class:`spd.engine.PipelineEngine` (or of
-:class:`spd.tree_engine.TreeEngine`), with :class:`RemoteStages` as its stage backend, so it commits
+verification and control. It runs the very step loop of :class:`spd.decoding.engine.PipelineEngine` (or of
+:class:`spd.decoding.tree_engine.TreeEngine`), with :class:`RemoteStages` as its stage backend, so it commits
 exactly the tokens of the single-process engines (same verification code, same random draws in the same
 order). Ranks ``1..n`` each own one stage: only that stage's decoder layers are loaded
 (:func:`load_partial`), plus its KV cache.
@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import SpdInputError, first_line
-from .staging import StagedModel, StageOutput
+from .target.staging import StagedModel, StageOutput
 
 # Message kinds (header[0]) and tags.
 PREFILL, TOKEN, STOP, REPORT, LEVEL, PING = 1, 2, 3, 4, 5, 6
@@ -78,7 +78,7 @@ def follow_prunes(start: int, size: int, end: int, kepts: list[torch.Tensor]):
     """Map a tree level through the prunes that happened since it was sent.
 
     The level is tree nodes ``[start, start + size)`` of a tree with ``end`` nodes up to it; ``kepts`` are the
-    kept index sets of the prunes in order (:meth:`spd.tree.TokenTree.prune_to_child`). Returns None when no
+    kept index sets of the prunes in order (:meth:`spd.decoding.tree.TokenTree.prune_to_child`). Returns None when no
     node survives, else ``(rows, new_start, cols)``: the surviving rows of the level (indices into it), the
     level's first tree index now, and the surviving tree nodes ``< end`` (old indices: the columns of the
     level's ancestor mask to keep).
@@ -212,7 +212,7 @@ def load_partial(source: str, n_stages: int, role: int, revision: str | None = N
         base.rotary_emb = type(rotary)(config=model.config.get_text_config())
     staged.rotary_emb = base.rotary_emb
     if role == 0:
-        # As from_pretrained does: the EOS default (spd.generation.default_eos) reads the generation config.
+        # As from_pretrained does: the EOS default (spd.decoding.generation.default_eos) reads the generation config.
         try:
             model.generation_config = GenerationConfig.from_pretrained(source, revision=revision)
         except OSError:

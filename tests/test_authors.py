@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from conftest import REPO, two_at_a_time
-from spd.engine import PipelineEngine
+from spd.decoding.engine import PipelineEngine
 from spd.errors import SpdInputError
-from spd.published.authors_file import load_authors_file, parse_hub_reference
-from spd.published.authors_head import AuthorsHead, load_authors_head
-from spd.published.convert import to_authors_file, to_directory
-from spd.sampling import SamplingParams
-from spd.speculator import load_speculator
-from spd.staging import StagedModel
+from spd.heads.published.authors_file import load_authors_file, parse_hub_reference
+from spd.heads.published.authors_head import AuthorsHead, load_authors_head
+from spd.heads.published.convert import to_authors_file, to_directory
+from spd.decoding.sampling import SamplingParams
+from spd.heads.speculator import load_speculator
+from spd.target.staging import StagedModel
 
 FIXTURES = REPO / "tests" / "fixtures" / "authors"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
@@ -164,7 +164,7 @@ def test_converter_round_trip_is_bit_exact(tmp_path, name):
 def test_our_head_in_their_layout_computes_what_ours_does(tmp_path):
     """Our one-layer head on a Qwen3 target, written as their v10 file and loaded back as an authors' head:
     their training forward equals ours at every fill (the final-norm ratio folded into the LM head)."""
-    from spd.distill import DistillConfig, new_head
+    from spd.training.distill import DistillConfig, new_head
 
     staged = _staged("qwen3", 4)
     torch.manual_seed(3)
@@ -188,7 +188,7 @@ def test_our_head_in_their_layout_computes_what_ours_does(tmp_path):
 
 
 def test_converter_refuses_what_their_layout_cannot_express(tmp_path, tiny_testbed):
-    from spd.distill import DistillConfig, new_head
+    from spd.training.distill import DistillConfig, new_head
 
     staged = _staged("qwen3", 4)
     new_head(staged, DistillConfig(n_stages=4, num_layers=2)).save_pretrained(tmp_path / "deep")
@@ -316,8 +316,8 @@ def test_tree_mode_refuses_hybrid_targets_and_authors_heads_in_one_line():
 def test_sampling_with_an_authors_draft_vocabulary_head_follows_the_target(tmp_path):
     """A head predicting over a subset of the vocabulary (q is zero elsewhere): chi-square, 2000 seeds."""
     from conftest import tiny_model
-    from spd.distill import DistillConfig, new_head
-    from spd.published.convert import head_to_authors_file
+    from spd.training.distill import DistillConfig, new_head
+    from spd.heads.published.convert import head_to_authors_file
     from test_engine import _chi_square_p_value, _sample_outcomes, _sequence_probs
 
     vocab, params = 6, SamplingParams(temperature=0.9, top_p=0.95)

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from spd.speculator import load_speculator
+from spd.heads.speculator import load_speculator
 
 from conftest import REPO
 

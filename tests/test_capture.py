@@ -11,15 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from spd.capture import CapturedDataset, CapturedTarget, collate_captured, plan_shards
-from spd.data import DataConfig, prepare_dataset
-from spd.distill import DistillConfig, collate, distill_step, new_head, teacher_anchors, teacher_pass
-from spd.draft_vocab import check_draft_vocab, select_draft_vocab, token_counts, tokens_sha256
-from spd.engine import PipelineEngine
+from spd.training.capture import CapturedDataset, CapturedTarget, collate_captured, plan_shards
+from spd.data.prepare import DataConfig, prepare_dataset
+from spd.training.distill import DistillConfig, collate, distill_step, new_head, teacher_anchors, teacher_pass
+from spd.heads.draft_vocab import check_draft_vocab, select_draft_vocab, token_counts, tokens_sha256
+from spd.decoding.engine import PipelineEngine
 from spd.errors import SpdInputError
-from spd.kd import kd_loss, kd_loss_topk
-from spd.speculator import Speculator, load_speculator
-from spd.staging import StagedModel, load_tokenizer
+from spd.training.kd import kd_loss, kd_loss_topk
+from spd.heads.speculator import Speculator, load_speculator
+from spd.target.staging import StagedModel, load_tokenizer
 
 from conftest import REPO
 
@@ -207,9 +207,9 @@ def test_offline_training_refuses_bad_input(tiny_testbed, captured, tmp_path):
 
 def test_capture_anchors_for_uneven_cuts():
     """n that does not divide the layers stores the anchors of the balanced cut (what the presets train)."""
-    from spd.capture import anchors_for_stages
-    from spd.speculator import default_anchors
-    from spd.staging import balanced_boundaries
+    from spd.training.capture import anchors_for_stages
+    from spd.heads.speculator import default_anchors
+    from spd.target.staging import balanced_boundaries
 
     assert anchors_for_stages(8, [3]) == sorted({a for d in default_anchors(balanced_boundaries(8, 3)) for a in d})
     assert anchors_for_stages(30, [4]) == [0, 4, 8, 11, 15, 16, 23, 30]
@@ -282,7 +282,7 @@ def test_draft_vocab_head_decodes_losslessly(tiny_testbed, draft_head, mode):
         if mode == "spd":
             out = engine.generate(prompt, 40, mode="spd")
         else:
-            from spd.tree_engine import build_tree_engine
+            from spd.decoding.tree_engine import build_tree_engine
 
             tree = build_tree_engine(engine.staged, engine.speculator, engine.tokenizer, None, None, width=2,
                                      children=2, dtype=torch.float32, device="cpu")

@@ -5,7 +5,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from spd.data import DataConfig, normalize_messages, prepare_dataset, render_conversation
+from spd.data.prepare import DataConfig, normalize_messages, prepare_dataset, render_conversation
 from spd.errors import SpdInputError
 
 
@@ -105,7 +105,7 @@ def test_concurrent_preparation_of_one_cache_entry(tmp_path, tiny_testbed):
     import subprocess
     import sys
 
-    code = ("import sys; from transformers import AutoTokenizer; from spd.data import DataConfig, prepare_dataset;"
+    code = ("import sys; from transformers import AutoTokenizer; from spd.data.prepare import DataConfig, prepare_dataset;"
             "tok = AutoTokenizer.from_pretrained(sys.argv[1]);"
             "ds = prepare_dataset(sys.argv[2], tok, DataConfig(max_length=64), sys.argv[3], report=lambda m: None);"
             "print(len(ds))")

@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from spd.distill import DistillConfig, expected_accept_length, load_config, new_head, scale_fc_init
+from spd.training.distill import DistillConfig, expected_accept_length, load_config, new_head, scale_fc_init
 from spd.errors import SpdInputError
-from spd.kd import sample_fills
-from spd.speculator import Speculator, check_compatible
-from spd.staging import StagedModel
+from spd.training.kd import sample_fills
+from spd.heads.speculator import Speculator, check_compatible
+from spd.target.staging import StagedModel
 
 from conftest import REPO, tiny_model
 

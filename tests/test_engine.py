@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from spd.distill import DistillConfig, new_head
-from spd.engine import PipelineEngine
+from spd.training.distill import DistillConfig, new_head
+from spd.decoding.engine import PipelineEngine
 from spd.errors import SpdInputError
-from spd.generation import generate_ar
-from spd.sampling import SamplingParams, warped_probs
-from spd.staging import StagedModel
+from spd.decoding.generation import generate_ar
+from spd.decoding.sampling import SamplingParams, warped_probs
+from spd.target.staging import StagedModel
 
 VARIANTS = {"spd": "spd", "output": "output_state", "ppsd": "ppsd"}
 PROMPTS = [[5, 17, 3, 99, 42, 8], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [64, 3]]
@@ -72,7 +72,7 @@ def test_greedy_spd_equals_ar_other_families(family):
 
 def test_greedy_spd_equals_ar_on_the_testbed(tiny_testbed):
     staged_by_n = {n: StagedModel.from_pretrained(tiny_testbed / "target", n_stages=n) for n in (2, 4, 8)}
-    from spd.staging import load_tokenizer
+    from spd.target.staging import load_tokenizer
 
     tok = load_tokenizer(tiny_testbed / "target")
     prompts = [tok(text)["input_ids"] for text in ("def main(argv):\n    ", "import os\n", "class A:\n    def")]

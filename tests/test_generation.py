@@ -7,9 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from spd.generation import generate_ar
-from spd.sampling import SamplingParams, select_token, warped_probs
-from spd.staging import SpdInputError, StagedModel
+from spd.decoding.generation import generate_ar
+from spd.decoding.sampling import SamplingParams, select_token, warped_probs
+from spd.target.staging import SpdInputError, StagedModel
 
 from conftest import tiny_model
 

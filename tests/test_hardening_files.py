@@ -12,7 +12,7 @@ import torch
 
 from conftest import REPO, run_script
 from spd.errors import SpdInputError
-from spd.published.convert import to_authors_file, to_directory
+from spd.heads.published.convert import to_authors_file, to_directory
 
 HEAD = REPO / "tests" / "fixtures" / "authors" / "heads" / "v10_qwen3_n4_l1.pt"
 
@@ -139,7 +139,7 @@ def _fake_checkpoint(path: Path, step: int) -> Path:
 
 
 def test_checkpoint_replacement_never_loses_the_newest_checkpoint(tmp_path):
-    from spd.distill import clean_checkpoints, commit_checkpoint, latest_checkpoint, list_checkpoints
+    from spd.training.distill import clean_checkpoints, commit_checkpoint, latest_checkpoint, list_checkpoints
 
     root = tmp_path / "checkpoints"
     _fake_checkpoint(root / "step-2", 2)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from spd.distill import load_config
+from spd.training.distill import load_config
 from spd.errors import SpdInputError
 from spd.runtime import (DATA_TAG, HEADER, TOKEN, Link, PipelineLost, RuntimeConfig, bind_local_world,
                          check_level_extra, free_port, local_world_env, loopback_interface, pack_level)
@@ -63,7 +63,7 @@ def test_run_pipeline_bad_numbers_are_one_error_line(args, message):
     ("draft_token_ids", [0, -1], "draft_token_ids that are not a list"),
 ])
 def test_authors_config_values_are_checked_before_modules_are_built(tmp_path, key, value, message):
-    from spd.published.authors_file import load_authors_file
+    from spd.heads.published.authors_file import load_authors_file
 
     good = torch.load(AUTHORS_HEAD, weights_only=True)
     path = tmp_path / "bad.pt"

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from conftest import tiny_config, tiny_model
-from spd.distill import DistillConfig, new_head
-from spd.engine import PipelineEngine
+from spd.training.distill import DistillConfig, new_head
+from spd.decoding.engine import PipelineEngine
 from spd.errors import SpdInputError
-from spd.generation import generate_ar
-from spd.linear_state import LinearStateRing
-from spd.sampling import SamplingParams
-from spd.staging import StagedModel
-from spd.tree_engine import SpdHeadSource, TreeEngine
+from spd.decoding.generation import generate_ar
+from spd.target.linear_state import LinearStateRing
+from spd.decoding.sampling import SamplingParams
+from spd.target.staging import StagedModel
+from spd.decoding.tree_engine import SpdHeadSource, TreeEngine
 from test_engine import ScriptedEngine, _chi_square_p_value, _sample_outcomes, _sequence_probs
 
 HYBRIDS = ["qwen3_5", "qwen3_next"]
@@ -170,7 +170,7 @@ def test_a_rollback_that_keeps_the_rejected_state_is_caught(monkeypatch):
     staged = StagedModel(model, 4)
     torch.manual_seed(1)
     engine = PipelineEngine(staged, new_head(staged, DistillConfig(n_stages=4)).eval())
-    monkeypatch.setattr("spd.staging.LinearStateRing", _ForgetfulRing)
+    monkeypatch.setattr("spd.target.staging.LinearStateRing", _ForgetfulRing)
     scripted = ScriptedEngine(engine, reference, len(PROMPT), right=lambda pos: pos % 5 not in (0, 2))
     assert scripted.run(PROMPT, 48, SamplingParams()).token_ids != reference
 
@@ -219,7 +219,7 @@ def hybrid_target(tiny_testbed, tmp_path_factory):
     """A tiny random Qwen3.5 target with the miniature testbed's tokenizer (for text data and prompts)."""
     import shutil
 
-    from spd.staging import load_tokenizer
+    from spd.target.staging import load_tokenizer
 
     out = tmp_path_factory.mktemp("hybrid-target")
     tok = load_tokenizer(tiny_testbed / "target")
@@ -237,8 +237,8 @@ def test_distributed_runtime_on_a_hybrid_target_equals_single_process(hybrid_tar
     """Stage processes keep their linear-state rings; flushes (many: a random head) roll them back exactly."""
     import json
 
-    from spd.speculator import load_speculator
-    from spd.staging import load_tokenizer
+    from spd.heads.speculator import load_speculator
+    from spd.target.staging import load_tokenizer
     from test_runtime import PROMPTS, _torchrun
 
     n = 4
@@ -265,7 +265,7 @@ def test_distributed_runtime_on_a_hybrid_target_equals_single_process(hybrid_tar
 @pytest.mark.slow
 def test_trainer_distils_a_head_for_a_hybrid_target(tiny_testbed, hybrid_target, tmp_path):
     """train/distill.py on a hybrid target (anchors on linear and full layers); the head decodes losslessly."""
-    from spd.speculator import Speculator
+    from spd.heads.speculator import Speculator
     from test_distill import _train
 
     out = tmp_path / "run"

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from spd.engine import PipelineEngine
+from spd.decoding.engine import PipelineEngine
 from spd.errors import SpdInputError
-from spd.generation import default_eos, generate_ar
-from spd.staging import StagedModel
-from spd.tree_engine import TreeEngine
+from spd.decoding.generation import default_eos, generate_ar
+from spd.target.staging import StagedModel
+from spd.decoding.tree_engine import TreeEngine
 from test_cli import spd_generate
 
 PROMPT = [5, 17, 3, 99, 42, 8, 11, 12]
@@ -25,7 +25,7 @@ GREEN, RESET = "\x1b[32m", "\x1b[0m"
 def model_only(tmp_path_factory) -> SimpleNamespace:
     """A tiny Qwen3 target saved without tokenizer files, whose generation config's EOS (a list) is a token its
     greedy output reaches after about a dozen tokens; an SPD head (n = 2) and a draft model (a noisy copy)."""
-    from spd.distill import DistillConfig, new_head
+    from spd.training.distill import DistillConfig, new_head
 
     root = tmp_path_factory.mktemp("model_only")
     model = tiny_model("qwen3", seed=0, layers=4)

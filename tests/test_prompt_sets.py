@@ -8,7 +8,7 @@ import pytest
 
 from conftest import run_script
 from spd.errors import SpdInputError
-from spd.prompt_sets import load_prompt_set
+from spd.data.prompt_sets import load_prompt_set
 
 
 def test_humaneval_ships_164_problems():

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from conftest import REPO, two_at_a_time
-from spd.distill import DistillConfig, new_head
-from spd.engine import PipelineEngine
+from spd.training.distill import DistillConfig, new_head
+from spd.decoding.engine import PipelineEngine
 from spd.runtime import EpochLog, _level_now, load_partial, materialized_bytes, pack_level
-from spd.speculator import load_speculator
-from spd.staging import StagedModel, load_tokenizer
-from spd.tree import TokenTree
-from spd.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
+from spd.heads.speculator import load_speculator
+from spd.target.staging import StagedModel, load_tokenizer
+from spd.decoding.tree import TokenTree
+from spd.decoding.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
 from test_no_tokenizer import PROMPT as NO_TOKENIZER_PROMPT
 from test_no_tokenizer import model_only  # noqa: F401  (a fixture)
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from conftest import run_script, tiny_model, two_at_a_time
-from spd.distill import DistillConfig, new_head
+from spd.training.distill import DistillConfig, new_head
 from spd.errors import SpdInputError
-from spd.generation import generate_ar
-from spd.sampling import SamplingParams
-from spd.sd import HeadDrafter, SpeculativeDecoder
-from spd.speculator import Speculator
-from spd.staging import StagedModel
+from spd.decoding.generation import generate_ar
+from spd.decoding.sampling import SamplingParams
+from spd.decoding.sd import HeadDrafter, SpeculativeDecoder
+from spd.heads.speculator import Speculator
+from spd.target.staging import StagedModel
 from test_cli import spd_generate
 from test_distill import _args, _train
 from test_engine import _chi_square_p_value, _sample_outcomes, _sequence_probs

@@ -45,14 +45,14 @@ def target(smollm2):
 
 
 def _chat_ids(tokenizer, text: str) -> list[int]:
-    from spd.regenerate import chat_ids
+    from spd.data.regenerate import chat_ids
 
     return chat_ids(tokenizer, text)
 
 
 def test_materialized_equals_gguf(smollm2, target):
     """The save_pretrained directory gives the GGUF-loaded model's logits, bit for bit, and its chat template."""
-    from spd.gguf import load_gguf
+    from spd.target.gguf import load_gguf
 
     manifest = json.loads((smollm2 / "smollm2.json").read_text())
     gguf = Path(json.loads((smollm2 / "target" / "materialize.json").read_text())["gguf_file"])
@@ -78,8 +78,8 @@ def test_materialized_equals_gguf(smollm2, target):
 def test_ar_equals_generate_and_cuts_equal_full_forward(target):
     """ar == model.generate on chat prompts; the uneven cuts (n = 4, 8) and an equal one (n = 5) give the full
     forward's logits."""
-    from spd.generation import generate_ar
-    from spd.staging import StagedModel, balanced_boundaries
+    from spd.decoding.generation import generate_ar
+    from spd.target.staging import StagedModel, balanced_boundaries
 
     model, tokenizer = target
     ids = _chat_ids(tokenizer, CHAT[0])
@@ -100,14 +100,14 @@ def test_ar_equals_generate_and_cuts_equal_full_forward(target):
 def test_trained_head_every_mode_equals_ar(smollm2, target, tmp_path):
     """Regenerate a little chat data, train an n = 4 head on the uneven cut for a few steps with the real trainer,
     then spd, pp, tree (W = 3) and sd (an EAGLE-style head) decode exactly as ar."""
-    from spd.distill import DistillConfig, new_head
-    from spd.engine import PipelineEngine
-    from spd.generation import generate_ar
-    from spd.sampling import SamplingParams
-    from spd.sd import build_sd_engine
-    from spd.speculator import Speculator
-    from spd.staging import StagedModel
-    from spd.tree_engine import SpdHeadSource, TreeEngine
+    from spd.training.distill import DistillConfig, new_head
+    from spd.decoding.engine import PipelineEngine
+    from spd.decoding.generation import generate_ar
+    from spd.decoding.sampling import SamplingParams
+    from spd.decoding.sd import build_sd_engine
+    from spd.heads.speculator import Speculator
+    from spd.target.staging import StagedModel
+    from spd.decoding.tree_engine import SpdHeadSource, TreeEngine
 
     data = tmp_path / "chats.jsonl"
     run_script("data/regenerate.py", "--target", str(smollm2 / "target"), "--prompts", "stdlib:4",

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from spd.speculator import Speculator, SpeculatorConfig, default_anchors, offset_band_attention
+from spd.heads.speculator import Speculator, SpeculatorConfig, default_anchors, offset_band_attention
 
 L, D = 8, 32
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from spd.staging import SpdInputError, StagedModel, split_layers
+from spd.target.staging import SpdInputError, StagedModel, split_layers
 
 from conftest import tiny_model
 

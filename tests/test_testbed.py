@@ -7,8 +7,8 @@ import torch
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from spd.testbed import ModelSpec, build_testbed, stdlib_dir, stdlib_source_files
-from spd.testbed import TestbedConfig as Config
+from spd.target.testbed import ModelSpec, build_testbed, stdlib_dir, stdlib_source_files
+from spd.target.testbed import TestbedConfig as Config
 
 from conftest import REPO, run_script
 
@@ -92,7 +92,7 @@ def test_deep_preset_is_the_default_target_four_times_deeper(tmp_path, monkeypat
     directory by default. A miniature deep build loads and cuts into 16 stages."""
     import sys
 
-    from spd.staging import StagedModel
+    from spd.target.staging import StagedModel
 
     sys.path.insert(0, str(REPO / "data"))
     import build_testbed as builder

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from spd.staging import SpdInputError, StageKVCache, StagedModel
-from spd.tree import TokenTree, verify_greedy, verify_sampled_deterministic, verify_sampled_recursive
+from spd.target.staging import SpdInputError, StageKVCache, StagedModel
+from spd.decoding.tree import TokenTree, verify_greedy, verify_sampled_deterministic, verify_sampled_recursive
 
 from conftest import tiny_model
 

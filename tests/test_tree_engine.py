@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from spd.distill import DistillConfig, new_head
-from spd.engine import PipelineEngine
+from spd.training.distill import DistillConfig, new_head
+from spd.decoding.engine import PipelineEngine
 from spd.errors import SpdInputError
-from spd.generation import generate_ar
-from spd.sampling import SamplingParams
-from spd.staging import StagedModel, load_tokenizer
-from spd.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
+from spd.decoding.generation import generate_ar
+from spd.decoding.sampling import SamplingParams
+from spd.target.staging import StagedModel, load_tokenizer
+from spd.decoding.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
 from test_engine import _chi_square_p_value, _sample_outcomes, _sequence_probs
 
 PROMPTS = [[5, 17, 3, 99, 42, 8], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]

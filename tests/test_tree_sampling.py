@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from spd.distill import DistillConfig, new_head
+from spd.training.distill import DistillConfig, new_head
 from spd.errors import SpdInputError
-from spd.generation import generate_ar
-from spd.sampling import SamplingParams
-from spd.staging import StagedModel
-from spd.tree import TokenTree, grow_sampled, grow_top_k, verify_sampled_recursive
-from spd.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
-from spd.tree_width import AdaptiveWidth, FixedWidth, parse_tree_width, tree_width
+from spd.decoding.generation import generate_ar
+from spd.decoding.sampling import SamplingParams
+from spd.target.staging import StagedModel
+from spd.decoding.tree import TokenTree, grow_sampled, grow_top_k, verify_sampled_recursive
+from spd.decoding.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
+from spd.decoding.tree_width import AdaptiveWidth, FixedWidth, parse_tree_width, tree_width
 from test_engine import _chi_square_p_value, _sample_outcomes, _sequence_probs
 from test_tree_engine import _noisy_copy
 

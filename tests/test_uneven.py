@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from conftest import REPO, run_script, tiny_model
-from spd.distill import DistillConfig, new_head
-from spd.engine import PipelineEngine
+from spd.training.distill import DistillConfig, new_head
+from spd.decoding.engine import PipelineEngine
 from spd.errors import SpdInputError
-from spd.generation import generate_ar
-from spd.sampling import SamplingParams
-from spd.speculator import pipeline_cut
-from spd.staging import StagedModel, balanced_boundaries, split_layers
-from spd.tree_engine import SpdHeadSource, TreeEngine
+from spd.decoding.generation import generate_ar
+from spd.decoding.sampling import SamplingParams
+from spd.heads.speculator import pipeline_cut
+from spd.target.staging import StagedModel, balanced_boundaries, split_layers
+from spd.decoding.tree_engine import SpdHeadSource, TreeEngine
 
 PROMPTS = [[5, 17, 3, 99, 42, 8], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 

@@ -79,7 +79,7 @@ class _PeakMemory:
 
 
 def measure_one(args, path: str, n: int, seq_len: int, what: str) -> dict:
-    from spd.speculator import Speculator, SpeculatorConfig
+    from spd.heads.speculator import Speculator, SpeculatorConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)

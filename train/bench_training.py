@@ -57,8 +57,8 @@ def _subset(args, work: Path) -> tuple[Path, int]:
     """The first corpus files that give at least steps x batch rows (prepared as the preset prepares them)."""
     import yaml
 
-    from spd.data import DataConfig, prepare_dataset
-    from spd.staging import load_tokenizer
+    from spd.data.prepare import DataConfig, prepare_dataset
+    from spd.target.staging import load_tokenizer
 
     preset = yaml.safe_load(Path(args.config).read_text())
     need = args.steps * int(preset.get("batch_size", 8))
@@ -126,7 +126,7 @@ def train_runs(args, work: Path) -> dict:
 
 def lm_head_cost(args) -> dict:
     """KD forward + backward of the head's LM head (and the teacher's logits) over one chunk of positions."""
-    from spd.kd import kd_loss
+    from spd.training.kd import kd_loss
 
     torch.manual_seed(0)
     d, v, k, n = args.lm_hidden, args.lm_vocab, args.lm_draft, args.lm_positions

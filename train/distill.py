@@ -83,10 +83,10 @@ def load_target_and_data(cfg, accelerator):
     Offline (``data`` is a capture, data/capture.py): the capture's rows and a stand-in for the target
     holding its config, final norm and LM head; no target layers are loaded.
     """
-    from spd.capture import CapturedDataset, CapturedTarget, collate_captured, is_capture
-    from spd.data import DataConfig, prepare_dataset
-    from spd.distill import collate
-    from spd.staging import StagedModel, load_tokenizer
+    from spd.training.capture import CapturedDataset, CapturedTarget, collate_captured, is_capture
+    from spd.data.prepare import DataConfig, prepare_dataset
+    from spd.training.distill import collate
+    from spd.target.staging import StagedModel, load_tokenizer
 
     stages = {"n_stages": None if cfg.boundaries else cfg.n_stages, "boundaries": cfg.boundaries}
     if is_capture(cfg.data):
@@ -127,19 +127,19 @@ def train(cfg, resume: bool) -> dict:
     from accelerate.utils import ProjectConfiguration, broadcast_object_list, set_seed
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
-    from spd.capture import CapturedDataset
-    from spd.distill import (clean_checkpoints, commit_checkpoint, distill_step, evaluate, latest_checkpoint,
+    from spd.training.capture import CapturedDataset
+    from spd.training.distill import (clean_checkpoints, commit_checkpoint, distill_step, evaluate, latest_checkpoint,
                              new_head, save_head_atomic, scale_fc_init, teacher_anchors, teacher_pass, to_device,
                              training_fills)
-    from spd.draft_vocab import check_draft_vocab, select_draft_vocab, token_counts, tokens_sha256
-    from spd.backends import make_accelerator, plain_head
-    from spd.kd import sample_fills
-    from spd.speculator import Speculator, check_compatible
+    from spd.heads.draft_vocab import check_draft_vocab, select_draft_vocab, token_counts, tokens_sha256
+    from spd.training.backends import make_accelerator, plain_head
+    from spd.training.kd import sample_fills
+    from spd.heads.speculator import Speculator, check_compatible
     from spd.paths import write_json_atomic
 
     on_gpu = torch.cuda.is_available()
     mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if on_gpu else "no")
-    # DDP, DeepSpeed ZeRO-2 or FSDP2 as `accelerate launch` asked, on GPUs or CPU (spd/backends.py)
+    # DDP, DeepSpeed ZeRO-2 or FSDP2 as `accelerate launch` asked, on GPUs or CPU (spd/training/backends.py)
     accelerator = make_accelerator(cfg.max_grad_norm, gradient_accumulation_steps=cfg.grad_accum,
                                    mixed_precision=mixed, log_with=log_with or None,
                                    project_config=ProjectConfiguration(project_dir=cfg.output_dir,
@@ -322,7 +322,7 @@ def train(cfg, resume: bool) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from spd.distill import load_config
+    from spd.training.distill import load_config
 
     try:
         cfg = load_config(args.config, args.overrides)

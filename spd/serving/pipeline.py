@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SpdInputError, first_line
-from ..generation import GenerationOutput, OnToken
+from ..decoding.generation import GenerationOutput, OnToken
 from .children import end_child, start_child
 
 
@@ -119,9 +119,9 @@ class Pipeline:
 def open_pipeline(spec: PipelineSpec) -> Pipeline:
     """Load the target, the head or draft model and the engine; start the stage processes if distributed."""
     from ..paths import check_model_source
-    from ..published.authors_file import is_authors_file
-    from ..speculator import load_speculator, pipeline_cut, speculator_stages
-    from ..staging import StagedModel, load_target_tokenizer
+    from ..heads.published.authors_file import is_authors_file
+    from ..heads.speculator import load_speculator, pipeline_cut, speculator_stages
+    from ..target.staging import StagedModel, load_target_tokenizer
 
     check_model_source(spec.target, "target")
     if spec.speculator is not None and not is_authors_file(spec.speculator):
@@ -151,11 +151,11 @@ def open_pipeline(spec: PipelineSpec) -> Pipeline:
 
 
 def _engine(spec: PipelineSpec, staged, head, tokenizer, dtype, stages=None):
-    from ..engine import PipelineEngine
-    from ..tree_engine import build_tree_engine
+    from ..decoding.engine import PipelineEngine
+    from ..decoding.tree_engine import build_tree_engine
 
     if spec.mode == "sd":
-        from ..sd import build_sd_engine
+        from ..decoding.sd import build_sd_engine
 
         return build_sd_engine(staged, tokenizer, spec.draft_model, spec.draft_revision, spec.draft_steps, dtype,
                                spec.device, head=head)
@@ -172,7 +172,7 @@ def _open_distributed(spec: PipelineSpec, n: int, boundaries: list[int] | None, 
     import torch.distributed as dist
 
     from ..runtime import PipelineLost, RemoteStages, RuntimeConfig, free_port, load_partial, local_world_env
-    from ..speculator import load_speculator
+    from ..heads.speculator import load_speculator
 
     if spec.mode not in ("spd", "pp", "tree"):
         raise SpdInputError(f"--runtime distributed runs --mode spd, pp or tree, not '{spec.mode}'")

@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import SpdInputError, first_line
-from .paths import write_json_atomic
-from .staging import TargetShape
+from ..errors import SpdInputError, first_line
+from ..paths import write_json_atomic
+from ..target.staging import TargetShape
 
 MANIFEST = "capture.json"
 TEACHER_FILE = "teacher.safetensors"
@@ -72,10 +72,10 @@ class CaptureSettings:
 
 def anchors_for_stages(num_layers: int, stages: list[int]) -> list[int]:
     """The union of the default anchors (SPEC section 2) of the cuts into each n of ``stages``: the equal cut, or
-    where n does not divide the layers the balanced one (:func:`spd.staging.balanced_boundaries`, as the presets
+    where n does not divide the layers the balanced one (:func:`spd.target.staging.balanced_boundaries`, as the presets
     for such targets use); other cuts name their anchors with ``--anchors``."""
-    from .speculator import default_anchors
-    from .staging import balanced_boundaries
+    from ..heads.speculator import default_anchors
+    from ..target.staging import balanced_boundaries
 
     out: set[int] = set()
     for n in stages:
@@ -367,7 +367,7 @@ class CapturedDataset(torch.utils.data.Dataset):
 
 
 def collate_captured(rows: list[dict], pad_id: int = 0) -> dict:
-    """Right-pad captured rows: the batch of :func:`spd.distill.collate` plus ``hidden`` (and the top-k teacher)."""
+    """Right-pad captured rows: the batch of :func:`spd.training.distill.collate` plus ``hidden`` (and the top-k teacher)."""
     from .distill import collate
 
     batch = collate(rows, pad_id)
@@ -390,7 +390,7 @@ def collate_captured(rows: list[dict], pad_id: int = 0) -> dict:
 class CapturedTarget(TargetShape, nn.Module):
     """What training needs of a target, from a capture: its shape (config, stages), final norm and LM head.
 
-    Stands in for :class:`spd.staging.StagedModel` in the trainer (``new_head``, ``check_compatible``,
+    Stands in for :class:`spd.target.staging.StagedModel` in the trainer (``new_head``, ``check_compatible``,
     teacher logits), without the target's layers.
     """
 
@@ -400,7 +400,7 @@ class CapturedTarget(TargetShape, nn.Module):
         from safetensors.torch import load_file
         from transformers import AutoConfig
 
-        from .staging import split_layers
+        from ..target.staging import split_layers
 
         self.root = Path(path).expanduser()
         self.manifest = read_manifest(self.root)

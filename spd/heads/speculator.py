@@ -39,9 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from .errors import SpdInputError, first_line
-from .kd import KDResult, kd_loss, kd_loss_topk
-from .paths import check_model_source
+from ..errors import SpdInputError, first_line
+from ..training.kd import KDResult, kd_loss, kd_loss_topk
+from ..paths import check_model_source
 
 SCHEDULES = {"input": 0, "output": 1, "serial": 0}  # schedule -> depth offset of the newest position
 
@@ -155,7 +155,7 @@ class SpeculatorConfig(PretrainedConfig):
 def check_compatible(head_config: SpeculatorConfig, staged, mode: str | None = None) -> None:
     """Refuse a head trained for another target shape or another pipeline (one clear sentence).
 
-    ``staged`` is a :class:`spd.staging.StagedModel` (not imported here: the head does not need the target);
+    ``staged`` is a :class:`spd.target.staging.StagedModel` (not imported here: the head does not need the target);
     ``mode`` (spd, tree or sd) the engine that will run it: a serial head (variant eagle) drafts in ``sd`` only,
     and ``sd`` takes no pipelined head.
     """
@@ -535,7 +535,7 @@ class Speculator(PreTrainedModel):
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.lm_head = nn.Linear(d, config.draft_vocab_size or config.vocab_size, bias=False)
         if config.draft_vocab_size:
-            # The target id of each LM-head row (sorted, unique); saved with the weights (spd.draft_vocab).
+            # The target id of each LM-head row (sorted, unique); saved with the weights (spd.heads.draft_vocab).
             self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size), persistent=True)
         else:
             self.draft_ids = None
@@ -579,7 +579,7 @@ class Speculator(PreTrainedModel):
                 supervised_BN: torch.Tensor, teacher_logits, tau: float = 1.0, chunk_size: int = 512,
                 topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> KDResult:
         """Training forward plus the chunked KD loss against the target (``teacher_logits(H^L)``), or against
-        a stored top-k teacher ``topk = (ids_BNK, logprobs_BNK)`` (spd.capture).
+        a stored top-k teacher ``topk = (ids_BNK, logprobs_BNK)`` (spd.training.capture).
 
         The loss is computed inside ``forward`` so that data-parallel wrappers (DDP, DeepSpeed) see every
         parameter used, the LM head included.
@@ -653,8 +653,8 @@ class Speculator(PreTrainedModel):
         return h_BND
 
     # ------------------------------------------------------------------------------ inference path
-    # The engine's protocol (spd.engine): prefill_anchors / prefill_memory / retire / propose_logits. The
-    # authors' heads (spd.published.authors_head) implement the same four with their own schedule.
+    # The engine's protocol (spd.decoding.engine): prefill_anchors / prefill_memory / retire / propose_logits. The
+    # authors' heads (spd.heads.published.authors_head) implement the same four with their own schedule.
     def prefill_anchors(self) -> list[int]:
         """Hidden-state indices the prefill must return for every prompt position."""
         return list(self.config.anchors[self.config.max_depth])
@@ -801,7 +801,7 @@ def speculator_boundaries(name_or_path: str, revision: str | None = None) -> lis
 def pipeline_cut(stages: int | None, boundaries: list[int] | None, speculator: str | None = None,
                  revision: str | None = None, target: str | None = None,
                  target_revision: str | None = None) -> tuple[int | None, list[int] | None]:
-    """``(n_stages, boundaries)`` for :class:`~spd.staging.StagedModel`: explicit boundaries, else the head's cut
+    """``(n_stages, boundaries)`` for :class:`~spd.target.staging.StagedModel`: explicit boundaries, else the head's cut
     (when ``stages`` is not given or agrees with it), else ``stages`` equal stages (default 1).
 
     With ``target`` the head's cut is checked against the target's depth first, so a head trained for another
@@ -815,7 +815,7 @@ def pipeline_cut(stages: int | None, boundaries: list[int] | None, speculator: s
             return stages or speculator_stages(speculator, revision), None
         if stages is None or stages == len(head_boundaries) - 1:
             if target is not None:
-                from .staging import target_num_layers
+                from ..target.staging import target_num_layers
 
                 num_layers = target_num_layers(target, target_revision)
                 if head_boundaries[-1] != num_layers:
@@ -830,9 +830,9 @@ def load_speculator(name_or_path: str, revision: str | None = None, dtype: torch
     """A speculation head with one clear sentence for a wrong path, hub id or non-head directory.
 
     Our heads: a directory or hub id (``Speculator.from_pretrained``). The SPD authors' released heads: a
-    ``.pt`` file or an ``hf://OWNER/REPO[@REVISION]/FILE.pt`` reference (:mod:`spd.published`); those use
+    ``.pt`` file or an ``hf://OWNER/REPO[@REVISION]/FILE.pt`` reference (:mod:`spd.heads.published`); those use
     the target's norm, embedding and rotary embedding, so they need ``target`` (a
-    :class:`spd.staging.StagedModel`) and take its dtype and device.
+    :class:`spd.target.staging.StagedModel`) and take its dtype and device.
     """
     from .published.authors_file import is_authors_file
 

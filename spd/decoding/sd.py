@@ -15,7 +15,7 @@ training. One *iteration*:
 2. The target runs ``[t, x_1..x_m]`` (``t`` the newest committed token) over its KV cache: the
    distributions ``p_1..p_{m+1}`` after ``t``, ``x_1``, ..., ``x_m``.
 3. Verification, left to right: greedy, ``x_i`` is accepted iff it is ``argmax p_i``; sampling,
-   with probability ``min(1, p_i(x_i) / q_i(x_i))`` (:func:`spd.tree.verify_sampled_recursive` with one
+   with probability ``min(1, p_i(x_i) / q_i(x_i))`` (:func:`spd.decoding.tree.verify_sampled_recursive` with one
    candidate). At the first rejection the target's token replaces ``x_i`` (greedy: the argmax;
    sampling: a draw from ``normalise(max(p_i - q_i, 0))``) and the iteration ends; if every draft is
    accepted, a bonus token is drawn from ``p_{m+1}``. So an iteration commits ``a + 1`` tokens for
@@ -43,13 +43,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .draft_vocab import check_draft_vocab
+from ..heads.draft_vocab import check_draft_vocab
 from .engine import OneModeEngine, _stop_reason
-from .errors import SpdInputError
+from ..errors import SpdInputError
 from .generation import GenerationOutput, GenerationStats, OnToken, as_prompt_ids, check_request, eos_set
 from .sampling import SamplingParams, select_token, warped_probs
-from .speculator import Speculator, check_compatible
-from .staging import StagedModel, load_target_tokenizer
+from ..heads.speculator import Speculator, check_compatible
+from ..target.staging import StagedModel, load_target_tokenizer
 from .tree import verify_sampled_recursive
 from .tree_engine import check_same_vocabulary, load_draft_model
 
@@ -226,7 +226,7 @@ class SpeculativeDecoder(OneModeEngine):
         tok = load_target_tokenizer(target, revision, tokenizer)
         loaded = None
         if head is not None:
-            from .speculator import load_speculator
+            from ..heads.speculator import load_speculator
 
             loaded = load_speculator(head, head_revision, dtype, device, target=staged)
         return build_sd_engine(staged, tok, draft, draft_revision, draft_steps, dtype, device, head=loaded)

@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .errors import SpdInputError, first_line
+from ..errors import SpdInputError, first_line
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .sampling import SamplingParams, select_token
-from .staging import SpdInputError, StagedModel
+from ..target.staging import SpdInputError, StagedModel
 
 
 @dataclass

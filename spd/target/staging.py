@@ -11,7 +11,7 @@ decoder layer ``l-1``, *before* the final norm. Anchors are requested by these i
 Token trees (SPEC section 6): a stage's cache holds the committed tokens followed by the tree nodes it has
 run, in BFS order. ``run_stage(..., tree_mask_TN=...)`` runs tree nodes at explicit positions (committed
 length + depth) under committed-causal + ancestor-mask attention, and :meth:`StagedModel.prune_tree` /
-:meth:`StageKVCache.keep` compact the caches after the tree is pruned (see :mod:`spd.tree`).
+:meth:`StageKVCache.keep` compact the caches after the tree is pruned (see :mod:`spd.decoding.tree`).
 
 Shapes are named with suffixes: B batch, T new tokens, P cached tokens (past), K = P + T keys,
 D hidden size, V vocabulary, Hk key/value heads, Dh head dim, C cache capacity, N tree nodes in the cache.
@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .errors import SpdInputError, first_line
+from ..errors import SpdInputError, first_line
 from .linear_state import LinearStateRing
-from .paths import check_model_source
+from ..paths import check_model_source
 
 # Decoder-layer kinds the staging wrapper runs: attention with a KV cache, and linear attention (Gated
-# DeltaNet, hybrid models such as Qwen3.5 / Qwen3-Next) with a conv + recurrent state (spd.linear_state).
+# DeltaNet, hybrid models such as Qwen3.5 / Qwen3-Next) with a conv + recurrent state (spd.target.linear_state).
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 _LINEAR_LAYER_TYPE = "linear_attention"
 _SUPPORTED_LAYER_TYPES = (*_ATTENTION_LAYER_TYPES, _LINEAR_LAYER_TYPE)
@@ -40,7 +40,7 @@ _MASK_FORMATS = ("sdpa", "eager")
 
 class StageKVCache:
     """Cache of one stage's layers: preallocated KV buffers, a committed length, O(1) truncation; on hybrid
-    targets also the linear-attention layers' state (:class:`spd.linear_state.LinearStateRing`).
+    targets also the linear-attention layers' state (:class:`spd.target.linear_state.LinearStateRing`).
 
     It implements the ``update(key, value, layer_idx)`` call that Hugging Face attention modules
     make on their ``past_key_values``, and the conv/recurrent-state calls of linear-attention layers.
@@ -109,7 +109,7 @@ class StageKVCache:
             self.linear.truncate(length)
         self.length = min(self.length, length)
 
-    # Linear-attention layers call these on their ``cache_params`` (see spd.linear_state).
+    # Linear-attention layers call these on their ``cache_params`` (see spd.target.linear_state).
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
         return self.linear.get_conv_state(layer_idx, state_idx)
 
@@ -293,7 +293,7 @@ def _backend_mask(allowed_TK: torch.Tensor, q_pos_T: torch.Tensor, key_pos_K: to
 
 class TargetShape:
     """Properties of a staged target read off its ``boundaries``, ``lm_head`` and ``config``: shared by
-    :class:`StagedModel` and its offline stand-in, :class:`spd.capture.CapturedTarget`."""
+    :class:`StagedModel` and its offline stand-in, :class:`spd.training.capture.CapturedTarget`."""
 
     boundaries: list[int]
     lm_head: nn.Module
@@ -413,7 +413,7 @@ class StagedModel(TargetShape, nn.Module):
         """After the tree's root is verified, commit it and keep the subtree ``kept`` in every stage's cache.
 
         The root's row ``committed`` stays where it is (it becomes the last committed token) and the
-        kept nodes (old tree indices from :meth:`spd.tree.TokenTree.prune_to_child`) move right after
+        kept nodes (old tree indices from :meth:`spd.decoding.tree.TokenTree.prune_to_child`) move right after
         it, in order; each stage keeps those it has already run (a BFS prefix of the tree). Returns the
         new committed length, the new root's row. On a miss, ``truncate(caches, committed + 1)`` instead.
         """

@@ -6,7 +6,7 @@ names, in their dtype): loadable everywhere a head is (``--speculator DIR``), pu
 readable without unpickling. ``to_authors_file`` writes their ``torch.save({"state_dict", "config"})`` layout
 back; a round trip reproduces every tensor and config value bit for bit.
 
-Our own heads (``spd.speculator``) are written in their v10 layout where the architecture allows it
+Our own heads (``spd.heads.speculator``) are written in their v10 layout where the architecture allows it
 (:func:`head_to_authors_file`): one decoder layer (their query row's keys/values come from its running stream,
 ours from its fixed memory row, which agree only in the first layer), q/k norms, no per-depth memory
 projections (theirs compose across layers), the target's attention shape and a full-width rotary embedding.
@@ -22,7 +22,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ..errors import SpdInputError, first_line
+from ...errors import SpdInputError, first_line
 from .authors_file import DIR_MODEL_TYPE, AuthorsCheckpoint, load_authors_file, validate
 
 DIR_FILES = ("config.json", "model.safetensors")  # everything to_directory writes, and all a directory of ours holds

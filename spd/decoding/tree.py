@@ -12,11 +12,11 @@ A step of tree decoding:
    (children drawn from the source's ``q``, :meth:`TokenTree.child_counts` and
    :meth:`TokenTree.append_children`) grows the tree by one level from the token source's distributions;
 2. the target's stages run the new nodes with ``mask()`` rows and ``positions(committed)``
-   (:meth:`spd.staging.StagedModel.run_stage` with ``tree_mask_TN``);
+   (:meth:`spd.target.staging.StagedModel.run_stage` with ``tree_mask_TN``);
 3. once the target's distribution ``p`` after the root is known, a verification function picks the
    next token; if it is a child ``c`` of the root, :meth:`TokenTree.prune_to_child` keeps the subtree
    of ``c`` and returns the kept old indices, with which callers prune KV caches
-   (:meth:`spd.staging.StagedModel.prune_tree`), mask rows and in-flight activations; otherwise the
+   (:meth:`spd.target.staging.StagedModel.prune_tree`), mask rows and in-flight activations; otherwise the
    tree is discarded and :meth:`TokenTree.reset` reseeds it from the new token.
 
 Verification (lossless sampling, SPEC section 6): siblings are tried in order with the multi-draft
@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .errors import SpdInputError
+from ..errors import SpdInputError
 from .sampling import SamplingParams, warped_probs
 
 

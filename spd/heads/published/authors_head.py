@@ -2,7 +2,7 @@
 
 Written from their code (github.com/yuyijiong/speculative_pipeline_decoding: v10 = ``pipeline_model.py`` at
 commit 0c068eb, v11 = commit 186f366) and tested against outputs of that code (tests/fixtures/authors). The
-differences from our own head (:mod:`spd.speculator`) and from SPEC section 3 are listed in docs/method.md.
+differences from our own head (:mod:`spd.heads.speculator`) and from SPEC section 3 are listed in docs/method.md.
 
 Both versions build one *row* per position from target hidden states ``H^k`` (k = 0: embedding, k >= 1:
 output of layer k-1, pre-norm) and run a small tower of Qwen3-style decoder layers over the rows; the
@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import SpdInputError
-from ..staging import StageKVCache, StagedModel
+from ...errors import SpdInputError
+from ...target.staging import StageKVCache, StagedModel
 from .authors_file import AuthorsCheckpoint
 
 

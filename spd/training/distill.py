@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from .errors import SpdInputError, first_line
-from .paths import default_cache_dir, default_testbed_dir
-from .speculator import Speculator, SpeculatorConfig, default_anchors
-from .staging import StagedModel
+from ..errors import SpdInputError, first_line
+from ..paths import default_cache_dir, default_testbed_dir
+from ..heads.speculator import Speculator, SpeculatorConfig, default_anchors
+from ..target.staging import StagedModel
 
 VARIANTS = {  # variant -> (schedule, max_depth or None for n); SPEC section 3
     "spd": ("input", None),
@@ -207,9 +207,9 @@ def load_config(path: str | None, overrides: list[str]) -> DistillConfig:
 def new_head(staged: StagedModel, cfg: DistillConfig, draft_ids: torch.Tensor | None = None,
              draft_sha256: str | None = None) -> Speculator:
     """A fresh head for ``staged``: the target's attention shape, rope, norm and LM head (copied; only the rows
-    of ``draft_ids`` with a draft vocabulary, spd.draft_vocab).
+    of ``draft_ids`` with a draft vocabulary, spd.heads.draft_vocab).
 
-    ``staged`` is a :class:`StagedModel` or, offline, a :class:`spd.capture.CapturedTarget`.
+    ``staged`` is a :class:`StagedModel` or, offline, a :class:`spd.training.capture.CapturedTarget`.
     """
     tcfg = staged.config
     schedule, max_depth = VARIANTS[cfg.variant]
@@ -345,7 +345,7 @@ def expected_serial_length(agreement: dict[int, float], m: int) -> float:
 
 
 def training_fills(cfg: DistillConfig) -> tuple[int, float]:
-    """``(max fill, p_full)`` for :func:`spd.kd.sample_fills`: the pipeline's n and the paper's rule, or for the
+    """``(max fill, p_full)`` for :func:`spd.training.kd.sample_fills`: the pipeline's n and the paper's rule, or for the
     serial drafter (variant eagle) every number of drafts in flight 1..draft_steps equally often (p_full 1/m)."""
     if cfg.variant == "eagle":
         return cfg.draft_steps, 1.0 / cfg.draft_steps

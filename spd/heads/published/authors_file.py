@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
 
-from ..errors import SpdInputError, first_line
+from ...errors import SpdInputError, first_line
 
 HUB_SCHEME = "hf://"
 VERSIONS = (10, 11)

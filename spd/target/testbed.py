@@ -40,8 +40,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .errors import SpdInputError
-from .paths import default_testbed_dir
+from ..errors import SpdInputError
+from ..paths import default_testbed_dir
 
 # Directories under the standard library that are not part of its own source code.
 _EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}

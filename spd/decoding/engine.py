@@ -39,13 +39,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import SpdInputError
+from ..errors import SpdInputError
 from .generation import (GenerationOutput, GenerationStats, OnToken, as_prompt_ids, check_request, default_eos,
                          eos_set, generate_ar)
 from .sampling import SamplingParams, warped_probs
-from .draft_vocab import check_draft_vocab
-from .speculator import Speculator, SpeculatorCache, check_compatible
-from .staging import StageKVCache, StagedModel, StageOutput, load_target_tokenizer
+from ..heads.draft_vocab import check_draft_vocab
+from ..heads.speculator import Speculator, SpeculatorCache, check_compatible
+from ..target.staging import StageKVCache, StagedModel, StageOutput, load_target_tokenizer
 
 MODES = ("spd", "pp", "ar")
 
@@ -221,7 +221,7 @@ class PipelineEngine:
         ``boundaries`` cuts it unevenly (e.g. ``[0, 8, 16, 23, 30]``). The tokenizer is ``tokenizer`` or the
         target's; a target without one gives an engine for token-id prompts.
         """
-        from .speculator import load_speculator, pipeline_cut
+        from ..heads.speculator import load_speculator, pipeline_cut
 
         stages, boundaries = pipeline_cut(stages, boundaries, speculator, speculator_revision, target, revision)
         staged = StagedModel.from_pretrained(target, n_stages=stages, boundaries=boundaries, revision=revision,
@@ -452,7 +452,7 @@ def _stop_reason(token: int, out: list[int], eos: frozenset[int], budget: int, m
 
 def prepare_prompt(tokenizer, prompt, eos_token_id, model=None):
     """Token ids of a text prompt (needs a tokenizer) or ids as given, and the EOS: ``eos_token_id`` if given,
-    else :func:`spd.generation.default_eos` (the model's generation config, as ``model.generate``, then the
+    else :func:`spd.decoding.generation.default_eos` (the model's generation config, as ``model.generate``, then the
     tokenizer's)."""
     if isinstance(prompt, str):
         if tokenizer is None:

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from .errors import SpdInputError
+from ..errors import SpdInputError
 
 
 def launched_backend() -> str | None:
@@ -78,7 +78,7 @@ def plain_head(accelerator, head):
     state = accelerator.get_state_dict(head)  # the full state dict on the main process (collective)
     if not accelerator.is_main_process:
         return None
-    from .speculator import Speculator
+    from ..heads.speculator import Speculator
 
     config = accelerator.unwrap_model(head).config
     with torch.device("meta"):

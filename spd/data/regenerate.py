@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import SpdInputError
+from ..errors import SpdInputError
 
 
 def read_done(path: Path) -> set[str]:

@@ -1,7 +1,7 @@
 """Coding instructions made from the Python standard library's own source, for regenerating chat data.
 
 A head must predict what its target says, so its training data are the target's answers to prompts
-(``spd.regenerate``). The prompts here ship with every Python: each public, documented function of the
+(``spd.data.regenerate``). The prompts here ship with every Python: each public, documented function of the
 standard library (read with :mod:`ast`, nothing is imported or run) becomes a request to write or explain
 a function that does what its docstring says. They share nothing with HumanEval's problems, which are
 the benchmark's hold-out set.

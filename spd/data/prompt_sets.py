@@ -23,7 +23,7 @@ import gzip
 import json
 from pathlib import Path
 
-from .errors import SpdInputError
+from ..errors import SpdInputError
 
 SETS = ("humaneval", "humaneval-chat", "mt-bench", "gsm8k")
 HUMANEVAL_CHAT = "Complete the following Python function:\n```python\n{prompt}```"

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .errors import SpdInputError
+from ..errors import SpdInputError
 
 MARKER = "materialize.json"
 

@@ -20,7 +20,7 @@ to make, so every decoding rule stays lossless. The controller starts each reque
 
 from __future__ import annotations
 
-from .errors import SpdInputError
+from ..errors import SpdInputError
 
 
 def parse_tree_width(value: str | int) -> int | str:

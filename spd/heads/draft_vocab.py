@@ -4,7 +4,7 @@ Over a 150k-250k vocabulary the head's LM head dominates its cost (EAGLE-3 and S
 way). The K tokens are the most frequent *supervised* tokens of the training data (the tokens the head has to
 predict), ties broken by the lower token id, stored sorted in the head's weights (``draft_ids``). Training
 distils the target restricted to those ids; at inference the head's logits are scattered back to target ids
-(:meth:`spd.speculator.Speculator.vocab_logits`), so verification, and therefore the output, is unchanged.
+(:meth:`spd.heads.speculator.Speculator.vocab_logits`), so verification, and therefore the output, is unchanged.
 A head's draft vocabulary is checked against the target's vocabulary when it is loaded: ids in range, and
 with a tokenizer, the same token strings as when it was trained.
 """
@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .errors import SpdInputError
+from ..errors import SpdInputError
 
 
 def token_counts(rows: Iterable[tuple], vocab_size: int) -> torch.Tensor:
@@ -42,7 +42,7 @@ def tokens_sha256(tokens: list[str]) -> str:
 
 
 def check_draft_vocab(head, vocab_size: int, tokenizer=None) -> None:
-    """Refuse one of our heads (:class:`spd.speculator.Speculator`) whose draft vocabulary does not fit the
+    """Refuse one of our heads (:class:`spd.heads.speculator.Speculator`) whose draft vocabulary does not fit the
     target's (one clear sentence). The authors' heads carry their own mapping, checked by their loader."""
     ids = head.draft_ids
     if ids is None:

@@ -1,17 +1,17 @@
 """The pipelined token-tree engine (single process): SPEC section 6 on top of the engine of section 5.
 
-The target is cut into ``n`` stages as in :mod:`spd.engine`, but the pipeline carries tree *levels*
-instead of single tokens. The tree (:class:`spd.tree.TokenTree`) is rooted at the newest known token
+The target is cut into ``n`` stages as in :mod:`spd.decoding.engine`, but the pipeline carries tree *levels*
+instead of single tokens. The tree (:class:`spd.decoding.tree.TokenTree`) is rooted at the newest known token
 (position ``P`` = committed length); its level ``d`` holds speculated tokens for position ``P + d``.
 One **step** (the unit ``K`` counts):
 
 1. The token source grows the tree by one level: it gives its distribution after each bottom node and
    the request's *candidate rule* picks at most ``W`` children for the level (``--tree-width``, fixed
-   or adaptive: :mod:`spd.tree_width`), at most ``K`` per node (``--tree-children``): greedy or
+   or adaptive: :mod:`spd.decoding.tree_width`), at most ``K`` per node (``--tree-children``): greedy or
    ``top-k``: each node's top-``K``, the ``W`` best by cumulative log-probability kept
-   (:func:`spd.tree.grow_top_k`); ``sampled`` (the default at T > 0): per-node counts fixed from the
+   (:func:`spd.decoding.tree.grow_top_k`); ``sampled`` (the default at T > 0): per-node counts fixed from the
    expected scores, then children drawn without replacement from the source's warped ``q``
-   (:func:`spd.tree.grow_sampled`). It reads the state at the start of the step, so in a deployment it
+   (:func:`spd.decoding.tree.grow_sampled`). It reads the state at the start of the step, so in a deployment it
    runs concurrently with 2 on its own device. The new level enters stage 1 next step.
 2. Every stage advances the level it holds by one stage: stage ``s`` runs the level's nodes over its
    KV cache (committed rows, causal, plus the tree nodes it has run, under the ancestor mask), at
@@ -19,9 +19,9 @@ One **step** (the unit ``K`` counts):
 3. When the root's level leaves stage ``n``, the target's distribution ``p`` for position ``P + 1``
    is known and the root's children are verified: greedy: the child equal to ``argmax p``; top-K
    candidates at T > 0: children tried in order, accepting ``x`` with probability ``p(x)`` and
-   otherwise removing ``x`` from ``p`` (:func:`spd.tree.verify_sampled_deterministic`); sampled
+   otherwise removing ``x`` from ``p`` (:func:`spd.decoding.tree.verify_sampled_deterministic`); sampled
    candidates: recursive rejection sampling against the ``q`` they were drawn from
-   (:func:`spd.tree.verify_sampled_recursive`). The chosen token is committed, stage 1's next level is
+   (:func:`spd.decoding.tree.verify_sampled_recursive`). The chosen token is committed, stage 1's next level is
    released, then the other stages' reports are taken;
    - hit (it is a child ``c``): the tree, every stage's tree KV, the in-flight activations and the
      source's own state are pruned with one index set (the subtree of ``c``); the old root's KV row
@@ -30,7 +30,7 @@ One **step** (the unit ``K`` counts):
      committed token reseeds the tree (a lone root entering stage 1: warm-up again).
 4. Stop on EOS (committed) or ``max_new_tokens``; the tree in flight is discarded.
 
-With ``W = 1`` the tree is a chain and this is the chain engine of :mod:`spd.engine` with another
+With ``W = 1`` the tree is a chain and this is the chain engine of :mod:`spd.decoding.engine` with another
 proposer (with the SPD head and ``W = 1`` it reproduces that engine's tokens and step counts).
 
 Why the output is lossless: a stage runs a level only after the level above it passed that stage, so
@@ -65,12 +65,12 @@ from types import SimpleNamespace
 import torch
 
 from .engine import LocalStages, OneModeEngine, PipelineStats, _stop_reason
-from .errors import SpdInputError
+from ..errors import SpdInputError
 from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set
 from .sampling import SamplingParams, warped_probs
-from .draft_vocab import check_draft_vocab
-from .speculator import Speculator, check_compatible
-from .staging import HYBRID_TREE_ERROR, StageKVCache, StagedModel, load_target_tokenizer
+from ..heads.draft_vocab import check_draft_vocab
+from ..heads.speculator import Speculator, check_compatible
+from ..target.staging import HYBRID_TREE_ERROR, StageKVCache, StagedModel, load_target_tokenizer
 from .tree import (TokenTree, grow_sampled, grow_top_k, verify_greedy, verify_sampled_deterministic,
                    verify_sampled_recursive)
 from .tree_width import AdaptiveWidth, FixedWidth, tree_width
@@ -357,7 +357,7 @@ class TreeEngine(OneModeEngine):
     def __init__(self, staged: StagedModel, source: DraftModelSource | SpdHeadSource,
                  width: int | str | FixedWidth | AdaptiveWidth = 4, tokenizer=None,
                  stages: "LocalTreeStages | None" = None, candidates: str = "auto", max_width: int = 8):
-        """``width``: W, ``"auto"`` (:class:`spd.tree_width.AdaptiveWidth` up to ``max_width``) or a policy;
+        """``width``: W, ``"auto"`` (:class:`spd.decoding.tree_width.AdaptiveWidth` up to ``max_width``) or a policy;
         ``candidates``: how children are chosen at T > 0 (``auto`` = ``sampled``; greedy always uses top-k)."""
         if candidates not in CANDIDATES:
             raise SpdInputError(f"unknown tree candidate rule '{candidates}'; expected one of: {', '.join(CANDIDATES)}")
