@@ -211,7 +211,7 @@ def _bench(args, runs: list[RunSpec]) -> int:
     import transformers
 
     from spd.decoding.engine import PipelineEngine
-    from spd.heads.speculator import load_speculator
+    from spd.heads.loading import load_speculator
     from spd.target.staging import StagedModel, load_tokenizer, split_layers
 
     transformers.utils.logging.set_verbosity_error()
@@ -362,7 +362,7 @@ def _is_head(source: str) -> bool:
 
 def _tree_run(run: RunSpec, staged, tokenizer, max_width: int = 8):
     """The tree engine of a ``tree:SOURCE:N:W:K[:RULE]`` run and its info row."""
-    from spd.heads.speculator import load_speculator
+    from spd.heads.loading import load_speculator
     from spd.target.staging import StagedModel, load_tokenizer
     from spd.decoding.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
 

@@ -133,7 +133,7 @@ def run_ar(args, n: int) -> dict:
 
 def worlds(args) -> list[tuple[str, list[str], int]]:
     """The pipelines to run: (label, token source flags, n) each."""
-    from spd.heads.speculator import load_speculator_config
+    from spd.heads.loading import load_speculator_config
 
     if args.tree_width is None and (args.draft_model is not None or args.stages):
         raise SpdInputError("--draft-model and --stages select the tree mode's token source; add --tree-width W")

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.target is not None:
-            from spd.heads.speculator import load_speculator_config
+            from spd.heads.loading import load_speculator_config
             from spd.target.staging import StagedModel
 
             check_output_file(args.out, args.force)  # before the target is loaded

@@ -312,7 +312,7 @@ def run(args) -> int:
     import torch
 
     from spd.decoding.engine import PipelineEngine
-    from spd.heads.speculator import load_speculator, pipeline_cut
+    from spd.heads.loading import load_speculator, pipeline_cut
     from spd.target.staging import StagedModel, parse_boundaries
 
     _quiet_libraries()
@@ -395,7 +395,7 @@ def run_distributed(args, prompt: str | list[int]) -> int:
         num_layers = target_num_layers(args.target, args.revision)
         stages = len(split_layers(num_layers, stages, parse_boundaries(args.boundaries))) - 1
     if args.speculator is not None:
-        from spd.heads.speculator import speculator_stages
+        from spd.heads.loading import speculator_stages
 
         head_stages = speculator_stages(args.speculator, args.speculator_revision)
         stages = stages or head_stages

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _boundaries(args, n: int) -> list[int] | None:
     """The cut every rank loads: --boundaries, else the speculator's own cut when it has n stages, else equal."""
-    from spd.heads.speculator import pipeline_cut
+    from spd.heads.loading import pipeline_cut
     from spd.target.staging import parse_boundaries
 
     explicit = parse_boundaries(args.boundaries) if args.boundaries else None
@@ -152,7 +152,7 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
     from spd.decoding.engine import PipelineEngine
     from spd.target.staging import load_target_tokenizer
     from spd.runtime import RemoteStages, load_partial
-    from spd.heads.speculator import load_speculator
+    from spd.heads.loading import load_speculator
 
     if "spd" in args.mode and args.speculator is None:
         raise SpdInputError("--mode spd needs --speculator DIR_OR_ID")

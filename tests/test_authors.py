@@ -22,7 +22,7 @@ from spd.heads.published.authors_file import load_authors_file, parse_hub_refere
 from spd.heads.published.authors_head import AuthorsHead, load_authors_head
 from spd.heads.published.convert import to_authors_file, to_directory
 from spd.decoding.sampling import SamplingParams
-from spd.heads.speculator import load_speculator
+from spd.heads.loading import load_speculator
 from spd.target.staging import StagedModel
 
 FIXTURES = REPO / "tests" / "fixtures" / "authors"

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from spd.heads.speculator import load_speculator
+from spd.heads.loading import load_speculator
 
 from conftest import REPO
 

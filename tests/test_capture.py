@@ -18,7 +18,8 @@ from spd.heads.draft_vocab import check_draft_vocab, select_draft_vocab, token_c
 from spd.decoding.engine import PipelineEngine
 from spd.errors import SpdInputError
 from spd.training.kd import kd_loss, kd_loss_topk
-from spd.heads.speculator import Speculator, load_speculator
+from spd.heads.loading import load_speculator
+from spd.heads.speculator import Speculator
 from spd.target.staging import StagedModel, load_tokenizer
 
 from conftest import REPO

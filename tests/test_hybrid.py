@@ -237,7 +237,7 @@ def test_distributed_runtime_on_a_hybrid_target_equals_single_process(hybrid_tar
     """Stage processes keep their linear-state rings; flushes (many: a random head) roll them back exactly."""
     import json
 
-    from spd.heads.speculator import load_speculator
+    from spd.heads.loading import load_speculator
     from spd.target.staging import load_tokenizer
     from test_runtime import PROMPTS, _torchrun
 

@@ -16,7 +16,7 @@ from conftest import REPO, two_at_a_time
 from spd.training.distill import DistillConfig, new_head
 from spd.decoding.engine import PipelineEngine
 from spd.runtime import EpochLog, _level_now, load_partial, materialized_bytes, pack_level
-from spd.heads.speculator import load_speculator
+from spd.heads.loading import load_speculator
 from spd.target.staging import StagedModel, load_tokenizer
 from spd.decoding.tree import TokenTree
 from spd.decoding.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine

@@ -12,7 +12,7 @@ from spd.decoding.engine import PipelineEngine
 from spd.errors import SpdInputError
 from spd.decoding.generation import generate_ar
 from spd.decoding.sampling import SamplingParams
-from spd.heads.speculator import pipeline_cut
+from spd.heads.loading import pipeline_cut
 from spd.target.staging import StagedModel, balanced_boundaries, split_layers
 from spd.decoding.tree_engine import SpdHeadSource, TreeEngine
 

@@ -221,7 +221,7 @@ class PipelineEngine:
         ``boundaries`` cuts it unevenly (e.g. ``[0, 8, 16, 23, 30]``). The tokenizer is ``tokenizer`` or the
         target's; a target without one gives an engine for token-id prompts.
         """
-        from ..heads.speculator import load_speculator, pipeline_cut
+        from ..heads.loading import load_speculator, pipeline_cut
 
         stages, boundaries = pipeline_cut(stages, boundaries, speculator, speculator_revision, target, revision)
         staged = StagedModel.from_pretrained(target, n_stages=stages, boundaries=boundaries, revision=revision,

@@ -226,7 +226,7 @@ class SpeculativeDecoder(OneModeEngine):
         tok = load_target_tokenizer(target, revision, tokenizer)
         loaded = None
         if head is not None:
-            from ..heads.speculator import load_speculator
+            from ..heads.loading import load_speculator
 
             loaded = load_speculator(head, head_revision, dtype, device, target=staged)
         return build_sd_engine(staged, tok, draft, draft_revision, draft_steps, dtype, device, head=loaded)

@@ -120,7 +120,7 @@ def open_pipeline(spec: PipelineSpec) -> Pipeline:
     """Load the target, the head or draft model and the engine; start the stage processes if distributed."""
     from ..paths import check_model_source
     from ..heads.published.authors_file import is_authors_file
-    from ..heads.speculator import load_speculator, pipeline_cut, speculator_stages
+    from ..heads.loading import load_speculator, pipeline_cut, speculator_stages
     from ..target.staging import StagedModel, load_target_tokenizer
 
     check_model_source(spec.target, "target")
@@ -172,7 +172,7 @@ def _open_distributed(spec: PipelineSpec, n: int, boundaries: list[int] | None, 
     import torch.distributed as dist
 
     from ..runtime import PipelineLost, RemoteStages, RuntimeConfig, free_port, load_partial, local_world_env
-    from ..heads.speculator import load_speculator
+    from ..heads.loading import load_speculator
 
     if spec.mode not in ("spd", "pp", "tree"):
         raise SpdInputError(f"--runtime distributed runs --mode spd, pp or tree, not '{spec.mode}'")

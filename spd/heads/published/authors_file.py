@@ -16,6 +16,7 @@ a truncated file, a file of another kind or an unknown ``version`` is refused wi
 
 from __future__ import annotations
 
+import json
 import pickle
 import zipfile
 from dataclasses import dataclass
@@ -112,8 +113,6 @@ def load_authors_file(source: str | Path, revision: str | None = None) -> Author
     import torch
 
     if Path(str(source)).expanduser().is_dir():
-        from .convert import read_directory
-
         return read_directory(Path(str(source)).expanduser())
     path = resolve(source, revision)
     try:
@@ -193,3 +192,17 @@ def _check_config(config: dict, state_dict: dict, source: str) -> None:
     if "trained_with_use_deepest" in config and not isinstance(config["trained_with_use_deepest"], bool):
         raise SpdInputError(f"'{source}' has config trained_with_use_deepest = "
                             f"{config['trained_with_use_deepest']!r}; expected true or false")
+
+
+def read_directory(path: Path) -> AuthorsCheckpoint:
+    """A directory written by :func:`to_directory` as a validated checkpoint."""
+    from safetensors.torch import load_file
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+        state = load_file(path / "model.safetensors")
+    except (OSError, ValueError) as exc:
+        raise SpdInputError(f"'{path}' is not a readable converted authors' head ({exc})") from None
+    if config.get("model_type") != DIR_MODEL_TYPE or not isinstance(config.get("authors_config"), dict):
+        raise SpdInputError(f"'{path}' is not a converted authors' head (model_type '{DIR_MODEL_TYPE}')")
+    return validate({"state_dict": state, "config": config["authors_config"]}, str(path))

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from ...errors import SpdInputError, first_line
-from .authors_file import DIR_MODEL_TYPE, AuthorsCheckpoint, load_authors_file, validate
+from .authors_file import DIR_MODEL_TYPE, load_authors_file, read_directory
 
 DIR_FILES = ("config.json", "model.safetensors")  # everything to_directory writes, and all a directory of ours holds
 
@@ -156,20 +156,6 @@ def _save_file_atomic(obj, out_file: str | Path, force: bool) -> Path:
     return out
 
 
-def read_directory(path: Path) -> AuthorsCheckpoint:
-    """A directory written by :func:`to_directory` as a validated checkpoint."""
-    from safetensors.torch import load_file
-
-    try:
-        config = json.loads((path / "config.json").read_text())
-        state = load_file(path / "model.safetensors")
-    except (OSError, ValueError) as exc:
-        raise SpdInputError(f"'{path}' is not a readable converted authors' head ({exc})") from None
-    if config.get("model_type") != DIR_MODEL_TYPE or not isinstance(config.get("authors_config"), dict):
-        raise SpdInputError(f"'{path}' is not a converted authors' head (model_type '{DIR_MODEL_TYPE}')")
-    return validate({"state_dict": state, "config": config["authors_config"]}, str(path))
-
-
 def to_authors_file(source_dir: str | Path, out_file: str | Path, force: bool = False) -> Path:
     """Our directory of an authors' head -> their ``.pt`` layout, written atomically (an existing file only with
     ``force``)."""
@@ -193,7 +179,8 @@ def head_to_authors_file(head_dir: str | Path, target, out_file: str | Path, for
     """One of our heads -> their v10 ``.pt`` file, for its target ``target`` (a StagedModel); atomic."""
     import torch
 
-    from ..speculator import check_compatible, load_speculator
+    from ..loading import load_speculator
+    from ..speculator import check_compatible
 
     check_output_file(out_file, force)
     head = load_speculator(str(head_dir))
