@@ -1,14 +1,14 @@
 """Target staging: a Hugging Face decoder-only causal LM cut into ``n`` pipeline stages.
 
 The wrapper slices the real model (its embedding, decoder layers, final norm, LM head and rotary
-embedding); it forks no modeling code. Stage ``s`` (0-based here, 1..n in SPEC.md) owns layers
+embedding); it forks no modeling code. Stage ``s`` (0-based here, 1..n in the paper) owns layers
 ``[boundaries[s], boundaries[s+1])``. Each stage has its own KV cache (:class:`StageKVCache`),
 positions and RoPE, so one stage can run on tokens independently of the others, as in a pipeline.
 
-Hidden-state convention (SPEC section 1): ``H^0`` is the token embedding and ``H^l`` is the output of
+Hidden-state convention (docs/method.md §1): ``H^0`` is the token embedding and ``H^l`` is the output of
 decoder layer ``l-1``, *before* the final norm. Anchors are requested by these indices ``l``.
 
-Token trees (SPEC section 6): a stage's cache holds the committed tokens followed by the tree nodes it has
+Token trees (docs/method.md §6): a stage's cache holds the committed tokens followed by the tree nodes it has
 run, in BFS order. ``run_stage(..., tree_mask_TN=...)`` runs tree nodes at explicit positions (committed
 length + depth) under committed-causal + ancestor-mask attention, and :meth:`StagedModel.prune_tree` /
 :meth:`StageKVCache.keep` compact the caches after the tree is pruned (see :mod:`spd.decoding.tree`).
@@ -19,6 +19,7 @@ D hidden size, V vocabulary, Hk key/value heads, Dh head dim, C cache capacity, 
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass, field
 
@@ -43,7 +44,7 @@ class StageKVCache:
     targets also the linear-attention layers' state (:class:`spd.target.linear_state.LinearStateRing`).
 
     It implements the ``update(key, value, layer_idx)`` call that Hugging Face attention modules
-    make on their ``past_key_values``, and the conv/recurrent-state calls of linear-attention layers.
+    make on their cache (``cache``, formerly ``past_key_values``), and the conv/recurrent-state calls of linear-attention layers.
     All layers of one stage write at the same offset; the stage wrapper calls :meth:`begin` before and
     :meth:`advance` after each stage call.
     """
@@ -213,6 +214,20 @@ def parse_boundaries(text: str) -> list[int]:
 
 HYBRID_TREE_ERROR = ("tree mode does not support targets with linear-attention layers (hybrid models such as "
                      "Qwen3.5): each tree node would need its own recurrent state; use mode spd, pp or ar")
+
+
+def cache_keyword(layer: nn.Module) -> str:
+    """The keyword a Hugging Face decoder layer takes its cache by: ``cache`` where its forward names it so
+    (transformers 5.24, where ``past_key_values`` still works with a warning until 5.40), else
+    ``past_key_values`` (older versions)."""
+    cls = type(layer)
+    if cls not in _CACHE_KEYWORD:
+        params = inspect.signature(cls.forward).parameters
+        _CACHE_KEYWORD[cls] = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_KEYWORD[cls]
+
+
+_CACHE_KEYWORD: dict[type, str] = {}
 
 
 def target_num_layers(target: str, revision: str | None = None) -> int:
@@ -477,8 +492,8 @@ class StagedModel(TargetShape, nn.Module):
             if self.layer_types[layer] == _LINEAR_LAYER_TYPE:
                 # A recurrent layer reads its own state; it takes no attention mask (no padding here).
                 hidden_BTD = self.layers[layer](hidden_BTD, attention_mask=None, position_ids=position_ids_BT,
-                                                past_key_values=cache, use_cache=True,
-                                                position_embeddings=position_embeddings)
+                                                use_cache=True, position_embeddings=position_embeddings,
+                                                **{cache_keyword(self.layers[layer]): cache})
                 if layer + 1 in anchors:
                     out.anchors[layer + 1] = hidden_BTD
                 continue
@@ -489,8 +504,8 @@ class StagedModel(TargetShape, nn.Module):
                 masks[window] = attention_mask(q_pos_T, kv_len, window, self.attn_impl, hidden_BTD.dtype,
                                                contiguous)
             hidden_BTD = self.layers[layer](
-                hidden_BTD, attention_mask=masks[window], position_ids=position_ids_BT, past_key_values=cache,
-                use_cache=True, position_embeddings=position_embeddings,
+                hidden_BTD, attention_mask=masks[window], position_ids=position_ids_BT, use_cache=True,
+                position_embeddings=position_embeddings, **{cache_keyword(self.layers[layer]): cache},
             )
             if layer + 1 in anchors:
                 out.anchors[layer + 1] = hidden_BTD

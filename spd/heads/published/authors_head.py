@@ -2,7 +2,7 @@
 
 Written from their code (github.com/yuyijiong/speculative_pipeline_decoding: v10 = ``pipeline_model.py`` at
 commit 0c068eb, v11 = commit 186f366) and tested against outputs of that code (tests/fixtures/authors). The
-differences from our own head (:mod:`spd.heads.speculator`) and from SPEC section 3 are listed in docs/method.md.
+differences from our own head (:mod:`spd.heads.speculator`) and from docs/method.md §3 are listed in docs/method.md.
 
 Both versions build one *row* per position from target hidden states ``H^k`` (k = 0: embedding, k >= 1:
 output of layer k-1, pre-norm) and run a small tower of Qwen3-style decoder layers over the rows; the
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import SpdInputError
-from ...target.staging import StageKVCache, StagedModel
+from ...target.staging import StageKVCache, StagedModel, cache_keyword
 from .authors_file import AuthorsCheckpoint
 
 
@@ -346,8 +346,8 @@ class AuthorsHead(nn.Module):
         """v11: every row through every layer (keys/values appended after ``kv``'s rows)."""
         for j, layer in enumerate(self.spec_layers):
             if self._gated:
-                x_1RD = layer(x_1RD, attention_mask=mask_11RK, position_ids=pos_1R, past_key_values=kv,
-                              use_cache=True, position_embeddings=(cos, sin))
+                x_1RD = layer(x_1RD, attention_mask=mask_11RK, position_ids=pos_1R, use_cache=True,
+                              position_embeddings=(cos, sin), **{cache_keyword(layer): kv})
             else:
                 x_1RD = self._layer(layer, j, x_1RD, cos, sin, kv, mask_11RK, list(range(x_1RD.shape[1])))
         return x_1RD
