@@ -1,7 +1,11 @@
-"""The package's shape: no import cycle among spd modules, at module level or inside functions."""
+"""The package's shape: no import cycle among spd modules (at module level or inside functions); the old
+import paths still work."""
 
 import ast
-from pathlib import Path
+import subprocess
+import sys
+
+import pytest
 
 from conftest import REPO
 
@@ -65,3 +69,22 @@ def test_no_import_cycles():
 def test_the_cycle_finder_finds_one():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+@pytest.mark.parametrize("old,new,name", [
+    ("spd.engine", "spd.decoding.engine", "PipelineEngine"),
+    ("spd.tree_engine", "spd.decoding.tree_engine", "TreeEngine"),
+    ("spd.staging", "spd.target.staging", "StagedModel"),
+    ("spd.speculator", "spd.heads.speculator", "Speculator"),
+    ("spd.speculator", "spd.heads.loading", "load_speculator"),
+    ("spd.generation", "spd.decoding.generation", "generate_ar"),
+])
+def test_old_import_paths_still_work_with_a_warning(old, new, name):
+    """The public names of 0.1's flat modules, from their old places, are the moved objects (in a fresh
+    interpreter, so the warning is not swallowed by an earlier import)."""
+    code = (f"import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+            f"try:\n    import {old}\nexcept DeprecationWarning as w:\n    print('warned:', w)\n"
+            f"warnings.simplefilter('ignore')\nimport {old}, {new}\nprint({old}.{name} is {new}.{name})")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"warned: {old} moved to" in proc.stdout and proc.stdout.strip().endswith("True"), proc.stdout
