@@ -19,7 +19,7 @@ prompt at every temperature, in interleaved order. At T=0 each run's tokens are 
 The table gives per run and temperature: ``L'_acc = n * N / K`` over all prompts (and the mean of
 per-prompt values), the theoretical speedup of the variant (paper section 4.2), the proposal acceptance
 by position in the pipeline (k = 1: the first proposal after a (re)seed, ..., k = n: the full pipeline;
-for an input-state head k is the fill a of SPEC section 3), flushes,
+for an input-state head k is the fill a of docs/method.md §3), flushes,
 greedy identity with ``ar`` and single-process tokens/s (informational: a single process runs the
 stages one after another, so its wall clock shows no pipeline speedup). JSON has every per-prompt number.
 

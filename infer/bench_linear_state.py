@@ -6,7 +6,7 @@ after a prefill, with three ways of keeping the linear layers' state:
 
 - ``ring``: ours (spd.target.linear_state): a ring of states indexed by length; the new state is written into its own
   slot, a rollback moves an integer;
-- ``snapshot``: a live state plus a ring of snapshots copied after every token (SPEC section 5 read literally);
+- ``snapshot``: a live state plus a ring of snapshots copied after every token (docs/method.md §5 read literally);
   a rollback copies a snapshot back;
 - ``none``: one live state, no rollback possible (the lower bound).
 

@@ -1,4 +1,4 @@
-"""The multi-process pipeline runtime on ``torch.distributed`` (SPEC section 7).
+"""The multi-process pipeline runtime on ``torch.distributed`` (docs/method.md §7).
 
 Rank 0 is the driver: embedding, final norm, LM head, the token source (speculation head or draft model),
 verification and control. It runs the very step loop of :class:`spd.decoding.engine.PipelineEngine` (or of

@@ -321,7 +321,7 @@ CONTROL_DRAWS = 2000  # the wrong rules are far off: fewer draws show the statis
 
 
 def _independent_branches(p, cands, gen):
-    """A wrong rule (what SPEC section 6 warns against): each branch checked alone against the same p."""
+    """A wrong rule (what docs/method.md §6 warns against): each branch checked alone against the same p."""
     for i, x in enumerate(cands):
         if torch.rand((), generator=gen) < p[x]:
             return i, x

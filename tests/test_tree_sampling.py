@@ -131,7 +131,7 @@ def _source(kind: str, model, staged, n: int, children: int):
 
 class IndependentBranches(TreeEngine):
     """Negative control: every child checked on its own with min(1, p/q), the first accepted one wins (the
-    reference code's rule at T > 0, SPEC section 6) - not lossless."""
+    reference code's rule at T > 0, docs/method.md §6) - not lossless."""
 
     @staticmethod
     def _verify_sampled(p_V, tokens_C, q_V, generator):

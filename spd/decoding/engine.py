@@ -1,4 +1,4 @@
-"""The pipelined SPD inference engine (single process): the semantic reference of SPEC section 5.
+"""The pipelined SPD inference engine (single process): the semantic reference of docs/method.md §5.
 
 The target is cut into ``n`` stages, each with its own KV cache. Every **step** each in-flight token
 advances by one stage; the token that completes stage ``n`` exits, its final hidden state gives the
@@ -12,7 +12,7 @@ flight, speculated ``n - 1`` steps earlier) is verified against ``p``:
   replacement enters stage 1 alone (flush and reseed, paper section 3.6).
 
 A token source proposes one token per step. With a speculation head it reads the *input state*
-(SPEC section 3: the newest token at depth 0, in-flight tokens at their depths, everything older at
+(docs/method.md §3: the newest token at depth 0, in-flight tokens at their depths, everything older at
 depth ``n``), so in a real deployment it runs concurrently with the stages. The output-state ablation
 and the PPSD baseline are the same head with other settings (``schedule="output"``: the head reads
 the state after the stages have run, so it is serial with them). With no head the engine is the
@@ -24,7 +24,7 @@ caches are cut back to the committed tokens. The target therefore computes for e
 the same function of the same committed prefix as autoregressive decoding does, and verification is
 exact (greedy: equality with argmax; sampling: standard speculative rejection sampling).
 
-Metrics (SPEC section 5): ``K`` steps, ``N`` tokens committed by decode steps (the first new token,
+Metrics (docs/method.md §5): ``K`` steps, ``N`` tokens committed by decode steps (the first new token,
 taken from the prefill logits, is not one; ``new_tokens = N + 1`` counts it), ``alpha = N / K``,
 ``L'_acc = n * N / K``, theoretical speedups of paper section 4.2.
 
@@ -260,7 +260,7 @@ class PipelineEngine:
     def run(self, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: SamplingParams,
             eos_token_id: int | Sequence[int] | None = None, on_token: OnToken | None = None,
             use_head: bool = True) -> GenerationOutput:
-        """The step loop of SPEC section 5 (``use_head=False``: the standard pipeline); no EOS unless given."""
+        """The step loop of docs/method.md §5 (``use_head=False``: the standard pipeline); no EOS unless given."""
         staged = self.staged
         head = self.speculator if use_head else None
         prompt = as_prompt_ids(input_ids)
@@ -385,7 +385,7 @@ class PipelineEngine:
 
     def _propose(self, head: Speculator, head_cache: SpeculatorCache, inflight: list[Slot],
                  sampling: SamplingParams, generator: torch.Generator | None, stats: PipelineStats) -> Slot:
-        """The head's next token after the newest in-flight token, from the current depths (SPEC section 3)."""
+        """The head's next token after the newest in-flight token, from the current depths (docs/method.md §3)."""
         tick = time.perf_counter()
         logits_1V = self._head_logits(head, head_cache, inflight)
         if sampling.greedy:

@@ -1,4 +1,4 @@
-"""The token tree (SPEC section 6): a dynamic BFS-ordered tree of speculated tokens, and its verification.
+"""The token tree (docs/method.md §6): a dynamic BFS-ordered tree of speculated tokens, and its verification.
 
 Node 0 is the *root*: a known token whose next-token distribution the target has not produced yet
 (its KV sits right after the committed tokens). Every other node is a speculated continuation of its
@@ -19,7 +19,7 @@ A step of tree decoding:
    (:meth:`spd.target.staging.StagedModel.prune_tree`), mask rows and in-flight activations; otherwise the
    tree is discarded and :meth:`TokenTree.reset` reseeds it from the new token.
 
-Verification (lossless sampling, SPEC section 6): siblings are tried in order with the multi-draft
+Verification (lossless sampling, docs/method.md §6): siblings are tried in order with the multi-draft
 rule that matches how they were chosen; never check branches independently (that is not lossless):
 - :func:`verify_greedy` - temperature 0: accept the child equal to the argmax;
 - :func:`verify_sampled_deterministic` - children chosen deterministically (top-k / top-W);

@@ -1,4 +1,4 @@
-"""The pipelined token-tree engine (single process): SPEC section 6 on top of the engine of section 5.
+"""The pipelined token-tree engine (single process): docs/method.md §6 on top of the engine of section 5.
 
 The target is cut into ``n`` stages as in :mod:`spd.decoding.engine`, but the pipeline carries tree *levels*
 instead of single tokens. The tree (:class:`spd.decoding.tree.TokenTree`) is rooted at the newest known token
@@ -240,7 +240,7 @@ class SpdHeadSource:
     """Token source (b): a trained input-state SPD head with width W (the paper's W = 4).
 
     For each node of the bottom level the head is queried as in the chain engine, with the node's root
-    path as the trailing rows (each at its level's current depth, SPEC section 3) after the head's cache
+    path as the trailing rows (each at its level's current depth, docs/method.md §3) after the head's cache
     of committed rows; the bottom nodes are one batch. The head's cache only ever holds committed rows
     (the root's row is appended when it leaves stage n), so pruning and misses need no rollback.
     Only the SPD configuration (input-state schedule, max depth n) has tree semantics; the output-state

@@ -1,6 +1,6 @@
 """The speculation module: multi-depth feature fusion, memory-attention decoder layers, norm and LM head.
 
-SPEC sections 2-3. Every position ``i`` contributes one *memory* row ``g^{d}_i = FC_d(concat(H^a_i for a in
+docs/method.md §2-3. Every position ``i`` contributes one *memory* row ``g^{d}_i = FC_d(concat(H^a_i for a in
 anchors[d]))`` at the depth ``d`` it has at speculation time; only the query stream of the newest position
 runs through the layers (its input is ``g^{offset}_t``), and each layer reads keys/values from the fixed
 memory rows (its own input norm, optional per-depth projection, k/v projections, RoPE at the row's
@@ -192,7 +192,7 @@ def _equal_split(num_layers: int, n: int) -> list[int]:
 
 
 def default_anchors(boundaries: list[int]) -> list[list[int]]:
-    """SPEC default: ``anchors[0] = [0]``, ``anchors[d] = [0, b[d] // 2, b[d]]``."""
+    """The default (docs/method.md §2): ``anchors[0] = [0]``, ``anchors[d] = [0, b[d] // 2, b[d]]``."""
     return [[0]] + [[0, b // 2, b] for b in boundaries[1:]]
 
 

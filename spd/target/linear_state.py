@@ -3,7 +3,7 @@
 A linear-attention layer (Gated DeltaNet) carries a convolution state (the last ``K`` inputs of its
 causal depthwise conv) and a recurrent state (one ``Dk x Dv`` matrix per value head). Unlike a KV
 cache, neither can be cut back to an earlier length: the state after ``c`` tokens is gone once the
-layer has run token ``c``. A pipeline flush (SPEC section 5) needs exactly that state.
+layer has run token ``c``. A pipeline flush (docs/method.md §5) needs exactly that state.
 
 Rollback design: a **ring of states indexed by length**. Slot ``length % R`` holds the state after
 ``length`` tokens; running ``T`` tokens from length ``l`` writes the new state into slot

@@ -71,7 +71,7 @@ class CaptureSettings:
 
 
 def anchors_for_stages(num_layers: int, stages: list[int]) -> list[int]:
-    """The union of the default anchors (SPEC section 2) of the cuts into each n of ``stages``: the equal cut, or
+    """The union of the default anchors (docs/method.md §2) of the cuts into each n of ``stages``: the equal cut, or
     where n does not divide the layers the balanced one (:func:`spd.target.staging.balanced_boundaries`, as the presets
     for such targets use); other cuts name their anchors with ``--anchors``."""
     from ..heads.speculator import default_anchors

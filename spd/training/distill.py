@@ -1,7 +1,7 @@
 """Distillation of a speculation head from a frozen target: config, batches, loss, evaluation, checkpoints.
 
 The training loop itself is ``train/distill.py``; this module holds the pieces it calls, so that they are
-importable and tested on their own. SPEC section 4 and Appendix A of the paper.
+importable and tested on their own. docs/method.md §4 and Appendix A of the paper.
 
 Shape suffixes: B batch, N positions, D hidden, V vocabulary.
 """
@@ -23,7 +23,7 @@ from ..paths import default_cache_dir, default_testbed_dir
 from ..heads.speculator import Speculator, SpeculatorConfig, default_anchors
 from ..target.staging import StagedModel
 
-VARIANTS = {  # variant -> (schedule, max_depth or None for n); SPEC section 3
+VARIANTS = {  # variant -> (schedule, max_depth or None for n); docs/method.md §3
     "spd": ("input", None),
     "output_state": ("output", None),
     "ppsd": ("output", 1),
@@ -47,7 +47,7 @@ class DistillConfig:
     variant: str = "spd"  # spd | output_state | ppsd | eagle
     draft_steps: int = 8  # eagle: trained for up to this many serial drafts per target forward (--draft-steps m)
     num_layers: int = 1  # L_s
-    anchors: list[list[int]] | None = None  # per depth; default (0, b[k]//2, b[k]) (SPEC section 2)
+    anchors: list[list[int]] | None = None  # per depth; default (0, b[k]//2, b[k]) (docs/method.md §2)
     memory_proj: bool = False  # per-layer per-depth memory projections
     fc_init: str = "random"  # random | deepest (FC_k = identity on its deepest anchor) | scaled (per-anchor std)
     init_from: str | None = None  # start from an existing head (dir or hub id) instead of a fresh one

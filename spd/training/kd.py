@@ -1,4 +1,4 @@
-"""Knowledge-distillation pieces of training: simulated pipeline fills and the chunked KD loss (SPEC section 4).
+"""Knowledge-distillation pieces of training: simulated pipeline fills and the chunked KD loss (docs/method.md §4).
 
 Shape suffixes: B batch, N positions, D hidden, V vocabulary, C positions in a chunk.
 """
