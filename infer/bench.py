@@ -210,7 +210,7 @@ def _bench(args, runs: list[RunSpec]) -> int:
     import torch
     import transformers
 
-    from spd.decoding.engine import PipelineEngine
+    from spd.decoding.factory import DecodingSpec, build_engine
     from spd.heads.loading import load_speculator
     from spd.target.staging import StagedModel, load_tokenizer, split_layers
 
@@ -233,15 +233,13 @@ def _bench(args, runs: list[RunSpec]) -> int:
     # uneven n = 4 head runs the head's pipeline), else the equal one.
     head_cuts = {len(b) - 1: b for b in (_head_boundaries(r.head or r.source) for r in runs if r.mode in ("spd", "tree"))
                  if b is not None}
-    engines: dict[str, PipelineEngine] = {}
+    engines: dict[str, object] = {}
     info: dict[str, dict] = {}
     for run in runs:
         if run.mode == "sd":
-            from spd.decoding.sd import build_sd_engine
-
             head = load_speculator(run.source) if _is_head(run.source) else None
-            engines[run.name] = build_sd_engine(staged(1), tokenizer, None if head else run.source, None,
-                                                run.draft_steps, torch.float32, "cpu", head=head)
+            spec = DecodingSpec("sd", draft_model=None if head else run.source, draft_steps=run.draft_steps)
+            engines[run.name] = build_engine(spec, staged(1), head, tokenizer)
             info[run.name] = {"mode": "sd", "stages": 1, "head": run.source if head else None,
                               "draft": None if head else run.source, "draft_steps": run.draft_steps,
                               "variant": f"sd-{'eagle' if head else 'draft'} m={run.draft_steps}",
@@ -254,7 +252,7 @@ def _bench(args, runs: list[RunSpec]) -> int:
         head = load_speculator(run.head) if run.head else None
         n = head.config.n_stages if head is not None else run.stages
         cut = head.config.boundaries if head is not None else run.boundaries or head_cuts.get(n)
-        engines[run.name] = PipelineEngine(staged(n, cut), head, tokenizer)
+        engines[run.name] = build_engine(DecodingSpec(run.mode), staged(n, cut), head, tokenizer)
         n = engines[run.name].staged.n_stages
         variant = "ar" if run.mode == "ar" else "pp" if head is None else (
             "ppsd" if head.config.max_depth == 1 else f"spd-{head.config.schedule}")
@@ -263,7 +261,7 @@ def _bench(args, runs: list[RunSpec]) -> int:
                           "speculator_layers": head.config.num_layers if head is not None else 0}
     if "ar" not in {r.mode for r in runs} and 0.0 in args.temperatures:
         runs.append(RunSpec("ar", "ar"))  # the lossless reference at T=0
-        engines["ar"] = PipelineEngine(base, None, tokenizer)
+        engines["ar"] = build_engine(DecodingSpec("ar"), base, None, tokenizer)
         info["ar"] = {"mode": "ar", "stages": 1, "head": None, "variant": "ar", "speculator_layers": 0}
 
     results: dict[str, dict] = {}
@@ -362,22 +360,17 @@ def _is_head(source: str) -> bool:
 
 def _tree_run(run: RunSpec, staged, tokenizer, max_width: int = 8):
     """The tree engine of a ``tree:SOURCE:N:W:K[:RULE]`` run and its info row."""
+    import torch
+
+    from spd.decoding.factory import DecodingSpec, build_engine
     from spd.heads.loading import load_speculator
-    from spd.target.staging import StagedModel, load_tokenizer
-    from spd.decoding.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
 
     is_head = _is_head(run.source)
-    if is_head:
-        head = load_speculator(run.source)
-        source, kind, layers = SpdHeadSource(head, staged, run.children), "spd", head.config.num_layers
-    else:
-        draft = StagedModel.from_pretrained(run.source, n_stages=1)
-        try:
-            draft_tokenizer = load_tokenizer(run.source)
-        except SpdInputError:
-            draft_tokenizer = None
-        source, kind, layers = DraftModelSource(draft, staged, run.children, tokenizer, draft_tokenizer), "draft", 0
-    engine = TreeEngine(staged, source, run.width, tokenizer, candidates=run.candidates, max_width=max_width)
+    head = load_speculator(run.source) if is_head else None
+    spec = DecodingSpec("tree", draft_model=None if is_head else run.source, tree_width=run.width,
+                        tree_children=run.children, tree_candidates=run.candidates, tree_max_width=max_width)
+    engine = build_engine(spec, staged, head, tokenizer, torch.float32, "cpu")
+    kind, layers = ("spd", head.config.num_layers) if is_head else ("draft", 0)
     info = {"mode": "tree", "stages": run.stages, "head": run.source if is_head else None,
             "draft": None if is_head else run.source, "width": run.width, "children": run.children,
             "candidates": run.candidates, "max_width": max_width if run.width == "auto" else None,

@@ -311,7 +311,7 @@ def run(args) -> int:
         check_model_source(args.draft_model, "draft model")
     import torch
 
-    from spd.decoding.engine import PipelineEngine
+    from spd.decoding.factory import DecodingSpec, build_engine
     from spd.heads.loading import load_speculator, pipeline_cut
     from spd.target.staging import StagedModel, parse_boundaries
 
@@ -337,15 +337,7 @@ def run(args) -> int:
     if args.speculator is not None:
         head = load_speculator(args.speculator, args.speculator_revision, dtype, args.device, target=staged)
     check_prompt_ids(prompt_ids, staged.vocab_size)
-    if args.mode == "tree":
-        engine = tree_engine(args, staged, head, tokenizer, dtype, args.device)
-    elif args.mode == "sd":
-        from spd.decoding.sd import build_sd_engine
-
-        engine = build_sd_engine(staged, tokenizer, args.draft_model, args.draft_revision, args.draft_steps, dtype,
-                                 args.device, head=head)
-    else:
-        engine = PipelineEngine(staged, head, tokenizer)
+    engine = build_engine(DecodingSpec.of(args), staged, head, tokenizer, dtype, args.device)
     streamer = None if args.json else TokenStreamer(tokenizer, sys.stdout, colour=args.show_acceptance)
     out = engine.generate(prompt_ids, args.max_new_tokens, mode=args.mode, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, on_token=streamer)
@@ -369,15 +361,6 @@ def run(args) -> int:
             line += f"; tree W={stats['width']} K={stats['children']}, mean size {stats['mean_tree_size']:.1f}"
         print(line, file=sys.stderr)
     return 0
-
-
-def tree_engine(args, staged, head, tokenizer, dtype, device, stages=None):
-    """The tree engine for the CLI's flags (draft_model, draft_revision and the tree_* flags)."""
-    from spd.decoding.tree_engine import build_tree_engine
-
-    return build_tree_engine(staged, head, tokenizer, args.draft_model, args.draft_revision, args.tree_width,
-                             args.tree_children, dtype, device, stages, candidates=args.tree_candidates,
-                             max_width=args.tree_max_width)
 
 
 def run_distributed(args, prompt: str | list[int]) -> int:

@@ -149,7 +149,7 @@ def _boundaries(args, n: int) -> list[int] | None:
 
 
 def _driver(args, n: int, config, control, device, dtype) -> None:
-    from spd.decoding.engine import PipelineEngine
+    from spd.decoding.factory import DecodingSpec, build_engine
     from spd.target.staging import load_target_tokenizer
     from spd.runtime import RemoteStages, load_partial
     from spd.heads.loading import load_speculator
@@ -174,12 +174,10 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
     remote = RemoteStages(staged, config, control)
     results: dict[str, list[dict]] = {}
     try:
-        chain = PipelineEngine(staged, head, tokenizer, stages=remote)
+        chain = build_engine(DecodingSpec.of(args, mode="pp"), staged, head, tokenizer, dtype, device, remote)
         tree = None
         if "tree" in args.mode:
-            from infer.generate import tree_engine
-
-            tree = tree_engine(args, staged, head, tokenizer, dtype, device, stages=remote)
+            tree = build_engine(DecodingSpec.of(args, mode="tree"), staged, head, tokenizer, dtype, device, remote)
         for mode in args.mode:
             results[mode] = []
             engine = tree if mode == "tree" else chain

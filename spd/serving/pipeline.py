@@ -151,19 +151,9 @@ def open_pipeline(spec: PipelineSpec) -> Pipeline:
 
 
 def _engine(spec: PipelineSpec, staged, head, tokenizer, dtype, stages=None):
-    from ..decoding.engine import PipelineEngine
-    from ..decoding.tree_engine import build_tree_engine
+    from ..decoding.factory import DecodingSpec, build_engine
 
-    if spec.mode == "sd":
-        from ..decoding.sd import build_sd_engine
-
-        return build_sd_engine(staged, tokenizer, spec.draft_model, spec.draft_revision, spec.draft_steps, dtype,
-                               spec.device, head=head)
-    if spec.mode == "tree":
-        return build_tree_engine(staged, head, tokenizer, spec.draft_model, spec.draft_revision, spec.tree_width,
-                                 spec.tree_children, dtype, spec.device, stages, candidates=spec.tree_candidates,
-                                 max_width=spec.tree_max_width)
-    return PipelineEngine(staged, head, tokenizer, stages=stages)
+    return build_engine(DecodingSpec.of(spec), staged, head, tokenizer, dtype, spec.device, stages)
 
 
 def _open_distributed(spec: PipelineSpec, n: int, boundaries: list[int] | None, dtype: torch.dtype,

@@ -1,0 +1,49 @@
+"""The one engine factory every caller uses: each mode gets its engine, and the engines it builds are lossless."""
+
+import pytest
+
+from conftest import tiny_model
+from spd.decoding.engine import PipelineEngine
+from spd.decoding.factory import DecodingSpec, build_engine
+from spd.decoding.generation import generate_ar
+from spd.decoding.sd import SpeculativeDecoder
+from spd.decoding.tree_engine import TreeEngine
+from spd.errors import SpdInputError
+from spd.target.staging import StagedModel
+from spd.training.distill import DistillConfig, new_head
+
+
+@pytest.fixture(scope="module")
+def staged():
+    return StagedModel(tiny_model("llama", layers=4), n_stages=2)
+
+
+def test_every_mode_gets_its_engine_and_stays_lossless(staged):
+    head = new_head(staged, DistillConfig(n_stages=2)).eval()
+    whole = StagedModel(staged.model, n_stages=1)  # serial drafting verifies on the whole target
+    eagle = new_head(whole, DistillConfig(variant="eagle", draft_steps=3)).eval()
+    prompt = [3, 17, 9, 41]
+    ar = generate_ar(staged, prompt, 12).token_ids
+    for spec, source, kind in [(DecodingSpec("ar"), None, PipelineEngine), (DecodingSpec("pp"), None, PipelineEngine),
+                               (DecodingSpec("spd"), head, PipelineEngine),
+                               (DecodingSpec("tree", tree_width=2, tree_children=2), head, TreeEngine),
+                               (DecodingSpec("sd", draft_steps=3), eagle, SpeculativeDecoder)]:
+        engine = build_engine(spec, whole if spec.mode == "sd" else staged, source, None)
+        assert isinstance(engine, kind), spec.mode
+        assert engine.generate(prompt, 12, mode=spec.mode).token_ids == ar, spec.mode
+
+
+def test_settings_come_from_any_object_with_the_flag_names():
+    class Flags:
+        mode, tree_width, tree_children, draft_steps, unrelated = "tree", "auto", 3, 5, "x"
+
+    spec = DecodingSpec.of(Flags(), tree_max_width=6)
+    assert (spec.mode, spec.tree_width, spec.tree_children, spec.draft_steps, spec.tree_max_width) == \
+        ("tree", "auto", 3, 5, 6)
+
+
+def test_bad_modes_are_one_clear_error(staged):
+    with pytest.raises(SpdInputError, match="'beam' is not a decoding mode; expected one of ar, pp, spd, tree, sd"):
+        build_engine(DecodingSpec("beam"), staged, None, None)
+    with pytest.raises(SpdInputError, match="--mode sd runs the whole target in one process"):
+        build_engine(DecodingSpec("sd", draft_model="x"), staged, None, None, stages=object())
