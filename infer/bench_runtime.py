@@ -70,7 +70,7 @@ def run_world(args, source: list[str], mode: str, n: int, out: Path) -> dict:
 
     tree = ["--tree-width", str(args.tree_width), "--tree-children", str(args.tree_children)] if mode == "tree" else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n + 1), "--master-port",
-           str(free_port()), "-m", "infer.run_pipeline", "--target", args.target, *source, *tree,
+           str(free_port()), "-m", "spd.cli.run_pipeline", "--target", args.target, *source, *tree,
            "--mode", mode, "pp", "--prompts", args.prompts_file, "--num-prompts", str(args.num_prompts),
            *(["--chat"] if args.chat else []),
            "--max-new-tokens", str(args.max_new_tokens), "--emulate-stage-ms", str(args.emulate_stage_ms),

@@ -30,11 +30,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class ServerProcess:
-    """``spd-serve`` (``python -m infer.serve``) in its own process on a free port; ``url`` once it listens."""
+    """``spd-serve`` (``python -m spd.cli.serve``) in its own process on a free port; ``url`` once it listens."""
 
     def __init__(self, *args: str, timeout: float = 300, threads: int = 1):
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "infer.serve", "--port", "0", *args], cwd=REPO, env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "spd.cli.serve", "--port", "0", *args], cwd=REPO, env=env,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         self.url = None

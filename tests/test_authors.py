@@ -92,7 +92,7 @@ def test_loaded_through_every_entry_point(tmp_path):
     assert engine.staged.n_stages == 4
     out = engine.generate(rec["prompt_ids"], rec["max_new_tokens"])
     assert out.token_ids == rec["output_ids"]
-    proc = _cli("-m", "infer.generate", "--target", str(target), "--mode", "spd", "--speculator",
+    proc = _cli("-m", "spd.cli.generate", "--target", str(target), "--mode", "spd", "--speculator",
                 str(_head_file(name)), "--prompt-ids", ",".join(map(str, rec["prompt_ids"])), "--max-new-tokens",
                 str(rec["max_new_tokens"]), "--json")
     assert proc.returncode == 0, proc.stderr
@@ -124,7 +124,7 @@ def test_hub_reference_resolves_through_an_offline_hub_cache(tmp_path):
     shutil.copy(_head_file(name), entry / "snapshots" / commit / "Qwen3-tiny_s4_l1.pt")
     rec = next(r for r in EXPECTED["generate"] if r["head"] == name and r["use_deepest_effective"])
     env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    args = ["-m", "infer.generate", "--target", str(FIXTURES / "targets" / "qwen3"), "--mode", "spd",
+    args = ["-m", "spd.cli.generate", "--target", str(FIXTURES / "targets" / "qwen3"), "--mode", "spd",
             "--prompt-ids", ",".join(map(str, rec["prompt_ids"])), "--max-new-tokens", str(rec["max_new_tokens"]),
             "--json"]
     proc = _cli(*args, "--speculator", "hf://spd-tests/authors-heads@v10/Qwen3-tiny_s4_l1.pt", env=env)
@@ -143,9 +143,9 @@ def test_hub_reference_resolves_through_an_offline_hub_cache(tmp_path):
 
 @pytest.mark.parametrize("name", ["v10_qwen3_n8_l2_draft", "v11_qwen35_n4_l1"])
 def test_converter_round_trip_is_bit_exact(tmp_path, name):
-    proc = _cli("-m", "infer.convert", str(_head_file(name)), str(tmp_path / "dir"))
+    proc = _cli("-m", "spd.cli.convert", str(_head_file(name)), str(tmp_path / "dir"))
     assert proc.returncode == 0, proc.stderr
-    proc = _cli("-m", "infer.convert", str(tmp_path / "dir"), str(tmp_path / "back.pt"))
+    proc = _cli("-m", "spd.cli.convert", str(tmp_path / "dir"), str(tmp_path / "back.pt"))
     assert proc.returncode == 0, proc.stderr
     a = torch.load(_head_file(name), weights_only=True)
     b = torch.load(tmp_path / "back.pt", weights_only=True)
@@ -174,7 +174,7 @@ def test_our_head_in_their_layout_computes_what_ours_does(tmp_path):
         for layer in head.layers:
             layer.q_norm.weight.uniform_(0.5, 1.5)
     head.save_pretrained(tmp_path / "ours")
-    proc = _cli("-m", "infer.convert", str(tmp_path / "ours"), str(tmp_path / "theirs.pt"), "--target",
+    proc = _cli("-m", "spd.cli.convert", str(tmp_path / "ours"), str(tmp_path / "theirs.pt"), "--target",
                 str(FIXTURES / "targets" / "qwen3"))
     assert proc.returncode == 0, proc.stderr
     theirs = load_authors_head(str(tmp_path / "theirs.pt"), staged)
@@ -192,15 +192,15 @@ def test_converter_refuses_what_their_layout_cannot_express(tmp_path, tiny_testb
 
     staged = _staged("qwen3", 4)
     new_head(staged, DistillConfig(n_stages=4, num_layers=2)).save_pretrained(tmp_path / "deep")
-    proc = _cli("-m", "infer.convert", str(tmp_path / "deep"), str(tmp_path / "x.pt"), "--target",
+    proc = _cli("-m", "spd.cli.convert", str(tmp_path / "deep"), str(tmp_path / "x.pt"), "--target",
                 str(FIXTURES / "targets" / "qwen3"))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "it has 2 layers" in proc.stderr
     llama = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=4)
     new_head(llama, DistillConfig(n_stages=4)).save_pretrained(tmp_path / "llama")
-    proc = _cli("-m", "infer.convert", str(tmp_path / "llama"), str(tmp_path / "x.pt"), "--target",
+    proc = _cli("-m", "spd.cli.convert", str(tmp_path / "llama"), str(tmp_path / "x.pt"), "--target",
                 str(tiny_testbed / "target"))
     assert proc.returncode == 2 and "no q/k norms" in proc.stderr and "Traceback" not in proc.stderr
-    proc = _cli("-m", "infer.convert", str(tmp_path / "llama"), str(tmp_path / "x.pt"))
+    proc = _cli("-m", "spd.cli.convert", str(tmp_path / "llama"), str(tmp_path / "x.pt"))
     assert proc.returncode == 2 and "--target" in proc.stderr
 
 
@@ -265,7 +265,7 @@ def test_bad_files_in_the_cli_are_one_error_line(tmp_path):
     bad = _bad_files(tmp_path)
     # One spd-generate per bad file, two at a time (each spends its time importing torch and transformers).
     procs = two_at_a_time(lambda path: _cli(
-        "-m", "infer.generate", "--target", str(FIXTURES / "targets" / "qwen3"), "--mode", "spd", "--stages", "4",
+        "-m", "spd.cli.generate", "--target", str(FIXTURES / "targets" / "qwen3"), "--mode", "spd", "--stages", "4",
         "--speculator", str(path), "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "4"), [p for p, _ in bad.values()])
     for (kind, (_, message)), proc in zip(bad.items(), procs):
         assert proc.returncode == 2, (kind, proc.stderr)
@@ -292,7 +292,7 @@ def test_training_forward_top1_per_fill_reproduces_the_authors_code(name):
 def test_distributed_runtime_with_an_authors_head_on_a_hybrid_target():
     """Stage processes with linear-attention rings; rank 0 runs their head: the same tokens and flags."""
     rec = next(r for r in EXPECTED["generate"] if r["head"] == "v11_qwen35_n4_l1" and r["prompt_index"] == 0)
-    proc = _cli("-m", "infer.generate", "--target", str(FIXTURES / "targets" / "qwen35"), "--mode", "spd",
+    proc = _cli("-m", "spd.cli.generate", "--target", str(FIXTURES / "targets" / "qwen35"), "--mode", "spd",
                 "--speculator", str(_head_file("v11_qwen35_n4_l1")), "--prompt-ids", ",".join(map(str, rec["prompt_ids"])),
                 "--max-new-tokens", str(rec["max_new_tokens"]), "--runtime", "distributed", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -304,7 +304,7 @@ def test_distributed_runtime_with_an_authors_head_on_a_hybrid_target():
 
 def test_tree_mode_refuses_hybrid_targets_and_authors_heads_in_one_line():
     qwen35, qwen3 = FIXTURES / "targets" / "qwen35", FIXTURES / "targets" / "qwen3"
-    common = ["-m", "infer.generate", "--mode", "tree", "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "4"]
+    common = ["-m", "spd.cli.generate", "--mode", "tree", "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "4"]
     proc = _cli(*common, "--target", str(qwen35), "--draft-model", str(qwen3), "--stages", "4")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "tree mode does not support targets with linear-attention layers" in proc.stderr

@@ -18,7 +18,7 @@ def _cli() -> list[str]:
     if script.exists():
         return [str(script)]
     found = shutil.which("spd-generate")
-    return [found] if found else [sys.executable, "-m", "infer.generate"]
+    return [found] if found else [sys.executable, "-m", "spd.cli.generate"]
 
 
 def spd_generate(*args: str) -> subprocess.CompletedProcess:

@@ -66,7 +66,7 @@ def test_convert_replaces_its_own_output_and_refuses_a_file(tmp_path):
 
 def test_convert_cli_into_the_current_directory_is_one_error_line(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
-    proc = _cli("-m", "infer.convert", str(HEAD), ".", cwd=tmp_path)
+    proc = _cli("-m", "spd.cli.convert", str(HEAD), ".", cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.splitlines() == ["error: the output directory '.' already holds files that spd-convert did not "
                                         "write; pass a new directory, or --force to write config.json and "

@@ -46,7 +46,7 @@ def test_distill_cli_nan_is_one_error_line(tmp_path):
     (["--emulate-link-ms", "inf"], "--emulate-link-ms must be a finite number >= 0, got inf"),
 ])
 def test_run_pipeline_bad_numbers_are_one_error_line(args, message):
-    proc = subprocess.run([sys.executable, "-m", "infer.run_pipeline", "--prompt", "x", *args], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "spd.cli.run_pipeline", "--prompt", "x", *args], capture_output=True,
                           text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"error: {message}"], proc.stderr
 
@@ -76,7 +76,7 @@ def test_authors_config_with_a_huge_layer_count_is_one_error_line_in_the_cli(tmp
     good = torch.load(AUTHORS_HEAD, weights_only=True)
     torch.save({"state_dict": good["state_dict"], "config": {**good["config"], "num_spec_layers": 100000}},
                tmp_path / "huge.pt")
-    proc = subprocess.run([sys.executable, "-m", "infer.generate", "--target",
+    proc = subprocess.run([sys.executable, "-m", "spd.cli.generate", "--target",
                            str(REPO / "tests" / "fixtures" / "authors" / "targets" / "qwen3"), "--mode", "spd",
                            "--stages", "4", "--speculator", str(tmp_path / "huge.pt"), "--prompt-ids", "5,6,7",
                            "--max-new-tokens", "2"], capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -161,7 +161,7 @@ def test_a_hostile_header_from_a_real_peer_is_refused_without_allocating():
 def test_a_local_world_started_without_a_launcher_runs_on_loopback(tiny_testbed):
     """Three processes given only MASTER_ADDR=127.0.0.1 and a port: rank 0 serves the store on loopback."""
     port = free_port()
-    cmd = [sys.executable, "-m", "infer.run_pipeline", "--target", str(tiny_testbed / "target"), "--mode", "pp",
+    cmd = [sys.executable, "-m", "spd.cli.run_pipeline", "--target", str(tiny_testbed / "target"), "--mode", "pp",
            "--stages", "2", "--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--json", "--timeout-s", "60"]
     procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**local_world_env(port), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "3",

@@ -45,7 +45,7 @@ def heads(tiny_testbed, tmp_path_factory) -> dict[int, Path]:
 
 def _torchrun(n: int, *args: str, timeout: int = 400, **popen) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n + 1), "--master-port",
-           str(_port()), "-m", "infer.run_pipeline", *args]
+           str(_port()), "-m", "spd.cli.run_pipeline", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env, **popen)
 
@@ -254,7 +254,7 @@ def test_killed_stage_makes_every_rank_exit_cleanly(tiny_testbed, heads, tmp_pat
     # 0.1 s) leaves them the time to notice the loss themselves, which is what this test checks.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "5", "--master-port", str(_port()),
            "--monitor-interval", "10",
-           "-m", "infer.run_pipeline", "--target", str(tiny_testbed / "target"), "--speculator", str(heads[4]),
+           "-m", "spd.cli.run_pipeline", "--target", str(tiny_testbed / "target"), "--speculator", str(heads[4]),
            "--mode", "spd", marker, "--max-new-tokens", "64", "--emulate-stage-ms", "20", "--timeout-s", "20"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     with log.open("w") as err:

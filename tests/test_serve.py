@@ -379,7 +379,7 @@ def _wait_gone(pids: list[int]) -> None:
 
 
 def _stage_pids(parent: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(parent), "-f", "infer.run_pipeline"], capture_output=True, text=True)
+    out = subprocess.run(["pgrep", "-P", str(parent), "-f", "spd.cli.run_pipeline"], capture_output=True, text=True)
     return sorted(int(p) for p in out.stdout.split())
 
 
@@ -409,7 +409,7 @@ def _alive(pid: int) -> bool:
     (["--api-key", " "], "API key (--api-key or SPD_API_KEY) is empty"),
 ])
 def test_cli_bad_flags_one_line_exit_2(tiny_testbed, args, needle):
-    proc = subprocess.run([sys.executable, "-m", "infer.serve", "--target", str(tiny_testbed / "target"), *args],
+    proc = subprocess.run([sys.executable, "-m", "spd.cli.serve", "--target", str(tiny_testbed / "target"), *args],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()

@@ -100,7 +100,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tiny_testbed):
-    server = Server("-m", "infer.serve", "--target", str(tiny_testbed / "target"), "--mode", "pp", "--stages", "2",
+    server = Server("-m", "spd.cli.serve", "--target", str(tiny_testbed / "target"), "--mode", "pp", "--stages", "2",
                     "--api-key", KEY, "--max-body-bytes", str(MAX_BODY), "--max-model-len", str(MAX_MODEL_LEN))
     response = server.complete()
     assert response.status_code == 200, response.text
@@ -346,7 +346,7 @@ def test_65_concurrent_streams_then_disconnects(server):
 def test_a_dead_engine_thread_fails_health_and_requests_not_hangs(tiny_testbed):
     # --idle-ping-s -1 used to be accepted and killed the engine thread at its first wait; the flag is refused
     # now (test_serve.py), so the same death is brought about through the Python API, as before the fix.
-    script = ("import sys; from infer.serve import build_parser, serve; args = build_parser().parse_args("
+    script = ("import sys; from spd.cli.serve import build_parser, serve; args = build_parser().parse_args("
               "sys.argv[1:]); args.idle_ping_s = -1.0; sys.exit(serve(args))")
     # The key comes from the environment here (SPD_API_KEY), as a deployment would pass it.
     server = Server("-c", script, "--target", str(tiny_testbed / "target"), env={"SPD_API_KEY": KEY})
@@ -425,12 +425,12 @@ def _signal_then_all_gone(proc: subprocess.Popen, wanted: int, needle: str, with
 def test_a_server_stopped_while_loading_leaves_no_stage_process(tiny_testbed, sig):
     # The stage processes start as soon as rank 0's layers are loaded; the signal lands while they load and join.
     # SIGTERM: the server stops them on its way out; SIGKILL runs no handler: their parent-death signal does it.
-    proc = subprocess.Popen([sys.executable, "-m", "infer.serve", "--target", str(tiny_testbed / "target"),
+    proc = subprocess.Popen([sys.executable, "-m", "spd.cli.serve", "--target", str(tiny_testbed / "target"),
                              "--mode", "pp", "--stages", "2", "--runtime", "distributed", "--port", "0"],
                             cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        _signal_then_all_gone(proc, 2, "infer.run_pipeline", sig=sig)
+        _signal_then_all_gone(proc, 2, "spd.cli.run_pipeline", sig=sig)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -438,13 +438,13 @@ def test_a_server_stopped_while_loading_leaves_no_stage_process(tiny_testbed, si
 
 
 def test_sigterm_to_spd_generate_distributed_stops_its_ranks(tiny_testbed):
-    proc = subprocess.Popen([sys.executable, "-m", "infer.generate", "--target", str(tiny_testbed / "target"),
+    proc = subprocess.Popen([sys.executable, "-m", "spd.cli.generate", "--target", str(tiny_testbed / "target"),
                              "--mode", "pp", "--stages", "2", "--runtime", "distributed", "--prompt", "x",
                              "--max-new-tokens", "200", "--emulate-stage-ms", "50"],
                             cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        _signal_then_all_gone(proc, 3, "infer.run_pipeline")  # ranks 0..2
+        _signal_then_all_gone(proc, 3, "spd.cli.run_pipeline")  # ranks 0..2
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -457,7 +457,7 @@ def test_spd_generate_distributed_listens_on_loopback_only(tiny_testbed):
 
     if shutil.which("ss") is None:
         pytest.skip("needs the ss command (iproute2)")
-    proc = subprocess.Popen([sys.executable, "-m", "infer.generate", "--target", str(tiny_testbed / "target"),
+    proc = subprocess.Popen([sys.executable, "-m", "spd.cli.generate", "--target", str(tiny_testbed / "target"),
                              "--mode", "pp", "--stages", "2", "--runtime", "distributed", "--prompt", "x",
                              "--max-new-tokens", "200", "--emulate-stage-ms", "50"],
                             cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,

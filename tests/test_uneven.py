@@ -75,13 +75,13 @@ def test_cli_and_bench_take_boundaries(tmp_path):
     staged.model.save_pretrained(tmp_path / "target")
     target, ids = str(tmp_path / "target"), "5,17,3,99"
     common = ["--target", target, "--prompt-ids", ids, "--max-new-tokens", "12", "--json"]
-    ar = json.loads(run_script("infer/generate.py", *common).stdout)
-    pp = json.loads(run_script("infer/generate.py", *common, "--mode", "pp", "--boundaries", "2,4,6").stdout)
-    spd = json.loads(run_script("infer/generate.py", *common, "--mode", "spd", "--speculator",
+    ar = json.loads(run_script("spd/cli/generate.py", *common).stdout)
+    pp = json.loads(run_script("spd/cli/generate.py", *common, "--mode", "pp", "--boundaries", "2,4,6").stdout)
+    spd = json.loads(run_script("spd/cli/generate.py", *common, "--mode", "spd", "--speculator",
                                 str(tmp_path / "head")).stdout)
     assert pp["token_ids"] == spd["token_ids"] == ar["token_ids"]
     assert pp["stats"]["stages"] == spd["stats"]["stages"] == 4
-    bad = run_script("infer/generate.py", *common, "--mode", "pp", "--stages", "4", check=False)
+    bad = run_script("spd/cli/generate.py", *common, "--mode", "pp", "--stages", "4", check=False)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: 4 stages do not divide")
 
 
@@ -114,8 +114,8 @@ def test_distributed_runtime_takes_boundaries(tiny_testbed):
     """--runtime distributed over an uneven cut: each stage process loads its own layers; the tokens are ar's."""
     common = ["--target", str(tiny_testbed / "target"), "--prompt", "def main(argv):", "--max-new-tokens", "12",
               "--json"]
-    ar = json.loads(run_script("infer/generate.py", *common).stdout)
-    pp = json.loads(run_script("infer/generate.py", *common, "--mode", "pp", "--boundaries", "3,5",
+    ar = json.loads(run_script("spd/cli/generate.py", *common).stdout)
+    pp = json.loads(run_script("spd/cli/generate.py", *common, "--mode", "pp", "--boundaries", "3,5",
                                "--runtime", "distributed").stdout)
     assert pp["token_ids"] == ar["token_ids"] and pp["stats"]["stages"] == 3
 

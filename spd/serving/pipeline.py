@@ -3,7 +3,7 @@
 :class:`Pipeline` owns the engine (chain or tree) and is used from one thread only (the scheduler's). With
 ``runtime="distributed"`` this process is rank 0 of a ``torch.distributed`` world (embedding, LM head, the
 head or draft model, verification) and ``n`` stage processes are started once, each loading only its own
-layers (``python -m infer.run_pipeline`` as a stage rank, spd/runtime.py); every request is a new epoch on
+layers (``python -m spd.cli.run_pipeline`` as a stage rank, spd/runtime.py); every request is a new epoch on
 the same processes (the stages reset their caches at each prefill). Between requests the driver pings the
 stages, whose waits have a timeout. A stage process that exits makes :meth:`Pipeline.lost` say so; a lost
 pipeline is not restarted (the stages' process group cannot be re-formed in this process), the server says
@@ -175,7 +175,7 @@ def _open_distributed(spec: PipelineSpec, n: int, boundaries: list[int] | None, 
             if spec.speculator else None)
     port = free_port()
     env = {**local_world_env(port), "WORLD_SIZE": str(n + 1), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    cmd = [sys.executable, "-m", "infer.run_pipeline", "--target", spec.target, "--stages", str(n),
+    cmd = [sys.executable, "-m", "spd.cli.run_pipeline", "--target", spec.target, "--stages", str(n),
            "--dtype", spec.dtype, "--backend", backend, "--timeout-s", str(spec.timeout_s),
            "--emulate-stage-ms", str(spec.emulate_stage_ms), "--emulate-link-ms", str(spec.emulate_link_ms)]
     if spec.revision is not None:

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from spd.errors import SpdInputError
-from infer.generate import _finite_float, _Parser, _positive_int, _quiet_libraries, add_model_flags, check_model_flags
+from spd.cli.generate import _finite_float, _Parser, _positive_int, _quiet_libraries, add_model_flags, check_model_flags
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="write over an existing output spd-convert did not write (only its own file names are "
                         "replaced; nothing else is removed)")
     args = p.parse_args(argv)
-    from infer.generate import _quiet_libraries
+    from spd.cli.generate import _quiet_libraries
     from spd.heads.published.convert import (check_output_file, head_to_authors_file, to_authors_file,
                                        to_directory)
 

@@ -364,7 +364,7 @@ def run(args) -> int:
 
 
 def run_distributed(args, prompt: str | list[int]) -> int:
-    """Check the request here, then start ``stages + 1`` processes of infer/run_pipeline.py (one per rank)."""
+    """Check the request here, then start ``stages + 1`` processes of spd/cli/run_pipeline.py (one per rank)."""
     import os
     import subprocess
 
@@ -388,7 +388,7 @@ def run_distributed(args, prompt: str | list[int]) -> int:
     stages = stages or 1
     from spd.runtime import free_port, local_world_env
 
-    cmd = [sys.executable, "-m", "infer.run_pipeline",
+    cmd = [sys.executable, "-m", "spd.cli.run_pipeline",
            "--target", args.target, "--mode", args.mode, "--stages", str(stages),
            *(["--prompt-ids", ",".join(map(str, prompt))] if isinstance(prompt, list) else ["--prompt", prompt]),
            "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature),

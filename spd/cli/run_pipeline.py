@@ -1,8 +1,8 @@
 """The distributed pipeline runtime as a program: one process per stage plus rank 0 (spd/runtime.py).
 
-    torchrun --nproc-per-node 5 -m infer.run_pipeline --target testbed/target \\
+    torchrun --nproc-per-node 5 -m spd.cli.run_pipeline --target testbed/target \\
         --speculator runs/testbed-n4/final --mode spd --prompt "import os" --json
-    torchrun --nproc-per-node 5 -m infer.run_pipeline --mode spd pp --prompts testbed/prompts.jsonl \\
+    torchrun --nproc-per-node 5 -m spd.cli.run_pipeline --mode spd pp --prompts testbed/prompts.jsonl \\
         --num-prompts 20 --emulate-stage-ms 20 --emulate-link-ms 1 --out runtime.json
 
 ``spd-generate --runtime distributed --stages N`` spawns the same program locally. The world size must
@@ -197,7 +197,7 @@ def _prompts(args, tokenizer) -> list[list[int]]:
     if sum(x is not None for x in (args.prompt, args.prompt_ids, args.prompts)) != 1:
         raise SpdInputError("give exactly one of --prompt TEXT, --prompt-ids IDS and --prompts FILE")
     if args.prompt_ids is not None:
-        from infer.generate import parse_prompt_ids
+        from spd.cli.generate import parse_prompt_ids
 
         if args.chat:
             raise SpdInputError("--chat wraps a text prompt in the chat template; it cannot be used with --prompt-ids")
@@ -238,7 +238,7 @@ def _report(args, tokenizer, results: dict[str, list[dict]], n: int) -> None:
             text = tokenizer.decode(record["token_ids"], skip_special_tokens=True) if tokenizer is not None else None
             print(json.dumps({"text": text, "token_ids": record["token_ids"], "stats": record["stats"]}), flush=True)
         else:
-            from infer.generate import TokenStreamer
+            from spd.cli.generate import TokenStreamer
 
             s = record["stats"]
             # The same output as spd-generate's streamer, written once the request is done.
