@@ -1,4 +1,4 @@
-"""Round-trip time of one runtime message between two processes (spd.runtime.Link over gloo).
+"""Round-trip time of one runtime message between two processes (spd.runtime.link.Link over gloo).
 
     torchrun --nproc-per-node 2 -m infer.bench_link [--rounds 2000] [--hidden 128] [--rows 1]
 
@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from spd.runtime import DATA_TAG, TOKEN, Link, RuntimeConfig
+    from spd.runtime.link import Link
+    from spd.runtime.protocol import DATA_TAG, TOKEN, RuntimeConfig
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

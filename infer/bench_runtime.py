@@ -66,7 +66,7 @@ def run_world(args, source: list[str], mode: str, n: int, out: Path) -> dict:
 
     ``source`` is the token source's flags (``--speculator DIR`` or ``--draft-model DIR``).
     """
-    from spd.runtime import free_port
+    from spd.runtime.world import free_port
 
     tree = ["--tree-width", str(args.tree_width), "--tree-children", str(args.tree_children)] if mode == "tree" else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n + 1), "--master-port",

@@ -6,7 +6,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from spd.runtime import DATA_TAG, STOP, TOKEN, Link, RuntimeConfig
+from spd.runtime.link import Link
+from spd.runtime.protocol import DATA_TAG, STOP, TOKEN, RuntimeConfig
 
 
 def messages(hidden: int, inline: int, dtype: torch.dtype):

@@ -11,8 +11,10 @@ import torch
 from conftest import REPO
 from spd.training.distill import load_config
 from spd.errors import SpdInputError
-from spd.runtime import (DATA_TAG, HEADER, TOKEN, Link, PipelineLost, RuntimeConfig, bind_local_world,
-                         check_level_extra, free_port, local_world_env, loopback_interface, pack_level)
+from spd.runtime.link import Link
+from spd.runtime.protocol import DATA_TAG, HEADER, TOKEN, PipelineLost, RuntimeConfig
+from spd.runtime.stage import check_level_extra, pack_level
+from spd.runtime.world import bind_local_world, free_port, local_world_env, loopback_interface
 
 AUTHORS_HEAD = REPO / "tests" / "fixtures" / "authors" / "heads" / "v10_qwen3_n4_l1.pt"
 

@@ -299,7 +299,7 @@ def test_stage_ranks_load_their_layers_from_the_multimodal_tied_layout(tmp_path)
     """load_partial (one rank's share) on the released checkpoints' layout: model.language_model.*, tied head."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    from spd.runtime import load_partial, materialized_bytes
+    from spd.runtime.loading import load_partial, materialized_bytes
 
     torch.manual_seed(0)
     config = Qwen3_5Config(text_config=tiny_config("qwen3_5", tie_word_embeddings=True).to_dict(),

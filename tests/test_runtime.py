@@ -15,7 +15,8 @@ import torch
 from conftest import REPO, two_at_a_time
 from spd.training.distill import DistillConfig, new_head
 from spd.decoding.engine import PipelineEngine
-from spd.runtime import EpochLog, _level_now, load_partial, materialized_bytes, pack_level
+from spd.runtime.loading import load_partial, materialized_bytes
+from spd.runtime.stage import EpochLog, _level_now, pack_level
 from spd.heads.loading import load_speculator
 from spd.target.staging import StagedModel, load_tokenizer
 from spd.decoding.tree import TokenTree
@@ -51,7 +52,7 @@ def _torchrun(n: int, *args: str, timeout: int = 400, **popen) -> subprocess.Com
 
 
 def _port() -> int:
-    from spd.runtime import free_port
+    from spd.runtime.world import free_port
 
     return free_port()
 

@@ -386,7 +386,7 @@ def run_distributed(args, prompt: str | list[int]) -> int:
             raise SpdInputError(f"the speculator does not fit this target: it was trained for n = "
                                 f"{head_stages} stages but the pipeline has {stages}")
     stages = stages or 1
-    from spd.runtime import free_port, local_world_env
+    from spd.runtime.world import free_port, local_world_env
 
     cmd = [sys.executable, "-m", "spd.cli.run_pipeline",
            "--target", args.target, "--mode", args.mode, "--stages", str(stages),

@@ -1,4 +1,4 @@
-"""The distributed pipeline runtime as a program: one process per stage plus rank 0 (spd/runtime.py).
+"""The distributed pipeline runtime as a program: one process per stage plus rank 0 (spd/runtime/).
 
     torchrun --nproc-per-node 5 -m spd.cli.run_pipeline --target testbed/target \\
         --speculator runs/testbed-n4/final --mode spd --prompt "import os" --json
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--emulate-stage-ms", type=float, default=0.0, help="added compute time per stage per token")
     p.add_argument("--emulate-link-ms", type=float, default=0.0, help="added latency per message")
     p.add_argument("--early-launch", action="store_true",
-                   help="let stage 1 start a proposal before the step that made it is verified (see spd/runtime.py)")
+                   help="let stage 1 start a proposal before the step that made it is verified (see spd/runtime/)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--json", action="store_true")
     p.add_argument("--show-acceptance", action="store_true", help="colour accepted speculations (ANSI green)")
@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from spd.runtime import PipelineLost, RuntimeConfig, init_distributed, local_rank_device
+    from spd.runtime.protocol import PipelineLost, RuntimeConfig
+    from spd.runtime.world import init_distributed, local_rank_device
 
     torch.set_num_threads(args.threads)
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype = getattr(torch, args.dtype)
         _quiet()
         if rank != 0:
-            from spd.runtime import load_partial
+            from spd.runtime.loading import load_partial
 
             # Load before joining: once the world is complete every stage is ready for the first request.
             staged = load_partial(args.target, n, rank, args.revision, dtype, device, _boundaries(args, n))
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             _driver(args, n, config, control, device, dtype)
         else:
-            from spd.runtime import stage_worker
+            from spd.runtime.stage import stage_worker
 
             stage_worker(staged, rank - 1, config, control, device)
         dist.destroy_process_group()
@@ -151,7 +152,8 @@ def _boundaries(args, n: int) -> list[int] | None:
 def _driver(args, n: int, config, control, device, dtype) -> None:
     from spd.decoding.factory import DecodingSpec, build_engine
     from spd.target.staging import load_target_tokenizer
-    from spd.runtime import RemoteStages, load_partial
+    from spd.runtime.loading import load_partial
+    from spd.runtime.remote import RemoteStages
     from spd.heads.loading import load_speculator
 
     if "spd" in args.mode and args.speculator is None:

@@ -147,7 +147,7 @@ class Slot:
 class LocalStages:
     """All ``n`` stages in this process, each with its own KV cache: the reference backend of the engine.
 
-    The engine talks to its stages only through these methods; :class:`spd.runtime.RemoteStages` implements
+    The engine talks to its stages only through these methods; :class:`spd.runtime.remote.RemoteStages` implements
     them over ``torch.distributed`` (one process per stage).
     """
 

@@ -4,7 +4,7 @@ benchmark all call :func:`build_engine`.
 ``ar``, ``pp`` and ``spd`` share :class:`~spd.decoding.engine.PipelineEngine` (the mode picks its loop); ``tree``
 is :class:`~spd.decoding.tree_engine.TreeEngine` with the head of width W or a draft model; ``sd`` is serial
 drafting (:class:`~spd.decoding.sd.SpeculativeDecoder`) with a head trained with variant=eagle or a draft model.
-``stages`` replaces the single-process stages (the runtime's :class:`~spd.runtime.RemoteStages`).
+``stages`` replaces the single-process stages (the runtime's :class:`~spd.runtime.remote.RemoteStages`).
 """
 
 from __future__ import annotations

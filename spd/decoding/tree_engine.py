@@ -319,7 +319,7 @@ class SpdHeadSource:
 
 class LocalTreeStages(LocalStages):
     """All ``n`` stages in this process: the tree engine's reference backend (the chain backend's caches
-    and prefill, plus tree levels). :class:`spd.runtime.RemoteStages` implements the same methods."""
+    and prefill, plus tree levels). :class:`spd.runtime.remote.RemoteStages` implements the same methods."""
 
     def launch_level(self, level: Level, tree: TokenTree, committed: int, early: bool = False) -> None:
         """A level at depth 0 is about to enter stage 1 (``early``: made during this step, before its
@@ -367,7 +367,7 @@ class TreeEngine(OneModeEngine):
         self.policy = width if isinstance(width, (FixedWidth, AdaptiveWidth)) else \
             tree_width(width, source.children, max_width)
         self.width = "auto" if self.policy.adaptive else self.policy.width
-        # Where the stages run: this process (default) or other processes (spd.runtime.RemoteStages).
+        # Where the stages run: this process (default) or other processes (spd.runtime.remote.RemoteStages).
         self.stages = stages if stages is not None else LocalTreeStages(staged)
         b, needed = staged.boundaries, set(source.needed_anchors)
         # Anchors each stage hands to the source: H^l for l in (b[s], b[s+1]] (H^0 is taken at entry).
@@ -589,7 +589,7 @@ def build_tree_engine(staged: StagedModel, head, tokenizer, draft_model: str | N
     """The tree engine with an SPD head of width W, or with a draft model (refused unless it shares the tokenizer).
 
     ``width`` is W or ``"auto"`` (adaptive up to ``max_width``); ``candidates`` the rule at T > 0 (see
-    :class:`TreeEngine`); ``stages`` the stage backend (default: this process; :class:`spd.runtime.RemoteStages`
+    :class:`TreeEngine`); ``stages`` the stage backend (default: this process; :class:`spd.runtime.remote.RemoteStages`
     across processes).
     """
     if head is not None:

@@ -3,7 +3,7 @@
 :class:`Pipeline` owns the engine (chain or tree) and is used from one thread only (the scheduler's). With
 ``runtime="distributed"`` this process is rank 0 of a ``torch.distributed`` world (embedding, LM head, the
 head or draft model, verification) and ``n`` stage processes are started once, each loading only its own
-layers (``python -m spd.cli.run_pipeline`` as a stage rank, spd/runtime.py); every request is a new epoch on
+layers (``python -m spd.cli.run_pipeline`` as a stage rank, spd/runtime/); every request is a new epoch on
 the same processes (the stages reset their caches at each prefill). Between requests the driver pings the
 stages, whose waits have a timeout. A stage process that exits makes :meth:`Pipeline.lost` say so; a lost
 pipeline is not restarted (the stages' process group cannot be re-formed in this process), the server says
@@ -75,7 +75,7 @@ class Pipeline:
                  ignore_eos: bool = False) -> GenerationOutput:
         """One request on the pipeline; EOS as ``model.generate`` (the target's generation config), or none
         with ``ignore_eos``."""
-        from ..runtime import PipelineLost
+        from ..runtime.protocol import PipelineLost
 
         try:
             return self.engine.generate(prompt_ids, max_new_tokens, mode=self.spec.mode, temperature=temperature,
@@ -161,7 +161,10 @@ def _open_distributed(spec: PipelineSpec, n: int, boundaries: list[int] | None, 
     """Rank 0 here, ``n`` stage processes spawned now; a 2-token warm-up request proves the pipeline works."""
     import torch.distributed as dist
 
-    from ..runtime import PipelineLost, RemoteStages, RuntimeConfig, free_port, load_partial, local_world_env
+    from ..runtime.loading import load_partial
+    from ..runtime.protocol import PipelineLost, RuntimeConfig
+    from ..runtime.remote import RemoteStages
+    from ..runtime.world import free_port, local_world_env
     from ..heads.loading import load_speculator
 
     if spec.mode not in ("spd", "pp", "tree"):
@@ -218,7 +221,7 @@ def _join(procs, port: int, n: int, backend: str, timeout_s: float):
 
     import torch.distributed as dist
 
-    from ..runtime import loopback_interface, loopback_store
+    from ..runtime.world import loopback_interface, loopback_store
 
     result: dict = {}
 

@@ -1,0 +1,211 @@
+"""Messages between ranks: :class:`Link` (header, optional int64 extra and hidden states in one send, bounded
+headers, emulated link latency) and :class:`Notices` (a stage's control notices, received on a thread)."""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..errors import first_line
+from .protocol import (CLOSE, CONTROL_TAG, DEFAULT_MAX_TOKENS, DEFAULT_MAX_WIDTH, HEADER, KEPT_INLINE, KEPT_TAG, KINDS,
+                       MAX_EXTRA, MAX_KEPT, NOTICE, NOTICE_KINDS, NOTICE_WAIT, PRUNE, STOP, PipelineLost, RuntimeConfig)
+
+class Link:
+    """Point-to-point messages with epoch bookkeeping, emulated latency and sends that never block.
+
+    A message is one flat byte tensor: the int64 header, then the int64 ``extra`` and the payload (T, W, D),
+    padded to a fixed slot size both sides know, so the receiver can have the next receive posted before the
+    message is sent (a gloo send completes only against a posted receive; posting after the header arrived
+    cost a second round trip per message). Header and payload in one send also halves the number of
+    operations. Extra + payload larger than the slot (a prompt, a wide tree level) follow in a second send
+    whose size the header gives.
+    """
+
+    def __init__(self, rank: int, config: RuntimeConfig, dtype: torch.dtype, device: torch.device, hidden: int,
+                 max_tokens: int | None = None, max_width: int | None = None):
+        self.rank, self.config, self.dtype, self.device, self.hidden = rank, config, dtype, device, hidden
+        # What a peer may announce in a header (check_header): the model's context and rows per token.
+        self.max_tokens = max_tokens or DEFAULT_MAX_TOKENS
+        self.max_width = max_width or DEFAULT_MAX_WIDTH
+        self.itemsize = torch.empty(0, dtype=dtype).element_size()
+        # Room for a token's report (a few anchor rows plus H^L) and a small tree level's extra, inline.
+        self.inline = 6 * hidden * self.itemsize + 4096
+        self.slot = HEADER * 8 + self.inline
+        self._posted: dict[tuple[int, int], tuple[dist.Work, torch.Tensor]] = {}
+        # Gloo completes a send only when the peer has received it and ``wait`` is called; a reaper thread
+        # waits on sends in order (keeping their buffers alive), so the main loop never blocks on a send.
+        self._sends: queue.Queue = queue.Queue()
+        self._send_error: BaseException | None = None
+        self._reaper = threading.Thread(target=self._reap_loop, daemon=True)
+        self._reaper.start()
+
+    def send(self, dst: int, tag: int, kind: int, epoch: int, position: int, payload_TWD: torch.Tensor | None = None,
+             stage: int = 0, extra: torch.Tensor | None = None) -> None:
+        """Send a header, an optional int64 ``extra`` and an optional (T, W, D) payload; never blocks."""
+        length, width = (0, 0) if payload_TWD is None else payload_TWD.shape[:2]
+        header = torch.tensor([kind, epoch, position, length, stage, int(time.time() * 1e6), width,
+                               0 if extra is None else extra.numel()], dtype=torch.long)
+        body = []
+        if extra is not None:
+            body.append(extra.to(torch.long).contiguous().view(torch.uint8).flatten().to(self.device))
+        if payload_TWD is not None:
+            body.append(payload_TWD.to(self.dtype).contiguous().view(torch.uint8).flatten())
+        size = sum(part.numel() for part in body)
+        message = torch.empty(self.slot, dtype=torch.uint8, device=self.device)
+        message[:HEADER * 8] = header.view(torch.uint8).to(self.device)
+        if size <= self.inline:
+            if body:
+                message[HEADER * 8:HEADER * 8 + size] = torch.cat(body)
+            self.post(dist.isend(message, dst, tag=tag), message)
+        else:
+            spill = torch.cat(body)
+            self.post(dist.isend(message, dst, tag=tag), message)
+            self.post(dist.isend(spill, dst, tag=tag), spill)
+
+    def post(self, work: dist.Work, buffer: torch.Tensor) -> None:
+        """Hand a started send to the reaper."""
+        if self._send_error is not None:
+            raise PipelineLost(f"rank {self.rank}: a send failed ({first_line(self._send_error)})")
+        self._sends.put((work, buffer))
+
+    def _post_recv(self, src: int, tag: int) -> None:
+        buffer = torch.empty(self.slot, dtype=torch.uint8, device=self.device)
+        self._posted[(src, tag)] = (dist.irecv(buffer, src, tag=tag), buffer)
+
+    def recv(self, src: int, tag: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Receive one message: (header, extra or None, payload (T, W, D) or None), after the emulated latency."""
+        if (src, tag) not in self._posted:
+            self._post_recv(src, tag)
+        work, message = self._posted.pop((src, tag))
+        self._wait(work, src)
+        header = message[:HEADER * 8].cpu().view(torch.long).clone()
+        size = self.check_header(header, src)
+        n_extra, length, width = int(header[7]), int(header[3]), int(header[6])
+        if size <= self.inline:
+            body = message[HEADER * 8:HEADER * 8 + size]
+        else:  # the second part comes next on this (src, tag): receive it before posting the next slot
+            body = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self._wait(dist.irecv(body, src, tag=tag), src)
+        if int(header[0]) != STOP:
+            self._post_recv(src, tag)  # the next message from this peer can land as soon as it is sent
+        extra = payload_TWD = None
+        if n_extra:
+            extra = body[:n_extra * 8].cpu().view(torch.long).clone()
+        if length:
+            payload_TWD = body[n_extra * 8:].view(self.dtype).view(length, width, self.hidden)
+        if self.config.emulate_link_ms > 0:
+            delay = int(header[5]) / 1e6 + self.config.emulate_link_ms / 1000 - time.time()
+            if delay > 0:
+                time.sleep(min(delay, self.config.emulate_link_ms / 1000))  # a skewed send time never waits longer
+        return header, extra, payload_TWD
+
+    def check_header(self, header: torch.Tensor, src: int) -> int:
+        """The body size a received header announces, after checking every field against what a peer can send."""
+        kind, epoch, position, length, stage, _, width, n_extra = header.tolist()
+        bounds = (("kind", kind, min(KINDS), max(KINDS)), ("epoch", epoch, 0, 2**62),
+                  ("position", position, 0, 2**62), ("length", length, 0, self.max_tokens),
+                  ("stage", stage, 0, 2**20), ("payload width", width, 0, self.max_width),
+                  ("extra length", n_extra, 0, MAX_EXTRA))
+        for name, value, low, high in bounds:
+            if not low <= value <= high:
+                raise PipelineLost(f"rank {self.rank}: a message from rank {src} has a bad header ({name} {value}, "
+                                   f"expected {low}..{high}); the peer is corrupt or not one of ours")
+        if (length == 0) != (width == 0):
+            raise PipelineLost(f"rank {self.rank}: a message from rank {src} has a bad header (a payload of "
+                               f"{length} tokens x {width} rows)")
+        return n_extra * 8 + length * width * self.hidden * self.itemsize
+
+    def _wait(self, work: dist.Work, peer: int) -> None:
+        """Wait for a receive; a dead or silent peer becomes PipelineLost naming both ranks."""
+        try:
+            work.wait(datetime.timedelta(seconds=self.config.timeout_s))
+        except RuntimeError as exc:
+            why = _short_reason(exc)
+            if "imed out" in why or "imeout" in why:
+                raise PipelineLost(f"rank {self.rank}: no message from rank {peer} within "
+                                   f"{self.config.timeout_s:g} s") from None
+            raise PipelineLost(f"rank {self.rank}: lost contact with rank {peer} ({why})") from None
+
+    def _reap_loop(self) -> None:
+        while True:
+            item = self._sends.get()
+            if item is None:
+                return
+            try:
+                item[0].wait()
+            except RuntimeError as exc:  # the peer is gone; the main loop reports it
+                self._send_error = exc
+                return
+
+    def drain_sends(self) -> None:
+        """Wait until every send has been received (at shutdown)."""
+        self._sends.put(None)
+        self._reaper.join(timeout=self.config.timeout_s)
+
+
+class Notices:
+    """A stage's end of the control path: a thread receives rank 0's notices as they arrive, the stage loop takes them.
+
+    A gloo receive reports completion only once it has been waited on (``is_completed`` stays False before), so
+    the stage loop could not tell whether a notice has arrived without blocking; the thread waits instead.
+    """
+
+    def __init__(self, rank: int, group, timeout_s: float):
+        self.rank, self.timeout_s = rank, timeout_s
+        self._arrived: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._receive_loop, args=(group,), daemon=True)
+        self._thread.start()
+
+    def _receive_loop(self, group) -> None:
+        while True:
+            buffer = torch.empty(NOTICE + KEPT_INLINE, dtype=torch.long)
+            try:
+                dist.irecv(buffer, 0, group=group, tag=CONTROL_TAG).wait(NOTICE_WAIT)
+                epoch, length, kind, count = buffer[:NOTICE].tolist()
+                if kind not in NOTICE_KINDS or not 0 <= count <= MAX_KEPT or epoch < 0 or length < 0:
+                    self._arrived.put(PipelineLost(
+                        f"rank {self.rank}: a notice from rank 0 is malformed (kind {kind}, kept count {count}, "
+                        f"epoch {epoch}, length {length}); the peer is corrupt or not one of ours"))
+                    return
+                kept = buffer[NOTICE:NOTICE + min(count, KEPT_INLINE)] if kind == PRUNE else None
+                if kind == PRUNE and count > KEPT_INLINE:
+                    spill = torch.empty(count - KEPT_INLINE, dtype=torch.long)
+                    dist.irecv(spill, 0, group=group, tag=KEPT_TAG).wait(NOTICE_WAIT)
+                    kept = torch.cat([kept, spill])
+            except RuntimeError as exc:  # rank 0 is gone; the stage loop reports it if it needs a notice
+                self._arrived.put(exc)
+                return
+            self._arrived.put((epoch, length, kind, kept))
+            if kind == CLOSE:
+                return
+
+    def take(self, block: bool) -> tuple[int, int, int, torch.Tensor | None] | None:
+        """The next notice ``(epoch, committed length, kind, kept)``; None when none has arrived and not ``block``."""
+        try:
+            item = self._arrived.get(block, self.timeout_s if block else None)
+        except queue.Empty:
+            if not block:
+                return None
+            raise PipelineLost(f"rank {self.rank}: no notice from rank 0 within {self.timeout_s:g} s") from None
+        if isinstance(item, PipelineLost):
+            raise item
+        if isinstance(item, BaseException):
+            raise PipelineLost(f"rank {self.rank}: lost contact with rank 0 ({_short_reason(item)})")
+        return item
+
+    def close(self) -> None:
+        """After the CLOSE notice was taken: the thread has ended or is about to."""
+        self._thread.join(timeout=self.timeout_s)
+
+
+def _short_reason(exc: BaseException) -> str:
+    """Gloo's message without its source location and advice, e.g. "Connection closed by peer [127.0.0.1]:7371"."""
+    import re
+
+    why = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first_line(exc))
+    return why.split(". This is typically")[0].rstrip(".")

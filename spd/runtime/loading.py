@@ -1,0 +1,83 @@
+"""Loading one rank's part of the target: only its stage's decoder layers (rank 0: embedding, final norm and LM
+head)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import SpdInputError, first_line
+from ..target.staging import StagedModel
+
+def load_partial(source: str, n_stages: int, role: int, revision: str | None = None,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 boundaries: list[int] | None = None) -> StagedModel:
+    """A StagedModel whose parameters exist only for ``role``: 0 = embedding, final norm and LM head (the
+    driver), ``s >= 1`` = the decoder layers of stage ``s`` (1-based). Everything else stays on the meta
+    device (no memory), so a stage holds about 1/n of the target's layers."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers.utils import cached_file
+
+    from .paths import check_model_source
+
+    check_model_source(source, "target")
+    try:
+        config = AutoConfig.from_pretrained(source, revision=revision)
+        index = cached_file(source, "model.safetensors.index.json", revision=revision,
+                            _raise_exceptions_for_missing_entries=False)
+        if index is not None:
+            weight_map = json.loads(open(index).read())["weight_map"]
+            files = {name: cached_file(source, f, revision=revision) for name, f in weight_map.items()}
+        else:
+            single = cached_file(source, "model.safetensors", revision=revision)
+            with safe_open(single, framework="pt") as f:
+                files = {name: single for name in f.keys()}
+    except (OSError, ValueError, KeyError) as exc:
+        raise SpdInputError(f"could not load safetensors weights of '{source}': {first_line(exc)}") from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    staged = StagedModel(model, n_stages=n_stages, boundaries=boundaries)
+    base = model.base_model
+    if role == 0:
+        modules = {"embed": base.embed_tokens, "norm": base.norm, "head": model.get_output_embeddings()}
+    else:
+        modules = {f"layer{i}": staged.layers[i] for i in staged.stage_layers(role - 1)}
+    module_names = {id(m): name for name, m in model.named_modules()}
+    tied = getattr(config, "tie_word_embeddings", False)
+    handles: dict[str, object] = {}
+    for module in modules.values():
+        module.to_empty(device=device)  # only the kept modules get memory
+        prefix = module_names[id(module)]
+        for local, param in module.named_parameters():
+            name = f"{prefix}.{local}"
+            # The multimodal layout (Qwen3.5) stores the text decoder under model.language_model.
+            key = next((k for k in (name, name.replace("model.", "model.language_model.", 1)) if k in files), None)
+            if key is None and tied and name.endswith("lm_head.weight"):
+                key = next((k for k in files if k.endswith("embed_tokens.weight")), None)
+            if key is None:
+                raise SpdInputError(f"the checkpoint '{source}' has no tensor '{name}'")
+            if files[key] not in handles:
+                handles[files[key]] = safe_open(files[key], framework="pt", device="cpu")
+            with torch.no_grad():
+                param.copy_(handles[files[key]].get_tensor(key).to(dtype))
+    if tied and role == 0:
+        model.get_output_embeddings().weight = base.embed_tokens.weight
+    rotary = base.rotary_emb
+    with torch.device(device):
+        base.rotary_emb = type(rotary)(config=model.config.get_text_config())
+    staged.rotary_emb = base.rotary_emb
+    if role == 0:
+        # As from_pretrained does: the EOS default (spd.decoding.generation.default_eos) reads the generation config.
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(source, revision=revision)
+        except OSError:
+            pass  # no generation_config.json: the one derived from config.json stays
+    model.eval()
+    return staged
+
+
+def materialized_bytes(module: torch.nn.Module) -> int:
+    """Bytes of parameters that hold data (meta tensors excluded)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.device.type != "meta")

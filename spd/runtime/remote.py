@@ -1,0 +1,210 @@
+"""Rank 0's view of the stages: :class:`RemoteStages`, the engines' stage backend across processes (the chain's
+``launch``/``collect`` and the tree's ``launch_level``/``advance``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..target.staging import StageOutput, StagedModel
+from .link import Link
+from .protocol import (CLOSE, CONTROL_TAG, DATA_TAG, FLUSH, KEPT_INLINE, KEPT_TAG, LEVEL, NOTICE, PING, PREFILL, PRUNE,
+                       REPORT, REPORT_TAG, STOP, TOKEN, PipelineLost, RuntimeConfig)
+from .stage import EpochLog, follow_prunes, pack_level
+
+class RemoteStages:
+    """The engine's stage backend on rank 0: stages live on ranks 1..n (see the module docstring)."""
+
+    def __init__(self, staged: StagedModel, config: RuntimeConfig, control_group):
+        self.staged = staged
+        self.n = staged.n_stages
+        self.config = config
+        self.control_group = control_group
+        self.link = Link(0, config, staged.dtype, staged.device, staged.config.hidden_size, staged.max_positions,
+                         staged.num_layers + 2)
+        self.epoch = 0
+        self.stage_anchors: list[list[int]] = [[] for _ in range(self.n)]
+        self._sent = (0, -1)  # (epoch, position) of the last token sent to stage 1
+        self.notices = 0  # control notices sent (each stage receives all of them before it stops)
+        self.log = EpochLog()
+        # Notices decided but not sent yet, per stage rank: stage 1's go right before its next input, the
+        # others' right after it; all before rank 0 waits for anything.
+        self._unsent: dict[int, list[tuple]] = {rank: [] for rank in range(1, self.n + 1)}  # (notice, spill)
+
+    def configure(self, stage_anchors: list[list[int]]) -> None:
+        self.stage_anchors = stage_anchors
+
+    def prefill(self, prompt_ids_1T: torch.Tensor, anchors: list[int], capacity: int) -> StageOutput:
+        self.epoch += 1
+        self.log.forget_before(self.epoch)
+        b, big_l = self.staged.boundaries, self.staged.num_layers
+        flags = torch.zeros(big_l + 1, dtype=torch.long)
+        for ids in self.stage_anchors:
+            for a in ids:
+                flags[a] |= 1
+        for a in anchors:
+            flags[a] |= 2
+        hidden_1TD = self.staged.embed(prompt_ids_1T)
+        self._post_notices()
+        self.link.send(1, DATA_TAG, PREFILL, self.epoch, 0, hidden_1TD[0][:, None], extra=flags)
+        collected: dict[int, torch.Tensor] = {0: hidden_1TD} if 0 in anchors else {}
+        last_hidden = None
+        for s in range(self.n):
+            mine = [a for a in anchors if b[s] < a <= b[s + 1]]
+            is_last = s == self.n - 1
+            if not mine and not is_last:
+                continue
+            payload = self._recv_report(s, 0)
+            for i, a in enumerate(mine):
+                collected[a] = payload[:, i][None]
+            if is_last:
+                last_hidden = payload[:, -1][None]
+        return StageOutput(last_hidden, collected)
+
+    def launch(self, inflight, early: bool = False) -> None:
+        """Send the newest slot to stage 1 if it has not entered yet (once per epoch and position)."""
+        if early and not self.config.early_launch:
+            return  # sent at the start of the next step, once this step's verification is done
+        newest = inflight[-1]
+        key = (self.epoch, newest.position)
+        if newest.depth == 0 and key != self._sent:
+            self._post_notices([1])
+            self.link.send(1, DATA_TAG, TOKEN, self.epoch, newest.position, newest.hidden_1TD[0][:, None])
+            self._sent = key
+        self._post_notices()
+
+    def collect(self, inflight) -> None:
+        for slot in inflight:
+            stage = slot.depth
+            mine = self.stage_anchors[stage]
+            is_last = stage == self.n - 1
+            if mine or is_last:
+                payload = self._recv_report(stage, slot.position)
+                for i, a in enumerate(mine):
+                    slot.anchors[a] = payload[:, i]
+                if is_last:
+                    slot.hidden_1TD = payload[:, -1][None]
+            slot.depth += 1
+
+    def flush(self, length: int) -> None:
+        """Every stage drops its in-flight work and truncates its KV cache to ``length`` rows."""
+        self._notify(FLUSH, length, None)
+
+    def prune(self, committed: int, kept: torch.Tensor) -> None:
+        """Tree hit: every stage keeps the subtree ``kept`` after the committed root (row ``committed``)."""
+        self._notify(PRUNE, committed, torch.as_tensor(kept, dtype=torch.long).cpu().contiguous())
+
+    def _notify(self, kind: int, length: int, kept: torch.Tensor | None) -> None:
+        """Start a new epoch now (what is sent from here on carries it); the notice waits in ``_unsent``."""
+        if kind != CLOSE:  # CLOSE ends the control path; it starts no epoch
+            self.epoch += 1
+            self.log.record(self.epoch, kept)
+        count = 0 if kept is None else kept.numel()
+        notice = torch.zeros(NOTICE + KEPT_INLINE, dtype=torch.long)
+        notice[:NOTICE] = torch.tensor([self.epoch, length, kind, count])
+        if kept is not None:
+            notice[NOTICE:NOTICE + min(count, KEPT_INLINE)] = kept[:KEPT_INLINE]
+        spill = kept[KEPT_INLINE:].contiguous() if count > KEPT_INLINE else None
+        for pending in self._unsent.values():
+            pending.append((notice, spill))
+        self.notices += 1
+
+    def _post_notices(self, ranks: list[int] | None = None) -> None:
+        """Send the notices not yet sent to ``ranks`` (default: every stage).
+
+        Stage 1 needs a step's notice before its next input (it waits for the notice of a newer epoch before
+        it computes), the other stages only when that input reaches them: their n - 1 sends go after it,
+        so that they do not delay it. Rank 0 sends every notice before it waits for anything.
+        """
+        for rank in ranks or self._unsent:
+            for notice, spill in self._unsent[rank]:
+                self.link.post(dist.isend(notice, rank, group=self.control_group, tag=CONTROL_TAG), notice)
+                if spill is not None:
+                    self.link.post(dist.isend(spill, rank, group=self.control_group, tag=KEPT_TAG), spill)
+            self._unsent[rank] = []
+
+    # ------------------------------------------------------------------------------- tree levels
+    def launch_level(self, level, tree, committed: int, early: bool = False) -> None:
+        """Send a new tree level (depth 0) to stage 1 with its positions and ancestor-mask rows (once)."""
+        if not level.sent and not (early and not self.config.early_launch):
+            level.sent = True
+            start, end = level.start, level.start + level.size
+            positions_T = tree.positions(committed)[start:end]
+            extra = pack_level(start, positions_T, tree.mask()[start:end, :end])
+            self._post_notices([1])
+            self.link.send(1, DATA_TAG, LEVEL, self.epoch, committed, level.hidden_1TD[0][:, None], extra=extra)
+        self._post_notices()
+
+    def advance(self, levels, tree, committed: int) -> None:
+        """Every level in flight ran its next stage: take the stage's report (anchors; H^L from stage n)."""
+        for level in levels:
+            stage = level.depth
+            mine = self.stage_anchors[stage]
+            is_last = stage == self.n - 1
+            if mine or is_last:
+                payload = self._recv_level_report(stage, level)
+                for i, a in enumerate(mine):
+                    level.anchors[a] = payload[:, i]
+                if is_last:
+                    level.hidden_1TD = payload[:, -1][None]
+            level.depth += 1
+
+    def _recv_level_report(self, stage: int, level) -> torch.Tensor:
+        """The report of ``stage`` on ``level``, mapped through the prunes since it was sent: (T, W, D)."""
+        header, start, payload = self._recv_current(stage)
+        if int(header[1]) > self.epoch or start != level.start or payload.shape[0] != level.size:
+            raise RuntimeError(f"rank 0: stage {stage} reported a tree level (start {start}, {payload.shape[0]} "
+                               f"nodes, epoch {int(header[1])}), expected start {level.start}, {level.size} nodes, "
+                               f"epoch {self.epoch}")
+        return payload
+
+    def _recv_report(self, stage: int, position: int) -> torch.Tensor:
+        """The current epoch's report of ``stage`` (0-based) for ``position``: (T, W, D)."""
+        header, _, payload = self._recv_current(stage)
+        if int(header[1]) != self.epoch or int(header[2]) != position:
+            raise RuntimeError(f"rank 0: stage {stage} reported position {int(header[2])} of epoch "
+                               f"{int(header[1])}, expected position {position} of epoch {self.epoch}")
+        return payload
+
+    def _recv_current(self, stage: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """The next report of ``stage`` (0-based) that still counts: (header, tree start or -1, payload).
+
+        Work of a flushed or finished request, still in the pipe, is skipped; a tree level's report from
+        before prunes is mapped through them (its surviving rows, its start now), or skipped if no node
+        survives.
+        """
+        src = stage + 1
+        tag = DATA_TAG if stage == self.n - 1 else REPORT_TAG
+        self._post_notices()
+        while True:
+            header, extra, payload = self.link.recv(src, tag)
+            epoch = int(header[1])
+            start = int(extra[0]) if extra is not None else -1
+            if epoch >= self.epoch:
+                return header, start, payload
+            kepts = self.log.since(epoch, self.epoch)
+            if kepts is None or int(header[0]) != REPORT or extra is None:
+                continue
+            if extra.numel() != 3:
+                raise PipelineLost(f"rank 0: stage {stage} reported a tree level with {extra.numel()} extras, "
+                                   "expected 3 (start, size, end)")
+            mapped = follow_prunes(*extra.tolist(), kepts)
+            if mapped is not None:
+                rows, start, _ = mapped
+                return header, start, payload[rows]
+
+    def ping(self) -> None:
+        """Tell every stage that rank 0 is alive while no request runs (a stage waits ``timeout_s`` at most)."""
+        self._post_notices()
+        self.link.send(1, DATA_TAG, PING, self.epoch, 0)
+
+    def shutdown(self) -> None:
+        """CLOSE the control path; STOP down the chain; drain every stage's reports until its STOP arrives."""
+        self._notify(CLOSE, 0, None)
+        self._post_notices()
+        self.link.send(1, DATA_TAG, STOP, self.epoch, self.notices)
+        for s in range(self.n):
+            tag = DATA_TAG if s == self.n - 1 else REPORT_TAG
+            while int(self.link.recv(s + 1, tag)[0][0]) != STOP:
+                pass
+        self.link.drain_sends()

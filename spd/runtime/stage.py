@@ -1,0 +1,229 @@
+"""A stage rank: :func:`stage_worker` runs its stage on every token or tree level that reaches it, applies flush
+and prune notices, and reports anchors to rank 0; epochs and prunes decide which work is still valid."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..target.staging import StageOutput, StagedModel
+from .link import Link, Notices
+from .protocol import (CLOSE, DATA_TAG, LEVEL, PING, PREFILL, PRUNE, REPORT, REPORT_TAG, STOP, TOKEN, PipelineLost,
+                       RuntimeConfig)
+
+def follow_prunes(start: int, size: int, end: int, kepts: list[torch.Tensor]):
+    """Map a tree level through the prunes that happened since it was sent.
+
+    The level is tree nodes ``[start, start + size)`` of a tree with ``end`` nodes up to it; ``kepts`` are the
+    kept index sets of the prunes in order (:meth:`spd.decoding.tree.TokenTree.prune_to_child`). Returns None when no
+    node survives, else ``(rows, new_start, cols)``: the surviving rows of the level (indices into it), the
+    level's first tree index now, and the surviving tree nodes ``< end`` (old indices: the columns of the
+    level's ancestor mask to keep).
+    """
+    # Python lists: a level has a few nodes and a tree a few dozen, where each torch op would cost more.
+    rows, current = list(range(size)), list(range(start, start + size))
+    cols, col_current = list(range(end)), list(range(end))
+    for kept in kepts:
+        new_index = {old: new for new, old in enumerate(kept.tolist())}
+        rows, current = _survivors(rows, current, new_index)
+        if not rows:
+            return None
+        cols, col_current = _survivors(cols, col_current, new_index)
+    return torch.tensor(rows), current[0], torch.tensor(cols)
+
+
+def _survivors(ids: list[int], nodes: list[int], new_index: dict[int, int]) -> tuple[list[int], list[int]]:
+    """The ``ids`` whose tree node survives a prune, and those nodes' new indices."""
+    kept = [(i, new_index[node]) for i, node in zip(ids, nodes) if node in new_index]
+    return [i for i, _ in kept], [node for _, node in kept]
+
+
+class EpochLog:
+    """What each epoch of the current request was: a prune (its kept set) or anything else (flush, new request).
+
+    Work of epoch ``m`` seen in epoch ``e > m`` is still valid only if every epoch in ``(m, e]`` was a prune;
+    it is then mapped through those prunes (tree levels). Chain tokens are never pruned, so for them any
+    newer epoch means stale.
+    """
+
+    def __init__(self):
+        self.prunes: dict[int, torch.Tensor] = {}
+
+    def record(self, epoch: int, kept: torch.Tensor | None) -> None:
+        if kept is not None:
+            self.prunes[epoch] = kept
+
+    def since(self, old: int, now: int) -> list[torch.Tensor] | None:
+        """The kept sets of epochs ``old + 1 .. now`` in order, or None when one of them was not a prune."""
+        kepts = []
+        for epoch in range(old + 1, now + 1):
+            if epoch not in self.prunes:
+                return None
+            kepts.append(self.prunes[epoch])
+        return kepts
+
+    def forget_before(self, epoch: int) -> None:
+        self.prunes = {e: k for e, k in self.prunes.items() if e >= epoch}
+
+
+def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control_group, device: torch.device) -> None:
+    """The loop of rank ``stage + 1``: run this stage on every token or tree level that reaches it, until STOP."""
+    rank, n = stage + 1, staged.n_stages
+    prev, nxt = rank - 1, (rank + 1) % (n + 1)
+    layers = list(staged.stage_layers(stage))
+    first, last = staged.boundaries[stage], staged.boundaries[stage + 1]
+    dtype = next(staged.layers[layers[0]].parameters()).dtype
+    link = Link(rank, config, dtype, device, staged.config.hidden_size, staged.max_positions,
+                staged.num_layers + 2)
+    # A stage may have run up to n tokens past the committed prefix when a flush notice reaches it (n in flight,
+    # plus a proposal launched before its step was verified): linear-attention layers keep n + 2 states.
+    cache = staged.new_stage_cache(stage, 1, 256, ring_depth=n + 2, dtype=dtype, device=device)
+    epoch = 0
+    log = EpochLog()
+    notices = 0  # control notices received
+    token_anchors: list[int] = []
+    control = Notices(rank, control_group, config.timeout_s)
+
+    def take_notice(block: bool = True) -> bool:
+        """Apply the next notice (waiting for it if ``block``); False when none has arrived."""
+        nonlocal epoch, notices
+        notice = control.take(block)
+        if notice is None:
+            return False
+        notices += 1
+        new_epoch, length, kind, kept = notice
+        if kind != CLOSE and new_epoch > epoch:  # notices of a finished request are ignored
+            epoch = new_epoch
+            log.record(new_epoch, kept)
+            if kind == PRUNE:
+                held = cache.length - length  # tree nodes this stage has run, the root first
+                cache.keep(length + 1, kept[kept < held] - 1)
+            else:
+                cache.truncate(length)
+        return True
+
+    def catch_up(until_epoch: int | None) -> None:
+        """Apply arrived notices; with ``until_epoch``, block until that epoch's notice is applied."""
+        while until_epoch is None or epoch < until_epoch:
+            if not take_notice(block=until_epoch is not None):
+                return
+
+    with torch.inference_mode():
+        while True:
+            header, extra, payload = link.recv(prev, DATA_TAG)
+            kind, msg_epoch, position = int(header[0]), int(header[1]), int(header[2])
+            if kind == PING:
+                # A serving driver keeps idle stages alive: every wait has a timeout, requests may be far apart.
+                if nxt != 0:
+                    link.send(nxt, DATA_TAG, PING, msg_epoch, 0)
+                continue
+            if kind == STOP:
+                while notices < position:  # STOP carries the number of notices sent (CLOSE last): take them all
+                    take_notice()
+                control.close()
+                link.send(nxt, DATA_TAG, STOP, msg_epoch, 0)
+                if nxt != 0:
+                    link.send(0, REPORT_TAG, STOP, msg_epoch, 0, stage=rank)
+                break
+            catch_up(None)
+            if kind == PREFILL:
+                # extra = per-layer flags for this request: bit 0 = report per token, bit 1 = report at prefill.
+                epoch = msg_epoch
+                log.forget_before(epoch)
+                cache.truncate(0)
+                flags = extra.tolist() if extra is not None else []
+                if len(flags) != staged.num_layers + 1:
+                    raise PipelineLost(f"rank {rank}: a prefill from rank {prev} carries {len(flags)} layer flags, "
+                                       f"expected {staged.num_layers + 1}")
+                token_anchors = [l for l in range(first + 1, last + 1) if flags[l] & 1]
+                prefill_anchors = [l for l in range(first + 1, last + 1) if flags[l] & 2]
+                out = staged.run_stage(stage, payload[:, 0][None], cache, anchors=prefill_anchors)
+                _emulate(config)
+                _forward(link, nxt, rank, PREFILL, epoch, position, out, prefill_anchors, extra)
+                catch_up(None)
+                continue
+            if msg_epoch > epoch:
+                catch_up(msg_epoch)
+            if kind == LEVEL:
+                level = _level_now(extra, payload, msg_epoch, epoch, position, log)
+                if level is None:
+                    continue  # flushed, or every node pruned: drop it without computing
+                committed, start, positions_T, mask_TN, hidden_T1D = level
+                if cache.length != committed + start:
+                    raise RuntimeError(f"stage {stage}: a tree level starting at node {start} after {committed} "
+                                       f"committed rows, but the cache holds {cache.length}")
+                out = staged.run_stage(stage, hidden_T1D[:, 0][None], cache, positions_T[None].to(device),
+                                       anchors=token_anchors, tree_mask_TN=mask_TN)
+                _emulate(config)
+                # Unless prunes remapped it, the level goes on as it came.
+                level_extra = extra if msg_epoch == epoch else pack_level(start, positions_T, mask_TN)
+                _forward(link, nxt, rank, LEVEL, epoch, committed, out, token_anchors, level_extra,
+                         level_extra[:3])
+                catch_up(None)  # this step's prune has usually arrived: apply it while the next input is on its way
+                continue
+            if msg_epoch < epoch:
+                continue  # a token of a flushed epoch: drop it without computing
+            if cache.length != position:
+                raise RuntimeError(f"stage {stage}: token at position {position} but the cache holds {cache.length}")
+            out = staged.run_stage(stage, payload[:, 0][None], cache, anchors=token_anchors)
+            _emulate(config)
+            _forward(link, nxt, rank, TOKEN, epoch, position, out, token_anchors, None)
+            catch_up(None)
+    link.drain_sends()
+
+
+def pack_level(start: int, positions_T: torch.Tensor, mask_TN: torch.Tensor) -> torch.Tensor:
+    """A tree level's int64 ``extra``: start, size, end (= N), the T positions, the (T, N) ancestor mask."""
+    return torch.cat([torch.tensor([start, positions_T.numel(), mask_TN.shape[1]]), positions_T.long().cpu(),
+                      mask_TN.flatten().long().cpu()])
+
+
+def check_level_extra(extra: torch.Tensor | None, payload_T1D: torch.Tensor | None) -> None:
+    """A tree level's ``extra`` (:func:`pack_level`) must describe its payload: start, size, end and size * end
+    mask entries."""
+    ok = extra is not None and extra.numel() >= 3 and payload_T1D is not None
+    if ok:
+        start, size, end = extra[:3].tolist()
+        ok = (size == payload_T1D.shape[0] and 0 <= start and start + size <= end
+              and extra.numel() == 3 + size + size * end)
+    if not ok:
+        raise PipelineLost(f"a tree level message is malformed (extra {None if extra is None else extra[:3].tolist()}, "
+                           f"payload {None if payload_T1D is None else tuple(payload_T1D.shape)})")
+
+
+def _level_now(extra: torch.Tensor, payload_T1D: torch.Tensor, msg_epoch: int, epoch: int, committed: int,
+               log: EpochLog):
+    """A received tree level as of the current epoch: (committed, start, positions, mask, hidden) or None."""
+    check_level_extra(extra, payload_T1D)
+    start, size, end = extra[:3].tolist()
+    positions_T = extra[3:3 + size]
+    mask_TN = extra[3 + size:].view(size, end).bool()
+    if msg_epoch == epoch:
+        return committed, start, positions_T, mask_TN, payload_T1D
+    kepts = log.since(msg_epoch, epoch)
+    if kepts is None:
+        return None
+    mapped = follow_prunes(start, size, end, kepts)
+    if mapped is None:
+        return None
+    rows, start, cols = mapped
+    # Each prune commits one more row; absolute positions do not change.
+    return committed + len(kepts), start, positions_T[rows], mask_TN[rows][:, cols], payload_T1D[rows]
+
+
+def _emulate(config: RuntimeConfig) -> None:
+    if config.emulate_stage_ms > 0:
+        time.sleep(config.emulate_stage_ms / 1000)
+
+
+def _forward(link: Link, nxt: int, rank: int, kind: int, epoch: int, position: int, out: StageOutput,
+             anchors: list[int], extra: torch.Tensor | None, report_extra: torch.Tensor | None = None) -> None:
+    """Send the stage output downstream and the anchors (plus H^L from the last stage) to rank 0."""
+    hidden_TD = out.hidden_BTD[0]
+    if nxt != 0:
+        link.send(nxt, DATA_TAG, kind, epoch, position, hidden_TD[:, None], extra=extra)
+    rows = [out.anchors[a][0] for a in anchors] + ([hidden_TD] if nxt == 0 else [])
+    if rows:
+        link.send(0, DATA_TAG if nxt == 0 else REPORT_TAG, REPORT, epoch, position, torch.stack(rows, dim=1),
+                  stage=rank, extra=report_extra)

@@ -1,0 +1,116 @@
+"""Setting up the world: the process group, a loopback-only store and gloo interface for local worlds, free
+ports, each rank's device."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from .protocol import RuntimeConfig
+
+def is_loopback(address: str | None) -> bool:
+    """Whether ``address`` (a host name or IP) names this machine's loopback interface."""
+    import ipaddress
+
+    if address is None:
+        return False
+    if address.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def loopback_interface() -> str | None:
+    """The loopback network interface's name (``lo`` on Linux, ``lo0`` on macOS), if there is one."""
+    import socket
+
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), next((n for n in names if n.startswith("lo")), None))
+
+
+def bind_local_world(env=None) -> None:
+    """For a world that meets on this machine (``MASTER_ADDR`` a loopback address): gloo's sockets on the loopback
+    interface too (``GLOO_SOCKET_IFNAME``), unless the user set an interface. Anything else is left alone."""
+    env = os.environ if env is None else env
+    if not is_loopback(env.get("MASTER_ADDR")) or env.get("GLOO_SOCKET_IFNAME"):
+        return
+    name = loopback_interface()
+    if name is not None:
+        env["GLOO_SOCKET_IFNAME"] = name
+
+
+def local_world_env(port: int, env=None) -> dict:
+    """The environment for processes of a world spawned on this machine: rendezvous and gloo on loopback."""
+    env = dict(os.environ if env is None else env)
+    env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", str(port)
+    bind_local_world(env)
+    return env
+
+
+_STORE_SOCKETS: list = []
+
+
+def _loopback_store(timeout: datetime.timedelta):
+    """Rank 0's store of a local world started without a launcher agent, listening on loopback only (a store
+    created from MASTER_ADDR alone listens on every interface); None when this process does not serve it."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or os.environ.get("RANK", "0") != "0"
+            or not is_loopback(addr) or not (port or "").isdigit()):
+        return None
+    return loopback_store(addr, int(port), int(os.environ.get("WORLD_SIZE", "1")), timeout)
+
+
+def loopback_store(addr: str, port: int, world: int, timeout: datetime.timedelta):
+    """A TCPStore server for ``world`` processes listening on the loopback address ``addr`` only."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in addr.strip("[]") else socket.AF_INET
+    host = addr.strip("[]") if addr.lower() != "localhost" else "127.0.0.1"
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    store = dist.TCPStore(host, port, world, True, timeout=timeout, master_listen_fd=sock.fileno())
+    _STORE_SOCKETS.append(sock)  # the store listens on this socket: it must stay open as long as the process
+    return store
+
+
+def init_distributed(config: RuntimeConfig):
+    """Join the process group (env:// as torchrun sets it) and create the gloo control group."""
+    # The group's default timeout only bounds joining and the background send waits; every receive on the data
+    # and control paths has its own (config.timeout_s).
+    timeout = datetime.timedelta(seconds=max(config.timeout_s, config.join_timeout_s))
+    bind_local_world()
+    store = _loopback_store(timeout)
+    if store is None:
+        dist.init_process_group(config.backend, timeout=timeout)
+    else:
+        # The prefix env:// rendezvous puts on the store (the other ranks join through it).
+        dist.init_process_group(config.backend, store=dist.PrefixStore("default_pg", store), rank=0,
+                                world_size=int(os.environ.get("WORLD_SIZE", "1")), timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    return dist.get_rank(), dist.get_world_size(), control
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def local_rank_device(backend: str) -> torch.device:
+    if backend == "nccl":
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
