@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from spd.heads.speculator import Speculator, SpeculatorConfig, default_anchors, offset_band_attention
+from spd.heads.kernels import offset_band_attention
+from spd.heads.speculator import Speculator, SpeculatorConfig, default_anchors
 
 L, D = 8, 32
 
