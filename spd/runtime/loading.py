@@ -20,7 +20,7 @@ def load_partial(source: str, n_stages: int, role: int, revision: str | None = N
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     from transformers.utils import cached_file
 
-    from .paths import check_model_source
+    from ..paths import check_model_source
 
     check_model_source(source, "target")
     try:
