@@ -43,6 +43,7 @@ from ..errors import SpdInputError
 from .generation import (GenerationOutput, GenerationStats, OnToken, as_prompt_ids, check_request, default_eos,
                          eos_set, generate_ar)
 from .sampling import SamplingParams, warped_probs
+from .tree import verify_sampled_recursive
 from ..heads.draft_vocab import check_draft_vocab
 from ..heads.speculator import Speculator, SpeculatorCache, check_compatible
 from ..target.staging import StageKVCache, StagedModel, StageOutput, load_target_tokenizer
@@ -418,7 +419,8 @@ class PipelineEngine:
             if candidate is None:
                 token, accepted = int(torch.multinomial(p_V, 1, generator=generator)), False
             else:
-                token, accepted = _rejection_sample(p_V, candidate.q_V, candidate.token, generator)
+                index, token = verify_sampled_recursive(p_V, [candidate.token], candidate.q_V, generator)
+                accepted = index is not None
         if candidate is None:
             return token, False, False
         stats.verified += 1
@@ -427,19 +429,6 @@ class PipelineEngine:
             stats.accepted += 1
             stats.accepted_by_position[candidate.rank - 1] += 1
         return token, accepted, not accepted
-
-
-def _rejection_sample(p_V: torch.Tensor, q_V: torch.Tensor, token: int,
-                      generator: torch.Generator | None) -> tuple[int, bool]:
-    """Speculative sampling: accept ``token ~ q`` with probability min(1, p/q), else draw from (p - q)+."""
-    u = torch.rand((), generator=generator, device=p_V.device)
-    if u * q_V[token] < p_V[token]:  # u < p/q without dividing by a tiny q
-        return token, True
-    residual_V = torch.clamp(p_V - q_V, min=0)
-    total = residual_V.sum()
-    # p == q up to rounding leaves no residual mass; then p itself is the exact distribution to draw from.
-    residual_V = residual_V / total if total > 0 else p_V
-    return int(torch.multinomial(residual_V, 1, generator=generator)), False
 
 
 def _stop_reason(token: int, out: list[int], eos: frozenset[int], budget: int, max_new_tokens: int) -> str:
