@@ -159,8 +159,6 @@ def _engine(spec: PipelineSpec, staged, head, tokenizer, dtype, stages=None):
 def _open_distributed(spec: PipelineSpec, n: int, boundaries: list[int] | None, dtype: torch.dtype,
                       tokenizer) -> Pipeline:
     """Rank 0 here, ``n`` stage processes spawned now; a 2-token warm-up request proves the pipeline works."""
-    import torch.distributed as dist
-
     from ..runtime.loading import load_partial
     from ..runtime.protocol import PipelineLost, RuntimeConfig
     from ..runtime.remote import RemoteStages
@@ -217,7 +215,6 @@ def _exited(procs) -> str | None:
 def _join(procs, port: int, n: int, backend: str, timeout_s: float):
     """Join the world as rank 0 while the stage processes load; fail at once if one of them exits."""
     import threading
-    import time
 
     import torch.distributed as dist
 

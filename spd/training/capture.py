@@ -26,7 +26,6 @@ Shape suffixes: T tokens of a shard, R rows, D hidden, V vocabulary, K top-k.
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import os
 import re
