@@ -1,9 +1,16 @@
-"""The paper's comparison (its Table 1) on a testbed, in one command: what is missing is trained, then measured.
+"""The paper's comparison (its Table 1) on a target, in one command: what is missing is trained, then measured.
 
     python infer/reproduce.py --testbed testbed --out docs/results/reproduction
     python infer/reproduce.py --testbed testbed-deep --stages 4 8 16 --out docs/results/reproduction-deep
+    python infer/reproduce.py --testbed smollm2 --config configs/smollm2-n4.yaml --prompts humaneval-chat \
+        --stages 4 8 --max-length 512 --out docs/results/reproduction-smollm2
 
-1. One offline capture of the target's states over the testbed's training and validation text
+``--testbed DIR`` is a testbed (``DIR/target``, training text in ``DIR/corpus``) or a target prepared with its
+own answers by ``data/smollm2.py --out DIR`` (``DIR/target``, conversations in ``DIR/data``). An n that does not
+divide the target's layers takes the balanced cut (``spd.target.staging.balanced_boundaries``: the first
+``L mod n`` stages one layer longer), in the capture, the heads and the benchmark alike.
+
+1. One offline capture of the target's states over the training and validation text
    (``data/capture.py``, resumed if interrupted), shared by every head.
 2. The heads, each trained from that capture by ``train/distill.py`` unless ``<runs>/<name>/final`` exists:
    SPD (``variant=spd``) for every n of ``--stages`` and L_s of ``--layers``; its output-state ablation
@@ -45,17 +52,24 @@ class Head:
     stages: int  # n (1 for the serial drafter)
     layers: int  # L_s
 
-    def overrides(self, steps: int, draft_steps: int) -> list[str]:
+    def overrides(self, steps: int, draft_steps: int, num_layers: int) -> list[str]:
         keys = [f"variant={self.variant}", f"n_stages={self.stages}", f"num_layers={self.layers}",
                 f"max_steps={steps}", "max_minutes=none", f"save_every={steps}", f"eval_every={steps}"]
-        return keys + ([f"draft_steps={draft_steps}"] if self.variant == "eagle" else [])
+        if self.variant == "eagle":
+            return keys + [f"draft_steps={draft_steps}", "boundaries=null"]
+        from spd.target.staging import balanced_boundaries
+
+        cut = balanced_boundaries(num_layers, self.stages)  # the equal cut where n divides the layers
+        return keys + ["boundaries=[" + ",".join(map(str, cut)) + "]"]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--testbed", default=str(default_testbed_dir()), help="testbed directory (default: %(default)s)")
+    p.add_argument("--testbed", default=str(default_testbed_dir()),
+                   help="a testbed, or a target prepared by data/smollm2.py --out DIR (default: %(default)s)")
     p.add_argument("--stages", type=int, nargs="+", default=None,
-                   help="pipeline sizes n (default: those of 4, 8, 16 that divide the target's layers)")
+                   help="pipeline sizes n (default: those of 4, 8, 16 up to the target's layers; an n that does not "
+                        "divide them takes the balanced cut)")
     p.add_argument("--layers", type=int, nargs="+", default=[1, 2], help="SPD head layers L_s (default: 1 2)")
     p.add_argument("--draft-steps", type=int, nargs="+", default=[3, 7, 15],
                    help="EAGLE-style serial drafts per target forward, m (default: 3 7 15)")
@@ -66,6 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--num-prompts", type=int, default=50)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--max-length", type=int, default=256, help="tokens per captured row (default: %(default)s)")
     p.add_argument("--capture-tokens", type=int, default=None,
                    help="capture only this many training tokens (default: the whole training text)")
     p.add_argument("--runs", default=None, help="where captures, heads and the raw benchmark go "
@@ -91,28 +106,39 @@ def _run(cmd: list[str], what: str) -> None:
         raise SpdInputError(f"{what} failed (exit {proc.returncode}); its output is above")
 
 
-def capture(args, testbed: Path, runs: Path, stages: list[int]) -> tuple[Path, Path]:
+def training_text(testbed: Path) -> dict[str, Path] | None:
+    """The train and validation files beside the target: a testbed's corpus, or the conversations that
+    data/smollm2.py regenerated; None when neither is there."""
+    for folder in ("corpus", "data"):
+        files = {split: testbed / folder / f"{split}.jsonl" for split in ("train", "validation")}
+        if all(f.is_file() for f in files.values()):
+            return files
+    return None
+
+
+def capture(args, testbed: Path, runs: Path, stages: list[int], text: dict[str, Path]) -> tuple[Path, Path]:
     """One capture per split (data/capture.py resumes an interrupted one and skips a finished one)."""
     out = {}
     for split in ("train", "validation"):
         out[split] = runs / f"capture-{split}"
         cmd = [sys.executable, str(REPO / "data" / "capture.py"), "--target", str(testbed / "target"),
-               "--data", str(testbed / "corpus" / f"{split}.jsonl"), "--stages", ",".join(map(str, stages)),
-               "--max-length", "256", "--out", str(out[split])]
+               "--data", str(text[split]), "--stages", ",".join(map(str, stages)),
+               "--max-length", str(args.max_length), "--out", str(out[split])]
         if split == "train" and args.capture_tokens:
             cmd += ["--max-tokens", str(args.capture_tokens)]
         _run(cmd, f"capture ({split})")
     return out["train"], out["validation"]
 
 
-def train(args, testbed: Path, runs: Path, head: Head, data: Path, eval_data: Path) -> Path:
+def train(args, testbed: Path, runs: Path, head: Head, data: Path, eval_data: Path, num_layers: int) -> Path:
     final = runs / head.name / "final"
     if (final / "config.json").is_file():
         print(f"[reproduce] {head.name}: trained already ({final})", flush=True)
         return final
     cmd = [sys.executable, str(REPO / "train" / "distill.py"), "--config", args.config,
            f"target={testbed / 'target'}", f"data={data}", f"eval_data={eval_data}",
-           f"output_dir={runs / head.name}", *head.overrides(args.steps, max(args.draft_steps))]
+           f"output_dir={runs / head.name}", f"max_length={args.max_length}",
+           *head.overrides(args.steps, max(args.draft_steps), num_layers)]
     _run(cmd + (["--resume"] if (runs / head.name / "checkpoints").is_dir() else []), f"training {head.name}")
     return final
 
@@ -183,19 +209,22 @@ def main(argv=None) -> int:
         testbed = Path(args.testbed)
         config = json.loads((testbed / "target" / "config.json").read_text()) if (
             testbed / "target" / "config.json").is_file() else None
-        if config is None or not (testbed / "corpus" / "train.jsonl").is_file():
-            raise SpdInputError(f"'{testbed}' is not a testbed (expected target/config.json and corpus/train.jsonl; "
-                                "build one with data/build_testbed.py)")
+        text = training_text(testbed)
+        if config is None or text is None:
+            raise SpdInputError(f"'{testbed}' is neither a testbed nor a prepared target (expected target/config.json "
+                                "and corpus/ or data/ with train.jsonl and validation.jsonl; build one with "
+                                "data/build_testbed.py or data/smollm2.py)")
         num_layers = config["num_hidden_layers"]
-        stages = args.stages or [n for n in (4, 8, 16) if num_layers % n == 0]
-        bad = [n for n in stages if n < 1 or num_layers % n]
+        stages = args.stages or [n for n in (4, 8, 16) if n <= num_layers]
+        bad = [n for n in stages if not 1 <= n <= num_layers]
         if bad or not stages:
-            raise SpdInputError(f"--stages {bad or stages} must divide the target's {num_layers} layers")
-        if min(args.draft_steps) < 1 or min(args.layers) < 1 or args.steps < 1:
-            raise SpdInputError("--draft-steps, --layers and --steps must be positive")
+            raise SpdInputError(f"--stages {bad or stages} must be between 1 and the target's {num_layers} layers")
+        if min(args.draft_steps) < 1 or min(args.layers) < 1 or args.steps < 1 or args.max_length < 2:
+            raise SpdInputError("--draft-steps, --layers, --steps and --max-length must be positive")
         runs = Path(args.runs or REPO / "runs" / f"reproduce-{testbed.resolve().name}")
-        data, eval_data = capture(args, testbed, runs, stages)
-        finals = {h.name: train(args, testbed, runs, h, data, eval_data) for h in plan_heads(stages, args.layers)}
+        data, eval_data = capture(args, testbed, runs, stages, text)
+        finals = {h.name: train(args, testbed, runs, h, data, eval_data, num_layers)
+                  for h in plan_heads(stages, args.layers)}
         report = bench(args, testbed, runs, finals, stages)
     except SpdInputError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -7,7 +7,7 @@ from conftest import run_script
 
 
 def _reproduce(tiny_testbed, tmp_path, *extra, check=True):
-    return run_script("infer/reproduce.py", "--testbed", str(tiny_testbed), "--stages", "2", "--layers", "1",
+    return run_script("infer/reproduce.py", "--testbed", str(tiny_testbed), "--stages", "2", "3", "--layers", "1",
                       "--draft-steps", "2", "--steps", "2", "--prompts", str(tiny_testbed / "prompts.jsonl"),
                       "--num-prompts", "2", "--max-new-tokens", "6", "--capture-tokens", "3000",
                       "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), *extra, check=check)
@@ -16,22 +16,40 @@ def _reproduce(tiny_testbed, tmp_path, *extra, check=True):
 def test_reproduce_trains_what_is_missing_and_writes_the_table(tiny_testbed, tmp_path):
     proc = _reproduce(tiny_testbed, tmp_path)
     runs, out = tmp_path / "runs", tmp_path / "out"
-    for name in ("spd-n2-ls1", "output-n2-ls1", "ppsd-n2", "eagle"):
+    for name in ("spd-n2-ls1", "output-n2-ls1", "ppsd-n2", "spd-n3-ls1", "output-n3-ls1", "ppsd-n3", "eagle"):
         assert (runs / name / "final" / "config.json").is_file(), name
+    # n = 3 does not divide the 8 layers: the balanced cut, in the capture, the heads and the benchmark.
+    assert json.loads((runs / "spd-n3-ls1" / "final" / "config.json").read_text())["boundaries"] == [0, 3, 6, 8]
     assert json.loads((runs / "eagle" / "final" / "config.json").read_text())["schedule"] == "serial"
     assert json.loads((runs / "ppsd-n2" / "final" / "config.json").read_text())["max_depth"] == 1
     assert json.loads((runs / "output-n2-ls1" / "final" / "config.json").read_text())["schedule"] == "output"
     table = json.loads((out / "table.json").read_text())
     settings = {(r["method"], r["setting"]) for r in table["rows"]}
     assert settings == {("EAGLE-style (sd)", "m=2"), ("SPD", "n=2 Ls=1"), ("SPD, output state", "n=2 Ls=1"),
-                        ("PPSD", "n=2"), ("SPD", "n=2 Ls=1 W=4")}
+                        ("PPSD", "n=2"), ("SPD", "n=2 Ls=1 W=4"), ("SPD", "n=3 Ls=1"),
+                        ("SPD, output state", "n=3 Ls=1"), ("PPSD", "n=3"), ("SPD", "n=3 Ls=1 W=4")}
     for row in table["rows"]:
         assert set(row) >= {"T=0", "T=1"} and row["T=0"]["identical_to_ar"] == 2  # every greedy run is lossless
         assert row["T=1"]["acceptance_length"] >= 1 and row["T=1"]["theoretical_speedup"] > 0
     assert "| EAGLE-style (sd) | m=2 |" in (out / "table.md").read_text() and (out / "table.png").stat().st_size
     # A second run trains nothing and captures nothing new.
     again = _reproduce(tiny_testbed, tmp_path, "--temperatures", "0")
-    assert again.stdout.count("trained already") == 4 and "training " not in again.stdout
-    bad = _reproduce(tiny_testbed, tmp_path, "--stages", "3", check=False)
-    assert bad.returncode == 2 and bad.stderr.strip() == "error: --stages [3] must divide the target's 8 layers"
+    assert again.stdout.count("trained already") == 7 and "training " not in again.stdout
+    bad = _reproduce(tiny_testbed, tmp_path, "--stages", "9", check=False)
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --stages [9] must be between 1 and the target's 8 layers"
     assert proc.returncode == 0
+
+
+def test_a_prepared_target_s_conversations_are_its_training_text(tmp_path):
+    """A directory written by data/smollm2.py (target/ and data/{train,validation}.jsonl) is a valid --testbed."""
+    from infer.reproduce import training_text
+
+    assert training_text(tmp_path) is None
+    (tmp_path / "data").mkdir()
+    for split in ("train", "validation"):
+        (tmp_path / "data" / f"{split}.jsonl").write_text("{}\n")
+    assert training_text(tmp_path) == {s: tmp_path / "data" / f"{s}.jsonl" for s in ("train", "validation")}
+    (tmp_path / "corpus").mkdir()
+    for split in ("train", "validation"):
+        (tmp_path / "corpus" / f"{split}.jsonl").write_text("{}\n")
+    assert training_text(tmp_path)["train"] == tmp_path / "corpus" / "train.jsonl"  # a testbed's corpus first
