@@ -281,11 +281,7 @@ class PipelineEngine:
         t0 = time.perf_counter()
         first = self._prefill(prompt, end_position + n, head, head_cache, sampling, generator)
         stats.prefill_time_s = time.perf_counter() - t0
-        out = [first]
-        stats.token_acceptance.append(False)  # from the prefill logits, not speculated
-        stop = _stop_reason(first, out, eos, budget, max_new_tokens)
-        if on_token is not None and on_token(first, False) and not stop:
-            stop = "stopped"
+        out, stop = first_output(first, stats, eos, budget, max_new_tokens, on_token)
         inflight = [self._enter(first, len(prompt))]
 
         while not stop:
@@ -429,6 +425,18 @@ class PipelineEngine:
             stats.accepted += 1
             stats.accepted_by_position[candidate.rank - 1] += 1
         return token, accepted, not accepted
+
+
+def first_output(first: int, stats: GenerationStats, eos: frozenset[int], budget: int, max_new_tokens: int,
+                 on_token: OnToken | None) -> tuple[list[int], str]:
+    """The output after the prefill's token (taken from the prefill logits, not speculated) and the reason it
+    already stops the request ("" when it does not): what the chain and tree loops share before their steps."""
+    out = [first]
+    stats.token_acceptance.append(False)
+    stop = _stop_reason(first, out, eos, budget, max_new_tokens)
+    if on_token is not None and on_token(first, False) and not stop:
+        stop = "stopped"
+    return out, stop
 
 
 def _stop_reason(token: int, out: list[int], eos: frozenset[int], budget: int, max_new_tokens: int) -> str:

@@ -64,7 +64,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .engine import LocalStages, OneModeEngine, PipelineStats, _stop_reason
+from .engine import LocalStages, OneModeEngine, PipelineStats, _stop_reason, first_output
 from ..errors import SpdInputError
 from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set
 from .sampling import SamplingParams, warped_probs
@@ -418,11 +418,7 @@ class TreeEngine(OneModeEngine):
         t0 = time.perf_counter()
         first = self._prefill(prompt, sampling, generator, capacity)
         stats.prefill_time_s = time.perf_counter() - t0
-        out = [first]
-        stats.token_acceptance.append(False)  # from the prefill logits, not speculated
-        stop = _stop_reason(first, out, eos, budget, max_new_tokens)
-        if on_token is not None and on_token(first, False) and not stop:
-            stop = "stopped"
+        out, stop = first_output(first, stats, eos, budget, max_new_tokens, on_token)
         context = list(prompt)  # committed tokens before the root (the rows every stage keeps)
         tree = TokenTree(first)
         levels = [self._enter(tree, 0, 1, rank=0)]

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SpdInputError, first_line
+from ..files import fsync_path, fsync_tree
 from ..paths import default_cache_dir, default_testbed_dir
 from ..heads.speculator import Speculator, SpeculatorConfig, default_anchors
 from ..target.staging import StagedModel
@@ -400,23 +401,6 @@ def evaluate(head: Speculator, staged: StagedModel, batches: list[dict], tau: fl
 # ----------------------------------------------------------------------------------------- checkpoints
 
 
-def fsync_tree(root: str | Path) -> None:
-    """fsync every file and directory under ``root`` (and ``root``): its contents are on disk before a rename."""
-    root = Path(root)
-    for dirpath, _, filenames in os.walk(root, topdown=False):
-        for name in filenames:
-            _fsync(Path(dirpath) / name)
-        _fsync(Path(dirpath))
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def replace_dir(tmp: Path, final: Path, tag: str) -> None:
     """Put the complete directory ``tmp`` in place as ``final``: fsynced, renamed, the old ``final`` removed last.
 
@@ -429,7 +413,7 @@ def replace_dir(tmp: Path, final: Path, tag: str) -> None:
     if final.exists():
         os.rename(final, aside)
     os.rename(tmp, final)
-    _fsync(final.parent)
+    fsync_path(final.parent)
     if aside.exists():
         shutil.rmtree(aside)
 

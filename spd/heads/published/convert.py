@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from ...errors import SpdInputError, first_line
+from ...files import fsync_path
 from .authors_file import DIR_MODEL_TYPE, load_authors_file, read_directory
 
 DIR_FILES = ("config.json", "model.safetensors")  # everything to_directory writes, and all a directory of ours holds
@@ -76,14 +77,6 @@ def _temp_dir_beside(out: Path) -> Path:
         raise SpdInputError(f"cannot write beside '{out}' ({first_line(exc)})") from None
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def to_directory(source: str, out_dir: str | Path, revision: str | None = None, force: bool = False) -> Path:
     """An authors' head file (path or ``hf://`` reference) -> our directory layout, written atomically."""
     from safetensors.torch import save_file
@@ -100,7 +93,7 @@ def to_directory(source: str, out_dir: str | Path, revision: str | None = None, 
                   "authors_config": checkpoint.config}
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name in DIR_FILES:
-            _fsync(tmp / name)
+            fsync_path(tmp / name)
         # Checked again now that the (slow) work is done: what was there then may have changed.
         how = check_output_directory(out_dir, force)
         if how == "new":
@@ -117,7 +110,7 @@ def to_directory(source: str, out_dir: str | Path, revision: str | None = None, 
             for name in DIR_FILES:
                 os.replace(tmp / name, out / name)
             tmp.rmdir()
-        _fsync(out.resolve().parent)
+        fsync_path(out.resolve().parent)
     except OSError as exc:
         raise SpdInputError(f"could not write '{out_dir}' ({first_line(exc)})") from None
     finally:
@@ -148,7 +141,7 @@ def _save_file_atomic(obj, out_file: str | Path, force: bool) -> Path:
             os.fsync(f.fileno())
         check_output_file(out_file, force)
         os.replace(tmp, out)
-        _fsync(parent)
+        fsync_path(parent)
     except OSError as exc:
         raise SpdInputError(f"could not write '{out_file}' ({first_line(exc)})") from None
     finally:
