@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from spd.runtime.protocol import PipelineLost, RuntimeConfig
-    from spd.runtime.world import init_distributed, local_rank_device
+    from spd.runtime.world import check_world_address, init_distributed, local_rank_device
 
     torch.set_num_threads(args.threads)
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         n = world - 1
         if n < 1 or (args.stages is not None and args.stages != n):
             raise SpdInputError(f"the world has {world} processes but --stages is {args.stages}; "
-                                "expected --nproc-per-node stages + 1")
+                                "expected stages + 1 processes (--nproc-per-node, summed over the machines)")
+        check_world_address()  # before loading: a world that cannot meet says so at once, on every machine
         device = local_rank_device(backend)
         dtype = getattr(torch, args.dtype)
         _quiet()

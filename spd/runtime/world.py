@@ -9,7 +9,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..errors import SpdInputError
 from .protocol import RuntimeConfig
+
 
 def is_loopback(address: str | None) -> bool:
     """Whether ``address`` (a host name or IP) names this machine's loopback interface."""
@@ -45,6 +47,64 @@ def bind_local_world(env=None) -> None:
     name = loopback_interface()
     if name is not None:
         env["GLOO_SOCKET_IFNAME"] = name
+
+
+def spans_machines(env=None) -> bool:
+    """Whether this job's processes run on more than one machine (torchrun: fewer here than in the world)."""
+    env = os.environ if env is None else env
+    world = int(env.get("WORLD_SIZE", "1"))
+    return int(env.get("LOCAL_WORLD_SIZE", str(world))) < world
+
+
+def check_world_address(env=None) -> None:
+    """A job over several machines cannot meet at a loopback address: refuse it at once, instead of waiting the
+    whole join timeout for a store the other machines cannot reach (torchrun gives the rendezvous host's name;
+    where it resolves to a loopback address, as with containers or network namespaces sharing a host name, every
+    machine gets ``localhost``)."""
+    env = os.environ if env is None else env
+    if spans_machines(env) and is_loopback(env.get("MASTER_ADDR")):
+        raise SpdInputError(
+            f"this job spans several machines ({env.get('WORLD_SIZE')} processes, {env.get('LOCAL_WORLD_SIZE')} on "
+            f"this one) but meets at MASTER_ADDR={env.get('MASTER_ADDR')}, a loopback address the other machines "
+            "cannot reach; start torchrun with --local-addr <this machine's address on the stage network> on every "
+            "machine, or give the machines host names that resolve to those addresses")
+
+
+def route_interface(address: str) -> str | None:
+    """The name of the local network interface through which this machine reaches ``address`` (an IPv4 address
+    or host name); None where it cannot be told (not Linux, no route)."""
+    import fcntl
+    import socket
+    import struct
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))  # a UDP connect only chooses the route and source address; nothing is sent
+            local = probe.getsockname()[0]
+        for _, name in socket.if_nameindex():
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                try:  # SIOCGIFADDR: the interface's IPv4 address
+                    packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+                except OSError:
+                    continue
+            if socket.inet_ntoa(packed[20:24]) == local:
+                return name
+    except OSError:
+        return None
+    return None
+
+
+def bind_stage_network(env=None) -> str | None:
+    """For a job over several machines with no ``GLOO_SOCKET_IFNAME``: gloo on the interface that routes to
+    ``MASTER_ADDR`` (the stage network), not on whatever the host name resolves to. Returns the interface chosen."""
+    env = os.environ if env is None else env
+    if not spans_machines(env) or env.get("GLOO_SOCKET_IFNAME") or not env.get("MASTER_ADDR"):
+        return None
+    name = route_interface(env["MASTER_ADDR"])
+    if name is not None and name != loopback_interface():
+        env["GLOO_SOCKET_IFNAME"] = name
+        return name
+    return None
 
 
 def local_world_env(port: int, env=None) -> dict:
@@ -88,7 +148,9 @@ def init_distributed(config: RuntimeConfig):
     # The group's default timeout only bounds joining and the background send waits; every receive on the data
     # and control paths has its own (config.timeout_s).
     timeout = datetime.timedelta(seconds=max(config.timeout_s, config.join_timeout_s))
+    check_world_address()
     bind_local_world()
+    bind_stage_network()
     store = _loopback_store(timeout)
     if store is None:
         dist.init_process_group(config.backend, timeout=timeout)
