@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -60,13 +61,12 @@ def hosts():
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-def _job(hosts, nprocs, args, local_addr=True, timeout=300):
-    """One torchrun per host, started side by side; their (returncode, stderr) and the wall time."""
+def _start(hosts, nprocs, args, local_addr=True) -> list[subprocess.Popen]:
+    """One torchrun per host, started side by side (stderr piped)."""
     endpoint = f"{hosts[0][1]}:29611"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     job_id = f"spd-{os.getpid()}-{time.monotonic_ns()}"  # one rendezvous id for the whole job
     procs = []
-    start = time.monotonic()
     for node, ((name, address), nproc) in enumerate(zip(hosts, nprocs)):
         cmd = ["ip", "netns", "exec", name, sys.executable, "-m", "torch.distributed.run", "--nnodes",
                str(len(hosts)), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint",
@@ -77,6 +77,13 @@ def _job(hosts, nprocs, args, local_addr=True, timeout=300):
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       text=True))
         time.sleep(0.5)  # the rendezvous host first
+    return procs
+
+
+def _job(hosts, nprocs, args, local_addr=True, timeout=300):
+    """A whole job: its hosts' (returncode, stderr) and the wall time."""
+    start = time.monotonic()
+    procs = _start(hosts, nprocs, args, local_addr)
     results = []
     for proc in procs:
         try:
@@ -116,3 +123,52 @@ def test_a_job_that_cannot_meet_says_so_at_once_on_every_host(tiny_testbed, host
         assert returncode != 0 and lines, err[-3000:]
         assert "meets at MASTER_ADDR=localhost" in lines[0] and "--local-addr" in lines[0]
     assert wall < 90
+
+
+def test_a_link_taken_down_mid_job_ends_the_ranks_on_both_hosts_with_an_error_line(tiny_testbed, heads, hosts,
+                                                                                    tmp_path):
+    """Host 1's link goes down while the job decodes: the ranks on both sides of it end with an ``error:`` line
+    within a few of their --timeout-s, none with a traceback; the driver's error is the lost peer, not a failed
+    shutdown message to it."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 10))
+    args = ["--target", str(tiny_testbed / "target"), "--speculator", str(heads[2]), "--mode", "spd",
+            "--prompts", str(prompts), "--max-new-tokens", "32", "--timeout-s", "5", "--emulate-stage-ms", "20"]
+    procs = _start(hosts, [2, 1], args)
+    lines: list[list[str]] = [[] for _ in procs]
+
+    def read(i):
+        for line in procs[i].stderr:
+            lines[i].append(line)
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(procs))]
+    for reader in readers:
+        reader.start()
+    name = hosts[1][0]
+    link = subprocess.run(["ip", "-n", name, "-o", "link", "show", "type", "veth"], capture_output=True,
+                          text=True, check=True).stdout.split(":")[1].strip().split("@")[0]
+    try:
+        deadline = time.monotonic() + 240
+        while not any("[spd] 2/" in line for line in lines[0]):
+            assert time.monotonic() < deadline and procs[0].poll() is None, "".join(lines[0])[-3000:]
+            time.sleep(0.2)
+        subprocess.run(["ip", "-n", name, "link", "set", link, "down"], check=True)
+        down = time.monotonic()
+
+        def errors(i):
+            return [line for line in lines[i] if line.startswith("error:")]
+
+        # rank 0 and stage 1 on host 0, stage 2 on host 1
+        while (len(errors(0)) < 2 or not errors(1)) and time.monotonic() - down < 90:
+            time.sleep(0.2)
+        assert len(errors(0)) >= 2 and errors(1), ("".join(lines[0])[-3000:], "".join(lines[1])[-3000:])
+        assert time.monotonic() - down < 60
+        assert any(line.startswith("error: rank 0:") for line in errors(0)), errors(0)
+        for i in range(len(procs)):  # (torchrun's own report of a failed worker has a traceback of torchrun's)
+            assert not any("/spd/" in line and 'File "' in line for line in lines[i]), "".join(lines[i])[-3000:]
+    finally:
+        # host 1's torchrun agent may keep waiting for the job's store across the dead link: stopped here
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        subprocess.run(["ip", "-n", name, "link", "set", link, "up"], capture_output=True)

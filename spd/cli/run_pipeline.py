@@ -154,6 +154,7 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
     from spd.decoding.factory import DecodingSpec, build_engine
     from spd.target.staging import load_target_tokenizer
     from spd.runtime.loading import load_partial
+    from spd.runtime.protocol import PipelineLost
     from spd.runtime.remote import RemoteStages
     from spd.heads.loading import load_speculator
 
@@ -176,6 +177,7 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
             if args.speculator else None)
     remote = RemoteStages(staged, config, control)
     results: dict[str, list[dict]] = {}
+    lost = False
     try:
         chain = build_engine(DecodingSpec.of(args, mode="pp"), staged, head, tokenizer, dtype, device, remote)
         tree = None
@@ -191,8 +193,12 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
                 results[mode].append({"token_ids": out.token_ids, "stats": out.stats.as_dict()})
                 if len(prompts) > 1:
                     print(f"[{mode}] {i + 1}/{len(prompts)} prompts", file=sys.stderr, flush=True)
+    except PipelineLost:
+        lost = True  # a peer is gone or silent: an orderly shutdown would only fail on it and hide this error
+        raise
     finally:
-        remote.shutdown()
+        if not lost:
+            remote.shutdown()
     _report(args, tokenizer, results, n)
 
 
