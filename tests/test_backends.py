@@ -58,7 +58,12 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "DS_ACC
 def _run(launch, tb, out, *extra, env=None):
     proc = subprocess.run(_command(launch, tb, out, *extra), capture_output=True, text=True, timeout=900, cwd=REPO,
                           env=env or ENV)
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    # The lines naming a cause, from anywhere in stderr (a crashed worker's own message comes long before the
+    # launcher's summary at the end).
+    causes = [line for line in proc.stderr.splitlines()
+              if any(key in line for key in ("error", "Error", "terminate called", "what()", "Signal", "Abort"))]
+    assert proc.returncode == 0, "\n".join(["causes:", *causes[-40:], "stdout:", proc.stdout[-2000:], "stderr:",
+                                             proc.stderr[-4000:]])
     return proc
 
 

@@ -316,6 +316,9 @@ def train(cfg, resume: bool) -> dict:
                    "processes": accelerator.num_processes, "config": dataclasses.asdict(cfg), "eval": metrics}
         write_json_atomic(out / "summary.json", summary)
         say(f"[done] head written to {out / 'final'}")
+    # No process tears down the process group (end_training) while another still works in it: under gloo a peer
+    # that closes its connections early can abort one still in (or entering) a collective.
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     return metrics
 
