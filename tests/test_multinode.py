@@ -1,5 +1,5 @@
 """The runtime across machines, on one machine: each "host" is a Linux network namespace with its own network
-stack, joined to the others by a veth link on a private subnet; one torchrun per host (c10d rendezvous) starts
+stack, joined to the others by veth links to a bridge, on a private subnet; one torchrun per host (c10d rendezvous) starts
 the ranks of its stages. The hosts share this machine's host name, which resolves to a loopback address: the
 trap that left every rank waiting silently for the whole join timeout.
 
@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from conftest import REPO
 from test_runtime import PROMPTS, _reference, heads  # noqa: F401  (heads: a fixture)
@@ -38,31 +39,39 @@ pytestmark = pytest.mark.skipif(_can_make_namespaces() is not None, reason=str(_
 
 @pytest.fixture(scope="module")
 def hosts():
-    """Two namespaces, host 0 at 10.231.0.1 and host 1 at 10.231.0.2, joined by one veth pair."""
+    """Three namespaces, host i at 10.231.0.(i + 1), each joined by a veth link to a bridge in a fourth namespace
+    (the switch): one subnet, as machines on one LAN."""
     tag = os.getpid() % 100000
-    names, links = [f"spdh0-{tag}", f"spdh1-{tag}"], [f"spdv0-{tag}", f"spdv1-{tag}"]
-    addresses = ["10.231.0.1", "10.231.0.2"]
+    names = [f"spdh{i}-{tag}" for i in range(3)]
+    switch = f"spdsw-{tag}"
+    addresses = [f"10.231.0.{i + 1}" for i in range(3)]
 
     def ip(*args):
         subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
     try:
-        for name in names:
+        for name in (*names, switch):
             ip("netns", "add", name)
-        ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
-        for name, link, address in zip(names, links, addresses):
-            ip("link", "set", link, "netns", name)
-            ip("-n", name, "addr", "add", f"{address}/24", "dev", link)
-            ip("-n", name, "link", "set", link, "up")
+        ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        ip("-n", switch, "link", "set", "br0", "up")
+        for i, (name, address) in enumerate(zip(names, addresses)):
+            host_end, switch_end = f"spdv{i}-{tag}", f"spdp{i}-{tag}"
+            ip("link", "add", host_end, "type", "veth", "peer", "name", switch_end)
+            ip("link", "set", host_end, "netns", name)
+            ip("link", "set", switch_end, "netns", switch)
+            ip("-n", switch, "link", "set", switch_end, "master", "br0")
+            ip("-n", switch, "link", "set", switch_end, "up")
+            ip("-n", name, "addr", "add", f"{address}/24", "dev", host_end)
+            ip("-n", name, "link", "set", host_end, "up")
             ip("-n", name, "link", "set", "lo", "up")
         yield list(zip(names, addresses))
     finally:
-        for name in names:
+        for name in (*names, switch):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-def _start(hosts, nprocs, args, local_addr=True) -> list[subprocess.Popen]:
-    """One torchrun per host, started side by side (stderr piped)."""
+def _start(hosts, nprocs, args, local_addr=True, per_host_args=None) -> list[subprocess.Popen]:
+    """One torchrun per host, started side by side (stderr piped); ``per_host_args`` replace ``args`` on a host."""
     endpoint = f"{hosts[0][1]}:29611"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     job_id = f"spd-{os.getpid()}-{time.monotonic_ns()}"  # one rendezvous id for the whole job
@@ -73,17 +82,18 @@ def _start(hosts, nprocs, args, local_addr=True) -> list[subprocess.Popen]:
                endpoint, "--rdzv-id", job_id]
         cmd += ["--rdzv-conf", "is_host=1"] if node == 0 else []
         cmd += ["--local-addr", address] if local_addr else []
-        cmd += ["-m", "spd.cli.run_pipeline", *args]
+        own = per_host_args[node] if per_host_args and per_host_args[node] is not None else args
+        cmd += ["-m", "spd.cli.run_pipeline", *own]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       text=True))
         time.sleep(0.5)  # the rendezvous host first
     return procs
 
 
-def _job(hosts, nprocs, args, local_addr=True, timeout=300):
+def _job(hosts, nprocs, args, local_addr=True, timeout=300, per_host_args=None):
     """A whole job: its hosts' (returncode, stderr) and the wall time."""
     start = time.monotonic()
-    procs = _start(hosts, nprocs, args, local_addr)
+    procs = _start(hosts, nprocs, args, local_addr, per_host_args)
     results = []
     for proc in procs:
         try:
@@ -104,7 +114,7 @@ def test_two_hosts_give_the_single_process_tokens(tiny_testbed, heads, hosts, tm
     args = ["--target", str(tiny_testbed / "target"), "--speculator", str(heads[2]), "--mode", "spd", "pp", "tree",
             "--tree-width", "2", "--prompts", str(prompts), "--max-new-tokens", "16", "--timeout-s", "30",
             "--out", str(out)]
-    results, _ = _job(hosts, [2, 1], args)
+    results, _ = _job(hosts[:2], [2, 1], args)
     for returncode, err in results:
         assert returncode == 0, err[-3000:]
     report = json.loads(out.read_text())
@@ -113,11 +123,29 @@ def test_two_hosts_give_the_single_process_tokens(tiny_testbed, heads, hosts, tm
         assert [r["token_ids"] for r in report["results"][mode]] == [o.token_ids for o in want], mode
 
 
+def test_three_hosts_give_the_single_process_tokens(tiny_testbed, heads, hosts, tmp_path):
+    """Rank 0 on host 0, stages 1-2 on host 1, stages 3-4 on host 2 (n = 4): chain and tree over two hops
+    between machines and one inside each."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "out.json"
+    args = ["--target", str(tiny_testbed / "target"), "--speculator", str(heads[4]), "--mode", "spd", "tree",
+            "--tree-width", "2", "--prompts", str(prompts), "--max-new-tokens", "16", "--timeout-s", "30",
+            "--out", str(out)]
+    results, _ = _job(hosts, [1, 2, 2], args)
+    for returncode, err in results:
+        assert returncode == 0, err[-3000:]
+    report = json.loads(out.read_text())
+    for mode in ("spd", "tree"):
+        want = _reference(tiny_testbed, heads[4], 4, mode, 0.0, 0, None, 16)
+        assert [r["token_ids"] for r in report["results"][mode]] == [o.token_ids for o in want], mode
+
+
 def test_a_job_that_cannot_meet_says_so_at_once_on_every_host(tiny_testbed, hosts):
     """Without --local-addr every host is told to meet at 'localhost': one error line on each host within
     seconds, instead of a silent wait for the whole join timeout."""
     args = ["--target", str(tiny_testbed / "target"), "--mode", "pp", "--prompt", "x", "--max-new-tokens", "4"]
-    results, wall = _job(hosts, [2, 1], args, local_addr=False, timeout=120)
+    results, wall = _job(hosts[:2], [2, 1], args, local_addr=False, timeout=120)
     for returncode, err in results:
         lines = [line for line in err.splitlines() if line.startswith("error:")]
         assert returncode != 0 and lines, err[-3000:]
@@ -134,7 +162,7 @@ def test_a_link_taken_down_mid_job_ends_the_ranks_on_both_hosts_with_an_error_li
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 10))
     args = ["--target", str(tiny_testbed / "target"), "--speculator", str(heads[2]), "--mode", "spd",
             "--prompts", str(prompts), "--max-new-tokens", "32", "--timeout-s", "5", "--emulate-stage-ms", "20"]
-    procs = _start(hosts, [2, 1], args)
+    procs = _start(hosts[:2], [2, 1], args)
     lines: list[list[str]] = [[] for _ in procs]
 
     def read(i):
@@ -172,3 +200,23 @@ def test_a_link_taken_down_mid_job_ends_the_ranks_on_both_hosts_with_an_error_li
             proc.kill()
             proc.wait()
         subprocess.run(["ip", "-n", name, "link", "set", link, "up"], capture_output=True)
+
+
+def test_a_host_with_other_weights_is_refused_at_start_on_every_host(tiny_testbed, hosts, tmp_path):
+    """Host 1 holds another training of the same architecture (one weight changed): every rank refuses the job
+    at start with one line naming the target, instead of decoding with mixed weights."""
+    other = tmp_path / "other"
+    shutil.copytree(tiny_testbed / "target", other)
+    weights = load_file(other / "model.safetensors")
+    name = next(k for k in sorted(weights) if "layers.6." in k and k.endswith("proj.weight"))
+    weights[name][0, 0] += 1.0
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    common = ["--mode", "pp", "--prompt", "x", "--max-new-tokens", "4", "--timeout-s", "30"]
+    results, wall = _job(hosts[:2], [2, 1], ["--target", str(tiny_testbed / "target"), *common],
+                         per_host_args=[None, ["--target", str(other), *common]])
+    for returncode, err in results:
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert returncode != 0 and lines, err[-3000:]
+        assert all("disagree on the target (config and weights)" in line and "rank 2 has" in line
+                   for line in lines), lines
+    assert wall < 90

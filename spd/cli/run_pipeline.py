@@ -125,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             _driver(args, n, config, control, device, dtype)
         else:
+            from spd.runtime.handshake import check_same_job, job_identity
             from spd.runtime.stage import stage_worker
 
+            check_same_job(job_identity(args.target, args.revision, staged, dtype, config), control)
             stage_worker(staged, rank - 1, config, control, device)
         dist.destroy_process_group()
         return 0
@@ -153,6 +155,7 @@ def _boundaries(args, n: int) -> list[int] | None:
 def _driver(args, n: int, config, control, device, dtype) -> None:
     from spd.decoding.factory import DecodingSpec, build_engine
     from spd.target.staging import load_target_tokenizer
+    from spd.runtime.handshake import check_same_job, job_identity
     from spd.runtime.loading import load_partial
     from spd.runtime.protocol import PipelineLost
     from spd.runtime.remote import RemoteStages
@@ -173,6 +176,7 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
         raise SpdInputError(f"the target '{args.target}' has no tokenizer; pass --tokenizer DIR_OR_ID or --prompt-ids")
     prompts = _prompts(args, tokenizer)
     staged = load_partial(args.target, n, 0, args.revision, dtype, device, _boundaries(args, n))
+    check_same_job(job_identity(args.target, args.revision, staged, dtype, config), control)
     head = (load_speculator(args.speculator, args.speculator_revision, dtype, device, target=staged)
             if args.speculator else None)
     remote = RemoteStages(staged, config, control)

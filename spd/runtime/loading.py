@@ -8,34 +8,24 @@ import torch
 from ..errors import SpdInputError, first_line
 from ..target.staging import StagedModel
 
+
 def load_partial(source: str, n_stages: int, role: int, revision: str | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  boundaries: list[int] | None = None) -> StagedModel:
     """A StagedModel whose parameters exist only for ``role``: 0 = embedding, final norm and LM head (the
     driver), ``s >= 1`` = the decoder layers of stage ``s`` (1-based). Everything else stays on the meta
     device (no memory), so a stage holds about 1/n of the target's layers."""
-    import json
-
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-    from transformers.utils import cached_file
 
     from ..paths import check_model_source
 
     check_model_source(source, "target")
     try:
         config = AutoConfig.from_pretrained(source, revision=revision)
-        index = cached_file(source, "model.safetensors.index.json", revision=revision,
-                            _raise_exceptions_for_missing_entries=False)
-        if index is not None:
-            weight_map = json.loads(open(index).read())["weight_map"]
-            files = {name: cached_file(source, f, revision=revision) for name, f in weight_map.items()}
-        else:
-            single = cached_file(source, "model.safetensors", revision=revision)
-            with safe_open(single, framework="pt") as f:
-                files = {name: single for name in f.keys()}
     except (OSError, ValueError, KeyError) as exc:
         raise SpdInputError(f"could not load safetensors weights of '{source}': {first_line(exc)}") from None
+    files = checkpoint_files(source, revision)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     staged = StagedModel(model, n_stages=n_stages, boundaries=boundaries)
@@ -76,6 +66,26 @@ def load_partial(source: str, n_stages: int, role: int, revision: str | None = N
             pass  # no generation_config.json: the one derived from config.json stays
     model.eval()
     return staged
+
+
+def checkpoint_files(source: str, revision: str | None = None) -> dict[str, str]:
+    """Each tensor name of the target's safetensors checkpoint (one file or an index of shards) -> its file."""
+    import json
+
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    try:
+        index = cached_file(source, "model.safetensors.index.json", revision=revision,
+                            _raise_exceptions_for_missing_entries=False)
+        if index is not None:
+            weight_map = json.loads(open(index).read())["weight_map"]
+            return {name: cached_file(source, f, revision=revision) for name, f in weight_map.items()}
+        single = cached_file(source, "model.safetensors", revision=revision)
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    except (OSError, ValueError, KeyError) as exc:
+        raise SpdInputError(f"could not load safetensors weights of '{source}': {first_line(exc)}") from None
 
 
 def materialized_bytes(module: torch.nn.Module) -> int:

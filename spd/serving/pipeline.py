@@ -159,6 +159,7 @@ def _engine(spec: PipelineSpec, staged, head, tokenizer, dtype, stages=None):
 def _open_distributed(spec: PipelineSpec, n: int, boundaries: list[int] | None, dtype: torch.dtype,
                       tokenizer) -> Pipeline:
     """Rank 0 here, ``n`` stage processes spawned now; a 2-token warm-up request proves the pipeline works."""
+    from ..runtime.handshake import check_same_job, job_identity
     from ..runtime.loading import load_partial
     from ..runtime.protocol import PipelineLost, RuntimeConfig
     from ..runtime.remote import RemoteStages
@@ -189,6 +190,7 @@ def _open_distributed(spec: PipelineSpec, n: int, boundaries: list[int] | None, 
             procs.append(start_child(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL))
         control = _join(procs, port, n, backend, max(spec.timeout_s, config.join_timeout_s))
+        check_same_job(job_identity(spec.target, spec.revision, staged, dtype, config), control)
         remote = RemoteStages(staged, config, control)
         pipeline = Pipeline(spec, _engine(spec, staged, head, tokenizer, dtype, remote), staged, tokenizer, n,
                             remote, procs)
