@@ -61,21 +61,32 @@ class Link:
         if size <= self.inline:
             if body:
                 message[HEADER * 8:HEADER * 8 + size] = torch.cat(body)
-            self.post(dist.isend(message, dst, tag=tag), message)
+            self.isend(message, dst, tag)
         else:
             spill = torch.cat(body)
-            self.post(dist.isend(message, dst, tag=tag), message)
-            self.post(dist.isend(spill, dst, tag=tag), spill)
+            self.isend(message, dst, tag)
+            self.isend(spill, dst, tag)
 
-    def post(self, work: dist.Work, buffer: torch.Tensor) -> None:
-        """Hand a started send to the reaper."""
+    def isend(self, buffer: torch.Tensor, dst: int, tag: int, group=None) -> None:
+        """Start a send and hand it to the reaper; a peer already known to be gone becomes PipelineLost (gloo
+        can refuse a send at once instead of failing its wait)."""
         if self._send_error is not None:
-            raise PipelineLost(f"rank {self.rank}: a send failed ({first_line(self._send_error)})")
+            raise PipelineLost(f"rank {self.rank}: a send failed ({_short_reason(self._send_error)})")
+        try:
+            work = dist.isend(buffer, dst, group=group, tag=tag)
+        except RuntimeError as exc:
+            raise PipelineLost(f"rank {self.rank}: lost contact with rank {dst} ({_short_reason(exc)})") from None
         self._sends.put((work, buffer))
+
+    def _irecv(self, buffer: torch.Tensor, src: int, tag: int) -> dist.Work:
+        try:
+            return dist.irecv(buffer, src, tag=tag)
+        except RuntimeError as exc:
+            raise PipelineLost(f"rank {self.rank}: lost contact with rank {src} ({_short_reason(exc)})") from None
 
     def _post_recv(self, src: int, tag: int) -> None:
         buffer = torch.empty(self.slot, dtype=torch.uint8, device=self.device)
-        self._posted[(src, tag)] = (dist.irecv(buffer, src, tag=tag), buffer)
+        self._posted[(src, tag)] = (self._irecv(buffer, src, tag), buffer)
 
     def recv(self, src: int, tag: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Receive one message: (header, extra or None, payload (T, W, D) or None), after the emulated latency."""
@@ -90,7 +101,7 @@ class Link:
             body = message[HEADER * 8:HEADER * 8 + size]
         else:  # the second part comes next on this (src, tag): receive it before posting the next slot
             body = torch.empty(size, dtype=torch.uint8, device=self.device)
-            self._wait(dist.irecv(body, src, tag=tag), src)
+            self._wait(self._irecv(body, src, tag), src)
         if int(header[0]) != STOP:
             self._post_recv(src, tag)  # the next message from this peer can land as soon as it is sent
         extra = payload_TWD = None

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..target.staging import StageOutput, StagedModel
 from .link import Link
@@ -118,9 +117,9 @@ class RemoteStages:
         """
         for rank in ranks or self._unsent:
             for notice, spill in self._unsent[rank]:
-                self.link.post(dist.isend(notice, rank, group=self.control_group, tag=CONTROL_TAG), notice)
+                self.link.isend(notice, rank, CONTROL_TAG, self.control_group)
                 if spill is not None:
-                    self.link.post(dist.isend(spill, rank, group=self.control_group, tag=KEPT_TAG), spill)
+                    self.link.isend(spill, rank, KEPT_TAG, self.control_group)
             self._unsent[rank] = []
 
     # ------------------------------------------------------------------------------- tree levels
