@@ -1,6 +1,6 @@
 """The runtime across machines, on one machine: each "host" is a Linux network namespace with its own network
-stack, joined to the others by veth links to a bridge, on a private subnet; one torchrun per host (c10d rendezvous) starts
-the ranks of its stages. The hosts share this machine's host name, which resolves to a loopback address: the
+stack, joined to the others by veth links to a bridge on a private subnet (infer/netns.py); one torchrun per host
+(c10d rendezvous) starts the ranks of its stages. The hosts share this machine's host name, which resolves to a loopback address: the
 trap that left every rank waiting silently for the whole join timeout.
 
 Needs root and ``ip netns`` (skipped with the reason otherwise).
@@ -14,63 +14,29 @@ import subprocess
 import sys
 import threading
 import time
-
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO
+from infer.netns import Lan, unavailable
 from test_runtime import PROMPTS, _reference, heads  # noqa: F401  (heads: a fixture)
 
 
-def _can_make_namespaces() -> str | None:
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    if shutil.which("ip") is None:
-        return "the ip command (iproute2) is not installed"
-    name = f"spdprobe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"ip netns add failed: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return None
-
-
-pytestmark = pytest.mark.skipif(_can_make_namespaces() is not None, reason=str(_can_make_namespaces()))
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
 
 @pytest.fixture(scope="module")
-def hosts():
-    """Three namespaces, host i at 10.231.0.(i + 1), each joined by a veth link to a bridge in a fourth namespace
-    (the switch): one subnet, as machines on one LAN."""
-    tag = os.getpid() % 100000
-    names = [f"spdh{i}-{tag}" for i in range(3)]
-    switch = f"spdsw-{tag}"
-    addresses = [f"10.231.0.{i + 1}" for i in range(3)]
+def lan():
+    """Three hosts at 10.231.0.1-3 on one bridge (infer/netns.py)."""
+    with Lan(3) as network:
+        yield network
 
-    def ip(*args):
-        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
-    try:
-        for name in (*names, switch):
-            ip("netns", "add", name)
-        ip("-n", switch, "link", "add", "br0", "type", "bridge")
-        ip("-n", switch, "link", "set", "br0", "up")
-        for i, (name, address) in enumerate(zip(names, addresses)):
-            host_end, switch_end = f"spdv{i}-{tag}", f"spdp{i}-{tag}"
-            ip("link", "add", host_end, "type", "veth", "peer", "name", switch_end)
-            ip("link", "set", host_end, "netns", name)
-            ip("link", "set", switch_end, "netns", switch)
-            ip("-n", switch, "link", "set", switch_end, "master", "br0")
-            ip("-n", switch, "link", "set", switch_end, "up")
-            ip("-n", name, "addr", "add", f"{address}/24", "dev", host_end)
-            ip("-n", name, "link", "set", host_end, "up")
-            ip("-n", name, "link", "set", "lo", "up")
-        yield list(zip(names, addresses))
-    finally:
-        for name in (*names, switch):
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+@pytest.fixture(scope="module")
+def hosts(lan):
+    return lan.hosts
 
 
 def _start(hosts, nprocs, args, local_addr=True, per_host_args=None) -> list[subprocess.Popen]:
@@ -213,7 +179,7 @@ def test_a_killed_stage_process_ends_the_ranks_on_the_other_host_with_an_error_l
             proc.wait()
 
 
-def test_a_link_taken_down_mid_job_ends_the_ranks_on_both_hosts_with_an_error_line(tiny_testbed, heads, hosts,
+def test_a_link_taken_down_mid_job_ends_the_ranks_on_both_hosts_with_an_error_line(tiny_testbed, heads, lan, hosts,
                                                                                     tmp_path):
     """Host 1's link goes down while the job decodes: host 0's ranks and stage 2 on host 1 end with an ``error:``
     line within a few of their --timeout-s, none with a traceback of ours (the driver's was a failed shutdown
@@ -224,12 +190,9 @@ def test_a_link_taken_down_mid_job_ends_the_ranks_on_both_hosts_with_an_error_li
             "--prompts", str(prompts), "--max-new-tokens", "32", "--timeout-s", "5", "--emulate-stage-ms", "20"]
     procs = _start(hosts[:2], [2, 1], args)
     lines = _follow(procs)
-    name = hosts[1][0]
-    link = subprocess.run(["ip", "-n", name, "-o", "link", "show", "type", "veth"], capture_output=True,
-                          text=True, check=True).stdout.split(":")[1].strip().split("@")[0]
     try:
         _wait_for(lines[0], "[spd] 2/", procs[0])
-        subprocess.run(["ip", "-n", name, "link", "set", link, "down"], check=True)
+        lan.set_link(1, up=False)
         down = time.monotonic()
         returncode = procs[0].wait(timeout=90)  # host 0: a rank fails, torchrun stops the other beside it
         while not _errors(lines[1]) and time.monotonic() - down < 90:
@@ -244,7 +207,7 @@ def test_a_link_taken_down_mid_job_ends_the_ranks_on_both_hosts_with_an_error_li
         for proc in procs:
             proc.kill()
             proc.wait()
-        subprocess.run(["ip", "-n", name, "link", "set", link, "up"], capture_output=True)
+        lan.set_link(1, up=True)
 
 
 def test_a_host_with_other_weights_is_refused_at_start_on_every_host(tiny_testbed, hosts, tmp_path):
