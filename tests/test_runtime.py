@@ -100,6 +100,27 @@ def test_distributed_runtime_equals_single_process_engine(tiny_testbed, heads, t
     assert all(s["width"] == 2 and s["max_tree_size"] > 1 for s in tree_stats)
 
 
+def test_distributed_output_state_head_equals_single_process_engine(tiny_testbed, tmp_path):
+    """A head on the stages' output states: the last stage reports anchors (H^L among them) at prefill as well as
+    the last position's H^L, in two messages."""
+    staged = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=2)
+    torch.manual_seed(3)
+    head = new_head(staged, DistillConfig(n_stages=2, variant="output_state", target=str(tiny_testbed / "target")))
+    assert staged.num_layers in head.prefill_anchors()
+    head.save_pretrained(tmp_path / "head")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "out.json"
+    proc = _torchrun(2, "--target", str(tiny_testbed / "target"), "--speculator", str(tmp_path / "head"), "--mode",
+                     "spd", "--prompts", str(prompts), "--max-new-tokens", "16", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    want = _reference(tiny_testbed, tmp_path / "head", 2, "spd", 0.0, 0, None, 16)
+    assert [r["token_ids"] for r in report["results"]["spd"]] == [o.token_ids for o in want]
+    assert [r["stats"]["token_acceptance"] for r in report["results"]["spd"]] == \
+        [o.stats.token_acceptance for o in want]
+
+
 def test_distributed_draft_tree_equals_single_process_engine(tiny_testbed, tmp_path):
     """The training-free mode: a draft model on rank 0 feeding a sampled tree of adaptive width through 4 stage
     processes (the greedy draft tree across processes: test_bench_runtime_compares_the_tree_with_pp_in_one_world)."""

@@ -34,6 +34,7 @@ class RemoteStages:
         self.stage_anchors = stage_anchors
 
     def prefill(self, prompt_ids_1T: torch.Tensor, anchors: list[int], capacity: int) -> StageOutput:
+        """Start a request on the stages: ``anchors`` for every prompt position, H^L for the last one (1, 1, D)."""
         self.epoch += 1
         self.log.forget_before(self.epoch)
         b, big_l = self.staged.boundaries, self.staged.num_layers
@@ -51,13 +52,12 @@ class RemoteStages:
         for s in range(self.n):
             mine = [a for a in anchors if b[s] < a <= b[s + 1]]
             is_last = s == self.n - 1
-            if not mine and not is_last:
-                continue
-            payload = self._recv_report(s, 0)
-            for i, a in enumerate(mine):
-                collected[a] = payload[:, i][None]
-            if is_last:
-                last_hidden = payload[:, -1][None]
+            if mine:
+                payload = self._recv_report(s, 0)
+                for i, a in enumerate(mine):
+                    collected[a] = payload[:, i][None]
+            if is_last:  # H^L of the last prompt position only (all rank 0 needs of it: the first token's logits)
+                last_hidden = self._recv_report(s, 0)[:, 0][None]
         return StageOutput(last_hidden, collected)
 
     def launch(self, inflight, early: bool = False) -> None:

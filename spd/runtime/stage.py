@@ -219,10 +219,19 @@ def _emulate(config: RuntimeConfig) -> None:
 
 def _forward(link: Link, nxt: int, rank: int, kind: int, epoch: int, position: int, out: StageOutput,
              anchors: list[int], extra: torch.Tensor | None, report_extra: torch.Tensor | None = None) -> None:
-    """Send the stage output downstream and the anchors (plus H^L from the last stage) to rank 0."""
+    """Send the stage output downstream and the anchors (plus H^L from the last stage) to rank 0.
+
+    At prefill rank 0 needs H^L of the prompt's last position only (its logits give the first token): the last
+    stage sends its anchors, if it has any, and then that one row, instead of H^L of every prompt position."""
     hidden_TD = out.hidden_BTD[0]
     if nxt != 0:
         link.send(nxt, DATA_TAG, kind, epoch, position, hidden_TD[:, None], extra=extra)
+    if kind == PREFILL and nxt == 0:
+        if anchors:
+            link.send(0, DATA_TAG, REPORT, epoch, position, torch.stack([out.anchors[a][0] for a in anchors], dim=1),
+                      stage=rank)
+        link.send(0, DATA_TAG, REPORT, epoch, position, hidden_TD[-1:, None], stage=rank)
+        return
     rows = [out.anchors[a][0] for a in anchors] + ([hidden_TD] if nxt == 0 else [])
     if rows:
         link.send(0, DATA_TAG if nxt == 0 else REPORT_TAG, REPORT, epoch, position, torch.stack(rows, dim=1),
