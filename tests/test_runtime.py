@@ -121,6 +121,16 @@ def test_distributed_output_state_head_equals_single_process_engine(tiny_testbed
         [o.stats.token_acceptance for o in want]
 
 
+def test_one_new_token_per_prompt_is_summarised_without_a_decode_rate(tiny_testbed, tmp_path):
+    """Prefill only (the first token comes from the prefill's logits): no decode step, no rate to print."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
+    proc = _torchrun(2, "--target", str(tiny_testbed / "target"), "--mode", "pp", "--prompts", str(prompts),
+                     "--max-new-tokens", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "pp: 2 prompts, 2 tokens" in proc.stdout and "(decode -), L'_acc -" in proc.stdout
+
+
 def test_distributed_draft_tree_equals_single_process_engine(tiny_testbed, tmp_path):
     """The training-free mode: a draft model on rank 0 feeding a sampled tree of adaptive width through 4 stage
     processes (the greedy draft tree across processes: test_bench_runtime_compares_the_tree_with_pp_in_one_world)."""

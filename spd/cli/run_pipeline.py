@@ -239,7 +239,7 @@ def summarize(records: list[dict], n: int) -> dict:
     return {"prompts": len(records), "new_tokens": new, "decode_tokens": decode, "steps": steps,
             "L_acc": n * decode / steps if steps else None,
             "wall_time_s": sum(r["stats"]["wall_time_s"] for r in records),
-            "decode_tokens_per_s": decode / decode_time if decode_time > 0 else None,
+            "decode_tokens_per_s": decode / decode_time if decode and decode_time > 0 else None,
             "tokens_per_s": new / sum(r["stats"]["wall_time_s"] for r in records)}
 
 
@@ -265,8 +265,10 @@ def _report(args, tokenizer, results: dict[str, list[dict]], n: int) -> None:
     summary = {mode: summarize(records, n) for mode, records in results.items()}
     if args.prompts is not None or len(args.mode) > 1:
         for mode, s in summary.items():
+            decode = "-" if s["decode_tokens_per_s"] is None else f"{s['decode_tokens_per_s']:.2f}"
+            accept = "-" if s["L_acc"] is None else f"{s['L_acc']:.3f}"  # (one new token: no decode step)
             print(f"{mode}: {s['prompts']} prompts, {s['new_tokens']} tokens, {s['tokens_per_s']:.2f} tokens/s "
-                  f"(decode {s['decode_tokens_per_s']:.2f}), L'_acc {s['L_acc']:.3f}", flush=True)
+                  f"(decode {decode}), L'_acc {accept}", flush=True)
     if args.out:
         report = {"command": " ".join(sys.argv), "stages": n, "emulate_stage_ms": args.emulate_stage_ms,
                   "emulate_link_ms": args.emulate_link_ms, "summary": summary, "results": results,
