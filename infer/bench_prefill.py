@@ -1,0 +1,139 @@
+"""Prefill time against link bandwidth, across machines emulated on this one (root; infer/netns.py).
+
+    sudo .venv/bin/python infer/bench_prefill.py --target testbed/target --lengths 256 1024 2048 \\
+        --rates none 1gbit 100mbit --out docs/results/bench_prefill_links.json
+
+Two hosts on one bridge: host 0 runs rank 0 and stage 1, host 1 the other stages (one ``torchrun`` each, as
+docs/runtime.md "Across machines"). For each rate (tc tbf on both hosts' links, both ways; ``none``: the veth link
+uncapped) one job prefills ``--repeats`` prompts of each length (``--mode pp``, one new token) and the table gives
+the median prefill time, what crosses the link (the prompt's activations from stage 1 to stage 2, ``T x D`` values,
+and the last stage's report to rank 0, the last position's ``D``) and the time that traffic takes at the rate
+alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from infer.netns import Lan, rate_bits, unavailable  # noqa: E402
+from spd.paths import default_testbed_dir  # noqa: E402
+
+
+def parse_args(argv=None):
+    tb = default_testbed_dir()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=str(tb / "target"))
+    p.add_argument("--stages", type=int, default=2, help="n; stage 1 shares host 0 with rank 0, the rest are on host 1")
+    p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048], help="prompt lengths in tokens")
+    p.add_argument("--rates", nargs="+", default=["none", "1gbit", "100mbit"],
+                   help="link caps in tc units (none: uncapped)")
+    p.add_argument("--repeats", type=int, default=3, help="prompts of each length per job (the median is reported)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--out", default="bench_prefill_links.json")
+    return p.parse_args(argv)
+
+
+def prompt_texts(tokenizer, lengths: list[int]) -> dict[int, str]:
+    """A code-like text per length whose tokenization has about that many tokens."""
+    unit = "def handle(request, options):\n    value = request.get('key', options.default)\n    return value\n\n"
+    ids = tokenizer(unit * (max(lengths) // 8 + 8))["input_ids"]
+    return {n: tokenizer.decode(ids[:n], skip_special_tokens=True) for n in lengths}
+
+
+def run_job(lan: Lan, args, prompts: Path, out: Path) -> None:
+    endpoint = f"{lan.addresses[0]}:29621"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    job_id = f"prefill-{os.getpid()}-{time.monotonic_ns()}"
+    procs = []
+    for node, nproc in enumerate([2, args.stages - 1]):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job_id,
+               "--local-addr", lan.addresses[node], *(["--rdzv-conf", "is_host=1"] if node == 0 else []),
+               "-m", "spd.cli.run_pipeline", "--target", args.target, "--mode", "pp", "--prompts", str(prompts),
+               "--max-new-tokens", "1", "--dtype", args.dtype, "--timeout-s", str(args.timeout_s), "--out", str(out)]
+        procs.append(subprocess.Popen(lan.command(node, cmd), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True))
+        time.sleep(0.5)
+    failed = []
+    for proc in procs:
+        _, err = proc.communicate(timeout=args.timeout_s * 10)
+        if proc.returncode != 0:
+            failed += [line for line in err.splitlines() if line.startswith("error:")] or [err[-2000:]]
+    if failed:
+        raise SystemExit(f"error: a prefill job failed; its ranks said:\n" + "\n".join(failed))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    why = unavailable()
+    if why is not None:
+        print(f"error: {why}; this benchmark emulates machines with network namespaces", file=sys.stderr)
+        return 2
+    if args.stages < 2:
+        print("error: --stages must be at least 2 (stage 1 on host 0, the others on host 1)", file=sys.stderr)
+        return 2
+    for rate in args.rates:
+        if rate != "none":
+            try:
+                rate_bits(rate)
+            except ValueError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+    from transformers import AutoConfig
+
+    from spd.target.staging import load_target_tokenizer
+
+    tokenizer = load_target_tokenizer(args.target, None, None)
+    config = AutoConfig.from_pretrained(args.target).get_text_config()
+    hidden, itemsize = config.hidden_size, {"float32": 4, "bfloat16": 2, "float16": 2}[args.dtype]
+    texts = prompt_texts(tokenizer, args.lengths)
+    tokens = {n: len(tokenizer(t)["input_ids"]) for n, t in texts.items()}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, Lan(2) as lan:
+        prompts = Path(tmp) / "prompts.jsonl"
+        order = [n for n in args.lengths for _ in range(args.repeats)]
+        prompts.write_text("".join(json.dumps({"prompt": texts[n]}) + "\n" for n in order))
+        for rate in args.rates:
+            lan.cap(None if rate == "none" else rate)
+            out = Path(tmp) / f"{rate}.json"
+            run_job(lan, args, prompts, out)
+            records = json.loads(out.read_text())["results"]["pp"]
+            for n in args.lengths:
+                times = [r["stats"]["prefill_time_s"] for r, m in zip(records, order) if m == n]
+                link_bytes = (tokens[n] + 1) * hidden * itemsize  # stage 1 -> 2, and the last stage's report back
+                wire_ms = None if rate == "none" else link_bytes * 8 / rate_bits(rate) * 1000
+                rows.append({"rate": rate, "prompt_tokens": tokens[n], "prefill_ms": statistics.median(times) * 1000,
+                             "prefill_ms_all": [t * 1000 for t in times], "link_bytes": link_bytes,
+                             "wire_ms_at_rate": wire_ms})
+    base = {r["prompt_tokens"]: r["prefill_ms"] for r in rows if r["rate"] == "none"}
+    print(f"| rate | prompt tokens | prefill ms (median of {args.repeats}) | vs uncapped | MB over the link | "
+          "wire time at the rate (ms) |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = r["prefill_ms"] / base[r["prompt_tokens"]] if r["prompt_tokens"] in base else None
+        r["vs_uncapped"] = ratio
+        wire = "-" if r["wire_ms_at_rate"] is None else f"{r['wire_ms_at_rate']:.0f}"
+        print(f"| {r['rate']} | {r['prompt_tokens']} | {r['prefill_ms']:.0f} | "
+              f"{'-' if ratio is None else f'{ratio:.2f}x'} | {r['link_bytes'] / 1e6:.2f} | {wire} |")
+    report = {"command": " ".join(sys.argv), "target": args.target, "stages": args.stages, "hidden": hidden,
+              "dtype": args.dtype, "repeats": args.repeats, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
