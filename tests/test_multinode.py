@@ -228,3 +228,17 @@ def test_a_host_with_other_weights_is_refused_at_start_on_every_host(tiny_testbe
         assert all("disagree on the target (config and weights)" in line and "rank 2 has" in line
                    for line in lines), lines
     assert wall < 90
+
+
+def test_the_prefill_benchmark_measures_capped_links(tiny_testbed, tmp_path):
+    out = tmp_path / "prefill.json"
+    proc = subprocess.run([sys.executable, str(REPO / "infer" / "bench_prefill.py"), "--target",
+                           str(tiny_testbed / "target"), "--lengths", "16", "48", "--rates", "none", "100mbit",
+                           "--repeats", "1", "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["rate"], r["prompt_tokens"] > 0) for r in rows] == [("none", True)] * 2 + [("100mbit", True)] * 2
+    assert all(r["prefill_ms"] > 0 for r in rows) and "| 100mbit |" in proc.stdout
+    bad = subprocess.run([sys.executable, str(REPO / "infer" / "bench_prefill.py"), "--rates", "fast"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: rate 'fast'"), bad.stderr
