@@ -151,10 +151,8 @@ def _no_spd_traceback(lines) -> bool:
     return not any("/spd/" in line and 'File "' in line for line in lines)
 
 
-def test_a_killed_stage_process_ends_the_ranks_on_the_other_host_with_an_error_line(tiny_testbed, heads, hosts,
-                                                                                    tmp_path):
-    """Host 1's stage process is killed (SIGKILL) mid-job: host 0's ranks end with an ``error:`` line naming the
-    lost rank and host 0's whole launch ends within seconds, with no traceback of ours."""
+def _decoding_job(tiny_testbed, heads, hosts, tmp_path):
+    """A 2-host spd job over 40 prompts with a 5 s timeout, once its second prompt is done: (procs, stderr lines)."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 10))
     args = ["--target", str(tiny_testbed / "target"), "--speculator", str(heads[2]), "--mode", "spd",
@@ -163,6 +161,20 @@ def test_a_killed_stage_process_ends_the_ranks_on_the_other_host_with_an_error_l
     lines = _follow(procs)
     try:
         _wait_for(lines[0], "[spd] 2/", procs[0])
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        raise
+    return procs, lines
+
+
+def test_a_killed_stage_process_ends_the_ranks_on_the_other_host_with_an_error_line(tiny_testbed, heads, hosts,
+                                                                                    tmp_path):
+    """Host 1's stage process is killed (SIGKILL) mid-job: host 0's ranks end with an ``error:`` line naming the
+    lost rank and host 0's whole launch ends within seconds, with no traceback of ours."""
+    procs, lines = _decoding_job(tiny_testbed, heads, hosts, tmp_path)
+    try:
         # host 1's torchrun (ip netns exec execs it) has one child: the worker of rank 2
         children = Path(f"/proc/{procs[1].pid}/task/{procs[1].pid}/children").read_text().split()
         assert len(children) == 1, children
@@ -184,14 +196,8 @@ def test_a_link_taken_down_mid_job_ends_the_ranks_on_both_hosts_with_an_error_li
     """Host 1's link goes down while the job decodes: host 0's ranks and stage 2 on host 1 end with an ``error:``
     line within a few of their --timeout-s, none with a traceback of ours (the driver's was a failed shutdown
     message to the lost peer), and host 0's launch ends."""
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 10))
-    args = ["--target", str(tiny_testbed / "target"), "--speculator", str(heads[2]), "--mode", "spd",
-            "--prompts", str(prompts), "--max-new-tokens", "32", "--timeout-s", "5", "--emulate-stage-ms", "20"]
-    procs = _start(hosts[:2], [2, 1], args)
-    lines = _follow(procs)
+    procs, lines = _decoding_job(tiny_testbed, heads, hosts, tmp_path)
     try:
-        _wait_for(lines[0], "[spd] 2/", procs[0])
         lan.set_link(1, up=False)
         down = time.monotonic()
         returncode = procs[0].wait(timeout=90)  # host 0: a rank fails, torchrun stops the other beside it
