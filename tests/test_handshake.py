@@ -7,7 +7,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from spd.runtime.handshake import mismatch, target_fingerprint
-from spd.runtime.loading import checkpoint_files
+from spd.runtime.loading import Checkpoint
 
 
 def _identity(**changes):
@@ -37,13 +37,13 @@ def test_the_first_difference_is_named_with_its_ranks(change, words):
 def test_the_target_fingerprint_sees_weights_not_paths(tiny_testbed, tmp_path):
     source = tiny_testbed / "target"
     config = AutoConfig.from_pretrained(source)
-    here = target_fingerprint(config, checkpoint_files(str(source)))
+    here = target_fingerprint(config, Checkpoint(str(source)))
     copy = tmp_path / "copy"
     shutil.copytree(source, copy)
-    assert target_fingerprint(AutoConfig.from_pretrained(copy), checkpoint_files(str(copy))) == here
+    assert target_fingerprint(AutoConfig.from_pretrained(copy), Checkpoint(str(copy))) == here
     weights = load_file(copy / "model.safetensors")
     name = next(k for k in sorted(weights) if "layers.5." in k and k.endswith("weight"))
     weights[name].view(-1)[0] += 1.0  # another training of the same architecture
     save_file(weights, copy / "model.safetensors", metadata={"format": "pt"})
-    assert target_fingerprint(AutoConfig.from_pretrained(copy), checkpoint_files(str(copy))) != here
+    assert target_fingerprint(AutoConfig.from_pretrained(copy), Checkpoint(str(copy))) != here
     assert len(here) == 12

@@ -3,6 +3,7 @@ tokens; each stage rank holds only its layers; a killed stage makes the whole ru
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from conftest import REPO, two_at_a_time
+from spd.errors import SpdInputError
 from spd.training.distill import DistillConfig, new_head
 from spd.decoding.engine import PipelineEngine
 from spd.runtime.loading import load_partial, materialized_bytes
@@ -252,6 +254,35 @@ def test_stage_ranks_load_only_their_layers(tiny_testbed):
         torch.testing.assert_close(got, want)
         hidden = want
     torch.testing.assert_close(driver.logits(hidden), full.logits(hidden))
+
+
+def test_a_stage_machine_needs_only_the_shards_of_its_layers(tiny_testbed, tmp_path):
+    """A sharded target copied with only the shards stage 3 of 4 reads: that stage loads and computes as the full
+    model; rank 0's part there is refused with one line naming the missing shard; the fingerprint (the index)
+    is the same as on a machine holding every shard."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from spd.runtime.handshake import target_fingerprint
+    from spd.runtime.loading import Checkpoint
+
+    full_dir, part_dir = tmp_path / "full", tmp_path / "part"
+    AutoModelForCausalLM.from_pretrained(tiny_testbed / "target").save_pretrained(full_dir, max_shard_size="20KB")
+    weight_map = json.loads((full_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(weight_map.values())) > 3
+    full = StagedModel.from_pretrained(full_dir, n_stages=4)
+    needed = {f for name, f in weight_map.items()
+              if any(name.startswith(f"model.layers.{i}.") for i in full.stage_layers(2))}
+    shutil.copytree(full_dir, part_dir, ignore=lambda _, names: [n for n in names if n.endswith(".safetensors")
+                                                                 and n not in needed])
+    assert len(list(part_dir.glob("*.safetensors"))) < len(set(weight_map.values()))
+    stage = load_partial(str(part_dir), 4, 3)
+    hidden = full.embed(torch.tensor([[5, 9, 11, 3, 7]]))
+    torch.testing.assert_close(stage.run_stage(2, hidden, full.new_caches()[2]).hidden_BTD,
+                               full.run_stage(2, hidden, full.new_caches()[2]).hidden_BTD)
+    with pytest.raises(SpdInputError, match="lacks the shard '.*' that holds 'model.embed_tokens.weight'"):
+        load_partial(str(part_dir), 4, 0)
+    config = AutoConfig.from_pretrained(full_dir)
+    assert target_fingerprint(config, Checkpoint(str(part_dir))) == target_fingerprint(config, Checkpoint(str(full_dir)))
 
 
 def _pids_with(marker: str) -> list[int]:

@@ -22,19 +22,26 @@ FIELDS = {"spd": "spd version", "torch": "torch version", "target": "target (con
 MAX_IDENTITY_BYTES = 1 << 16
 
 
-def target_fingerprint(config, files: dict[str, str]) -> str:
-    """A short hash of the target's config (without its local path) and of its checkpoint: every tensor's name,
-    dtype and shape and the bytes of its first row, read through safetensors' memory map (a few KB per tensor),
-    so two machines holding differently trained weights of one architecture disagree too."""
+def target_fingerprint(config, checkpoint) -> str:
+    """A short hash of the target's config (without its local path) and of its checkpoint (a
+    :class:`~spd.runtime.loading.Checkpoint`). One file, which every machine holds: every tensor's name, dtype
+    and shape and the bytes of its first row, read through safetensors' memory map (a few KB per tensor), so two
+    machines holding differently trained weights of one architecture disagree too. Shards, of which a machine
+    holds only its own: the index (every tensor's name and shard file, and the total size)."""
     from safetensors import safe_open
 
     digest = hashlib.sha256()
     settings = {k: v for k, v in config.to_dict().items()
                 if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")}
     digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    if checkpoint.sharded:
+        index = json.loads(checkpoint.index_text)
+        digest.update(json.dumps({"weight_map": index.get("weight_map"), "total_size":
+                                  index.get("metadata", {}).get("total_size")}, sort_keys=True).encode())
+        return digest.hexdigest()[:12]
     handles = {}
-    for name in sorted(files):
-        path = files[name]
+    for name in sorted(checkpoint.weight_map):
+        path = checkpoint.path(name)
         if path not in handles:
             handles[path] = safe_open(path, framework="pt", device="cpu")
         part = handles[path].get_slice(name)
@@ -50,9 +57,9 @@ def job_identity(source: str, revision: str | None, staged, dtype: torch.dtype, 
     its RuntimeConfig ``config``."""
     import spd
 
-    from .loading import checkpoint_files
+    from .loading import Checkpoint
 
-    fingerprint = target_fingerprint(staged.model.config, checkpoint_files(source, revision))
+    fingerprint = target_fingerprint(staged.model.config, Checkpoint(source, revision))
     return {"spd": spd.__version__, "torch": torch.__version__, "target": fingerprint, "source": source,
             "cut": list(staged.boundaries), "dtype": str(dtype).removeprefix("torch."),
             "runtime": {"backend": config.backend, "early_launch": config.early_launch,

@@ -25,7 +25,8 @@ def load_partial(source: str, n_stages: int, role: int, revision: str | None = N
         config = AutoConfig.from_pretrained(source, revision=revision)
     except (OSError, ValueError, KeyError) as exc:
         raise SpdInputError(f"could not load safetensors weights of '{source}': {first_line(exc)}") from None
-    files = checkpoint_files(source, revision)
+    checkpoint = Checkpoint(source, revision)
+    files = checkpoint.weight_map
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     staged = StagedModel(model, n_stages=n_stages, boundaries=boundaries)
@@ -48,10 +49,11 @@ def load_partial(source: str, n_stages: int, role: int, revision: str | None = N
                 key = next((k for k in files if k.endswith("embed_tokens.weight")), None)
             if key is None:
                 raise SpdInputError(f"the checkpoint '{source}' has no tensor '{name}'")
-            if files[key] not in handles:
-                handles[files[key]] = safe_open(files[key], framework="pt", device="cpu")
+            path = checkpoint.path(key)
+            if path not in handles:
+                handles[path] = safe_open(path, framework="pt", device="cpu")
             with torch.no_grad():
-                param.copy_(handles[files[key]].get_tensor(key).to(dtype))
+                param.copy_(handles[path].get_tensor(key).to(dtype))
     if tied and role == 0:
         model.get_output_embeddings().weight = base.embed_tokens.weight
     rotary = base.rotary_emb
@@ -68,24 +70,51 @@ def load_partial(source: str, n_stages: int, role: int, revision: str | None = N
     return staged
 
 
-def checkpoint_files(source: str, revision: str | None = None) -> dict[str, str]:
-    """Each tensor name of the target's safetensors checkpoint (one file or an index of shards) -> its file."""
-    import json
+class Checkpoint:
+    """The target's safetensors checkpoint (one file, or shards listed in an index): which file holds each
+    tensor, with a shard's file fetched or found only when one of its tensors is read, so that a machine needs
+    only the shards that hold its own stages' layers."""
 
-    from safetensors import safe_open
-    from transformers.utils import cached_file
+    def __init__(self, source: str, revision: str | None = None):
+        import json
 
-    try:
-        index = cached_file(source, "model.safetensors.index.json", revision=revision,
-                            _raise_exceptions_for_missing_entries=False)
-        if index is not None:
-            weight_map = json.loads(open(index).read())["weight_map"]
-            return {name: cached_file(source, f, revision=revision) for name, f in weight_map.items()}
-        single = cached_file(source, "model.safetensors", revision=revision)
-        with safe_open(single, framework="pt") as f:
-            return {name: single for name in f.keys()}
-    except (OSError, ValueError, KeyError) as exc:
-        raise SpdInputError(f"could not load safetensors weights of '{source}': {first_line(exc)}") from None
+        from safetensors import safe_open
+        from transformers.utils import cached_file
+
+        self.source, self.revision = source, revision
+        self._paths: dict[str, str] = {}
+        try:
+            index = cached_file(source, "model.safetensors.index.json", revision=revision,
+                                _raise_exceptions_for_missing_entries=False)
+            if index is not None:
+                self.index_text = open(index, encoding="utf-8").read()
+                self.weight_map: dict[str, str] = dict(json.loads(self.index_text)["weight_map"])
+            else:
+                self.index_text = None
+                single = cached_file(source, "model.safetensors", revision=revision)
+                with safe_open(single, framework="pt") as f:
+                    self.weight_map = {name: "model.safetensors" for name in f.keys()}
+                self._paths["model.safetensors"] = single
+        except (OSError, ValueError, KeyError) as exc:
+            raise SpdInputError(f"could not load safetensors weights of '{source}': {first_line(exc)}") from None
+
+    @property
+    def sharded(self) -> bool:
+        return self.index_text is not None
+
+    def path(self, name: str) -> str:
+        """The local path of the file holding tensor ``name`` (fetched from the hub cache on first use)."""
+        from transformers.utils import cached_file
+
+        file = self.weight_map[name]
+        if file not in self._paths:
+            try:
+                self._paths[file] = cached_file(self.source, file, revision=self.revision)
+            except (OSError, ValueError) as exc:
+                raise SpdInputError(f"the checkpoint '{self.source}' lacks the shard '{file}' that holds '{name}' "
+                                    f"({first_line(exc)}); every machine needs the shards of its own stages' "
+                                    "layers (and rank 0's: embedding, final norm, LM head)") from None
+        return self._paths[file]
 
 
 def materialized_bytes(module: torch.nn.Module) -> int:
