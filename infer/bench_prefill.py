@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from infer.netns import Lan, rate_bits, unavailable  # noqa: E402
+from infer.netns import Lan, rate_bits, torchrun_command, unavailable  # noqa: E402
 from spd.paths import default_testbed_dir  # noqa: E402
 
 
@@ -53,18 +53,14 @@ def prompt_texts(tokenizer, lengths: list[int]) -> dict[int, str]:
 
 
 def run_job(lan: Lan, args, prompts: Path, out: Path) -> None:
-    endpoint = f"{lan.addresses[0]}:29621"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     job_id = f"prefill-{os.getpid()}-{time.monotonic_ns()}"
     procs = []
     for node, nproc in enumerate([2, args.stages - 1]):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job_id,
-               "--local-addr", lan.addresses[node], *(["--rdzv-conf", "is_host=1"] if node == 0 else []),
-               "-m", "spd.cli.run_pipeline", "--target", args.target, "--mode", "pp", "--prompts", str(prompts),
-               "--max-new-tokens", "1", "--dtype", args.dtype, "--timeout-s", str(args.timeout_s), "--out", str(out)]
-        procs.append(subprocess.Popen(lan.command(node, cmd), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, text=True))
+        argv = ["-m", "spd.cli.run_pipeline", "--target", args.target, "--mode", "pp", "--prompts", str(prompts),
+                "--max-new-tokens", "1", "--dtype", args.dtype, "--timeout-s", str(args.timeout_s), "--out", str(out)]
+        procs.append(subprocess.Popen(torchrun_command(lan.hosts, node, nproc, 29621, job_id, argv), cwd=REPO,
+                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
         time.sleep(0.5)
     failed = []
     for proc in procs:
@@ -72,7 +68,7 @@ def run_job(lan: Lan, args, prompts: Path, out: Path) -> None:
         if proc.returncode != 0:
             failed += [line for line in err.splitlines() if line.startswith("error:")] or [err[-2000:]]
     if failed:
-        raise SystemExit(f"error: a prefill job failed; its ranks said:\n" + "\n".join(failed))
+        raise SystemExit("error: a prefill job failed; its ranks said:\n" + "\n".join(failed))
 
 
 def main(argv=None) -> int:

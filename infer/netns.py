@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 
 
 def unavailable() -> str | None:
@@ -91,6 +92,21 @@ class Lan:
     def command(self, host: int, argv: list[str]) -> list[str]:
         """``argv`` run on ``host``."""
         return ["ip", "netns", "exec", self.names[host], *argv]
+
+
+def torchrun_command(hosts: list[tuple[str, str]], node: int, nproc: int, port: int, job_id: str, argv: list[str],
+                     local_addr: bool = True) -> list[str]:
+    """The torchrun that starts ``nproc`` ranks of one job on host ``node`` of ``hosts`` ((namespace, address)
+    each), as docs/runtime.md "Across machines" starts them on machines: c10d rendezvous at host 0, which hosts
+    it (``is_host=1``), and ``--local-addr`` unless ``local_addr`` is False. ``argv`` follows torchrun's options
+    (e.g. ``["-m", "spd.cli.run_pipeline", ...]``)."""
+    name, address = hosts[node]
+    cmd = ["ip", "netns", "exec", name, sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)),
+           "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0][1]}:{port}",
+           "--rdzv-id", job_id]
+    cmd += ["--rdzv-conf", "is_host=1"] if node == 0 else []
+    cmd += ["--local-addr", address] if local_addr else []
+    return cmd + list(argv)
 
 
 def rate_bits(rate: str) -> int:

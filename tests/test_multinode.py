@@ -20,7 +20,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO
-from infer.netns import Lan, unavailable
+from infer.netns import Lan, torchrun_command, unavailable
 from test_runtime import PROMPTS, _reference, heads  # noqa: F401  (heads: a fixture)
 
 
@@ -41,18 +41,12 @@ def hosts(lan):
 
 def _start(hosts, nprocs, args, local_addr=True, per_host_args=None) -> list[subprocess.Popen]:
     """One torchrun per host, started side by side (stderr piped); ``per_host_args`` replace ``args`` on a host."""
-    endpoint = f"{hosts[0][1]}:29611"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     job_id = f"spd-{os.getpid()}-{time.monotonic_ns()}"  # one rendezvous id for the whole job
     procs = []
-    for node, ((name, address), nproc) in enumerate(zip(hosts, nprocs)):
-        cmd = ["ip", "netns", "exec", name, sys.executable, "-m", "torch.distributed.run", "--nnodes",
-               str(len(hosts)), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint",
-               endpoint, "--rdzv-id", job_id]
-        cmd += ["--rdzv-conf", "is_host=1"] if node == 0 else []
-        cmd += ["--local-addr", address] if local_addr else []
+    for node, nproc in enumerate(nprocs):
         own = per_host_args[node] if per_host_args and per_host_args[node] is not None else args
-        cmd += ["-m", "spd.cli.run_pipeline", *own]
+        cmd = torchrun_command(hosts, node, nproc, 29611, job_id, ["-m", "spd.cli.run_pipeline", *own], local_addr)
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       text=True))
         time.sleep(0.5)  # the rendezvous host first
