@@ -92,8 +92,7 @@ def check_same_job(identity: dict, group) -> None:
     """Exchange identities with every rank of ``group`` (collective: every rank calls it once, after joining)
     and raise :class:`SpdInputError` on all of them when they differ."""
     data = json.dumps(identity, sort_keys=True).encode()
-    if len(data) > MAX_IDENTITY_BYTES:
-        raise SpdInputError(f"this rank's job identity takes {len(data)} bytes; at most {MAX_IDENTITY_BYTES} fit")
+    # (sizes first, checked by every rank alike: a rank refusing alone would leave the others in the next gather)
     world = dist.get_world_size(group)
     lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), group=group)
