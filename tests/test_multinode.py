@@ -242,3 +242,115 @@ def test_the_prefill_benchmark_measures_capped_links(tiny_testbed, tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "infer" / "bench_prefill.py"), "--rates", "fast"],
                          capture_output=True, text=True, timeout=60, cwd=REPO)
     assert bad.returncode == 2 and bad.stderr.startswith("error: rate 'fast'"), bad.stderr
+
+
+# ------------------------------------------------------------------- spd-serve with stages on other machines
+
+CLIENT = """
+import json, sys, urllib.error, urllib.request
+request = urllib.request.Request(sys.argv[1], data=sys.argv[2].encode() if len(sys.argv) > 2 else None,
+                                 headers={"Content-Type": "application/json"})
+try:
+    with urllib.request.urlopen(request, timeout=120) as response:
+        print(response.status, response.read().decode())
+except urllib.error.HTTPError as exc:
+    print(exc.code, exc.read().decode())
+"""
+
+
+def _http(lan, host: int, url: str, body: dict | None = None) -> tuple[int, dict]:
+    """A request from a client on ``host`` (the server listens on that host's loopback): (status, JSON body)."""
+    argv = [sys.executable, "-c", CLIENT, url] + ([json.dumps(body)] if body is not None else [])
+    proc = subprocess.run(lan.command(host, argv), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    status, _, text = proc.stdout.partition(" ")
+    return int(status), json.loads(text)
+
+
+def _spd_cli(lan, host: int, name: str, *args: str, **popen) -> subprocess.Popen:
+    """A console script of this checkout's environment run on ``host``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(lan.command(host, [str(Path(sys.executable).parent / name), *args]), cwd=REPO, env=env,
+                            text=True, **popen)
+
+
+def test_a_server_with_stages_on_another_machine_serves_their_tokens_and_503_once_that_machine_is_gone(
+        tiny_testbed, heads, lan, hosts):
+    """spd-serve on host 0 runs rank 0 and stages 1-2, spd-stage on host 1 stages 3-4: the completions equal the
+    single-process engine's; a second machine asking for the same stages, or for one the server runs, is refused
+    with one line; once host 1's link goes down the server answers 503 saying it must be restarted (and keeps
+    answering), host 1's stages end with an error line, and the server stops cleanly on SIGTERM."""
+    target, port = str(tiny_testbed / "target"), 29631
+    server = _spd_cli(lan, 0, "spd-serve", "--target", target, "--mode", "spd", "--speculator", str(heads[4]),
+                      "--runtime", "distributed", "--local-stages", "2", "--stage-addr", f"{hosts[0][1]}:{port}",
+                      "--port", "8131", "--timeout-s", "8", "--join-timeout-s", "120", stderr=subprocess.PIPE)
+    worker = None
+    try:
+        lines = _follow([server])[0]
+        _wait_for(lines, "waiting up to", server)
+        assert f"spd-stage --server {hosts[0][1]}:{port}" in "".join(lines)
+        # A stage the server runs itself: refused before anything starts.
+        wrong = _spd_cli(lan, 1, "spd-stage", "--server", f"{hosts[0][1]}:{port}", "--target", target, "--hold", "2",
+                         stderr=subprocess.PIPE)
+        _, err = wrong.communicate(timeout=60)
+        errors = _errors(err.splitlines())
+        assert wrong.returncode == 2 and len(errors) == 1 and errors[0].startswith("error: stage 2 is not one"), err
+        assert "3, 4 of 4" in errors[0]
+        worker = _spd_cli(lan, 1, "spd-stage", "--server", f"{hosts[0][1]}:{port}", "--target", target,
+                          stderr=subprocess.PIPE)
+        worker_lines = _follow([worker])[0]
+        _wait_for(lines, "listening on", server)
+        assert any("running 2 of the 4 stages" in line for line in worker_lines), worker_lines
+        twice = _spd_cli(lan, 2, "spd-stage", "--server", f"{hosts[0][1]}:{port}", "--target", target,
+                         stderr=subprocess.PIPE)
+        _, err = twice.communicate(timeout=60)
+        errors = _errors(err.splitlines())
+        assert twice.returncode == 2 and len(errors) == 1 and "already run by another machine" in errors[0], err
+        want = _reference(tiny_testbed, heads[4], 4, "spd", 0.0, 0, None, 16)
+        from spd.target.staging import load_target_tokenizer
+
+        tok = load_target_tokenizer(target)
+        for prompt, expected in zip(PROMPTS, want):
+            status, body = _http(lan, 0, "http://127.0.0.1:8131/v1/completions",
+                                 {"model": "target", "prompt": prompt, "max_tokens": 16, "temperature": 0})
+            assert status == 200, body
+            assert body["choices"][0]["text"] == tok.decode(expected.token_ids, skip_special_tokens=True)
+            assert body["spd"]["token_acceptance"] == expected.stats.token_acceptance
+        # Host 1 is taken away (its cable pulled): idle pings or the next request find it gone.
+        lan.set_link(1, up=False)
+        down = time.monotonic()
+        status, body = _http(lan, 0, "http://127.0.0.1:8131/v1/completions",
+                             {"model": "target", "prompt": PROMPTS[0], "max_tokens": 16})
+        assert status == 503 and "must be restarted" in body["error"]["message"], body
+        assert time.monotonic() - down < 60
+        status, body = _http(lan, 0, "http://127.0.0.1:8131/health")
+        assert status == 503 and "pipeline is down" in body["error"]["message"], body
+        # The stages on host 1 end by their timeout with one error line each, and spd-stage with them.
+        assert worker.wait(timeout=60) == 1
+        assert any(line.startswith("error:") for line in worker_lines), worker_lines
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+        assert _no_spd_traceback(lines) and _no_spd_traceback(worker_lines), "".join(lines + worker_lines)[-3000:]
+    finally:
+        lan.set_link(1, up=True)
+        for proc in (server, worker):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_a_server_whose_other_machines_never_join_says_so_and_exits(tiny_testbed, hosts, lan):
+    """No spd-stage ever comes: after --join-timeout-s the server exits with one line naming the missing stages
+    and the command that runs them; its own stage process goes with it."""
+    server = _spd_cli(lan, 0, "spd-serve", "--target", str(tiny_testbed / "target"), "--mode", "pp", "--stages",
+                      "2", "--runtime", "distributed", "--local-stages", "1", "--stage-addr", f"{hosts[0][1]}:29632",
+                      "--port", "8132", "--join-timeout-s", "5", stderr=subprocess.PIPE)
+    try:
+        _, err = server.communicate(timeout=120)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    errors = _errors(err.splitlines())
+    assert server.returncode == 2 and len(errors) == 1, err[-3000:]
+    assert errors[0].startswith(f"error: stage 2 did not join at {hosts[0][1]}:29632 within 5 s"), errors
+    assert f"spd-stage --server {hosts[0][1]}:29632" in errors[0], errors

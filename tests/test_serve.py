@@ -407,12 +407,35 @@ def _alive(pid: int) -> bool:
     (["--max-body-bytes", "0"], "positive integer"),
     (["--max-model-len", "100000"], "more than the model's context of 256"),
     (["--api-key", " "], "API key (--api-key or SPD_API_KEY) is empty"),
+    (["--mode", "pp", "--stages", "2", "--local-stages", "1"], "need --runtime distributed"),
+    (["--mode", "pp", "--stages", "2", "--runtime", "distributed", "--local-stages", "1"], "pass --stage-addr"),
+    (["--mode", "pp", "--stages", "2", "--runtime", "distributed", "--local-stages", "3"], "--local-stages must be in 0..2"),
+    (["--mode", "pp", "--stages", "2", "--runtime", "distributed", "--local-stages", "1", "--stage-addr",
+      "127.0.0.1:29500"], "loopback address"),
+    (["--mode", "pp", "--stages", "2", "--runtime", "distributed", "--local-stages", "1", "--stage-addr",
+      "10.0.0.1:0"], "not an address"),
+    (["--local-stages", "-1"], "integer >= 0"),
 ])
 def test_cli_bad_flags_one_line_exit_2(tiny_testbed, args, needle):
     proc = subprocess.run([sys.executable, "-m", "spd.cli.serve", "--target", str(tiny_testbed / "target"), *args],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--server", "10.0.0.1:x"], "is not an address"),
+    (["--server", "127.0.0.1:1", "--hold", "a,b"], "--hold 'a,b' is not a list of stage numbers"),
+    (["--server", "127.0.0.1:1", "--wait-s", "0"], "--wait-s must be a positive"),
+    (["--server", "127.0.0.1:1", "--wait-s", "1"], "no spd-serve with remote stages answered at 127.0.0.1:1 within 1 s"),
+])
+def test_spd_stage_bad_input_one_line_exit_2(tiny_testbed, args, needle):
+    """spd-stage (a machine joining a server's pipeline, tested across namespaces in test_multinode.py)."""
+    proc = subprocess.run([sys.executable, "-m", "spd.cli.stage", "--target", str(tiny_testbed / "target"), *args],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.strip().splitlines() if "[c10d]" not in line]  # (torch's own warnings)
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], proc.stderr
 
 

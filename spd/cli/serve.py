@@ -3,6 +3,8 @@
     spd-serve --target testbed/target --mode spd --speculator runs/quickstart-n4/final --port 8000
     spd-serve --mode pp --stages 4 --runtime distributed          # one process per stage, started once
     spd-serve --mode tree --draft-model testbed/draft --stages 4 --tree-width 4
+    spd-serve --mode spd --speculator H --runtime distributed --local-stages 2 --stage-addr 10.0.0.1:29500
+        # stages 3-4 on another machine: spd-stage --server 10.0.0.1:29500 --target DIR (docs/runtime.md)
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as server-sent
 events), GET /v1/models, GET /health, GET /metrics (Prometheus). The model flags are spd-generate's. The
@@ -36,6 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-ping-s", type=_positive_seconds, default=None,
                    help="--runtime distributed: ping idle stages this often, in seconds, less than --timeout-s "
                         "(default: a quarter of --timeout-s, at most 5)")
+    p.add_argument("--local-stages", type=_non_negative_int, default=None,
+                   help="--runtime distributed: run stages 1..K on this machine; the others join from other machines "
+                        "with spd-stage (default: all stages here)")
+    p.add_argument("--stage-addr", default=None,
+                   help="--runtime distributed with --local-stages: this machine's HOST[:PORT] on the stage network, "
+                        "where the other machines' stages join (port default 29500); listens on that address only")
+    p.add_argument("--join-timeout-s", type=_positive_seconds, default=600.0,
+                   help="--runtime distributed: how long the stages may take to load and join (default: %(default)s)")
     p.add_argument("--max-body-bytes", type=_positive_int, default=8 * 2 ** 20,
                    help="largest request body; a larger one gets 413 before it is read (default: %(default)s = 8 MiB)")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
@@ -48,6 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default: %(default)s)")
     return p
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    return value
 
 
 def _positive_seconds(text: str) -> float:
@@ -75,6 +95,9 @@ def serve(args) -> int:
     if args.idle_ping_s is not None and args.runtime == "distributed" and args.idle_ping_s >= args.timeout_s:
         raise SpdInputError(f"--idle-ping-s ({args.idle_ping_s:g}) must be less than --timeout-s "
                             f"({args.timeout_s:g}), or idle stages time out between pings")
+    if args.runtime != "distributed" and (args.local_stages is not None or args.stage_addr is not None):
+        raise SpdInputError("--local-stages and --stage-addr place stages on other machines; they need --runtime "
+                            "distributed")
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPD_API_KEY") or None
     if api_key is not None and not api_key.strip():
         raise SpdInputError("the API key (--api-key or SPD_API_KEY) is empty; expected a key clients will send as "
@@ -102,7 +125,8 @@ def serve(args) -> int:
                         tree_candidates=args.tree_candidates, draft_steps=args.draft_steps, dtype=args.dtype, device=args.device,
                         runtime=args.runtime,
                         emulate_stage_ms=args.emulate_stage_ms, emulate_link_ms=args.emulate_link_ms,
-                        timeout_s=args.timeout_s)
+                        timeout_s=args.timeout_s, local_stages=args.local_stages, stage_addr=args.stage_addr,
+                        join_timeout_s=args.join_timeout_s)
     name = args.served_model_name or (Path(args.target).name if Path(args.target).is_dir() else args.target)
     # SIGTERM unwinds (SystemExit) from here on, through the loading too: open_pipeline then stops the stage
     # processes it started, and the finally below the ones of a running server. uvicorn handles SIGTERM itself

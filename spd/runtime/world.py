@@ -125,20 +125,28 @@ def _loopback_store(timeout: datetime.timedelta):
     if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or os.environ.get("RANK", "0") != "0"
             or not is_loopback(addr) or not (port or "").isdigit()):
         return None
-    return loopback_store(addr, int(port), int(os.environ.get("WORLD_SIZE", "1")), timeout)
+    return bound_store(addr, int(port), int(os.environ.get("WORLD_SIZE", "1")), timeout)
 
 
-def loopback_store(addr: str, port: int, world: int, timeout: datetime.timedelta):
-    """A TCPStore server for ``world`` processes listening on the loopback address ``addr`` only."""
+def bound_store(addr: str, port: int, world: int, timeout: datetime.timedelta, wait_for_workers: bool = True):
+    """A TCPStore server for ``world`` processes listening on ``addr`` only: a loopback address for a world on this
+    machine, the stage network's address for one across machines (a store created from MASTER_ADDR alone listens on
+    every interface). ``wait_for_workers=False`` returns at once (the process group's rendezvous waits instead)."""
     import socket
 
     family = socket.AF_INET6 if ":" in addr.strip("[]") else socket.AF_INET
     host = addr.strip("[]") if addr.lower() != "localhost" else "127.0.0.1"
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SpdInputError(f"cannot listen at {addr}:{port} ({exc.strerror}); give an address of this machine and a "
+                            "free port") from None
     sock.listen(1024)
-    store = dist.TCPStore(host, port, world, True, timeout=timeout, master_listen_fd=sock.fileno())
+    store = dist.TCPStore(host, port, world, True, timeout=timeout, wait_for_workers=wait_for_workers,
+                          master_listen_fd=sock.fileno())
     _STORE_SOCKETS.append(sock)  # the store listens on this socket: it must stay open as long as the process
     return store
 

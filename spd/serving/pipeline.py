@@ -4,11 +4,13 @@
 ``runtime="distributed"`` this process is rank 0 of a ``torch.distributed`` world (embedding, LM head, the
 head or draft model, verification) and ``n`` stage processes are started once, each loading only its own
 layers (``python -m spd.cli.run_pipeline`` as a stage rank, spd/runtime/); every request is a new epoch on
-the same processes (the stages reset their caches at each prefill). Between requests the driver pings the
-stages, whose waits have a timeout. A stage process that exits makes :meth:`Pipeline.lost` say so; a lost
-pipeline is not restarted (the stages' process group cannot be re-formed in this process), the server says
-it must be restarted. The stage processes end with the server: each runs in its own session with SIGTERM on
-the server's death (children.py), and a server stopped while loading stops the ones it started.
+the same processes (the stages reset their caches at each prefill). With ``local_stages`` K < n, stages
+K+1..n run on other machines, which join at ``stage_addr`` with ``spd-stage`` (spd/runtime/join.py,
+docs/runtime.md). Between requests the driver pings the stages, whose waits have a timeout. A stage process
+that exits makes :meth:`Pipeline.lost` say so; a lost pipeline is not restarted (the stages' process group
+cannot be re-formed in this process), the server says it must be restarted. This machine's stage processes
+end with the server: each runs in its own session with SIGTERM on the server's death (children.py), and a
+server stopped while loading stops the ones it started.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class PipelineSpec:
     emulate_stage_ms: float = 0.0  # distributed: added compute per stage per token
     emulate_link_ms: float = 0.0  # distributed: added latency per message
     timeout_s: float = 60.0  # distributed: a stage silent this long (within a request) is lost
+    local_stages: int | None = None  # distributed: stages run on this machine (default: all); the rest join
+    stage_addr: str | None = None  # distributed: HOST[:PORT] on the stage network where the other machines join
+    join_timeout_s: float = 600.0  # distributed: how long the stages may take to load and join
 
 
 class Pipeline:
@@ -97,19 +102,22 @@ class Pipeline:
             self.remote.ping()
 
     def close(self) -> None:
-        """Stop the stage processes (STOP down the chain, then wait; kill what does not exit)."""
+        """Stop this machine's stage processes (STOP down the chain, then wait; kill what does not exit); the other
+    machines' stages end on the STOP too, or by their timeout when the pipeline is lost."""
         if self.remote is None:
             return
         import torch.distributed as dist
 
-        if self.lost() is None:
+        lost = self.lost() is not None
+        if not lost:
             try:
                 self.remote.shutdown()
             except Exception:  # noqa: BLE001 - a stage died while stopping: killed below
                 pass
         for proc in self.procs:
             try:
-                proc.wait(timeout=10)
+                # (a lost pipeline's stages would only wait for their timeout: stopped at once)
+                proc.wait(timeout=0 if lost else 10)
             except subprocess.TimeoutExpired:
                 end_child(proc, grace_s=5)
         if dist.is_initialized():
@@ -158,38 +166,61 @@ def _engine(spec: PipelineSpec, staged, head, tokenizer, dtype, stages=None):
 
 def _open_distributed(spec: PipelineSpec, n: int, boundaries: list[int] | None, dtype: torch.dtype,
                       tokenizer) -> Pipeline:
-    """Rank 0 here, ``n`` stage processes spawned now; a 2-token warm-up request proves the pipeline works."""
+    """Rank 0 here, the stage processes of this machine spawned now, the other machines' stages awaited at
+    ``--stage-addr`` (spd/runtime/join.py); a 2-token warm-up request proves the pipeline works."""
     from ..runtime.handshake import check_same_job, job_identity
+    from ..runtime.join import StageJob, parse_address, publish_job
     from ..runtime.loading import load_partial
     from ..runtime.protocol import PipelineLost, RuntimeConfig
     from ..runtime.remote import RemoteStages
-    from ..runtime.world import free_port, local_world_env
+    from ..runtime.world import bound_store, free_port, is_loopback, loopback_interface, route_interface
     from ..heads.loading import load_speculator
 
     if spec.mode not in ("spd", "pp", "tree"):
         raise SpdInputError(f"--runtime distributed runs --mode spd, pp or tree, not '{spec.mode}'")
+    local = n if spec.local_stages is None else spec.local_stages
+    if not 0 <= local <= n:
+        raise SpdInputError(f"--local-stages must be in 0..{n} (the pipeline has {n} stages), got {local}")
+    if local < n and spec.stage_addr is None:
+        raise SpdInputError(f"stages {local + 1}..{n} run on other machines, which join at this machine's address "
+                            "on the stage network: pass --stage-addr ADDR[:PORT]")
+    if spec.stage_addr is not None:
+        host, port = parse_address(spec.stage_addr)
+        if is_loopback(host):
+            raise SpdInputError(f"--stage-addr {spec.stage_addr} is a loopback address, which the other machines "
+                                "cannot reach; give this machine's address on the stage network")
+        interface = route_interface(host)
+    else:
+        host, port, interface = "127.0.0.1", free_port(), loopback_interface()
     backend = "nccl" if torch.device(spec.device).type == "cuda" else "gloo"
     config = RuntimeConfig(backend=backend, timeout_s=spec.timeout_s, emulate_stage_ms=spec.emulate_stage_ms,
-                           emulate_link_ms=spec.emulate_link_ms)
+                           emulate_link_ms=spec.emulate_link_ms, join_timeout_s=spec.join_timeout_s)
     # Rank 0's part and the head load (and fail with one line) before any process starts.
     staged = load_partial(spec.target, n, 0, spec.revision, dtype, spec.device, boundaries)
     head = (load_speculator(spec.speculator, spec.speculator_revision, dtype, spec.device, target=staged)
             if spec.speculator else None)
-    port = free_port()
-    env = {**local_world_env(port), "WORLD_SIZE": str(n + 1), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    cmd = [sys.executable, "-m", "spd.cli.run_pipeline", "--target", spec.target, "--stages", str(n),
-           "--dtype", spec.dtype, "--backend", backend, "--timeout-s", str(spec.timeout_s),
-           "--emulate-stage-ms", str(spec.emulate_stage_ms), "--emulate-link-ms", str(spec.emulate_link_ms)]
-    if spec.revision is not None:
-        cmd += ["--revision", spec.revision]
-    if boundaries is not None:
-        cmd += ["--boundaries", ",".join(map(str, boundaries))]
+    job = StageJob(stages=n, boundaries=list(staged.boundaries), remote=list(range(local + 1, n + 1)),
+                   dtype=spec.dtype, backend=backend, timeout_s=spec.timeout_s,
+                   emulate_stage_ms=spec.emulate_stage_ms, emulate_link_ms=spec.emulate_link_ms)
+    # gloo (rank 0 and this machine's stages) on the stage network's interface, unless the user chose one.
+    if interface is not None and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+    # The store listens on the stage address only; the other machines read the job from it.
+    timeout = datetime.timedelta(seconds=max(spec.timeout_s, spec.join_timeout_s))
+    store = bound_store(host, port, n + 1, timeout, wait_for_workers=False)
+    publish_job(store, job)
+    if job.remote:
+        print(f"[spd-serve] waiting up to {spec.join_timeout_s:g} s for {_stage_list(job.remote)} to join at "
+              f"{host}:{port}: run 'spd-stage --server {host}:{port} --target DIR' on their machine(s)",
+              file=sys.stderr, flush=True)
+    cmd = job.stage_command(spec.target, spec.revision)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     procs: list[subprocess.Popen] = []
     try:
-        for r in range(1, n + 1):
-            procs.append(start_child(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdin=subprocess.DEVNULL,
+        for r in range(1, local + 1):
+            procs.append(start_child(cmd, env=job.stage_env(host, port, r, r, local + 1, env), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL))
-        control = _join(procs, port, n, backend, max(spec.timeout_s, config.join_timeout_s))
+        control = _join(procs, store, n, backend, timeout, spec.join_timeout_s)
         check_same_job(job_identity(spec.target, spec.revision, staged, dtype, config), control)
         remote = RemoteStages(staged, config, control)
         pipeline = Pipeline(spec, _engine(spec, staged, head, tokenizer, dtype, remote), staged, tokenizer, n,
@@ -200,11 +231,22 @@ def _open_distributed(spec: PipelineSpec, n: int, boundaries: list[int] | None, 
         lost = _exited(procs)
         for proc in procs:
             end_child(proc, grace_s=0)
+        if lost is None and job.remote and isinstance(exc, _JoinTimeout):
+            raise SpdInputError(f"{_stage_list(job.remote)} did not join at {host}:{port} within "
+                                f"{spec.join_timeout_s:g} s; run 'spd-stage --server {host}:{port} --target DIR' on "
+                                "their machine(s)") from None
         raise SpdInputError(f"the stage processes did not start: {lost or first_line(exc)}") from None
     except BaseException:  # SIGTERM (SystemExit) or Ctrl-C while loading: no stage process outlives the server
         for proc in procs:
             end_child(proc, grace_s=2)
         raise
+
+
+def _stage_list(stages: list[int]) -> str:
+    """"stage 2", "stages 3 and 4", "stages 3..6"."""
+    if len(stages) == 1:
+        return f"stage {stages[0]}"
+    return f"stages {stages[0]}..{stages[-1]}" if len(stages) > 2 else f"stages {stages[0]} and {stages[1]}"
 
 
 def _exited(procs) -> str | None:
@@ -214,23 +256,22 @@ def _exited(procs) -> str | None:
     return None
 
 
-def _join(procs, port: int, n: int, backend: str, timeout_s: float):
-    """Join the world as rank 0 while the stage processes load; fail at once if one of them exits."""
+class _JoinTimeout(RuntimeError):
+    """The world was not complete within the join timeout."""
+
+
+def _join(procs, store, n: int, backend: str, timeout: datetime.timedelta, deadline_s: float):
+    """Join the world as rank 0 through ``store`` while the stage processes load, for at most ``deadline_s``;
+    fail at once if one of this machine's exits."""
     import threading
+    import time
 
     import torch.distributed as dist
-
-    from ..runtime.world import loopback_interface, loopback_store
 
     result: dict = {}
 
     def join():
         try:
-            timeout = datetime.timedelta(seconds=timeout_s)
-            # The stages meet on this machine: the store listens on loopback only, and gloo binds to it too.
-            if not os.environ.get("GLOO_SOCKET_IFNAME") and loopback_interface():
-                os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
-            store = loopback_store("127.0.0.1", port, n + 1, timeout)
             dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=0, world_size=n + 1,
                                     timeout=timeout)
             result["control"] = dist.new_group(backend="gloo", timeout=timeout)
@@ -239,10 +280,13 @@ def _join(procs, port: int, n: int, backend: str, timeout_s: float):
 
     thread = threading.Thread(target=join, daemon=True)
     thread.start()
+    deadline = time.monotonic() + deadline_s
     while thread.is_alive():
         thread.join(timeout=0.2)
         if thread.is_alive() and _exited(procs):
             raise RuntimeError(_exited(procs) + " while loading (its error is above)")
+        if thread.is_alive() and time.monotonic() > deadline:
+            raise _JoinTimeout(f"the stages did not join within {deadline_s:g} s")
     if "error" in result:
         raise RuntimeError(first_line(result["error"]))
     return result["control"]
