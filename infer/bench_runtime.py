@@ -153,6 +153,37 @@ def step_ms(records: list[dict]) -> dict:
             for name in ("speculator", "verify", "stage")}
 
 
+def breakdown(report: dict, mode: str) -> dict | None:
+    """Where a step's time went, in ms per step of ``mode`` (the whole run, prefills included), from run_pipeline's
+    clocks: rank 0 (token source, verification with the next launch's send, sends, receiving apart from its waits,
+    emulated link latency, blocked waits for the stages, the rest: bookkeeping) and the stages' mean (their layers,
+    emulated compute, notices, sends, receiving, emulated latency, waiting for input, the rest)."""
+    clocks = report.get("clocks", {}).get(mode)
+    records = report["results"][mode]
+    steps = sum(r["stats"]["steps"] for r in records)
+    if not clocks or not steps:
+        return None
+    wall = sum(r["stats"]["wall_time_s"] for r in records)
+    link = clocks["rank0"]
+    rank0 = {"source": sum(r["stats"]["speculator_time_s"] for r in records),
+             "verify": sum(r["stats"]["verify_time_s"] for r in records), "send": link["send"],
+             "receive_work": link["receive"] - link["receive_wait"] - link["link_delay"],
+             "link_delay": link["link_delay"], "wait": link["receive_wait"]}
+    rank0["other"] = wall - sum(rank0.values())
+    stages = clocks["stages"]
+    mean = {name: sum(c[name] for c in stages) / len(stages)
+            for name in ("elapsed", "compute", "emulated_compute", "notices", "send", "receive", "receive_wait",
+                         "link_delay")}
+    stage = {"compute": mean["compute"], "emulated_compute": mean["emulated_compute"], "notices": mean["notices"],
+             "send": mean["send"], "receive_work": mean["receive"] - mean["receive_wait"] - mean["link_delay"],
+             "link_delay": mean["link_delay"], "wait": mean["receive_wait"]}
+    stage["other"] = mean["elapsed"] - sum(stage.values())
+    per_step = lambda part: {k: round(1000 * v / steps, 3) for k, v in part.items()}  # noqa: E731
+    return {"rank0": per_step(rank0), "stages": per_step(stage),
+            "messages_per_step": {"rank0_sent": round(link["messages_sent"] / steps, 2),
+                                  "rank0_received": round(link["messages_received"] / steps, 2)}}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     mode = "spd" if args.tree_width is None else "tree"
@@ -171,7 +202,8 @@ def main(argv=None) -> int:
                        "speedup_vs_ar": spec["decode_tokens_per_s"] / ar["decode_tokens_per_s"] if ar else None,
                        f"identical_tokens_{mode}_pp": sum(a["token_ids"] == b["token_ids"] for a, b in
                                                           zip(report["results"][mode], report["results"]["pp"])),
-                       "step_ms": step_ms(report["results"][mode])}
+                       "step_ms": step_ms(report["results"][mode]),
+                       "breakdown_ms_per_step": {m: breakdown(report, m) for m in (mode, "pp")}}
                 if mode == "tree":
                     row.update(width=args.tree_width, children=args.tree_children)
                 rows.append(row)
@@ -191,6 +223,20 @@ def main(argv=None) -> int:
         print(f"| {r['stages']} | {r['head']} | {r[mode]['decode_tokens_per_s']:.2f} | "
               f"{r['pp']['decode_tokens_per_s']:.2f} | {ar} | {r['speedup_vs_pp']:.3f} | {r['L_acc']:.3f} | "
               f"{r['efficiency']:.3f} | {r[f'identical_tokens_{mode}_pp']}/{args.num_prompts} |")
+    print("\nms per step (whole run, prefills included): rank 0 = source + verify + send + receive work + link delay "
+          "+ wait + other (verify holds one send); a stage (mean) = compute + emulated + notices + send + receive work "
+          "+ link delay + wait for input + other")
+    print("| n | mode | rank 0: source | verify | send | recv work | link delay | wait | other | stage: compute | "
+          "emulated | notices | send | recv work | link delay | wait | other |")
+    print("|---|---|" + "---|" * 15)
+    for r in rows:
+        for m, b in r["breakdown_ms_per_step"].items():
+            if b is None:
+                continue
+            cells = [b["rank0"][k] for k in ("source", "verify", "send", "receive_work", "link_delay", "wait", "other")]
+            cells += [b["stages"][k] for k in ("compute", "emulated_compute", "notices", "send", "receive_work",
+                                               "link_delay", "wait", "other")]
+            print(f"| {r['stages']} | {m} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "emulate_stage_ms": args.emulate_stage_ms,
                                           "emulate_link_ms": args.emulate_link_ms, "launch": launch, "mode": mode,

@@ -172,6 +172,15 @@ def test_bench_runtime_compares_the_tree_with_pp_in_one_world(tiny_testbed, tmp_
     assert row["identical_tokens_tree_pp"] == 2  # greedy: the tree commits the plain pipeline's tokens
     assert row["efficiency"] == pytest.approx(row["speedup_vs_pp"] / row["tree"]["L_acc"])
     assert set(row["step_ms"]) == {"speculator", "verify", "stage"} and row["step_ms"]["speculator"] > 0
+    # Where a step's time went on rank 0 and on the stages (the stages' clocks, asked for between the modes):
+    # the parts are times (>= 0 apart from the remainders) that add up to the run's wall time per step.
+    for mode in ("tree", "pp"):
+        parts = row["breakdown_ms_per_step"][mode]
+        assert parts["stages"]["compute"] > 0 and parts["rank0"]["verify"] > 0 and parts["rank0"]["wait"] > 0
+        assert all(v >= 0 for k, v in {**parts["rank0"], **parts["stages"]}.items() if k != "other"), parts
+        assert parts["messages_per_step"]["rank0_received"] > 0
+    assert row["breakdown_ms_per_step"]["tree"]["rank0"]["source"] > 0 == row["breakdown_ms_per_step"]["pp"]["rank0"]["source"]
+    assert "| 2 | tree |" in proc.stdout and "| 2 | pp |" in proc.stdout
     # A token source without the tree mode is refused with one line.
     proc = subprocess.run(bench + ["--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=60,
                           cwd=REPO, env=env)

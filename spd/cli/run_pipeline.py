@@ -181,6 +181,7 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
             if args.speculator else None)
     remote = RemoteStages(staged, config, control)
     results: dict[str, list[dict]] = {}
+    clocks: dict[str, dict] = {}  # per mode, where each rank's time went (--out)
     lost = False
     try:
         chain = build_engine(DecodingSpec.of(args, mode="pp"), staged, head, tokenizer, dtype, device, remote)
@@ -190,6 +191,8 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
         for mode in args.mode:
             results[mode] = []
             engine = tree if mode == "tree" else chain
+            if args.out:
+                remote.clocks()  # (a fresh start for this mode's breakdown)
             for i, ids in enumerate(prompts):
                 out = engine.generate(ids, args.max_new_tokens, mode=mode, temperature=args.temperature,
                                       top_k=args.top_k, top_p=args.top_p,
@@ -197,13 +200,15 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
                 results[mode].append({"token_ids": out.token_ids, "stats": out.stats.as_dict()})
                 if len(prompts) > 1:
                     print(f"[{mode}] {i + 1}/{len(prompts)} prompts", file=sys.stderr, flush=True)
+            if args.out:
+                clocks[mode] = remote.clocks()
     except PipelineLost:
         lost = True  # a peer is gone or silent: an orderly shutdown would only fail on it and hide this error
         raise
     finally:
         if not lost:
             remote.shutdown()
-    _report(args, tokenizer, results, n)
+    _report(args, tokenizer, results, n, clocks)
 
 
 def _prompts(args, tokenizer) -> list[list[int]]:
@@ -243,7 +248,7 @@ def summarize(records: list[dict], n: int) -> dict:
             "tokens_per_s": new / sum(r["stats"]["wall_time_s"] for r in records)}
 
 
-def _report(args, tokenizer, results: dict[str, list[dict]], n: int) -> None:
+def _report(args, tokenizer, results: dict[str, list[dict]], n: int, clocks: dict[str, dict]) -> None:
     if args.prompts is None and len(args.mode) == 1:
         record = results[args.mode[0]][0]
         if args.json:
@@ -271,7 +276,7 @@ def _report(args, tokenizer, results: dict[str, list[dict]], n: int) -> None:
                   f"(decode {decode}), L'_acc {accept}", flush=True)
     if args.out:
         report = {"command": " ".join(sys.argv), "stages": n, "emulate_stage_ms": args.emulate_stage_ms,
-                  "emulate_link_ms": args.emulate_link_ms, "summary": summary, "results": results,
+                  "emulate_link_ms": args.emulate_link_ms, "summary": summary, "results": results, "clocks": clocks,
                   "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report) + "\n")

@@ -43,10 +43,23 @@ class Link:
         self._send_error: BaseException | None = None
         self._reaper = threading.Thread(target=self._reap_loop, daemon=True)
         self._reaper.start()
+        self.reset_clock()
+
+    def reset_clock(self) -> None:
+        """Start counting anew where this rank's time in messages goes (seconds; :meth:`clock`)."""
+        self._clock = {"send": 0.0, "receive": 0.0, "receive_wait": 0.0, "link_delay": 0.0,
+                       "messages_sent": 0, "messages_received": 0}
+
+    def clock(self) -> dict:
+        """Since the last reset: seconds in ``send`` (packing and posting, control notices too; sends never block),
+        in ``receive`` (all of it), of which ``receive_wait`` blocked for the message and ``link_delay`` slept as
+        emulated latency; and the gloo sends posted and messages received."""
+        return dict(self._clock)
 
     def send(self, dst: int, tag: int, kind: int, epoch: int, position: int, payload_TWD: torch.Tensor | None = None,
              stage: int = 0, extra: torch.Tensor | None = None) -> None:
         """Send a header, an optional int64 ``extra`` and an optional (T, W, D) payload; never blocks."""
+        tick = time.perf_counter()
         length, width = (0, 0) if payload_TWD is None else payload_TWD.shape[:2]
         header = torch.tensor([kind, epoch, position, length, stage, int(time.time() * 1e6), width,
                                0 if extra is None else extra.numel()], dtype=torch.long)
@@ -58,13 +71,15 @@ class Link:
         size = sum(part.numel() for part in body)
         message = torch.empty(self.slot, dtype=torch.uint8, device=self.device)
         message[:HEADER * 8] = header.view(torch.uint8).to(self.device)
+        spill = None
         if size <= self.inline:
             if body:
                 message[HEADER * 8:HEADER * 8 + size] = torch.cat(body)
-            self.isend(message, dst, tag)
         else:
             spill = torch.cat(body)
-            self.isend(message, dst, tag)
+        self._clock["send"] += time.perf_counter() - tick  # (the posting: isend)
+        self.isend(message, dst, tag)
+        if spill is not None:
             self.isend(spill, dst, tag)
 
     def isend(self, buffer: torch.Tensor, dst: int, tag: int, group=None) -> None:
@@ -72,11 +87,14 @@ class Link:
         can refuse a send at once instead of failing its wait)."""
         if self._send_error is not None:
             raise PipelineLost(f"rank {self.rank}: a send failed ({_short_reason(self._send_error)})")
+        tick = time.perf_counter()
         try:
             work = dist.isend(buffer, dst, group=group, tag=tag)
         except RuntimeError as exc:
             raise PipelineLost(f"rank {self.rank}: lost contact with rank {dst} ({_short_reason(exc)})") from None
         self._sends.put((work, buffer))
+        self._clock["send"] += time.perf_counter() - tick
+        self._clock["messages_sent"] += 1
 
     def _irecv(self, buffer: torch.Tensor, src: int, tag: int) -> dist.Work:
         try:
@@ -90,6 +108,7 @@ class Link:
 
     def recv(self, src: int, tag: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Receive one message: (header, extra or None, payload (T, W, D) or None), after the emulated latency."""
+        tick = time.perf_counter()
         if (src, tag) not in self._posted:
             self._post_recv(src, tag)
         work, message = self._posted.pop((src, tag))
@@ -113,6 +132,9 @@ class Link:
             delay = int(header[5]) / 1e6 + self.config.emulate_link_ms / 1000 - time.time()
             if delay > 0:
                 time.sleep(min(delay, self.config.emulate_link_ms / 1000))  # a skewed send time never waits longer
+                self._clock["link_delay"] += min(delay, self.config.emulate_link_ms / 1000)
+        self._clock["receive"] += time.perf_counter() - tick
+        self._clock["messages_received"] += 1
         return header, extra, payload_TWD
 
     def check_header(self, header: torch.Tensor, src: int) -> int:
@@ -133,8 +155,10 @@ class Link:
 
     def _wait(self, work: dist.Work, peer: int) -> None:
         """Wait for a receive; a dead or silent peer becomes PipelineLost naming both ranks."""
+        tick = time.perf_counter()
         try:
             work.wait(datetime.timedelta(seconds=self.config.timeout_s))
+            self._clock["receive_wait"] += time.perf_counter() - tick
         except RuntimeError as exc:
             why = _short_reason(exc)
             if "imed out" in why or "imeout" in why:

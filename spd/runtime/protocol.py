@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 
 # Message kinds (header[0]) and tags.
-PREFILL, TOKEN, STOP, REPORT, LEVEL, PING = 1, 2, 3, 4, 5, 6
+PREFILL, TOKEN, STOP, REPORT, LEVEL, PING, CLOCKS = 1, 2, 3, 4, 5, 6, 7
 DATA_TAG, REPORT_TAG, CONTROL_TAG, KEPT_TAG = 1, 2, 3, 4
 HEADER = 8  # kind, epoch, position, length, stage, send time (us), payload width, extra length
 # Control notices (epoch, committed length, kind, kept count), then a prune's kept indices in the same message
@@ -16,7 +16,11 @@ HEADER = 8  # kind, epoch, position, length, stage, send time (us), payload widt
 FLUSH, PRUNE, CLOSE = 0, 1, 2
 NOTICE, KEPT_INLINE = 4, 252
 NOTICE_WAIT = datetime.timedelta(days=365)  # the notice thread waits through idle time; the data path has the timeouts
-KINDS = (PREFILL, TOKEN, STOP, REPORT, LEVEL, PING)
+KINDS = (PREFILL, TOKEN, STOP, REPORT, LEVEL, PING, CLOCKS)
+# What a stage's CLOCKS reply carries (int64 extra: times in microseconds since its last reply, then counts): where
+# its time went, for the benchmarks' step breakdown (rank 0 asks between runs, never during a request).
+CLOCK_TIMES = ("elapsed", "compute", "emulated_compute", "notices", "send", "receive", "receive_wait", "link_delay")
+CLOCK_COUNTS = ("items", "messages_sent", "messages_received")
 NOTICE_KINDS = (FLUSH, PRUNE, CLOSE)
 # Bounds on header fields when the model gives none: tokens per message (a prompt, a tree level), rows per token
 # (anchors of a stage plus H^L), int64 extras (a prefill's per-layer flags, a tree level's positions and mask)

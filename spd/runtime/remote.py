@@ -7,7 +7,7 @@ import torch
 
 from ..target.staging import StageOutput, StagedModel
 from .link import Link
-from .protocol import (CLOSE, CONTROL_TAG, DATA_TAG, FLUSH, KEPT_INLINE, KEPT_TAG, LEVEL, NOTICE, PING, PREFILL, PRUNE,
+from .protocol import (CLOCK_COUNTS, CLOCK_TIMES, CLOCKS, CLOSE, CONTROL_TAG, DATA_TAG, FLUSH, KEPT_INLINE, KEPT_TAG, LEVEL, NOTICE, PING, PREFILL, PRUNE,
                        REPORT, REPORT_TAG, STOP, TOKEN, PipelineLost, RuntimeConfig)
 from .stage import EpochLog, follow_prunes, pack_level
 
@@ -196,6 +196,29 @@ class RemoteStages:
         """Tell every stage that rank 0 is alive while no request runs (a stage waits ``timeout_s`` at most)."""
         self._post_notices()
         self.link.send(1, DATA_TAG, PING, self.epoch, 0)
+
+    def clocks(self) -> dict:
+        """Where each rank's time went since the last call (or the start), for a benchmark's step breakdown; call
+        between requests. ``{"rank0": Link.clock(), "stages": [one dict per stage: CLOCK_TIMES in seconds,
+        CLOCK_COUNTS]}``; rank 0's clock starts anew."""
+        self._post_notices()
+        self.link.send(1, DATA_TAG, CLOCKS, self.epoch, 0)
+        rank0 = self.link.clock()
+        stages = []
+        for s in range(self.n):
+            tag = DATA_TAG if s == self.n - 1 else REPORT_TAG
+            while True:  # (reports of a finished request's tokens still in the pipe are passed over)
+                header, extra, _ = self.link.recv(s + 1, tag)
+                if int(header[0]) == CLOCKS:
+                    break
+            values = extra.tolist() if extra is not None else []
+            if len(values) != len(CLOCK_TIMES) + len(CLOCK_COUNTS):
+                raise PipelineLost(f"rank 0: stage {s} answered the clock request with {len(values)} values, "
+                                   f"expected {len(CLOCK_TIMES) + len(CLOCK_COUNTS)}")
+            times = {name: v / 1e6 for name, v in zip(CLOCK_TIMES, values)}
+            stages.append({**times, **dict(zip(CLOCK_COUNTS, values[len(CLOCK_TIMES):]))})
+        self.link.reset_clock()
+        return {"rank0": rank0, "stages": stages}
 
     def shutdown(self) -> None:
         """CLOSE the control path; STOP down the chain; drain every stage's reports until its STOP arrives."""

@@ -9,8 +9,8 @@ import torch
 
 from ..target.staging import StageOutput, StagedModel
 from .link import Link, Notices
-from .protocol import (CLOSE, DATA_TAG, LEVEL, PING, PREFILL, PRUNE, REPORT, REPORT_TAG, STOP, TOKEN, PipelineLost,
-                       RuntimeConfig)
+from .protocol import (CLOCK_COUNTS, CLOCK_TIMES, CLOCKS, CLOSE, DATA_TAG, LEVEL, PING, PREFILL, PRUNE, REPORT,
+                       REPORT_TAG, STOP, TOKEN, PipelineLost, RuntimeConfig)
 
 def follow_prunes(start: int, size: int, end: int, kepts: list[torch.Tensor]):
     """Map a tree level through the prunes that happened since it was sent.
@@ -84,6 +84,7 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
     notices = 0  # control notices received
     token_anchors: list[int] = []
     control = Notices(rank, control_group, config.timeout_s)
+    clock = StageClock(link)
 
     def take_notice(block: bool = True) -> bool:
         """Apply the next notice (waiting for it if ``block``); False when none has arrived."""
@@ -105,14 +106,32 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
 
     def catch_up(until_epoch: int | None) -> None:
         """Apply arrived notices; with ``until_epoch``, block until that epoch's notice is applied."""
+        tick = time.perf_counter()
         while until_epoch is None or epoch < until_epoch:
             if not take_notice(block=until_epoch is not None):
-                return
+                break
+        clock.seconds["notices"] += time.perf_counter() - tick
+
+    def run(*args, **kwargs) -> StageOutput:
+        """The stage's layers on a token, level or prompt, then the emulated compute time."""
+        tick = time.perf_counter()
+        out = staged.run_stage(stage, *args, **kwargs)
+        clock.seconds["compute"] += time.perf_counter() - tick
+        clock.seconds["emulated_compute"] += _emulate(config)
+        clock.items += 1
+        return out
 
     with torch.inference_mode():
         while True:
             header, extra, payload = link.recv(prev, DATA_TAG)
             kind, msg_epoch, position = int(header[0]), int(header[1]), int(header[2])
+            if kind == CLOCKS:
+                # Rank 0 asks (between runs) where this stage's time went: the reply, then the request onward.
+                link.send(0, DATA_TAG if nxt == 0 else REPORT_TAG, CLOCKS, msg_epoch, 0, stage=rank,
+                          extra=clock.take())
+                if nxt != 0:
+                    link.send(nxt, DATA_TAG, CLOCKS, msg_epoch, 0)
+                continue
             if kind == PING:
                 # A serving driver keeps idle stages alive: every wait has a timeout, requests may be far apart.
                 if nxt != 0:
@@ -138,8 +157,7 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
                                        f"expected {staged.num_layers + 1}")
                 token_anchors = [l for l in range(first + 1, last + 1) if flags[l] & 1]
                 prefill_anchors = [l for l in range(first + 1, last + 1) if flags[l] & 2]
-                out = staged.run_stage(stage, payload[:, 0][None], cache, anchors=prefill_anchors)
-                _emulate(config)
+                out = run(payload[:, 0][None], cache, anchors=prefill_anchors)
                 _forward(link, nxt, rank, PREFILL, epoch, position, out, prefill_anchors, extra)
                 catch_up(None)
                 continue
@@ -153,9 +171,8 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
                 if cache.length != committed + start:
                     raise RuntimeError(f"stage {stage}: a tree level starting at node {start} after {committed} "
                                        f"committed rows, but the cache holds {cache.length}")
-                out = staged.run_stage(stage, hidden_T1D[:, 0][None], cache, positions_T[None].to(device),
-                                       anchors=token_anchors, tree_mask_TN=mask_TN)
-                _emulate(config)
+                out = run(hidden_T1D[:, 0][None], cache, positions_T[None].to(device), anchors=token_anchors,
+                          tree_mask_TN=mask_TN)
                 # Unless prunes remapped it, the level goes on as it came.
                 level_extra = extra if msg_epoch == epoch else pack_level(start, positions_T, mask_TN)
                 _forward(link, nxt, rank, LEVEL, epoch, committed, out, token_anchors, level_extra,
@@ -166,8 +183,7 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
                 continue  # a token of a flushed epoch: drop it without computing
             if cache.length != position:
                 raise RuntimeError(f"stage {stage}: token at position {position} but the cache holds {cache.length}")
-            out = staged.run_stage(stage, payload[:, 0][None], cache, anchors=token_anchors)
-            _emulate(config)
+            out = run(payload[:, 0][None], cache, anchors=token_anchors)
             _forward(link, nxt, rank, TOKEN, epoch, position, out, token_anchors, None)
             catch_up(None)
     link.drain_sends()
@@ -212,9 +228,37 @@ def _level_now(extra: torch.Tensor, payload_T1D: torch.Tensor, msg_epoch: int, e
     return committed + len(kepts), start, positions_T[rows], mask_TN[rows][:, cols], payload_T1D[rows]
 
 
-def _emulate(config: RuntimeConfig) -> None:
-    if config.emulate_stage_ms > 0:
-        time.sleep(config.emulate_stage_ms / 1000)
+def _emulate(config: RuntimeConfig) -> float:
+    """Sleep the emulated compute time; the seconds slept."""
+    if config.emulate_stage_ms <= 0:
+        return 0.0
+    tick = time.perf_counter()
+    time.sleep(config.emulate_stage_ms / 1000)
+    return time.perf_counter() - tick
+
+
+class StageClock:
+    """Where a stage's time goes between two CLOCKS requests: its layers, the emulated compute, notices, and its
+    link's sends and receives (:meth:`spd.runtime.link.Link.clock`)."""
+
+    def __init__(self, link: Link):
+        self.link = link
+        self._reset()
+
+    def _reset(self) -> None:
+        self.start = time.perf_counter()
+        self.seconds = {"compute": 0.0, "emulated_compute": 0.0, "notices": 0.0}
+        self.items = 0  # tokens, tree levels and prompts run
+        self.link.reset_clock()
+
+    def take(self) -> torch.Tensor:
+        """The CLOCKS reply (protocol.CLOCK_TIMES in microseconds, then CLOCK_COUNTS), and a fresh start."""
+        link = self.link.clock()
+        times = {"elapsed": time.perf_counter() - self.start, **self.seconds, **link}
+        values = [int(times[name] * 1e6) for name in CLOCK_TIMES]
+        values += [self.items if name == "items" else int(link[name]) for name in CLOCK_COUNTS]
+        self._reset()
+        return torch.tensor(values, dtype=torch.long)
 
 
 def _forward(link: Link, nxt: int, rank: int, kind: int, epoch: int, position: int, out: StageOutput,
