@@ -79,6 +79,19 @@ def parse_address(text: str, default_port: int = DEFAULT_PORT) -> tuple[str, int
     return host, int(port)
 
 
+def _check(job: StageJob) -> None:
+    """Refuse (ValueError) a job whose fields are not what a server of this version publishes."""
+    ints = lambda xs: isinstance(xs, list) and all(isinstance(x, int) for x in xs)  # noqa: E731
+    ok = (isinstance(job.stages, int) and job.stages >= 1 and ints(job.boundaries)
+          and len(job.boundaries) == job.stages + 1 and ints(job.remote)
+          and all(1 <= s <= job.stages for s in job.remote) and job.dtype in ("float32", "bfloat16", "float16")
+          and job.backend in ("gloo", "nccl")
+          and all(isinstance(x, (int, float)) and x >= 0 for x in (job.timeout_s, job.emulate_stage_ms,
+                                                                   job.emulate_link_ms)))
+    if not ok:
+        raise ValueError("malformed job")
+
+
 def publish_job(store, job: StageJob) -> None:
     """Offer ``job`` to the stage machines through the server's store."""
     store.set(JOB_KEY, json.dumps(asdict(job)))
@@ -107,6 +120,7 @@ def read_job(host: str, port: int, timeout_s: float):
         store.wait([JOB_KEY], timeout)
         data = json.loads(store.get(JOB_KEY).decode())
         job = StageJob(**data)
+        _check(job)
     except (RuntimeError, ValueError, TypeError) as exc:  # DistStoreError is a RuntimeError
         if isinstance(exc, (ValueError, TypeError)):
             raise SpdInputError(f"the server at {host}:{port} offered a job this spd {_spd_version()} cannot read; "
