@@ -352,7 +352,7 @@ def _head_boundaries(source: str | None) -> list[int] | None:
 
 def _is_head(source: str) -> bool:
     """Whether a run's SOURCE directory holds one of our heads (else it is a draft model)."""
-    from spd.heads.speculator import SpeculatorConfig
+    from spd.heads.config import SpeculatorConfig
 
     config = Path(source).expanduser() / "config.json"
     return config.is_file() and json.loads(config.read_text()).get("model_type") == SpeculatorConfig.model_type

@@ -209,7 +209,7 @@ def test_offline_training_refuses_bad_input(tiny_testbed, captured, tmp_path):
 def test_capture_anchors_for_uneven_cuts():
     """n that does not divide the layers stores the anchors of the balanced cut (what the presets train)."""
     from spd.training.capture import anchors_for_stages
-    from spd.heads.speculator import default_anchors
+    from spd.heads.config import default_anchors
     from spd.target.staging import balanced_boundaries
 
     assert anchors_for_stages(8, [3]) == sorted({a for d in default_anchors(balanced_boundaries(8, 3)) for a in d})

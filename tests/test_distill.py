@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from spd.training.distill import DistillConfig, expected_accept_length, load_config, new_head, scale_fc_init
 from spd.errors import SpdInputError
 from spd.training.kd import sample_fills
-from spd.heads.speculator import Speculator, check_compatible
+from spd.heads.config import check_compatible
+from spd.heads.speculator import Speculator
 from spd.target.staging import StagedModel
 
 from conftest import REPO, tiny_model

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from spd.heads.kernels import offset_band_attention
-from spd.heads.speculator import Speculator, SpeculatorConfig, default_anchors
+from spd.heads.config import SpeculatorConfig, default_anchors
+from spd.heads.speculator import Speculator
 
 L, D = 8, 32
 

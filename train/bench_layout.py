@@ -79,7 +79,8 @@ class _PeakMemory:
 
 
 def measure_one(args, path: str, n: int, seq_len: int, what: str) -> dict:
-    from spd.heads.speculator import Speculator, SpeculatorConfig
+    from spd.heads.config import SpeculatorConfig
+    from spd.heads.speculator import Speculator
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -134,7 +134,8 @@ def train(cfg, resume: bool) -> dict:
     from spd.heads.draft_vocab import check_draft_vocab, select_draft_vocab, token_counts, tokens_sha256
     from spd.training.backends import make_accelerator, plain_head
     from spd.training.kd import sample_fills
-    from spd.heads.speculator import Speculator, check_compatible
+    from spd.heads.config import check_compatible
+    from spd.heads.speculator import Speculator
     from spd.paths import write_json_atomic
 
     on_gpu = torch.cuda.is_available()

@@ -45,7 +45,8 @@ from .generation import (GenerationOutput, GenerationStats, OnToken, as_prompt_i
 from .sampling import SamplingParams, warped_probs
 from .tree import verify_sampled_recursive
 from ..heads.draft_vocab import check_draft_vocab
-from ..heads.speculator import Speculator, SpeculatorCache, check_compatible
+from ..heads.config import check_compatible
+from ..heads.speculator import Speculator, SpeculatorCache
 from ..target.staging import StageKVCache, StagedModel, StageOutput, load_target_tokenizer
 
 MODES = ("spd", "pp", "ar")

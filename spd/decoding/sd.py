@@ -48,7 +48,8 @@ from .engine import OneModeEngine, _stop_reason
 from ..errors import SpdInputError
 from .generation import GenerationOutput, GenerationStats, OnToken, as_prompt_ids, check_request, eos_set
 from .sampling import SamplingParams, select_token, warped_probs
-from ..heads.speculator import Speculator, check_compatible
+from ..heads.config import check_compatible
+from ..heads.speculator import Speculator
 from ..target.staging import StagedModel, load_target_tokenizer
 from .tree import verify_sampled_recursive
 from .tree_engine import check_same_vocabulary, load_draft_model

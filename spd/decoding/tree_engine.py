@@ -69,7 +69,8 @@ from ..errors import SpdInputError
 from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set
 from .sampling import SamplingParams, warped_probs
 from ..heads.draft_vocab import check_draft_vocab
-from ..heads.speculator import Speculator, check_compatible
+from ..heads.config import check_compatible
+from ..heads.speculator import Speculator
 from ..target.staging import HYBRID_TREE_ERROR, StageKVCache, StagedModel, load_target_tokenizer
 from .tree import (TokenTree, grow_sampled, grow_top_k, verify_greedy, verify_sampled_deterministic,
                    verify_sampled_recursive)

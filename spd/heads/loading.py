@@ -17,7 +17,8 @@ import torch
 from ..errors import SpdInputError, first_line
 from ..paths import check_model_source
 from .published.authors_file import is_authors_file, load_authors_file
-from .speculator import Speculator, SpeculatorConfig
+from .config import SpeculatorConfig
+from .speculator import Speculator
 
 
 def load_speculator_config(name_or_path: str, revision: str | None = None) -> SpeculatorConfig:

@@ -73,7 +73,7 @@ def anchors_for_stages(num_layers: int, stages: list[int]) -> list[int]:
     """The union of the default anchors (docs/method.md §2) of the cuts into each n of ``stages``: the equal cut, or
     where n does not divide the layers the balanced one (:func:`spd.target.staging.balanced_boundaries`, as the presets
     for such targets use); other cuts name their anchors with ``--anchors``."""
-    from ..heads.speculator import default_anchors
+    from ..heads.config import default_anchors
     from ..target.staging import balanced_boundaries
 
     out: set[int] = set()

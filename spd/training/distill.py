@@ -21,7 +21,8 @@ import torch
 from ..errors import SpdInputError, first_line
 from ..files import fsync_path, fsync_tree
 from ..paths import default_cache_dir, default_testbed_dir
-from ..heads.speculator import Speculator, SpeculatorConfig, default_anchors
+from ..heads.config import SpeculatorConfig, default_anchors
+from ..heads.speculator import Speculator
 from ..target.staging import StagedModel
 
 VARIANTS = {  # variant -> (schedule, max_depth or None for n); docs/method.md §3

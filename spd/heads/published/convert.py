@@ -173,7 +173,7 @@ def head_to_authors_file(head_dir: str | Path, target, out_file: str | Path, for
     import torch
 
     from ..loading import load_speculator
-    from ..speculator import check_compatible
+    from ..config import check_compatible
 
     check_output_file(out_file, force)
     head = load_speculator(str(head_dir))
