@@ -3,6 +3,7 @@ headers, emulated link latency) and :class:`Notices` (a stage's control notices,
 
 from __future__ import annotations
 
+import collections
 import datetime
 import queue
 import threading
@@ -14,6 +15,10 @@ import torch.distributed as dist
 from ..errors import first_line
 from .protocol import (CLOSE, CONTROL_TAG, DEFAULT_MAX_TOKENS, DEFAULT_MAX_WIDTH, HEADER, KEPT_INLINE, KEPT_TAG, KINDS,
                        MAX_EXTRA, MAX_KEPT, NOTICE, NOTICE_KINDS, NOTICE_WAIT, PRUNE, STOP, PipelineLost, RuntimeConfig)
+
+SENDS_IN_FLIGHT = 64  # sends whose completion is not awaited yet (their buffers stay alive until it is)
+SEND_BYTES_HELD = 256 << 20  # and at most this much of their buffers (prompts' activations), the newest apart
+
 
 class Link:
     """Point-to-point messages with epoch bookkeeping, emulated latency and sends that never block.
@@ -37,12 +42,12 @@ class Link:
         self.inline = 6 * hidden * self.itemsize + 4096
         self.slot = HEADER * 8 + self.inline
         self._posted: dict[tuple[int, int], tuple[dist.Work, torch.Tensor]] = {}
-        # Gloo completes a send only when the peer has received it and ``wait`` is called; a reaper thread
-        # waits on sends in order (keeping their buffers alive), so the main loop never blocks on a send.
-        self._sends: queue.Queue = queue.Queue()
-        self._send_error: BaseException | None = None
-        self._reaper = threading.Thread(target=self._reap_loop, daemon=True)
-        self._reaper.start()
+        # Sends in flight, oldest first, with their buffers (alive until the send is waited on). The transfer needs no
+        # wait; the oldest is waited on only once SENDS_IN_FLIGHT newer ones exist, when it has long been received,
+        # so the loop does not block on sends. (A thread that waited on every send, as before, cost rank 0 about a
+        # third of its receive and send work in GIL hand-overs: docs/benchmarks.md.)
+        self._sends: collections.deque = collections.deque()
+        self._held = 0  # bytes of their buffers
         self.reset_clock()
 
     def reset_clock(self) -> None:
@@ -83,16 +88,17 @@ class Link:
             self.isend(spill, dst, tag)
 
     def isend(self, buffer: torch.Tensor, dst: int, tag: int, group=None) -> None:
-        """Start a send and hand it to the reaper; a peer already known to be gone becomes PipelineLost (gloo
+        """Start a send and keep it until it is waited on; a peer already known to be gone becomes PipelineLost (gloo
         can refuse a send at once instead of failing its wait)."""
-        if self._send_error is not None:
-            raise PipelineLost(f"rank {self.rank}: a send failed ({_short_reason(self._send_error)})")
         tick = time.perf_counter()
         try:
             work = dist.isend(buffer, dst, group=group, tag=tag)
         except RuntimeError as exc:
             raise PipelineLost(f"rank {self.rank}: lost contact with rank {dst} ({_short_reason(exc)})") from None
-        self._sends.put((work, buffer))
+        self._sends.append((work, buffer, dst))
+        self._held += buffer.numel() * buffer.element_size()
+        while len(self._sends) > SENDS_IN_FLIGHT or (self._held > SEND_BYTES_HELD and len(self._sends) > 1):
+            self._finish_send()
         self._clock["send"] += time.perf_counter() - tick
         self._clock["messages_sent"] += 1
 
@@ -131,8 +137,9 @@ class Link:
         if self.config.emulate_link_ms > 0:
             delay = int(header[5]) / 1e6 + self.config.emulate_link_ms / 1000 - time.time()
             if delay > 0:
+                slept = time.perf_counter()
                 time.sleep(min(delay, self.config.emulate_link_ms / 1000))  # a skewed send time never waits longer
-                self._clock["link_delay"] += min(delay, self.config.emulate_link_ms / 1000)
+                self._clock["link_delay"] += time.perf_counter() - slept
         self._clock["receive"] += time.perf_counter() - tick
         self._clock["messages_received"] += 1
         return header, extra, payload_TWD
@@ -166,21 +173,19 @@ class Link:
                                    f"{self.config.timeout_s:g} s") from None
             raise PipelineLost(f"rank {self.rank}: lost contact with rank {peer} ({why})") from None
 
-    def _reap_loop(self) -> None:
-        while True:
-            item = self._sends.get()
-            if item is None:
-                return
-            try:
-                item[0].wait()
-            except RuntimeError as exc:  # the peer is gone; the main loop reports it
-                self._send_error = exc
-                return
+    def _finish_send(self) -> None:
+        """Wait for the oldest send (long received by now, unless its peer is gone) and release its buffer."""
+        work, buffer, dst = self._sends.popleft()
+        self._held -= buffer.numel() * buffer.element_size()
+        try:
+            work.wait(datetime.timedelta(seconds=self.config.timeout_s))
+        except RuntimeError as exc:
+            raise PipelineLost(f"rank {self.rank}: lost contact with rank {dst} ({_short_reason(exc)})") from None
 
     def drain_sends(self) -> None:
         """Wait until every send has been received (at shutdown)."""
-        self._sends.put(None)
-        self._reaper.join(timeout=self.config.timeout_s)
+        while self._sends:
+            self._finish_send()
 
 
 class Notices:
