@@ -31,7 +31,7 @@ def main() -> int:
                 link.send(1, DATA_TAG, TOKEN, 7, i, payload, stage=3, extra=extra)
                 continue
             header, got_extra, got = link.recv(0, DATA_TAG)
-            assert header[:3].tolist() == [TOKEN, 7, i] and int(header[4]) == 3, header
+            assert header[:3] == [TOKEN, 7, i] and header[4] == 3, header
             assert (got is None) == (payload is None) and (got_extra is None) == (extra is None), i
             assert got is None or (got.dtype == dtype and torch.equal(got, payload)), i
             assert got_extra is None or torch.equal(got_extra, extra), i

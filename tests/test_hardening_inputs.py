@@ -91,7 +91,7 @@ def test_authors_config_with_a_huge_layer_count_is_one_error_line_in_the_cli(tmp
 
 
 def _header(kind=TOKEN, epoch=1, position=3, length=1, stage=0, width=1, n_extra=0):
-    return torch.tensor([kind, epoch, position, length, stage, 0, width, n_extra], dtype=torch.long)
+    return [kind, epoch, position, length, stage, 0, width, n_extra]
 
 
 def test_every_header_field_is_bounded():
@@ -137,7 +137,7 @@ def _hostile_peer_main() -> int:
                 max_width=4)
     if rank == 0:
         message = torch.zeros(link.slot, dtype=torch.uint8)
-        message[:HEADER * 8] = _header(length=2**40, width=1).view(torch.uint8)
+        message[:HEADER * 8] = torch.tensor(_header(length=2**40, width=1)).view(torch.uint8)
         dist.isend(message, 1, tag=DATA_TAG).wait()
         print("rank 0: sent", flush=True)
         return 0

@@ -112,22 +112,23 @@ class Link:
         buffer = torch.empty(self.slot, dtype=torch.uint8, device=self.device)
         self._posted[(src, tag)] = (self._irecv(buffer, src, tag), buffer)
 
-    def recv(self, src: int, tag: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Receive one message: (header, extra or None, payload (T, W, D) or None), after the emulated latency."""
+    def recv(self, src: int, tag: int) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+        """Receive one message: (header fields as ints, extra or None, payload (T, W, D) or None), after the emulated
+        latency."""
         tick = time.perf_counter()
         if (src, tag) not in self._posted:
             self._post_recv(src, tag)
         work, message = self._posted.pop((src, tag))
         self._wait(work, src)
-        header = message[:HEADER * 8].cpu().view(torch.long).clone()
+        header = message[:HEADER * 8].cpu().view(torch.long).tolist()  # (plain ints: one op, not one per field)
         size = self.check_header(header, src)
-        n_extra, length, width = int(header[7]), int(header[3]), int(header[6])
+        n_extra, length, width = header[7], header[3], header[6]
         if size <= self.inline:
             body = message[HEADER * 8:HEADER * 8 + size]
         else:  # the second part comes next on this (src, tag): receive it before posting the next slot
             body = torch.empty(size, dtype=torch.uint8, device=self.device)
             self._wait(self._irecv(body, src, tag), src)
-        if int(header[0]) != STOP:
+        if header[0] != STOP:
             self._post_recv(src, tag)  # the next message from this peer can land as soon as it is sent
         extra = payload_TWD = None
         if n_extra:
@@ -135,7 +136,7 @@ class Link:
         if length:
             payload_TWD = body[n_extra * 8:].view(self.dtype).view(length, width, self.hidden)
         if self.config.emulate_link_ms > 0:
-            delay = int(header[5]) / 1e6 + self.config.emulate_link_ms / 1000 - time.time()
+            delay = header[5] / 1e6 + self.config.emulate_link_ms / 1000 - time.time()
             if delay > 0:
                 slept = time.perf_counter()
                 time.sleep(min(delay, self.config.emulate_link_ms / 1000))  # a skewed send time never waits longer
@@ -144,9 +145,9 @@ class Link:
         self._clock["messages_received"] += 1
         return header, extra, payload_TWD
 
-    def check_header(self, header: torch.Tensor, src: int) -> int:
+    def check_header(self, header: list[int], src: int) -> int:
         """The body size a received header announces, after checking every field against what a peer can send."""
-        kind, epoch, position, length, stage, _, width, n_extra = header.tolist()
+        kind, epoch, position, length, stage, _, width, n_extra = header
         bounds = (("kind", kind, min(KINDS), max(KINDS)), ("epoch", epoch, 0, 2**62),
                   ("position", position, 0, 2**62), ("length", length, 0, self.max_tokens),
                   ("stage", stage, 0, 2**20), ("payload width", width, 0, self.max_width),
