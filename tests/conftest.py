@@ -42,6 +42,20 @@ def tiny_config(family: str, layers: int = 8, vocab: int = 128, **overrides):
         return Qwen3_5TextConfig(**{"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                                     "linear_key_head_dim": 16, "linear_value_head_dim": 16,
                                     "linear_conv_kernel_dim": 4, **common})
+    if family == "qwen3_moe":
+        # Mixture of experts in every layer (Qwen3-30B-A3B's layout): 4 experts, 2 routed per token.
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(**{"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                 "moe_intermediate_size": 32, "decoder_sparse_step": 1, **common})
+    if family == "qwen3_5_moe":
+        # Hybrid and mixture of experts (Qwen3.5's larger released models): routed experts plus a shared one.
+        from transformers import Qwen3_5MoeTextConfig
+
+        return Qwen3_5MoeTextConfig(**{"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                       "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                                       "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
+                                       "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, **common})
     if family == "qwen3_next":
         from transformers import Qwen3NextConfig
 

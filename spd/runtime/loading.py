@@ -43,17 +43,21 @@ def load_partial(source: str, n_stages: int, role: int, revision: str | None = N
         prefix = module_names[id(module)]
         for local, param in module.named_parameters():
             name = f"{prefix}.{local}"
-            # The multimodal layout (Qwen3.5) stores the text decoder under model.language_model.
-            key = next((k for k in (name, name.replace("model.", "model.language_model.", 1)) if k in files), None)
-            if key is None and tied and name.endswith("lm_head.weight"):
-                key = next((k for k in files if k.endswith("embed_tokens.weight")), None)
-            if key is None:
+
+            def read(key: str) -> torch.Tensor:
+                path = checkpoint.path(key)
+                if path not in handles:
+                    handles[path] = safe_open(path, framework="pt", device="cpu")
+                return handles[path].get_tensor(key)
+
+            tensor = _read_tensor(name, files, read, tied, param.shape[0] if param.dim() == 3 else 0)
+            if tensor is None:
                 raise SpdInputError(f"the checkpoint '{source}' has no tensor '{name}'")
-            path = checkpoint.path(key)
-            if path not in handles:
-                handles[path] = safe_open(path, framework="pt", device="cpu")
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise SpdInputError(f"the checkpoint '{source}' holds '{name}' with shape {tuple(tensor.shape)}, but "
+                                    f"its config.json makes it {tuple(param.shape)}")
             with torch.no_grad():
-                param.copy_(handles[path].get_tensor(key).to(dtype))
+                param.copy_(tensor.to(dtype))
     if tied and role == 0:
         model.get_output_embeddings().weight = base.embed_tokens.weight
     rotary = base.rotary_emb
@@ -68,6 +72,31 @@ def load_partial(source: str, n_stages: int, role: int, revision: str | None = N
             pass  # no generation_config.json: the one derived from config.json stays
     model.eval()
     return staged
+
+
+def _read_tensor(name: str, files: dict[str, str], read, tied: bool, experts: int) -> torch.Tensor | None:
+    """The tensor for parameter ``name`` from the checkpoint (``read(key)``), or None when it holds none.
+
+    Besides the plain name: the multimodal layout (Qwen3.5) stores the text decoder under
+    ``model.language_model``; a tied LM head is the embedding; and mixture-of-experts layers, whose experts
+    transformers holds fused (``experts.gate_up_proj`` (E, 2I, D), ``experts.down_proj`` (E, D, I)), are stored by
+    most checkpoints one expert at a time (``experts.<e>.gate_proj.weight`` ...): stacked here as transformers'
+    own loading does (its conversion mapping for qwen2_moe, qwen3_moe, qwen3_next: the experts stacked, then gate
+    and up concatenated)."""
+    for candidate in (name, name.replace("model.", "model.language_model.", 1)):
+        if candidate in files:
+            return read(candidate)
+        for fused, parts in (("experts.gate_up_proj", ("gate_proj", "up_proj")), ("experts.down_proj", ("down_proj",))):
+            if not candidate.endswith(fused) or not experts:
+                continue
+            base = candidate[: -len(fused)] + "experts."
+            keys = [[f"{base}{e}.{part}.weight" for e in range(experts)] for part in parts]
+            if all(k in files for group in keys for k in group):
+                return torch.cat([torch.stack([read(k) for k in group]) for group in keys], dim=1)
+    if tied and name.endswith("lm_head.weight"):
+        key = next((k for k in files if k.endswith("embed_tokens.weight")), None)
+        return read(key) if key is not None else None
+    return None
 
 
 class Checkpoint:
