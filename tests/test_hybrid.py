@@ -8,12 +8,11 @@ import torch
 from conftest import tiny_config, tiny_model
 from spd.training.distill import DistillConfig, new_head
 from spd.decoding.engine import PipelineEngine
-from spd.errors import SpdInputError
 from spd.decoding.generation import generate_ar
 from spd.target.linear_state import LinearStateRing
 from spd.decoding.sampling import SamplingParams
 from spd.target.staging import StagedModel
-from spd.decoding.tree_engine import SpdHeadSource, TreeEngine
+from spd.decoding.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
 from test_engine import ScriptedEngine, _chi_square_p_value, _sample_outcomes, _sequence_probs
 
 HYBRIDS = ["qwen3_5", "qwen3_next"]
@@ -203,12 +202,117 @@ def test_sampled_spd_on_a_hybrid_target_follows_the_target_distribution():
 # ----------------------------------------------------------------------------------------- tree mode
 
 
-def test_tree_mode_on_a_hybrid_target_is_refused():
-    staged = StagedModel(tiny_model("qwen3_5"), 4)
+def _run_tree_level(staged, caches, tree, committed, start, end):
+    """Run tree nodes ``[start, end)`` through every stage (as the engine does level by level)."""
+    hidden_1TD = staged.embed(tree.tokens_N[start:end][None])
+    positions_1T = tree.positions(committed)[start:end][None]
+    for s, cache in enumerate(caches):
+        hidden_1TD = staged.run_stage(s, hidden_1TD, cache, positions_1T, tree_mask_TN=tree.mask()[start:end, :end]).hidden_BTD
+    return hidden_1TD[0]
+
+
+def _path_hidden(model_staged, ids):
+    """H^L of the last of ``ids`` run as a plain chain (prompt, then one token at a time: the decode kernels)."""
+    caches = model_staged.new_caches(capacity=4)
+    model_staged.forward_stages(torch.tensor([ids[:-1]]), caches)
+    return model_staged.forward_stages(torch.tensor([ids[-1:]]), caches).hidden_BTD[0, -1]
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_tree_nodes_carry_their_own_linear_state(family):
+    """Every node of a tree run level by level (siblings as one batch, each from its parent's state) computes what
+    the node's path run as a chain computes; after a prune the kept nodes keep their states and the root's state
+    is committed; after a miss the root's state is the committed one."""
+    from spd.decoding.tree import TokenTree
+
+    staged, tol = StagedModel(tiny_model(family), 2), TOLS[family]
+    prompt = PROMPT[:12]
+    with torch.no_grad():
+        caches = staged.new_caches(capacity=8)
+        staged.forward_stages(torch.tensor([prompt]), caches)
+        tree = TokenTree(7)
+        tree.append_level(torch.tensor([[11, 12, 13]]), torch.zeros(1, 3), 3)  # nodes 1-3
+        tree.append_level(torch.tensor([[21, 22], [31, 32], [41, 42]]), torch.zeros(3, 2), 5)  # nodes 4-8
+        tree.append_level(torch.arange(50, 60).view(5, 2), torch.zeros(5, 2), 4)  # nodes 9-12
+        levels = [(0, 1), (1, 4), (4, 9), (9, len(tree))]
+        hidden = torch.cat([_run_tree_level(staged, caches, tree, len(prompt), a, b) for a, b in levels])
+        for node in range(len(tree)):
+            want = _path_hidden(staged, prompt + tree.path(node).tolist())
+            torch.testing.assert_close(hidden[node], want, atol=tol, rtol=0)
+        # Hit on node 2 (token 12): its subtree stays; a new level below it runs from the kept states.
+        kept = tree.prune_to_child(2)
+        StagedModel.prune_tree(caches, len(prompt), kept)
+        committed = prompt + [7]
+        assert all(c.linear is None or (c.linear.length, c.linear.nodes) == (13, len(tree)) for c in caches)
+        start = len(tree)
+        tree.append_level(torch.tensor([[61], [62]]), torch.zeros(2, 1), 2)
+        new = _run_tree_level(staged, caches, tree, len(committed), start, len(tree))
+        for row, node in enumerate(range(start, len(tree))):
+            want = _path_hidden(staged, committed + tree.path(node).tolist())
+            torch.testing.assert_close(new[row], want, atol=tol, rtol=0)
+        # Miss: the root (token 12) is committed, the rest dropped; the next root runs from its state.
+        StagedModel.truncate(caches, len(committed) + 1)
+        committed = committed + [12]
+        tree.reset(70)
+        root = _run_tree_level(staged, caches, tree, len(committed), 0, 1)
+        torch.testing.assert_close(root[0], _path_hidden(staged, committed + [70]), atol=tol, rtol=0)
+        with pytest.raises(RuntimeError, match="only the root"):
+            caches[0].linear.nodes = 3  # a cut inside a tree of three nodes has no single state
+            caches[0].linear.truncate(caches[0].linear.length + 2)
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_hybrid_tree_greedy_equals_generate(family, n):
+    """Draft trees (the target itself: hits and prunes every step; a noisy copy: hits, misses, shallow prunes) and
+    SPD-head trees (a random head scripted right and wrong at set positions, W = 1 and 4) equal model.generate."""
+    from test_tree_engine import ScriptedSource, _noisy_copy
+
+    model = tiny_model(family)
+    reference = _generate_reference(model, PROMPT, 40)
+    staged = StagedModel(model, n)
     torch.manual_seed(1)
-    head = new_head(staged, DistillConfig(n_stages=4)).eval()
-    with pytest.raises(SpdInputError, match="tree mode does not support targets with linear-attention layers"):
-        TreeEngine(staged, SpdHeadSource(head, staged), width=2)
+    head = new_head(staged, DistillConfig(n_stages=n)).eval()
+    noisy = StagedModel(_noisy_copy(model, 0.5), 1)
+    runs = [(DraftModelSource(StagedModel(model, 1), staged, 4), 4, "perfect"),
+            (DraftModelSource(noisy, staged, 4), 4, "noisy"),
+            (ScriptedSource(SpdHeadSource(head, staged, 1), PROMPT + reference, lambda pos: pos % 5 not in (0, 2)), 1,
+             "scripted"),
+            (ScriptedSource(SpdHeadSource(head, staged, 4), PROMPT + reference, lambda pos: pos % 4 != 1, rank=2), 4,
+             "scripted")]
+    for source, width, kind in runs:
+        out = TreeEngine(staged, source, width).run(PROMPT, 40, SamplingParams())
+        assert out.token_ids == reference, (kind, width)
+        s = out.stats
+        if kind == "perfect":
+            assert s.flushes == 0 and s.accepted == len(reference) - 1
+        else:
+            assert s.accepted >= 8 and s.flushes >= 4, (kind, width, s.accepted, s.flushes)
+
+
+@pytest.mark.slow
+def test_sampled_tree_on_a_hybrid_target_follows_the_target_distribution():
+    """Sampled children (W = 3, K = 2) from a noisy draft at T = 1 vs the exact target distribution (chi-square), and
+    the independent-branches rule on the same target fails it (negative control)."""
+    from test_tree_engine import _noisy_copy
+    from test_tree_sampling import IndependentBranches
+
+    vocab, length, samples = 6, 3, 800
+    params = SamplingParams(temperature=1.0)
+    model = tiny_model("qwen3_5", seed=3, layers=4, vocab=vocab, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    staged = StagedModel(model, 2)
+    with torch.no_grad():
+        staged.lm_head.weight.mul_(0.3)
+    draft = StagedModel(_noisy_copy(model, 1.5), 1)
+    prompt = [1, 4, 2]
+    exact = _sequence_probs(staged, prompt, params, length)
+    counts, stats = _sample_outcomes(TreeEngine(staged, DraftModelSource(draft, staged, 2), 3), prompt, params, length,
+                                     samples)
+    assert sum(s.flushes for s in stats) > 0.1 * samples and sum(s.accepted for s in stats) > 0.1 * samples
+    assert _chi_square_p_value(counts, exact, samples) > 1e-3
+    control, _ = _sample_outcomes(IndependentBranches(staged, DraftModelSource(draft, staged, 2), 3), prompt, params,
+                                  length, samples)
+    assert _chi_square_p_value(control, exact, samples) < 1e-3
 
 
 # ------------------------------------------------------------- distributed runtime and training (slow)
@@ -234,7 +338,8 @@ def hybrid_target(tiny_testbed, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature,early", [(0.0, False), (1.0, True)])
 def test_distributed_runtime_on_a_hybrid_target_equals_single_process(hybrid_target, tmp_path, temperature, early):
-    """Stage processes keep their linear-state rings; flushes (many: a random head) roll them back exactly."""
+    """Stage processes keep their linear-state rings and the tree's per-node states; flushes (many: a random head)
+    roll them back exactly, prunes keep the surviving nodes' states."""
     import json
 
     from spd.heads.loading import load_speculator
@@ -249,17 +354,51 @@ def test_distributed_runtime_on_a_hybrid_target_equals_single_process(hybrid_tar
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "out.json"
     proc = _torchrun(n, "--target", str(hybrid_target), "--speculator", str(tmp_path / "head"), "--mode", "spd", "pp",
+                     "tree", "--tree-width", "2", "--tree-children", "2",
                      "--prompts", str(prompts), "--max-new-tokens", "20", "--temperature", str(temperature),
                      "--top-k", "20", "--seed", "5", "--out", str(out), *(["--early-launch"] if early else []))
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     tok = load_tokenizer(hybrid_target)
-    engine = PipelineEngine(staged, load_speculator(tmp_path / "head"), tok)
-    for mode in ("spd", "pp"):
-        want = [engine.generate(tok(p)["input_ids"], 20, mode=mode, temperature=temperature, top_k=20,
-                                seed=5 + i).token_ids for i, p in enumerate(PROMPTS)]
+    head = load_speculator(tmp_path / "head")
+    engine = PipelineEngine(staged, head, tok)
+    tree = TreeEngine(staged, SpdHeadSource(head, staged, 2), 2, tok)
+    for mode, eng in (("spd", engine), ("pp", engine), ("tree", tree)):
+        want = [eng.generate(tok(p)["input_ids"], 20, mode=mode, temperature=temperature, top_k=20,
+                             seed=5 + i).token_ids for i, p in enumerate(PROMPTS)]
         assert [r["token_ids"] for r in report["results"][mode]] == want, mode
     assert sum(r["stats"]["flushes"] for r in report["results"]["spd"]) > 5
+
+
+@pytest.mark.slow
+def test_distributed_draft_tree_on_a_hybrid_target_prunes_the_node_states(hybrid_target, tmp_path):
+    """The target as its own draft model (W = 3): every step a hit, so every stage prunes its per-node states; with
+    a noisy copy also misses. Both equal the single-process tree engine."""
+    import json
+
+    from spd.target.staging import load_tokenizer
+    from test_runtime import PROMPTS, _torchrun
+    from test_tree_engine import _noisy_copy
+
+    n = 4
+    model = StagedModel.from_pretrained(hybrid_target, n_stages=1).model
+    _noisy_copy(model, 0.5).save_pretrained(tmp_path / "noisy")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    tok = load_tokenizer(hybrid_target)
+    staged = StagedModel.from_pretrained(hybrid_target, n_stages=n)
+    for draft, hits_only in ((hybrid_target, True), (tmp_path / "noisy", False)):
+        out = tmp_path / "out.json"
+        proc = _torchrun(n, "--target", str(hybrid_target), "--draft-model", str(draft), "--mode", "tree",
+                         "--tree-width", "3", "--tree-children", "2", "--prompts", str(prompts),
+                         "--max-new-tokens", "20", "--out", str(out))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results = json.loads(out.read_text())["results"]["tree"]
+        engine = TreeEngine(staged, DraftModelSource(StagedModel.from_pretrained(draft, n_stages=1), staged, 2), 3, tok)
+        assert [r["token_ids"] for r in results] == [engine.generate(tok(p)["input_ids"], 20).token_ids
+                                                     for p in PROMPTS]
+        flushes, accepted = sum(r["stats"]["flushes"] for r in results), sum(r["stats"]["accepted"] for r in results)
+        assert accepted > 30 and (flushes == 0) == hits_only, (accepted, flushes)
 
 
 @pytest.mark.slow

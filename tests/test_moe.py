@@ -1,6 +1,6 @@
 """Mixture-of-experts targets: ``qwen3_moe`` (experts in every layer, Qwen3-30B-A3B's layout) and ``qwen3_5_moe``
 (hybrid and MoE, Qwen3.5's larger released models) staged and decoded in every mode: staging equals the full
-forward, ar / pp / spd (and tree, on the non-hybrid one) equal ``model.generate``, the released checkpoints'
+forward, ar / pp / spd / tree equal ``model.generate``, the released checkpoints'
 multimodal layout, a stage rank's share of the weights, the distributed runtime, and a head trained here.
 
 A token's route through the experts is a function of its own hidden state, so a stage computing one token, a
@@ -18,7 +18,6 @@ from spd.decoding.engine import PipelineEngine
 from spd.decoding.generation import generate_ar
 from spd.decoding.sampling import SamplingParams
 from spd.decoding.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
-from spd.errors import SpdInputError
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, new_head
 from test_engine import ScriptedEngine
@@ -83,26 +82,18 @@ def test_moe_ar_pp_spd_greedy_equal_generate(moe, n):
 
 @pytest.mark.parametrize("n", [2, 4, 8])
 @pytest.mark.parametrize("width", [1, 4])
-def test_moe_tree_greedy_equals_generate(n, width):
-    """Head and draft-model trees on the MoE target: a level of W nodes routes each node by its own state."""
-    model = tiny_model("qwen3_moe")
-    reference = _generate_reference(model, PROMPT, 40)
+def test_moe_tree_greedy_equals_generate(moe, n, width):
+    """Head and draft-model trees on the MoE targets (the hybrid one with per-node linear state): a level of W nodes
+    routes each node by its own state."""
+    family, model, reference = moe
     staged = StagedModel(model, n)
     torch.manual_seed(1)
     head = new_head(staged, DistillConfig(n_stages=n)).eval()
-    draft = StagedModel(tiny_model("qwen3_moe", seed=3, layers=2), 1)  # a weak draft: misses and hits
-    for source in (SpdHeadSource(head, staged, children=4), DraftModelSource(draft, staged, 4)):
+    draft = StagedModel(tiny_model(family, seed=3, layers=2), 1)  # a weak draft: misses, the odd hit
+    for source in (SpdHeadSource(head, staged, children=4), DraftModelSource(draft, staged, 4),
+                   DraftModelSource(StagedModel(model, 1), staged, 4)):  # the target itself: hits and prunes only
         out = TreeEngine(staged, source, width).run(PROMPT, 40, SamplingParams())
         assert out.token_ids == reference, (type(source).__name__, width)
-        assert out.stats.flushes >= 1
-
-
-def test_tree_mode_on_a_hybrid_moe_target_is_refused():
-    staged = StagedModel(tiny_model("qwen3_5_moe"), 4)
-    torch.manual_seed(1)
-    head = new_head(staged, DistillConfig(n_stages=4)).eval()
-    with pytest.raises(SpdInputError, match="tree mode does not support targets with linear-attention layers"):
-        TreeEngine(staged, SpdHeadSource(head, staged), width=2)
 
 
 def test_the_released_multimodal_moe_layout_is_staged_and_split(tmp_path):
@@ -204,7 +195,7 @@ def test_distributed_runtime_on_a_moe_target_equals_single_process(moe_targets, 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", MOES)
 def test_trainer_distils_a_head_for_a_moe_target(tiny_testbed, moe_targets, tmp_path, family):
-    """train/distill.py on an MoE target; the head decodes losslessly (spd, and tree where the target allows)."""
+    """train/distill.py on an MoE target; the head decodes losslessly (spd and tree)."""
     from spd.heads.speculator import Speculator
     from test_distill import _train
 
@@ -218,6 +209,5 @@ def test_trainer_distils_a_head_for_a_moe_target(tiny_testbed, moe_targets, tmp_
     prompt = list(range(10, 30))
     reference = generate_ar(staged, prompt, 24).token_ids
     assert PipelineEngine(staged, head).run(prompt, 24, SamplingParams()).token_ids == reference
-    if not staged.is_hybrid:
-        tree = TreeEngine(staged, SpdHeadSource(head, staged), 4)
-        assert tree.run(prompt, 24, SamplingParams()).token_ids == reference
+    tree = TreeEngine(staged, SpdHeadSource(head, staged), 4)
+    assert tree.run(prompt, 24, SamplingParams()).token_ids == reference

@@ -71,7 +71,7 @@ from .sampling import SamplingParams, warped_probs
 from ..heads.draft_vocab import check_draft_vocab
 from ..heads.config import check_compatible
 from ..heads.speculator import Speculator
-from ..target.staging import HYBRID_TREE_ERROR, StageKVCache, StagedModel, load_target_tokenizer
+from ..target.staging import StageKVCache, StagedModel, load_target_tokenizer
 from .tree import (TokenTree, grow_sampled, grow_top_k, verify_greedy, verify_sampled_deterministic,
                    verify_sampled_recursive)
 from .tree_width import AdaptiveWidth, FixedWidth, tree_width
@@ -362,8 +362,6 @@ class TreeEngine(OneModeEngine):
         ``candidates``: how children are chosen at T > 0 (``auto`` = ``sampled``; greedy always uses top-k)."""
         if candidates not in CANDIDATES:
             raise SpdInputError(f"unknown tree candidate rule '{candidates}'; expected one of: {', '.join(CANDIDATES)}")
-        if staged.is_hybrid or (isinstance(source, DraftModelSource) and source.draft.is_hybrid):
-            raise SpdInputError(HYBRID_TREE_ERROR)
         self.staged, self.source, self.tokenizer, self.candidates = staged, source, tokenizer, candidates
         self.policy = width if isinstance(width, (FixedWidth, AdaptiveWidth)) else \
             tree_width(width, source.children, max_width)

@@ -92,15 +92,21 @@ class StageKVCache:
         self.values_LBHkCDh[i, :, :, self.length:end] = value_BHkTDh
         return self.keys_LBHkCDh[i, :, :, :end], self.values_LBHkCDh[i, :, :, :end]
 
-    def begin(self, n_tokens: int) -> None:
-        """A stage call on ``n_tokens`` new tokens starts."""
+    def begin(self, n_tokens: int, first_node: int | None = None) -> None:
+        """A stage call on ``n_tokens`` new tokens starts (tree nodes from ``first_node`` on, when given)."""
         if self.linear is not None:
-            self.linear.begin(n_tokens)
+            if first_node is None:
+                self.linear.begin(n_tokens)
+            else:
+                self.linear.begin_nodes(first_node)
 
-    def advance(self, n_tokens: int) -> None:
+    def advance(self, n_tokens: int, tree: bool = False) -> None:
         self.length += n_tokens
         if self.linear is not None:
-            self.linear.advance(n_tokens)
+            if tree:
+                self.linear.end_nodes(self.length - self.linear.length)
+            else:
+                self.linear.advance(n_tokens)
 
     def truncate(self, length: int) -> None:
         """Forget every token at position >= ``length`` (rollback after a flush)."""
@@ -132,8 +138,6 @@ class StageKVCache:
         This compacts a pruned tree's KV right after the committed rows ``[0, start)``; ``indices`` are
         offsets from ``start`` (tree indices when ``start`` is the root's row).
         """
-        if self.linear is not None:
-            raise SpdInputError(HYBRID_TREE_ERROR)
         indices = torch.as_tensor(indices, dtype=torch.long).flatten()
         held = self.length - start
         if not 0 <= start <= self.length:
@@ -148,6 +152,11 @@ class StageKVCache:
         self.values_LBHkCDh[:, :, :, start:end] = self.values_LBHkCDh[:, :, :, rows]
         self.positions_C[start:end] = self.positions_C[rows]
         self.length = end
+        if self.linear is not None:  # the root (row start - 1) is committed; the kept nodes' states follow their rows
+            if start != self.linear.length + 1:
+                raise RuntimeError(f"keep: a stage with linear-attention layers prunes a tree whose root is row "
+                                   f"{self.linear.length}, not row {start - 1}")
+            self.linear.keep(indices)
 
 
 @dataclass
@@ -212,8 +221,23 @@ def parse_boundaries(text: str) -> list[int]:
     return values
 
 
-HYBRID_TREE_ERROR = ("tree mode does not support targets with linear-attention layers (hybrid models such as "
-                     "Qwen3.5): each tree node would need its own recurrent state; use mode spd, pp or ar")
+
+def node_groups(tree_mask_TN: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
+    """The tree nodes of a stage call (the last ``T`` of the ``N`` nodes in ``tree_mask_TN``'s columns, BFS order) as
+    runs ``(first, end, parents_T)`` of nodes whose parents (tree indices; ``-1`` for the root) precede the run:
+    one run per depth. A node's parent is its deepest ancestor other than itself."""
+    t, n = tree_mask_TN.shape
+    first = n - t
+    mask_TN = tree_mask_TN.to("cpu").clone()
+    mask_TN[torch.arange(t), torch.arange(first, n)] = False  # not its own parent
+    index_N = torch.arange(n)
+    parents_T = torch.where(mask_TN, index_N, torch.full_like(index_N, -1)).max(dim=1).values
+    groups, start = [], 0
+    for i in range(1, t + 1):
+        if i == t or int(parents_T[i]) >= first + start:  # node i's parent is in the current run: a new run
+            groups.append((first + start, first + i, parents_T[start:i]))
+            start = i
+    return groups
 
 
 def cache_keyword(layer: nn.Module) -> str:
@@ -484,16 +508,26 @@ class StagedModel(TargetShape, nn.Module):
         out = StageOutput(hidden_BTD)
         if first in anchors:
             out.anchors[first] = hidden_BTD
+        groups = None  # tree nodes through linear-attention layers: (first, end, parents) per depth
         if tree_mask_TN is not None and cache.linear is not None:
-            raise SpdInputError(HYBRID_TREE_ERROR)
-        cache.begin(t)
+            groups = node_groups(tree_mask_TN)
+        cache.begin(t, first_node=None if groups is None else groups[0][0])
         for layer in range(first, last):
             window = self.windows[layer]
             if self.layer_types[layer] == _LINEAR_LAYER_TYPE:
                 # A recurrent layer reads its own state; it takes no attention mask (no padding here).
-                hidden_BTD = self.layers[layer](hidden_BTD, attention_mask=None, position_ids=position_ids_BT,
-                                                use_cache=True, position_embeddings=position_embeddings,
-                                                **{cache_keyword(self.layers[layer]): cache})
+                kw = {cache_keyword(self.layers[layer]): cache}
+                if groups is None:
+                    hidden_BTD = self.layers[layer](hidden_BTD, attention_mask=None, position_ids=position_ids_BT,
+                                                    use_cache=True, position_embeddings=position_embeddings, **kw)
+                else:  # each depth's nodes as a batch of one-token sequences, from their parents' states
+                    parts, offset = [], groups[0][0]
+                    for node_first, node_end, parents_T in groups:
+                        cache.linear.select_nodes(node_first, node_end, parents_T)
+                        nodes_T1D = hidden_BTD[0, node_first - offset:node_end - offset, None]
+                        parts.append(self.layers[layer](nodes_T1D, attention_mask=None, use_cache=True,
+                                                        position_embeddings=position_embeddings, **kw)[:, 0])
+                    hidden_BTD = torch.cat(parts)[None]
                 if layer + 1 in anchors:
                     out.anchors[layer + 1] = hidden_BTD
                 continue
@@ -509,7 +543,7 @@ class StagedModel(TargetShape, nn.Module):
             )
             if layer + 1 in anchors:
                 out.anchors[layer + 1] = hidden_BTD
-        cache.advance(t)
+        cache.advance(t, tree=groups is not None)
         out.hidden_BTD = hidden_BTD
         return out
 
