@@ -66,6 +66,27 @@ def test_greedy_generate_reproduces_the_authors_code(name):
         assert out.stats.flushes == rec["num_rejections"]
 
 
+@pytest.mark.parametrize("name", HEADS)
+def test_their_head_as_a_tree_source_of_width_1_is_their_chain(name):
+    """Our tree engine with their head at W = 1 reproduces their greedy generate (tokens, flags, steps); at W = 4
+    the output still equals the target's greedy output."""
+    from spd.decoding.tree_engine import AuthorsHeadSource, TreeEngine
+
+    info = EXPECTED["heads"][name]
+    staged = _staged(info["target"], info["num_stages"])
+    eos = EXPECTED["targets"][info["target"]]["eos_token_id"]
+    for rec in (r for r in EXPECTED["generate"] if r["head"] == name):
+        head = load_authors_head(str(_head_file(name)), staged, use_deepest=rec["use_deepest_effective"])
+        out = TreeEngine(staged, AuthorsHeadSource(head, staged, 1), 1).run(rec["prompt_ids"], rec["max_new_tokens"],
+                                                                          SamplingParams(), eos_token_id=eos)
+        assert out.token_ids == rec["output_ids"]
+        assert out.stats.token_acceptance[1:] == rec["accepted"][1:], rec["prompt_index"]
+        assert (out.stats.steps, out.stats.flushes) == (rec["steps"], rec["num_rejections"])
+        wide = TreeEngine(staged, AuthorsHeadSource(head, staged, 4), 4).run(rec["prompt_ids"], rec["max_new_tokens"],
+                                                                           SamplingParams(), eos_token_id=eos)
+        assert wide.token_ids == rec["target_greedy_ids"]
+
+
 def test_draft_vocabulary_maps_back_to_target_ids():
     name = next(h for h in HEADS if h.endswith("_draft"))
     info = EXPECTED["heads"][name]
@@ -302,11 +323,21 @@ def test_distributed_runtime_with_an_authors_head_on_a_hybrid_target():
     assert out["stats"]["flushes"] == rec["num_rejections"] > 5
 
 
-def test_tree_mode_refuses_authors_heads_in_one_line():
-    qwen3 = FIXTURES / "targets" / "qwen3"
-    common = ["-m", "spd.cli.generate", "--mode", "tree", "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "4"]
-    proc = _cli(*common, "--target", str(qwen3), "--speculator", str(_head_file("v10_qwen3_n4_l1")))
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "tree mode runs our own heads only" in proc.stderr
+def test_tree_mode_takes_their_heads_in_the_cli():
+    """spd-generate --mode tree with their file: the W = 4 tree's tokens equal --mode spd's (the greedy output)."""
+    import json
+
+    rec = next(r for r in EXPECTED["generate"] if r["head"] == "v11_qwen35_n4_l1" and r["prompt_index"] == 1)
+    common = ["-m", "spd.cli.generate", "--target", str(FIXTURES / "targets" / "qwen35"), "--speculator",
+              str(_head_file("v11_qwen35_n4_l1")), "--prompt-ids", ",".join(map(str, rec["prompt_ids"])),
+              "--max-new-tokens", str(rec["max_new_tokens"]), "--json"]
+    outs = {}
+    for mode in ("spd", "tree"):
+        proc = _cli(*common, "--mode", mode, *(["--tree-width", "4"] if mode == "tree" else []))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outs[mode] = json.loads(proc.stdout)
+    assert outs["tree"]["token_ids"] == outs["spd"]["token_ids"] == rec["target_greedy_ids"]
+    assert outs["tree"]["stats"]["source"] == "head"
 
 
 @pytest.mark.slow

@@ -252,8 +252,7 @@ class SpdHeadSource:
 
     def __init__(self, head: Speculator, staged: StagedModel, children: int = 4):
         if not isinstance(head, Speculator):
-            raise SpdInputError("tree mode runs our own heads only; the SPD authors' heads run in mode spd (their "
-                                "token tree at T > 0 is not lossless, and ours is not wired to their schedule)")
+            raise SpdInputError("SpdHeadSource takes our own heads; the SPD authors' heads are AuthorsHeadSource")
         check_compatible(head.config, staged, mode="tree")
         check_draft_vocab(head, staged.vocab_size)
         cfg = head.config
@@ -318,6 +317,76 @@ class SpdHeadSource:
         """Nothing to do: the cache holds committed rows only."""
 
 
+class AuthorsHeadSource:
+    """Token source (c): one of the SPD authors' released heads (:class:`spd.heads.published.authors_head.AuthorsHead`)
+    with width W, on the decode schedule it was trained for.
+
+    Each bottom node is queried as their chain would query its newest token: the node's root path are the
+    in-flight tokens (each at its level's current depth), the positions before it come from the committed
+    anchors the head keeps, and the token that left stage n last is the evicted row (docs/method.md lists their
+    schedule). Their window of ``n`` rows ends at the bottom node, at most ``n - 1`` levels below the root, so
+    every row before it is committed: the head's cache holds committed rows only and needs no rollback on a
+    prune. With ``W = 1`` this is their chain, step for step (their tree at T > 0 is not lossless; the tree and
+    its verification here are ours). The bottom nodes are queried one after another (their tower has no batch
+    of paths); a node's query is the same whichever came before it.
+    """
+
+    schedule = "input"
+
+    def __init__(self, head, staged: StagedModel, children: int = 4):
+        cfg = head.config
+        if cfg.n_stages != staged.n_stages:
+            raise SpdInputError(f"the authors' head was trained for {cfg.n_stages} stages but the target is cut into "
+                                f"{staged.n_stages}; use --stages {cfg.n_stages}")
+        if children < 1:
+            raise SpdInputError(f"the number of tree children must be a positive integer, got {children}")
+        self.head = head
+        self.ids = None  # its logits are spread over the target's vocabulary (-inf outside a draft vocabulary)
+        self.children = min(children, cfg.vocab_size)
+        self.needed_anchors = tuple(head.needed_anchors())
+        self.prefill_anchors = tuple(head.prefill_anchors())
+        self.num_layers = cfg.num_layers
+        self.cache = None
+        self.committed = 0
+
+    def start(self, prompt_ids: list[int], anchors: dict[int, torch.Tensor], capacity: int) -> None:
+        self.cache = self.head.new_cache(capacity=capacity)
+        self.head.prefill_memory(self.cache, anchors)
+        self.committed = len(prompt_ids)
+
+    def expand(self, tree: TokenTree, context: list[int], levels: list[Level]) -> torch.Tensor:
+        """The head's log-probabilities after each bottom node, ``(L, V)``: one query per bottom node."""
+        if self.committed != len(context):
+            raise RuntimeError("the authors' head and the committed tokens are out of step")
+        bottom_L = tree.bottom_level()
+        ancestors_LN = tree.mask()[bottom_L]
+        picks = []  # per level, the row of each bottom node's ancestor in it
+        for level in levels:
+            in_level_LT = ancestors_LN[:, level.start:level.start + level.size]
+            picks.append(in_level_LT.float().argmax(dim=1).tolist())
+        rows = []
+        for node in range(bottom_L.numel()):  # levels[i] holds the nodes i levels below the root (at committed + i)
+            path = [SimpleNamespace(position=self.committed + i, depth=level.depth,
+                                    anchors={a: h[pick[node]:pick[node] + 1] for a, h in level.anchors.items()})
+                    for i, (level, pick) in enumerate(zip(levels, picks))]
+            rows.append(self.head.propose_logits(self.cache, path))
+        return torch.log_softmax(torch.cat(rows).float(), dim=-1)
+
+    def commit_root(self, root: Level) -> None:
+        """The root left stage n: its anchors are kept and it becomes the evicted row of the next query."""
+        slot = SimpleNamespace(position=self.committed, depth=root.depth,
+                               anchors={a: h[:1] for a, h in root.anchors.items()})
+        self.head.retire(self.cache, [slot])
+        self.committed += 1
+
+    def prune(self, committed: int, kept: torch.Tensor) -> None:
+        """Nothing to do: the head's cache holds committed rows only."""
+
+    def reset(self, committed: int) -> None:
+        """Miss: as their chain's flush (the next query has no evicted row)."""
+        self.cache.truncate(committed)
+
+
 class LocalTreeStages(LocalStages):
     """All ``n`` stages in this process: the tree engine's reference backend (the chain backend's caches
     and prefill, plus tree levels). :class:`spd.runtime.remote.RemoteStages` implements the same methods."""
@@ -355,7 +424,7 @@ class TreeEngine(OneModeEngine):
 
     mode, engine_name = "tree", "the tree engine"
 
-    def __init__(self, staged: StagedModel, source: DraftModelSource | SpdHeadSource,
+    def __init__(self, staged: StagedModel, source: DraftModelSource | SpdHeadSource | AuthorsHeadSource,
                  width: int | str | FixedWidth | AdaptiveWidth = 4, tokenizer=None,
                  stages: "LocalTreeStages | None" = None, candidates: str = "auto", max_width: int = 8):
         """``width``: W, ``"auto"`` (:class:`spd.decoding.tree_width.AdaptiveWidth` up to ``max_width``) or a policy;
@@ -405,7 +474,7 @@ class TreeEngine(OneModeEngine):
         stats = TreeStats(mode="tree", prompt_tokens=len(prompt), stages=n, verified_by_position=[0] * n,
                           accepted_by_position=[0] * n, schedule=source.schedule,
                           speculator_layers=source.num_layers, target_layers=staged.num_layers,
-                          source="head" if isinstance(source, SpdHeadSource) else "draft", width=self.width,
+                          source="draft" if isinstance(source, DraftModelSource) else "head", width=self.width,
                           children=self.policy.max_children, candidates=rule,
                           accepted_by_sibling=[0] * max(self.policy.max_width, self.policy.max_children))
         generator = None if sampling.greedy else sampling.generator(staged.device)
@@ -587,7 +656,9 @@ def build_tree_engine(staged: StagedModel, head, tokenizer, draft_model: str | N
     :class:`TreeEngine`); ``stages`` the stage backend (default: this process; :class:`spd.runtime.remote.RemoteStages`
     across processes).
     """
-    if head is not None:
+    if head is not None and not isinstance(head, Speculator):
+        source = AuthorsHeadSource(head, staged, children)
+    elif head is not None:
         source = SpdHeadSource(head, staged, children)
     else:
         draft, draft_tokenizer = load_draft_model(draft_model, draft_revision, dtype, device)
