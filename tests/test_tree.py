@@ -69,6 +69,29 @@ def test_append_level_ties_and_order_are_deterministic():
     assert tree.bottom_level().tolist() == [6, 7, 8]
 
 
+def test_append_level_keeps_the_sources_greedy_path():
+    """A confident branch off the source's greedy path would push that path out of a beam ranked by cumulative
+    log-prob alone; its best child stays (in place of the worst kept candidate), and after a prune that leaves the
+    path, the path goes on from the best of the deepest kept nodes."""
+    tree = TokenTree(0)
+    tree.append_level(torch.tensor([[1, 2]]), torch.tensor([[-0.7, -0.75]]), 2)  # nodes 1 (greedy), 2
+    assert tree.principal == 1
+    # Node 1 is unsure of its children, node 2 sure of two: by score alone node 2's two children win both slots.
+    new = tree.append_level(torch.tensor([[11, 12], [21, 22]]), torch.tensor([[-0.7, -0.8], [-0.01, -0.02]]), 2)
+    assert tree.tokens_N[new].tolist() == [11, 21] and tree.principal == int(new[0])
+    new = tree.append_level(torch.tensor([[111, 112], [211, 212]]), torch.tensor([[-0.5, -0.6], [-0.01, -0.02]]), 2)
+    assert tree.tokens_N[new].tolist() == [111, 211]
+    assert tree.path(tree.principal).tolist() == [0, 1, 11, 111]
+    # A hit on node 2 leaves the greedy path: it goes on from the kept bottom node with the best score.
+    tree.prune_to_child(2)
+    assert tree.path(tree.principal).tolist() == [2, 21, 211]
+    # A -inf best candidate (nothing to propose) forces nothing; W = 1 keeps the plain ranking.
+    chain = TokenTree(5)
+    for _ in range(3):
+        chain.append_level(torch.tensor([[7, 8]]), torch.tensor([[-0.1, -0.2]]), 1)
+    assert chain.tokens_N.tolist() == [5, 7, 7, 7] and chain.principal == 3
+
+
 def test_prune_to_child_keeps_the_subtree_and_returns_old_indices():
     tree = _example_tree()
     kept = tree.prune_to_child(1)

@@ -134,6 +134,48 @@ def test_greedy_tree_equals_ar_other_families(family, overrides):
         assert out.stats.accepted > 0
 
 
+class ConfidentDetours:
+    """A source that is right but unsure on the reference path (the reference token best at -0.7, a wrong one at
+    -0.75) and sure of two tokens everywhere off it: ranked by score alone, the detours push the right path out of
+    the beam within a few levels."""
+
+    def __init__(self, inner, sequence):
+        self.inner, self.sequence = inner, sequence
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def expand(self, tree, context, levels):
+        logprobs_LX = torch.full_like(self.inner.expand(tree, context, levels), float("-inf"))
+        committed = len(context)
+        for row, node in enumerate(tree.bottom_level().tolist()):
+            path = tree.path(node).tolist()
+            position = committed + len(path)
+            if self.sequence[committed:position] == path and position < len(self.sequence):
+                good = self.sequence[position]
+                logprobs_LX[row, good], logprobs_LX[row, (good + 1) % logprobs_LX.shape[1]] = -0.7, -0.75
+            else:
+                logprobs_LX[row, 3], logprobs_LX[row, 4] = -0.01, -0.02
+        return logprobs_LX
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_the_tree_keeps_its_sources_greedy_path(target_model, n):
+    """With the greedy path kept, a W = 2 tree takes exactly the chain's steps (every proposal on the path is right);
+    a beam ranked by score alone would lose the path under the detours and take more."""
+    staged = StagedModel(target_model, n)
+    prompt = [5, 17, 3, 99]
+    reference = generate_ar(staged, prompt, 32).token_ids
+    steps = {}
+    for width in (1, 2):
+        engine = _draft_engine(target_model, n, width, 2)
+        engine.source = ConfidentDetours(engine.source, prompt + reference)
+        out = engine.run(prompt, 32, SamplingParams())
+        assert out.token_ids == reference and out.stats.flushes == 0
+        steps[width] = out.stats.steps
+    assert steps[2] == steps[1] == len(reference) - 1 + n - 1
+
+
 def test_noisy_draft_gains_from_width(target_model):
     """Sanity of the statistics: more width, more hits; the accepted child is not always the first sibling."""
     by_width = {}

@@ -54,6 +54,9 @@ class TokenTree:
         self.logprobs_N = torch.zeros(1)  # log-prob of the edge parent -> node (root 0)
         self.cum_logprobs_N = torch.zeros(1)  # sum of edge log-probs from the root (root 0)
         self.mask_NN = torch.ones(1, 1, dtype=torch.bool)  # ancestor mask M
+        # The bottom node of the source's own greedy path (its best child at every level, from the root or from the
+        # best node a prune kept); append_level always keeps its best child. -1: none.
+        self.principal = 0
         # Sampled candidates: node -> the distribution q its children were drawn from (see grow_sampled).
         self.drafts: dict[int, torch.Tensor] = {}
 
@@ -93,6 +96,12 @@ class TokenTree:
         of the ``l``-th node of :meth:`bottom_level`. Candidates are ranked by cumulative log-prob; ties go
         to the earlier parent, then the earlier candidate. Candidates with log-prob -inf are never kept.
         The kept ones are appended grouped by parent, in candidate order within a parent.
+
+        One exception to the ranking: the best candidate of the *principal* node (the bottom of the source's own
+        greedy path, :attr:`principal`) is always kept, in place of the worst one otherwise kept. A beam ranked
+        by cumulative log-prob alone can drop the source's greedy path a few levels down (a confident branch off
+        it overtakes it), and the tree then verifies fewer tokens than the chain of the same source would; with
+        it the tree holds the chain's path, so at T = 0 it never falls behind the chain (``W = 1`` is unchanged).
         """
         bottom_L = self.bottom_level()
         tokens_LK = torch.as_tensor(tokens_LK, dtype=torch.long).cpu()
@@ -103,9 +112,11 @@ class TokenTree:
                 f"{bottom_L.shape[0]} (the bottom level's size), got {tuple(tokens_LK.shape)} and "
                 f"{tuple(logprobs_LK.shape)}"
             )
-        chosen = self._best(bottom_L, logprobs_LK, width)
+        chosen, forced = self._with_principal(bottom_L, logprobs_LK, self._best(bottom_L, logprobs_LK, width), width)
         k = tokens_LK.shape[1]
-        return self._append(bottom_L, chosen // k, chosen % k, tokens_LK, logprobs_LK)
+        new = self._append(bottom_L, chosen // k, chosen % k, tokens_LK, logprobs_LK)
+        self.principal = -1 if forced is None else int(new[int(torch.nonzero(chosen == forced)[0, 0])])
+        return new
 
     def child_counts(self, sorted_logprobs_LK: torch.Tensor, width: int) -> torch.Tensor:
         """How many children each bottom node gets, decided before any is drawn (see :func:`grow_sampled`).
@@ -153,6 +164,7 @@ class TokenTree:
                 f"{tuple(tokens_LK.shape)}")
         parent_rank = torch.repeat_interleave(torch.arange(bottom_L.shape[0]), counts_L)
         cand = torch.cat([torch.arange(int(c)) for c in counts_L]) if parent_rank.numel() else parent_rank
+        self.principal = -1  # sampled children: no greedy path to keep
         return self._append(bottom_L, parent_rank, cand, tokens_LK, logprobs_LK)
 
     def _best(self, bottom_L: torch.Tensor, logprobs_LK: torch.Tensor, width: int) -> torch.Tensor:
@@ -164,6 +176,25 @@ class TokenTree:
         order = torch.sort(cum, descending=True, stable=True).indices[:width]
         order = order[torch.isfinite(cum[order])]
         return torch.sort(order).values  # back to (parent, candidate) order: BFS order of the new level
+
+    def _with_principal(self, bottom_L: torch.Tensor, logprobs_LK: torch.Tensor, chosen: torch.Tensor,
+                        width: int) -> tuple[torch.Tensor, int | None]:
+        """``chosen`` with the principal node's best candidate in it (in place of the worst chosen one when every
+        slot is taken), and that candidate's flat index (None: no principal node, or no finite candidate)."""
+        at = torch.nonzero(bottom_L == self.principal)
+        if not at.numel():
+            return chosen, None
+        row = int(at[0, 0])
+        best = row * logprobs_LK.shape[1] + int(torch.argmax(logprobs_LK[row]))
+        if not bool(torch.isfinite(logprobs_LK.flatten()[best])):
+            return chosen, None
+        if bool((chosen == best).any()):
+            return chosen, best
+        if chosen.numel() >= width:
+            cum = (self.cum_logprobs_N[bottom_L][:, None] + logprobs_LK).flatten()
+            worst = int(torch.argmin(torch.where(chosen == best, float("inf"), cum[chosen])))
+            chosen = torch.cat([chosen[:worst], chosen[worst + 1:]])
+        return torch.sort(torch.cat([chosen, torch.tensor([best])])).values, best
 
     def _append(self, bottom_L: torch.Tensor, parent_rank: torch.Tensor, cand: torch.Tensor, tokens_LK: torch.Tensor,
                 logprobs_LK: torch.Tensor) -> torch.Tensor:
@@ -206,6 +237,11 @@ class TokenTree:
         self.cum_logprobs_N = self.cum_logprobs_N[kept] - self.cum_logprobs_N[child]
         self.mask_NN = self.mask_NN[kept][:, kept]
         self.drafts = {int(new_index[i]): q for i, q in self.drafts.items() if new_index[i] >= 0}
+        if self.principal >= 0 and new_index[self.principal] >= 0:
+            self.principal = int(new_index[self.principal])
+        else:  # the hit left the greedy path: it goes on from the best of the deepest kept nodes
+            bottom = self.bottom_level()
+            self.principal = int(bottom[torch.argmax(self.cum_logprobs_N[bottom])])
         return kept
 
 
