@@ -14,8 +14,15 @@ Every ``--flush-every`` tokens the stage is rolled back by ``--rollback`` tokens
 The variants run interleaved, round after round, and the table gives the median ms per token of each and its
 ratio to ``none``; ``--out`` writes the JSON.
 
+``--tree-widths W ...`` measures token trees instead: the same stage runs tree levels of ``W`` nodes (every node
+with its own linear state: docs/method.md, "Hybrid targets"), as in a pipeline of ``--stages`` levels in flight
+with a hit every step (prune to the first child of the root, a new level of ``W`` below the surviving path), and
+reports per level the stage's time, the part spent gathering and storing node states (the linear-state calls,
+timed inside), and the state memory per node and for a full tree of ``n W + 1`` nodes.
+
     python infer/bench_linear_state.py                      # Qwen3.5-4B widths
     python infer/bench_linear_state.py --hidden 1024 --rounds 7
+    python infer/bench_linear_state.py --tree-widths 1 4 8  # per-node state in token trees
 """
 
 from __future__ import annotations
@@ -99,6 +106,104 @@ def run_variant(staged: StagedModel, kind: str, args) -> float:
     return 1000 * (time.perf_counter() - start) / args.tokens
 
 
+class TimedRing(LinearStateRing):
+    """The ring with the time of its tree-node state work counted (gather into the level's slots, store, prune)."""
+
+    def __init__(self, layer_ids: list[int], depth: int):
+        super().__init__(layer_ids, depth)
+        self.state_s = 0.0
+
+    def _timed(name):
+        def call(self, *args, **kwargs):
+            if self._call is None and name != "keep":
+                return getattr(LinearStateRing, name)(self, *args, **kwargs)
+            start = time.perf_counter()
+            out = getattr(LinearStateRing, name)(self, *args, **kwargs)
+            if out is not None and hasattr(out, "device") and out.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.state_s += time.perf_counter() - start
+            return out
+        return call
+
+    get_conv_state = _timed("get_conv_state")
+    get_recurrent_state = _timed("get_recurrent_state")
+    update_recurrent_state = _timed("update_recurrent_state")
+    keep = _timed("keep")
+
+
+def run_tree(staged: StagedModel, width: int, args) -> tuple[float, float, int]:
+    """(ms per tree level, ms of it in node-state work, nodes held at most) for levels of ``width`` nodes."""
+    from spd.decoding.tree import TokenTree
+
+    n = args.stages
+    cache = staged.new_stage_cache(0, capacity=args.prompt + n * width + 8, ring_depth=n + 1)
+    cache.linear = ring = TimedRing(cache.linear.layers, n + 1)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 1024, (1, args.prompt), generator=gen)
+    committed = args.prompt
+    levels = peak = 0
+    with torch.inference_mode():
+        staged.run_stage(0, staged.embed(ids.to(staged.device)), cache)
+        tree = TokenTree(int(torch.randint(0, 1024, (), generator=gen)))
+        _sync(staged)
+        start = time.perf_counter()
+        for step in range(args.tokens + n):
+            if step == n:  # the pipeline is full: count from here
+                _sync(staged)
+                start, ring.state_s, levels = time.perf_counter(), 0.0, 0
+            if tree.depth >= n - 1:  # the root's level left the last stage: a hit on its first child
+                kept = tree.prune_to_child(int(tree.children(0)[0]))
+                StagedModel.prune_tree([cache], committed, kept)
+                committed += 1
+            held = len(tree)
+            bottom = tree.bottom_level()
+            k = max(1, width // bottom.numel())  # W children in all, spread over the bottom nodes
+            tokens = torch.randint(0, 1024, (bottom.numel(), k), generator=gen)
+            tree.append_level(tokens, -torch.rand(bottom.numel(), k, generator=gen), width)
+            if step == 0:  # the root runs first, alone
+                held = 0
+            nodes = tree.tokens_N[held:][None].to(staged.device)
+            staged.run_stage(0, staged.embed(nodes), cache, tree.positions(committed)[held:][None].to(staged.device),
+                             tree_mask_TN=tree.mask()[held:])
+            levels += 1
+            peak = max(peak, ring.nodes)
+        _sync(staged)
+    return 1000 * (time.perf_counter() - start) / levels, 1000 * ring.state_s / levels, peak
+
+
+def tree_main(staged: StagedModel, args) -> None:
+    times: dict[int, list[tuple[float, float]]] = {w: [] for w in args.tree_widths}
+    chain: list[float] = []  # the chain's ms per token on the same stage (the ring, flushes included), alternating
+    run_tree(staged, args.tree_widths[-1], args)  # warm-up
+    for _ in range(args.rounds):
+        chain.append(run_variant(staged, "ring", args))
+        for w in args.tree_widths:
+            times[w].append(run_tree(staged, w, args)[:2])
+    cache = staged.new_stage_cache(0, capacity=args.prompt + 8, ring_depth=2)
+    with torch.inference_mode():
+        staged.run_stage(0, staged.embed(torch.zeros(1, 4, dtype=torch.long, device=staged.device)), cache)
+    per_node = sum(r[0].numel() * r[0].element_size() for r in cache.linear.conv_RBCK + cache.linear.recurrent_RBHDkDv)
+    rows = []
+    chain_ms = statistics.median(chain)
+    print(f"chain (one token a step, the ring): {chain_ms:.2f} ms per token")
+    print(f"{'W':>3} {'ms/level':>9} {'vs chain':>9} {'node state ms':>14} {'share':>6} {'state/node MiB':>15} "
+          f"{'full tree (n W + 1 nodes) MiB':>30}")
+    for w, v in times.items():
+        level = statistics.median(t for t, _ in v)
+        state = statistics.median(s for _, s in v)
+        full = per_node * (args.stages * w + 1)
+        rows.append({"width": w, "ms_per_level_median": round(level, 3), "min": round(min(t for t, _ in v), 3),
+                     "max": round(max(t for t, _ in v), 3), "node_state_ms_median": round(state, 3),
+                     "node_state_share": round(state / level, 4), "ratio_to_chain_token": round(level / chain_ms, 3),
+                     "state_bytes_per_node": per_node, "state_bytes_full_tree": full})
+        print(f"{w:>3} {level:>9.2f} {level / chain_ms:>9.2f} {state:>14.3f} {state / level:>6.1%} "
+              f"{per_node / 2**20:>15.2f} {full / 2**20:>30.1f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "chain_ms_per_token_median": round(chain_ms, 3), "chain_ms": chain,
+                       "tree_rows": rows, "device": str(staged.device)}, f, indent=2)
+
+
 def _sync(staged: StagedModel) -> None:
     if staged.device.type == "cuda":
         torch.cuda.synchronize()
@@ -122,9 +227,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tree-widths", type=int, nargs="+", default=None,
+                   help="measure token-tree levels of these widths instead (per-node linear state)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     staged = build_stage(args)
+    if args.tree_widths:
+        tree_main(staged, args)
+        return
     kinds = ("none", "ring", "snapshot")
     times: dict[str, list[float]] = {k: [] for k in kinds}
     run_variant(staged, "ring", args)  # warm-up
