@@ -22,13 +22,14 @@ committed and never rolled back to.
 **Token trees** (docs/method.md §6): a tree node's state is its parent's state advanced by the node's token,
 and siblings share a parent, so the states of the nodes after the committed prefix form a tree, not a
 sequence. Beside the ring (which keeps the committed prefix's state, the *base*), the stage keeps one conv and
-one recurrent state per tree node it has run, indexed like its KV rows (node ``i`` = row ``base + i``, the
-root ``0``). A level of ``T`` nodes runs through a linear layer as a batch of ``T`` one-token sequences: each
-starts from its parent's state (the base for the root), gathered into the level's own slots, and the
-one-token kernels write the nodes' new states there (:meth:`select_nodes`); no loop over nodes. A prune
-commits the root (its state joins the ring as the state at ``base + 1``) and keeps the surviving subtree's
-states with the index set of the KV prune (:meth:`keep`); a miss commits the root and drops the others
-(:meth:`truncate` to ``base + 1``). Memory per stage: one conv state (``C x K``) and one recurrent state
+one recurrent state per tree node it has run, numbered like its KV rows (node ``i`` = row ``base + i``, the
+root ``0``) and held in pool slots through a slot table. A level of ``T`` nodes runs through a linear layer as a
+batch of ``T`` one-token sequences: each starts from its parent's state (the base for the root; a view where
+the parents are one node or consecutive slots, else a gathered copy), and the one-token kernels' new states go
+into the nodes' slots (:meth:`select_nodes`); no loop over nodes. A prune commits the root (its state is copied
+into the ring as the state at ``base + 1``) and keeps the surviving subtree with the index set of the KV prune,
+moving slot numbers, not states (:meth:`keep`); a miss commits the root and frees the rest (:meth:`truncate`
+to ``base + 1``). Memory per stage: one conv state (``C x K``) and one recurrent state
 (``H x Dk x Dv``) per linear layer per tree node in flight, at most ``n * W + 1`` nodes (Qwen3.5-4B, fp32:
 1 MiB per layer per node), grown geometrically as the tree grows.
 
@@ -36,8 +37,8 @@ The class implements the calls Hugging Face's ``Qwen3_5GatedDeltaNet`` (and ``Qw
 make on their ``cache_params``: ``get_conv_state``, ``update_conv_state``, ``get_recurrent_state``,
 ``update_recurrent_state``, ``is_recording_past``.
 
-Shapes: R ring slots, B batch, C conv channels, K conv kernel, H value heads, Dk/Dv head dims, N tree nodes
-held, T nodes of the call.
+Shapes: R ring slots, B batch, C conv channels, K conv kernel, H value heads, Dk/Dv head dims, P pool slots for
+tree nodes, T nodes of the call.
 """
 
 from __future__ import annotations
@@ -58,11 +59,16 @@ class LinearStateRing:
         self.conv_RBCK: list[torch.Tensor | None] = [None] * len(layer_ids)
         self.recurrent_RBHDkDv: list[torch.Tensor | None] = [None] * len(layer_ids)
         self._held = [-1] * depth  # the length whose state each slot holds (-1: none)
-        # Tree nodes after the base (the committed prefix, ``length`` tokens): their states by tree index.
+        # Tree nodes after the base (the committed prefix, ``length`` tokens): node i's states are in pool slot
+        # node_slot[i], so a prune moves integers, not states.
         self.nodes = 0
-        self.node_conv_NCK: list[torch.Tensor | None] = [None] * len(layer_ids)
-        self.node_recurrent_NHDkDv: list[torch.Tensor | None] = [None] * len(layer_ids)
-        self._call: tuple[int, int, torch.Tensor] | None = None  # tree call: (first, end, parents_T)
+        self.node_slot = torch.zeros(0, dtype=torch.long)
+        self.node_conv_PCK: list[torch.Tensor | None] = [None] * len(layer_ids)
+        self.node_recurrent_PHDkDv: list[torch.Tensor | None] = [None] * len(layer_ids)
+        self._pool_size = 0
+        self._free: list[int] = []  # free pool slots (popped from the end)
+        self._call: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (slots, parent slots, from base)
+        self._conv_TCK: dict[int, torch.Tensor] = {}  # the call's conv states, updated in place by the kernel
 
     @property
     def layers(self) -> list[int]:
@@ -90,7 +96,7 @@ class LinearStateRing:
         if self.nodes:
             if length == self.length + 1:
                 self._commit_root()
-                self.nodes = 0
+                self._drop_nodes()
                 return
             if length >= self.length + self.nodes:
                 return
@@ -98,7 +104,7 @@ class LinearStateRing:
                 raise RuntimeError(f"cannot cut a stage's tree of {self.nodes} nodes after {self.length} committed "
                                    f"tokens back to {length} tokens: only the root ({self.length + 1}) or the "
                                    "committed prefix has a single linear-attention state")
-            self.nodes = 0
+            self._drop_nodes()
         if length >= self.length:
             return
         if length > 0 and self._held[length % self.depth] != length:
@@ -114,19 +120,26 @@ class LinearStateRing:
         return length >= self.length or length == 0 or self._held[length % self.depth] == length
 
     # ------------------------------------------------------------------------------- tree nodes
-    def begin_nodes(self, first: int) -> None:
-        """A tree call starts at node ``first`` (= the nodes held: levels arrive in BFS order)."""
+    def begin_nodes(self, first: int, count: int) -> None:
+        """A tree call on nodes ``[first, first + count)`` starts (``first`` = the nodes held: BFS order); each
+        gets a slot in the node pools."""
         if first != self.nodes:
             raise RuntimeError(f"a tree call starting at node {first} reached a stage holding {self.nodes} nodes")
         if self.length == 0:
             raise RuntimeError("a tree call needs a committed prefix (run the prompt first)")
+        while len(self._free) < count:
+            self._grow()
+        new = torch.tensor([self._free.pop() for _ in range(count)], dtype=torch.long)
+        self.node_slot = torch.cat([self.node_slot[: self.nodes], new])
 
     def select_nodes(self, first: int, end: int, parents_T: torch.Tensor) -> None:
         """The next linear-layer call runs nodes ``[first, end)``, whose parents (``-1``: the base) have run (held
         before this stage call, or in an earlier run of it)."""
-        if first < self.nodes or (parents_T.numel() and int(parents_T.max()) >= first):
+        if first < self.nodes or end > self.node_slot.numel() or (parents_T.numel() and int(parents_T.max()) >= first):
             raise RuntimeError(f"tree nodes [{first}, {end}) need their parents' states first (held: {self.nodes})")
-        self._call = (first, end, parents_T)
+        from_base_T = parents_T < 0
+        parent_slots_T = torch.where(from_base_T, -1, self.node_slot[parents_T.clamp(min=0)])
+        self._call = (self.node_slot[first:end], parent_slots_T, from_base_T)
 
     def end_nodes(self, end: int) -> None:
         """The tree call finished: nodes ``[0, end)`` are held."""
@@ -134,51 +147,65 @@ class LinearStateRing:
 
     def keep(self, indices: torch.Tensor) -> None:
         """Prune: the root is committed (its state joins the ring) and nodes ``1 + indices`` become nodes
-        ``0, 1, ...`` (the KV prune's index set: ``indices`` are offsets from the row after the root)."""
+        ``0, 1, ...`` (the KV prune's index set: ``indices`` are offsets from the row after the root). Only the
+        slot table moves; no state is copied but the root's."""
         if not self.nodes:
             raise RuntimeError("a prune reached a stage that holds no tree nodes")
         self._commit_root()
-        old_N = (torch.as_tensor(indices, dtype=torch.long).flatten() + 1)
-        for states in (self.node_conv_NCK, self.node_recurrent_NHDkDv):
-            for i, buf in enumerate(states):
-                if buf is not None:
-                    buf[: old_N.numel()] = buf[old_N.to(buf.device)]  # advanced indexing copies first
-        self.nodes = old_N.numel()
+        kept_N = self.node_slot[torch.as_tensor(indices, dtype=torch.long).flatten() + 1]
+        dropped = set(self.node_slot[: self.nodes].tolist()) - set(kept_N.tolist())
+        self._free.extend(sorted(dropped, reverse=True))
+        self.node_slot, self.nodes = kept_N, kept_N.numel()
+
+    def _drop_nodes(self) -> None:
+        self._free.extend(sorted(self.node_slot[: self.nodes].tolist(), reverse=True))
+        self.node_slot, self.nodes = self.node_slot[:0], 0
 
     def _commit_root(self) -> None:
         """Node 0 (the root, now committed) becomes the state after ``length + 1`` tokens."""
-        slot = (self.length + 1) % self.depth
-        for ring, nodes in ((self.conv_RBCK, self.node_conv_NCK), (self.recurrent_RBHDkDv, self.node_recurrent_NHDkDv)):
-            for i, buf in enumerate(nodes):
+        slot, root = (self.length + 1) % self.depth, int(self.node_slot[0])
+        for ring, pool in ((self.conv_RBCK, self.node_conv_PCK), (self.recurrent_RBHDkDv, self.node_recurrent_PHDkDv)):
+            for i, buf in enumerate(pool):
                 if buf is not None:
-                    ring[i][slot, 0].copy_(buf[0])
+                    ring[i][slot, 0].copy_(buf[root])
         self.length += 1
         self._held[slot] = self.length
 
-    def _node_buffer(self, states: list, i: int, like: torch.Tensor, end: int) -> torch.Tensor:
-        """Layer ``i``'s node states with room for ``end`` nodes (grown geometrically, contents kept)."""
-        buf = states[i]
-        if buf is None or buf.shape[0] < end:
-            new = torch.zeros(max(end, 8, 2 * (buf.shape[0] if buf is not None else 0)), *like.shape,
-                              dtype=like.dtype, device=like.device)
-            if buf is not None:
-                new[: self.nodes] = buf[: self.nodes]
-            states[i] = buf = new
-        return buf
+    def _grow(self) -> None:
+        """Room for twice as many nodes (at least 8): the pools grow, their contents kept."""
+        old = self._pool_size
+        self._pool_size = max(8, 2 * old)
+        self._free.extend(range(self._pool_size - 1, old - 1, -1))
+        for pool in (self.node_conv_PCK, self.node_recurrent_PHDkDv):
+            for i, buf in enumerate(pool):
+                if buf is not None:
+                    new = buf.new_zeros(self._pool_size, *buf.shape[1:])
+                    new[:old] = buf
+                    pool[i] = new
 
-    def _gather(self, states: list, ring: list, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``i``'s node buffer and the call's nodes' parent states ``(T, ...)`` (the base for the root)."""
-        first, end, parents_T = self._call
+    def _pool(self, pool: list, i: int, like: torch.Tensor) -> torch.Tensor:
+        if pool[i] is None:
+            pool[i] = torch.zeros(self._pool_size, *like.shape, dtype=like.dtype, device=like.device)
+        return pool[i]
+
+    def _parent_states(self, pool: list, ring: list, i: int) -> torch.Tensor:
+        """The call's nodes' parent states ``(T, ...)`` of layer ``i`` (the base for the root): a view where the
+        parents are one node or consecutive slots (a chain, W = 1), else a gathered copy."""
+        _, parent_slots_T, from_base_T = self._call
         base = ring[i][self.length % self.depth, 0]
-        buf = self._node_buffer(states, i, base, end)
-        parents_T = parents_T.to(base.device)
-        from_base_T = parents_T < 0
+        buf = self._pool(pool, i, base)
+        t = parent_slots_T.numel()
         if bool(from_base_T.all()):
-            return buf, base.expand(end - first, *base.shape)
-        picked = buf[parents_T.clamp(min=0)]
-        if bool(from_base_T.any()):
-            picked[from_base_T] = base
-        return buf, picked
+            return base.expand(t, *base.shape)
+        first_slot = int(parent_slots_T[0])
+        if not bool(from_base_T.any()):
+            if bool((parent_slots_T == first_slot).all()):
+                return buf[first_slot].expand(t, *base.shape)
+            if bool((parent_slots_T == torch.arange(first_slot, first_slot + t)).all()):
+                return buf[first_slot:first_slot + t]
+        picked = buf[parent_slots_T.clamp(min=0).to(buf.device)]
+        picked[from_base_T.to(buf.device)] = base
+        return picked
 
     # ------------------------------------------------------------------- Hugging Face cache calls
     def _slots(self) -> tuple[int, int]:
@@ -192,11 +219,11 @@ class LinearStateRing:
         """
         if self.length == 0:
             return None
-        if self._call is not None:  # tree nodes: each continues from its parent's state, in its own slot
-            first, end, _ = self._call
-            buf, parents_TCK = self._gather(self.node_conv_NCK, self.conv_RBCK, self.slot[layer_idx])
-            buf[first:end] = parents_TCK
-            return buf[first:end]
+        if self._call is not None:  # tree nodes: each continues from a copy of its parent's state
+            i = self.slot[layer_idx]
+            conv_TCK = self._parent_states(self.node_conv_PCK, self.conv_RBCK, i).clone()
+            self._conv_TCK[i] = conv_TCK  # the kernel updates it in place; stored with the recurrent state
+            return conv_TCK
         conv_RBCK = self.conv_RBCK[self.slot[layer_idx]]
         old, new = self._slots()
         if new != old:
@@ -230,18 +257,19 @@ class LinearStateRing:
         if self.length == 0:
             return None
         if self._call is not None:
-            return self._gather(self.node_recurrent_NHDkDv, self.recurrent_RBHDkDv, self.slot[layer_idx])[1]
+            return self._parent_states(self.node_recurrent_PHDkDv, self.recurrent_RBHDkDv, self.slot[layer_idx])
         return self.recurrent_RBHDkDv[self.slot[layer_idx]][self.length % self.depth]
 
     def update_recurrent_state(self, state_BHDkDv: torch.Tensor, layer_idx: int, state_idx: int = 0,
                                **kwargs) -> torch.Tensor:
         """Store the state after this call in its own slot (tree nodes: in the nodes' slots)."""
         i = self.slot[layer_idx]
-        if self._call is not None:
-            first, end, _ = self._call
-            buf = self._node_buffer(self.node_recurrent_NHDkDv, i, state_BHDkDv[0], end)
-            buf[first:end] = state_BHDkDv
-            return buf[first:end]
+        if self._call is not None:  # the nodes' new states (the kernel made the conv ones in place) into their slots
+            slots_T = self._call[0].to(state_BHDkDv.device)
+            self._pool(self.node_recurrent_PHDkDv, i, state_BHDkDv[0])[slots_T] = state_BHDkDv
+            conv_TCK = self._conv_TCK.pop(i)
+            self._pool(self.node_conv_PCK, i, conv_TCK[0])[slots_T] = conv_TCK
+            return state_BHDkDv
         if self.recurrent_RBHDkDv[i] is None:
             self.recurrent_RBHDkDv[i] = torch.zeros(self.depth, *state_BHDkDv.shape, dtype=state_BHDkDv.dtype,
                                                     device=state_BHDkDv.device)

@@ -98,7 +98,7 @@ class StageKVCache:
             if first_node is None:
                 self.linear.begin(n_tokens)
             else:
-                self.linear.begin_nodes(first_node)
+                self.linear.begin_nodes(first_node, n_tokens)
 
     def advance(self, n_tokens: int, tree: bool = False) -> None:
         self.length += n_tokens
