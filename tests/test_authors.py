@@ -342,8 +342,10 @@ def test_tree_mode_takes_their_heads_in_the_cli():
 
 @pytest.mark.slow
 def test_sampling_with_an_authors_draft_vocabulary_head_follows_the_target(tmp_path):
-    """A head predicting over a subset of the vocabulary (q is zero elsewhere): chi-square, 2000 seeds."""
+    """A head predicting over a subset of the vocabulary (q is zero elsewhere): chi-square, 2000 seeds, in the chain
+    and as the source of a sampled tree."""
     from conftest import tiny_model
+    from spd.decoding.tree_engine import AuthorsHeadSource, TreeEngine
     from spd.training.distill import DistillConfig, new_head
     from spd.heads.published.convert import head_to_authors_file
     from test_engine import _chi_square_p_value, _sample_outcomes, _sequence_probs
@@ -364,10 +366,12 @@ def test_sampling_with_an_authors_draft_vocabulary_head_follows_the_target(tmp_p
     blob["state_dict"]["lm_head.weight"] = blob["state_dict"]["lm_head.weight"][draft]
     blob["config"].update(draft_token_ids=draft, draft_vocab_size=len(draft))
     torch.save(blob, tmp_path / "draft.pt")
-    engine = PipelineEngine(staged, load_authors_head(str(tmp_path / "draft.pt"), staged))
+    authors = load_authors_head(str(tmp_path / "draft.pt"), staged)
     prompt = [1, 4, 2]
     exact = _sequence_probs(staged, prompt, params, 3)
-    counts, stats = _sample_outcomes(engine, prompt, params, 3, 2000)
-    flushes, verified = sum(s.flushes for s in stats), sum(s.verified for s in stats)
-    assert 0.1 * verified < flushes < 0.9 * verified
-    assert _chi_square_p_value(counts, exact, 2000) > 1e-3
+    # The chain on their schedule, and our tree (W = 3, sampled children: q is zero outside the draft vocabulary).
+    for engine in (PipelineEngine(staged, authors), TreeEngine(staged, AuthorsHeadSource(authors, staged, 2), 3)):
+        counts, stats = _sample_outcomes(engine, prompt, params, 3, 2000)
+        flushes, verified = sum(s.flushes for s in stats), sum(s.verified for s in stats)
+        assert 0.1 * verified < flushes < 0.9 * verified, type(engine).__name__
+        assert _chi_square_p_value(counts, exact, 2000) > 1e-3, type(engine).__name__
