@@ -81,6 +81,21 @@ def tiny_model(family: str, seed: int = 0, attn: str = "sdpa", **overrides):
     return model.eval()
 
 
+def tiny_multimodal(family: str = "qwen3_5", **text_overrides):
+    """A tiny random Qwen3.5 (or Qwen3.5-MoE) ForConditionalGeneration, the layout of the released checkpoints: a
+    one-block vision tower beside the text decoder of :func:`tiny_config`."""
+    from transformers import (Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
+                              Qwen3_5MoeForConditionalGeneration)
+
+    config_cls, model_cls = ((Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration) if family == "qwen3_5_moe"
+                             else (Qwen3_5Config, Qwen3_5ForConditionalGeneration))
+    torch.manual_seed(0)
+    config = config_cls(text_config=tiny_config(family, **text_overrides).to_dict(),
+                        tie_word_embeddings=text_overrides.get("tie_word_embeddings", False),
+                        vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64))
+    return model_cls(config).eval()
+
+
 @pytest.fixture(scope="session")
 def tiny_testbed(tmp_path_factory) -> Path:
     """A miniature testbed built once per session with the real builder (seconds)."""

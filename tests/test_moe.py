@@ -7,32 +7,24 @@ A token's route through the experts is a function of its own hidden state, so a 
 tree level or a whole prompt routes every token as the full forward does; nothing in the engine is MoE-specific.
 """
 
-import json
 import shutil
 
 import pytest
 import torch
 
-from conftest import tiny_config, tiny_model
+from conftest import tiny_model, tiny_multimodal
 from spd.decoding.engine import PipelineEngine
 from spd.decoding.generation import generate_ar
 from spd.decoding.sampling import SamplingParams
 from spd.decoding.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, new_head
-from test_engine import ScriptedEngine
+from test_hybrid import (PROMPT, _generate_reference, check_ar_pp_spd_equal_generate,
+                         check_distributed_equals_single_process)
 
 MOES = ["qwen3_moe", "qwen3_5_moe"]
 # The hybrid one's chunked (prompt) and recurrent (one token) linear-attention kernels differ by rounding.
 TOLS = {"qwen3_moe": 1e-5, "qwen3_5_moe": 2e-4}
-PROMPT = [3 + (7 * i) % 120 for i in range(40)]  # long enough for many flushes at every fill
-
-
-def _generate_reference(model, prompt, max_new):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module", params=MOES)
@@ -67,17 +59,7 @@ def test_moe_stage_by_stage_equals_full_forward(moe, n_stages):
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_moe_ar_pp_spd_greedy_equal_generate(moe, n):
     family, model, reference = moe
-    staged = StagedModel(model, n)
-    torch.manual_seed(1)
-    engine = PipelineEngine(staged, new_head(staged, DistillConfig(n_stages=n)).eval())
-    assert generate_ar(staged, PROMPT, 40).token_ids == reference
-    assert engine.run(PROMPT, 40, SamplingParams(), use_head=False).token_ids == reference
-    assert engine.run(PROMPT, 40, SamplingParams()).token_ids == reference
-    # Proposals right and wrong in a pattern: flushes at every fill, each rolling back a different number of tokens.
-    scripted = ScriptedEngine(engine, reference, len(PROMPT), right=lambda pos: pos % 5 not in (0, 2))
-    out = scripted.run(PROMPT, 40, SamplingParams())
-    assert out.token_ids == reference
-    assert out.stats.flushes >= 6 and out.stats.accepted >= 8
+    check_ar_pp_spd_equal_generate(model, n, PROMPT, reference)
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -99,15 +81,9 @@ def test_moe_tree_greedy_equals_generate(moe, n, width):
 def test_the_released_multimodal_moe_layout_is_staged_and_split(tmp_path):
     """Qwen3.5's released MoE checkpoints are Qwen3_5MoeForConditionalGeneration: the text decoder is staged, and
     a stage rank loads its share of the experts only."""
-    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
-
     from spd.runtime.loading import load_partial, materialized_bytes
 
-    torch.manual_seed(0)
-    config = Qwen3_5MoeConfig(text_config=tiny_config("qwen3_5_moe").to_dict(),
-                              vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
-                                                 out_hidden_size=64))
-    model = Qwen3_5MoeForConditionalGeneration(config).eval()
+    model = tiny_multimodal("qwen3_5_moe")
     model.save_pretrained(tmp_path)
     ids = torch.randint(3, 128, (1, 15), generator=torch.Generator().manual_seed(2))
     tol = TOLS["qwen3_5_moe"]
@@ -169,27 +145,7 @@ def moe_targets(tiny_testbed, tmp_path_factory):
 @pytest.mark.slow
 def test_distributed_runtime_on_a_moe_target_equals_single_process(moe_targets, tmp_path):
     """Stage processes on the MoE target: spd, pp and the W = 2 tree give the single-process engines' tokens."""
-    from spd.heads.loading import load_speculator
-    from spd.target.staging import load_tokenizer
-    from test_runtime import PROMPTS, _torchrun
-
-    n, target = 4, moe_targets["qwen3_moe"]
-    staged = StagedModel.from_pretrained(target, n_stages=n)
-    torch.manual_seed(7)
-    new_head(staged, DistillConfig(n_stages=n, target=str(target))).save_pretrained(tmp_path / "head")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    out = tmp_path / "out.json"
-    proc = _torchrun(n, "--target", str(target), "--speculator", str(tmp_path / "head"), "--mode", "spd", "pp", "tree",
-                     "--tree-width", "2", "--prompts", str(prompts), "--max-new-tokens", "20", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
-    tok = load_tokenizer(target)
-    head = load_speculator(tmp_path / "head")
-    engine, tree = PipelineEngine(staged, head, tok), TreeEngine(staged, SpdHeadSource(head, staged), 2, tok)
-    for mode, eng in (("spd", engine), ("pp", engine), ("tree", tree)):
-        want = [eng.generate(tok(p)["input_ids"], 20, mode=mode).token_ids for p in PROMPTS]
-        assert [r["token_ids"] for r in report["results"][mode]] == want, mode
+    check_distributed_equals_single_process(moe_targets["qwen3_moe"], tmp_path)
 
 
 @pytest.mark.slow
