@@ -237,6 +237,13 @@ class DraftModelSource:
         self._empty()
 
 
+def path_rows(tree: TokenTree, levels: list[Level]) -> list[torch.Tensor]:
+    """Per level in flight, the row (within the level) of each bottom node's ancestor in it, ``(L,)`` each: a bottom
+    node has exactly one ancestor (or itself) in every level above it."""
+    ancestors_LN = tree.mask()[tree.bottom_level()]
+    return [ancestors_LN[:, level.start:level.start + level.size].float().argmax(dim=1) for level in levels]
+
+
 class SpdHeadSource:
     """Token source (b): a trained input-state SPD head with width W (the paper's W = 4).
 
@@ -281,13 +288,9 @@ class SpdHeadSource:
         head, cfg, cache = self.head, self.head.config, self.cache
         if cache.length != len(context):
             raise RuntimeError("speculator cache and committed tokens are out of step")
-        bottom_L = tree.bottom_level()
-        ancestors_LN = tree.mask()[bottom_L]
         rows = []  # (depth, g (L, D)) of every path position, root first: the trailing rows
-        for level in levels:
-            # Each bottom node has exactly one ancestor (or itself) in each level above it.
-            in_level_LT = ancestors_LN[:, level.start:level.start + level.size]
-            pick_L = in_level_LT.float().argmax(dim=1).to(level.hidden_1TD.device)
+        for level, pick_L in zip(levels, path_rows(tree, levels)):
+            pick_L = pick_L.to(level.hidden_1TD.device)
             depth = min(level.depth, cfg.max_depth)
             rows.append((depth, head.features(depth, {a: level.anchors[a][pick_L] for a in cfg.anchors[depth]})))
         bottom = levels[-1]
@@ -335,11 +338,7 @@ class AuthorsHeadSource:
 
     def __init__(self, head, staged: StagedModel, children: int = 4):
         cfg = head.config
-        if cfg.n_stages != staged.n_stages:
-            raise SpdInputError(f"the authors' head was trained for {cfg.n_stages} stages but the target is cut into "
-                                f"{staged.n_stages}; use --stages {cfg.n_stages}")
-        if children < 1:
-            raise SpdInputError(f"the number of tree children must be a positive integer, got {children}")
+        check_compatible(cfg, staged, mode="tree")
         self.head = head
         self.ids = None  # its logits are spread over the target's vocabulary (-inf outside a draft vocabulary)
         self.children = min(children, cfg.vocab_size)
@@ -358,14 +357,9 @@ class AuthorsHeadSource:
         """The head's log-probabilities after each bottom node, ``(L, V)``: one query per bottom node."""
         if self.committed != len(context):
             raise RuntimeError("the authors' head and the committed tokens are out of step")
-        bottom_L = tree.bottom_level()
-        ancestors_LN = tree.mask()[bottom_L]
-        picks = []  # per level, the row of each bottom node's ancestor in it
-        for level in levels:
-            in_level_LT = ancestors_LN[:, level.start:level.start + level.size]
-            picks.append(in_level_LT.float().argmax(dim=1).tolist())
+        picks = [pick_L.tolist() for pick_L in path_rows(tree, levels)]
         rows = []
-        for node in range(bottom_L.numel()):  # levels[i] holds the nodes i levels below the root (at committed + i)
+        for node in range(len(picks[0])):  # levels[i] holds the nodes i levels below the root (at committed + i)
             path = [SimpleNamespace(position=self.committed + i, depth=level.depth,
                                     anchors={a: h[pick[node]:pick[node] + 1] for a, h in level.anchors.items()})
                     for i, (level, pick) in enumerate(zip(levels, picks))]

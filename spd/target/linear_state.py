@@ -114,11 +114,6 @@ class LinearStateRing:
             )
         self.length = length
 
-    def can_truncate(self, length: int) -> bool:
-        if self.nodes and length > self.length:
-            return length == self.length + 1 or length >= self.length + self.nodes
-        return length >= self.length or length == 0 or self._held[length % self.depth] == length
-
     # ------------------------------------------------------------------------------- tree nodes
     def begin_nodes(self, first: int, count: int) -> None:
         """A tree call on nodes ``[first, first + count)`` starts (``first`` = the nodes held: BFS order); each
