@@ -8,6 +8,7 @@ import torch
 from conftest import tiny_model
 from spd.training.distill import DistillConfig, new_head
 from spd.decoding.engine import PipelineEngine
+from spd.decoding.loop import LocalStages
 from spd.errors import SpdInputError
 from spd.decoding.generation import generate_ar
 from spd.decoding.sampling import SamplingParams, warped_probs
@@ -25,7 +26,7 @@ def _engine(family="llama", n=4, variant="spd", layers=8, seed=0, head_seed=1, *
 
 
 class ScriptedEngine(PipelineEngine):
-    """The real engine and head, but each proposal's token is replaced by a scripted right or wrong one.
+    """The real engine and head, but each proposal's token is replaced by a scripted right or wrong one (greedy).
 
     ``right(position) -> bool`` decides; the right token is the autoregressive reference's, a wrong one
     differs from it. Used to force the flush paths that a head would hit only by chance.
@@ -33,14 +34,28 @@ class ScriptedEngine(PipelineEngine):
 
     def __init__(self, engine, reference, prompt_len, right):
         super().__init__(engine.staged, engine.speculator)
-        self.reference, self.prompt_len, self.right = reference, prompt_len, right
+        self.source = _ScriptedProposer(self.source, reference, prompt_len, right, engine.staged.vocab_size)
 
-    def _propose(self, head, head_cache, inflight, sampling, generator, stats):
-        slot = super()._propose(head, head_cache, inflight, sampling, generator, stats)
-        index = slot.position - self.prompt_len
+
+class _ScriptedProposer:
+    """A real proposer whose one candidate per step is forced to the scripted token (all other log-probs -inf)."""
+
+    def __init__(self, inner, reference, prompt_len, right, vocab_size):
+        self.inner, self.reference, self.prompt_len, self.right = inner, reference, prompt_len, right
+        self.vocab_size = vocab_size
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def expand(self, tree, context, levels):
+        logprobs_LX = self.inner.expand(tree, context, levels)
+        position = len(context) + tree.depth + 1  # of the proposal
+        index = position - self.prompt_len
         good = self.reference[index] if index < len(self.reference) else 0
-        token = good if self.right(slot.position) else (good + 1) % self.staged.vocab_size
-        return self._enter(token, slot.position, slot.q_V, slot.rank)
+        token = good if self.right(position) else (good + 1) % self.vocab_size
+        forced_LX = torch.full_like(logprobs_LX, float("-inf"))
+        forced_LX[:, token] = 0.0
+        return forced_LX
 
 
 # ---------------------------------------------------------------------------------------- greedy
@@ -161,17 +176,60 @@ def test_context_full_stops_at_the_model_limit():
 # ------------------------------------------------------------- the head sees the depths it trained on
 
 
+class _CountingStages(LocalStages):
+    """The single-process back-end, counting flushes and the prunes that move KV rows."""
+
+    def __init__(self, staged):
+        super().__init__(staged)
+        self.flushes = self.moves = 0
+        prune_tree = staged.prune_tree
+
+        def counting_prune_tree(caches, committed, kept):
+            self.moves += 1
+            return prune_tree(caches, committed, kept)
+
+        staged.prune_tree = counting_prune_tree
+
+    def flush(self, length):
+        self.flushes += 1
+        super().flush(length)
+
+
+def test_the_chain_moves_no_rows_and_pp_flushes_nothing():
+    """The chain is the step loop at width 1: a hit leaves every stage's rows where they are (no prune, so remote
+    stages get no notice), and the standard pipeline, which proposes nothing, never flushes."""
+    base = _engine(n=4)
+    reference = generate_ar(base.staged, [5, 17, 3, 99], 30).token_ids
+    stages = _CountingStages(base.staged)
+    engine = PipelineEngine(base.staged, base.speculator, stages=stages)
+    engine.source = _ScriptedProposer(engine.source, reference, 4, lambda pos: pos % 5 != 0, base.staged.vocab_size)
+    out = engine.run([5, 17, 3, 99], 30, SamplingParams())
+    assert out.token_ids == reference and out.stats.accepted > 10
+    assert stages.moves == 0 and stages.flushes == out.stats.flushes > 0
+    pp = engine.run([5, 17, 3, 99], 30, SamplingParams(), use_head=False)
+    assert pp.token_ids == reference and stages.flushes == out.stats.flushes
+
+
 class RecordingEngine(PipelineEngine):
-    """Records the head's logits with the tokens and depths it was computed from."""
+    """Records the head's log-probabilities with the tokens and positions of the path they were computed from and
+    the fill (tokens in flight)."""
 
     def __init__(self, engine):
         super().__init__(engine.staged, engine.speculator)
         self.records = []
+        inner, records = self.source, self.records
 
-    def _head_logits(self, head, head_cache, inflight):
-        logits = PipelineEngine._head_logits(head, head_cache, inflight)
-        self.records.append(([(s.token, s.position) for s in inflight], len(inflight), logits[0].clone()))
-        return logits
+        class Recording:
+            def __getattr__(self, name):
+                return getattr(inner, name)
+
+            def expand(self, tree, context, levels):
+                logprobs_LX = inner.expand(tree, context, levels)
+                path = [(int(t), len(context) + i) for i, t in enumerate(tree.tokens_N.tolist())]  # a chain
+                records.append((path, len(levels), logprobs_LX[0].clone()))
+                return logprobs_LX
+
+        self.source = Recording()
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -191,7 +249,7 @@ def test_engine_proposals_equal_the_training_forward(variant, n):
             continue  # proposed behind a wrong speculative token: no training position to compare with
         t = inflight[-1][1]
         with torch.no_grad():
-            ref = head.logits(head.forward_train(hidden, torch.tensor([fill]))[0, t])
+            ref = torch.log_softmax(head.vocab_logits(head.forward_train(hidden, torch.tensor([fill]))[0, t]).float(), -1)
         torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
         checked += 1
     assert checked >= 5

@@ -14,7 +14,8 @@ from spd.errors import SpdInputError
 from spd.decoding.generation import generate_ar
 from spd.decoding.sampling import SamplingParams
 from spd.target.staging import StagedModel, load_tokenizer
-from spd.decoding.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
+from spd.decoding.proposer import Proposer
+from spd.decoding.tree_engine import DraftModelSource, HeadSource, SpdHeadSource, TreeEngine
 from test_engine import _chi_square_p_value, _sample_outcomes, _sequence_probs
 
 PROMPTS = [[5, 17, 3, 99, 42, 8], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
@@ -381,6 +382,19 @@ def test_bad_settings_and_heads_are_refused(target_model):
             SpdHeadSource(head, staged)
     with pytest.raises(SpdInputError, match="trained for n = 4 stages but the pipeline has 2"):
         SpdHeadSource(new_head(staged, DistillConfig(n_stages=4)), StagedModel(target_model, 2))
+    for variant in ("output_state", "ppsd"):  # a chain only: through HeadSource at width 1, refused wider
+        head = new_head(staged, DistillConfig(n_stages=4, variant=variant))
+        TreeEngine(staged, HeadSource(head, staged, 1), 1)
+        with pytest.raises(SpdInputError, match="no tree semantics"):
+            TreeEngine(staged, HeadSource(head, staged, 2), 2)
+
+
+def test_every_token_source_is_a_proposer(target_model):
+    staged = StagedModel(target_model, 4)
+    head = new_head(staged, DistillConfig(n_stages=4)).eval()
+    for source in (SpdHeadSource(head, staged), HeadSource(head, staged), DraftModelSource(StagedModel(target_model, 1),
+                                                                                           staged)):
+        assert isinstance(source, Proposer), type(source).__name__
 
 
 def test_from_pretrained_and_generate_api(tiny_testbed):

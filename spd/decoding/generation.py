@@ -151,3 +151,25 @@ def generate_ar(staged: StagedModel, input_ids: Sequence[int] | torch.Tensor, ma
     stats.wall_time_s = time.perf_counter() - t0
     stats.new_tokens = len(out)
     return GenerationOutput(out, stats, prompt)
+
+
+def stop_reason(token: int, out: list[int], eos: frozenset[int], budget: int, max_new_tokens: int) -> str:
+    """Why the request ends after ``token`` (the last of ``out``): "eos", "max_new_tokens", "context_full", or ""."""
+    if token in eos:
+        return "eos"
+    if len(out) >= budget:
+        return "max_new_tokens" if len(out) >= max_new_tokens else "context_full"
+    return ""
+
+
+def first_output(first: int, stats: GenerationStats, eos: frozenset[int], budget: int, max_new_tokens: int,
+                 on_token: OnToken | None) -> tuple[list[int], str]:
+    """The output after the prefill's token (taken from the prefill logits, not speculated) and the reason it
+    already stops the request ("" when it does not): what the step loop and serial drafting share before their
+    steps."""
+    out = [first]
+    stats.token_acceptance.append(False)
+    stop = stop_reason(first, out, eos, budget, max_new_tokens)
+    if on_token is not None and on_token(first, False) and not stop:
+        stop = "stopped"
+    return out, stop

@@ -44,9 +44,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..heads.draft_vocab import check_draft_vocab
-from .engine import OneModeEngine, _stop_reason
 from ..errors import SpdInputError
-from .generation import GenerationOutput, GenerationStats, OnToken, as_prompt_ids, check_request, eos_set
+from .generation import (GenerationOutput, GenerationStats, OnToken, as_prompt_ids, check_request, eos_set,
+                         stop_reason)
+from .request import OneModeEngine
 from .sampling import SamplingParams, select_token, warped_probs
 from ..heads.config import check_compatible
 from ..heads.speculator import Speculator
@@ -255,7 +256,7 @@ class SpeculativeDecoder(OneModeEngine):
         stats.prefill_time_s = time.perf_counter() - t0
         out = [first]
         stats.token_acceptance.append(False)
-        stop = _stop_reason(first, out, eos, budget, max_new_tokens)
+        stop = stop_reason(first, out, eos, budget, max_new_tokens)
         if on_token is not None and on_token(first, False) and not stop:
             stop = "stopped"
         context = prompt + [first]  # committed; the target's cache holds all but the newest
@@ -283,7 +284,7 @@ class SpeculativeDecoder(OneModeEngine):
                 out.append(token)
                 context.append(token)
                 stats.token_acceptance.append(j < accepted)
-                stop = _stop_reason(token, out, eos, budget, max_new_tokens)
+                stop = stop_reason(token, out, eos, budget, max_new_tokens)
                 if on_token is not None and on_token(token, j < accepted) and not stop:
                     stop = "stopped"
                 if stop:

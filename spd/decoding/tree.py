@@ -34,6 +34,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ..errors import SpdInputError
@@ -245,6 +247,23 @@ class TokenTree:
         return kept
 
 
+@dataclass
+class Level:
+    """One tree level in flight: a contiguous range of tree indices and what the stages produced so far."""
+
+    start: int  # tree index of the level's first node
+    hidden_1TD: torch.Tensor  # input of the next stage (the embeddings at depth 0)
+    depth: int = 0  # stages completed
+    rank: int = 0  # k-th level after the last (re)seed, capped at n (0: a seed root)
+    anchors: dict[int, torch.Tensor] = field(default_factory=dict)  # H^l (T, D) that a head reads
+    sent: bool = False  # handed to remote stages already
+
+    @property
+    def size(self) -> int:
+        return self.hidden_1TD.shape[1]
+
+
+
 # ------------------------------------------------------------------------------------- verification
 def _candidates(child_tokens: torch.Tensor | Sequence[int]) -> list[int]:
     return torch.as_tensor(child_tokens, dtype=torch.long).flatten().tolist()
@@ -370,7 +389,8 @@ def grow_sampled(tree: TokenTree, logprobs_LX: torch.Tensor, ids_X: torch.Tensor
     draws; then node ``l``'s
     ``c_l`` children are its first ``c_l`` draws of a sequence without replacement from ``q``
     (Gumbel top-k: the order of the keys ``log q + Gumbel noise`` is a Plackett-Luce sample, i.e.
-    draws one after another without replacement). The parent's ``q`` over the target's vocabulary
+    draws one after another without replacement; when every node gets at most one child, as in a chain, each
+    draw is one ``torch.multinomial`` from ``q``: the same distribution, without a key per token). The parent's ``q`` over the target's vocabulary
     (``vocab_size``) is kept in ``tree.drafts`` for :func:`verify_sampled_recursive` with
     ``without_replacement``. Node log-probs are ``log q`` of the drawn tokens. Returns the new indices.
     """
@@ -382,13 +402,16 @@ def grow_sampled(tree: TokenTree, logprobs_LX: torch.Tensor, ids_X: torch.Tensor
     tokens_LK = torch.zeros(counts_L.shape[0], k, dtype=torch.long)
     logprobs_LK = torch.full((counts_L.shape[0], k), float("-inf"))
     if rows.numel():
-        dev = generator.device if generator is not None else logq_LX.device
-        u_RX = torch.rand((rows.numel(), logq_LX.shape[-1]), generator=generator, dtype=torch.float64, device=dev)
-        gumbel_RX = -torch.log(-torch.log(u_RX)).to(logq_LX.device)
         logq_RX = logq_LX[rows.to(logq_LX.device)]
-        drawn_RK = torch.topk(logq_RX.double() + gumbel_RX, k, dim=-1).indices
-        logprobs_LK[rows] = logq_RX.gather(-1, drawn_RK).float().cpu()
-        tokens_LK[rows] = (drawn_RK if ids_X is None else ids_X[drawn_RK]).cpu()
+        if int(counts_L.max()) == 1:  # one child per node (a chain): one draw from q each
+            drawn_RK = torch.multinomial(q_LX[rows.to(q_LX.device)], 1, generator=generator)
+        else:
+            dev = generator.device if generator is not None else logq_LX.device
+            u_RX = torch.rand((rows.numel(), logq_LX.shape[-1]), generator=generator, dtype=torch.float64, device=dev)
+            gumbel_RX = -torch.log(-torch.log(u_RX)).to(logq_LX.device)
+            drawn_RK = torch.topk(logq_RX.double() + gumbel_RX, k, dim=-1).indices
+        logprobs_LK[rows, :drawn_RK.shape[1]] = logq_RX.gather(-1, drawn_RK).float().cpu()
+        tokens_LK[rows, :drawn_RK.shape[1]] = (drawn_RK if ids_X is None else ids_X[drawn_RK]).cpu()
         bottom_L = tree.bottom_level()
         for row in rows.tolist():
             q_V = q_LX[row] if ids_X is None and q_LX.shape[-1] == vocab_size else \

@@ -1,137 +1,44 @@
-"""The pipelined token-tree engine (single process): docs/method.md §6 on top of the engine of section 5.
+"""The token-tree engine (docs/method.md §6) and the token sources (:class:`spd.decoding.proposer.Proposer`).
 
-The target is cut into ``n`` stages as in :mod:`spd.decoding.engine`, but the pipeline carries tree *levels*
-instead of single tokens. The tree (:class:`spd.decoding.tree.TokenTree`) is rooted at the newest known token
-(position ``P`` = committed length); its level ``d`` holds speculated tokens for position ``P + d``.
-One **step** (the unit ``K`` counts):
+The engine runs the step loop of :mod:`spd.decoding.loop` with a proposer of width ``W`` (``--tree-width``, fixed or
+adaptive: :mod:`spd.decoding.tree_width`) and at most ``K`` children per node (``--tree-children``). With
+``W = 1`` the tree is a chain: the chain engine (:class:`spd.decoding.engine.PipelineEngine`) is this loop at
+width 1.
 
-1. The token source grows the tree by one level: it gives its distribution after each bottom node and
-   the request's *candidate rule* picks at most ``W`` children for the level (``--tree-width``, fixed
-   or adaptive: :mod:`spd.decoding.tree_width`), at most ``K`` per node (``--tree-children``): greedy or
-   ``top-k``: each node's top-``K``, the ``W`` best by cumulative log-probability kept
-   (:func:`spd.decoding.tree.grow_top_k`); ``sampled`` (the default at T > 0): per-node counts fixed from the
-   expected scores, then children drawn without replacement from the source's warped ``q``
-   (:func:`spd.decoding.tree.grow_sampled`). It reads the state at the start of the step, so in a deployment it
-   runs concurrently with 2 on its own device. The new level enters stage 1 next step.
-2. Every stage advances the level it holds by one stage: stage ``s`` runs the level's nodes over its
-   KV cache (committed rows, causal, plus the tree nodes it has run, under the ancestor mask), at
-   position ids ``P + depth``, and appends their KV. The level leaving stage ``n`` is taken first.
-3. When the root's level leaves stage ``n``, the target's distribution ``p`` for position ``P + 1``
-   is known and the root's children are verified: greedy: the child equal to ``argmax p``; top-K
-   candidates at T > 0: children tried in order, accepting ``x`` with probability ``p(x)`` and
-   otherwise removing ``x`` from ``p`` (:func:`spd.decoding.tree.verify_sampled_deterministic`); sampled
-   candidates: recursive rejection sampling against the ``q`` they were drawn from
-   (:func:`spd.decoding.tree.verify_sampled_recursive`). The chosen token is committed, stage 1's next level is
-   released, then the other stages' reports are taken;
-   - hit (it is a child ``c``): the tree, every stage's tree KV, the in-flight activations and the
-     source's own state are pruned with one index set (the subtree of ``c``); the old root's KV row
-     becomes the last committed row; ``c`` is the new root, already in flight;
-   - miss: the tree is discarded, every stage's KV is truncated to the committed length and the
-     committed token reseeds the tree (a lone root entering stage 1: warm-up again).
-4. Stop on EOS (committed) or ``max_new_tokens``; the tree in flight is discarded.
-
-With ``W = 1`` the tree is a chain and this is the chain engine of :mod:`spd.decoding.engine` with another
-proposer (with the SPD head and ``W = 1`` it reproduces that engine's tokens and step counts).
-
-Why the output is lossless: a stage runs a level only after the level above it passed that stage, so
-when it runs a node its cache holds the committed prefix plus exactly that node's ancestors (the mask
-hides every other tree row) at consecutive positions: the target computes every node as a plain
-forward of ``committed + path`` would. Pruning keeps exactly the rows of the surviving subtree, and a
-miss cuts every cache back to the committed tokens. Verification is exact: greedy equality with the
-argmax; for top-K candidates the deterministic multi-candidate rule, exact because the candidate list
-is fixed before the verification's random draws; for sampled candidates recursive rejection sampling,
-exact because each child was drawn from ``q`` without the earlier siblings and the number of children
-was fixed before drawing (docs/method.md). Never accept branches independently: that over-samples the
-candidates.
-
-Two token sources share one small interface (``start``, ``expand`` - log-probabilities ``(L, X)`` over
+Three token sources implement the proposer interface (``start``, ``expand`` - log-probabilities ``(L, X)`` over
 the source's outputs, which ``ids`` maps to target ids when they are not the target's vocabulary -
-``commit_root``, ``prune``, ``reset``): :class:`DraftModelSource`, a small causal LM with the target's tokenizer and its own KV cache
-over committed tokens and tree nodes, pruned with the tree (the training-free SpecPipe/PipeDec mode);
-and :class:`SpdHeadSource`, a trained input-state SPD head queried once per bottom node with that
-node's root path at its current depths.
+``advanced``, ``commit_root``, ``prune``, ``reset``): :class:`DraftModelSource`, a small causal LM with the
+target's tokenizer and its own KV cache over committed tokens and tree nodes, pruned with the tree (the
+training-free SpecPipe/PipeDec mode); :class:`SpdHeadSource`, a trained input-state SPD head queried once for all
+bottom nodes, each with its root path at its current depths; and :class:`HeadSource`, any head through its
+engine calls (``prefill_anchors``, ``prefill_memory``, ``retire``, ``propose_logits``), one query per bottom
+node: the SPD authors' heads at any width, and our heads' output-state and PPSD schedules (chains only).
 
-Shape suffixes: T nodes of one level, N tree nodes, L nodes of the bottom level, K candidates per
-node, D hidden size, V vocabulary; a leading 1 is the batch.
+Shape suffixes: T nodes of one level, N tree nodes, L nodes of the bottom level, K candidates per node,
+D hidden size, V vocabulary; a leading 1 is the batch.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
 
-from .engine import LocalStages, OneModeEngine, PipelineStats, _stop_reason, first_output
+from .request import OneModeEngine
 from ..errors import SpdInputError
-from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set
-from .sampling import SamplingParams, warped_probs
+from .generation import GenerationOutput, OnToken
+from .loop import LocalStages, StepLoop, verify_sampled
+from .sampling import SamplingParams
+from .stats import TreeStats
 from ..heads.draft_vocab import check_draft_vocab
 from ..heads.config import check_compatible
 from ..heads.speculator import Speculator
 from ..target.staging import StageKVCache, StagedModel, load_target_tokenizer
-from .tree import (TokenTree, grow_sampled, grow_top_k, verify_greedy, verify_sampled_deterministic,
-                   verify_sampled_recursive)
+from .tree import Level, TokenTree
 from .tree_width import AdaptiveWidth, FixedWidth, tree_width
 
 CANDIDATES = ("auto", "sampled", "top-k")  # how children are chosen at T > 0 (greedy: always top-k)
-
-
-# ------------------------------------------------------------------------------------------ statistics
-
-
-@dataclass
-class TreeStats(PipelineStats):
-    """PipelineStats of the tree engine. A *verification* checks the root's children (``verified``,
-    ``accepted`` = hits, ``flushes`` = misses); ``verified_by_position[k-1]`` counts verifications of the
-    k-th level after a (re)seed (k = n: the full pipeline); ``proposals`` counts tree nodes created."""
-
-    source: str = ""  # "draft" or "head"
-    width: int | str = 1  # W: nodes kept per level ("auto": adaptive, up to max_width)
-    children: int = 1  # K: candidates per node (at most)
-    candidates: str = "top-k"  # the rule that chose the children: "top-k" (deterministic) or "sampled"
-    width_total: int = 0  # the width used by each expansion, summed (mean_width = width_total / expansions)
-    expansions: int = 0
-    accepted_by_sibling: list[int] = field(default_factory=list)  # hits by the accepted child's rank among its siblings
-    candidates_verified: int = 0  # children offered to verification, summed
-    tree_nodes_total: int = 0  # tree size after each step's expansion, summed over steps
-    max_tree_size: int = 0
-    stage_nodes: int = 0  # node-stage evaluations (the target's work; pp does n per token)
-
-    @property
-    def mean_tree_size(self) -> float:
-        return self.tree_nodes_total / self.steps if self.steps else 0.0
-
-    @property
-    def mean_width(self) -> float:
-        return self.width_total / self.expansions if self.expansions else 0.0
-
-    def as_dict(self) -> dict:
-        d = super().as_dict()
-        d["mean_tree_size"] = round(self.mean_tree_size, 4)
-        d["mean_width"] = round(self.mean_width, 4)
-        return d
-
-
-# --------------------------------------------------------------------------------------------- state
-
-
-@dataclass
-class Level:
-    """One tree level in flight: a contiguous range of tree indices and what the stages produced so far."""
-
-    start: int  # tree index of the level's first node
-    hidden_1TD: torch.Tensor  # input of the next stage (the embeddings at depth 0)
-    depth: int = 0  # stages completed
-    rank: int = 0  # k-th level after the last (re)seed, capped at n (0: a seed root)
-    anchors: dict[int, torch.Tensor] = field(default_factory=dict)  # H^l (T, D) that an SPD head reads
-    sent: bool = False  # handed to remote stages already
-
-    @property
-    def size(self) -> int:
-        return self.hidden_1TD.shape[1]
 
 
 def check_same_vocabulary(target: StagedModel, draft: StagedModel, target_tokenizer=None,
@@ -222,6 +129,9 @@ class DraftModelSource:
             self.logprobs_NX = torch.cat([self.logprobs_NX, logprobs_TX])
         return self.logprobs_NX[tree.bottom_level().to(self.logprobs_NX.device)]
 
+    def advanced(self, levels: list[Level], tree: TokenTree, committed: int) -> None:
+        """Nothing to do: the draft reads no target state."""
+
     def commit_root(self, root: Level) -> None:
         """Nothing to do: the root's row becomes committed in :meth:`prune` / :meth:`reset`."""
 
@@ -240,6 +150,8 @@ class DraftModelSource:
 def path_rows(tree: TokenTree, levels: list[Level]) -> list[torch.Tensor]:
     """Per level in flight, the row (within the level) of each bottom node's ancestor in it, ``(L,)`` each: a bottom
     node has exactly one ancestor (or itself) in every level above it."""
+    if len(tree) == tree.depth + 1:  # a chain: every level is one node
+        return [torch.zeros(1, dtype=torch.long)] * len(levels)
     ancestors_LN = tree.mask()[tree.bottom_level()]
     return [ancestors_LN[:, level.start:level.start + level.size].float().argmax(dim=1) for level in levels]
 
@@ -259,7 +171,7 @@ class SpdHeadSource:
 
     def __init__(self, head: Speculator, staged: StagedModel, children: int = 4):
         if not isinstance(head, Speculator):
-            raise SpdInputError("SpdHeadSource takes our own heads; the SPD authors' heads are AuthorsHeadSource")
+            raise SpdInputError("SpdHeadSource takes our own heads; the SPD authors' heads are a HeadSource")
         check_compatible(head.config, staged, mode="tree")
         check_draft_vocab(head, staged.vocab_size)
         cfg = head.config
@@ -307,6 +219,9 @@ class SpdHeadSource:
         # Over the head's own outputs X (V, or its draft vocabulary: ``ids`` maps them to target ids).
         return torch.log_softmax(head.logits(head.query(view, rows, query_LD)).float(), dim=-1)
 
+    def advanced(self, levels: list[Level], tree: TokenTree, committed: int) -> None:
+        """Nothing to do: the root's row joins the cache when it is committed (:meth:`commit_root`)."""
+
     def commit_root(self, root: Level) -> None:
         """The root left stage n: its row at full depth joins the head's cache (it is committed either way)."""
         cfg = self.head.config
@@ -320,27 +235,36 @@ class SpdHeadSource:
         """Nothing to do: the cache holds committed rows only."""
 
 
-class AuthorsHeadSource:
-    """Token source (c): one of the SPD authors' released heads (:class:`spd.heads.published.authors_head.AuthorsHead`)
-    with width W, on the decode schedule it was trained for.
+class HeadSource:
+    """Token source (c): any head through its engine calls (``prefill_anchors``, ``prefill_memory``, ``retire``,
+    ``propose_logits``), one query per bottom node: the SPD authors' released heads
+    (:class:`spd.heads.published.authors_head.AuthorsHead`) at any width, on the decode schedule they were trained
+    for, and our heads on the output-state and PPSD schedules (width 1: a chain).
 
-    Each bottom node is queried as their chain would query its newest token: the node's root path are the
-    in-flight tokens (each at its level's current depth), the positions before it come from the committed
-    anchors the head keeps, and the token that left stage n last is the evicted row (docs/method.md lists their
-    schedule). Their window of ``n`` rows ends at the bottom node, at most ``n - 1`` levels below the root, so
-    every row before it is committed: the head's cache holds committed rows only and needs no rollback on a
-    prune. With ``W = 1`` this is their chain, step for step (their tree at T > 0 is not lossless; the tree and
-    its verification here are ours). The bottom nodes are queried one after another (their tower has no batch
-    of paths); a node's query is the same whichever came before it.
+    Each bottom node is queried as a chain would query its newest token: the node's root path are the in-flight
+    tokens (each at its level's current depth, at position committed + its depth in the tree) and the positions
+    before it come from the head's cache. The head caches a row when it reaches the depth the head keeps
+    (:meth:`advanced`): for the authors' heads and SPD heads that is stage ``n``, so the cache holds committed rows
+    only; an output-state or PPSD head keeps rows after stage 1 already, so its cache may hold rows of tokens in
+    flight, which a miss truncates (their schedules have no tree semantics: width 1 only). For the authors' heads
+    the token that left stage n last is the evicted row of the next query (docs/method.md lists their schedule);
+    with ``W = 1`` this is their chain, step for step (their tree at T > 0 is not lossless; the tree and its
+    verification here are ours). The bottom nodes are queried one after another (their tower has no batch of
+    paths); a node's query is the same whichever came before it.
     """
 
-    schedule = "input"
-
-    def __init__(self, head, staged: StagedModel, children: int = 4):
+    def __init__(self, head, staged: StagedModel, children: int = 4, mode: str = "tree"):
         cfg = head.config
-        check_compatible(cfg, staged, mode="tree")
+        check_compatible(cfg, staged, mode=mode)
+        if isinstance(head, Speculator):
+            check_draft_vocab(head, staged.vocab_size)
         self.head = head
+        self.schedule = getattr(cfg, "schedule", "input")
+        # A head that keeps rows before they leave stage n caches rows of tokens still in flight: chains only.
+        self.chain_only = self.schedule != "input" or getattr(cfg, "max_depth", cfg.n_stages) != cfg.n_stages
         self.ids = None  # its logits are spread over the target's vocabulary (-inf outside a draft vocabulary)
+        if children < 1:
+            raise SpdInputError(f"the number of tree children must be a positive integer, got {children}")
         self.children = min(children, cfg.vocab_size)
         self.needed_anchors = tuple(head.needed_anchors())
         self.prefill_anchors = tuple(head.prefill_anchors())
@@ -356,7 +280,7 @@ class AuthorsHeadSource:
     def expand(self, tree: TokenTree, context: list[int], levels: list[Level]) -> torch.Tensor:
         """The head's log-probabilities after each bottom node, ``(L, V)``: one query per bottom node."""
         if self.committed != len(context):
-            raise RuntimeError("the authors' head and the committed tokens are out of step")
+            raise RuntimeError("the head and the committed tokens are out of step")
         picks = [pick_L.tolist() for pick_L in path_rows(tree, levels)]
         rows = []
         for node in range(len(picks[0])):  # levels[i] holds the nodes i levels below the root (at committed + i)
@@ -366,51 +290,28 @@ class AuthorsHeadSource:
             rows.append(self.head.propose_logits(self.cache, path))
         return torch.log_softmax(torch.cat(rows).float(), dim=-1)
 
+    def advanced(self, levels: list[Level], tree: TokenTree, committed: int) -> None:
+        """Rows that reached the depth the head keeps join its cache (one-node levels: a deeper level's nodes never
+        reach it before they are alone on their level)."""
+        slots = [SimpleNamespace(position=committed + int(tree.depths_N[level.start]), depth=level.depth,
+                                 anchors={a: h[:1] for a, h in level.anchors.items()})
+                 for level in levels if level.size == 1]
+        self.head.retire(self.cache, slots)
+
     def commit_root(self, root: Level) -> None:
-        """The root left stage n: its anchors are kept and it becomes the evicted row of the next query."""
-        slot = SimpleNamespace(position=self.committed, depth=root.depth,
-                               anchors={a: h[:1] for a, h in root.anchors.items()})
-        self.head.retire(self.cache, [slot])
+        """The root left stage n (the head saw it in :meth:`advanced`)."""
         self.committed += 1
 
     def prune(self, committed: int, kept: torch.Tensor) -> None:
-        """Nothing to do: the head's cache holds committed rows only."""
+        """Nothing to do: a tree's head caches committed rows only, and a chain's hit keeps every node."""
 
     def reset(self, committed: int) -> None:
-        """Miss: as their chain's flush (the next query has no evicted row)."""
+        """Miss: rows after the committed ones are dropped (for the authors' heads: as their chain's flush, the next
+        query has no evicted row)."""
         self.cache.truncate(committed)
 
 
-class LocalTreeStages(LocalStages):
-    """All ``n`` stages in this process: the tree engine's reference backend (the chain backend's caches
-    and prefill, plus tree levels). :class:`spd.runtime.remote.RemoteStages` implements the same methods."""
-
-    def launch_level(self, level: Level, tree: TokenTree, committed: int, early: bool = False) -> None:
-        """A level at depth 0 is about to enter stage 1 (``early``: made during this step, before its
-        verification); remote stages get it now or at the next step; here it runs at the next advance."""
-
-    def advance(self, levels: list[Level], tree: TokenTree, committed: int) -> None:
-        """Every level in flight runs its next stage: committed rows plus its ancestors, at committed + depth."""
-        for level in levels:
-            stage, start, end = level.depth, level.start, level.start + level.size
-            cache = self.caches[stage]
-            if cache.length != committed + start:
-                raise RuntimeError(f"stage {stage} holds {cache.length} rows but the level starting at tree node "
-                                   f"{start} expects {committed + start}")
-            positions_1T = tree.positions(committed)[start:end][None].to(self.staged.device)
-            out = self.staged.run_stage(stage, level.hidden_1TD, cache, positions_1T,
-                                        anchors=self.stage_anchors[stage], tree_mask_TN=tree.mask()[start:end, :end])
-            for index, hidden_1TD in out.anchors.items():
-                level.anchors[index] = hidden_1TD[0]
-            level.hidden_1TD = out.hidden_BTD
-            level.depth += 1
-
-    def prune(self, committed: int, kept: torch.Tensor) -> None:
-        """The root (row ``committed``) is committed; every stage keeps the subtree ``kept`` (old tree indices)."""
-        self.staged.prune_tree(self.caches, committed, kept)
-
-
-# -------------------------------------------------------------------------------------------- engine
+AuthorsHeadSource = HeadSource  # the name under which the authors' heads were first a tree source
 
 
 class TreeEngine(OneModeEngine):
@@ -418,9 +319,9 @@ class TreeEngine(OneModeEngine):
 
     mode, engine_name = "tree", "the tree engine"
 
-    def __init__(self, staged: StagedModel, source: DraftModelSource | SpdHeadSource | AuthorsHeadSource,
+    def __init__(self, staged: StagedModel, source: DraftModelSource | SpdHeadSource | HeadSource,
                  width: int | str | FixedWidth | AdaptiveWidth = 4, tokenizer=None,
-                 stages: "LocalTreeStages | None" = None, candidates: str = "auto", max_width: int = 8):
+                 stages: LocalStages | None = None, candidates: str = "auto", max_width: int = 8):
         """``width``: W, ``"auto"`` (:class:`spd.decoding.tree_width.AdaptiveWidth` up to ``max_width``) or a policy;
         ``candidates``: how children are chosen at T > 0 (``auto`` = ``sampled``; greedy always uses top-k)."""
         if candidates not in CANDIDATES:
@@ -428,13 +329,16 @@ class TreeEngine(OneModeEngine):
         self.staged, self.source, self.tokenizer, self.candidates = staged, source, tokenizer, candidates
         self.policy = width if isinstance(width, (FixedWidth, AdaptiveWidth)) else \
             tree_width(width, source.children, max_width)
+        if getattr(source, "chain_only", False) and self.policy.max_width > 1:
+            raise SpdInputError(f"this head's schedule ('{source.schedule}', keeping rows before they leave stage n) "
+                                "has no tree semantics; run it with --mode spd (or a tree width of 1)")
         self.width = "auto" if self.policy.adaptive else self.policy.width
         # Where the stages run: this process (default) or other processes (spd.runtime.remote.RemoteStages).
-        self.stages = stages if stages is not None else LocalTreeStages(staged)
-        b, needed = staged.boundaries, set(source.needed_anchors)
-        # Anchors each stage hands to the source: H^l for l in (b[s], b[s+1]] (H^0 is taken at entry).
-        self._stage_anchors = [sorted(a for a in needed if b[s] < a <= b[s + 1]) for s in range(staged.n_stages)]
-        self._needs_embedding = 0 in needed
+        self.stages = stages if stages is not None else LocalStages(staged)
+        self.loop = StepLoop(staged, self.stages, self.policy, candidates)
+        self.loop.verify_sampled = self._verify_sampled
+
+    _verify_sampled = staticmethod(verify_sampled)  # how sampled children are verified (a test swaps in a control)
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str, stages: int = 1, width: int = 4, children: int = 4,
@@ -452,194 +356,20 @@ class TreeEngine(OneModeEngine):
         source = DraftModelSource(draft_staged, staged, children, tok, draft_tokenizer or own_tokenizer)
         return cls(staged, source, width, tok)
 
-    # ------------------------------------------------------------------------------------- public
-    @torch.inference_mode()
     def run(self, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: SamplingParams,
             eos_token_id: int | Sequence[int] | None = None,
             on_token: OnToken | None = None) -> GenerationOutput:
-        """The step loop of the module docstring (no EOS unless given)."""
-        staged, source = self.staged, self.source
-        prompt = as_prompt_ids(input_ids)
-        budget = check_request(staged, prompt, max_new_tokens)
-        eos = eos_set(eos_token_id)
-        n = staged.n_stages
-        end_position = len(prompt) + budget  # positions >= this are never committed
-        rule = "top-k" if sampling.greedy or self.candidates == "top-k" else "sampled"
-        stats = TreeStats(mode="tree", prompt_tokens=len(prompt), stages=n, verified_by_position=[0] * n,
-                          accepted_by_position=[0] * n, schedule=source.schedule,
-                          speculator_layers=source.num_layers, target_layers=staged.num_layers,
+        """One request through the step loop (:mod:`spd.decoding.loop`; no EOS unless given)."""
+        source, policy = self.source, self.policy
+        stats = TreeStats(mode="tree", prompt_tokens=0, schedule=source.schedule,
+                          speculator_layers=source.num_layers,
                           source="draft" if isinstance(source, DraftModelSource) else "head", width=self.width,
-                          children=self.policy.max_children, candidates=rule,
-                          accepted_by_sibling=[0] * max(self.policy.max_width, self.policy.max_children))
-        generator = None if sampling.greedy else sampling.generator(staged.device)
-        capacity = end_position + n * self.policy.max_width + 1
-        self.policy.reset()
-        stages = self.stages
-        stages.configure(self._stage_anchors)
-
-        t0 = time.perf_counter()
-        first = self._prefill(prompt, sampling, generator, capacity)
-        stats.prefill_time_s = time.perf_counter() - t0
-        out, stop = first_output(first, stats, eos, budget, max_new_tokens, on_token)
-        context = list(prompt)  # committed tokens before the root (the rows every stage keeps)
-        tree = TokenTree(first)
-        levels = [self._enter(tree, 0, 1, rank=0)]
-        grown = 0  # levels added since the last (re)seed
-
-        while not stop:
-            stats.steps += 1
-            committed = len(context)
-            new_level = None
-            if levels[-1].depth == 0:
-                stages.launch_level(levels[-1], tree, committed)
-            exits = levels[0].depth == n - 1  # the root's level leaves stage n this step and is verified
-            # 1. The source grows the tree from the state at the start of the step (concurrent with 2).
-            if committed + tree.depth + 1 < end_position:
-                tick = time.perf_counter()
-                logprobs_LX = source.expand(tree, context, levels)
-                width, children = self.policy.width, self.policy.children
-                if rule == "top-k":
-                    new_N = grow_top_k(tree, logprobs_LX, source.ids, width, children)
-                else:
-                    new_N = grow_sampled(tree, logprobs_LX, source.ids, width, children, sampling, generator,
-                                         staged.vocab_size)
-                stats.speculator_time_s += time.perf_counter() - tick
-                stats.width_total += width
-                stats.expansions += 1
-                if new_N.numel():
-                    grown += 1
-                    new_level = self._enter(tree, int(new_N[0]), len(tree), rank=min(grown, n))
-                    stats.proposals += new_N.numel()
-                    # Remote stages may start on it before this step's verification (a prune or miss
-                    # reaches it through the epoch); the single-process backend runs it next step.
-                    stages.launch_level(new_level, tree, committed, early=exits)
-            stats.tree_nodes_total += len(tree)
-            stats.max_tree_size = max(stats.max_tree_size, len(tree))
-            stats.stage_nodes += sum(level.size for level in levels)
-            # 2. Every stage advances the level it holds. The root's level, leaving stage n, is taken first, so
-            #    that its verification (3) releases stage 1's next level before the other reports are read.
-            tick = time.perf_counter()
-            stages.advance(levels[:1] if exits else levels, tree, committed)
-            stats.stage_time_s += time.perf_counter() - tick
-            if not exits:
-                if new_level is not None:
-                    levels.append(new_level)
-                continue
-            # 3. The root left stage n: the target's p for the next position decides among its children.
-            tick = time.perf_counter()
-            root = levels.pop(0)
-            rest = list(levels)  # their stages ran this step too; taken below, after the prune
-            if new_level is not None:
-                levels.append(new_level)
-            token, child = self._verify(root, tree, levels, sampling, generator, stats, rule)
-            context.append(int(tree.tokens_N[0]))
-            out.append(token)
-            stats.token_acceptance.append(child is not None)  # a hit: the token is a tree node
-            stop = _stop_reason(token, out, eos, budget, max_new_tokens)
-            if child is not None:
-                kept = tree.prune_to_child(child)
-                stages.prune(committed, kept)
-                levels = [lv for lv in (self._prune_level(lv, kept) for lv in levels) if lv is not None]
-                rest = [lv for lv in levels if any(lv is r for r in rest)]
-            else:
-                # Miss (or nothing to verify): reseed from the committed token.
-                tree.reset(token)
-                stages.flush(committed + 1)
-                levels = [self._enter(tree, 0, 1, rank=0)]
-                grown = 0
-                rest = []  # discarded with the flush
-            if not stop and levels[-1].depth == 0:
-                stages.launch_level(levels[-1], tree, len(context))  # stage 1's next level, as soon as it is decided
-            # The source's own bookkeeping comes after that release (it is not on the stages' critical path).
-            source.commit_root(root)
-            if child is not None:
-                source.prune(committed, kept)
-            else:
-                source.reset(committed + 1)
-            stats.verify_time_s += time.perf_counter() - tick
-            if on_token is not None and on_token(token, child is not None) and not stop:
-                stop = "stopped"  # the caller ended the request (levels still in flight are discarded)
-            if stop or not rest:
-                continue
-            tick = time.perf_counter()
-            stages.advance(rest, tree, len(context))
-            stats.stage_time_s += time.perf_counter() - tick
-
-        stats.wall_time_s = time.perf_counter() - t0
-        stats.stop_reason = stop
-        stats.new_tokens = len(out)
-        stats.decode_tokens = len(out) - 1
-        return GenerationOutput(out, stats, prompt)
-
-    # ------------------------------------------------------------------------------------ pieces
-    def _prefill(self, prompt: list[int], sampling: SamplingParams, generator: torch.Generator | None,
-                 capacity: int) -> int:
-        """Run the prompt through every stage and the source; the first new token comes from the last logits."""
-        staged = self.staged
-        ids_1T = torch.tensor([prompt], dtype=torch.long, device=staged.device)
-        out = self.stages.prefill(ids_1T, list(self.source.prefill_anchors), capacity)
-        self.source.start(prompt, out.anchors, capacity)
-        logits_1V = staged.logits(out.hidden_BTD[:, -1])
-        if sampling.greedy:
-            return int(torch.argmax(logits_1V, dim=-1))
-        return int(torch.multinomial(warped_probs(logits_1V, sampling), 1, generator=generator))
-
-    def _enter(self, tree: TokenTree, start: int, end: int, rank: int) -> Level:
-        """Tree nodes ``[start, end)`` about to enter stage 1: their embeddings are H^0."""
-        hidden_1TD = self.staged.embed(tree.tokens_N[start:end][None].to(self.staged.device))
-        level = Level(start, hidden_1TD, rank=rank)
-        if self._needs_embedding:
-            level.anchors[0] = hidden_1TD[0]
-        return level
-
-    @staticmethod
-    def _prune_level(level: Level, kept: torch.Tensor) -> Level | None:
-        """Keep the level's nodes that survive the prune (``kept``: old tree indices); None when none do."""
-        nodes_T = torch.arange(level.start, level.start + level.size)
-        keep_T = torch.isin(nodes_T, kept)
-        if not bool(keep_T.any()):
-            return None
-        level.start = int(torch.searchsorted(kept, nodes_T[keep_T][0]))
-        keep_T = keep_T.to(level.hidden_1TD.device)
-        level.hidden_1TD = level.hidden_1TD[:, keep_T]
-        level.anchors = {index: hidden_TD[keep_T] for index, hidden_TD in level.anchors.items()}
-        return level
-
-    def _verify(self, root: Level, tree: TokenTree, levels: list[Level], sampling: SamplingParams,
-                generator: torch.Generator | None, stats: TreeStats, rule: str) -> tuple[int, int | None]:
-        """The committed token after the root and the tree index of the accepted child (None: a miss)."""
-        logits_1V = self.staged.logits(root.hidden_1TD[:, -1])
-        children_C = tree.children(0)
-        tokens_C = tree.tokens_N[children_C]
-        if sampling.greedy:
-            index, token = verify_greedy(logits_1V[0], tokens_C)
-        elif rule == "sampled" and children_C.numel():
-            p_V = warped_probs(logits_1V, sampling)[0]
-            index, token = self._verify_sampled(p_V, tokens_C, tree.drafts[0].to(p_V.device), generator)
-        else:
-            index, token = verify_sampled_deterministic(warped_probs(logits_1V, sampling)[0], tokens_C, generator)
-        if children_C.numel() == 0:
-            return token, None
-        self.policy.observe(index)
-        rank = levels[0].rank  # the children's level is the oldest one still in flight
-        stats.verified += 1
-        stats.candidates_verified += children_C.numel()
-        stats.verified_by_position[rank - 1] += 1
-        if index is None:
-            stats.flushes += 1
-            return token, None
-        stats.accepted += 1
-        stats.accepted_by_position[rank - 1] += 1
-        stats.accepted_by_sibling[index] += 1
-        return token, int(children_C[index])
+                          children=policy.max_children,
+                          accepted_by_sibling=[0] * max(policy.max_width, policy.max_children))
+        return self.loop.run(source, input_ids, max_new_tokens, sampling, eos_token_id, on_token, stats)
 
 
-    @staticmethod
-    def _verify_sampled(p_V: torch.Tensor, tokens_C: torch.Tensor, q_V: torch.Tensor,
-                        generator: torch.Generator | None) -> tuple[int | None, int]:
-        """Sampled children (drawn without replacement from ``q_V``): recursive rejection sampling."""
-        return verify_sampled_recursive(p_V, tokens_C, q_V, generator, without_replacement=True)
-
+LocalTreeStages = LocalStages  # the tree engine's back-end is the one stage back-end
 
 def build_tree_engine(staged: StagedModel, head, tokenizer, draft_model: str | None, draft_revision: str | None,
                       width: int | str, children: int, dtype: torch.dtype, device: str | torch.device,
@@ -651,7 +381,7 @@ def build_tree_engine(staged: StagedModel, head, tokenizer, draft_model: str | N
     across processes).
     """
     if head is not None and not isinstance(head, Speculator):
-        source = AuthorsHeadSource(head, staged, children)
+        source = HeadSource(head, staged, children)
     elif head is not None:
         source = SpdHeadSource(head, staged, children)
     else:

@@ -289,8 +289,9 @@ class Speculator(PreTrainedModel):
         return h_BND
 
     # ------------------------------------------------------------------------------ inference path
-    # The engine's protocol (spd.decoding.engine): prefill_anchors / prefill_memory / retire / propose_logits. The
-    # authors' heads (spd.heads.published.authors_head) implement the same four with their own schedule.
+    # The head's engine calls (spd.decoding.tree_engine.HeadSource): prefill_anchors / prefill_memory / retire /
+    # propose_logits. The authors' heads (spd.heads.published.authors_head) implement the same four with their own
+    # schedule.
     def prefill_anchors(self) -> list[int]:
         """Hidden-state indices the prefill must return for every prompt position."""
         return list(self.config.anchors[self.config.max_depth])

@@ -1,5 +1,7 @@
-"""Rank 0's view of the stages: :class:`RemoteStages`, the engines' stage backend across processes (the chain's
-``launch``/``collect`` and the tree's ``launch_level``/``advance``)."""
+"""Rank 0's view of the stages: :class:`RemoteStages`, the step loop's stage back-end across processes (the methods of
+:class:`spd.decoding.loop.LocalStages`). A chain's level (``paths``: every level one token) travels as a plain token
+(TOKEN: no positions, no mask) and a chain's hit needs no notice; a tree level travels with its positions and
+ancestor-mask rows (LEVEL) and a hit is a PRUNE notice."""
 
 from __future__ import annotations
 
@@ -23,15 +25,16 @@ class RemoteStages:
                          staged.num_layers + 2)
         self.epoch = 0
         self.stage_anchors: list[list[int]] = [[] for _ in range(self.n)]
-        self._sent = (0, -1)  # (epoch, position) of the last token sent to stage 1
+        self.paths = False
         self.notices = 0  # control notices sent (each stage receives all of them before it stops)
         self.log = EpochLog()
         # Notices decided but not sent yet, per stage rank: stage 1's go right before its next input, the
         # others' right after it; all before rank 0 waits for anything.
         self._unsent: dict[int, list[tuple]] = {rank: [] for rank in range(1, self.n + 1)}  # (notice, spill)
 
-    def configure(self, stage_anchors: list[list[int]]) -> None:
+    def configure(self, stage_anchors: list[list[int]], paths: bool = False) -> None:
         self.stage_anchors = stage_anchors
+        self.paths = paths
 
     def prefill(self, prompt_ids_1T: torch.Tensor, anchors: list[int], capacity: int) -> StageOutput:
         """Start a request on the stages: ``anchors`` for every prompt position, H^L for the last one (1, 1, D)."""
@@ -60,37 +63,15 @@ class RemoteStages:
                 last_hidden = self._recv_report(s, 0)[:, 0][None]
         return StageOutput(last_hidden, collected)
 
-    def launch(self, inflight, early: bool = False) -> None:
-        """Send the newest slot to stage 1 if it has not entered yet (once per epoch and position)."""
-        if early and not self.config.early_launch:
-            return  # sent at the start of the next step, once this step's verification is done
-        newest = inflight[-1]
-        key = (self.epoch, newest.position)
-        if newest.depth == 0 and key != self._sent:
-            self._post_notices([1])
-            self.link.send(1, DATA_TAG, TOKEN, self.epoch, newest.position, newest.hidden_1TD[0][:, None])
-            self._sent = key
-        self._post_notices()
-
-    def collect(self, inflight) -> None:
-        for slot in inflight:
-            stage = slot.depth
-            mine = self.stage_anchors[stage]
-            is_last = stage == self.n - 1
-            if mine or is_last:
-                payload = self._recv_report(stage, slot.position)
-                for i, a in enumerate(mine):
-                    slot.anchors[a] = payload[:, i]
-                if is_last:
-                    slot.hidden_1TD = payload[:, -1][None]
-            slot.depth += 1
-
     def flush(self, length: int) -> None:
         """Every stage drops its in-flight work and truncates its KV cache to ``length`` rows."""
         self._notify(FLUSH, length, None)
 
     def prune(self, committed: int, kept: torch.Tensor) -> None:
-        """Tree hit: every stage keeps the subtree ``kept`` after the committed root (row ``committed``)."""
+        """Tree hit: every stage keeps the subtree ``kept`` after the committed root (row ``committed``). A chain keeps
+        every node in place: the stages need not hear of it."""
+        if self.paths:
+            return
         self._notify(PRUNE, committed, torch.as_tensor(kept, dtype=torch.long).cpu().contiguous())
 
     def _notify(self, kind: int, length: int, kept: torch.Tensor | None) -> None:
@@ -124,14 +105,21 @@ class RemoteStages:
 
     # ------------------------------------------------------------------------------- tree levels
     def launch_level(self, level, tree, committed: int, early: bool = False) -> None:
-        """Send a new tree level (depth 0) to stage 1 with its positions and ancestor-mask rows (once)."""
-        if not level.sent and not (early and not self.config.early_launch):
+        """Send a new level (depth 0) to stage 1, once: a chain's token at its position, or a tree level with its
+        positions and ancestor-mask rows. ``early`` (made before this step's verification): sent now only with
+        ``--early-launch``, else at the start of the next step."""
+        if early and not self.config.early_launch:
+            return
+        if not level.sent:
             level.sent = True
-            start, end = level.start, level.start + level.size
-            positions_T = tree.positions(committed)[start:end]
-            extra = pack_level(start, positions_T, tree.mask()[start:end, :end])
             self._post_notices([1])
-            self.link.send(1, DATA_TAG, LEVEL, self.epoch, committed, level.hidden_1TD[0][:, None], extra=extra)
+            if self.paths:
+                self.link.send(1, DATA_TAG, TOKEN, self.epoch, committed + level.start, level.hidden_1TD[0][:, None])
+            else:
+                start, end = level.start, level.start + level.size
+                positions_T = tree.positions(committed)[start:end]
+                extra = pack_level(start, positions_T, tree.mask()[start:end, :end])
+                self.link.send(1, DATA_TAG, LEVEL, self.epoch, committed, level.hidden_1TD[0][:, None], extra=extra)
         self._post_notices()
 
     def advance(self, levels, tree, committed: int) -> None:
@@ -141,7 +129,8 @@ class RemoteStages:
             mine = self.stage_anchors[stage]
             is_last = stage == self.n - 1
             if mine or is_last:
-                payload = self._recv_level_report(stage, level)
+                payload = self._recv_report(stage, committed + level.start) if self.paths else \
+                    self._recv_level_report(stage, level)
                 for i, a in enumerate(mine):
                     level.anchors[a] = payload[:, i]
                 if is_last:

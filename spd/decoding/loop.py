@@ -1,0 +1,361 @@
+"""The step loop of the pipelined engines (single request): docs/method.md §5 (chain) and §6 (token tree) in one loop.
+
+The target is cut into ``n`` stages, each with its own KV cache. The pipeline carries tree *levels*: the tree
+(:class:`spd.decoding.tree.TokenTree`) is rooted at the newest known token (position ``P`` = committed length);
+its level ``d`` holds speculated tokens for position ``P + d``. A chain is the tree of width 1 (every level one
+node), the standard pipeline (``pp``) the loop without a proposer (the tree is the root alone). One **step** (the
+unit ``K`` counts):
+
+1. The proposer (:class:`spd.decoding.proposer.Proposer`) grows the tree by one level: it gives its distribution
+   after each bottom node and the request's *candidate rule* picks at most ``W`` children for the level (fixed
+   or adaptive: :mod:`spd.decoding.tree_width`), at most ``K`` per node: greedy or ``top-k``: each node's
+   top-``K``, the ``W`` best by cumulative log-probability kept (:func:`spd.decoding.tree.grow_top_k`);
+   ``sampled`` (the default at T > 0): per-node counts fixed from the expected scores, then children drawn
+   without replacement from the proposer's warped ``q`` (:func:`spd.decoding.tree.grow_sampled`). An input-state
+   proposer reads the state at the start of the step, so in a deployment it runs concurrently with 2; an
+   output-state one (the ablation, PPSD) reads it after 2 and 3, serially. The new level enters stage 1 next step.
+2. Every stage advances the level it holds by one stage: stage ``s`` runs the level's nodes over its KV cache
+   (committed rows, causal, plus the tree nodes it has run, under the ancestor mask), at position ids
+   ``P + depth``, and appends their KV. The level leaving stage ``n`` is taken first.
+3. When the root's level leaves stage ``n``, the target's distribution ``p`` for position ``P + 1`` is known and
+   the root's children are verified: greedy: the child equal to ``argmax p``; top-K candidates at T > 0:
+   children tried in order, accepting ``x`` with probability ``p(x)`` and otherwise removing ``x`` from ``p``
+   (:func:`spd.decoding.tree.verify_sampled_deterministic`); sampled candidates: recursive rejection sampling
+   against the ``q`` they were drawn from (:func:`spd.decoding.tree.verify_sampled_recursive`). The chosen token
+   is committed, stage 1's next level is released, then the other stages' reports are taken;
+   - hit (it is a child ``c``): the tree, every stage's tree KV, the in-flight activations and the proposer's
+     own state are pruned with one index set (the subtree of ``c``); the old root's KV row becomes the last
+     committed row; ``c`` is the new root, already in flight. A chain's prune keeps every node: the stages have
+     nothing to do;
+   - miss: the tree is discarded, every stage's KV is truncated to the committed length and the committed token
+     reseeds the tree (a lone root entering stage 1: warm-up again, paper section 3.6);
+   - nothing proposed (``pp``): the committed token is the next root; nothing is flushed.
+4. Stop on EOS (committed) or ``max_new_tokens``; the tree in flight is discarded.
+
+Why the output is lossless: a stage runs a level only after the level above it passed that stage, so when it
+runs a node its cache holds the committed prefix plus exactly that node's ancestors (the mask hides every other
+tree row) at consecutive positions: the target computes every node as a plain forward of ``committed + path``
+would. Pruning keeps exactly the rows of the surviving subtree, and a miss cuts every cache back to the committed
+tokens. Verification is exact: greedy equality with the argmax; for top-K candidates the deterministic
+multi-candidate rule, exact because the candidate list is fixed before the verification's random draws; for
+sampled candidates recursive rejection sampling, exact because each child was drawn from ``q`` without the
+earlier siblings and the number of children was fixed before drawing (docs/method.md). Never accept branches
+independently: that over-samples the candidates.
+
+Stage back-ends: :class:`LocalStages` (every stage in this process, the reference) and
+:class:`spd.runtime.remote.RemoteStages` (one process per stage) implement the same methods: ``configure``,
+``prefill``, ``launch_level``, ``advance``, ``prune``, ``flush``. When every level of the request is one node
+(``paths``: width 1), a level travels and runs as a plain token (contiguous positions, the causal mask, the
+linear-attention ring), and a hit needs no prune.
+
+Shape suffixes: T nodes of one level, N tree nodes, L nodes of the bottom level, D hidden size, V vocabulary;
+a leading 1 is the batch.
+"""
+
+from __future__ import annotations
+
+import time
+import torch
+
+from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set, first_output, stop_reason
+from .proposer import Proposer
+from .sampling import SamplingParams, warped_probs
+from .stats import PipelineStats, TreeStats
+from .tree import (Level, TokenTree, grow_sampled, grow_top_k, verify_greedy, verify_sampled_deterministic,
+                   verify_sampled_recursive)
+from .tree_width import AdaptiveWidth, FixedWidth
+from ..target.staging import StageKVCache, StagedModel, StageOutput
+
+
+class LocalStages:
+    """All ``n`` stages in this process, each with its own KV cache: the reference stage back-end.
+
+    The loop talks to its stages only through these methods; :class:`spd.runtime.remote.RemoteStages` implements
+    them over ``torch.distributed`` (one process per stage).
+    """
+
+    def __init__(self, staged: StagedModel):
+        self.staged = staged
+        self.caches: list[StageKVCache] = []
+        self.stage_anchors: list[list[int]] = [[] for _ in range(staged.n_stages)]
+        self.paths = False
+
+    def configure(self, stage_anchors: list[list[int]], paths: bool = False) -> None:
+        """Which hidden states ``H^l`` each stage reports (empty lists: none); ``paths``: every level of the coming
+        requests is one node whose ancestors are all the nodes before it (a chain)."""
+        self.stage_anchors = stage_anchors
+        self.paths = paths
+
+    def prefill(self, prompt_ids_1T: torch.Tensor, anchors: list[int], capacity: int) -> StageOutput:
+        """Start a request: fresh caches, the prompt through every stage; H^L and ``anchors`` for all positions."""
+        self.caches = self.staged.new_caches(capacity=capacity)
+        return self.staged.forward_stages(prompt_ids_1T, self.caches, anchors=anchors)
+
+    def launch_level(self, level: Level, tree: TokenTree, committed: int, early: bool = False) -> None:
+        """A level at depth 0 is about to enter stage 1 (``early``: made during this step, before its
+        verification); remote stages get it now or at the next step; here it runs at the next advance."""
+
+    def advance(self, levels: list[Level], tree: TokenTree, committed: int) -> None:
+        """Every level in flight runs its next stage: committed rows plus its ancestors, at committed + depth."""
+        for level in levels:
+            stage, start, end = level.depth, level.start, level.start + level.size
+            cache = self.caches[stage]
+            if cache.length != committed + start:
+                raise RuntimeError(f"stage {stage} holds {cache.length} rows but the level starting at tree node "
+                                   f"{start} expects {committed + start}")
+            if self.paths:  # a chain's node: the next position, causal
+                out = self.staged.run_stage(stage, level.hidden_1TD, cache, anchors=self.stage_anchors[stage])
+            else:
+                positions_1T = tree.positions(committed)[start:end][None].to(self.staged.device)
+                out = self.staged.run_stage(stage, level.hidden_1TD, cache, positions_1T,
+                                            anchors=self.stage_anchors[stage],
+                                            tree_mask_TN=tree.mask()[start:end, :end])
+            for index, hidden_1TD in out.anchors.items():
+                level.anchors[index] = hidden_1TD[0]
+            level.hidden_1TD = out.hidden_BTD
+            level.depth += 1
+
+    def prune(self, committed: int, kept: torch.Tensor) -> None:
+        """The root (row ``committed``) is committed; every stage keeps the subtree ``kept`` (old tree indices). A
+        chain keeps every node in place: nothing to move."""
+        if not self.paths:
+            self.staged.prune_tree(self.caches, committed, kept)
+
+    def flush(self, length: int) -> None:
+        """Drop every in-flight activation and cut every stage's KV cache to ``length`` tokens."""
+        self.staged.truncate(self.caches, length)
+
+
+def verify_sampled(p_V: torch.Tensor, tokens_C: torch.Tensor, q_V: torch.Tensor,
+                   generator: torch.Generator | None) -> tuple[int | None, int]:
+    """Sampled children (drawn without replacement from ``q_V``): recursive rejection sampling."""
+    return verify_sampled_recursive(p_V, tokens_C, q_V, generator, without_replacement=True)
+
+
+class StepLoop:
+    """The step loop of the module docstring over one stage back-end, for any proposer (or none: ``pp``)."""
+
+    def __init__(self, staged: StagedModel, stages, policy: FixedWidth | AdaptiveWidth, candidates: str = "auto"):
+        self.staged, self.stages, self.policy, self.candidates = staged, stages, policy, candidates
+        self._needs_embedding = False
+        self.verify_sampled = verify_sampled  # the rule for sampled children (a test swaps in a lossy control)
+
+    def stage_anchors(self, source: Proposer | None) -> list[list[int]]:
+        """Anchors each stage hands to the proposer: H^l for l in (b[s], b[s+1]] (H^0 is taken at entry)."""
+        b, needed = self.staged.boundaries, set(source.needed_anchors) if source is not None else set()
+        return [sorted(a for a in needed if b[s] < a <= b[s + 1]) for s in range(self.staged.n_stages)]
+
+    @torch.inference_mode()
+    def run(self, source: Proposer | None, input_ids, max_new_tokens: int, sampling: SamplingParams,
+            eos_token_id, on_token: OnToken | None, stats: PipelineStats) -> GenerationOutput:
+        """One request (no EOS unless given); ``stats`` is filled in (a TreeStats gets the tree's counters too)."""
+        staged, stages, policy = self.staged, self.stages, self.policy
+        prompt = as_prompt_ids(input_ids)
+        budget = check_request(staged, prompt, max_new_tokens)
+        eos = eos_set(eos_token_id)
+        n = staged.n_stages
+        end_position = len(prompt) + budget  # positions >= this are never committed
+        rule = "top-k" if sampling.greedy or self.candidates == "top-k" else "sampled"
+        tree_stats = stats if isinstance(stats, TreeStats) else None
+        if tree_stats is not None:
+            tree_stats.candidates = rule
+        stats.prompt_tokens, stats.stages, stats.target_layers = len(prompt), n, staged.num_layers
+        stats.verified_by_position, stats.accepted_by_position = [0] * n, [0] * n
+        generator = None if sampling.greedy else sampling.generator(staged.device)
+        capacity = end_position + n * policy.max_width + 1
+        policy.reset()
+        schedule = source.schedule if source is not None else "none"
+        self._needs_embedding = source is not None and 0 in source.needed_anchors
+        stages.configure(self.stage_anchors(source), paths=policy.max_width == 1)
+
+        t0 = time.perf_counter()
+        first = self._prefill(source, prompt, sampling, generator, capacity)
+        stats.prefill_time_s = time.perf_counter() - t0
+        out, stop = first_output(first, stats, eos, budget, max_new_tokens, on_token)
+        context = list(prompt)  # committed tokens before the root (the rows every stage keeps)
+        tree = TokenTree(first)
+        levels = [self._enter(tree, 0, 1, rank=0)]
+        grown = 0  # levels added since the last (re)seed
+
+        def grow() -> Level | None:
+            """Step 1: the proposer's next level (None: nothing proposed), not yet in flight."""
+            nonlocal grown
+            if source is None or len(context) + tree.depth + 1 >= end_position:
+                return None
+            tick = time.perf_counter()
+            logprobs_LX = source.expand(tree, context, levels)
+            width, children = policy.width, policy.children
+            if rule == "top-k":
+                new_N = grow_top_k(tree, logprobs_LX, source.ids, width, children)
+            else:
+                new_N = grow_sampled(tree, logprobs_LX, source.ids, width, children, sampling, generator,
+                                     staged.vocab_size)
+            stats.speculator_time_s += time.perf_counter() - tick
+            if tree_stats is not None:
+                tree_stats.width_total += width
+                tree_stats.expansions += 1
+            if not new_N.numel():
+                return None
+            grown += 1
+            stats.proposals += new_N.numel()
+            # While the seed (a root of rank 0) is in flight the pipeline is still refilling.
+            rank = min(grown, n) if levels[0].rank == 0 else n
+            return self._enter(tree, int(new_N[0]), len(tree), rank=rank)
+
+        def advance(moving: list[Level], committed: int) -> None:
+            """Step 2 for ``moving``; the proposer sees their new state."""
+            tick = time.perf_counter()
+            stages.advance(moving, tree, committed)
+            stats.stage_time_s += time.perf_counter() - tick
+            if source is not None:
+                source.advanced(moving, tree, committed)
+
+        while not stop:
+            stats.steps += 1
+            committed = len(context)
+            if levels[-1].depth == 0:
+                stages.launch_level(levels[-1], tree, committed)
+            exits = levels[0].depth == n - 1  # the root's level leaves stage n this step and is verified
+            new_level = grow() if schedule != "output" else None
+            if new_level is not None:
+                # Remote stages may start on it before this step's verification (a prune or miss reaches it
+                # through the epoch); the single-process back-end runs it next step.
+                stages.launch_level(new_level, tree, committed, early=exits)
+            if tree_stats is not None:
+                tree_stats.tree_nodes_total += len(tree)
+                tree_stats.max_tree_size = max(tree_stats.max_tree_size, len(tree))
+                tree_stats.stage_nodes += sum(level.size for level in levels)
+            # 2. Every stage advances the level it holds. The root's level, leaving stage n, is taken first, so
+            #    that its verification (3) releases stage 1's next level before the other reports are read.
+            advance(levels[:1] if exits else levels, committed)
+            if exits:
+                # 3. The root left stage n: the target's p for the next position decides among its children.
+                tick = time.perf_counter()
+                root = levels.pop(0)
+                rest = list(levels)  # their stages ran this step too; taken below, after the prune
+                if new_level is not None:
+                    levels.append(new_level)
+                    new_level = None
+                token, child = self._verify(root, tree, levels, sampling, generator, stats, rule)
+                proposed = len(tree) > 1
+                context.append(int(tree.tokens_N[0]))
+                out.append(token)
+                stats.token_acceptance.append(child is not None)  # a hit: the token is a tree node
+                stop = stop_reason(token, out, eos, budget, max_new_tokens)
+                if child is not None:
+                    kept = tree.prune_to_child(child)
+                    stages.prune(committed, kept)
+                    levels = [lv for lv in (self._prune_level(lv, kept) for lv in levels) if lv is not None]
+                    rest = [lv for lv in levels if any(lv is r for r in rest)]
+                else:
+                    # Miss: reseed from the committed token (nothing proposed: it is simply the next root).
+                    tree.reset(token)
+                    if proposed:
+                        stages.flush(committed + 1)
+                    levels = [self._enter(tree, 0, 1, rank=0)]
+                    grown = 0
+                    rest = []  # discarded with the flush
+                if not stop and levels[-1].depth == 0:
+                    stages.launch_level(levels[-1], tree, len(context))  # stage 1's next level, as soon as decided
+                # The proposer's own bookkeeping comes after that release (not on the stages' critical path).
+                if source is not None:
+                    source.commit_root(root)
+                    if child is not None:
+                        source.prune(committed, kept)
+                    else:
+                        source.reset(committed + 1)
+                stats.verify_time_s += time.perf_counter() - tick
+                if on_token is not None and on_token(token, child is not None) and not stop:
+                    stop = "stopped"  # the caller ended the request (levels still in flight are discarded)
+                if stop:
+                    break
+                if rest:
+                    advance(rest, len(context))
+            if new_level is not None:
+                levels.append(new_level)
+            # Output-state proposers read the state after the stages ran (serial with them).
+            if schedule == "output" and levels[-1].depth >= 1:
+                new_level = grow()
+                if new_level is not None:
+                    levels.append(new_level)
+
+        stats.wall_time_s = time.perf_counter() - t0
+        stats.stop_reason = stop
+        stats.new_tokens = len(out)
+        stats.decode_tokens = len(out) - 1
+        return GenerationOutput(out, stats, prompt)
+
+    # ------------------------------------------------------------------------------------ pieces
+    def _prefill(self, source: Proposer | None, prompt: list[int], sampling: SamplingParams,
+                 generator: torch.Generator | None, capacity: int) -> int:
+        """Run the prompt through every stage and the proposer; the first new token comes from the last logits."""
+        staged = self.staged
+        ids_1T = torch.tensor([prompt], dtype=torch.long, device=staged.device)
+        out = self.stages.prefill(ids_1T, list(source.prefill_anchors) if source is not None else [], capacity)
+        if source is not None:
+            source.start(prompt, out.anchors, capacity)
+        logits_1V = staged.logits(out.hidden_BTD[:, -1])
+        if sampling.greedy:
+            return int(torch.argmax(logits_1V, dim=-1))
+        return int(torch.multinomial(warped_probs(logits_1V, sampling), 1, generator=generator))
+
+    def _enter(self, tree: TokenTree, start: int, end: int, rank: int) -> Level:
+        """Tree nodes ``[start, end)`` about to enter stage 1: their embeddings are H^0."""
+        hidden_1TD = self.staged.embed(tree.tokens_N[start:end][None].to(self.staged.device))
+        level = Level(start, hidden_1TD, rank=rank)
+        if self._needs_embedding:
+            level.anchors[0] = hidden_1TD[0]
+        return level
+
+    @staticmethod
+    def _prune_level(level: Level, kept: torch.Tensor) -> Level | None:
+        """Keep the level's nodes that survive the prune (``kept``: old tree indices); None when none do."""
+        if level.size == 1:  # a chain's level (and any one-node level): it survives or it does not
+            node = level.start
+            index = int(torch.searchsorted(kept, node))
+            if index >= kept.numel() or int(kept[index]) != node:
+                return None
+            level.start = index
+            return level
+        nodes_T = torch.arange(level.start, level.start + level.size)
+        keep_T = torch.isin(nodes_T, kept)
+        if not bool(keep_T.any()):
+            return None
+        level.start = int(torch.searchsorted(kept, nodes_T[keep_T][0]))
+        keep_T = keep_T.to(level.hidden_1TD.device)
+        level.hidden_1TD = level.hidden_1TD[:, keep_T]
+        level.anchors = {index: hidden_TD[keep_T] for index, hidden_TD in level.anchors.items()}
+        return level
+
+    def _verify(self, root: Level, tree: TokenTree, levels: list[Level], sampling: SamplingParams,
+                generator: torch.Generator | None, stats: PipelineStats, rule: str) -> tuple[int, int | None]:
+        """The committed token after the root and the tree index of the accepted child (None: a miss or nothing
+        to verify)."""
+        logits_1V = self.staged.logits(root.hidden_1TD[:, -1])
+        children_C = tree.children(0)
+        if children_C.numel() == 0:  # nothing proposed: the target's own next token
+            if sampling.greedy:
+                return int(torch.argmax(logits_1V, dim=-1)), None
+            return int(torch.multinomial(warped_probs(logits_1V, sampling), 1, generator=generator)), None
+        tokens_C = tree.tokens_N[children_C]
+        if sampling.greedy:
+            index, token = verify_greedy(logits_1V[0], tokens_C)
+        elif rule == "sampled":
+            p_V = warped_probs(logits_1V, sampling)[0]
+            index, token = self.verify_sampled(p_V, tokens_C, tree.drafts[0].to(p_V.device), generator)
+        else:
+            index, token = verify_sampled_deterministic(warped_probs(logits_1V, sampling)[0], tokens_C, generator)
+        self.policy.observe(index)
+        rank = levels[0].rank  # the children's level is the oldest one still in flight
+        stats.verified += 1
+        stats.verified_by_position[rank - 1] += 1
+        if isinstance(stats, TreeStats):
+            stats.candidates_verified += children_C.numel()
+        if index is None:
+            stats.flushes += 1
+            return token, None
+        stats.accepted += 1
+        stats.accepted_by_position[rank - 1] += 1
+        if isinstance(stats, TreeStats):
+            stats.accepted_by_sibling[index] += 1
+        return token, int(children_C[index])

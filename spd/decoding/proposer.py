@@ -1,0 +1,60 @@
+"""The one interface of a token source: :class:`Proposer`, what the step loop (:mod:`spd.decoding.loop`) asks of it.
+
+A proposer grows the token tree by one level per step (docs/method.md §5-6). Three implement it, in
+:mod:`spd.decoding.tree_engine`: :class:`~spd.decoding.tree_engine.SpdHeadSource` (our SPD heads, any width, one
+batched query over the bottom nodes), :class:`~spd.decoding.tree_engine.HeadSource` (any head through the
+head's engine calls, one query per bottom node: the SPD authors' heads at any width, and our heads on the
+output-state and PPSD schedules, which are chains) and :class:`~spd.decoding.tree_engine.DraftModelSource` (a small
+causal LM). The standard pipeline (``pp``) runs the same loop with no proposer.
+
+Shape suffixes: L nodes of the tree's bottom level, X the proposer's outputs (the target's vocabulary, or a
+draft vocabulary that ``ids`` maps to target ids).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .tree import Level, TokenTree
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """A token source of the step loop.
+
+    ``schedule`` says when it reads the pipeline's state: ``"input"`` at the start of a step, concurrently with the
+    stages (SPD), ``"output"`` after the stages ran (the output-state ablation, PPSD: serial with them), ``"none"``
+    (a draft model, which reads no target state). ``needed_anchors`` are the hidden-state indices ``l`` of ``H^l``
+    it reads of tokens in flight, ``prefill_anchors`` those of the prompt's positions; ``ids`` maps its outputs to
+    target ids (None: they are target ids); ``children`` caps the candidates per node; ``num_layers`` is its
+    depth for the step cost model (0: hidden behind a stage).
+    """
+
+    schedule: str
+    needed_anchors: tuple[int, ...]
+    prefill_anchors: tuple[int, ...]
+    ids: torch.Tensor | None
+    children: int
+    num_layers: int
+
+    def start(self, prompt_ids: list[int], anchors: dict[int, torch.Tensor], capacity: int) -> None:
+        """A request starts: the prompt's ids and its ``prefill_anchors`` (``H^l`` (1, T, D) each)."""
+
+    def expand(self, tree: TokenTree, context: list[int], levels: list[Level]) -> torch.Tensor:
+        """Log-probabilities ``(L, X)`` after each bottom node of ``tree`` (``context``: the committed tokens before
+        the root; ``levels``: the tree's levels in flight, root level first, at their current depths)."""
+
+    def advanced(self, levels: list[Level], tree: TokenTree, committed: int) -> None:
+        """``levels`` just ran one more stage (their anchors and depths are new); ``committed`` tokens precede the
+        root."""
+
+    def commit_root(self, root: Level) -> None:
+        """The root's level left stage ``n``: the root is committed."""
+
+    def prune(self, committed: int, kept: torch.Tensor) -> None:
+        """A hit: the tree keeps the subtree ``kept`` (old tree indices) of the accepted child, the new root."""
+
+    def reset(self, committed: int) -> None:
+        """A miss (or nothing proposed): the tree is gone; ``committed`` tokens are final."""
