@@ -120,6 +120,23 @@ class TokenTree:
         self.principal = -1 if forced is None else int(new[int(torch.nonzero(chosen == forced)[0, 0])])
         return new
 
+    def append_child(self, token: int, logprob: float) -> torch.Tensor:
+        """Append one child of the last node, which is the principal (a chain grown by one); its new index."""
+        n = len(self)
+        parent = n - 1
+        self.tokens_N = torch.cat([self.tokens_N, torch.tensor([int(token)])])
+        self.parents_N = torch.cat([self.parents_N, torch.tensor([parent])])
+        self.depths_N = torch.cat([self.depths_N, self.depths_N[parent:] + 1])
+        self.logprobs_N = torch.cat([self.logprobs_N, torch.tensor([float(logprob)])])
+        self.cum_logprobs_N = torch.cat([self.cum_logprobs_N, self.cum_logprobs_N[parent:] + float(logprob)])
+        mask_NN = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        mask_NN[:n, :n] = self.mask_NN
+        mask_NN[n, :n] = self.mask_NN[parent]
+        mask_NN[n, n] = True
+        self.mask_NN = mask_NN
+        self.principal = n
+        return torch.tensor([n])
+
     def child_counts(self, sorted_logprobs_LK: torch.Tensor, width: int) -> torch.Tensor:
         """How many children each bottom node gets, decided before any is drawn (see :func:`grow_sampled`).
 
@@ -372,6 +389,11 @@ def grow_top_k(tree: TokenTree, logprobs_LX: torch.Tensor, ids_X: torch.Tensor |
     (None: ``X`` is the target's vocabulary). Verified by :func:`verify_greedy` or
     :func:`verify_sampled_deterministic`. Returns the new nodes' indices.
     """
+    if width == 1 and logprobs_LX.shape[0] == 1 and tree.principal == len(tree) - 1:
+        # A chain: the one bottom node's best candidate is the level (what append_level keeps at width 1).
+        value, index = torch.max(logprobs_LX[0].float(), dim=-1)
+        token = int(index) if ids_X is None else int(ids_X[index])
+        return tree.append_child(token, float(value))
     top = torch.topk(logprobs_LX.float(), min(children, logprobs_LX.shape[-1]), dim=-1)
     tokens_LK = top.indices if ids_X is None else ids_X[top.indices]
     return tree.append_level(tokens_LK.cpu(), top.values.cpu(), width)

@@ -201,9 +201,13 @@ class SpdHeadSource:
         if cache.length != len(context):
             raise RuntimeError("speculator cache and committed tokens are out of step")
         rows = []  # (depth, g (L, D)) of every path position, root first: the trailing rows
+        chain = len(tree) == tree.depth + 1  # every level one node: its anchors are the path's rows as they are
         for level, pick_L in zip(levels, path_rows(tree, levels)):
-            pick_L = pick_L.to(level.hidden_1TD.device)
             depth = min(level.depth, cfg.max_depth)
+            if chain:
+                rows.append((depth, head.features(depth, {a: level.anchors[a] for a in cfg.anchors[depth]})))
+                continue
+            pick_L = pick_L.to(level.hidden_1TD.device)
             rows.append((depth, head.features(depth, {a: level.anchors[a][pick_L] for a in cfg.anchors[depth]})))
         bottom = levels[-1]
         if rows[-1][0] == cfg.offset:
