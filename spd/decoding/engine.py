@@ -1,8 +1,9 @@
 """The pipelined SPD chain engine (``spd`` and ``pp``, single process): the semantic reference of docs/method.md §5.
 
 The chain is the step loop of :mod:`spd.decoding.loop` at width 1 (every tree level one token), with the head as
-its proposer (:class:`spd.decoding.tree_engine.SpdHeadSource` for SPD heads, :class:`spd.decoding.tree_engine.HeadSource`
-for the output-state ablation, PPSD and the SPD authors' heads) or with none (``pp``).
+its proposer (:class:`spd.decoding.tree_engine.SpdHeadSource` for SPD heads,
+:class:`spd.decoding.tree_engine.HeadSource` for the output-state ablation, PPSD and the SPD authors' heads) or with
+none (``pp``).
 
 The target is cut into ``n`` stages, each with its own KV cache. Every **step** each in-flight token
 advances by one stage; the token that completes stage ``n`` exits, its final hidden state gives the

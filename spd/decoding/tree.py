@@ -70,6 +70,11 @@ class TokenTree:
         """Depth of the deepest level (0 for a lone root)."""
         return int(self.depths_N[-1])
 
+    @property
+    def is_chain(self) -> bool:
+        """Every level is one node (a chain: each node's only child is the next one)."""
+        return len(self) == self.depth + 1
+
     def bottom_level(self) -> torch.Tensor:
         """Indices of the nodes of the deepest level (a contiguous range, in BFS order)."""
         return torch.nonzero(self.depths_N == self.depths_N[-1])[:, 0]
@@ -412,7 +417,8 @@ def grow_sampled(tree: TokenTree, logprobs_LX: torch.Tensor, ids_X: torch.Tensor
     ``c_l`` children are its first ``c_l`` draws of a sequence without replacement from ``q``
     (Gumbel top-k: the order of the keys ``log q + Gumbel noise`` is a Plackett-Luce sample, i.e.
     draws one after another without replacement; when every node gets at most one child, as in a chain, each
-    draw is one ``torch.multinomial`` from ``q``: the same distribution, without a key per token). The parent's ``q`` over the target's vocabulary
+    draw is one ``torch.multinomial`` from ``q``: the same distribution, without a key per token). The parent's
+    ``q`` over the target's vocabulary
     (``vocab_size``) is kept in ``tree.drafts`` for :func:`verify_sampled_recursive` with
     ``without_replacement``. Node log-probs are ``log q`` of the drawn tokens. Returns the new indices.
     """

@@ -150,7 +150,7 @@ class DraftModelSource:
 def path_rows(tree: TokenTree, levels: list[Level]) -> list[torch.Tensor]:
     """Per level in flight, the row (within the level) of each bottom node's ancestor in it, ``(L,)`` each: a bottom
     node has exactly one ancestor (or itself) in every level above it."""
-    if len(tree) == tree.depth + 1:  # a chain: every level is one node
+    if tree.is_chain:
         return [torch.zeros(1, dtype=torch.long)] * len(levels)
     ancestors_LN = tree.mask()[tree.bottom_level()]
     return [ancestors_LN[:, level.start:level.start + level.size].float().argmax(dim=1) for level in levels]
@@ -201,14 +201,14 @@ class SpdHeadSource:
         if cache.length != len(context):
             raise RuntimeError("speculator cache and committed tokens are out of step")
         rows = []  # (depth, g (L, D)) of every path position, root first: the trailing rows
-        chain = len(tree) == tree.depth + 1  # every level one node: its anchors are the path's rows as they are
-        for level, pick_L in zip(levels, path_rows(tree, levels)):
+        # A chain's levels are one node each: their anchors are the path's rows as they are (no gather).
+        picks = [None] * len(levels) if tree.is_chain else path_rows(tree, levels)
+        for level, pick_L in zip(levels, picks):
             depth = min(level.depth, cfg.max_depth)
-            if chain:
-                rows.append((depth, head.features(depth, {a: level.anchors[a] for a in cfg.anchors[depth]})))
-                continue
-            pick_L = pick_L.to(level.hidden_1TD.device)
-            rows.append((depth, head.features(depth, {a: level.anchors[a][pick_L] for a in cfg.anchors[depth]})))
+            if pick_L is not None:
+                pick_L = pick_L.to(level.hidden_1TD.device)
+            anchors = {a: level.anchors[a] if pick_L is None else level.anchors[a][pick_L] for a in cfg.anchors[depth]}
+            rows.append((depth, head.features(depth, anchors)))
         bottom = levels[-1]
         if rows[-1][0] == cfg.offset:
             query_LD = rows[-1][1]

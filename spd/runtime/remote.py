@@ -9,8 +9,9 @@ import torch
 
 from ..target.staging import StageOutput, StagedModel
 from .link import Link
-from .protocol import (CLOCK_COUNTS, CLOCK_TIMES, CLOCKS, CLOSE, CONTROL_TAG, DATA_TAG, FLUSH, KEPT_INLINE, KEPT_TAG, LEVEL, NOTICE, PING, PREFILL, PRUNE,
-                       REPORT, REPORT_TAG, STOP, TOKEN, PipelineLost, RuntimeConfig)
+from .protocol import (CLOCK_COUNTS, CLOCK_TIMES, CLOCKS, CLOSE, CONTROL_TAG, DATA_TAG, FLUSH, KEPT_INLINE, KEPT_TAG,
+                       LEVEL, NOTICE, PING, PREFILL, PRUNE, REPORT, REPORT_TAG, STOP, TOKEN, PipelineLost,
+                       RuntimeConfig)
 from .stage import EpochLog, follow_prunes, pack_level
 
 class RemoteStages:
