@@ -243,7 +243,7 @@ def _bench(args, runs: list[RunSpec]) -> int:
             info[run.name] = {"mode": "sd", "stages": 1, "head": run.source if head else None,
                               "draft": None if head else run.source, "draft_steps": run.draft_steps,
                               "variant": f"sd-{'eagle' if head else 'draft'} m={run.draft_steps}",
-                              "speculator_layers": engines[run.name].drafter.num_layers}
+                              "speculator_layers": engines[run.name].draft_layers}
             continue
         if run.mode == "tree":
             engines[run.name], info[run.name] = _tree_run(

@@ -1,11 +1,14 @@
 """The one interface of a token source: :class:`Proposer`, what the step loop (:mod:`spd.decoding.loop`) asks of it.
 
-A proposer grows the token tree by one level per step (docs/method.md §5-6). Three implement it, in
+A proposer grows the token tree by one level per step (docs/method.md §5-6). Three implement it in
 :mod:`spd.decoding.tree_engine`: :class:`~spd.decoding.tree_engine.SpdHeadSource` (our SPD heads, any width, one
 batched query over the bottom nodes), :class:`~spd.decoding.tree_engine.HeadSource` (any head through the
 head's engine calls, one query per bottom node: the SPD authors' heads at any width, and our heads on the
 output-state and PPSD schedules, which are chains) and :class:`~spd.decoding.tree_engine.DraftModelSource` (a small
-causal LM). The standard pipeline (``pp``) runs the same loop with no proposer.
+causal LM), and a fourth in :mod:`spd.decoding.serial_head`: :class:`~spd.decoding.serial_head.SerialHeadSource` (our
+head trained with variant=eagle). The standard pipeline (``pp``) runs the same loop with no proposer. Serial
+drafting (:mod:`spd.decoding.sd`) drives the draft model and the serial head through this interface too: it expands
+a chain while the target is idle, then commits the rows the target kept (``commit_root``) and resets.
 
 Shape suffixes: L nodes of the tree's bottom level, X the proposer's outputs (the target's vocabulary, or a
 draft vocabulary that ``ids`` maps to target ids).
@@ -26,7 +29,8 @@ class Proposer(Protocol):
 
     ``schedule`` says when it reads the pipeline's state: ``"input"`` at the start of a step, concurrently with the
     stages (SPD), ``"output"`` after the stages ran (the output-state ablation, PPSD: serial with them), ``"none"``
-    (a draft model, which reads no target state). ``needed_anchors`` are the hidden-state indices ``l`` of ``H^l``
+    (a draft model, which reads no target state), ``"serial"`` (only the rows the target ran and kept: serial
+    drafting). ``needed_anchors`` are the hidden-state indices ``l`` of ``H^l``
     it reads of tokens in flight, ``prefill_anchors`` those of the prompt's positions; ``ids`` maps its outputs to
     target ids (None: they are target ids); ``children`` caps the candidates per node; ``num_layers`` is its
     depth for the step cost model (0: hidden behind a stage).

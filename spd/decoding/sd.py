@@ -2,16 +2,18 @@
 
 No pipeline: a token source drafts ``m`` tokens one after another (``--draft-steps``), then the target
 runs the last committed token and the ``m`` drafts in **one** forward and verifies them left to right.
-Two token sources (*drafters*): a draft model (:class:`DraftModelDrafter`), or our head trained with
-``variant=eagle`` (:class:`HeadDrafter`, the paper's EAGLE-3 row): the serial schedule, where every row the
-target has run enters the head's memory with the target's features (low, middle and last layer) and the
-newest committed token and the head's own earlier drafts enter at depth 0 (their embeddings), as in
-training. One *iteration*:
+The token source is a :class:`~spd.decoding.proposer.Proposer`, the interface of the pipelined modes, growing a
+chain rooted at the newest committed token one node at a time while the target is idle. Two fit: a draft model
+(:class:`~spd.decoding.tree_engine.DraftModelSource`), or our head trained with ``variant=eagle``
+(:class:`~spd.decoding.serial_head.SerialHeadSource`, the paper's EAGLE-3 row): the serial schedule, where every row
+the target has run enters the head's memory with the target's features (low, middle and last layer) and the newest
+committed token and the head's own earlier drafts enter at depth 0 (their embeddings), as in training. One
+*iteration*:
 
-1. The drafter catches up on the committed tokens (the draft model runs those it has not run, at least
-   the newest one; the head caches the features of the rows the target ran) and drafts ``x_1..x_m``:
-   greedy, its argmax; sampling, a draw from its warped distribution ``q_i`` (temperature, top-k, top-p,
-   as the target's).
+1. The proposer expands the chain ``m`` times (the draft model runs the committed tokens it has not run, at
+   least the newest one, then each draft; the head queries its cached rows with the tokens the target has not
+   run) and ``x_1..x_m`` are picked: greedy, its argmax; sampling, a draw from its warped distribution ``q_i``
+   (temperature, top-k, top-p, as the target's).
 2. The target runs ``[t, x_1..x_m]`` (``t`` the newest committed token) over its KV cache: the
    distributions ``p_1..p_{m+1}`` after ``t``, ``x_1``, ..., ``x_m``.
 3. Verification, left to right: greedy, ``x_i`` is accepted iff it is ``argmax p_i``; sampling,
@@ -21,8 +23,9 @@ training. One *iteration*:
    accepted, a bonus token is drawn from ``p_{m+1}``. So an iteration commits ``a + 1`` tokens for
    ``a`` accepted drafts: the *acceptance length* (the bonus or replacement included, as the paper
    and EAGLE count it).
-4. The target's KV cache is cut back to the tokens that stay (``StageKVCache.truncate``), and so is the
-   draft model's; the head caches the target's features of the rows that stay.
+4. The target's KV cache is cut back to the tokens that stay (``StageKVCache.truncate``); each row that
+   stays is committed to the proposer (``commit_root``: the head caches the target's features of it) and the
+   chain is dropped (``reset``: the draft model's cache is cut back to the rows that stay).
 
 Lossless: greedy output is the target's argmax chain (each committed token is ``argmax p`` after the
 committed prefix); sampled output follows the target's warped distribution exactly (standard
@@ -43,17 +46,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..heads.draft_vocab import check_draft_vocab
 from ..errors import SpdInputError
 from .generation import (GenerationOutput, GenerationStats, OnToken, as_prompt_ids, check_request, eos_set,
                          stop_reason)
 from .request import OneModeEngine
 from .sampling import SamplingParams, select_token, warped_probs
-from ..heads.config import check_compatible
 from ..heads.speculator import Speculator
 from ..target.staging import StagedModel, load_target_tokenizer
-from .tree import verify_sampled_recursive
-from .tree_engine import check_same_vocabulary, load_draft_model
+from .proposer import Proposer
+from .serial_head import SerialHeadSource
+from .tree import Level, TokenTree, verify_sampled_recursive
+from .tree_engine import DraftModelSource, load_draft_model
 
 
 @dataclass
@@ -98,99 +101,35 @@ def _ids(tokens: list[int], model: StagedModel) -> torch.Tensor:
     return torch.tensor([tokens], dtype=torch.long, device=model.device)
 
 
-def _pick(logits_1V: torch.Tensor, sampling: SamplingParams,
-          generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
-    """A draft from the drafter's logits: greedy, the argmax (no q); sampling, a draw from the warped q."""
+def _pick(logprobs_1X: torch.Tensor, ids_X: torch.Tensor | None, vocab: int, sampling: SamplingParams,
+          generator: torch.Generator | None) -> tuple[int, float, torch.Tensor | None]:
+    """A draft from the proposer's log-probabilities over its outputs X (``ids_X`` maps them to target ids): greedy,
+    the argmax (no q); sampling, a draw from the warped q, returned over the target's ``vocab``."""
     if sampling.greedy:
-        return int(torch.argmax(logits_1V, dim=-1)), None
-    q_V = warped_probs(logits_1V, sampling)[0]
-    return int(torch.multinomial(q_V, 1, generator=generator)), q_V
+        index = int(torch.argmax(logprobs_1X, dim=-1))
+        q_V = None
+    else:
+        q_X = warped_probs(logprobs_1X, sampling)[0]
+        index = int(torch.multinomial(q_X, 1, generator=generator))
+        q_V = q_X if ids_X is None else q_X.new_zeros(vocab).index_copy_(0, ids_X.to(q_X.device), q_X)
+    token = index if ids_X is None else int(ids_X[index])
+    return token, float(logprobs_1X[0, index]), q_V
 
 
-class DraftModelDrafter:
-    """A small causal LM with the target's tokenizer drafts; its KV cache follows the committed tokens."""
+def serial_proposer(drafter: "Proposer | StagedModel", target: StagedModel, target_tokenizer=None,
+                    draft_tokenizer=None) -> Proposer:
+    """The proposer that drafts serially for ``target``: a bare StagedModel is a draft model; a proposer is kept.
 
-    source = "draft"
-    anchors: tuple[int, ...] = ()  # it needs none of the target's hidden states
-
-    def __init__(self, draft: StagedModel, target: StagedModel, target_tokenizer=None, draft_tokenizer=None):
-        if draft.is_hybrid:
+    Two fit: a draft model (:class:`~spd.decoding.tree_engine.DraftModelSource`, sharing the target's tokenizer) and
+    our head trained with variant=eagle (:class:`~spd.decoding.serial_head.SerialHeadSource`)."""
+    if isinstance(drafter, StagedModel):
+        if drafter.is_hybrid:
             raise SpdInputError(HYBRID_SD_ERROR)
-        self.vocab = check_same_vocabulary(target, draft, target_tokenizer, draft_tokenizer)
-        self.draft, self.num_layers = draft, draft.num_layers
-        self.caches = []
-
-    def start(self, prompt: list[int], anchors: dict[int, torch.Tensor], capacity: int, rollback: int) -> None:
-        self.caches = self.draft.new_caches(capacity=capacity, rollback=rollback)
-
-    def draft_tokens(self, context: list[int], steps: int, sampling: SamplingParams,
-                     generator: torch.Generator | None) -> tuple[list[int], list[torch.Tensor | None]]:
-        draft, caches, drafts, qs = self.draft, self.caches, [], []
-        pending = context[caches[0].length:]  # committed tokens the draft has not run (at least the newest)
-        hidden_1TD = draft.forward_stages(_ids(pending, draft), caches).hidden_BTD
-        for i in range(steps):
-            token, q_V = _pick(draft.logits(hidden_1TD[:, -1]).float()[:, :self.vocab], sampling, generator)
-            drafts.append(token)
-            qs.append(q_V)
-            if i + 1 < steps:
-                hidden_1TD = draft.forward_stages(_ids([token], draft), caches).hidden_BTD
-        return drafts, qs
-
-    def commit(self, kept: int, anchors: dict[int, torch.Tensor]) -> None:
-        """The first ``kept`` committed tokens stay; the draft's cache keeps at most those rows."""
-        StagedModel.truncate(self.caches, min(self.caches[0].length, kept))
-
-
-class HeadDrafter:
-    """Our head trained with ``variant=eagle`` drafts serially (see the module docstring).
-
-    Its cache holds one memory row per token the target has run (the target's features at full depth); each
-    draft step queries it with the rows in flight, the newest committed token and the drafts so far, at
-    depth 0 (``g^0``: the token's embedding through ``FC_0``), the j-th draft seeing j of them.
-    """
-
-    source = "head"
-
-    def __init__(self, head: Speculator, target: StagedModel):
-        if not isinstance(head, Speculator):
-            raise SpdInputError("--mode sd takes our heads trained with variant=eagle; the SPD authors' heads run "
-                                "in --mode spd")
-        check_compatible(head.config, target, mode="sd")
-        check_draft_vocab(head, target.vocab_size)
-        self.head, self.target, self.num_layers = head, target, head.config.num_layers
-        self.anchors = tuple(head.prefill_anchors())
-        self._dtype = next(head.parameters()).dtype  # the target's states are cast to it
-        self.cache = None
-
-    def start(self, prompt: list[int], anchors: dict[int, torch.Tensor], capacity: int, rollback: int) -> None:
-        self.cache = self.head.new_cache(capacity=capacity)
-        self.head.prefill_memory(self.cache, {a: h.to(self._dtype) for a, h in anchors.items()})
-
-    def _row(self, token: int) -> torch.Tensor:
-        """``g^0`` of a token (1, D): its embedding in the target, through the head's FC_0."""
-        embedding_1D = self.target.embed(_ids([token], self.target))[0].to(self._dtype)
-        return self.head.features(0, {0: embedding_1D})
-
-    def draft_tokens(self, context: list[int], steps: int, sampling: SamplingParams,
-                     generator: torch.Generator | None) -> tuple[list[int], list[torch.Tensor | None]]:
-        trailing = [(0, self._row(token)) for token in context[self.cache.length:]]  # the newest committed token
-        drafts, qs = [], []
-        for i in range(steps):
-            logits_1V = self.head.vocab_logits(self.head.query(self.cache, trailing, trailing[-1][1])).float()
-            token, q_V = _pick(logits_1V, sampling, generator)
-            drafts.append(token)
-            qs.append(q_V)
-            if i + 1 < steps:
-                trailing.append((0, self._row(token)))
-        return drafts, qs
-
-    def commit(self, kept: int, anchors: dict[int, torch.Tensor]) -> None:
-        """The target ran rows ``cache.length ..`` with ``anchors``; the first ``kept - cache.length`` stay."""
-        rows = kept - self.cache.length
-        if rows > 0:
-            depth = self.head.config.max_depth
-            self.head.append_memory(self.cache, self.head.features(
-                depth, {a: anchors[a][:, :rows].to(self._dtype) for a in self.head.config.anchors[depth]}))
+        drafter = DraftModelSource(drafter, target, 1, target_tokenizer, draft_tokenizer)
+    if not isinstance(drafter, (DraftModelSource, SerialHeadSource)):
+        raise SpdInputError(f"--mode sd drafts with a draft model or a head trained with variant=eagle, not with "
+                            f"{type(drafter).__name__}")
+    return drafter
 
 
 HYBRID_SD_ERROR = ("--mode sd does not run hybrid (linear-attention) models: the target verifies m drafts in one "
@@ -202,19 +141,23 @@ class SpeculativeDecoder(OneModeEngine):
 
     mode, engine_name = "sd", "speculative decoding"
 
-    def __init__(self, target: StagedModel, drafter: "DraftModelDrafter | HeadDrafter | StagedModel",
-                 draft_steps: int = 4, tokenizer=None, target_tokenizer=None, draft_tokenizer=None):
-        """``drafter``: a :class:`DraftModelDrafter` or :class:`HeadDrafter` (a bare StagedModel is a draft model)."""
+    def __init__(self, target: StagedModel, drafter: "Proposer | StagedModel", draft_steps: int = 4,
+                 tokenizer=None, target_tokenizer=None, draft_tokenizer=None):
+        """``drafter``: a :class:`~spd.decoding.tree_engine.DraftModelSource` or
+        :class:`~spd.decoding.serial_head.SerialHeadSource` (a bare StagedModel is a draft model)."""
         if not isinstance(draft_steps, int) or draft_steps < 1:
             raise SpdInputError(f"the number of draft steps must be a positive integer, got {draft_steps!r}")
         if target.is_hybrid:
             raise SpdInputError(HYBRID_SD_ERROR)
         if target.n_stages != 1:
             raise SpdInputError(f"--mode sd runs the whole target as one stage, but it was cut into {target.n_stages}")
-        if isinstance(drafter, StagedModel):
-            drafter = DraftModelDrafter(drafter, target, target_tokenizer or tokenizer, draft_tokenizer)
-        self.target, self.drafter, self.draft_steps, self.tokenizer = target, drafter, draft_steps, tokenizer
+        self.proposer = serial_proposer(drafter, target, target_tokenizer or tokenizer, draft_tokenizer)
+        self.target, self.draft_steps, self.tokenizer = target, draft_steps, tokenizer
         self.staged = target  # OneModeEngine's name for the target
+        # The cost model counts a draft model's layers (it runs serially here, not hidden behind a stage).
+        is_draft = isinstance(self.proposer, DraftModelSource)
+        self.source = "draft" if is_draft else "head"
+        self.draft_layers = self.proposer.draft.num_layers if is_draft else self.proposer.num_layers
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, draft_steps: int = 4,
@@ -237,21 +180,22 @@ class SpeculativeDecoder(OneModeEngine):
     def run(self, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: SamplingParams,
             eos_token_id: int | Sequence[int] | None = None, on_token: OnToken | None = None) -> GenerationOutput:
         """The iterations of the module docstring (no EOS unless given)."""
-        target, drafter, m = self.target, self.drafter, self.draft_steps
+        target, proposer, m = self.target, self.proposer, self.draft_steps
         prompt = as_prompt_ids(input_ids)
         budget = check_request(target, prompt, max_new_tokens)
         eos = eos_set(eos_token_id)
-        stats = SdStats(mode="sd", prompt_tokens=len(prompt), draft_steps=m, source=drafter.source,
-                        draft_layers=drafter.num_layers, target_layers=target.num_layers,
+        stats = SdStats(mode="sd", prompt_tokens=len(prompt), draft_steps=m, source=self.source,
+                        draft_layers=self.draft_layers, target_layers=target.num_layers,
                         verified_by_position=[0] * m, accepted_by_position=[0] * m)
         generator = None if sampling.greedy else sampling.generator(target.device)
         capacity = len(prompt) + budget + m + 1
         # The target runs 1 + m tokens and is cut back by up to m; KV caches truncate freely.
         target_caches = target.new_caches(capacity=capacity, rollback=m)
+        anchors = proposer.prefill_anchors  # what the proposer keeps of every row the target runs
 
         t0 = time.perf_counter()
-        prefill = target.forward_stages(_ids(prompt, target), target_caches, anchors=drafter.anchors)
-        drafter.start(prompt, prefill.anchors, capacity, m)
+        prefill = target.forward_stages(_ids(prompt, target), target_caches, anchors=anchors)
+        proposer.start(prompt, prefill.anchors, capacity)
         first = int(select_token(target.logits(prefill.hidden_BTD[:, -1]), sampling, generator)[0])
         stats.prefill_time_s = time.perf_counter() - t0
         out = [first]
@@ -264,11 +208,11 @@ class SpeculativeDecoder(OneModeEngine):
         while not stop:
             steps = min(m, budget - len(out) - 1)  # an iteration commits at most steps + 1 tokens
             tick = time.perf_counter()
-            drafts, qs = drafter.draft_tokens(context, steps, sampling, generator) if steps else ([], [])
+            drafts, qs = self._draft(context, steps, sampling, generator)
             stats.draft_time_s += time.perf_counter() - tick
             tick = time.perf_counter()
             start = target_caches[0].length
-            run = target.forward_stages(_ids([context[-1]] + drafts, target), target_caches, anchors=drafter.anchors)
+            run = target.forward_stages(_ids([context[-1]] + drafts, target), target_caches, anchors=anchors)
             logits_TV = target.logits(run.hidden_BTD[0])
             new, accepted = self._verify(logits_TV, drafts, qs, sampling, generator, stats)
             stats.target_time_s += time.perf_counter() - tick
@@ -278,7 +222,10 @@ class SpeculativeDecoder(OneModeEngine):
             # Keep the rows of the newest committed token and the accepted drafts; the rest is cut.
             StagedModel.truncate(target_caches, start + 1 + accepted)
             tick = time.perf_counter()
-            drafter.commit(start + 1 + accepted, run.anchors)
+            for i in range(1 + accepted):  # each kept row is committed, as a root leaving the last stage
+                proposer.commit_root(Level(start + i, run.hidden_BTD[:, i:i + 1], 1,
+                                           anchors={a: h[0, i:i + 1] for a, h in run.anchors.items()}))
+            proposer.reset(start + 1 + accepted)  # the chain is gone; that many committed rows are final
             stats.draft_time_s += time.perf_counter() - tick
             for j, token in enumerate(new):
                 out.append(token)
@@ -295,6 +242,22 @@ class SpeculativeDecoder(OneModeEngine):
         stats.new_tokens = len(out)
         stats.decode_tokens = len(out) - 1
         return GenerationOutput(out, stats, prompt)
+
+    @torch.inference_mode()
+    def _draft(self, context: list[int], steps: int, sampling: SamplingParams,
+               generator: torch.Generator | None) -> tuple[list[int], list[torch.Tensor | None]]:
+        """``steps`` drafts after the newest committed token ``context[-1]``, one after another: the proposer
+        expands a chain rooted at it one node at a time; and the distributions q they were drawn from (greedy:
+        None)."""
+        proposer, vocab = self.proposer, self.target.vocab_size
+        tree, drafts, qs = TokenTree(context[-1]), [], []
+        for _ in range(steps):
+            token, logprob, q_V = _pick(proposer.expand(tree, context[:-1], []), proposer.ids, vocab, sampling,
+                                        generator)
+            tree.append_child(token, logprob)
+            drafts.append(token)
+            qs.append(q_V)
+        return drafts, qs
 
     # ------------------------------------------------------------------------------------ pieces
     def _verify(self, logits_TV: torch.Tensor, drafts: list[int], qs: list[torch.Tensor | None],
@@ -341,6 +304,6 @@ def build_sd_engine(staged: StagedModel, tokenizer, draft_model: str | None, dra
         raise SpdInputError("--mode sd takes one drafter: --draft-model DIR_OR_ID (a small causal LM with the "
                             "target's tokenizer) or --speculator DIR_OR_ID (a head trained with variant=eagle)")
     if head is not None:
-        return SpeculativeDecoder(staged, HeadDrafter(head, staged), draft_steps, tokenizer)
+        return SpeculativeDecoder(staged, SerialHeadSource(head, staged), draft_steps, tokenizer)
     draft, draft_tokenizer = load_draft_model(draft_model, draft_revision, dtype, device)
     return SpeculativeDecoder(staged, draft, draft_steps, tokenizer, draft_tokenizer=draft_tokenizer)
