@@ -75,7 +75,7 @@ def train_head(staged: StagedModel, n: int, data_BT: torch.Tensor, steps: int, s
 
 
 def authors_main(args) -> None:
-    from spd.decoding.tree_engine import AuthorsHeadSource
+    from spd.decoding.tree_engine import HeadSource
     from spd.heads.published.authors_head import load_authors_head
 
     fixtures = TARGETS.parent
@@ -88,7 +88,7 @@ def authors_main(args) -> None:
         head = load_authors_head(str(fixtures / info["path"]), staged)
         runs = [r for r in expected["generate"] if r["head"] == name and r["use_deepest_arg"] is None]
         engines = [("chain", PipelineEngine(staged, head))]
-        engines += [(f"tree W = {w}", TreeEngine(staged, AuthorsHeadSource(head, staged, 4), w)) for w in args.widths]
+        engines += [(f"tree W = {w}", TreeEngine(staged, HeadSource(head, staged, 4), w)) for w in args.widths]
         for temperature in (0.0, 1.0):
             for run, engine in engines:
                 l_acc, same = [], 0

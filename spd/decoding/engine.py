@@ -50,8 +50,6 @@ from .sampling import SamplingParams
 from .stats import PipelineStats
 from .tree_engine import HeadSource, SpdHeadSource
 from .tree_width import FixedWidth
-from ..heads.draft_vocab import check_draft_vocab
-from ..heads.config import check_compatible
 from ..heads.speculator import Speculator
 from ..target.staging import StagedModel, load_target_tokenizer
 
@@ -64,23 +62,19 @@ class PipelineEngine:
 
     def __init__(self, staged: StagedModel, speculator: Speculator | None = None, tokenizer=None,
                  stages: LocalStages | None = None):
+        self.staged = staged
+        self.speculator = speculator
+        self.tokenizer = tokenizer
+        self.source = None  # the head as the loop's proposer (it checks the head fits the target)
         if speculator is not None:
-            check_compatible(speculator.config, staged, mode="spd")
-            if isinstance(speculator, Speculator):
-                check_draft_vocab(speculator, staged.vocab_size, tokenizer)
             head_param = next(speculator.parameters())
             if head_param.dtype != staged.dtype or head_param.device != staged.device:
                 raise SpdInputError(f"the speculator is {head_param.dtype} on {head_param.device} but the target is "
                                     f"{staged.dtype} on {staged.device}; load both with the same dtype and device")
-        self.staged = staged
-        self.speculator = speculator
-        self.tokenizer = tokenizer
-        self.source = None  # the head as the loop's proposer
-        if speculator is not None:
             spd_head = isinstance(speculator, Speculator) and speculator.config.schedule == "input" \
                 and speculator.config.max_depth == staged.n_stages
-            self.source = SpdHeadSource(speculator, staged, children=1) if spd_head else \
-                HeadSource(speculator, staged, children=1, mode="spd")
+            source = SpdHeadSource if spd_head else HeadSource
+            self.source = source(speculator, staged, children=1, mode="spd", tokenizer=tokenizer)
         self.stages = stages if stages is not None else LocalStages(staged)
         self.loop = StepLoop(staged, self.stages, FixedWidth(1, 1))
 

@@ -169,11 +169,13 @@ class SpdHeadSource:
 
     schedule = "input"
 
-    def __init__(self, head: Speculator, staged: StagedModel, children: int = 4):
+    def __init__(self, head: Speculator, staged: StagedModel, children: int = 4, mode: str = "tree", tokenizer=None):
+        """``mode`` names the CLI mode in the errors of the fit checks; ``tokenizer`` (optional) is checked against a
+        draft vocabulary's."""
         if not isinstance(head, Speculator):
             raise SpdInputError("SpdHeadSource takes our own heads; the SPD authors' heads are a HeadSource")
-        check_compatible(head.config, staged, mode="tree")
-        check_draft_vocab(head, staged.vocab_size)
+        check_compatible(head.config, staged, mode=mode)
+        check_draft_vocab(head, staged.vocab_size, tokenizer)
         cfg = head.config
         if cfg.schedule != "input" or cfg.max_depth != cfg.n_stages:
             raise SpdInputError(f"the tree mode needs an SPD head (input-state schedule, max depth n), but this head "
@@ -257,11 +259,11 @@ class HeadSource:
     paths); a node's query is the same whichever came before it.
     """
 
-    def __init__(self, head, staged: StagedModel, children: int = 4, mode: str = "tree"):
+    def __init__(self, head, staged: StagedModel, children: int = 4, mode: str = "tree", tokenizer=None):
         cfg = head.config
         check_compatible(cfg, staged, mode=mode)
         if isinstance(head, Speculator):
-            check_draft_vocab(head, staged.vocab_size)
+            check_draft_vocab(head, staged.vocab_size, tokenizer)
         self.head = head
         self.schedule = getattr(cfg, "schedule", "input")
         # A head that keeps rows before they leave stage n caches rows of tokens still in flight: chains only.
@@ -315,7 +317,6 @@ class HeadSource:
         self.cache.truncate(committed)
 
 
-AuthorsHeadSource = HeadSource  # the name under which the authors' heads were first a tree source
 
 
 class TreeEngine(OneModeEngine):
@@ -385,9 +386,9 @@ def build_tree_engine(staged: StagedModel, head, tokenizer, draft_model: str | N
     across processes).
     """
     if head is not None and not isinstance(head, Speculator):
-        source = HeadSource(head, staged, children)
+        source = HeadSource(head, staged, children, tokenizer=tokenizer)
     elif head is not None:
-        source = SpdHeadSource(head, staged, children)
+        source = SpdHeadSource(head, staged, children, tokenizer=tokenizer)
     else:
         draft, draft_tokenizer = load_draft_model(draft_model, draft_revision, dtype, device)
         source = DraftModelSource(draft, staged, children, tokenizer, draft_tokenizer)
