@@ -128,9 +128,15 @@ class PipelineEngine:
             use_head: bool = True) -> GenerationOutput:
         """One request through the step loop at width 1 (``use_head=False``: the standard pipeline); no EOS unless
         given."""
+        source, stats = self.request_parts(use_head)
+        return self.loop.run(source, input_ids, max_new_tokens, sampling, eos_token_id, on_token, stats)
+
+    def request_parts(self, use_head: bool = True) -> tuple[object | None, PipelineStats]:
+        """The proposer (None: the standard pipeline) and fresh statistics of one request."""
         head = self.speculator if use_head else None
+        if use_head and head is None:
+            raise SpdInputError("mode 'spd' needs a speculation head; pass a speculator or use mode 'pp'")
         stats = PipelineStats(mode="spd" if head is not None else "pp", prompt_tokens=0,
                               schedule=head.config.schedule if head is not None else "none",
                               speculator_layers=head.config.num_layers if head is not None else 0)
-        return self.loop.run(self.source if head is not None else None, input_ids, max_new_tokens, sampling,
-                             eos_token_id, on_token, stats)
+        return (self.source if head is not None else None), stats

@@ -55,6 +55,9 @@ a leading 1 is the batch.
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
+from dataclasses import dataclass
+
 import torch
 
 from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set, first_output, stop_reason
@@ -64,6 +67,7 @@ from .stats import PipelineStats, TreeStats
 from .tree import (Level, TokenTree, grow_sampled, grow_top_k, verify_greedy, verify_sampled_deterministic,
                    verify_sampled_recursive)
 from .tree_width import AdaptiveWidth, FixedWidth
+from ..target.ragged import Segment
 from ..target.staging import StageKVCache, StagedModel, StageOutput
 
 
@@ -98,22 +102,43 @@ class LocalStages:
     def advance(self, levels: list[Level], tree: TokenTree, committed: int) -> None:
         """Every level in flight runs its next stage: committed rows plus its ancestors, at committed + depth."""
         for level in levels:
-            stage, start, end = level.depth, level.start, level.start + level.size
+            stage = level.depth
             cache = self.caches[stage]
-            if cache.length != committed + start:
-                raise RuntimeError(f"stage {stage} holds {cache.length} rows but the level starting at tree node "
-                                   f"{start} expects {committed + start}")
+            self._check(level, committed)
             if self.paths:  # a chain's node: the next position, causal
                 out = self.staged.run_stage(stage, level.hidden_1TD, cache, anchors=self.stage_anchors[stage])
             else:
-                positions_1T = tree.positions(committed)[start:end][None].to(self.staged.device)
+                positions_1T, tree_mask_TN = self._tree_rows(level, tree, committed)
                 out = self.staged.run_stage(stage, level.hidden_1TD, cache, positions_1T,
-                                            anchors=self.stage_anchors[stage],
-                                            tree_mask_TN=tree.mask()[start:end, :end])
-            for index, hidden_1TD in out.anchors.items():
-                level.anchors[index] = hidden_1TD[0]
-            level.hidden_1TD = out.hidden_BTD
-            level.depth += 1
+                                            anchors=self.stage_anchors[stage], tree_mask_TN=tree_mask_TN)
+            self.took(level, out)
+
+    def segment(self, level: Level, tree: TokenTree, committed: int) -> Segment:
+        """The level's next stage as a segment of a ragged batch (:mod:`spd.target.ragged`; pooled caches)."""
+        self._check(level, committed)
+        if self.paths:
+            return Segment(self.caches[level.depth], level.hidden_1TD, anchors=self.stage_anchors[level.depth])
+        positions_1T, tree_mask_TN = self._tree_rows(level, tree, committed)
+        return Segment(self.caches[level.depth], level.hidden_1TD, positions_1T[0], tree_mask_TN,
+                       self.stage_anchors[level.depth])
+
+    def took(self, level: Level, out: StageOutput) -> None:
+        """The level ran its next stage with output ``out``."""
+        for index, hidden_1TD in out.anchors.items():
+            level.anchors[index] = hidden_1TD[0]
+        level.hidden_1TD = out.hidden_BTD
+        level.depth += 1
+
+    def _check(self, level: Level, committed: int) -> None:
+        cache = self.caches[level.depth]
+        if cache.length != committed + level.start:
+            raise RuntimeError(f"stage {level.depth} holds {cache.length} rows but the level starting at tree node "
+                               f"{level.start} expects {committed + level.start}")
+
+    def _tree_rows(self, level: Level, tree: TokenTree, committed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The level's position ids ``(1, T)`` (committed + depth) and its rows of the ancestor mask ``(T, N)``."""
+        start, end = level.start, level.start + level.size
+        return tree.positions(committed)[start:end][None].to(self.staged.device), tree.mask()[start:end, :end]
 
     def prune(self, committed: int, kept: torch.Tensor) -> None:
         """The root (row ``committed``) is committed; every stage keeps the subtree ``kept`` (old tree indices). A
@@ -124,6 +149,44 @@ class LocalStages:
     def flush(self, length: int) -> None:
         """Drop every in-flight activation and cut every stage's KV cache to ``length`` tokens."""
         self.staged.truncate(self.caches, length)
+
+
+@dataclass
+class Prefill:
+    """Work a request hands its driver: the prompt through every stage (fresh caches of ``capacity`` rows); the
+    driver answers with the :class:`~spd.target.staging.StageOutput` (H^L and ``anchors`` for every position)."""
+
+    ids_1T: torch.Tensor
+    anchors: list[int]
+    capacity: int
+
+
+@dataclass
+class Advance:
+    """Work a request hands its driver: every level of ``levels`` runs its next stage (``stages.advance``).
+
+    ``after_verify``: the second advance of a step whose root level left stage ``n`` (the other levels, after the
+    verification pruned them); a batched driver runs every request's first advances together, then their second.
+    """
+
+    levels: list[Level]
+    tree: TokenTree
+    committed: int
+    after_verify: bool = False
+
+
+def drive(stages, steps: Generator) -> GenerationOutput:
+    """Run one request's :meth:`StepLoop.steps` on ``stages`` alone: each work item as soon as it is handed over."""
+    try:
+        work = next(steps)
+        while True:
+            if isinstance(work, Prefill):
+                work = steps.send(stages.prefill(work.ids_1T, work.anchors, work.capacity))
+            else:
+                stages.advance(work.levels, work.tree, work.committed)
+                work = steps.send(None)
+    except StopIteration as done:
+        return done.value
 
 
 def verify_sampled(p_V: torch.Tensor, tokens_C: torch.Tensor, q_V: torch.Tensor,
@@ -137,7 +200,6 @@ class StepLoop:
 
     def __init__(self, staged: StagedModel, stages, policy: FixedWidth | AdaptiveWidth, candidates: str = "auto"):
         self.staged, self.stages, self.policy, self.candidates = staged, stages, policy, candidates
-        self._needs_embedding = False
         self.verify_sampled = verify_sampled  # the rule for sampled children (a test swaps in a lossy control)
 
     def stage_anchors(self, source: Proposer | None) -> list[list[int]]:
@@ -149,7 +211,21 @@ class StepLoop:
     def run(self, source: Proposer | None, input_ids, max_new_tokens: int, sampling: SamplingParams,
             eos_token_id, on_token: OnToken | None, stats: PipelineStats) -> GenerationOutput:
         """One request (no EOS unless given); ``stats`` is filled in (a TreeStats gets the tree's counters too)."""
-        staged, stages, policy = self.staged, self.stages, self.policy
+        return drive(self.stages, self.steps(source, input_ids, max_new_tokens, sampling, eos_token_id, on_token,
+                                             stats))
+
+    def steps(self, source: Proposer | None, input_ids, max_new_tokens: int, sampling: SamplingParams,
+              eos_token_id, on_token: OnToken | None, stats: PipelineStats, stages=None,
+              policy: FixedWidth | AdaptiveWidth | None = None) -> Generator[Prefill | Advance, object,
+                                                                            GenerationOutput]:
+        """The loop of one request as a generator: it hands its stage work (:class:`Prefill`, :class:`Advance`) to a
+        driver and returns the :class:`GenerationOutput`. :meth:`run` drives it alone (:func:`drive`); a batched
+        driver runs the work of many requests together. ``stages`` and ``policy`` are the request's own (default:
+        this loop's); every other call on ``stages`` (``configure``, ``launch_level``, ``prune``, ``flush``) is
+        made here, on the request's own back-end."""
+        staged = self.staged
+        stages = self.stages if stages is None else stages
+        policy = self.policy if policy is None else policy
         prompt = as_prompt_ids(input_ids)
         budget = check_request(staged, prompt, max_new_tokens)
         eos = eos_set(eos_token_id)
@@ -165,16 +241,21 @@ class StepLoop:
         capacity = end_position + n * policy.max_width + 1
         policy.reset()
         schedule = source.schedule if source is not None else "none"
-        self._needs_embedding = source is not None and 0 in source.needed_anchors
+        needs_embedding = source is not None and 0 in source.needed_anchors
         stages.configure(self.stage_anchors(source), paths=policy.max_width == 1)
 
         t0 = time.perf_counter()
-        first = self._prefill(source, prompt, sampling, generator, capacity)
+        # Run the prompt through every stage and the proposer; the first new token comes from the last logits.
+        prefill = yield Prefill(torch.tensor([prompt], dtype=torch.long, device=staged.device),
+                                list(source.prefill_anchors) if source is not None else [], capacity)
+        if source is not None:
+            source.start(prompt, prefill.anchors, capacity)
+        first = self._first_token(prefill.hidden_BTD, sampling, generator)
         stats.prefill_time_s = time.perf_counter() - t0
         out, stop = first_output(first, stats, eos, budget, max_new_tokens, on_token)
         context = list(prompt)  # committed tokens before the root (the rows every stage keeps)
         tree = TokenTree(first)
-        levels = [self._enter(tree, 0, 1, rank=0)]
+        levels = [self._enter(tree, 0, 1, rank=0, needs_embedding=needs_embedding)]
         grown = 0  # levels added since the last (re)seed
 
         def grow() -> Level | None:
@@ -200,15 +281,7 @@ class StepLoop:
             stats.proposals += new_N.numel()
             # While the seed (a root of rank 0) is in flight the pipeline is still refilling.
             rank = min(grown, n) if levels[0].rank == 0 else n
-            return self._enter(tree, int(new_N[0]), len(tree), rank=rank)
-
-        def advance(moving: list[Level], committed: int) -> None:
-            """Step 2 for ``moving``; the proposer sees their new state."""
-            tick = time.perf_counter()
-            stages.advance(moving, tree, committed)
-            stats.stage_time_s += time.perf_counter() - tick
-            if source is not None:
-                source.advanced(moving, tree, committed)
+            return self._enter(tree, int(new_N[0]), len(tree), rank=rank, needs_embedding=needs_embedding)
 
         while not stop:
             stats.steps += 1
@@ -227,7 +300,12 @@ class StepLoop:
                 tree_stats.stage_nodes += sum(level.size for level in levels)
             # 2. Every stage advances the level it holds. The root's level, leaving stage n, is taken first, so
             #    that its verification (3) releases stage 1's next level before the other reports are read.
-            advance(levels[:1] if exits else levels, committed)
+            moving = levels[:1] if exits else levels
+            tick = time.perf_counter()
+            yield Advance(moving, tree, committed)
+            stats.stage_time_s += time.perf_counter() - tick
+            if source is not None:
+                source.advanced(moving, tree, committed)
             if exits:
                 # 3. The root left stage n: the target's p for the next position decides among its children.
                 tick = time.perf_counter()
@@ -236,7 +314,7 @@ class StepLoop:
                 if new_level is not None:
                     levels.append(new_level)
                     new_level = None
-                token, child = self._verify(root, tree, levels, sampling, generator, stats, rule)
+                token, child = self._verify(root, tree, levels, sampling, generator, stats, rule, policy)
                 proposed = len(tree) > 1
                 context.append(int(tree.tokens_N[0]))
                 out.append(token)
@@ -252,7 +330,7 @@ class StepLoop:
                     tree.reset(token)
                     if proposed:
                         stages.flush(committed + 1)
-                    levels = [self._enter(tree, 0, 1, rank=0)]
+                    levels = [self._enter(tree, 0, 1, rank=0, needs_embedding=needs_embedding)]
                     grown = 0
                     rest = []  # discarded with the flush
                 if not stop and levels[-1].depth == 0:
@@ -270,7 +348,11 @@ class StepLoop:
                 if stop:
                     break
                 if rest:
-                    advance(rest, len(context))
+                    tick = time.perf_counter()
+                    yield Advance(rest, tree, len(context), after_verify=True)
+                    stats.stage_time_s += time.perf_counter() - tick
+                    if source is not None:
+                        source.advanced(rest, tree, len(context))
             if new_level is not None:
                 levels.append(new_level)
             # Output-state proposers read the state after the stages ran (serial with them).
@@ -286,24 +368,20 @@ class StepLoop:
         return GenerationOutput(out, stats, prompt)
 
     # ------------------------------------------------------------------------------------ pieces
-    def _prefill(self, source: Proposer | None, prompt: list[int], sampling: SamplingParams,
-                 generator: torch.Generator | None, capacity: int) -> int:
-        """Run the prompt through every stage and the proposer; the first new token comes from the last logits."""
-        staged = self.staged
-        ids_1T = torch.tensor([prompt], dtype=torch.long, device=staged.device)
-        out = self.stages.prefill(ids_1T, list(source.prefill_anchors) if source is not None else [], capacity)
-        if source is not None:
-            source.start(prompt, out.anchors, capacity)
-        logits_1V = staged.logits(out.hidden_BTD[:, -1])
+    def _first_token(self, hidden_1TD: torch.Tensor, sampling: SamplingParams,
+                     generator: torch.Generator | None) -> int:
+        """The first new token, from the prompt's last logits."""
+        logits_1V = self.staged.logits(hidden_1TD[:, -1])
         if sampling.greedy:
             return int(torch.argmax(logits_1V, dim=-1))
         return int(torch.multinomial(warped_probs(logits_1V, sampling), 1, generator=generator))
 
-    def _enter(self, tree: TokenTree, start: int, end: int, rank: int) -> Level:
-        """Tree nodes ``[start, end)`` about to enter stage 1: their embeddings are H^0."""
+    def _enter(self, tree: TokenTree, start: int, end: int, rank: int, needs_embedding: bool) -> Level:
+        """Tree nodes ``[start, end)`` about to enter stage 1: their embeddings are H^0 (also an anchor when the
+        proposer reads ``H^0``)."""
         hidden_1TD = self.staged.embed(tree.tokens_N[start:end][None].to(self.staged.device))
         level = Level(start, hidden_1TD, rank=rank)
-        if self._needs_embedding:
+        if needs_embedding:
             level.anchors[0] = hidden_1TD[0]
         return level
 
@@ -328,7 +406,8 @@ class StepLoop:
         return level
 
     def _verify(self, root: Level, tree: TokenTree, levels: list[Level], sampling: SamplingParams,
-                generator: torch.Generator | None, stats: PipelineStats, rule: str) -> tuple[int, int | None]:
+                generator: torch.Generator | None, stats: PipelineStats, rule: str,
+                policy: FixedWidth | AdaptiveWidth) -> tuple[int, int | None]:
         """The committed token after the root and the tree index of the accepted child (None: a miss or nothing
         to verify)."""
         logits_1V = self.staged.logits(root.hidden_1TD[:, -1])
@@ -345,7 +424,7 @@ class StepLoop:
             index, token = self.verify_sampled(p_V, tokens_C, tree.drafts[0].to(p_V.device), generator)
         else:
             index, token = verify_sampled_deterministic(warped_probs(logits_1V, sampling)[0], tokens_C, generator)
-        self.policy.observe(index)
+        policy.observe(index)
         rank = levels[0].rank  # the children's level is the oldest one still in flight
         stats.verified += 1
         stats.verified_by_position[rank - 1] += 1

@@ -365,13 +365,18 @@ class TreeEngine(OneModeEngine):
             eos_token_id: int | Sequence[int] | None = None,
             on_token: OnToken | None = None) -> GenerationOutput:
         """One request through the step loop (:mod:`spd.decoding.loop`; no EOS unless given)."""
+        source, stats = self.request_parts()
+        return self.loop.run(source, input_ids, max_new_tokens, sampling, eos_token_id, on_token, stats)
+
+    def request_parts(self, use_head: bool = True) -> tuple[DraftModelSource | SpdHeadSource | HeadSource, TreeStats]:
+        """The proposer and fresh statistics of one request."""
         source, policy = self.source, self.policy
         stats = TreeStats(mode="tree", prompt_tokens=0, schedule=source.schedule,
                           speculator_layers=source.num_layers,
                           source="draft" if isinstance(source, DraftModelSource) else "head", width=self.width,
                           children=policy.max_children,
                           accepted_by_sibling=[0] * max(policy.max_width, policy.max_children))
-        return self.loop.run(source, input_ids, max_new_tokens, sampling, eos_token_id, on_token, stats)
+        return source, stats
 
 
 LocalTreeStages = LocalStages  # the tree engine's back-end is the one stage back-end

@@ -61,6 +61,20 @@ class StageKVCache:
         self.values_LBHkCDh = self._alloc(capacity)
         # Position id of each cached row; tree nodes sit at committed length + depth, not at their row.
         self.positions_C = torch.zeros(capacity, dtype=torch.long, device=self._device)
+        self.base: int | None = None  # the first row in a shared pool (spd.target.kv_pool); None: buffers of its own
+
+    @classmethod
+    def over(cls, layer_ids: list[int], keys_LBHkCDh: torch.Tensor, values_LBHkCDh: torch.Tensor,
+             positions_C: torch.Tensor, base: int) -> "StageKVCache":
+        """An empty cache whose buffers are the given views (rows ``base..`` of a :class:`spd.target.kv_pool.KVPool`);
+        it never grows (:meth:`reserve` refuses)."""
+        cache = cls.__new__(cls)
+        cache.slot = {layer: i for i, layer in enumerate(layer_ids)}
+        cache.linear, cache.length, cache.base = None, 0, base
+        cache._shape = (keys_LBHkCDh.shape[1], keys_LBHkCDh.shape[2], keys_LBHkCDh.shape[4])
+        cache._dtype, cache._device = keys_LBHkCDh.dtype, keys_LBHkCDh.device
+        cache.keys_LBHkCDh, cache.values_LBHkCDh, cache.positions_C = keys_LBHkCDh, values_LBHkCDh, positions_C
+        return cache
 
     def _alloc(self, capacity: int) -> torch.Tensor:
         b, h, d = self._shape
@@ -74,6 +88,8 @@ class StageKVCache:
         """Make room for ``length`` tokens (grows geometrically, keeps the contents)."""
         if length <= self.capacity:
             return
+        if self.base is not None:
+            raise RuntimeError(f"a pooled KV cache of {self.capacity} rows cannot hold {length}")
         new_capacity = max(length, 2 * self.capacity)
         for name in ("keys_LBHkCDh", "values_LBHkCDh"):
             old = getattr(self, name)

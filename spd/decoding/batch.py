@@ -1,0 +1,311 @@
+"""Many requests in one pipeline: dynamic batching over the step loop (docs/method.md §9; SpecPipe-DB).
+
+Each request runs the one step loop (:meth:`spd.decoding.loop.StepLoop.steps`, a generator) with its own proposer,
+tree, width policy, sampling parameters and seed, and its own stage caches: a region of a shared
+:class:`~spd.target.kv_pool.KVPool`. The loop hands its stage work to a driver instead of running it;
+:class:`BatchedPipeline` is the driver of many. One pipeline **step** of the batch:
+
+1. Admission (at the step boundary): queued requests join, first come first served, while fewer than ``max_batch``
+   are in flight and the pool has a region as long as the request's longest possible sequence (the KV memory
+   bound); a request that waits is never dropped. A request the pool could never hold fails with one error.
+2. Every stage runs, as one ragged batch (:func:`spd.target.ragged.run_ragged`), the work at that stage of every
+   request: the levels in flight of the running requests (a chain's token, a tree level) and one chunk of each
+   newcomer's prompt. A prompt enters the pipeline ``prefill_chunk`` tokens per step and flows stage by stage like
+   the levels, so a newcomer never stalls the requests in flight for its whole prompt (chunked, pipelined
+   prefill); its first token comes when its last chunk leaves stage ``n``.
+3. Each running request verifies and prunes or flushes on its own (its rejection touches only its own region),
+   then the stages run the levels that must move after the verification (the second advance of a step, as in the
+   single-request loop), again batched.
+4. Finished requests (EOS, budget, a stop string, a cancel) leave and give their region back; a request whose own
+   work raises fails alone, the others go on.
+
+A batch of one runs exactly the single-request engine's loop; the ragged call of one segment is the stage call of
+one request. With several requests the matrix products have other shapes, so fp32 results may differ from a solo
+run in the last bits: greedy output equals the request's solo output except where the solo run's top-two logits
+are that close (``tests/test_batch.py`` reports every such case).
+
+Not batched yet: the proposer (each request's proposer is queried on its own, one after another) and hybrid
+targets (their recurrent state is per request: refused with one line).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import SpdInputError
+from ..target.kv_pool import KVPool, Region
+from ..target.ragged import Segment, run_ragged
+from ..target.staging import StageOutput
+from .generation import GenerationOutput, OnToken
+from .loop import Advance, LocalStages, Prefill
+from .sampling import SamplingParams
+
+DEFAULT_ROWS_PER_REQUEST = 2048  # the pool's default size: this many rows per request of max_batch
+
+
+@dataclass
+class _Chunk:
+    """A piece of a newcomer's prompt in flight: rows ``[start, end)``, at stage ``depth``."""
+
+    start: int
+    end: int
+    hidden_1TD: torch.Tensor
+    depth: int = 0
+    anchors: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class BatchRequest:
+    """One request of a :class:`BatchedPipeline`: its loop, its caches and where it stands.
+
+    ``state`` is ``queued``, ``prefill``, ``running``, then ``done`` (``output`` holds the result), ``failed``
+    (``error`` holds the exception) or ``cancelled`` (cancelled before its first token)."""
+
+    def __init__(self, rid: int, steps, stages: LocalStages, on_done: Callable[["BatchRequest"], None] | None):
+        self.id, self.steps, self.stages, self.on_done = rid, steps, stages, on_done
+        self.state = "queued"
+        self.work: Prefill | Advance | None = None
+        self.region: Region | None = None
+        self.output: GenerationOutput | None = None
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.chunks: list[_Chunk] = []  # the prompt in flight (state prefill)
+        self.next_row = 0  # the prompt's first row not yet in flight
+        self.prefill_anchors: dict[int, list[torch.Tensor]] = {}
+        self.submitted = time.perf_counter()
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("done", "failed", "cancelled")
+
+    def cancel(self) -> None:
+        """End the request: before its first token it leaves at once, after it at its next token
+        (``stop_reason`` "stopped")."""
+        self.cancelled = True
+
+
+class BatchedPipeline:
+    """Runs many requests at once through one engine's staged target (see the module docstring).
+
+    ``engine`` is a :class:`~spd.decoding.engine.PipelineEngine` (modes ``spd`` and ``pp``) or a
+    :class:`~spd.decoding.tree_engine.TreeEngine` (``tree``) whose stages run in this process. ``kv_rows`` is the
+    pool's size in rows (default ``max_batch * 2048``); ``prefill_chunk`` how many prompt tokens enter per step.
+    """
+
+    def __init__(self, engine, max_batch: int = 8, kv_rows: int | None = None, prefill_chunk: int = 64):
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise SpdInputError(f"the batch size must be a positive integer, got {max_batch!r}")
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise SpdInputError(f"the prefill chunk must be a positive number of tokens, got {prefill_chunk!r}")
+        if type(engine.stages) is not LocalStages:
+            raise SpdInputError("batched decoding runs the stages in this process; the distributed runtime serves "
+                                "one request at a time (--max-batch 1)")
+        self.engine, self.staged, self.loop = engine, engine.staged, engine.loop
+        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.pool = KVPool(self.staged, kv_rows if kv_rows is not None else max_batch * DEFAULT_ROWS_PER_REQUEST)
+        self.queue: deque[BatchRequest] = deque()
+        self.active: list[BatchRequest] = []
+        self.steps = 0  # pipeline steps run
+        self.batch_sizes: list[int] = []  # requests in flight at each step
+        self.kv_waits = 0  # admissions put off because the pool had no region long enough
+        self.stage_tokens: list[list[int]] = []  # per step, the tokens each stage ran (both advances, prompt chunks)
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------------------------- public
+    def submit(self, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int = 128,
+               sampling: SamplingParams = SamplingParams(), eos_token_id: int | Sequence[int] | None = None,
+               on_token: OnToken | None = None, mode: str | None = None,
+               on_done: Callable[[BatchRequest], None] | None = None) -> BatchRequest:
+        """Queue a request (token ids; no EOS unless given). ``mode``: ``spd`` or ``pp`` on a chain engine (default:
+        spd with a head), ``tree`` on a tree engine. Bad input raises here, with one line; the request then never
+        joins. ``on_token(token, accepted)`` is called for each committed token and may return True to end it;
+        ``on_done(request)`` when it ends."""
+        use_head = self._use_head(mode)
+        source, stats = self.engine.request_parts(use_head)
+        stages = LocalStages(self.staged)
+        request = BatchRequest(next(self._ids), None, stages, on_done)
+
+        def tokens(token: int, accepted: bool) -> bool:
+            stop = bool(on_token(token, accepted)) if on_token is not None else False
+            return stop or request.cancelled
+
+        # Each request has its own proposer state and width policy (the head's weights are shared).
+        steps = self.loop.steps(copy.copy(source) if source is not None else None, input_ids, max_new_tokens,
+                                sampling, eos_token_id, tokens, stats, stages=stages,
+                                policy=copy.deepcopy(self.loop.policy))
+        request.steps = steps
+        request.work = next(steps)  # validates the request and asks for its prefill
+        if request.work.capacity > self.pool.rows:
+            steps.close()
+            raise SpdInputError(f"this request needs {request.work.capacity} KV rows (prompt, budget and the tree in "
+                                f"flight), but the pool holds {self.pool.rows}; shorten it or give the pool more rows")
+        self.queue.append(request)
+        return request
+
+    @property
+    def busy(self) -> bool:
+        """Requests are queued or in flight."""
+        return bool(self.queue or self.active)
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """One pipeline step of every request in flight (see the module docstring)."""
+        self._admit()
+        if not self.active:
+            return
+        self.steps += 1
+        self.batch_sizes.append(len(self.active))
+        self.stage_tokens.append([0] * self.staged.n_stages)
+        # 2. Every stage's work of every request, one ragged call per stage.
+        advancing = [r for r in self.active if r.state == "running"]
+        self._run_stages(advancing, [r for r in self.active if r.state == "prefill"])
+        for request in advancing:
+            self._resume(request, None)
+        for request in [r for r in self.active if r.state == "prefill"]:
+            self._prefill_progress(request)
+        # 3. The levels that move after a verification.
+        second = [r for r in self.active if r.state == "running" and r.work.after_verify]
+        if second:
+            self._run_stages(second, [])
+            for request in second:
+                self._resume(request, None)
+        self._leave()
+
+    def run(self) -> None:
+        """Step until every request has ended."""
+        while self.busy:
+            self.step()
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,
+                 sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+                 eos_token_id: int | Sequence[int] | None = None, mode: str | None = None) -> list[GenerationOutput]:
+        """Every prompt as a request of this batch (one sampling setting, or one per prompt); their outputs."""
+        settings = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        requests = [self.submit(p, max_new_tokens, s, eos_token_id, mode=mode) for p, s in zip(prompts, settings)]
+        self.run()
+        for request in requests:
+            if request.error is not None:
+                raise request.error
+        return [request.output for request in requests]
+
+    # ------------------------------------------------------------------------------------ pieces
+    def _use_head(self, mode: str | None) -> bool:
+        modes = ("tree",) if getattr(self.engine, "mode", None) == "tree" else ("spd", "pp")
+        mode = mode or modes[0]
+        if mode not in modes:
+            raise SpdInputError(f"this batched pipeline runs mode {' or '.join(modes)}, not '{mode}'")
+        return mode != "pp"
+
+    def _admit(self) -> None:
+        """Queued requests join while the batch and the pool have room (first come, first served)."""
+        while self.queue and len(self.active) < self.max_batch:
+            request = self.queue[0]
+            if request.cancelled:
+                self.queue.popleft()
+                request.steps.close()
+                self._end(request, "cancelled")
+                continue
+            region = self.pool.allocate(request.work.capacity)
+            if region is None:
+                self.kv_waits += 1
+                return  # it waits for a region (the KV memory bound)
+            self.queue.popleft()
+            request.region = region
+            request.stages.caches = self.pool.caches(region)
+            request.state = "prefill"
+            self.active.append(request)
+
+    def _run_stages(self, running: list[BatchRequest], prefilling: list[BatchRequest]) -> None:
+        """Each stage once over every listed request's work at that stage: levels in flight and prompt chunks."""
+        n = self.staged.n_stages
+        calls: list[list[tuple[Segment, Callable[[StageOutput], None]]]] = [[] for _ in range(n)]
+        for request in running:
+            work = request.work
+            for level in work.levels:
+                calls[level.depth].append((request.stages.segment(level, work.tree, work.committed),
+                                           lambda out, level=level, stages=request.stages: stages.took(level, out)))
+        for request in prefilling:
+            self._next_chunk(request)
+            for chunk in request.chunks:
+                s = chunk.depth
+                calls[s].append((Segment(request.stages.caches[s], chunk.hidden_1TD,
+                                         anchors=self._prefill_anchors(request, s)),
+                                 lambda out, chunk=chunk: self._chunk_took(chunk, out)))
+        for stage, work in enumerate(calls):  # every piece of work was taken before any ran: one stage each
+            self.stage_tokens[-1][stage] += sum(segment.size for segment, _ in work)
+            if work:
+                for (_, took), out in zip(work, run_ragged(self.pool, stage, [segment for segment, _ in work])):
+                    took(out)
+
+    def _next_chunk(self, request: BatchRequest) -> None:
+        """The prompt's next chunk enters stage 1 (if any is left)."""
+        ids_1T = request.work.ids_1T
+        start = request.next_row
+        if start >= ids_1T.shape[1]:
+            return
+        end = min(start + self.prefill_chunk, ids_1T.shape[1])
+        chunk = _Chunk(start, end, self.staged.embed(ids_1T[:, start:end]))
+        if 0 in request.work.anchors:
+            chunk.anchors[0] = chunk.hidden_1TD
+        request.chunks.append(chunk)
+        request.next_row = end
+
+    def _prefill_anchors(self, request: BatchRequest, stage: int) -> list[int]:
+        """The prompt's H^l that ``stage`` reports: l in (b[s], b[s+1]] (H^0 is taken at entry)."""
+        b = self.staged.boundaries
+        return [a for a in request.work.anchors if b[stage] < a <= b[stage + 1]]
+
+    @staticmethod
+    def _chunk_took(chunk: _Chunk, out: StageOutput) -> None:
+        chunk.anchors.update(out.anchors)
+        chunk.hidden_1TD = out.hidden_BTD
+        chunk.depth += 1
+
+    def _prefill_progress(self, request: BatchRequest) -> None:
+        """Chunks that left stage n are done; after the last one the request gets its prefill's output."""
+        n, total = self.staged.n_stages, request.work.ids_1T.shape[1]
+        while request.chunks and request.chunks[0].depth == n:
+            chunk = request.chunks.pop(0)
+            for index, hidden_1TD in chunk.anchors.items():
+                request.prefill_anchors.setdefault(index, []).append(hidden_1TD)
+            if chunk.end == total:  # H^L of the prompt's last chunk (the first token reads its last row)
+                anchors = {a: torch.cat(parts, dim=1) for a, parts in request.prefill_anchors.items()}
+                request.prefill_anchors = {}
+                request.state = "running"
+                self._resume(request, StageOutput(chunk.hidden_1TD, anchors))
+
+    def _resume(self, request: BatchRequest, value) -> None:
+        """Hand the request its work's result; it runs to its next work item, or ends."""
+        try:
+            request.work = request.steps.send(value)
+        except StopIteration as done:
+            request.output = done.value
+            self._end(request, "done")
+        except Exception as exc:  # this request's own failure: the others go on
+            request.error = exc
+            self._end(request, "failed")
+
+    def _end(self, request: BatchRequest, state: str) -> None:
+        request.state = state
+        request.work = None
+        request.chunks = []
+        if request.region is not None:
+            self.pool.release(request.region)
+            request.region = None
+            request.stages.caches = []
+        if request.on_done is not None:
+            request.on_done(request)
+
+    def _leave(self) -> None:
+        """Finished requests leave; requests cancelled before their first token leave now."""
+        for request in self.active:
+            if request.state == "prefill" and request.cancelled:
+                request.steps.close()
+                self._end(request, "cancelled")
+        self.active = [r for r in self.active if not r.finished]

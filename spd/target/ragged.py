@@ -1,0 +1,138 @@
+"""One stage call over the new tokens of many requests: a ragged batch (docs/method.md §9).
+
+Each request contributes a *segment*: its new tokens at this stage (a chain's token, a tree level, or a chunk of a
+prompt) with their position ids and, for tree nodes, their ancestor mask. The segments are packed into one
+sequence, so every matrix product of the stage (projections, MLP) runs once for all of them; the attention reads
+the keys of every request from the shared :class:`~spd.target.kv_pool.KVPool` buffer in one call, under a mask
+that lets each token see exactly what it would see in its own request's stage call: its request's rows (the
+committed prefix, and of the tree only its ancestors, or causally the chunk's earlier tokens), never another
+request's. New keys and values are written straight into each request's region.
+
+Shape suffixes: S packed tokens (every segment's), T one segment's tokens, N a segment's tree nodes, W the pool
+rows the batch spans, D hidden size, Hk KV heads, Dh head dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import SpdInputError
+from .kv_pool import KVPool
+from .staging import StageKVCache, StageOutput, _backend_mask, attention_mask, cache_keyword, tree_attention_mask
+
+
+@dataclass
+class Segment:
+    """A request's new tokens at one stage: ``hidden_1TD`` appended to ``cache`` (a pooled cache), at
+    ``positions_T`` (None: the next positions, ``cache.length + i``); ``tree_mask_TN`` the ancestor mask over the last
+    N rows after appending (None: causal among the new tokens); ``anchors`` the ``H^l`` to return."""
+
+    cache: StageKVCache
+    hidden_1TD: torch.Tensor
+    positions_T: torch.Tensor | None = None
+    tree_mask_TN: torch.Tensor | None = None
+    anchors: list[int] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return self.hidden_1TD.shape[1]
+
+
+class _PooledWrite:
+    """The cache a layer sees in a ragged call: ``update`` writes the packed keys/values into each request's rows of
+    the pool and returns the rows the batch spans."""
+
+    def __init__(self, pool: KVPool, stage: int, rows_S: torch.Tensor, lo: int, hi: int):
+        self.keys_LBHkCDh, self.values_LBHkCDh = pool.keys_LBHkCDh[stage], pool.values_LBHkCDh[stage]
+        self.slot = {layer: i for i, layer in enumerate(pool.layer_ids[stage])}
+        self.rows_S, self.lo, self.hi = rows_S, lo, hi
+
+    def update(self, key_BHkSDh: torch.Tensor, value_BHkSDh: torch.Tensor, layer_idx: int, *args, **kwargs):
+        i = self.slot[layer_idx]
+        self.keys_LBHkCDh[i, 0].index_copy_(1, self.rows_S, key_BHkSDh[0])
+        self.values_LBHkCDh[i, 0].index_copy_(1, self.rows_S, value_BHkSDh[0])
+        return (self.keys_LBHkCDh[i, :, :, self.lo:self.hi], self.values_LBHkCDh[i, :, :, self.lo:self.hi])
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+
+def _mask(segments: list[Segment], allowed_SW: torch.Tensor, q_pos_S: torch.Tensor, key_pos_W: torch.Tensor,
+          window: int | None, impl: str, dtype: torch.dtype) -> torch.Tensor | None:
+    """The attention mask of one window size. A lone segment gets the mask its own stage call would get (None where
+    the backend's default is exact), so that a batch of one computes bit for bit what the single-request engine
+    does; its keys are exactly its request's rows then."""
+    if len(segments) == 1:
+        seg = segments[0]
+        if seg.tree_mask_TN is not None:
+            return tree_attention_mask(q_pos_S, key_pos_W, seg.tree_mask_TN.to(q_pos_S.device), window, impl, dtype)
+        return attention_mask(q_pos_S, key_pos_W.shape[0], window, impl, dtype, contiguous=seg.positions_T is None)
+    return _backend_mask(allowed_SW, q_pos_S, key_pos_W, window, impl, dtype)
+
+
+def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageOutput]:
+    """Run ``stage`` once over every segment (each cache a region of ``pool``); one output per segment, as
+    :meth:`spd.target.staging.StagedModel.run_stage` would give for it alone."""
+    staged = pool.staged
+    first, last = staged.boundaries[stage], staged.boundaries[stage + 1]
+    device = staged.device
+    rows, positions, blocks = [], [], []
+    for seg in segments:
+        cache, t = seg.cache, seg.size
+        if cache.base is None:
+            raise RuntimeError("run_ragged needs caches from a KVPool")
+        start, kv_len = cache.length, cache.length + seg.size
+        if kv_len > cache.capacity:
+            raise RuntimeError(f"a pooled KV cache of {cache.capacity} rows cannot hold {kv_len}")
+        pos_T = torch.arange(start, kv_len, device=device) if seg.positions_T is None else seg.positions_T.to(device)
+        cache.positions_C[start:kv_len] = pos_T
+        if seg.tree_mask_TN is None:
+            allowed_TK = torch.arange(kv_len, device=device)[None, :] <= torch.arange(start, kv_len, device=device)[:, None]
+        else:
+            tree_TN = seg.tree_mask_TN.to(device)
+            if tree_TN.dtype != torch.bool or tree_TN.shape[0] != t or not t <= tree_TN.shape[1] <= kv_len:
+                raise SpdInputError(f"run_ragged: a tree mask must be a bool (T, N) tensor with T = {t} and "
+                                    f"{t} <= N <= {kv_len}, got {tree_TN.dtype} {tuple(tree_TN.shape)}")
+            allowed_TK = torch.cat([torch.ones(t, kv_len - tree_TN.shape[1], dtype=torch.bool, device=device),
+                                    tree_TN], dim=1)
+        rows.append(cache.base + torch.arange(start, kv_len, device=device))
+        positions.append(pos_T)
+        blocks.append(allowed_TK)
+    lo = min(seg.cache.base for seg in segments)
+    hi = max(seg.cache.base + seg.cache.length + seg.size for seg in segments)
+    rows_S, q_pos_S = torch.cat(rows), torch.cat(positions)
+    allowed_SW = torch.zeros(rows_S.shape[0], hi - lo, dtype=torch.bool, device=device)
+    offset = 0
+    for seg, allowed_TK in zip(segments, blocks):
+        column = seg.cache.base - lo
+        allowed_SW[offset:offset + seg.size, column:column + allowed_TK.shape[1]] = allowed_TK
+        offset += seg.size
+
+    hidden_1SD = torch.cat([seg.hidden_1TD for seg in segments], dim=1)
+    position_ids_1S = q_pos_S[None]
+    position_embeddings = staged.rope(hidden_1SD, position_ids_1S)
+    key_pos_W = pool.positions_C[stage][lo:hi]
+    cache = _PooledWrite(pool, stage, rows_S, lo, hi)
+    wanted = {a for seg in segments for a in seg.anchors}
+    collected = {first: hidden_1SD} if first in wanted else {}
+    masks: dict[int | None, torch.Tensor] = {}
+    for layer in range(first, last):
+        window = staged.windows[layer]
+        if window not in masks:
+            masks[window] = _mask(segments, allowed_SW, q_pos_S, key_pos_W, window, staged.attn_impl,
+                                  hidden_1SD.dtype)
+        hidden_1SD = staged.layers[layer](hidden_1SD, attention_mask=masks[window], position_ids=position_ids_1S,
+                                          use_cache=True, position_embeddings=position_embeddings,
+                                          **{cache_keyword(staged.layers[layer]): cache})
+        if layer + 1 in wanted:
+            collected[layer + 1] = hidden_1SD
+
+    outputs, offset = [], 0
+    for seg in segments:
+        end = offset + seg.size
+        outputs.append(StageOutput(hidden_1SD[:, offset:end], {a: collected[a][:, offset:end] for a in seg.anchors}))
+        seg.cache.advance(seg.size)
+        offset = end
+    return outputs

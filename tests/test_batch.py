@@ -1,0 +1,249 @@
+"""Many requests in one pipeline (spd.decoding.batch, docs/method.md §9): a batch of one is the single-request engine;
+16 mixed requests (lengths, budgets, temperatures, a stop, a cancel, a failure) each get their own answer under a
+KV memory bound; greedy output equals each request's solo output except at near-ties (reported); sampled output
+follows the target's distribution in a batch of mixed requests (chi-square, with a negative control); the ragged
+stage call; clear errors."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from spd.decoding.batch import BatchedPipeline
+from spd.decoding.engine import PipelineEngine
+from spd.decoding.generation import generate_ar
+from spd.decoding.sampling import SamplingParams
+from spd.decoding.tree_engine import DraftModelSource, TreeEngine
+from spd.errors import SpdInputError
+from spd.target.kv_pool import KVPool
+from spd.target.ragged import Segment, run_ragged
+from spd.target.staging import StagedModel
+from spd.training.distill import DistillConfig, new_head
+from test_engine import _chi_square_p_value, _sequence_probs
+from test_tree_engine import _noisy_copy
+
+NEAR_TIE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def target_model():
+    return tiny_model("llama", seed=0, layers=4)
+
+
+def _tree_engine(model, n=4, width=4, noise=0.5):
+    staged = StagedModel(model, n)
+    return TreeEngine(staged, DraftModelSource(StagedModel(_noisy_copy(model, noise), 1), staged, 4), width)
+
+
+def _prompt(i: int) -> list[int]:
+    """Prompts of 1 to 38 tokens."""
+    return [(7 * i + 3 * j) % 120 + 1 for j in range(1 + (i * 5) % 38)]
+
+
+def _differences_are_near_ties(staged: StagedModel, prompt: list[int], solo: list[int], batched: list[int]) -> int:
+    """0 if the outputs are equal; 1 if they first differ where the solo run's top-two logits are within NEAR_TIE
+    (batched matrix products round differently in the last bits); fails otherwise."""
+    if solo == batched:
+        return 0
+    i = next(k for k, (a, b) in enumerate(zip(solo, batched)) if a != b)
+    with torch.no_grad():
+        logits_V = staged.model(torch.tensor([prompt + solo[:i]])).logits[0, -1]
+    top2 = torch.topk(logits_V, 2).values
+    margin = float(top2[0] - top2[1])
+    assert margin < NEAR_TIE, f"outputs differ at token {i} where the solo run's top-two margin is {margin:.2e}"
+    print(f"near-tie at token {i} (margin {margin:.2e})")
+    return 1
+
+
+@pytest.mark.parametrize("width,temperature", [(1, 0.0), (4, 0.0), (1, 1.0), (4, 0.8)])
+def test_a_batch_of_one_is_the_single_request_engine(target_model, width, temperature):
+    """Same tokens and the same steps, hits and flushes as the engine's own run, greedy and seeded sampling."""
+    engine = _tree_engine(target_model, width=width)
+    batched = BatchedPipeline(engine, max_batch=1, kv_rows=512)
+    for prompt in (_prompt(0), _prompt(3), _prompt(11)):
+        sampling = SamplingParams(temperature=temperature, seed=5)
+        solo = engine.run(prompt, 25, sampling)
+        out = batched.generate([prompt], 25, sampling)[0]
+        assert out.token_ids == solo.token_ids
+        for key in ("steps", "accepted", "flushes", "verified", "proposals"):
+            assert getattr(out.stats, key) == getattr(solo.stats, key), key
+    assert max(batched.batch_sizes) == 1 and batched.pool.free_rows == 512
+
+
+def test_sixteen_mixed_requests_each_get_their_own_answer(target_model):
+    """16 requests of different lengths, budgets and sampling settings, one ended by a stop token, one cancelled,
+    one failing in its own callback, through a tree engine whose flushes differ per request, with at most 6 in
+    flight and a KV pool that holds only 4 of the longest at once (the others wait): every request gets its solo answer (greedy:
+    solo ar up to near-ties; seeded sampling: the engine's own seeded run), nobody is dropped."""
+    engine = _tree_engine(target_model)
+    staged = engine.staged
+    batched = BatchedPipeline(engine, max_batch=6, kv_rows=4 * (38 + 30 + 4 * 4 + 1), prefill_chunk=8)
+    stop_token, seen_stop = None, []
+    settings = []
+    for i in range(16):
+        temperature = (0.0, 0.0, 1.0, 0.7)[i % 4]
+        settings.append((_prompt(i), 5 + (i * 7) % 26,
+                         SamplingParams(temperature=temperature, top_k=8 if i % 8 == 3 else 0, seed=100 + i)))
+    solo_stop = engine.run(settings[5][0], settings[5][1], settings[5][2])
+    stop_token = solo_stop.token_ids[4]  # request 5 stops at its fifth token, as a stop string would
+
+    def stopper(token, accepted):
+        seen_stop.append(token)
+        return token == stop_token
+
+    cancelled_tokens = []
+
+    def canceller(token, accepted):
+        cancelled_tokens.append(token)
+        if len(cancelled_tokens) == 4:
+            requests[9].cancel()
+
+    def failing(token, accepted):
+        if token is not None and len(failed_tokens) == 2:
+            raise ValueError("the client went away")
+        failed_tokens.append(token)
+
+    failed_tokens = []
+    callbacks = {5: stopper, 9: canceller, 12: failing}
+    requests = [batched.submit(prompt, budget, sampling, on_token=callbacks.get(i))
+                for i, (prompt, budget, sampling) in enumerate(settings)]
+    batched.run()
+
+    assert batched.kv_waits > 0 and max(batched.batch_sizes) <= 6  # the KV bound held requests back; none dropped
+    assert batched.pool.free_rows == batched.pool.rows and not batched.active and not batched.queue
+    assert requests[12].state == "failed" and "went away" in str(requests[12].error)
+    near_ties, flushes = 0, 0
+    for i, (request, (prompt, budget, sampling)) in enumerate(zip(requests, settings)):
+        if i == 12:
+            continue
+        assert request.state == "done", (i, request.state, request.error)
+        out = request.output
+        flushes += out.stats.flushes
+        if i == 9:
+            assert out.stats.stop_reason == "stopped" and out.token_ids == cancelled_tokens
+            assert len(out.token_ids) == 4
+        if sampling.greedy and i not in (5, 9):
+            solo = generate_ar(staged, prompt, budget).token_ids
+            near_ties += _differences_are_near_ties(staged, prompt, solo, out.token_ids)
+        elif i == 5:
+            assert out.token_ids == solo_stop.token_ids[:5] == seen_stop and out.stats.stop_reason == "stopped"
+        elif i != 9:
+            assert out.token_ids == engine.run(prompt, budget, sampling).token_ids, i
+    assert flushes > 10  # rejections happened, each flushing only its own request
+    print(f"{near_ties} near-tie difference(s)")
+
+
+def test_pp_and_spd_share_a_batch(target_model):
+    """The standard pipeline and SPD requests in one batch, each equal to its solo greedy output."""
+    staged = StagedModel(target_model, 4)
+    torch.manual_seed(0)
+    engine = PipelineEngine(staged, new_head(staged, DistillConfig(n_stages=4)).eval())
+    batched = BatchedPipeline(engine, max_batch=8, kv_rows=1024, prefill_chunk=16)
+    requests = [batched.submit(_prompt(i), 20, mode="pp" if i % 2 else "spd") for i in range(8)]
+    batched.run()
+    for i, request in enumerate(requests):
+        assert request.output.stats.mode == ("pp" if i % 2 else "spd")
+        _differences_are_near_ties(staged, _prompt(i), generate_ar(staged, _prompt(i), 20).token_ids,
+                                   request.output.token_ids)
+
+
+def test_sliding_window_targets_batch_too():
+    """Mistral with a window shorter than the prompts: the ragged mask applies each request's window."""
+    model = tiny_model("mistral", seed=2, layers=4, sliding_window=8)
+    engine = _tree_engine(model, n=2, width=2)
+    batched = BatchedPipeline(engine, max_batch=4, kv_rows=1024, prefill_chunk=5)
+    prompts = [_prompt(i) for i in (2, 3, 6, 9)]
+    for prompt, out in zip(prompts, batched.generate(prompts, 16)):
+        _differences_are_near_ties(engine.staged, prompt, generate_ar(engine.staged, prompt, 16).token_ids,
+                                   out.token_ids)
+
+
+def test_the_ragged_stage_call_is_each_request_alone(target_model):
+    """One segment: exactly the stage call; several (prompt chunks and tree levels mixed): equal to each alone up
+    to rounding, and each request's rows hold its own keys."""
+    staged = StagedModel(target_model, 2)
+    pool = KVPool(staged, 256)
+    prompts = [_prompt(1), _prompt(4), _prompt(7)]
+    pooled = [pool.caches(pool.allocate(64)) for _ in prompts]
+    own = [staged.new_caches(capacity=64) for _ in prompts]
+    with torch.no_grad():
+        hidden = [staged.embed(torch.tensor([p])) for p in prompts]
+        alone = list(hidden)
+        for s in range(2):
+            outs = run_ragged(pool, s, [Segment(c[s], h, anchors=[s * 2 + 1]) for c, h in zip(pooled, hidden)])
+            hidden = [o.hidden_BTD for o in outs]
+            ref = [staged.run_stage(s, h, c[s], anchors=[s * 2 + 1]) for h, c in zip(alone, own)]
+            alone = [r.hidden_BTD for r in ref]
+            for o, r in zip(outs, ref):
+                assert torch.allclose(o.hidden_BTD, r.hidden_BTD, atol=1e-4, rtol=1e-5)
+                assert torch.allclose(o.anchors[s * 2 + 1], r.anchors[s * 2 + 1], atol=1e-4, rtol=1e-5)
+        for c, r in zip(pooled, own):
+            for s in range(2):
+                assert c[s].length == r[s].length
+                assert torch.allclose(c[s].keys_LBHkCDh[:, :, :, :c[s].length],
+                                      r[s].keys_LBHkCDh[:, :, :, :r[s].length], atol=1e-4, rtol=1e-5)
+        mine, alone = pool.caches(pool.allocate(64))[0], staged.new_caches(capacity=64)[0]
+        for ids in ([prompts[2]], [[5]], [[6, 7]]):  # a prompt, then a token, then two, over the rows before
+            hidden_1TD = staged.embed(torch.tensor(ids))
+            single = run_ragged(pool, 0, [Segment(mine, hidden_1TD)])[0]
+            assert torch.equal(single.hidden_BTD, staged.run_stage(0, hidden_1TD, alone).hidden_BTD)
+
+
+# ------------------------------------------------------------------------ sampled: the distribution
+VOCAB, LENGTH, SAMPLES = 6, 3, 600
+
+
+class UnfairBatch(BatchedPipeline):
+    """Negative control: every request's seed is replaced by one shared seed (the draws are not independent)."""
+
+    def submit(self, input_ids, max_new_tokens=128, sampling=SamplingParams(), *args, **kwargs):
+        same = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, 0)
+        return super().submit(input_ids, max_new_tokens, same, *args, **kwargs)
+
+
+@pytest.mark.parametrize("cls", [BatchedPipeline, UnfairBatch])
+def test_sampled_tree_in_a_mixed_batch_follows_the_target_distribution(cls):
+    """3-token continuations of one prompt from 600 seeds, each run in a batch beside requests with other prompts,
+    temperatures and budgets, vs the exact warped target distribution (p > 1e-3; the control fails)."""
+    model = tiny_model("llama", seed=3, layers=6, vocab=VOCAB, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    staged = StagedModel(model, 2)
+    engine = TreeEngine(staged, DraftModelSource(StagedModel(_noisy_copy(model, 1.0), 1), staged, 3), 3,
+                        candidates="sampled")
+    params, prompt = SamplingParams(temperature=1.0), [1, 4, 2]
+    batched = cls(engine, max_batch=12, kv_rows=12 * 24, prefill_chunk=4)
+    counted = []
+    for seed in range(SAMPLES):
+        counted.append(batched.submit(prompt, LENGTH, SamplingParams(1.0, seed=seed)))
+        if seed % 3 == 0:  # a neighbour with another prompt, temperature and budget
+            batched.submit([3, 1, 5, 2, 2][: 1 + seed % 5], 2 + seed % 4, SamplingParams(0.6 * (seed % 2), seed=seed))
+    batched.run()
+    counts = {}
+    for request in counted:
+        key = tuple(request.output.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    p_value = _chi_square_p_value(counts, _sequence_probs(staged, prompt, params, LENGTH), SAMPLES)
+    if cls is UnfairBatch:
+        assert p_value < 1e-3
+        return
+    assert max(batched.batch_sizes) == 12
+    assert sum(r.output.stats.flushes for r in counted) > 20 and sum(r.output.stats.accepted for r in counted) > 20
+    assert p_value > 1e-3
+
+
+# ------------------------------------------------------------------------------------------ errors
+def test_bad_settings_and_requests_are_refused_in_one_line(target_model):
+    engine = _tree_engine(target_model, n=2)
+    for kwargs, match in [({"max_batch": 0}, "batch size must be a positive integer"),
+                          ({"prefill_chunk": 0}, "prefill chunk must be a positive"),
+                          ({"kv_rows": 0}, "positive number of rows")]:
+        with pytest.raises(SpdInputError, match=match):
+            BatchedPipeline(engine, **kwargs)
+    batched = BatchedPipeline(engine, max_batch=2, kv_rows=64)
+    for args, kwargs, match in [(([],), {}, "prompt is empty"), (([1, 2],), {"max_new_tokens": 0}, "at least 1"),
+                                (([1, 2], 100), {}, "needs 111 KV rows .* the pool holds 64"),
+                                (([1, 2],), {"mode": "spd"}, "runs mode tree, not 'spd'")]:
+        with pytest.raises(SpdInputError, match=match):
+            batched.submit(*args, **kwargs)
+    assert not batched.busy
+    hybrid = StagedModel(tiny_model("qwen3_5", layers=4), 2)
+    with pytest.raises(SpdInputError, match="hybrid"):
+        BatchedPipeline(PipelineEngine(hybrid), max_batch=2)
