@@ -165,6 +165,55 @@ def test_sixteen_concurrent_clients_all_answered_correctly(spd_server):
     assert answers == expected
 
 
+def test_batched_server_answers_each_client_as_the_one_at_a_time_server(spd_server, tiny_testbed, tiny_heads):
+    """--max-batch 4 with a KV pool that holds fewer: 16 concurrent clients (greedy and seeded sampling, a stop string,
+    a long prompt, one that disconnects, one bad request) each get the answer the one-at-a-time server gives, then a
+    streamed one; /metrics shows the batch and the time between tokens."""
+    server = Server("--target", str(tiny_testbed / "target"), "--mode", "spd", "--speculator", str(tiny_heads[4]),
+                    "--max-batch", "4", "--kv-rows", "400")
+    try:
+        bodies = [{"model": server.model, "prompt": f"def f{i}(x):\n    return", "max_tokens": 8 + 3 * i,
+                   "temperature": 0.0 if i % 3 else 0.8, "seed": i} for i in range(14)]
+        bodies[4]["stop"] = ["\n"]
+        bodies[7]["prompt"] = "word " * 40
+
+        def ask(url, model, body):
+            return httpx.post(f"{url}/v1/completions", json={**body, "model": model}, timeout=300).json()
+
+        expected = [ask(spd_server.url, spd_server.model, b) for b in bodies]
+
+        def disconnect():
+            with httpx.stream("POST", f"{server.url}/v1/completions", timeout=300,
+                              json={"model": server.model, "prompt": "x", "max_tokens": 200, "stream": True}) as r:
+                for _ in zip(range(3), r.iter_lines()):
+                    pass  # three events, then the client goes away
+
+        with ThreadPoolExecutor(16) as pool:
+            gone = pool.submit(disconnect)
+            bad = pool.submit(ask, server.url, server.model, {"prompt": [1, 10 ** 6], "max_tokens": 4})
+            answers = list(pool.map(lambda b: ask(server.url, server.model, b), bodies))
+            gone.result()
+            assert bad.result()["error"]["code"] == 400 and "outside the vocabulary" in bad.result()["error"]["message"]
+        for got, want in zip(answers, expected):
+            assert got["choices"][0]["text"] == want["choices"][0]["text"]
+            assert got["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"]
+        streamed = list(server.client().completions.create(model=server.model, prompt=bodies[1]["prompt"],
+                                                           max_tokens=bodies[1]["max_tokens"], temperature=0,
+                                                           stream=True))
+        assert "".join(c.choices[0].text for c in streamed) == expected[1]["choices"][0]["text"]
+        deadline = time.time() + 30
+        while time.time() < deadline:  # the disconnected client's request is cancelled at its next token
+            m = server.metrics()
+            if m.get('spd_requests_total{endpoint="completions",outcome="cancelled"}', 0) == 1:
+                break
+            time.sleep(0.2)
+        assert m['spd_requests_total{endpoint="completions",outcome="ok"}'] == 15
+        assert m["spd_time_between_tokens_seconds_count"] > 50 and "spd_batch_size" in m
+        assert m["spd_batch_size"] == 0 and m["spd_kv_reserved_tokens"] == 0  # idle again, every region given back
+    finally:
+        server.stop()
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 
@@ -415,6 +464,10 @@ def _alive(pid: int) -> bool:
     (["--mode", "pp", "--stages", "2", "--runtime", "distributed", "--local-stages", "1", "--stage-addr",
       "10.0.0.1:0"], "not an address"),
     (["--local-stages", "-1"], "integer >= 0"),
+    (["--max-batch", "0"], "positive integer"),
+    (["--mode", "pp", "--max-batch", "2", "--runtime", "distributed"], "distributed runtime serves one request"),
+    (["--mode", "ar", "--max-batch", "2"], "batches --mode spd, pp or tree, not 'ar'"),
+    (["--mode", "pp", "--kv-rows", "100"], "needs --max-batch above 1"),
 ])
 def test_cli_bad_flags_one_line_exit_2(tiny_testbed, args, needle):
     proc = subprocess.run([sys.executable, "-m", "spd.cli.serve", "--target", str(tiny_testbed / "target"), *args],

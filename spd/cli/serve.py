@@ -35,6 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model id clients send (default: the target's directory name or hub id)")
     p.add_argument("--max-queue", type=_positive_int, default=64,
                    help="requests that may wait for the pipeline; one more gets 503 (default: %(default)s)")
+    p.add_argument("--max-batch", type=_positive_int, default=1,
+                   help="requests in flight at once: 1 runs them one after another (SPD's lowest latency); B > 1 "
+                        "batches up to B in the pipeline, admitted at step boundaries (local runtime, --mode spd, "
+                        "pp or tree; default: %(default)s)")
+    p.add_argument("--kv-rows", type=_positive_int, default=None,
+                   help="--max-batch B > 1: KV rows shared by the requests in flight (each needs prompt + max_tokens "
+                        "+ the tree in flight; more wait); default: 2048 per request of B")
     p.add_argument("--idle-ping-s", type=_positive_seconds, default=None,
                    help="--runtime distributed: ping idle stages this often, in seconds, less than --timeout-s "
                         "(default: a quarter of --timeout-s, at most 5)")
@@ -98,6 +105,13 @@ def serve(args) -> int:
     if args.runtime != "distributed" and (args.local_stages is not None or args.stage_addr is not None):
         raise SpdInputError("--local-stages and --stage-addr place stages on other machines; they need --runtime "
                             "distributed")
+    if args.max_batch > 1 and args.runtime == "distributed":
+        raise SpdInputError("--max-batch above 1 runs the stages in this process; the distributed runtime serves one "
+                            "request at a time (use --max-batch 1 with --runtime distributed)")
+    if args.max_batch > 1 and args.mode not in ("spd", "pp", "tree"):
+        raise SpdInputError(f"--max-batch above 1 batches --mode spd, pp or tree, not '{args.mode}'")
+    if args.kv_rows is not None and args.max_batch == 1:
+        raise SpdInputError("--kv-rows sizes the KV pool of a batched server; it needs --max-batch above 1")
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPD_API_KEY") or None
     if api_key is not None and not api_key.strip():
         raise SpdInputError("the API key (--api-key or SPD_API_KEY) is empty; expected a key clients will send as "
@@ -137,7 +151,8 @@ def serve(args) -> int:
         max_model_len = _max_model_len(args, pipeline)
         metrics = ServerMetrics(name, args.mode, pipeline.n_stages, args.runtime)
         idle_s = args.idle_ping_s or min(5.0, args.timeout_s / 4)
-        scheduler = Scheduler(pipeline, metrics, max_queue=args.max_queue, idle_s=idle_s)
+        scheduler = Scheduler(pipeline, metrics, max_queue=args.max_queue, idle_s=idle_s, max_batch=args.max_batch,
+                              kv_rows=args.kv_rows)
     except BaseException:
         pipeline.close()
         raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics, generate_latest
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
 class ServerMetrics:
@@ -31,15 +32,21 @@ class ServerMetrics:
         self.generation_tokens = Counter("spd_generation_tokens", "Tokens generated (every request, cancelled "
                                          "ones included)", registry=r)
         self.queue_length = Gauge("spd_queue_length", "Requests waiting for the pipeline", registry=r)
-        self.running = Gauge("spd_running_requests", "Requests on the pipeline now (0 or 1)", registry=r)
-        self.kv_tokens = Gauge("spd_kv_reserved_tokens", "Token positions the running request's KV cache is sized "
-                               "for (prompt + max_tokens, at most --max-model-len; 0 when idle)", registry=r)
+        self.running = Gauge("spd_running_requests", "Requests on the pipeline now (0 or 1; up to --max-batch)",
+                             registry=r)
+        self.kv_tokens = Gauge("spd_kv_reserved_tokens", "Token positions the running requests' KV caches are sized "
+                               "for (prompt + max_tokens, at most --max-model-len, and the tree in flight when "
+                               "batched; 0 when idle)", registry=r)
         self.latency = Histogram("spd_request_latency_seconds", "From arrival to the last token",
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("spd_queue_time_seconds", "From arrival to the start of generation",
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.first_token = Histogram("spd_time_to_first_token_seconds", "From arrival to the first token",
                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.between_tokens = Histogram("spd_time_between_tokens_seconds", "From one token of a request to its "
+                                        "next", buckets=TBT_BUCKETS, registry=r)
+        self.batch_size = Gauge("spd_batch_size", "Requests in flight in the pipeline now (--max-batch B: up to B)",
+                                registry=r)
         self.steps = Counter("spd_pipeline_steps", "Pipeline steps (K) of pipelined modes", registry=r)
         self.decode_tokens = Counter("spd_decode_tokens", "Tokens committed by pipeline steps (N): accepted "
                                      "speculations plus the target's replacement tokens; not the prefill token",

@@ -90,6 +90,28 @@ class Pipeline:
             self._lost = _exited(self.procs) or str(exc)  # a stage that exited is the cause, not its neighbour
             raise
 
+    def batched(self, max_batch: int, kv_rows: int | None = None):
+        """A batched pipeline over this engine (``--max-batch``): local stages, modes spd, pp and tree."""
+        from ..decoding.batch import BatchedPipeline
+
+        if self.remote is not None:
+            raise SpdInputError("--max-batch above 1 runs the stages in this process; the distributed runtime "
+                                "serves one request at a time (use --max-batch 1 with --runtime distributed)")
+        if self.spec.mode not in ("spd", "pp", "tree"):
+            raise SpdInputError(f"--max-batch above 1 batches --mode spd, pp or tree, not '{self.spec.mode}'")
+        return BatchedPipeline(self.engine, max_batch, kv_rows)
+
+    def submit(self, batch, prompt_ids: list[int], max_new_tokens: int, on_token: OnToken, on_done,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+               ignore_eos: bool = False):
+        """Queue one request on ``batch`` (see :meth:`generate` for the settings); ``on_done(request)`` when it ends."""
+        from ..decoding.request import prepare_prompt
+        from ..decoding.sampling import SamplingParams
+
+        _, eos = prepare_prompt(self.tokenizer, prompt_ids, [] if ignore_eos else None, self.staged.model)
+        return batch.submit(prompt_ids, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed), eos,
+                            on_token, self.spec.mode, on_done)
+
     def lost(self) -> str | None:
         """Why the pipeline cannot serve any more (a stage process exited or stopped answering), or None."""
         if self._lost is None:

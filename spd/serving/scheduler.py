@@ -1,7 +1,9 @@
-"""Requests in, one at a time, onto the pipeline: a bounded FIFO queue and the thread that owns the engine.
+"""Requests in, onto the pipeline: a bounded FIFO queue and the thread that owns the engine.
 
-Batch size 1 is SPD's regime (it cuts the latency of one request), so requests run one after another on
-the pipeline, in arrival order. The queue holds at most ``max_queue`` waiting requests; one more is refused
+By default (``--max-batch 1``, SPD's regime: it cuts the latency of one request) requests run one after another
+on the pipeline, in arrival order. With ``--max-batch B`` the engine thread hands every arriving request to the
+batched pipeline (:mod:`spd.decoding.batch`), which runs up to ``B`` at once, admitting them at step boundaries
+within its KV bound; each is answered when it ends. The queue holds at most ``max_queue`` waiting requests; one more is refused
 (:class:`QueueFull`, a 503 with ``Retry-After``). The HTTP side (asyncio) and the engine thread talk through
 each job: the engine thread pushes events (``token``, ``done``, ``error``) into the job's asyncio queue with
 ``call_soon_threadsafe``; the HTTP side sets ``cancelled`` when its client goes away, and the engine stops
@@ -162,8 +164,11 @@ class TextTracker:
 class Scheduler:
     """The engine thread: takes jobs in order and runs them on the pipeline, pings it while idle."""
 
-    def __init__(self, pipeline: Pipeline, metrics: ServerMetrics, max_queue: int = 64, idle_s: float = 5.0):
+    def __init__(self, pipeline: Pipeline, metrics: ServerMetrics, max_queue: int = 64, idle_s: float = 5.0,
+                 max_batch: int = 1, kv_rows: int | None = None):
         self.pipeline, self.metrics = pipeline, metrics
+        # --max-batch B > 1: many requests in flight at once (spd.decoding.batch); the pipeline checks it can.
+        self.batch = pipeline.batched(max_batch, kv_rows) if max_batch > 1 else None
         self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self.idle_s = idle_s
         self.tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to call from two threads at once
@@ -233,7 +238,11 @@ class Scheduler:
     # ----------------------------------------------------------------------------- engine thread
     def _loop(self) -> None:
         job = None
+        in_flight: dict = {}  # batched: request -> job
         try:
+            if self.batch is not None:
+                self._batch_loop(in_flight)
+                return
             while True:
                 try:
                     job = self.queue.get(timeout=self.idle_s)
@@ -248,11 +257,69 @@ class Scheduler:
             self._died = f"{type(exc).__name__}: {first_line(exc)}"
             traceback.print_exc(file=sys.stderr)
             reason = self.failure()
-            if job is not None:
-                job.emit("error", 503, reason)
+            for lost in ([job] if job is not None else []) + list(in_flight.values()):
+                lost.emit("error", 503, reason)
             self._refuse_waiting(reason)
         finally:
             self.pipeline.close()
+
+    def _batch_loop(self, in_flight: dict) -> None:
+        """Many requests at once: jobs join the batched pipeline as they arrive (it admits them at step boundaries,
+        within its batch and KV bounds); each step runs every request in flight; each job is answered when its
+        request ends. A job whose client went away is cancelled in the pipeline at the next step."""
+        batch, metrics = self.batch, self.metrics
+        while True:
+            stopping = False
+            # Take waiting jobs while the batch has room (the others stay in the bounded queue); wait for one only
+            # when nothing is in flight.
+            while not batch.busy or len(batch.active) + len(batch.queue) < batch.max_batch:
+                try:
+                    job = self.queue.get(timeout=self.idle_s) if not batch.busy else self.queue.get_nowait()
+                except queue.Empty:
+                    if not batch.busy:
+                        self._idle()
+                        continue
+                    break
+                if job is None:
+                    stopping = True
+                    break
+                self._join(job, in_flight)
+            for request, job in in_flight.items():
+                if job.cancelled.is_set():
+                    request.cancel()
+            batch.step()
+            metrics.batch_size.set(len(batch.active))
+            metrics.running.set(len(batch.active))
+            metrics.kv_tokens.set(batch.pool.rows - batch.pool.free_rows)
+            if stopping:  # the requests in flight finish first
+                while batch.busy:
+                    batch.step()
+                return
+
+    def _join(self, job: Job, in_flight: dict) -> None:
+        """Hand ``job`` to the batched pipeline (bad input is answered at once)."""
+        begun = self._begin(job)
+        if begun is None:
+            return
+        tracker, on_token, started = begun
+
+        def done(request) -> None:
+            in_flight.pop(request, None)
+            if request.state == "done":
+                self._answer(job, tracker, request.output, started)
+            elif request.state == "failed":
+                self._fail(job, request.error)
+            else:  # cancelled before its first token
+                self.metrics.requests.labels(job.endpoint, "cancelled").inc()
+                job.emit("cancelled")
+
+        try:
+            request = self.pipeline.submit(self.batch, job.prompt_ids, job.max_new_tokens, on_token, done,
+                                           **job.sampling)
+        except Exception as exc:  # noqa: BLE001 - the request fails alone; the server keeps serving
+            self._fail(job, exc)
+            return
+        in_flight[request] = job
 
     def _idle(self) -> None:
         try:
@@ -262,44 +329,66 @@ class Scheduler:
         self.failure()  # a stage lost while idle is logged now, not at the next request
 
     def _run(self, job: Job) -> None:
+        begun = self._begin(job)
+        if begun is None:
+            return
+        tracker, on_token, started = begun
+        self.metrics.running.set(1)
+        self.metrics.kv_tokens.set(len(job.prompt_ids) + job.max_new_tokens)
+        try:
+            out = self.pipeline.generate(job.prompt_ids, job.max_new_tokens, on_token, **job.sampling)
+        except Exception as exc:  # noqa: BLE001 - the request fails alone; the server keeps serving
+            self._fail(job, exc)
+            return
+        finally:
+            self.metrics.running.set(0)
+            self.metrics.kv_tokens.set(0)
+        self._answer(job, tracker, out, started)
+
+    # ------------------------------------------------------------------------ one job's life (shared)
+    def _begin(self, job: Job):
+        """A job leaves the queue: None if it was cancelled or the server cannot serve (answered here), else its
+        text tracker, the engine's ``on_token`` for it and its start time."""
         metrics = self.metrics
         if job.cancelled.is_set():
             metrics.requests.labels(job.endpoint, "cancelled").inc()
-            return
+            return None
         failure = self.failure()
         if failure is not None:
             metrics.requests.labels(job.endpoint, "rejected").inc()
             job.emit("error", 503, failure)
-            return
+            return None
         started = time.perf_counter()
         metrics.queue_time.observe(started - job.arrived)
         tracker = TextTracker(self.pipeline.tokenizer, job.stops, self.tokenizer_lock)
-        first = True
+        last = None  # when the previous token came
 
         def on_token(token: int, accepted: bool) -> bool:
-            nonlocal first
-            if first:
-                metrics.first_token.observe(time.perf_counter() - job.arrived)
-                first = False
+            nonlocal last
+            now = time.perf_counter()
+            if last is None:
+                metrics.first_token.observe(now - job.arrived)
+            else:
+                metrics.between_tokens.observe(now - last)
+            last = now
             job.emit("token", tracker.add(token), token, accepted)
             return tracker.stopped or job.cancelled.is_set()
 
-        metrics.running.set(1)
-        metrics.kv_tokens.set(len(job.prompt_ids) + job.max_new_tokens)
-        try:
-            out = self.pipeline.generate(job.prompt_ids, job.max_new_tokens, on_token, **job.sampling)
-        except SpdInputError as exc:
-            metrics.requests.labels(job.endpoint, "invalid").inc()
+        return tracker, on_token, started
+
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        """The job's generation raised: 400 for bad input, else 500 (503 when the server cannot serve any more)."""
+        if isinstance(exc, SpdInputError):
+            self.metrics.requests.labels(job.endpoint, "invalid").inc()
             job.emit("error", 400, str(exc))
             return
-        except Exception as exc:  # noqa: BLE001 - the request fails alone; the server keeps serving
-            failure = self.failure()
-            metrics.requests.labels(job.endpoint, "rejected" if failure else "failed").inc()
-            job.emit("error", 503 if failure else 500, failure or f"generation failed: {first_line(exc)}")
-            return
-        finally:
-            metrics.running.set(0)
-            metrics.kv_tokens.set(0)
+        failure = self.failure()
+        self.metrics.requests.labels(job.endpoint, "rejected" if failure else "failed").inc()
+        job.emit("error", 503 if failure else 500, failure or f"generation failed: {first_line(exc)}")
+
+    def _answer(self, job: Job, tracker: TextTracker, out, started: float) -> None:
+        """The job's generation ended: its last events and metrics."""
+        metrics = self.metrics
         elapsed = time.perf_counter() - started
         self.service_s = 0.8 * self.service_s + 0.2 * elapsed
         stats = out.stats.as_dict()
