@@ -18,6 +18,7 @@ from spd.target.kv_pool import KVPool
 from spd.target.ragged import Segment, run_ragged
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, new_head
+from test_cli import tiny_heads  # noqa: F401  (a fixture)
 from test_engine import _chi_square_p_value, _sequence_probs
 from test_tree_engine import _noisy_copy
 
@@ -247,3 +248,31 @@ def test_bad_settings_and_requests_are_refused_in_one_line(target_model):
     hybrid = StagedModel(tiny_model("qwen3_5", layers=4), 2)
     with pytest.raises(SpdInputError, match="hybrid"):
         BatchedPipeline(PipelineEngine(hybrid), max_batch=2)
+
+
+# --------------------------------------------------------------------------------------- the benchmark
+def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_heads, tmp_path):
+    """infer/bench_batch.py on the miniature testbed: every system serves the same requests (the same tokens),
+    the table and the JSON carry both clocks, and the model clock follows a + b * tokens."""
+    import json
+
+    from conftest import run_script
+
+    out = tmp_path / "batch.json"
+    proc = run_script("infer/bench_batch.py", "--target", str(tiny_testbed / "target"), "--speculator",
+                      str(tiny_heads[4]), "--prompts", str(tiny_testbed / "prompts.jsonl"), "--clients", "1", "3",
+                      "--requests-per-client", "2", "--max-new-tokens", "6", "--stage-ms", "2", "--token-ms", "0.1",
+                      "--out", str(out))
+    assert "spd batched" in proc.stdout and "pp batched" in proc.stdout and "1-at-a-time" in proc.stdout
+    results = json.loads(out.read_text())
+    assert [(r["clients"], r["system"]) for r in results["rows"]] == [
+        (c, s) for c in (1, 3) for s in ("spd batched", "pp batched", "spd 1-at-a-time")]
+    for row in results["rows"]:
+        assert row["requests"] == 2 * row["clients"] and row["tokens"] == 12 * row["clients"]
+        assert row["model"]["tokens_per_s"] > 0 and row["real"]["tokens_per_s"] > 0
+    pp_one = next(r for r in results["rows"] if r["clients"] == 1 and r["system"] == "pp batched")
+    # One pp request at a time: each token's step holds one token per busy stage, a step costs a + b = 2.1 ms, and
+    # a token needs n = 4 steps after the first.
+    assert pp_one["model"]["tbt_p50_ms"] == pytest.approx(4 * 2.1)
+    bad = run_script("infer/bench_batch.py", "--speculator", str(tiny_heads[4]), "--stage-ms", "2", check=False)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error:")

@@ -1,0 +1,237 @@
+"""Benchmark many concurrent clients on one pipeline: batched spd vs batched pp vs one-at-a-time spd.
+
+    python infer/bench_batch.py --speculator runs/testbed-n4/final --clients 1 2 4 8 16 32 \\
+        --requests-per-client 3 --max-new-tokens 48 --out bench_batch.json
+
+``C`` closed-loop clients (each sends its next request as soon as its last one ends, no think time) share one
+pipeline, run three ways on the same target and head:
+
+- ``spd batched``: the batched pipeline (spd.decoding.batch) with up to ``C`` requests in flight;
+- ``pp batched``: the same batched pipeline without a head: the standard pipeline with dynamic batching (what a
+  pipelined vLLM deployment does);
+- ``spd 1-at-a-time``: today's server (``--max-batch 1``): one request in the pipeline, the others wait.
+
+Every row reports output tokens/s over the whole run, time between tokens (p50 and p99 over every gap between
+two tokens of a request) and time to first token (p50, from the request's submission), under two clocks:
+
+- ``model``: the emulated deployment. Each stage runs on its own device, so a pipeline step lasts as long as its
+  busiest stage, and a stage's time is a fixed cost plus a per-token cost, ``a + b * tokens`` (idle stages cost
+  nothing). ``a`` and ``b`` are measured on this machine (a least-squares fit of the time of one stage's call,
+  :func:`spd.target.ragged.run_ragged`, over 1..64 tokens at the benchmark's context length), or given with
+  ``--stage-ms A --token-ms B``. The head runs concurrently with the stages (input-state SPD), so it adds no time.
+- ``real``: this process's wall clock. Every stage runs here, one after another, on this machine's cores: real
+  compute, no pipeline overlap.
+
+The token counts, steps and acceptance come from the real run; only the time per step differs between the
+clocks. The systems run one after another on the same machine; the table prints ratios to ``pp batched``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # infer/bench.py's prompt loading (the scripts are not installed)
+
+from spd.errors import SpdInputError  # noqa: E402
+from spd.paths import default_testbed_dir  # noqa: E402
+
+SYSTEMS = ("spd batched", "pp batched", "spd 1-at-a-time")
+
+
+def parse_args(argv=None):
+    tb = default_testbed_dir()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=str(tb / "target"))
+    p.add_argument("--speculator", required=True, help="the SPD head (its n cuts the pipeline)")
+    p.add_argument("--prompts", default=str(tb / "prompts.jsonl"), help="as infer/bench.py --prompts")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--requests-per-client", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--prefill-chunk", type=int, default=64)
+    p.add_argument("--stage-ms", type=float, default=None, help="the model clock's fixed cost per stage call, a")
+    p.add_argument("--token-ms", type=float, default=None, help="the model clock's cost per token, b")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--out", default="bench_batch.json")
+    args = p.parse_args(argv)
+    if (args.stage_ms is None) != (args.token_ms is None):
+        raise SpdInputError("--stage-ms and --token-ms go together (the model clock's a and b)")
+    if min(args.clients) < 1 or args.requests_per_client < 1 or args.max_new_tokens < 1:
+        raise SpdInputError("--clients, --requests-per-client and --max-new-tokens must be positive")
+    return args
+
+
+def calibrate(staged, context: int) -> tuple[float, float]:
+    """``a`` and ``b`` (ms) of ``a + b * tokens`` for one stage call of ``staged`` over ``context`` cached rows."""
+    import torch
+
+    from spd.target.kv_pool import KVPool
+    from spd.target.ragged import Segment, run_ragged
+
+    sizes, times = [1, 2, 4, 8, 16, 32, 64], []
+    pool = KVPool(staged, context + 64)
+    region = pool.allocate(context + 64)
+    with torch.inference_mode():
+        for size in sizes:
+            best = float("inf")
+            for _ in range(7):
+                cache = pool.caches(region)[0]
+                cache.length = context
+                hidden = torch.randn(1, size, staged.config.hidden_size, dtype=staged.dtype)
+                tick = time.perf_counter()
+                run_ragged(pool, 0, [Segment(cache, hidden)])
+                best = min(best, time.perf_counter() - tick)
+            times.append(best * 1000)
+    mean_x, mean_y = statistics.fmean(sizes), statistics.fmean(times)
+    b = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, times)) / sum((x - mean_x) ** 2 for x in sizes)
+    return max(mean_y - b * mean_x, 0.0), max(b, 0.0)
+
+
+def run_system(engine, system: str, prompts: list[list[int]], clients: int, per_client: int, max_new_tokens: int,
+               prefill_chunk: int) -> dict:
+    """C closed-loop clients on one batched pipeline; per request its token steps and wall times."""
+    from spd.decoding.batch import BatchedPipeline
+    from spd.decoding.sampling import SamplingParams
+
+    batched = BatchedPipeline(engine, max_batch=1 if system == "spd 1-at-a-time" else clients,
+                              kv_rows=clients * (max(map(len, prompts)) + max_new_tokens + 4 * engine.staged.n_stages + 8),
+                              prefill_chunk=prefill_chunk)
+    mode = "pp" if system == "pp batched" else "spd"
+    records, next_prompt = [], iter(range(10 ** 9))
+
+    def send(client: int, left: int) -> None:
+        index = next(next_prompt)
+        record = {"client": client, "submit_step": batched.steps, "submit_s": time.perf_counter(), "steps": [],
+                  "times": []}
+
+        def on_token(token: int, accepted: bool) -> None:
+            record["steps"].append(batched.steps)
+            record["times"].append(time.perf_counter())
+
+        def on_done(request) -> None:
+            if request.error is not None:
+                raise request.error
+            record["stats"] = request.output.stats
+            if left > 1:
+                send(client, left - 1)
+
+        records.append(record)
+        batched.submit(prompts[index % len(prompts)], max_new_tokens, SamplingParams(), [], on_token, mode, on_done)
+
+    start = time.perf_counter()
+    for client in range(clients):
+        send(client, per_client)
+    while batched.busy:
+        batched.step()
+    wall_s = time.perf_counter() - start
+    return {"records": records, "stage_tokens": batched.stage_tokens, "batch_sizes": batched.batch_sizes,
+            "start_s": start, "wall_s": wall_s}
+
+
+def summarize(run: dict, n: int, a_ms: float, b_ms: float) -> dict:
+    """Throughput, time between tokens and time to first token under both clocks."""
+    # The model clock: step k ends at the sum of the first k step costs (a step is as long as its busiest stage).
+    ends_ms, clock = [0.0], 0.0
+    for tokens in run["stage_tokens"]:
+        clock += max((a_ms + b_ms * t for t in tokens if t), default=0.0)
+        ends_ms.append(clock)
+    tokens = sum(len(r["steps"]) for r in run["records"])
+    out = {"requests": len(run["records"]), "tokens": tokens, "steps": len(run["stage_tokens"]),
+           "mean_batch": round(statistics.fmean(run["batch_sizes"]), 2)}
+    decode = sum(r["stats"].decode_tokens for r in run["records"])
+    steps = sum(r["stats"].steps for r in run["records"])
+    out["accept_length"] = round(n * decode / steps, 3) if steps else 0.0
+    clocks = {"model": ([[ends_ms[s] / 1000 for s in r["steps"]] for r in run["records"]],
+                        [ends_ms[r["submit_step"]] / 1000 for r in run["records"]], ends_ms[-1] / 1000),
+              "real": ([[t - run["start_s"] for t in r["times"]] for r in run["records"]],
+                       [r["submit_s"] - run["start_s"] for r in run["records"]], run["wall_s"])}
+    for name, (times, submits, total_s) in clocks.items():
+        gaps = sorted(b - a for ts in times for a, b in zip(ts, ts[1:]))
+        first = sorted(ts[0] - s for ts, s in zip(times, submits) if ts)
+        out[name] = {"tokens_per_s": round(tokens / total_s, 2) if total_s else 0.0,
+                     "tbt_p50_ms": round(1000 * _percentile(gaps, 50), 2),
+                     "tbt_p99_ms": round(1000 * _percentile(gaps, 99), 2),
+                     "ttft_p50_ms": round(1000 * _percentile(first, 50), 2), "total_s": round(total_s, 3)}
+    return out
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    k = (len(values) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def render(results: dict) -> str:
+    lines = [f"model clock: a = {results['stage_ms']:.3f} ms + b = {results['token_ms']:.4f} ms/token per stage call "
+             f"({results['clock_source']}); n = {results['stages']}",
+             f"{'C':>3} {'system':<16} {'clock':<5} {'tok/s':>9} {'x pp':>6} {'TBT p50':>9} {'TBT p99':>9} "
+             f"{'TTFT p50':>10} {'batch':>6} {'Lacc':>5}"]
+    for row in results["rows"]:
+        for clock in ("model", "real"):
+            pp = next(r for r in results["rows"] if r["clients"] == row["clients"] and r["system"] == "pp batched")
+            ratio = row[clock]["tokens_per_s"] / pp[clock]["tokens_per_s"] if pp[clock]["tokens_per_s"] else 0.0
+            lines.append(f"{row['clients']:>3} {row['system']:<16} {clock:<5} {row[clock]['tokens_per_s']:>9.1f} "
+                         f"{ratio:>6.2f} {row[clock]['tbt_p50_ms']:>9.2f} {row[clock]['tbt_p99_ms']:>9.2f} "
+                         f"{row[clock]['ttft_p50_ms']:>10.1f} {row['mean_batch']:>6.2f} {row['accept_length']:>5.2f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    try:
+        return _bench(parse_args(argv))
+    except SpdInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _bench(args) -> int:
+    import torch
+    import transformers
+
+    from spd.decoding.factory import DecodingSpec, build_engine
+    from spd.heads.loading import load_speculator, pipeline_cut
+    from spd.target.staging import StagedModel, load_tokenizer
+    from infer.bench import load_prompts
+
+    transformers.utils.logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokenizer = load_tokenizer(args.target)
+    dataset, prompts = load_prompts(args.prompts, tokenizer, max(args.clients) * args.requests_per_client)
+    stages, boundaries = pipeline_cut(None, None, args.speculator, None, args.target, None)
+    staged = StagedModel.from_pretrained(args.target, n_stages=stages, boundaries=boundaries)
+    engine = build_engine(DecodingSpec("spd"), staged, load_speculator(args.speculator, target=staged), tokenizer)
+    if args.stage_ms is None:
+        context = int(statistics.fmean(map(len, prompts))) + args.max_new_tokens // 2
+        a_ms, b_ms = calibrate(staged, context)
+        source = f"measured here: one stage call at {context} cached rows, 1..64 tokens, least squares"
+    else:
+        a_ms, b_ms, source = args.stage_ms, args.token_ms, "given"
+    results = {"target": args.target, "speculator": args.speculator, "prompts": dataset, "stages": staged.n_stages,
+               "max_new_tokens": args.max_new_tokens, "requests_per_client": args.requests_per_client,
+               "prefill_chunk": args.prefill_chunk, "stage_ms": a_ms, "token_ms": b_ms, "clock_source": source,
+               "threads": torch.get_num_threads(), "command": " ".join(sys.argv), "rows": []}
+    for clients in args.clients:
+        for system in SYSTEMS:
+            run = run_system(engine, system, prompts, clients, args.requests_per_client, args.max_new_tokens,
+                             args.prefill_chunk)
+            row = {"clients": clients, "system": system, **summarize(run, staged.n_stages, a_ms, b_ms)}
+            results["rows"].append(row)
+            print(f"C={clients:<3} {system:<16} model {row['model']['tokens_per_s']:>8.1f} tok/s, real "
+                  f"{row['real']['tokens_per_s']:>8.1f} tok/s, L'acc {row['accept_length']}", file=sys.stderr,
+                  flush=True)
+    print(render(results))
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
