@@ -106,10 +106,11 @@ def run_system(engine, system: str, prompts: list[list[int]], clients: int, per_
 
     def send(client: int, left: int) -> None:
         index = next(next_prompt)
-        record = {"client": client, "submit_step": batched.steps, "submit_s": time.perf_counter(), "steps": [],
-                  "times": []}
+        record = {"client": client, "prompt": index % len(prompts), "submit_step": batched.steps,
+                  "submit_s": time.perf_counter(), "steps": [], "times": [], "tokens": []}
 
         def on_token(token: int, accepted: bool) -> None:
+            record["tokens"].append(token)
             record["steps"].append(batched.steps)
             record["times"].append(time.perf_counter())
 
@@ -219,15 +220,19 @@ def _bench(args) -> int:
                "prefill_chunk": args.prefill_chunk, "stage_ms": a_ms, "token_ms": b_ms, "clock_source": source,
                "threads": torch.get_num_threads(), "command": " ".join(sys.argv), "rows": []}
     for clients in args.clients:
+        outputs = []
         for system in SYSTEMS:
             run = run_system(engine, system, prompts, clients, args.requests_per_client, args.max_new_tokens,
                              args.prefill_chunk)
+            outputs.append(sorted((r["prompt"], r["tokens"]) for r in run["records"]))
             row = {"clients": clients, "system": system, **summarize(run, staged.n_stages, a_ms, b_ms)}
             results["rows"].append(row)
+            row["identical_outputs"] = outputs[-1] == outputs[0]  # the same tokens for every prompt as spd batched
             print(f"C={clients:<3} {system:<16} model {row['model']['tokens_per_s']:>8.1f} tok/s, real "
                   f"{row['real']['tokens_per_s']:>8.1f} tok/s, L'acc {row['accept_length']}", file=sys.stderr,
                   flush=True)
     print(render(results))
+    print("identical outputs across the systems:", all(row["identical_outputs"] for row in results["rows"]))
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

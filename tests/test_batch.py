@@ -264,11 +264,13 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
                       "--requests-per-client", "2", "--max-new-tokens", "6", "--stage-ms", "2", "--token-ms", "0.1",
                       "--out", str(out))
     assert "spd batched" in proc.stdout and "pp batched" in proc.stdout and "1-at-a-time" in proc.stdout
+    assert "identical outputs across the systems: True" in proc.stdout
     results = json.loads(out.read_text())
     assert [(r["clients"], r["system"]) for r in results["rows"]] == [
         (c, s) for c in (1, 3) for s in ("spd batched", "pp batched", "spd 1-at-a-time")]
     for row in results["rows"]:
         assert row["requests"] == 2 * row["clients"] and row["tokens"] == 12 * row["clients"]
+        assert row["identical_outputs"]  # greedy: every system gives every prompt the same tokens
         assert row["model"]["tokens_per_s"] > 0 and row["real"]["tokens_per_s"] > 0
     pp_one = next(r for r in results["rows"] if r["clients"] == 1 and r["system"] == "pp batched")
     # One pp request at a time: each token's step holds one token per busy stage, a step costs a + b = 2.1 ms, and
