@@ -166,7 +166,7 @@ def serve(args) -> int:
                                 log_level=args.log_level, timeout_graceful_shutdown=5,
                                 limit_concurrency=2 * args.max_queue + 16)
         server = uvicorn.Server(config)
-        _announce(server, args, name, pipeline, max_model_len)
+        _announce(server, args, name, pipeline, max_model_len, scheduler.batch)
         server.run()
     finally:
         scheduler.stop()
@@ -202,7 +202,7 @@ def _exit_cleanly(*_) -> None:
     raise SystemExit(0)
 
 
-def _announce(server, args, name: str, pipeline, max_model_len: int) -> None:
+def _announce(server, args, name: str, pipeline, max_model_len: int, batch=None) -> None:
     """One line on stderr once the socket listens (with --port 0, the port it got)."""
     import threading
     import time
@@ -214,6 +214,9 @@ def _announce(server, args, name: str, pipeline, max_model_len: int) -> None:
             port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
             per_token = _kv_bytes_per_token(pipeline)
             kv = f" (target KV at most {per_token * max_model_len / 2 ** 20:.0f} MiB)" if per_token else ""
+            if batch is not None:  # the pool is allocated once, whatever the requests
+                kv = (f", max batch {batch.max_batch} (KV pool of {batch.pool.rows} rows, "
+                      f"{batch.pool.row_bytes(batch.staged) * batch.pool.rows / 2 ** 20:.0f} MiB)")
             print(f"[spd-serve] {name}: mode {args.mode}, {pipeline.n_stages} stages, runtime {args.runtime}, "
                   f"max model len {max_model_len}{kv}; listening on http://{args.host}:{port}", file=sys.stderr,
                   flush=True)
