@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import REPO
+from conftest import REPO, two_at_a_time
 from infer.bench_serve import ServerProcess
 from test_cli import spd_generate, tiny_heads  # noqa: F401  (tiny_heads is a fixture)
 
@@ -443,7 +443,7 @@ def _alive(pid: int) -> bool:
 # ------------------------------------------------------------------------------------------ the CLI
 
 
-@pytest.mark.parametrize("args, needle", [
+BAD_FLAGS = [
     (["--mode", "spd"], "--speculator"),
     (["--target", "/nonexistent/model"], "does not exist"),
     (["--mode", "fast"], "unknown --mode"),
@@ -468,13 +468,21 @@ def _alive(pid: int) -> bool:
     (["--mode", "pp", "--max-batch", "2", "--runtime", "distributed"], "distributed runtime serves one request"),
     (["--mode", "ar", "--max-batch", "2"], "batches --mode spd, pp or tree, not 'ar'"),
     (["--mode", "pp", "--kv-rows", "100"], "needs --max-batch above 1"),
-])
-def test_cli_bad_flags_one_line_exit_2(tiny_testbed, args, needle):
-    proc = subprocess.run([sys.executable, "-m", "spd.cli.serve", "--target", str(tiny_testbed / "target"), *args],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], proc.stderr
+]
+
+
+def test_cli_bad_flags_one_line_exit_2(tiny_testbed):
+    """Each bad flag or combination: exit 2 with one line on stderr (independent processes, two at a time)."""
+    def run(case):
+        args, needle = case
+        return args, needle, subprocess.run([sys.executable, "-m", "spd.cli.serve", "--target",
+                                             str(tiny_testbed / "target"), *args],
+                                            capture_output=True, text=True, cwd=REPO, timeout=120)
+
+    for args, needle, proc in two_at_a_time(run, BAD_FLAGS):
+        assert proc.returncode == 2, (args, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], (args, proc.stderr)
 
 
 @pytest.mark.parametrize("args, needle", [
