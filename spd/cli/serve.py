@@ -105,11 +105,9 @@ def serve(args) -> int:
     if args.runtime != "distributed" and (args.local_stages is not None or args.stage_addr is not None):
         raise SpdInputError("--local-stages and --stage-addr place stages on other machines; they need --runtime "
                             "distributed")
-    if args.max_batch > 1 and args.runtime == "distributed":
-        raise SpdInputError("--max-batch above 1 runs the stages in this process; the distributed runtime serves one "
-                            "request at a time (use --max-batch 1 with --runtime distributed)")
-    if args.max_batch > 1 and args.mode not in ("spd", "pp", "tree"):
-        raise SpdInputError(f"--max-batch above 1 batches --mode spd, pp or tree, not '{args.mode}'")
+    from spd.serving.pipeline import check_batching
+
+    check_batching(args.max_batch, args.runtime, args.mode)  # before the model loads
     if args.kv_rows is not None and args.max_batch == 1:
         raise SpdInputError("--kv-rows sizes the KV pool of a batched server; it needs --max-batch above 1")
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPD_API_KEY") or None

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ from ..target.kv_pool import KVPool, Region
 from ..target.ragged import Segment, run_ragged
 from ..target.staging import StageOutput
 from .generation import GenerationOutput, OnToken
-from .loop import Advance, LocalStages, Prefill
+from .loop import Advance, LocalStages, Prefill, anchors_by_stage
 from .sampling import SamplingParams
 
 DEFAULT_ROWS_PER_REQUEST = 2048  # the pool's default size: this many rows per request of max_batch
@@ -52,9 +51,8 @@ DEFAULT_ROWS_PER_REQUEST = 2048  # the pool's default size: this many rows per r
 
 @dataclass
 class _Chunk:
-    """A piece of a newcomer's prompt in flight: rows ``[start, end)``, at stage ``depth``."""
+    """A piece of a newcomer's prompt in flight: the rows before ``end``, at stage ``depth``."""
 
-    start: int
     end: int
     hidden_1TD: torch.Tensor
     depth: int = 0
@@ -77,8 +75,8 @@ class BatchRequest:
         self.cancelled = False
         self.chunks: list[_Chunk] = []  # the prompt in flight (state prefill)
         self.next_row = 0  # the prompt's first row not yet in flight
-        self.prefill_anchors: dict[int, list[torch.Tensor]] = {}
-        self.submitted = time.perf_counter()
+        self.prefill_anchors: dict[int, list[torch.Tensor]] = {}  # H^l of the prompt's chunks that left stage n
+        self.prefill_stage_anchors: list[list[int]] = []  # which of them each stage reports
 
     @property
     def finished(self) -> bool:
@@ -218,6 +216,7 @@ class BatchedPipeline:
             self.queue.popleft()
             request.region = region
             request.stages.caches = self.pool.caches(region)
+            request.prefill_stage_anchors = anchors_by_stage(self.staged.boundaries, request.work.anchors)
             request.state = "prefill"
             self.active.append(request)
 
@@ -235,7 +234,7 @@ class BatchedPipeline:
             for chunk in request.chunks:
                 s = chunk.depth
                 calls[s].append((Segment(request.stages.caches[s], chunk.hidden_1TD,
-                                         anchors=self._prefill_anchors(request, s)),
+                                         anchors=request.prefill_stage_anchors[s]),
                                  lambda out, chunk=chunk: self._chunk_took(chunk, out)))
         for stage, work in enumerate(calls):  # every piece of work was taken before any ran: one stage each
             self.stage_tokens[-1][stage] += sum(segment.size for segment, _ in work)
@@ -250,16 +249,11 @@ class BatchedPipeline:
         if start >= ids_1T.shape[1]:
             return
         end = min(start + self.prefill_chunk, ids_1T.shape[1])
-        chunk = _Chunk(start, end, self.staged.embed(ids_1T[:, start:end]))
+        chunk = _Chunk(end, self.staged.embed(ids_1T[:, start:end]))
         if 0 in request.work.anchors:
             chunk.anchors[0] = chunk.hidden_1TD
         request.chunks.append(chunk)
         request.next_row = end
-
-    def _prefill_anchors(self, request: BatchRequest, stage: int) -> list[int]:
-        """The prompt's H^l that ``stage`` reports: l in (b[s], b[s+1]] (H^0 is taken at entry)."""
-        b = self.staged.boundaries
-        return [a for a in request.work.anchors if b[stage] < a <= b[stage + 1]]
 
     @staticmethod
     def _chunk_took(chunk: _Chunk, out: StageOutput) -> None:

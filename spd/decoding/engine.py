@@ -114,8 +114,6 @@ class PipelineEngine:
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
         def decode(prompt_ids, eos, on_token):
-            if mode == "spd" and self.speculator is None:
-                raise SpdInputError("mode 'spd' needs a speculation head; pass a speculator or use mode 'pp'")
             if mode not in MODES:
                 raise SpdInputError(f"unknown mode '{mode}'; expected one of: {', '.join(MODES)}")
             return self.run(prompt_ids, max_new_tokens, sampling, eos, on_token, use_head=mode == "spd")

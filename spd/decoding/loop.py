@@ -62,7 +62,7 @@ import torch
 
 from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set, first_output, stop_reason
 from .proposer import Proposer
-from .sampling import SamplingParams, warped_probs
+from .sampling import SamplingParams, select_token, warped_probs
 from .stats import PipelineStats, TreeStats
 from .tree import (Level, TokenTree, grow_sampled, grow_top_k, verify_greedy, verify_sampled_deterministic,
                    verify_sampled_recursive)
@@ -189,6 +189,13 @@ def drive(stages, steps: Generator) -> GenerationOutput:
         return done.value
 
 
+def anchors_by_stage(boundaries: list[int], needed) -> list[list[int]]:
+    """The hidden-state indices of ``needed`` that each stage reports: H^l for l in (b[s], b[s+1]] (H^0 is taken at
+    entry, before stage 1)."""
+    b, needed = boundaries, set(needed)
+    return [sorted(a for a in needed if b[s] < a <= b[s + 1]) for s in range(len(b) - 1)]
+
+
 def verify_sampled(p_V: torch.Tensor, tokens_C: torch.Tensor, q_V: torch.Tensor,
                    generator: torch.Generator | None) -> tuple[int | None, int]:
     """Sampled children (drawn without replacement from ``q_V``): recursive rejection sampling."""
@@ -203,9 +210,8 @@ class StepLoop:
         self.verify_sampled = verify_sampled  # the rule for sampled children (a test swaps in a lossy control)
 
     def stage_anchors(self, source: Proposer | None) -> list[list[int]]:
-        """Anchors each stage hands to the proposer: H^l for l in (b[s], b[s+1]] (H^0 is taken at entry)."""
-        b, needed = self.staged.boundaries, set(source.needed_anchors) if source is not None else set()
-        return [sorted(a for a in needed if b[s] < a <= b[s + 1]) for s in range(self.staged.n_stages)]
+        """Anchors each stage hands to the proposer (:func:`anchors_by_stage` of its ``needed_anchors``)."""
+        return anchors_by_stage(self.staged.boundaries, source.needed_anchors if source is not None else ())
 
     @torch.inference_mode()
     def run(self, source: Proposer | None, input_ids, max_new_tokens: int, sampling: SamplingParams,
@@ -250,7 +256,7 @@ class StepLoop:
                                 list(source.prefill_anchors) if source is not None else [], capacity)
         if source is not None:
             source.start(prompt, prefill.anchors, capacity)
-        first = self._first_token(prefill.hidden_BTD, sampling, generator)
+        first = int(select_token(staged.logits(prefill.hidden_BTD[:, -1]), sampling, generator)[0])
         stats.prefill_time_s = time.perf_counter() - t0
         out, stop = first_output(first, stats, eos, budget, max_new_tokens, on_token)
         context = list(prompt)  # committed tokens before the root (the rows every stage keeps)
@@ -283,6 +289,14 @@ class StepLoop:
             rank = min(grown, n) if levels[0].rank == 0 else n
             return self._enter(tree, int(new_N[0]), len(tree), rank=rank, needs_embedding=needs_embedding)
 
+        def advance(moving: list[Level], committed: int, after_verify: bool = False):
+            """Step 2 for ``moving``, handed to the driver; then the proposer sees their new state."""
+            tick = time.perf_counter()
+            yield Advance(moving, tree, committed, after_verify)
+            stats.stage_time_s += time.perf_counter() - tick
+            if source is not None:
+                source.advanced(moving, tree, committed)
+
         while not stop:
             stats.steps += 1
             committed = len(context)
@@ -300,12 +314,7 @@ class StepLoop:
                 tree_stats.stage_nodes += sum(level.size for level in levels)
             # 2. Every stage advances the level it holds. The root's level, leaving stage n, is taken first, so
             #    that its verification (3) releases stage 1's next level before the other reports are read.
-            moving = levels[:1] if exits else levels
-            tick = time.perf_counter()
-            yield Advance(moving, tree, committed)
-            stats.stage_time_s += time.perf_counter() - tick
-            if source is not None:
-                source.advanced(moving, tree, committed)
+            yield from advance(levels[:1] if exits else levels, committed)
             if exits:
                 # 3. The root left stage n: the target's p for the next position decides among its children.
                 tick = time.perf_counter()
@@ -348,11 +357,7 @@ class StepLoop:
                 if stop:
                     break
                 if rest:
-                    tick = time.perf_counter()
-                    yield Advance(rest, tree, len(context), after_verify=True)
-                    stats.stage_time_s += time.perf_counter() - tick
-                    if source is not None:
-                        source.advanced(rest, tree, len(context))
+                    yield from advance(rest, len(context), after_verify=True)
             if new_level is not None:
                 levels.append(new_level)
             # Output-state proposers read the state after the stages ran (serial with them).
@@ -368,14 +373,6 @@ class StepLoop:
         return GenerationOutput(out, stats, prompt)
 
     # ------------------------------------------------------------------------------------ pieces
-    def _first_token(self, hidden_1TD: torch.Tensor, sampling: SamplingParams,
-                     generator: torch.Generator | None) -> int:
-        """The first new token, from the prompt's last logits."""
-        logits_1V = self.staged.logits(hidden_1TD[:, -1])
-        if sampling.greedy:
-            return int(torch.argmax(logits_1V, dim=-1))
-        return int(torch.multinomial(warped_probs(logits_1V, sampling), 1, generator=generator))
-
     def _enter(self, tree: TokenTree, start: int, end: int, rank: int, needs_embedding: bool) -> Level:
         """Tree nodes ``[start, end)`` about to enter stage 1: their embeddings are H^0 (also an anchor when the
         proposer reads ``H^0``)."""
@@ -413,9 +410,7 @@ class StepLoop:
         logits_1V = self.staged.logits(root.hidden_1TD[:, -1])
         children_C = tree.children(0)
         if children_C.numel() == 0:  # nothing proposed: the target's own next token
-            if sampling.greedy:
-                return int(torch.argmax(logits_1V, dim=-1)), None
-            return int(torch.multinomial(warped_probs(logits_1V, sampling), 1, generator=generator)), None
+            return int(select_token(logits_1V, sampling, generator)[0]), None
         tokens_C = tree.tokens_N[children_C]
         if sampling.greedy:
             index, token = verify_greedy(logits_1V[0], tokens_C)

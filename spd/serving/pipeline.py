@@ -58,6 +58,16 @@ class PipelineSpec:
     join_timeout_s: float = 600.0  # distributed: how long the stages may take to load and join
 
 
+def check_batching(max_batch: int, runtime: str, mode: str) -> None:
+    """Refuse a batched server (``--max-batch`` above 1) where batching does not run: across processes, or in a mode
+    without a pipeline step loop."""
+    if max_batch > 1 and runtime == "distributed":
+        raise SpdInputError("--max-batch above 1 runs the stages in this process; the distributed runtime serves one "
+                            "request at a time (use --max-batch 1 with --runtime distributed)")
+    if max_batch > 1 and mode not in ("spd", "pp", "tree"):
+        raise SpdInputError(f"--max-batch above 1 batches --mode spd, pp or tree, not '{mode}'")
+
+
 class Pipeline:
     """A loaded engine and its tokenizer; ``generate`` runs one request (one thread at a time)."""
 
@@ -94,11 +104,7 @@ class Pipeline:
         """A batched pipeline over this engine (``--max-batch``): local stages, modes spd, pp and tree."""
         from ..decoding.batch import BatchedPipeline
 
-        if self.remote is not None:
-            raise SpdInputError("--max-batch above 1 runs the stages in this process; the distributed runtime "
-                                "serves one request at a time (use --max-batch 1 with --runtime distributed)")
-        if self.spec.mode not in ("spd", "pp", "tree"):
-            raise SpdInputError(f"--max-batch above 1 batches --mode spd, pp or tree, not '{self.spec.mode}'")
+        check_batching(max_batch, self.spec.runtime, self.spec.mode)
         return BatchedPipeline(self.engine, max_batch, kv_rows)
 
     def submit(self, batch, prompt_ids: list[int], max_new_tokens: int, on_token: OnToken, on_done,
