@@ -102,6 +102,82 @@ def test_distributed_runtime_equals_single_process_engine(tiny_testbed, heads, t
     assert all(s["width"] == 2 and s["max_tree_size"] > 1 for s in tree_stats)
 
 
+# 16 requests of different lengths, at most 4 at once (the others queue), each with its own seed.
+BATCH_PROMPTS = [p[:k] for p in PROMPTS for k in (7, 19, 40, 400)]
+
+
+def test_distributed_runtime_batches_requests_as_the_in_process_batch_does(tiny_testbed, heads, tmp_path):
+    """run_pipeline --max-batch: the ragged batches travel stage to stage (spd/runtime/batch.py) and every request
+    gets exactly the tokens and verification outcomes of the in-process batched pipeline (the same ragged calls,
+    bit for bit; tests/test_batch.py proves that pipeline lossless), in spd, pp and tree mode, sampled, with the
+    flushes and prunes of an untrained head."""
+    from spd.decoding.batch import BatchedPipeline
+    from spd.decoding.generation import default_eos
+    from spd.decoding.sampling import SamplingParams
+
+    n = 4
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in BATCH_PROMPTS))
+    out = tmp_path / "out.json"
+    proc = _torchrun(n, "--target", str(tiny_testbed / "target"), "--speculator", str(heads[n]), "--mode", "spd",
+                     "pp", "tree", "--tree-width", "2", "--prompts", str(prompts), "--max-new-tokens", "20",
+                     "--temperature", "1", "--top-k", "20", "--seed", "7", "--max-batch", "4", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[spd] 16 prompts in" in proc.stderr and "largest batch 4" in proc.stderr
+    report = json.loads(out.read_text())
+    torch.set_num_threads(1)
+    staged = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=n)
+    tok = load_tokenizer(tiny_testbed / "target")
+    head = load_speculator(heads[n])
+    ids = [tok(p)["input_ids"] for p in BATCH_PROMPTS]
+    sampling = [SamplingParams(1.0, 20, 1.0, 7 + i) for i in range(len(ids))]
+    eos = default_eos(staged.model, tok)
+    flushes = 0
+    for mode in ("spd", "pp", "tree"):
+        engine = (TreeEngine(staged, SpdHeadSource(head, staged, 4), 2, tok) if mode == "tree"
+                  else PipelineEngine(staged, head, tok))
+        want = BatchedPipeline(engine, 4).generate(ids, 20, sampling, eos, mode=mode)
+        got = report["results"][mode]
+        assert [r["token_ids"] for r in got] == [o.token_ids for o in want], mode
+        assert [r["stats"]["token_acceptance"] for r in got] == [o.stats.token_acceptance for o in want], mode
+        flushes += sum(r["stats"]["flushes"] for r in got)
+    assert flushes > 10  # rejections happened, each on its own request's region
+
+
+def test_a_batch_manifest_round_trips_and_a_corrupt_one_is_refused(tiny_testbed):
+    """The manifest's wire format (spd/runtime/batch.py): operations and segments (a tree level from an item of the
+    previous stage, pruned to two rows; a chunk carried in the manifest) decode as encoded; truncated, out-of-range
+    or overlong manifests are a PipelineLost naming the rank, never a crash or a huge allocation."""
+    from spd.runtime.batch import OPEN, PRUNE, decode_manifest, encode_manifest, handle
+    from spd.runtime.protocol import PipelineLost
+    from spd.target.kv_pool import KVPool, Region
+    from spd.target.ragged import Segment
+
+    staged = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=2)
+    pool = KVPool(staged, 64, ledger=True)
+    level = pool.caches(Region(0, 32))[1]
+    chunk = pool.caches(Region(32, 32))[0]
+    mask = torch.tensor([[True, True, False], [True, False, True]])
+    tree = Segment(level, handle(5, 3, staged.device)[:, [0, 2]], torch.tensor([7, 7]), mask, anchors=[3])
+    prompt = Segment(chunk, torch.zeros(1, 4, staged.config.hidden_size))
+    ops = [[OPEN, 32, 32], [PRUNE, 0, 6, 2, 1, 3]]
+    words = encode_manifest(9, 7, ops, [tree, prompt], [11, 12])
+    phase, keep_from, got_ops, segments = decode_manifest(words, 2, 64, 64, staged.num_layers)
+    assert (phase, keep_from) == (9, 7)
+    assert [op[:3] for op in got_ops] == [(OPEN, 32, 32), (PRUNE, 0, 6)] and got_ops[1][3].tolist() == [1, 3]
+    first, second = segments
+    assert (first.base, first.key_in, first.size, first.rows, first.anchors, first.key_out) == (0, 5, 2, [0, 2], [3], 11)
+    assert first.positions_T.tolist() == [7, 7] and torch.equal(first.tree_mask_TN, mask)
+    assert (second.base, second.key_in, second.size, second.rows, second.positions_T, second.tree_mask_TN) == \
+        (32, -1, 4, [], None, None)
+    bad = [words[:-1], torch.cat([words, torch.tensor([0])]),
+           words.clone().index_fill_(0, torch.tensor([5]), 10 ** 6),  # a region past the pool
+           words.clone().index_fill_(0, torch.tensor([3]), 10 ** 9)]  # a billion segments announced
+    for corrupt in bad:
+        with pytest.raises(PipelineLost, match="rank 2: a batch manifest"):
+            decode_manifest(corrupt, 2, 64, 64, staged.num_layers)
+
+
 def test_distributed_output_state_head_equals_single_process_engine(tiny_testbed, tmp_path):
     """A head on the stages' output states: the last stage reports anchors (H^L among them) at prefill as well as
     the last position's H^L, in two messages."""

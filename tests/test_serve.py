@@ -165,12 +165,14 @@ def test_sixteen_concurrent_clients_all_answered_correctly(spd_server):
     assert answers == expected
 
 
-def test_batched_server_answers_each_client_as_the_one_at_a_time_server(spd_server, tiny_testbed, tiny_heads):
+@pytest.mark.parametrize("runtime", ["local", "distributed"])
+def test_batched_server_answers_each_client_as_the_one_at_a_time_server(spd_server, tiny_testbed, tiny_heads, runtime):
     """--max-batch 4 with a KV pool that holds fewer: 16 concurrent clients (greedy and seeded sampling, a stop string,
     a long prompt, one that disconnects, one bad request) each get the answer the one-at-a-time server gives, then a
-    streamed one; /metrics shows the batch and the time between tokens."""
+    streamed one; /metrics shows the batch and the time between tokens. In this process, and over the distributed
+    runtime (the ragged batches carried stage to stage by 4 stage processes)."""
     server = Server("--target", str(tiny_testbed / "target"), "--mode", "spd", "--speculator", str(tiny_heads[4]),
-                    "--max-batch", "4", "--kv-rows", "400")
+                    "--max-batch", "4", "--kv-rows", "400", "--runtime", runtime)
     try:
         bodies = [{"model": server.model, "prompt": f"def f{i}(x):\n    return", "max_tokens": 8 + 3 * i,
                    "temperature": 0.0 if i % 3 else 0.8, "seed": i} for i in range(14)]

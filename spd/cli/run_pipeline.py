@@ -60,10 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl with CUDA, else gloo)")
     p.add_argument("--timeout-s", type=float, default=60.0, help="a rank silent this long counts as lost")
-    p.add_argument("--emulate-stage-ms", type=float, default=0.0, help="added compute time per stage per token")
+    p.add_argument("--emulate-stage-ms", type=float, default=0.0,
+                   help="added compute time per stage call (a token, a tree level, a batch)")
+    p.add_argument("--emulate-token-ms", type=float, default=0.0, help="and per token of that call")
     p.add_argument("--emulate-link-ms", type=float, default=0.0, help="added latency per message")
     p.add_argument("--early-launch", action="store_true",
                    help="let stage 1 start a proposal before the step that made it is verified (see spd/runtime/)")
+    p.add_argument("--max-batch", type=int, default=1,
+                   help="run up to B prompts of --prompts at once through the stages (dynamic batching, "
+                        "docs/method.md section 9); 1: one after another")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--json", action="store_true")
     p.add_argument("--show-acceptance", action="store_true", help="colour accepted speculations (ANSI green)")
@@ -76,13 +81,13 @@ def check_numbers(args) -> None:
     # nan passes every comparison and inf every lower bound: the float flags must be finite as well.
     if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
         raise SpdInputError(f"--timeout-s must be a positive number of seconds, got {args.timeout_s}")
-    for flag in ("emulate_stage_ms", "emulate_link_ms", "temperature"):
+    for flag in ("emulate_stage_ms", "emulate_token_ms", "emulate_link_ms", "temperature"):
         value = getattr(args, flag)
         if not (math.isfinite(value) and value >= 0):
             raise SpdInputError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
     if not 0 < args.top_p <= 1:
         raise SpdInputError(f"--top-p must be in (0, 1], got {args.top_p}")
-    for flag, low in (("threads", 1), ("max_new_tokens", 1), ("num_prompts", 1), ("top_k", 0)):
+    for flag, low in (("threads", 1), ("max_new_tokens", 1), ("num_prompts", 1), ("top_k", 0), ("max_batch", 1)):
         value = getattr(args, flag)
         if value is not None and value < low:
             raise SpdInputError(f"--{flag.replace('_', '-')} must be at least {low}, got {value}")
@@ -104,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     config = RuntimeConfig(backend=backend, timeout_s=args.timeout_s, emulate_stage_ms=args.emulate_stage_ms,
+                           emulate_token_ms=args.emulate_token_ms,
                            emulate_link_ms=args.emulate_link_ms, early_launch=args.early_launch)
     rank = -1
     try:
@@ -193,7 +199,9 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
             engine = tree if mode == "tree" else chain
             if args.out:
                 remote.clocks()  # (a fresh start for this mode's breakdown)
-            for i, ids in enumerate(prompts):
+            if args.max_batch > 1:
+                results[mode] = _run_batched(args, engine, mode, prompts, tokenizer, staged)
+            for i, ids in enumerate(prompts if args.max_batch == 1 else []):
                 out = engine.generate(ids, args.max_new_tokens, mode=mode, temperature=args.temperature,
                                       top_k=args.top_k, top_p=args.top_p,
                                       seed=None if args.seed is None else args.seed + i)
@@ -209,6 +217,31 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
         if not lost:
             remote.shutdown()
     _report(args, tokenizer, results, n, clocks)
+
+
+def _run_batched(args, engine, mode: str, prompts: list[list[int]], tokenizer, staged) -> list[dict]:
+    """Every prompt as a request of one batched pipeline over the stages (up to ``--max-batch`` at once, each with
+    its own seed ``--seed + i``); the records in prompt order."""
+    from spd.decoding.batch import BatchedPipeline
+    from spd.decoding.request import prepare_prompt
+    from spd.decoding.sampling import SamplingParams
+
+    batch = BatchedPipeline(engine, args.max_batch)
+    requests = []
+    for i, ids in enumerate(prompts):
+        _, eos = prepare_prompt(tokenizer, ids, None, staged.model)
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p,
+                                  None if args.seed is None else args.seed + i)
+        requests.append(batch.submit(ids, args.max_new_tokens, sampling, eos, mode=mode))
+    batch.run()
+    records = []
+    for request in requests:
+        if request.error is not None:
+            raise request.error
+        records.append({"token_ids": request.output.token_ids, "stats": request.output.stats.as_dict()})
+    print(f"[{mode}] {len(prompts)} prompts in {batch.steps} batched steps (largest batch "
+          f"{max(batch.batch_sizes, default=0)})", file=sys.stderr, flush=True)
+    return records
 
 
 def _prompts(args, tokenizer) -> list[list[int]]:

@@ -24,6 +24,10 @@ one request. With several requests the matrix products have other shapes, so fp3
 run in the last bits: greedy output equals the request's solo output except where the solo run's top-two logits
 are that close (``tests/test_batch.py`` reports every such case).
 
+The stages run in this process (:class:`LocalBatch`: the pool and :func:`~spd.target.ragged.run_ragged`) or, when the
+engine's stages are the distributed runtime's, on the stage ranks (:class:`spd.runtime.batch.RemoteBatch`: the same
+ragged calls, carried stage to stage); this driver is the same for both.
+
 Not batched yet: the proposer (each request's proposer is queried on its own, one after another) and hybrid
 targets (their recurrent state is per request: refused with one line).
 """
@@ -57,6 +61,36 @@ class _Chunk:
     hidden_1TD: torch.Tensor
     depth: int = 0
     anchors: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class LocalBatch:
+    """The stage work of a batched pipeline in this process: a :class:`~spd.target.kv_pool.KVPool` and one ragged call
+    per stage. (:class:`spd.runtime.batch.RemoteBatch` has the same methods for stages on other ranks.)"""
+
+    def __init__(self, staged, rows: int):
+        self.staged = staged
+        self.pool = KVPool(staged, rows)
+
+    def request_stages(self) -> LocalStages:
+        """A new request's stage back-end (its caches come with :meth:`open`)."""
+        return LocalStages(self.staged)
+
+    def open(self, region: Region):
+        """The stage caches of a request admitted to ``region``."""
+        return self.pool.caches(region)
+
+    def release(self, region: Region) -> None:
+        self.pool.release(region)
+
+    def new_step(self) -> None:
+        """A pipeline step begins."""
+
+    def idle(self) -> None:
+        """No request is queued or in flight."""
+
+    def run(self, calls: list[list[Segment]]) -> list[list[StageOutput]]:
+        """Every stage's segments (``calls[s]``), one ragged call per stage; the outputs per stage and segment."""
+        return [run_ragged(self.pool, stage, segments) if segments else [] for stage, segments in enumerate(calls)]
 
 
 class BatchRequest:
@@ -101,12 +135,13 @@ class BatchedPipeline:
             raise SpdInputError(f"the batch size must be a positive integer, got {max_batch!r}")
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise SpdInputError(f"the prefill chunk must be a positive number of tokens, got {prefill_chunk!r}")
-        if type(engine.stages) is not LocalStages:
-            raise SpdInputError("batched decoding runs the stages in this process; the distributed runtime serves "
-                                "one request at a time (--max-batch 1)")
         self.engine, self.staged, self.loop = engine, engine.staged, engine.loop
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
-        self.pool = KVPool(self.staged, kv_rows if kv_rows is not None else max_batch * DEFAULT_ROWS_PER_REQUEST)
+        rows = kv_rows if kv_rows is not None else max_batch * DEFAULT_ROWS_PER_REQUEST
+        # Stages in this process, or the distributed runtime's (spd.runtime.remote.RemoteStages.batch_backend).
+        self.backend = (LocalBatch(self.staged, rows) if isinstance(engine.stages, LocalStages)
+                        else engine.stages.batch_backend(rows))
+        self.pool = self.backend.pool
         self.queue: deque[BatchRequest] = deque()
         self.active: list[BatchRequest] = []
         self.steps = 0  # pipeline steps run
@@ -126,7 +161,7 @@ class BatchedPipeline:
         ``on_done(request)`` when it ends."""
         use_head = self._use_head(mode)
         source, stats = self.engine.request_parts(use_head)
-        stages = LocalStages(self.staged)
+        stages = self.backend.request_stages()
         request = BatchRequest(next(self._ids), None, stages, on_done)
 
         def tokens(token: int, accepted: bool) -> bool:
@@ -156,7 +191,9 @@ class BatchedPipeline:
         """One pipeline step of every request in flight (see the module docstring)."""
         self._admit()
         if not self.active:
+            self.backend.idle()
             return
+        self.backend.new_step()
         self.steps += 1
         self.batch_sizes.append(len(self.active))
         self.stage_tokens.append([0] * self.staged.n_stages)
@@ -174,6 +211,8 @@ class BatchedPipeline:
             for request in second:
                 self._resume(request, None)
         self._leave()
+        if not self.busy:
+            self.backend.idle()
 
     def run(self) -> None:
         """Step until every request has ended."""
@@ -215,7 +254,7 @@ class BatchedPipeline:
                 return  # it waits for a region (the KV memory bound)
             self.queue.popleft()
             request.region = region
-            request.stages.caches = self.pool.caches(region)
+            request.stages.caches = self.backend.open(region)
             request.prefill_stage_anchors = anchors_by_stage(self.staged.boundaries, request.work.anchors)
             request.state = "prefill"
             self.active.append(request)
@@ -238,9 +277,10 @@ class BatchedPipeline:
                                  lambda out, chunk=chunk: self._chunk_took(chunk, out)))
         for stage, work in enumerate(calls):  # every piece of work was taken before any ran: one stage each
             self.stage_tokens[-1][stage] += sum(segment.size for segment, _ in work)
-            if work:
-                for (_, took), out in zip(work, run_ragged(self.pool, stage, [segment for segment, _ in work])):
-                    took(out)
+        outputs = self.backend.run([[segment for segment, _ in work] for work in calls])
+        for work, outs in zip(calls, outputs):
+            for (_, took), out in zip(work, outs):
+                took(out)
 
     def _next_chunk(self, request: BatchRequest) -> None:
         """The prompt's next chunk enters stage 1 (if any is left)."""
@@ -290,7 +330,7 @@ class BatchedPipeline:
         request.work = None
         request.chunks = []
         if request.region is not None:
-            self.pool.release(request.region)
+            self.backend.release(request.region)
             request.region = None
             request.stages.caches = []
         if request.on_done is not None:

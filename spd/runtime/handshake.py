@@ -63,7 +63,8 @@ def job_identity(source: str, revision: str | None, staged, dtype: torch.dtype, 
     return {"spd": spd.__version__, "torch": torch.__version__, "target": fingerprint, "source": source,
             "cut": list(staged.boundaries), "dtype": str(dtype).removeprefix("torch."),
             "runtime": {"backend": config.backend, "early_launch": config.early_launch,
-                        "emulate_stage_ms": config.emulate_stage_ms, "emulate_link_ms": config.emulate_link_ms}}
+                        "emulate_stage_ms": config.emulate_stage_ms, "emulate_token_ms": config.emulate_token_ms,
+                        "emulate_link_ms": config.emulate_link_ms}}
 
 
 def mismatch(identities: list[dict]) -> str | None:

@@ -36,6 +36,7 @@ class StageJob:
     backend: str = "gloo"
     timeout_s: float = 60.0
     emulate_stage_ms: float = 0.0
+    emulate_token_ms: float = 0.0
     emulate_link_ms: float = 0.0
     version: str = field(default_factory=lambda: _spd_version())
 
@@ -44,7 +45,7 @@ class StageJob:
         cmd = [sys.executable, "-m", "spd.cli.run_pipeline", "--target", target, "--stages", str(self.stages),
                "--boundaries", ",".join(map(str, self.boundaries)), "--dtype", self.dtype, "--backend", self.backend,
                "--timeout-s", str(self.timeout_s), "--emulate-stage-ms", str(self.emulate_stage_ms),
-               "--emulate-link-ms", str(self.emulate_link_ms), "--threads", str(threads)]
+               "--emulate-token-ms", str(self.emulate_token_ms), "--emulate-link-ms", str(self.emulate_link_ms), "--threads", str(threads)]
         return cmd + (["--revision", revision] if revision is not None else [])
 
     def stage_env(self, host: str, port: int, stage: int, local_rank: int, local_world: int, env=None) -> dict:
@@ -87,7 +88,7 @@ def _check(job: StageJob) -> None:
           and all(1 <= s <= job.stages for s in job.remote) and job.dtype in ("float32", "bfloat16", "float16")
           and job.backend in ("gloo", "nccl")
           and all(isinstance(x, (int, float)) and x >= 0 for x in (job.timeout_s, job.emulate_stage_ms,
-                                                                   job.emulate_link_ms)))
+                                                                   job.emulate_token_ms, job.emulate_link_ms)))
     if not ok:
         raise ValueError("malformed job")
 

@@ -37,6 +37,7 @@ class Link:
         # What a peer may announce in a header (check_header): the model's context and rows per token.
         self.max_tokens = max_tokens or DEFAULT_MAX_TOKENS
         self.max_width = max_width or DEFAULT_MAX_WIDTH
+        self.max_cells = self.max_tokens * self.max_width  # tokens x rows of one payload
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
         # Room for a token's report (a few anchor rows plus H^L) and a small tree level's extra, inline.
         self.inline = 6 * hidden * self.itemsize + 4096
@@ -49,6 +50,12 @@ class Link:
         self._sends: collections.deque = collections.deque()
         self._held = 0  # bytes of their buffers
         self.reset_clock()
+
+    def allow_batch(self, rows: int) -> None:
+        """In the batch mode a payload packs the rows of many requests (at most the KV pool's ``rows`` tokens, each
+        with its anchors): raise the bounds a header may give to that."""
+        self.max_tokens = max(self.max_tokens, rows * self.max_width)
+        self.max_cells = max(self.max_cells, rows * self.max_width)
 
     def reset_clock(self) -> None:
         """Start counting anew where this rank's time in messages goes (seconds; :meth:`clock`)."""
@@ -156,6 +163,9 @@ class Link:
             if not low <= value <= high:
                 raise PipelineLost(f"rank {self.rank}: a message from rank {src} has a bad header ({name} {value}, "
                                    f"expected {low}..{high}); the peer is corrupt or not one of ours")
+        if length * width > self.max_cells:
+            raise PipelineLost(f"rank {self.rank}: a message from rank {src} has a bad header (a payload of "
+                               f"{length} tokens x {width} rows, more than {self.max_cells} in all)")
         if (length == 0) != (width == 0):
             raise PipelineLost(f"rank {self.rank}: a message from rank {src} has a bad header (a payload of "
                                f"{length} tokens x {width} rows)")

@@ -9,9 +9,9 @@ import torch
 
 from ..target.staging import StageOutput, StagedModel
 from .link import Link
-from .protocol import (CLOCK_COUNTS, CLOCK_TIMES, CLOCKS, CLOSE, CONTROL_TAG, DATA_TAG, FLUSH, KEPT_INLINE, KEPT_TAG,
-                       LEVEL, NOTICE, PING, PREFILL, PRUNE, REPORT, REPORT_TAG, STOP, TOKEN, PipelineLost,
-                       RuntimeConfig)
+from .protocol import (BATCH_END, BATCH_START, BATCH_TAG, CLOCK_COUNTS, CLOCK_TIMES, CLOCKS, CLOSE, CONTROL_TAG,
+                       DATA_TAG, FLUSH, KEPT_INLINE, KEPT_TAG, LEVEL, NOTICE, PING, PREFILL, PRUNE, REPORT, REPORT_TAG,
+                       STOP, TOKEN, PipelineLost, RuntimeConfig)
 from .stage import EpochLog, follow_prunes, pack_level
 
 class RemoteStages:
@@ -32,6 +32,7 @@ class RemoteStages:
         # Notices decided but not sent yet, per stage rank: stage 1's go right before its next input, the
         # others' right after it; all before rank 0 waits for anything.
         self._unsent: dict[int, list[tuple]] = {rank: [] for rank in range(1, self.n + 1)}  # (notice, spill)
+        self.batch = None  # the spd.runtime.batch.RemoteBatch whose batch mode the stages are in, if any
 
     def configure(self, stage_anchors: list[list[int]], paths: bool = False) -> None:
         self.stage_anchors = stage_anchors
@@ -39,6 +40,7 @@ class RemoteStages:
 
     def prefill(self, prompt_ids_1T: torch.Tensor, anchors: list[int], capacity: int) -> StageOutput:
         """Start a request on the stages: ``anchors`` for every prompt position, H^L for the last one (1, 1, D)."""
+        self.leave_batch()
         self.epoch += 1
         self.log.forget_before(self.epoch)
         b, big_l = self.staged.boundaries, self.staged.num_layers
@@ -182,8 +184,36 @@ class RemoteStages:
                 rows, start, _ = mapped
                 return header, start, payload[rows]
 
+    # ------------------------------------------------------------------------------- batch mode
+    def batch_backend(self, rows: int):
+        """The back-end of a batched pipeline over these stages, with a KV pool of ``rows`` rows on each
+        (:class:`spd.runtime.batch.RemoteBatch`)."""
+        from .batch import RemoteBatch
+
+        return RemoteBatch(self, rows)
+
+    def enter_batch(self, batch) -> None:
+        """The stages enter ``batch``'s batch mode (``BATCH_START`` down the data chain: its phase so far and its
+        pool's rows), unless they are in it."""
+        if self.batch is batch:
+            return
+        self.leave_batch()
+        self._post_notices()
+        self.link.allow_batch(batch.pool.rows)
+        self.link.send(1, DATA_TAG, BATCH_START, batch.phase, batch.pool.rows)
+        self.batch = batch
+
+    def leave_batch(self) -> None:
+        """The stages leave the batch mode (each is told the last phase, to take every output of it first)."""
+        if self.batch is None:
+            return
+        for rank in range(1, self.n + 1):
+            self.link.send(rank, BATCH_TAG, BATCH_END, 0, self.batch.phase)
+        self.batch = None
+
     def ping(self) -> None:
         """Tell every stage that rank 0 is alive while no request runs (a stage waits ``timeout_s`` at most)."""
+        self.leave_batch()
         self._post_notices()
         self.link.send(1, DATA_TAG, PING, self.epoch, 0)
 
@@ -191,6 +221,7 @@ class RemoteStages:
         """Where each rank's time went since the last call (or the start), for a benchmark's step breakdown; call
         between requests. ``{"rank0": Link.clock(), "stages": [one dict per stage: CLOCK_TIMES in seconds,
         CLOCK_COUNTS]}``; rank 0's clock starts anew."""
+        self.leave_batch()
         self._post_notices()
         self.link.send(1, DATA_TAG, CLOCKS, self.epoch, 0)
         rank0 = self.link.clock()
@@ -212,6 +243,7 @@ class RemoteStages:
 
     def shutdown(self) -> None:
         """CLOSE the control path; STOP down the chain; drain every stage's reports until its STOP arrives."""
+        self.leave_batch()
         self._notify(CLOSE, 0, None)
         self._post_notices()
         self.link.send(1, DATA_TAG, STOP, self.epoch, self.notices)

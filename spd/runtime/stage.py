@@ -7,10 +7,12 @@ import time
 
 import torch
 
+from ..target.ragged import run_ragged
 from ..target.staging import StageOutput, StagedModel
+from .batch_stage import batch_loop
 from .link import Link, Notices
-from .protocol import (CLOCK_COUNTS, CLOCK_TIMES, CLOCKS, CLOSE, DATA_TAG, LEVEL, PING, PREFILL, PRUNE, REPORT,
-                       REPORT_TAG, STOP, TOKEN, PipelineLost, RuntimeConfig)
+from .protocol import (BATCH_START, CLOCK_COUNTS, CLOCK_TIMES, CLOCKS, CLOSE, DATA_TAG, LEVEL, PING, PREFILL, PRUNE,
+                       REPORT, REPORT_TAG, STOP, TOKEN, PipelineLost, RuntimeConfig)
 
 def follow_prunes(start: int, size: int, end: int, kepts: list[torch.Tensor]):
     """Map a tree level through the prunes that happened since it was sent.
@@ -85,6 +87,7 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
     token_anchors: list[int] = []
     control = Notices(rank, control_group, config.timeout_s)
     clock = StageClock(link)
+    pools: dict = {}  # the batch mode's KV pool, kept between its busy periods
 
     def take_notice(block: bool = True) -> bool:
         """Apply the next notice (waiting for it if ``block``); False when none has arrived."""
@@ -117,9 +120,18 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
         tick = time.perf_counter()
         out = staged.run_stage(stage, *args, **kwargs)
         clock.seconds["compute"] += time.perf_counter() - tick
-        clock.seconds["emulated_compute"] += _emulate(config)
+        clock.seconds["emulated_compute"] += _emulate(config, out.hidden_BTD.shape[1])
         clock.items += 1
         return out
+
+    def run_batch(pool, segments) -> list[StageOutput]:
+        """The batch mode's ragged call over ``segments``, then the emulated compute time of the whole call."""
+        tick = time.perf_counter()
+        outs = run_ragged(pool, stage, segments)
+        clock.seconds["compute"] += time.perf_counter() - tick
+        clock.seconds["emulated_compute"] += _emulate(config, sum(seg.size for seg in segments))
+        clock.items += 1
+        return outs
 
     with torch.inference_mode():
         while True:
@@ -136,6 +148,12 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
                 # A serving driver keeps idle stages alive: every wait has a timeout, requests may be far apart.
                 if nxt != 0:
                     link.send(nxt, DATA_TAG, PING, msg_epoch, 0)
+                continue
+            if kind == BATCH_START:
+                # Many requests at once (spd.runtime.batch) until rank 0 ends it: position = the pool's rows.
+                if nxt != 0:
+                    link.send(nxt, DATA_TAG, BATCH_START, msg_epoch, position)
+                batch_loop(staged, stage, link, position, msg_epoch, run_batch, pools)
                 continue
             if kind == STOP:
                 while notices < position:  # STOP carries the number of notices sent (CLOSE last): take them all
@@ -228,12 +246,13 @@ def _level_now(extra: torch.Tensor, payload_T1D: torch.Tensor, msg_epoch: int, e
     return committed + len(kepts), start, positions_T[rows], mask_TN[rows][:, cols], payload_T1D[rows]
 
 
-def _emulate(config: RuntimeConfig) -> float:
-    """Sleep the emulated compute time; the seconds slept."""
-    if config.emulate_stage_ms <= 0:
+def _emulate(config: RuntimeConfig, tokens: int) -> float:
+    """Sleep the emulated compute time of a stage call over ``tokens`` tokens; the seconds slept."""
+    ms = config.emulate_stage_ms + config.emulate_token_ms * tokens
+    if ms <= 0:
         return 0.0
     tick = time.perf_counter()
-    time.sleep(config.emulate_stage_ms / 1000)
+    time.sleep(ms / 1000)
     return time.perf_counter() - tick
 
 

@@ -50,7 +50,8 @@ class PipelineSpec:
     dtype: str = "float32"
     device: str = "cpu"
     runtime: str = "local"  # local or distributed
-    emulate_stage_ms: float = 0.0  # distributed: added compute per stage per token
+    emulate_stage_ms: float = 0.0  # distributed: added compute per stage call (a token, a tree level, a batch)
+    emulate_token_ms: float = 0.0  # distributed: and per token of that call
     emulate_link_ms: float = 0.0  # distributed: added latency per message
     timeout_s: float = 60.0  # distributed: a stage silent this long (within a request) is lost
     local_stages: int | None = None  # distributed: stages run on this machine (default: all); the rest join
@@ -59,11 +60,8 @@ class PipelineSpec:
 
 
 def check_batching(max_batch: int, runtime: str, mode: str) -> None:
-    """Refuse a batched server (``--max-batch`` above 1) where batching does not run: across processes, or in a mode
-    without a pipeline step loop."""
-    if max_batch > 1 and runtime == "distributed":
-        raise SpdInputError("--max-batch above 1 runs the stages in this process; the distributed runtime serves one "
-                            "request at a time (use --max-batch 1 with --runtime distributed)")
+    """Refuse a batched server (``--max-batch`` above 1) where batching does not run: a mode without a pipeline step
+    loop. (Both runtimes batch: the stages in this process, or the distributed runtime's.)"""
     if max_batch > 1 and mode not in ("spd", "pp", "tree"):
         raise SpdInputError(f"--max-batch above 1 batches --mode spd, pp or tree, not '{mode}'")
 
@@ -101,11 +99,21 @@ class Pipeline:
             raise
 
     def batched(self, max_batch: int, kv_rows: int | None = None):
-        """A batched pipeline over this engine (``--max-batch``): local stages, modes spd, pp and tree."""
+        """A batched pipeline over this engine (``--max-batch``): modes spd, pp and tree, either runtime."""
         from ..decoding.batch import BatchedPipeline
 
         check_batching(max_batch, self.spec.runtime, self.spec.mode)
         return BatchedPipeline(self.engine, max_batch, kv_rows)
+
+    def step(self, batch) -> None:
+        """One step of ``batch``; a lost stage is remembered as :meth:`generate` remembers it."""
+        from ..runtime.protocol import PipelineLost
+
+        try:
+            batch.step()
+        except PipelineLost as exc:
+            self._lost = _exited(self.procs) or str(exc)
+            raise
 
     def submit(self, batch, prompt_ids: list[int], max_new_tokens: int, on_token: OnToken, on_done,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -222,6 +230,7 @@ def _open_distributed(spec: PipelineSpec, n: int, boundaries: list[int] | None, 
         host, port, interface = "127.0.0.1", free_port(), loopback_interface()
     backend = "nccl" if torch.device(spec.device).type == "cuda" else "gloo"
     config = RuntimeConfig(backend=backend, timeout_s=spec.timeout_s, emulate_stage_ms=spec.emulate_stage_ms,
+                           emulate_token_ms=spec.emulate_token_ms,
                            emulate_link_ms=spec.emulate_link_ms, join_timeout_s=spec.join_timeout_s)
     # Rank 0's part and the head load (and fail with one line) before any process starts.
     staged = load_partial(spec.target, n, 0, spec.revision, dtype, spec.device, boundaries)
@@ -229,7 +238,8 @@ def _open_distributed(spec: PipelineSpec, n: int, boundaries: list[int] | None, 
             if spec.speculator else None)
     job = StageJob(stages=n, boundaries=list(staged.boundaries), remote=list(range(local + 1, n + 1)),
                    dtype=spec.dtype, backend=backend, timeout_s=spec.timeout_s,
-                   emulate_stage_ms=spec.emulate_stage_ms, emulate_link_ms=spec.emulate_link_ms)
+                   emulate_stage_ms=spec.emulate_stage_ms, emulate_token_ms=spec.emulate_token_ms,
+                   emulate_link_ms=spec.emulate_link_ms)
     # gloo (rank 0 and this machine's stages) on the stage network's interface, unless the user chose one.
     if interface is not None and not os.environ.get("GLOO_SOCKET_IFNAME"):
         os.environ["GLOO_SOCKET_IFNAME"] = interface

@@ -287,13 +287,13 @@ class Scheduler:
             for request, job in in_flight.items():
                 if job.cancelled.is_set():
                     request.cancel()
-            batch.step()
+            self.pipeline.step(batch)
             metrics.batch_size.set(len(batch.active))
             metrics.running.set(len(batch.active))
             metrics.kv_tokens.set(batch.pool.rows - batch.pool.free_rows)
             if stopping:  # the requests in flight finish first
                 while batch.busy:
-                    batch.step()
+                    self.pipeline.step(batch)
                 return
 
     def _join(self, job: Job, in_flight: dict) -> None:

@@ -9,6 +9,11 @@ in a single attention call. Regions are handed out first-fit and given back when
 whose region does not fit waits (the KV memory bound). The pool's size is fixed when it is made: ``rows`` rows in
 each stage (bytes per row: :meth:`KVPool.row_bytes`).
 
+In the distributed runtime (:mod:`spd.runtime.batch`) each stage rank holds the buffer of its own stage only
+(``stages=[s]``), and rank 0 a *ledger*: the same regions and cache lengths with no keys or values
+(``ledger=True``), so that the step loop's bookkeeping (lengths, flush, prune) runs on rank 0 unchanged while the
+rows themselves live on the stages.
+
 Shape suffixes: L a stage's attention layers, Hk KV heads, C pool rows, Dh head dimension.
 """
 
@@ -31,9 +36,13 @@ class Region:
 
 
 class KVPool:
-    """One KV buffer per stage of ``staged``, ``rows`` rows each, shared by the requests of a batched pipeline."""
+    """One KV buffer per stage of ``staged``, ``rows`` rows each, shared by the requests of a batched pipeline.
 
-    def __init__(self, staged: StagedModel, rows: int):
+    ``stages``: the stages whose buffers this process holds (default all; a stage rank holds its own); ``ledger``:
+    lengths and positions only, no keys or values (rank 0 of the distributed runtime)."""
+
+    def __init__(self, staged: StagedModel, rows: int, stages: list[int] | None = None, ledger: bool = False,
+                 dtype: torch.dtype | None = None, device: torch.device | None = None):
         if staged.is_hybrid:
             raise SpdInputError("batched decoding does not run hybrid (linear-attention) targets yet: their "
                                 "recurrent state is per request; serve them one request at a time (--max-batch 1)")
@@ -41,11 +50,15 @@ class KVPool:
             raise SpdInputError(f"the KV pool needs a positive number of rows, got {rows!r}")
         self.staged, self.rows = staged, rows
         self.layer_ids = [list(staged.stage_layers(s)) for s in range(staged.n_stages)]
-        shape = (1, staged.kv_heads, rows, staged.head_dim)
-        self.keys_LBHkCDh = [torch.zeros(len(ids), *shape, dtype=staged.dtype, device=staged.device)
-                             for ids in self.layer_ids]
-        self.values_LBHkCDh = [torch.zeros_like(k) for k in self.keys_LBHkCDh]
-        self.positions_C = [torch.zeros(rows, dtype=torch.long, device=staged.device) for _ in self.layer_ids]
+        self.stages = list(range(staged.n_stages)) if stages is None else list(stages)
+        self.keys_LBHkCDh: dict[int, torch.Tensor] = {}
+        self.values_LBHkCDh: dict[int, torch.Tensor] = {}
+        self.positions_C: dict[int, torch.Tensor] = {}
+        for s in self.stages:
+            shape = (len(self.layer_ids[s]), 1, staged.kv_heads, rows, 0 if ledger else staged.head_dim)
+            self.keys_LBHkCDh[s] = torch.zeros(shape, dtype=dtype or staged.dtype, device=device or staged.device)
+            self.values_LBHkCDh[s] = torch.zeros_like(self.keys_LBHkCDh[s])
+            self.positions_C[s] = torch.zeros(rows, dtype=torch.long, device=device or staged.device)
         self.free: list[Region] = [Region(0, rows)]  # sorted by start, never adjacent
 
     @staticmethod
@@ -79,9 +92,12 @@ class KVPool:
         self.free = merged
 
     def caches(self, region: Region) -> list[StageKVCache]:
-        """Empty stage caches over ``region``'s rows (views of the pool's buffers; they never grow)."""
+        """Empty caches over ``region``'s rows for every stage this pool holds (views; they never grow)."""
+        return [self.cache(s, region) for s in self.stages]
+
+    def cache(self, stage: int, region: Region) -> StageKVCache:
+        """An empty cache of ``stage`` over ``region``'s rows (views of the pool's buffers)."""
         end = region.start + region.rows
-        return [StageKVCache.over(self.layer_ids[s], self.keys_LBHkCDh[s][:, :, :, region.start:end],
-                                  self.values_LBHkCDh[s][:, :, :, region.start:end],
-                                  self.positions_C[s][region.start:end], base=region.start)
-                for s in range(len(self.layer_ids))]
+        return StageKVCache.over(self.layer_ids[stage], self.keys_LBHkCDh[stage][:, :, :, region.start:end],
+                                 self.values_LBHkCDh[stage][:, :, :, region.start:end],
+                                 self.positions_C[stage][region.start:end], base=region.start)

@@ -77,7 +77,7 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
     :meth:`spd.target.staging.StagedModel.run_stage` would give for it alone."""
     staged = pool.staged
     first, last = staged.boundaries[stage], staged.boundaries[stage + 1]
-    device = staged.device
+    device = pool.positions_C[stage].device  # (a stage rank's model has no LM head to tell it)
     rows, positions, blocks = [], [], []
     for seg in segments:
         cache, t = seg.cache, seg.size
