@@ -10,7 +10,9 @@ tree, width policy, sampling parameters and seed, and its own stage caches: a re
    bound); a request that waits is never dropped. A request the pool could never hold fails with one error.
 2. Every stage runs, as one ragged batch (:func:`spd.target.ragged.run_ragged`), the work at that stage of every
    request: the levels in flight of the running requests (a chain's token, a tree level) and one chunk of each
-   newcomer's prompt. A prompt enters the pipeline ``prefill_chunk`` tokens per step and flows stage by stage like
+   newcomer's prompt. The work is started first; every running request's proposer then makes its next level
+   while the stages compute (on the distributed runtime they do so at the same time), and the outputs are
+   collected after that. A prompt enters the pipeline ``prefill_chunk`` tokens per step and flows stage by stage like
    the levels, so a newcomer never stalls the requests in flight for its whole prompt (chunked, pipelined
    prefill); its first token comes when its last chunk leaves stage ``n``.
 3. Each running request verifies and prunes or flushes on its own (its rejection touches only its own region),
@@ -47,7 +49,7 @@ from ..target.kv_pool import KVPool, Region
 from ..target.ragged import Segment, run_ragged
 from ..target.staging import StageOutput
 from .generation import GenerationOutput, OnToken
-from .loop import Advance, LocalStages, Prefill, anchors_by_stage
+from .loop import COLLECT, Advance, LocalStages, Prefill, anchors_by_stage
 from .sampling import SamplingParams
 
 DEFAULT_ROWS_PER_REQUEST = 2048  # the pool's default size: this many rows per request of max_batch
@@ -88,9 +90,13 @@ class LocalBatch:
     def idle(self) -> None:
         """No request is queued or in flight."""
 
-    def run(self, calls: list[list[Segment]]) -> list[list[StageOutput]]:
-        """Every stage's segments (``calls[s]``), one ragged call per stage; the outputs per stage and segment."""
+    def start(self, calls: list[list[Segment]]):
+        """Start every stage's segments (``calls[s]``): here one ragged call per stage, run now."""
         return [run_ragged(self.pool, stage, segments) if segments else [] for stage, segments in enumerate(calls)]
+
+    def finish(self, started) -> list[list[StageOutput]]:
+        """The outputs of :meth:`start`'s work, per stage and segment."""
+        return started
 
 
 class BatchRequest:
@@ -200,16 +206,13 @@ class BatchedPipeline:
         # 2. Every stage's work of every request, one ragged call per stage.
         advancing = [r for r in self.active if r.state == "running"]
         self._run_stages(advancing, [r for r in self.active if r.state == "prefill"])
-        for request in advancing:
-            self._resume(request, None)
         for request in [r for r in self.active if r.state == "prefill"]:
             self._prefill_progress(request)
         # 3. The levels that move after a verification.
-        second = [r for r in self.active if r.state == "running" and r.work.after_verify]
+        second = [r for r in self.active if r.state == "running" and isinstance(r.work, Advance) and
+                  r.work.after_verify]
         if second:
             self._run_stages(second, [])
-            for request in second:
-                self._resume(request, None)
         self._leave()
         if not self.busy:
             self.backend.idle()
@@ -260,7 +263,9 @@ class BatchedPipeline:
             self.active.append(request)
 
     def _run_stages(self, running: list[BatchRequest], prefilling: list[BatchRequest]) -> None:
-        """Each stage once over every listed request's work at that stage: levels in flight and prompt chunks."""
+        """Each stage once over every listed request's work at that stage (levels in flight and prompt chunks): the
+        work starts, the running requests go on to the point where they need its outputs (the proposer's step),
+        the outputs are taken, and the requests go on with them (verification, up to their next advance)."""
         n = self.staged.n_stages
         calls: list[list[tuple[Segment, Callable[[StageOutput], None]]]] = [[] for _ in range(n)]
         for request in running:
@@ -277,10 +282,15 @@ class BatchedPipeline:
                                  lambda out, chunk=chunk: self._chunk_took(chunk, out)))
         for stage, work in enumerate(calls):  # every piece of work was taken before any ran: one stage each
             self.stage_tokens[-1][stage] += sum(segment.size for segment, _ in work)
-        outputs = self.backend.run([[segment for segment, _ in work] for work in calls])
-        for work, outs in zip(calls, outputs):
+        started = self.backend.start([[segment for segment, _ in work] for work in calls])
+        for request in running:
+            self._resume(request, None)  # up to COLLECT: the proposer's step, while the stages compute
+        for work, outs in zip(calls, self.backend.finish(started)):
             for (_, took), out in zip(work, outs):
                 took(out)
+        for request in running:
+            if request.work is COLLECT:
+                self._resume(request, None)
 
     def _next_chunk(self, request: BatchRequest) -> None:
         """The prompt's next chunk enters stage 1 (if any is left)."""

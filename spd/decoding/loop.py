@@ -12,7 +12,8 @@ unit ``K`` counts):
    top-``K``, the ``W`` best by cumulative log-probability kept (:func:`spd.decoding.tree.grow_top_k`);
    ``sampled`` (the default at T > 0): per-node counts fixed from the expected scores, then children drawn
    without replacement from the proposer's warped ``q`` (:func:`spd.decoding.tree.grow_sampled`). An input-state
-   proposer reads the state at the start of the step, so in a deployment it runs concurrently with 2; an
+   proposer reads the state at the start of the step, so in a deployment it runs concurrently with 2 (the loop
+   hands the stage work to its driver first and collects the outputs after the proposer's step); an
    output-state one (the ablation, PPSD) reads it after 2 and 3, serially. The new level enters stage 1 next step.
 2. Every stage advances the level it holds by one stage: stage ``s`` runs the level's nodes over its KV cache
    (committed rows, causal, plus the tree nodes it has run, under the ancestor mask), at position ids
@@ -163,7 +164,9 @@ class Prefill:
 
 @dataclass
 class Advance:
-    """Work a request hands its driver: every level of ``levels`` runs its next stage (``stages.advance``).
+    """Work a request hands its driver: every level of ``levels`` runs its next stage (``stages.advance``). The
+    driver may start it at once; the request then goes on (the proposer's next level) until it hands over
+    :data:`COLLECT`, where it needs the outputs.
 
     ``after_verify``: the second advance of a step whose root level left stage ``n`` (the other levels, after the
     verification pruned them); a batched driver runs every request's first advances together, then their second.
@@ -175,15 +178,26 @@ class Advance:
     after_verify: bool = False
 
 
+class Collect:
+    """The point where a request needs the outputs of the :class:`Advance` it handed over last: the driver finishes
+    that work (and applies its outputs to the levels) before it resumes the request."""
+
+
+COLLECT = Collect()
+
+
 def drive(stages, steps: Generator) -> GenerationOutput:
-    """Run one request's :meth:`StepLoop.steps` on ``stages`` alone: each work item as soon as it is handed over."""
+    """Run one request's :meth:`StepLoop.steps` on ``stages`` alone. An advance runs when the request collects it:
+    after the proposer's step, which a remote back-end's stages overlap with work they already have."""
     try:
-        work = next(steps)
+        work, pending = next(steps), None
         while True:
             if isinstance(work, Prefill):
                 work = steps.send(stages.prefill(work.ids_1T, work.anchors, work.capacity))
+            elif isinstance(work, Advance):
+                pending, work = work, steps.send(None)
             else:
-                stages.advance(work.levels, work.tree, work.committed)
+                stages.advance(pending.levels, pending.tree, pending.committed)
                 work = steps.send(None)
     except StopIteration as done:
         return done.value
@@ -289,13 +303,19 @@ class StepLoop:
             rank = min(grown, n) if levels[0].rank == 0 else n
             return self._enter(tree, int(new_N[0]), len(tree), rank=rank, needs_embedding=needs_embedding)
 
-        def advance(moving: list[Level], committed: int, after_verify: bool = False):
-            """Step 2 for ``moving``, handed to the driver; then the proposer sees their new state."""
+        def advance(moving: list[Level], committed: int, after_verify: bool = False, meanwhile=None):
+            """Step 2 for ``moving``, handed to the driver; ``meanwhile()`` (step 1) runs before the outputs are
+            collected, while a driver's stages compute; then the proposer sees their new state. Returns what
+            ``meanwhile`` returned."""
             tick = time.perf_counter()
             yield Advance(moving, tree, committed, after_verify)
-            stats.stage_time_s += time.perf_counter() - tick
+            busy, result = time.perf_counter(), meanwhile() if meanwhile is not None else None
+            busy = time.perf_counter() - busy
+            yield COLLECT
+            stats.stage_time_s += time.perf_counter() - tick - busy
             if source is not None:
                 source.advanced(moving, tree, committed)
+            return result
 
         while not stop:
             stats.steps += 1
@@ -303,18 +323,24 @@ class StepLoop:
             if levels[-1].depth == 0:
                 stages.launch_level(levels[-1], tree, committed)
             exits = levels[0].depth == n - 1  # the root's level leaves stage n this step and is verified
-            new_level = grow() if schedule != "output" else None
-            if new_level is not None:
-                # Remote stages may start on it before this step's verification (a prune or miss reaches it
-                # through the epoch); the single-process back-end runs it next step.
-                stages.launch_level(new_level, tree, committed, early=exits)
-            if tree_stats is not None:
-                tree_stats.tree_nodes_total += len(tree)
-                tree_stats.max_tree_size = max(tree_stats.max_tree_size, len(tree))
-                tree_stats.stage_nodes += sum(level.size for level in levels)
+
+            def step_one(committed=committed, exits=exits) -> Level | None:
+                """1. The proposer's next level (it reads the state before this step's stage work)."""
+                new_level = grow() if schedule != "output" else None
+                if new_level is not None:
+                    # Remote stages may start on it before this step's verification (a prune or miss reaches it
+                    # through the epoch); the single-process back-end runs it next step.
+                    stages.launch_level(new_level, tree, committed, early=exits)
+                if tree_stats is not None:
+                    tree_stats.tree_nodes_total += len(tree)
+                    tree_stats.max_tree_size = max(tree_stats.max_tree_size, len(tree))
+                    tree_stats.stage_nodes += sum(level.size for level in levels)
+                return new_level
+
             # 2. Every stage advances the level it holds. The root's level, leaving stage n, is taken first, so
-            #    that its verification (3) releases stage 1's next level before the other reports are read.
-            yield from advance(levels[:1] if exits else levels, committed)
+            #    that its verification (3) releases stage 1's next level before the other reports are read. The
+            #    new level does not move this step, so 1 runs while the stages compute.
+            new_level = yield from advance(levels[:1] if exits else levels, committed, meanwhile=step_one)
             if exits:
                 # 3. The root left stage n: the target's p for the next position decides among its children.
                 tick = time.perf_counter()

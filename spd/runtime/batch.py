@@ -15,9 +15,11 @@ between (the second advance of a step). Each such call is a *phase*. For every p
 
 Each stage runs its segments as one ragged call (:func:`spd.target.ragged.run_ragged`) over its own share of the
 KV pool, sends their outputs to the next stage in one message (``DATA_TAG``, every phase, an empty one too) and
-reports to rank 0: the anchors, and from the last stage ``H^L``. Rank 0 reads every report of a phase before it
-verifies or starts the next one, so the stages of a phase run concurrently (the pipeline), and a stage's input for
-phase ``p`` is always in the previous stage's messages of phases before ``p``.
+reports to rank 0: the anchors, and from the last stage ``H^L``. Rank 0 runs the requests' proposers while the
+stages compute (the step loop hands over its stage work before its proposer's step and collects it after), then
+reads every report of the phase before it verifies or starts the next one, so the stages of a phase run
+concurrently (the pipeline), and a stage's input for phase ``p`` is always in the previous stage's messages of
+phases before ``p``.
 
 **No stale work.** The single-request runtime lets the stages run ahead of rank 0, so a flush reaches them late
 and each request needs epochs to tell stale work apart. Here rank 0 names every piece of work a stage runs, after
@@ -201,10 +203,9 @@ class RemoteBatch:
         self.ops = []
         self.remote.leave_batch()
 
-    def run(self, calls: list[list[Segment]]) -> list[list[StageOutput]]:
-        """One phase: every stage's segments (``calls[s]``) run remotely; the outputs, per stage and segment, as
-        :func:`spd.target.ragged.run_ragged` gives them (hidden states as handles, but ``H^L`` from the last stage).
-        The ledger caches advance as the stages' caches do."""
+    def start(self, calls: list[list[Segment]]):
+        """Start a phase: every stage's segments (``calls[s]``) go to its rank in a manifest, with the operations
+        queued since the last phase."""
         self.remote.enter_batch(self)
         self.phase += 1
         keys = [[next(self._keys) for _ in segments] for segments in calls]
@@ -214,7 +215,15 @@ class RemoteBatch:
             if s == 0 and segments:
                 payload = torch.cat([seg.hidden_1TD[0] for seg in segments])[:, None]
             self.link.send(s + 1, BATCH_TAG, MANIFEST, self.phase, 0, payload, extra=extra)
+            for seg in segments:
+                seg.cache.advance(seg.size)  # the ledger, as the stage's cache will
         self.ops = []
+        return calls, keys
+
+    def finish(self, started) -> list[list[StageOutput]]:
+        """The phase's outputs, per stage and segment, as :func:`spd.target.ragged.run_ragged` gives them (hidden
+        states as handles, but ``H^L`` from the last stage)."""
+        calls, keys = started
         outputs = []
         for s, segments in enumerate(calls):
             last = s == self.n - 1
@@ -238,6 +247,5 @@ class RemoteBatch:
                 else:
                     hidden = handle(key, seg.size, self.staged.device)
                 outs.append(StageOutput(hidden, anchors))
-                seg.cache.advance(seg.size)
             outputs.append(outs)
         return outputs
