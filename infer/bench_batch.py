@@ -2,6 +2,9 @@
 
     python infer/bench_batch.py --speculator runs/testbed-n4/final --clients 1 2 4 8 16 32 \\
         --requests-per-client 3 --max-new-tokens 48 --out bench_batch.json
+    # the same over the distributed runtime: n stage processes, each call sleeping a + b * tokens
+    python infer/bench_batch.py --speculator runs/testbed-n4/final --runtime distributed \\
+        --emulate-stage-ms 10 --emulate-token-ms 0.1 --out bench_batch_runtime.json
 
 ``C`` closed-loop clients (each sends its next request as soon as its last one ends, no think time) share one
 pipeline, run three ways on the same target and head:
@@ -19,8 +22,11 @@ two tokens of a request) and time to first token (p50, from the request's submis
   nothing). ``a`` and ``b`` are measured on this machine (a least-squares fit of the time of one stage's call,
   :func:`spd.target.ragged.run_ragged`, over 1..64 tokens at the benchmark's context length), or given with
   ``--stage-ms A --token-ms B``. The head runs concurrently with the stages (input-state SPD), so it adds no time.
-- ``real``: this process's wall clock. Every stage runs here, one after another, on this machine's cores: real
-  compute, no pipeline overlap.
+- ``real``: the wall clock. With ``--runtime local`` (default) every stage runs in this process, one after
+  another, on this machine's cores: real compute, no pipeline overlap. With ``--runtime distributed`` the stages
+  run in their own processes (spd/runtime/batch.py) and each stage call also sleeps ``--emulate-stage-ms`` +
+  ``--emulate-token-ms`` * its tokens (the model clock's a and b, unless given apart): the emulated deployment
+  run for real, with rank 0's own work (the proposers, verification, messages) on the clock.
 
 The token counts, steps and acceptance come from the real run; only the time per step differs between the
 clocks. The systems run one after another on the same machine; the table prints ratios to ``pp batched``.
@@ -56,11 +62,19 @@ def parse_args(argv=None):
     p.add_argument("--prefill-chunk", type=int, default=64)
     p.add_argument("--stage-ms", type=float, default=None, help="the model clock's fixed cost per stage call, a")
     p.add_argument("--token-ms", type=float, default=None, help="the model clock's cost per token, b")
+    p.add_argument("--runtime", default="local", choices=("local", "distributed"),
+                   help="the stages in this process, or in their own processes (the distributed runtime)")
+    p.add_argument("--emulate-stage-ms", type=float, default=0.0, help="distributed: sleep per stage call, a")
+    p.add_argument("--emulate-token-ms", type=float, default=0.0, help="distributed: and per token of the call, b")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--out", default="bench_batch.json")
     args = p.parse_args(argv)
     if (args.stage_ms is None) != (args.token_ms is None):
         raise SpdInputError("--stage-ms and --token-ms go together (the model clock's a and b)")
+    if args.runtime == "local" and (args.emulate_stage_ms or args.emulate_token_ms):
+        raise SpdInputError("--emulate-stage-ms and --emulate-token-ms need --runtime distributed")
+    if min(args.emulate_stage_ms, args.emulate_token_ms) < 0:
+        raise SpdInputError("--emulate-stage-ms and --emulate-token-ms must be >= 0")
     if min(args.clients) < 1 or args.requests_per_client < 1 or args.max_new_tokens < 1:
         raise SpdInputError("--clients, --requests-per-client and --max-new-tokens must be positive")
     return args
@@ -172,6 +186,7 @@ def _percentile(values: list[float], q: float) -> float:
 def render(results: dict) -> str:
     lines = [f"model clock: a = {results['stage_ms']:.3f} ms + b = {results['token_ms']:.4f} ms/token per stage call "
              f"({results['clock_source']}); n = {results['stages']}",
+             f"real clock: {results.get('real_clock', 'one process, the stages in turn')}",
              f"{'C':>3} {'system':<16} {'clock':<5} {'tok/s':>9} {'x pp':>6} {'TBT p50':>9} {'TBT p99':>9} "
              f"{'TTFT p50':>10} {'batch':>6} {'Lacc':>5}"]
     for row in results["rows"]:
@@ -206,18 +221,44 @@ def _bench(args) -> int:
         torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(args.target)
     dataset, prompts = load_prompts(args.prompts, tokenizer, max(args.clients) * args.requests_per_client)
-    stages, boundaries = pipeline_cut(None, None, args.speculator, None, args.target, None)
-    staged = StagedModel.from_pretrained(args.target, n_stages=stages, boundaries=boundaries)
-    engine = build_engine(DecodingSpec("spd"), staged, load_speculator(args.speculator, target=staged), tokenizer)
+    pipeline = None
+    if args.runtime == "distributed":
+        from spd.serving.pipeline import PipelineSpec, open_pipeline
+
+        pipeline = open_pipeline(PipelineSpec(args.target, "spd", speculator=args.speculator, runtime="distributed",
+                                              emulate_stage_ms=args.emulate_stage_ms,
+                                              emulate_token_ms=args.emulate_token_ms, timeout_s=300))
+        engine, staged = pipeline.engine, pipeline.staged
+        if args.stage_ms is None:
+            args.stage_ms, args.token_ms = args.emulate_stage_ms, args.emulate_token_ms
+    else:
+        stages, boundaries = pipeline_cut(None, None, args.speculator, None, args.target, None)
+        staged = StagedModel.from_pretrained(args.target, n_stages=stages, boundaries=boundaries)
+        engine = build_engine(DecodingSpec("spd"), staged, load_speculator(args.speculator, target=staged), tokenizer)
+    try:
+        return _run_all(args, engine, staged, dataset, prompts)
+    finally:
+        if pipeline is not None:
+            pipeline.close()
+
+
+def _run_all(args, engine, staged, dataset, prompts) -> int:
+    import torch
+
     if args.stage_ms is None:
         context = int(statistics.fmean(map(len, prompts))) + args.max_new_tokens // 2
         a_ms, b_ms = calibrate(staged, context)
         source = f"measured here: one stage call at {context} cached rows, 1..64 tokens, least squares"
     else:
-        a_ms, b_ms, source = args.stage_ms, args.token_ms, "given"
+        a_ms, b_ms = args.stage_ms, args.token_ms
+        source = "given" if args.runtime == "local" else "given: the runtime's emulated stage time"
+    wall = ("the distributed runtime: stage processes, each call sleeping "
+            f"{args.emulate_stage_ms:g} ms + {args.emulate_token_ms:g} ms/token" if args.runtime == "distributed"
+            else "one process, the stages in turn")
     results = {"target": args.target, "speculator": args.speculator, "prompts": dataset, "stages": staged.n_stages,
                "max_new_tokens": args.max_new_tokens, "requests_per_client": args.requests_per_client,
                "prefill_chunk": args.prefill_chunk, "stage_ms": a_ms, "token_ms": b_ms, "clock_source": source,
+               "runtime": args.runtime, "real_clock": wall,
                "threads": torch.get_num_threads(), "command": " ".join(sys.argv), "rows": []}
     for clients in args.clients:
         outputs = []
