@@ -39,8 +39,12 @@ Failure handling: every rank runs under a process-group timeout; a dead peer (co
 one (timeout) raises, the rank prints one ``error:`` line naming itself and exits non-zero, and the
 launcher (``torchrun`` / ``spd-generate --runtime distributed``) tears the other ranks down.
 
+Many requests at once (``--max-batch``): a batch mode in which rank 0 sends each stage a manifest per ragged stage
+call and the stages pass the batched outputs on (``batch.py``, ``batch_stage.py``; docs/method.md §9).
+
 Files: ``protocol.py`` (message kinds, header, notices, :class:`RuntimeConfig`), ``link.py`` (:class:`Link`,
 :class:`Notices`), ``stage.py`` (the stage ranks' loop), ``remote.py`` (:class:`RemoteStages`, rank 0),
+``batch.py`` (rank 0's side of the batch mode and the manifest's format), ``batch_stage.py`` (a stage rank in it),
 ``loading.py`` (:func:`load_partial`), ``world.py`` (process group, loopback store, ports, devices).
 
 Shape suffixes: T tokens, D hidden size, A anchors, L layers (+1).
