@@ -467,7 +467,6 @@ BAD_FLAGS = [
       "10.0.0.1:0"], "not an address"),
     (["--local-stages", "-1"], "integer >= 0"),
     (["--max-batch", "0"], "positive integer"),
-    (["--mode", "pp", "--max-batch", "2", "--runtime", "distributed"], "distributed runtime serves one request"),
     (["--mode", "ar", "--max-batch", "2"], "batches --mode spd, pp or tree, not 'ar'"),
     (["--mode", "pp", "--kv-rows", "100"], "needs --max-batch above 1"),
 ]
