@@ -201,7 +201,10 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
                 remote.clocks()  # (a fresh start for this mode's breakdown)
             if args.max_batch > 1:
                 results[mode] = _run_batched(args, engine, mode, prompts, tokenizer, staged)
-            for i, ids in enumerate(prompts if args.max_batch == 1 else []):
+                prompts_one_by_one = []
+            else:
+                prompts_one_by_one = prompts
+            for i, ids in enumerate(prompts_one_by_one):
                 out = engine.generate(ids, args.max_new_tokens, mode=mode, temperature=args.temperature,
                                       top_k=args.top_k, top_p=args.top_p,
                                       seed=None if args.seed is None else args.seed + i)

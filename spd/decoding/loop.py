@@ -309,8 +309,9 @@ class StepLoop:
             ``meanwhile`` returned."""
             tick = time.perf_counter()
             yield Advance(moving, tree, committed, after_verify)
-            busy, result = time.perf_counter(), meanwhile() if meanwhile is not None else None
-            busy = time.perf_counter() - busy
+            started = time.perf_counter()
+            result = meanwhile() if meanwhile is not None else None
+            busy = time.perf_counter() - started  # step 1's time, not the stages'
             yield COLLECT
             stats.stage_time_s += time.perf_counter() - tick - busy
             if source is not None:

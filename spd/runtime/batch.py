@@ -227,9 +227,10 @@ class RemoteBatch:
         outputs = []
         for s, segments in enumerate(calls):
             last = s == self.n - 1
-            header, _, payload = self.link.recv(s + 1, DATA_TAG if last else REPORT_TAG)
-            while int(header[0]) != BATCH_REPORT:  # reports of a single request's work still in the pipe when it ended
+            while True:  # (reports of a single request's work still in the pipe when it ended are passed over)
                 header, _, payload = self.link.recv(s + 1, DATA_TAG if last else REPORT_TAG)
+                if int(header[0]) == BATCH_REPORT:
+                    break
             expected = sum(seg.size * (len(seg.anchors) + last) for seg in segments)
             got = 0 if payload is None else payload.shape[0]
             if int(header[1]) != self.phase or got != expected:

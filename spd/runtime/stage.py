@@ -115,23 +115,22 @@ def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control
                 break
         clock.seconds["notices"] += time.perf_counter() - tick
 
-    def run(*args, **kwargs) -> StageOutput:
-        """The stage's layers on a token, level or prompt, then the emulated compute time."""
+    def timed(compute, tokens: int):
+        """One stage call (``compute()``) over ``tokens`` tokens, then its emulated compute time, on the clock."""
         tick = time.perf_counter()
-        out = staged.run_stage(stage, *args, **kwargs)
+        out = compute()
         clock.seconds["compute"] += time.perf_counter() - tick
-        clock.seconds["emulated_compute"] += _emulate(config, out.hidden_BTD.shape[1])
+        clock.seconds["emulated_compute"] += _emulate(config, tokens)
         clock.items += 1
         return out
 
+    def run(hidden_1TD, *args, **kwargs) -> StageOutput:
+        """The stage's layers on a token, level or prompt."""
+        return timed(lambda: staged.run_stage(stage, hidden_1TD, *args, **kwargs), hidden_1TD.shape[1])
+
     def run_batch(pool, segments) -> list[StageOutput]:
-        """The batch mode's ragged call over ``segments``, then the emulated compute time of the whole call."""
-        tick = time.perf_counter()
-        outs = run_ragged(pool, stage, segments)
-        clock.seconds["compute"] += time.perf_counter() - tick
-        clock.seconds["emulated_compute"] += _emulate(config, sum(seg.size for seg in segments))
-        clock.items += 1
-        return outs
+        """The batch mode's ragged call over ``segments`` (one emulated call for all of them)."""
+        return timed(lambda: run_ragged(pool, stage, segments), sum(seg.size for seg in segments))
 
     with torch.inference_mode():
         while True:
