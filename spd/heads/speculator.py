@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from ..target.sdpa import decode_kernels
 from ..training.kd import KDResult, kd_loss, kd_loss_topk
 from .config import SpeculatorConfig
 from .kernels import ConcatLinear, offset_band_attention
@@ -364,7 +365,8 @@ class Speculator(PreTrainedModel):
                 vs.append(v)
             k_all = layer.expand_kv(torch.cat(ks, dim=2))
             v_all = layer.expand_kv(torch.cat(vs, dim=2))
-            attn = F.scaled_dot_product_attention(q, k_all, v_all, scale=scale)
+            with decode_kernels(q.device):
+                attn = F.scaled_dot_product_attention(q, k_all, v_all, scale=scale)
             h_B1D = layer.finish(h_B1D, attn)
         return h_B1D[:, 0]
 

@@ -20,6 +20,7 @@ import torch
 
 from ..errors import SpdInputError
 from .kv_pool import KVPool
+from .sdpa import decode_kernels
 from .staging import StageKVCache, StageOutput, _backend_mask, attention_mask, cache_keyword, tree_attention_mask
 
 
@@ -118,16 +119,18 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
     wanted = {a for seg in segments for a in seg.anchors}
     collected = {first: hidden_1SD} if first in wanted else {}
     masks: dict[int | None, torch.Tensor] = {}
-    for layer in range(first, last):
-        window = staged.windows[layer]
-        if window not in masks:
-            masks[window] = _mask(segments, allowed_SW, q_pos_S, key_pos_W, window, staged.attn_impl,
-                                  hidden_1SD.dtype)
-        hidden_1SD = staged.layers[layer](hidden_1SD, attention_mask=masks[window], position_ids=position_ids_1S,
-                                          use_cache=True, position_embeddings=position_embeddings,
-                                          **{cache_keyword(staged.layers[layer]): cache})
-        if layer + 1 in wanted:
-            collected[layer + 1] = hidden_1SD
+    with decode_kernels(device):
+        for layer in range(first, last):
+            window = staged.windows[layer]
+            if window not in masks:
+                masks[window] = _mask(segments, allowed_SW, q_pos_S, key_pos_W, window, staged.attn_impl,
+                                      hidden_1SD.dtype)
+            hidden_1SD = staged.layers[layer](hidden_1SD, attention_mask=masks[window],
+                                              position_ids=position_ids_1S, use_cache=True,
+                                              position_embeddings=position_embeddings,
+                                              **{cache_keyword(staged.layers[layer]): cache})
+            if layer + 1 in wanted:
+                collected[layer + 1] = hidden_1SD
 
     outputs, offset = [], 0
     for seg in segments:

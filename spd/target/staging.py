@@ -28,6 +28,7 @@ from torch import nn
 
 from ..errors import SpdInputError, first_line
 from .linear_state import LinearStateRing
+from .sdpa import decode_kernels
 from ..paths import check_model_source
 
 # Decoder-layer kinds the staging wrapper runs: attention with a KV cache, and linear attention (Gated
@@ -506,6 +507,12 @@ class StagedModel(TargetShape, nn.Module):
         ``anchors`` are hidden-state indices ``l`` in ``[b[s], b[s+1]]`` to return (``H^{b[s]}`` is the
         stage's input).
         """
+        with decode_kernels(hidden_BTD.device):
+            return self._run_stage(stage, hidden_BTD, cache, position_ids_BT, anchors, position_embeddings,
+                                   tree_mask_TN)
+
+    def _run_stage(self, stage, hidden_BTD, cache, position_ids_BT, anchors, position_embeddings,
+                   tree_mask_TN) -> StageOutput:
         first, last = self.boundaries[stage], self.boundaries[stage + 1]
         t = hidden_BTD.shape[1]
         contiguous = position_ids_BT is None

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import SpdInputError
+from ...target.sdpa import decode_kernels
 from ...target.staging import StageKVCache, StagedModel, cache_keyword
 from .authors_file import AuthorsCheckpoint
 
@@ -385,8 +386,9 @@ class AuthorsHead(nn.Module):
             return x_1RD[:, :0]
         groups = q.shape[1] // k_all.shape[1]
         k_all, v_all = k_all.repeat_interleave(groups, dim=1), v_all.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q[:, :, out_rows], k_all, v_all, attn_mask=mask_11RK[:, :, out_rows],
-                                             scale=attn.scaling)
+        with decode_kernels(q.device):
+            out = F.scaled_dot_product_attention(q[:, :, out_rows], k_all, v_all,
+                                                 attn_mask=mask_11RK[:, :, out_rows], scale=attn.scaling)
         y = x_1RD[:, out_rows] + attn.o_proj(out.transpose(1, 2).reshape(b, len(out_rows), -1))
         return y + layer.mlp(layer.post_attention_layernorm(y))
 
