@@ -1,0 +1,295 @@
+"""Measure the decode step on a GPU at real sizes: where a step's time goes, and tree attention at long context.
+
+    python infer/bench_gpu.py --out gpu.json                       # a Qwen3-4B-shaped target, bf16, on cuda
+    python infer/bench_gpu.py --size tiny --device cpu --out t.json  # the same code on a small model (a check)
+
+The target is a Qwen3-4B-shaped model (the real transformers class: 36 layers, hidden 2560, 32 query and 8 KV
+heads of 128, MLP 9728, vocabulary 151,936, tied embeddings) with random bf16 weights, built on the device. Two
+parts:
+
+- ``decode``: ``ar``, ``pp`` and ``spd`` in one process, cut into each ``--stages`` n, from a prompt of
+  ``--prompt-tokens`` random tokens. Every stage call, the verification LM head and the head's proposals are timed
+  (the device synchronised before and after each), and the rest of the step is the engine's own work
+  (verification, bookkeeping, Python). Decode-only figures: a run of ``--new-tokens`` minus a run of one token.
+  The head is untrained (random), so nearly every proposal is rejected: the step costs are what this measures,
+  not acceptance.
+- ``tree``: one stage (36 / n layers) over a cache of C committed tokens, with T tree nodes (a random tree of
+  that size under the ancestor mask) against T tokens of a plain chain, and the attention operation alone
+  (``scaled_dot_product_attention`` with the boolean mask) at the same shapes.
+
+Prints tables and writes JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from spd.decoding.engine import PipelineEngine  # noqa: E402
+from spd.decoding.generation import generate_ar  # noqa: E402
+from spd.decoding.sampling import SamplingParams  # noqa: E402
+from spd.target import sdpa  # noqa: E402
+from spd.target.staging import StagedModel, balanced_boundaries  # noqa: E402
+from spd.training.distill import DistillConfig, new_head  # noqa: E402
+
+SIZES = {
+    # Qwen3-4B's shape (its config.json), random weights.
+    "4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    # The same structure, small enough for a CPU (checks the script).
+    "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", choices=list(SIZES), default="4b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--stages", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--parts", nargs="+", choices=["decode", "tree"], default=["decode", "tree"])
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
+    p.add_argument("--nodes", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--repeats", type=int, default=20, help="timed calls per tree-attention shape")
+    p.add_argument("--cudnn-attention", action="store_true",
+                   help="let PyTorch pick cuDNN's attention kernel too (spd.target.sdpa; the baseline of its choice)")
+    p.add_argument("--profile", action="store_true",
+                   help="also print torch.profiler's top operations of a few ar, pp and spd steps at the first n")
+    p.add_argument("--out", default="bench_gpu.json")
+    return p.parse_args(argv)
+
+
+def build_target(size: str, device: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(**SIZES[size], max_position_embeddings=40960, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def cut(model, n: int) -> StagedModel:
+    """The target in ``n`` stages: equal ones where n divides the layers, else the most even (the first get one
+    more layer; spd.target.staging.balanced_boundaries)."""
+    return StagedModel(model, boundaries=balanced_boundaries(model.config.num_hidden_layers, n))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timers:
+    """Wall time of named calls, the device synchronised before and after each."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.seconds, self.calls = device, {}, {}
+
+    def wrap(self, name_of, fn):
+        def timed(*args, **kwargs):
+            sync(self.device)
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            sync(self.device)
+            name = name_of(args)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return result
+        return timed
+
+    def snapshot(self) -> dict:
+        return {"seconds": dict(self.seconds), "calls": dict(self.calls)}
+
+
+def instrument(staged: StagedModel, engine, timers: Timers) -> None:
+    staged.run_stage = timers.wrap(lambda a: f"stage {a[0]}", staged.run_stage)
+    staged.logits = timers.wrap(lambda a: "target LM head", staged.logits)
+    if engine is not None:
+        engine.source.expand = timers.wrap(lambda a: "head", engine.source.expand)
+
+
+def _timed_run(run, timers: Timers, device) -> tuple[float, dict, object]:
+    before = timers.snapshot()
+    sync(device)
+    start = time.perf_counter()
+    out = run()
+    sync(device)
+    seconds = time.perf_counter() - start
+    after = timers.snapshot()
+    delta = {k: after["seconds"][k] - before["seconds"].get(k, 0.0) for k in after["seconds"]}
+    return seconds, delta, out
+
+
+def decode_part(model, args, device) -> list[dict]:
+    rows = []
+    prompt = torch.randint(0, model.config.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1))
+    prompt = prompt.tolist()
+    greedy = SamplingParams()
+    for n in args.stages:
+        staged = cut(model, n)
+        head = new_head(staged, DistillConfig(n_stages=n)).eval()
+        engine = PipelineEngine(staged, head)
+        timers = Timers(device)
+        instrument(staged, engine, timers)
+        runs = {
+            "ar": lambda k: generate_ar(staged, prompt, k),
+            "pp": lambda k: engine.run(prompt, k, greedy, use_head=False),
+            "spd": lambda k: engine.run(prompt, k, greedy),
+        }
+        for mode, run in runs.items():
+            run(4)  # warm-up (kernels, allocator)
+            t1, d1, o1 = _timed_run(lambda: run(1), timers, device)
+            tn, dn, on = _timed_run(lambda: run(args.new_tokens), timers, device)
+            steps = (on.stats.steps - o1.stats.steps) if mode != "ar" else args.new_tokens - 1
+            tokens = len(on.token_ids) - len(o1.token_ids)
+            seconds = tn - t1
+            parts = {k: (dn.get(k, 0.0) - d1.get(k, 0.0)) for k in set(dn) | set(d1)}
+            stage_s = sum(v for k, v in parts.items() if k.startswith("stage "))
+            per_stage = [parts.get(f"stage {s}", 0.0) / steps * 1e3 for s in range(n)]
+            head_s, lm_s = parts.get("head", 0.0), parts.get("target LM head", 0.0)
+            other_s = seconds - stage_s - head_s - lm_s
+            row = {"n": n, "mode": mode, "decode_tokens": tokens, "steps": steps, "seconds": seconds,
+                   "tokens_per_s": tokens / seconds, "step_ms": seconds / steps * 1e3,
+                   "stage_ms_per_step": per_stage, "all_stages_ms_per_step": stage_s / steps * 1e3,
+                   "max_stage_ms_per_step": max(per_stage), "head_ms_per_step": head_s / steps * 1e3,
+                   "lm_head_ms_per_step": lm_s / steps * 1e3, "engine_ms_per_step": other_s / steps * 1e3,
+                   "accepted": getattr(on.stats, "accepted", None)}
+            if mode != "ar":
+                # Rank 0's own work per step against one stage's compute (a deployment's critical path).
+                row["engine_over_stage"] = (other_s + lm_s) / steps * 1e3 / row["max_stage_ms_per_step"]
+            rows.append(row)
+            print(f"n={n} {mode:<3} {row['tokens_per_s']:8.1f} tok/s  step {row['step_ms']:7.3f} ms = stages "
+                  f"{row['all_stages_ms_per_step']:7.3f} (max one {row['max_stage_ms_per_step']:6.3f}) + LM head "
+                  f"{row['lm_head_ms_per_step']:6.3f} + head {row['head_ms_per_step']:6.3f} + engine "
+                  f"{row['engine_ms_per_step']:6.3f}; per stage " + " ".join(f"{x:.2f}" for x in per_stage),
+                  flush=True)
+        if args.profile and n == args.stages[0]:
+            profile(runs)
+        del staged.run_stage, staged.logits  # the instance wrappers (the model is shared across n)
+    return rows
+
+
+def profile(runs: dict) -> None:
+    """torch.profiler's top operations (own CPU time and device time) over a few steps of each mode."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    for mode, run in runs.items():
+        with torch_profile(activities=activities) as prof:
+            run(6)
+        print(f"--- profile: {mode}, 6 tokens")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+        if torch.cuda.is_available():
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=10, max_name_column_width=60))
+
+
+def _random_tree_mask(t: int, gen: torch.Generator) -> torch.Tensor:
+    """The ancestor mask (self included) of a random tree of ``t`` nodes in BFS order (node 0 the root)."""
+    mask = torch.eye(t, dtype=torch.bool)
+    for i in range(1, t):
+        parent = int(torch.randint(0, i, (), generator=gen))
+        mask[i] = mask[parent]
+        mask[i, i] = True
+    return mask
+
+
+def tree_part(model, args, device) -> list[dict]:
+    import torch.nn.functional as F
+
+    rows = []
+    gen = torch.Generator().manual_seed(2)
+    cfg = model.config
+    for n in args.stages:
+        staged = cut(model, n)
+        layers = len(staged.stage_layers(0))
+        for context in args.contexts:
+            cache = staged.new_stage_cache(0, 1, context + max(args.nodes))
+            prompt_1C = torch.randint(0, cfg.vocab_size, (1, context), generator=gen).to(device)
+            with torch.no_grad():
+                staged.run_stage(0, staged.embed(prompt_1C), cache)
+            for t in args.nodes:
+                hidden_1TD = torch.randn(1, t, cfg.hidden_size, generator=gen).to(device, model.dtype)
+                tree_TT = _random_tree_mask(t, gen)
+                depth_T = tree_TT.sum(1) - 1
+                timings = {}
+                for kind in ("tree", "chain"):
+                    if kind == "tree":
+                        call = dict(position_ids_BT=(context + depth_T)[None].to(device), tree_mask_TN=tree_TT)
+                    else:
+                        call = {}
+                    seconds = []
+                    for i in range(args.repeats + 3):
+                        sync(device)
+                        start = time.perf_counter()
+                        with torch.no_grad():
+                            staged.run_stage(0, hidden_1TD, cache, **call)
+                        sync(device)
+                        if i >= 3:
+                            seconds.append(time.perf_counter() - start)
+                        cache.truncate(context)
+                    timings[kind] = sorted(seconds)[len(seconds) // 2] * 1e3
+                # The attention operation alone: T queries over C + T keys under the tree's mask.
+                h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+                q = torch.randn(1, h, t, d, device=device, dtype=model.dtype)
+                k = torch.randn(1, kv, context + t, d, device=device, dtype=model.dtype)
+                v = torch.randn_like(k)
+                mask_TK = torch.cat([torch.ones(t, context, dtype=torch.bool), tree_TT], 1).to(device)
+                op = []
+                for i in range(args.repeats + 3):
+                    sync(device)
+                    start = time.perf_counter()
+                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask_TK, enable_gqa=True)
+                    sync(device)
+                    if i >= 3:
+                        op.append(time.perf_counter() - start)
+                row = {"n": n, "stage_layers": layers, "context": context, "nodes": t,
+                       "stage_tree_ms": timings["tree"], "stage_chain_ms": timings["chain"],
+                       "sdpa_masked_op_ms": sorted(op)[len(op) // 2] * 1e3}
+                rows.append(row)
+                print(f"n={n} ({layers} layers) C={context:<5} T={t:<3} stage: tree {row['stage_tree_ms']:7.3f} ms, "
+                      f"chain {row['stage_chain_ms']:7.3f} ms; masked SDPA op {row['sdpa_masked_op_ms']:.3f} ms",
+                      flush=True)
+            del cache
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    sdpa.ALLOW_CUDNN = args.cudnn_attention
+    start = time.perf_counter()
+    model = build_target(args.size, args.device, dtype)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"target: Qwen3 {args.size} shape, {params / 1e9:.2f} B parameters, {args.dtype} on {device} "
+          f"(built in {time.perf_counter() - start:.1f} s)", flush=True)
+    results = {"size": args.size, "config": SIZES[args.size], "parameters": params, "dtype": args.dtype,
+               "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
+               else platform.processor(), "torch": torch.__version__, "prompt_tokens": args.prompt_tokens,
+               "new_tokens": args.new_tokens, "cudnn_attention": args.cudnn_attention}
+    for part, run in (("decode", decode_part), ("tree", tree_part)):
+        if part in args.parts:
+            with torch.inference_mode():
+                results[part] = run(model, args, device)
+            Path(args.out).write_text(json.dumps(results, indent=1))  # each part kept as soon as it ends
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
