@@ -15,14 +15,17 @@ tree, width policy, sampling parameters and seed, and its own stage caches: a re
    collected after that. A prompt enters the pipeline ``prefill_chunk`` tokens per step and flows stage by stage like
    the levels, so a newcomer never stalls the requests in flight for its whole prompt (chunked, pipelined
    prefill); its first token comes when its last chunk leaves stage ``n``.
-3. Each running request verifies and prunes or flushes on its own (its rejection touches only its own region),
-   then the stages run the levels that must move after the verification (the second advance of a step, as in the
-   single-request loop), again batched.
+3. Each running request verifies and prunes or flushes on its own (its rejection touches only its own region).
+   A request whose root level left stage ``n`` this step had its other levels run in the same stage calls, before
+   the verification (the single-request loop runs them after it): the verification prunes their outputs and KV
+   rows (a hit) or drops them (a miss), exactly as it does for the levels that ran in earlier steps. So every
+   stage runs once per step. (A node's result does not depend on its siblings, so running a level before or
+   after the pruning of its siblings gives the same values.)
 4. Finished requests (EOS, budget, a stop string, a cancel) leave and give their region back; a request whose own
    work raises fails alone, the others go on.
 
 A batch of one runs exactly the single-request engine's loop; the ragged call of one segment is the stage call of
-one request. With several requests the matrix products have other shapes, so fp32 results may differ from a solo
+one request (a tree level that runs before its verification runs unpruned: the same values up to fp32's last bits). With several requests the matrix products have other shapes, so fp32 results may differ from a solo
 run in the last bits: greedy output equals the request's solo output except where the solo run's top-two logits
 are that close (``tests/test_batch.py`` reports every such case).
 
@@ -117,6 +120,7 @@ class BatchRequest:
         self.next_row = 0  # the prompt's first row not yet in flight
         self.prefill_anchors: dict[int, list[torch.Tensor]] = {}  # H^l of the prompt's chunks that left stage n
         self.prefill_stage_anchors: list[list[int]] = []  # which of them each stage reports
+        self.ran_ahead: list = []  # the levels of its last step that ran before their verification
 
     @property
     def finished(self) -> bool:
@@ -153,7 +157,7 @@ class BatchedPipeline:
         self.steps = 0  # pipeline steps run
         self.batch_sizes: list[int] = []  # requests in flight at each step
         self.kv_waits = 0  # admissions put off because the pool had no region long enough
-        self.stage_tokens: list[list[int]] = []  # per step, the tokens each stage ran (both advances, prompt chunks)
+        self.stage_tokens: list[list[int]] = []  # per step, the tokens each stage ran (levels, prompt chunks)
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------------------------- public
@@ -208,11 +212,15 @@ class BatchedPipeline:
         self._run_stages(advancing, [r for r in self.active if r.state == "prefill"])
         for request in [r for r in self.active if r.state == "prefill"]:
             self._prefill_progress(request)
-        # 3. The levels that move after a verification.
-        second = [r for r in self.active if r.state == "running" and isinstance(r.work, Advance) and
-                  r.work.after_verify]
-        if second:
-            self._run_stages(second, [])
+        # 3. The levels that move after a verification ran with the others: their second advance is done.
+        for request in self.active:
+            if request.state == "running" and isinstance(request.work, Advance) and request.work.after_verify:
+                if any(not any(level is ran for ran in request.ran_ahead) for level in request.work.levels):
+                    raise RuntimeError("a level moved after the verification without running in the step's stage "
+                                       "calls")
+                self._resume(request, None)  # its outputs are in: up to COLLECT,
+                if request.work is COLLECT:
+                    self._resume(request, None)  # then on to its next step's work
         self._leave()
         if not self.busy:
             self.backend.idle()
@@ -270,9 +278,10 @@ class BatchedPipeline:
         calls: list[list[tuple[Segment, Callable[[StageOutput], None]]]] = [[] for _ in range(n)]
         for request in running:
             work = request.work
-            for level in work.levels:
+            for level in work.levels + work.then:  # the levels that move after its verification run now too
                 calls[level.depth].append((request.stages.segment(level, work.tree, work.committed),
                                            lambda out, level=level, stages=request.stages: stages.took(level, out)))
+            request.ran_ahead = list(work.then)
         for request in prefilling:
             self._next_chunk(request)
             for chunk in request.chunks:

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -169,13 +169,17 @@ class Advance:
     :data:`COLLECT`, where it needs the outputs.
 
     ``after_verify``: the second advance of a step whose root level left stage ``n`` (the other levels, after the
-    verification pruned them); a batched driver runs every request's first advances together, then their second.
+    verification pruned them). ``then``: at such a step's first advance, the levels that the second one will move
+    if they survive the verification. :func:`drive` runs them after it (pruned first); a batched driver runs them
+    with the first advance, in the same stage calls, and the verification then prunes their outputs and rows,
+    so its second advance has nothing left to run.
     """
 
     levels: list[Level]
     tree: TokenTree
     committed: int
     after_verify: bool = False
+    then: list[Level] = field(default_factory=list)
 
 
 class Collect:
@@ -303,12 +307,12 @@ class StepLoop:
             rank = min(grown, n) if levels[0].rank == 0 else n
             return self._enter(tree, int(new_N[0]), len(tree), rank=rank, needs_embedding=needs_embedding)
 
-        def advance(moving: list[Level], committed: int, after_verify: bool = False, meanwhile=None):
-            """Step 2 for ``moving``, handed to the driver; ``meanwhile()`` (step 1) runs before the outputs are
-            collected, while a driver's stages compute; then the proposer sees their new state. Returns what
-            ``meanwhile`` returned."""
+        def advance(moving: list[Level], committed: int, after_verify: bool = False, meanwhile=None, then=()):
+            """Step 2 for ``moving``, handed to the driver (``then``: see :class:`Advance`); ``meanwhile()`` (step 1)
+            runs before the outputs are collected, while a driver's stages compute; then the proposer sees their
+            new state. Returns what ``meanwhile`` returned."""
             tick = time.perf_counter()
-            yield Advance(moving, tree, committed, after_verify)
+            yield Advance(moving, tree, committed, after_verify, list(then))
             started = time.perf_counter()
             result = meanwhile() if meanwhile is not None else None
             busy = time.perf_counter() - started  # step 1's time, not the stages'
@@ -341,7 +345,8 @@ class StepLoop:
             # 2. Every stage advances the level it holds. The root's level, leaving stage n, is taken first, so
             #    that its verification (3) releases stage 1's next level before the other reports are read. The
             #    new level does not move this step, so 1 runs while the stages compute.
-            new_level = yield from advance(levels[:1] if exits else levels, committed, meanwhile=step_one)
+            new_level = yield from advance(levels[:1] if exits else levels, committed, meanwhile=step_one,
+                                           then=levels[1:] if exits else ())
             if exits:
                 # 3. The root left stage n: the target's p for the next position decides among its children.
                 tick = time.perf_counter()
