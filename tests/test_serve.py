@@ -365,6 +365,11 @@ def test_draft_model_server_equals_spd_generate(tiny_testbed, mode, flags):
 
 @pytest.mark.slow
 def test_distributed_server_serves_many_requests_on_one_set_of_processes(tiny_testbed, tiny_heads):
+    prompts = [PROMPT, "import os\n", "class A:\n"]
+    cases = [("--mode", "spd", "--speculator", str(tiny_heads[4]), "--prompt", prompt, "--max-new-tokens", "16",
+              "--temperature", "1", "--seed", str(i)) for i, prompt in enumerate(prompts)]
+    cases.append(("--mode", "ar", "--prompt", PROMPT, "--max-new-tokens", "16"))
+    *sampled, greedy = two_at_a_time(lambda args: cli_json(tiny_testbed, *args), cases)
     # A short timeout: idle stages must be kept alive by pings between requests.
     server = Server("--target", str(tiny_testbed / "target"), "--mode", "spd", "--speculator", str(tiny_heads[4]),
                     "--runtime", "distributed", "--timeout-s", "6")
@@ -372,16 +377,13 @@ def test_distributed_server_serves_many_requests_on_one_set_of_processes(tiny_te
         stages = _stage_pids(server.proc.pid)
         assert len(stages) == 4
         client = server.client()
-        for i, prompt in enumerate([PROMPT, "import os\n", "class A:\n"]):
-            expected = cli_json(tiny_testbed, "--mode", "spd", "--speculator", str(tiny_heads[4]), "--prompt", prompt,
-                                "--max-new-tokens", "16", "--temperature", "1", "--seed", str(i))
+        for i, (prompt, expected) in enumerate(zip(prompts, sampled)):
             out = client.completions.create(model=server.model, prompt=prompt, max_tokens=16, temperature=1, seed=i)
             assert out.choices[0].text == expected["text"]
         time.sleep(8)  # longer than the stages' timeout: they stay up
         chunks = list(client.completions.create(model=server.model, prompt=PROMPT, max_tokens=16, temperature=0,
                                                 stream=True))
-        expected = cli_json(tiny_testbed, "--mode", "ar", "--prompt", PROMPT, "--max-new-tokens", "16")
-        assert "".join(c.choices[0].text for c in chunks) == expected["text"]
+        assert "".join(c.choices[0].text for c in chunks) == greedy["text"]
         assert _stage_pids(server.proc.pid) == stages  # the same processes served every request
         assert httpx.get(f"{server.url}/health").json()["runtime"] == "distributed"
         server.proc.send_signal(signal.SIGTERM)  # a clean stop: STOP down the chain, every process exits
