@@ -25,9 +25,10 @@ tree, width policy, sampling parameters and seed, and its own stage caches: a re
    work raises fails alone, the others go on.
 
 A batch of one runs exactly the single-request engine's loop; the ragged call of one segment is the stage call of
-one request (a tree level that runs before its verification runs unpruned: the same values up to fp32's last bits). With several requests the matrix products have other shapes, so fp32 results may differ from a solo
-run in the last bits: greedy output equals the request's solo output except where the solo run's top-two logits
-are that close (``tests/test_batch.py`` reports every such case).
+one request (a tree level that runs before its verification runs unpruned: the same values up to fp32's last
+bits). With several requests the matrix products have other shapes, so fp32 results may differ from a solo run in
+the last bits: greedy output equals the request's solo output except where the solo run's top-two logits are that
+close (``tests/test_batch.py`` reports every such case).
 
 The stages run in this process (:class:`LocalBatch`: the pool and :func:`~spd.target.ragged.run_ragged`) or, when the
 engine's stages are the distributed runtime's, on the stage ranks (:class:`spd.runtime.batch.RemoteBatch`: the same
