@@ -22,7 +22,7 @@ import os
 import pytest
 import torch
 
-from conftest import run_script, tiny_model
+from conftest import tiny_model
 from spd.decoding.batch import BatchedPipeline
 from spd.decoding.engine import PipelineEngine
 from spd.decoding.generation import generate_ar
@@ -229,13 +229,16 @@ def test_decode_attention_keeps_cudnn_out_on_cuda_only():
         sdpa.ALLOW_CUDNN = False
 
 
-def test_the_gpu_benchmark_runs_a_small_model_on_the_cpu(tmp_path):
+def test_the_gpu_benchmark_runs_a_small_model_on_the_cpu(tmp_path, capsys):
     """infer/bench_gpu.py end to end at a small size: a table per part and JSON with every mode and shape."""
+    from infer import bench_gpu
+
     out = tmp_path / "gpu.json"
-    run = run_script("infer/bench_gpu.py", "--size", "tiny", "--device", "cpu", "--dtype", "float32", "--stages",
-                     "2", "3", "--prompt-tokens", "12", "--new-tokens", "4", "--contexts", "32", "--nodes", "4",
-                     "--repeats", "1", "--out", str(out))
-    assert "n=3 spd" in run.stdout and "C=32" in run.stdout
+    assert bench_gpu.main(["--size", "tiny", "--device", "cpu", "--dtype", "float32", "--stages", "2", "3",
+                           "--prompt-tokens", "12", "--new-tokens", "4", "--contexts", "32", "--nodes", "4",
+                           "--repeats", "1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "n=3 spd" in printed and "C=32" in printed
     results = json.loads(out.read_text())
     assert [(r["n"], r["mode"]) for r in results["decode"]] == [(n, m) for n in (2, 3) for m in ("ar", "pp", "spd")]
     for row in results["decode"]:
