@@ -97,7 +97,7 @@ class Timers:
     """Wall time of named calls, the device synchronised before and after each."""
 
     def __init__(self, device: torch.device):
-        self.device, self.seconds, self.calls = device, {}, {}
+        self.device, self.seconds = device, {}
 
     def wrap(self, name_of, fn):
         def timed(*args, **kwargs):
@@ -107,12 +107,11 @@ class Timers:
             sync(self.device)
             name = name_of(args)
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-            self.calls[name] = self.calls.get(name, 0) + 1
             return result
         return timed
 
     def snapshot(self) -> dict:
-        return {"seconds": dict(self.seconds), "calls": dict(self.calls)}
+        return dict(self.seconds)
 
 
 def instrument(staged: StagedModel, engine, timers: Timers) -> None:
@@ -130,7 +129,7 @@ def _timed_run(run, timers: Timers, device) -> tuple[float, dict, object]:
     sync(device)
     seconds = time.perf_counter() - start
     after = timers.snapshot()
-    delta = {k: after["seconds"][k] - before["seconds"].get(k, 0.0) for k in after["seconds"]}
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
     return seconds, delta, out
 
 
@@ -179,7 +178,6 @@ def decode_part(model, args, device) -> list[dict]:
                   flush=True)
         if args.profile and n == args.stages[0]:
             profile(runs)
-        del staged.run_stage, staged.logits  # the instance wrappers (the model is shared across n)
     return rows
 
 
@@ -196,6 +194,21 @@ def profile(runs: dict) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
         if torch.cuda.is_available():
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=10, max_name_column_width=60))
+
+
+def median_ms(call, repeats: int, device, after=None) -> float:
+    """The median wall time of ``repeats`` calls after 3 warm-ups, in ms (``after()`` undoes each call untimed)."""
+    seconds = []
+    for i in range(repeats + 3):
+        sync(device)
+        start = time.perf_counter()
+        call()
+        sync(device)
+        if i >= 3:
+            seconds.append(time.perf_counter() - start)
+        if after is not None:
+            after()
+    return sorted(seconds)[len(seconds) // 2] * 1e3
 
 
 def _random_tree_mask(t: int, gen: torch.Generator) -> torch.Tensor:
@@ -220,51 +233,34 @@ def tree_part(model, args, device) -> list[dict]:
         for context in args.contexts:
             cache = staged.new_stage_cache(0, 1, context + max(args.nodes))
             prompt_1C = torch.randint(0, cfg.vocab_size, (1, context), generator=gen).to(device)
-            with torch.no_grad():
-                staged.run_stage(0, staged.embed(prompt_1C), cache)
+            staged.run_stage(0, staged.embed(prompt_1C), cache)
             for t in args.nodes:
                 hidden_1TD = torch.randn(1, t, cfg.hidden_size, generator=gen).to(device, model.dtype)
                 tree_TT = _random_tree_mask(t, gen)
                 depth_T = tree_TT.sum(1) - 1
-                timings = {}
-                for kind in ("tree", "chain"):
-                    if kind == "tree":
-                        call = dict(position_ids_BT=(context + depth_T)[None].to(device), tree_mask_TN=tree_TT)
-                    else:
-                        call = {}
-                    seconds = []
-                    for i in range(args.repeats + 3):
-                        sync(device)
-                        start = time.perf_counter()
-                        with torch.no_grad():
-                            staged.run_stage(0, hidden_1TD, cache, **call)
-                        sync(device)
-                        if i >= 3:
-                            seconds.append(time.perf_counter() - start)
-                        cache.truncate(context)
-                    timings[kind] = sorted(seconds)[len(seconds) // 2] * 1e3
-                # The attention operation alone: T queries over C + T keys under the tree's mask.
+                tree = dict(position_ids_BT=(context + depth_T)[None].to(device), tree_mask_TN=tree_TT)
+                timings = {kind: median_ms(lambda call=call: staged.run_stage(0, hidden_1TD, cache, **call),
+                                           args.repeats, device, after=lambda: cache.truncate(context))
+                           for kind, call in (("tree", tree), ("chain", {}))}
+                # The attention operation alone, as the stages run it: T queries over C + T keys under the mask.
                 h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
                 q = torch.randn(1, h, t, d, device=device, dtype=model.dtype)
                 k = torch.randn(1, kv, context + t, d, device=device, dtype=model.dtype)
                 v = torch.randn_like(k)
                 mask_TK = torch.cat([torch.ones(t, context, dtype=torch.bool), tree_TT], 1).to(device)
-                op = []
-                for i in range(args.repeats + 3):
-                    sync(device)
-                    start = time.perf_counter()
-                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask_TK, enable_gqa=True)
-                    sync(device)
-                    if i >= 3:
-                        op.append(time.perf_counter() - start)
+
+                def attention():
+                    with sdpa.decode_kernels(device):
+                        F.scaled_dot_product_attention(q, k, v, attn_mask=mask_TK, enable_gqa=True)
+
+                op_ms = median_ms(attention, args.repeats, device)
                 row = {"n": n, "stage_layers": layers, "context": context, "nodes": t,
                        "stage_tree_ms": timings["tree"], "stage_chain_ms": timings["chain"],
-                       "sdpa_masked_op_ms": sorted(op)[len(op) // 2] * 1e3}
+                       "sdpa_masked_op_ms": op_ms}
                 rows.append(row)
                 print(f"n={n} ({layers} layers) C={context:<5} T={t:<3} stage: tree {row['stage_tree_ms']:7.3f} ms, "
                       f"chain {row['stage_chain_ms']:7.3f} ms; masked SDPA op {row['sdpa_masked_op_ms']:.3f} ms",
                       flush=True)
-            del cache
     return rows
 
 

@@ -7,7 +7,7 @@ stage call; clear errors."""
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import differences_are_near_ties, tiny_model
 from spd.decoding.batch import BatchedPipeline
 from spd.decoding.engine import PipelineEngine
 from spd.decoding.generation import generate_ar
@@ -22,7 +22,6 @@ from test_cli import tiny_heads  # noqa: F401  (a fixture)
 from test_engine import _chi_square_p_value, _sequence_probs
 from test_tree_engine import _noisy_copy
 
-NEAR_TIE = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -39,20 +38,6 @@ def _prompt(i: int) -> list[int]:
     """Prompts of 1 to 38 tokens."""
     return [(7 * i + 3 * j) % 120 + 1 for j in range(1 + (i * 5) % 38)]
 
-
-def _differences_are_near_ties(staged: StagedModel, prompt: list[int], solo: list[int], batched: list[int]) -> int:
-    """0 if the outputs are equal; 1 if they first differ where the solo run's top-two logits are within NEAR_TIE
-    (batched matrix products round differently in the last bits); fails otherwise."""
-    if solo == batched:
-        return 0
-    i = next(k for k, (a, b) in enumerate(zip(solo, batched)) if a != b)
-    with torch.no_grad():
-        logits_V = staged.model(torch.tensor([prompt + solo[:i]])).logits[0, -1]
-    top2 = torch.topk(logits_V, 2).values
-    margin = float(top2[0] - top2[1])
-    assert margin < NEAR_TIE, f"outputs differ at token {i} where the solo run's top-two margin is {margin:.2e}"
-    print(f"near-tie at token {i} (margin {margin:.2e})")
-    return 1
 
 
 @pytest.mark.parametrize("width,temperature", [(1, 0.0), (4, 0.0), (1, 1.0), (4, 0.8)])
@@ -124,7 +109,7 @@ def test_sixteen_mixed_requests_each_get_their_own_answer(target_model):
             assert len(out.token_ids) == 4
         if sampling.greedy and i not in (5, 9):
             solo = generate_ar(staged, prompt, budget).token_ids
-            near_ties += _differences_are_near_ties(staged, prompt, solo, out.token_ids)
+            near_ties += differences_are_near_ties(staged, prompt, solo, out.token_ids)
         elif i == 5:
             assert out.token_ids == solo_stop.token_ids[:5] == seen_stop and out.stats.stop_reason == "stopped"
         elif i != 9:
@@ -143,7 +128,7 @@ def test_pp_and_spd_share_a_batch(target_model):
     batched.run()
     for i, request in enumerate(requests):
         assert request.output.stats.mode == ("pp" if i % 2 else "spd")
-        _differences_are_near_ties(staged, _prompt(i), generate_ar(staged, _prompt(i), 20).token_ids,
+        differences_are_near_ties(staged, _prompt(i), generate_ar(staged, _prompt(i), 20).token_ids,
                                    request.output.token_ids)
 
 
@@ -154,7 +139,7 @@ def test_sliding_window_targets_batch_too():
     batched = BatchedPipeline(engine, max_batch=4, kv_rows=1024, prefill_chunk=5)
     prompts = [_prompt(i) for i in (2, 3, 6, 9)]
     for prompt, out in zip(prompts, batched.generate(prompts, 16)):
-        _differences_are_near_ties(engine.staged, prompt, generate_ar(engine.staged, prompt, 16).token_ids,
+        differences_are_near_ties(engine.staged, prompt, generate_ar(engine.staged, prompt, 16).token_ids,
                                    out.token_ids)
 
 

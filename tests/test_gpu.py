@@ -16,13 +16,12 @@ and infer/bench_gpu.py on a small model on the CPU.
 
 import copy
 import json
-import math
 import os
 
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import differences_are_near_ties, tiny_model
 from spd.decoding.batch import BatchedPipeline
 from spd.decoding.engine import PipelineEngine
 from spd.decoding.generation import generate_ar
@@ -54,32 +53,6 @@ def _on_device(model, dtype):
     return copy.deepcopy(model).to(device=DEVICE, dtype=dtype)
 
 
-def _tolerance(top: float, dtype: torch.dtype) -> float:
-    """How close the top-two logits may be where two runs of the same model part ways."""
-    if dtype == torch.float32:
-        return 1e-4
-    spacing = 2.0 ** (math.floor(math.log2(max(abs(top), 1e-30))) - 7)  # bf16 keeps 8 significant bits
-    return 8 * spacing
-
-
-def _same_or_near_tie(staged: StagedModel, prompt: list[int], reference: list[int], other: list[int],
-                      what: str) -> int:
-    """0 if ``other`` equals ``reference``; 1 if they first part where the reference's top-two logits are a near
-    tie (printed with its margin); fails otherwise."""
-    if other == reference:
-        return 0
-    i = next((k for k, (a, b) in enumerate(zip(reference, other)) if a != b), None)
-    assert i is not None, f"{what}: {len(other)} tokens instead of ar's {len(reference)}"
-    with torch.no_grad():
-        logits_V = staged.model(torch.tensor([prompt + reference[:i]], device=staged.device)).logits[0, -1]
-    top2 = torch.topk(logits_V.float(), 2).values.tolist()
-    margin, tolerance = top2[0] - top2[1], _tolerance(top2[0], staged.dtype)
-    assert margin <= tolerance, (f"{what}: differs from ar at token {i} where the top-two margin is {margin:.3e} "
-                                 f"(near-tie tolerance {tolerance:.3e})")
-    print(f"{what}: near-tie at token {i}, margin {margin:.3e} <= {tolerance:.3e}")
-    return 1
-
-
 def _head(staged: StagedModel, n: int, variant: str = "spd", seed: int = 1):
     torch.manual_seed(seed)
     return new_head(staged, DistillConfig(n_stages=n, variant=variant)).eval()
@@ -108,11 +81,11 @@ def test_greedy_chain_modes_equal_ar(family, dtype):
             assert len(ar) == NEW
             for variant, engine in engines.items():
                 out = engine.run(prompt, NEW, SamplingParams())
-                near += _same_or_near_tie(staged, prompt, ar, out.token_ids, f"{family} n={n} spd/{variant}")
+                near += differences_are_near_ties(staged, prompt, ar, out.token_ids, f"{family} n={n} spd/{variant}")
                 runs += 1
                 assert out.stats.verified == out.stats.accepted + out.stats.flushes
             pp = engines["spd"].run(prompt, NEW, SamplingParams(), use_head=False)
-            near += _same_or_near_tie(staged, prompt, ar, pp.token_ids, f"{family} n={n} pp")
+            near += differences_are_near_ties(staged, prompt, ar, pp.token_ids, f"{family} n={n} pp")
             runs += 1
             assert pp.stats.steps == n * pp.stats.decode_tokens
     print(f"{near} near-tie difference(s) in {runs} runs")
@@ -130,7 +103,7 @@ def test_greedy_tree_equals_ar(llama, dtype):
         ar = generate_ar(staged, prompt, NEW).token_ids
         for name, engine in engines.items():
             out = engine.run(prompt, NEW, SamplingParams())
-            _same_or_near_tie(staged, prompt, ar, out.token_ids, f"tree/{name}")
+            differences_are_near_ties(staged, prompt, ar, out.token_ids, f"tree/{name}")
             hits += out.stats.accepted
     assert hits > 0  # the draft model's trees are hit
 
@@ -146,7 +119,7 @@ def test_greedy_sd_equals_ar(llama, dtype):
         sd = SpeculativeDecoder(target, drafter, 3)
         for prompt in PROMPTS:
             ar = generate_ar(target, prompt, NEW).token_ids
-            _same_or_near_tie(target, prompt, ar, sd.run(prompt, NEW, SamplingParams()).token_ids, f"sd/{name}")
+            differences_are_near_ties(target, prompt, ar, sd.run(prompt, NEW, SamplingParams()).token_ids, f"sd/{name}")
 
 
 @on_gpu
@@ -172,7 +145,7 @@ def test_batched_requests_each_get_their_own_answer(llama, dtype, mode):
         assert request.state == "done", (i, request.error)
         if sampling.greedy:
             solo = generate_ar(staged, prompt, budget).token_ids
-            near += _same_or_near_tie(staged, prompt, solo, request.output.token_ids, f"batched {mode} #{i}")
+            near += differences_are_near_ties(staged, prompt, solo, request.output.token_ids, f"batched {mode} #{i}")
         elif dtype == torch.float32:
             assert request.output.token_ids == engine.run(prompt, budget, sampling).token_ids, i
     print(f"batched {mode}: {near} near-tie difference(s) among 6 greedy requests")

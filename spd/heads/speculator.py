@@ -356,18 +356,18 @@ class Speculator(PreTrainedModel):
         cos_q, sin_q = self.rope(torch.full((b, 1), c + r - 1, device=dev), dtype)
         scale = self.config.head_dim ** -0.5
         h_B1D = query_BD[:, None]
-        for i, layer in enumerate(self.layers):
-            q = layer.query_heads(h_B1D, cos_q, sin_q)
-            ks, vs = [cache.keys[i][:, :, :c]], [cache.values[i][:, :, :c]]
-            for j, (depth, g_BD) in enumerate(trailing):
-                k, v = layer.memory_kv(g_BD[:, None], depth, cos_r[:, j:j + 1], sin_r[:, j:j + 1])
-                ks.append(k)
-                vs.append(v)
-            k_all = layer.expand_kv(torch.cat(ks, dim=2))
-            v_all = layer.expand_kv(torch.cat(vs, dim=2))
-            with decode_kernels(q.device):
+        with decode_kernels(dev):
+            for i, layer in enumerate(self.layers):
+                q = layer.query_heads(h_B1D, cos_q, sin_q)
+                ks, vs = [cache.keys[i][:, :, :c]], [cache.values[i][:, :, :c]]
+                for j, (depth, g_BD) in enumerate(trailing):
+                    k, v = layer.memory_kv(g_BD[:, None], depth, cos_r[:, j:j + 1], sin_r[:, j:j + 1])
+                    ks.append(k)
+                    vs.append(v)
+                k_all = layer.expand_kv(torch.cat(ks, dim=2))
+                v_all = layer.expand_kv(torch.cat(vs, dim=2))
                 attn = F.scaled_dot_product_attention(q, k_all, v_all, scale=scale)
-            h_B1D = layer.finish(h_B1D, attn)
+                h_B1D = layer.finish(h_B1D, attn)
         return h_B1D[:, 0]
 
 

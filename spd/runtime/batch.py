@@ -3,8 +3,8 @@ to stage (docs/method.md §9). Rank 0's side: :class:`RemoteBatch`; the stages' 
 the wire format of a manifest: :func:`encode_manifest` / :func:`decode_manifest`.
 
 **Phases.** The batched pipeline runs each step as one ragged call per stage (a request's levels that move after
-its verification run in the same call, before it: :mod:`spd.decoding.batch`). Each such call is a *phase*. For every phase rank 0 sends each stage a
-*manifest* (``BATCH_TAG``):
+its verification run in the same call, before it: :mod:`spd.decoding.batch`). Each such call is a *phase*. For
+every phase rank 0 sends each stage a *manifest* (``BATCH_TAG``):
 
 - the cache operations decided since the last phase, each naming a request by its region's first row: open the
   region, close it, truncate it (a miss), keep a pruned tree's rows (a hit); the stage applies them in order,
