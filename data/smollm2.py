@@ -127,6 +127,9 @@ def main(argv=None) -> int:
     p.add_argument("--validation-prompts", type=int, default=64, help="held-out instructions answered")
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer regenerated")
     p.add_argument("--batch-size", type=int, default=32, help="prompts answered at once")
+    p.add_argument("--device", default=None,
+                   help="where the target regenerates and captures (default: cuda when there is one, else cpu); "
+                        "in float32 either way, so the data do not depend on the machine beyond rounding")
     args = p.parse_args(argv)
     for name in ("train_prompts", "validation_prompts", "max_new_tokens", "batch_size"):
         if getattr(args, name) < (0 if name.endswith("prompts") else 1):
@@ -136,6 +139,8 @@ def main(argv=None) -> int:
 
     from spd.errors import SpdInputError
     from spd.target.gguf import file_sha256, is_materialized, materialize_gguf
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
     torch.set_num_threads(min(torch.get_num_threads(), 16))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -191,7 +196,7 @@ def prepare_data(args, target: Path, manifest: dict, save_manifest) -> None:
         out = data / f"{split}.jsonl"
         start = time.perf_counter()
         if model is None:
-            model, tokenizer = load_causal_lm(target).eval(), load_tokenizer(target)
+            model, tokenizer = load_causal_lm(target, device=args.device), load_tokenizer(target)
         stats = regenerate(model, tokenizer, splits[split], out, batch_size=args.batch_size,
                            max_new_tokens=args.max_new_tokens)
         if stats["generated"]:
@@ -207,7 +212,7 @@ def prepare_data(args, target: Path, manifest: dict, save_manifest) -> None:
         out, start = args.out / "captures" / split, time.perf_counter()
         proc = subprocess.run([sys.executable, str(Path(__file__).with_name("capture.py")), "--target", str(target),
                                "--data", str(data / f"{split}.jsonl"), "--max-length", str(CAPTURE_MAX_LENGTH),
-                               "--stages", "4,8", "--out", str(out)])
+                               "--stages", "4,8", "--device", args.device, "--dtype", "float32", "--out", str(out)])
         if proc.returncode != 0:
             raise SystemExit(proc.returncode)
         timings[f"capture_{split}"] = round(timings.get(f"capture_{split}", 0) + time.perf_counter() - start, 1)

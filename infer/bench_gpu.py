@@ -2,6 +2,8 @@
 
     python infer/bench_gpu.py --out gpu.json                       # a Qwen3-4B-shaped target, bf16, on cuda
     python infer/bench_gpu.py --size tiny --device cpu --out t.json  # the same code on a small model (a check)
+    python infer/bench_gpu.py --target smollm2/target --speculator runs/smollm2-n4/final --parts decode \
+        --prompt "Write a Python function that reverses a string." --out smollm2_gpu.json   # a real target
 
 The target is a Qwen3-4B-shaped model (the real transformers class: 36 layers, hidden 2560, 32 query and 8 KV
 heads of 128, MLP 9728, vocabulary 151,936, tied embeddings) with random bf16 weights, built on the device. Two
@@ -13,6 +15,10 @@ parts:
   (verification, bookkeeping, Python). Decode-only figures: a run of ``--new-tokens`` minus a run of one token.
   The head is untrained (random), so nearly every proposal is rejected: the step costs are what this measures,
   not acceptance.
+  With ``--target DIR`` and ``--speculator HEAD ...`` the target is a real model (loaded in ``--dtype``) and each
+  trained head gives the cut (its n and boundaries) and the proposals; ``--prompt`` is its prompt, rendered with
+  the target's chat template where it has one. Then the accepted tokens count: tokens/s and steps per token are
+  the real ones, and ``L'_acc`` (n / steps per token) is printed beside them.
 - ``tree``: one stage (36 / n layers) over a cache of C committed tokens, with T tree nodes (a random tree of
   that size under the ancestor mask) against T tokens of a plain chain, and the attention operation alone
   (``scaled_dot_product_attention`` with the boolean mask) at the same shapes.
@@ -54,6 +60,11 @@ SIZES = {
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=list(SIZES), default="4b")
+    p.add_argument("--target", default=None, help="a real target (model directory) instead of the random --size one")
+    p.add_argument("--speculator", nargs="+", default=None,
+                   help="trained heads for --target, one per cut (each gives its n and boundaries)")
+    p.add_argument("--prompt", default="Write a Python function that reverses a string.",
+                   help="the prompt for --target (chat-rendered when its tokenizer has a chat template)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--stages", type=int, nargs="+", default=[4, 8])
@@ -68,7 +79,12 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="also print torch.profiler's top operations of a few ar, pp and spd steps at the first n")
     p.add_argument("--out", default="bench_gpu.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if (args.target is None) != (args.speculator is None):
+        p.error("--target and --speculator go together: a real target needs its trained heads")
+    if args.target is not None and "tree" in args.parts:
+        p.error("--target measures the decode part only; add --parts decode")
+    return args
 
 
 def build_target(size: str, device: str, dtype: torch.dtype):
@@ -80,6 +96,34 @@ def build_target(size: str, device: str, dtype: torch.dtype):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model.eval()
+
+
+def load_real(args, device: str, dtype: torch.dtype):
+    """The model of ``--target`` on the device, and ``--prompt`` as its token ids (chat-rendered if it can be)."""
+    from spd.target.staging import load_causal_lm, load_tokenizer
+
+    model = load_causal_lm(args.target, dtype=dtype, device=device)
+    tokenizer = load_tokenizer(args.target)
+    text = args.prompt
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+    return model, tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def cuts(model, args, device) -> list[tuple[StagedModel, object]]:
+    """``(staged target, head)`` per measured cut: each trained head with its own cut, or the random target cut
+    into each ``--stages`` n with an untrained head."""
+    if args.speculator is None:
+        return [(staged := cut(model, n), new_head(staged, DistillConfig(n_stages=n)).eval()) for n in args.stages]
+    from spd.heads.loading import load_speculator, pipeline_cut
+
+    pairs = []
+    for path in args.speculator:
+        stages, boundaries = pipeline_cut(None, None, path, None, args.target)
+        staged = StagedModel(model, n_stages=stages, boundaries=boundaries)
+        pairs.append((staged, load_speculator(path, dtype=model.dtype, device=device, target=staged)))
+    return pairs
 
 
 def cut(model, n: int) -> StagedModel:
@@ -133,15 +177,16 @@ def _timed_run(run, timers: Timers, device) -> tuple[float, dict, object]:
     return seconds, delta, out
 
 
-def decode_part(model, args, device) -> list[dict]:
+def decode_part(model, args, device, prompt: list[int] | None = None) -> list[dict]:
     rows = []
-    prompt = torch.randint(0, model.config.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1))
-    prompt = prompt.tolist()
+    if prompt is None:
+        prompt = torch.randint(0, model.config.vocab_size, (args.prompt_tokens,),
+                               generator=torch.Generator().manual_seed(1)).tolist()
     greedy = SamplingParams()
-    for n in args.stages:
-        staged = cut(model, n)
-        head = new_head(staged, DistillConfig(n_stages=n)).eval()
+    for i, (staged, head) in enumerate(cuts(model, args, device)):
+        n = staged.n_stages
         engine = PipelineEngine(staged, head)
+        outputs = {}
         timers = Timers(device)
         instrument(staged, engine, timers)
         runs = {
@@ -153,8 +198,8 @@ def decode_part(model, args, device) -> list[dict]:
             run(4)  # warm-up (kernels, allocator)
             t1, d1, o1 = _timed_run(lambda: run(1), timers, device)
             tn, dn, on = _timed_run(lambda: run(args.new_tokens), timers, device)
-            steps = (on.stats.steps - o1.stats.steps) if mode != "ar" else args.new_tokens - 1
             tokens = len(on.token_ids) - len(o1.token_ids)
+            steps = (on.stats.steps - o1.stats.steps) if mode != "ar" else tokens
             seconds = tn - t1
             parts = {k: (dn.get(k, 0.0) - d1.get(k, 0.0)) for k in set(dn) | set(d1)}
             stage_s = sum(v for k, v in parts.items() if k.startswith("stage "))
@@ -170,13 +215,17 @@ def decode_part(model, args, device) -> list[dict]:
             if mode != "ar":
                 # Rank 0's own work per step against one stage's compute (a deployment's critical path).
                 row["engine_over_stage"] = (other_s + lm_s) / steps * 1e3 / row["max_stage_ms_per_step"]
+                row["l_acc"] = n * tokens / steps  # n / (steps per token): 1 for pp, above 1 where proposals hit
+            outputs[mode] = list(on.token_ids)
+            row["tokens_equal_ar"] = outputs[mode] == outputs["ar"]  # greedy: expected True (bf16: up to near-ties)
             rows.append(row)
-            print(f"n={n} {mode:<3} {row['tokens_per_s']:8.1f} tok/s  step {row['step_ms']:7.3f} ms = stages "
+            l_acc = f" L'_acc {row['l_acc']:.2f}" if "l_acc" in row else ""
+            print(f"n={n} {mode:<3} {row['tokens_per_s']:8.1f} tok/s{l_acc}  step {row['step_ms']:7.3f} ms = stages "
                   f"{row['all_stages_ms_per_step']:7.3f} (max one {row['max_stage_ms_per_step']:6.3f}) + LM head "
                   f"{row['lm_head_ms_per_step']:6.3f} + head {row['head_ms_per_step']:6.3f} + engine "
                   f"{row['engine_ms_per_step']:6.3f}; per stage " + " ".join(f"{x:.2f}" for x in per_stage),
                   flush=True)
-        if args.profile and n == args.stages[0]:
+        if args.profile and i == 0:
             profile(runs)
     return rows
 
@@ -270,18 +319,26 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     sdpa.ALLOW_CUDNN = args.cudnn_attention
     start = time.perf_counter()
-    model = build_target(args.size, args.device, dtype)
+    prompt = None
+    if args.target is None:
+        model, name = build_target(args.size, args.device, dtype), f"Qwen3 {args.size} shape"
+    else:
+        (model, prompt), name = load_real(args, args.device, dtype), args.target
     params = sum(p.numel() for p in model.parameters())
-    print(f"target: Qwen3 {args.size} shape, {params / 1e9:.2f} B parameters, {args.dtype} on {device} "
-          f"(built in {time.perf_counter() - start:.1f} s)", flush=True)
-    results = {"size": args.size, "config": SIZES[args.size], "parameters": params, "dtype": args.dtype,
+    print(f"target: {name}, {params / 1e9:.2f} B parameters, {args.dtype} on {device} "
+          f"(loaded in {time.perf_counter() - start:.1f} s)", flush=True)
+    results = {"target": args.target, "speculators": args.speculator, "prompt": args.prompt if prompt else None,
+               "size": None if prompt else args.size, "config": model.config.to_diff_dict() if prompt else SIZES[args.size],
+               "parameters": params, "dtype": args.dtype,
                "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
-               else platform.processor(), "torch": torch.__version__, "prompt_tokens": args.prompt_tokens,
+               else platform.processor(), "torch": torch.__version__,
+               "prompt_tokens": len(prompt) if prompt else args.prompt_tokens,
                "new_tokens": args.new_tokens, "cudnn_attention": args.cudnn_attention}
-    for part, run in (("decode", decode_part), ("tree", tree_part)):
+    for part, run in (("decode", lambda: decode_part(model, args, device, prompt)),
+                      ("tree", lambda: tree_part(model, args, device))):
         if part in args.parts:
             with torch.inference_mode():
-                results[part] = run(model, args, device)
+                results[part] = run()
             Path(args.out).write_text(json.dumps(results, indent=1))  # each part kept as soon as it ends
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

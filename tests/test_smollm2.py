@@ -137,6 +137,16 @@ def test_trained_head_every_mode_equals_ar(smollm2, target, tmp_path):
         assert engine.run(ids, 20, SamplingParams(), use_head=False).token_ids == ar
         assert tree.run(ids, 20, SamplingParams()).token_ids == ar
         assert sd.run(ids, 20, SamplingParams()).token_ids == ar
+    # infer/bench_gpu.py on the real target with this head (the GPU benchmark's --target path, here on the CPU)
+    from infer import bench_gpu
+
+    out = tmp_path / "bench.json"
+    assert bench_gpu.main(["--target", str(smollm2 / "target"), "--speculator", str(run / "final"), "--parts",
+                           "decode", "--device", "cpu", "--dtype", "float32", "--new-tokens", "6", "--prompt", CHAT[0],
+                           "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["decode"]
+    assert [(r["n"], r["mode"]) for r in rows] == [(4, "ar"), (4, "pp"), (4, "spd")]
+    assert all(r["tokens_equal_ar"] and r["decode_tokens"] == 5 for r in rows) and rows[1]["l_acc"] == 1.0
 
 
 def test_regeneration_resumes_after_kill(smollm2, tmp_path):
