@@ -11,8 +11,9 @@ from conftest import differences_are_near_ties, tiny_model
 from spd.decoding.batch import BatchedPipeline
 from spd.decoding.engine import PipelineEngine
 from spd.decoding.generation import generate_ar
+from spd.decoding.loop import answer_many
 from spd.decoding.sampling import SamplingParams
-from spd.decoding.tree_engine import DraftModelSource, TreeEngine
+from spd.decoding.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
 from spd.errors import SpdInputError
 from spd.target.kv_pool import KVPool
 from spd.target.ragged import Segment, run_ragged
@@ -130,6 +131,47 @@ def test_pp_and_spd_share_a_batch(target_model):
         assert request.output.stats.mode == ("pp" if i % 2 else "spd")
         differences_are_near_ties(staged, _prompt(i), generate_ar(staged, _prompt(i), 20).token_ids,
                                    request.output.token_ids)
+
+
+class CheckedBatch(BatchedPipeline):
+    """Also asks every question of a joint call alone (the proposers' queries, the verifications' logits), and
+    records the largest difference of the answers."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.joint: list[tuple[str, int, float]] = []  # (kind, questions asked together, max |joint - alone|)
+
+    def _answer(self, requests):
+        if len(requests) > 1:
+            items = [request.work for request in requests]
+            alone = [item.answer() for item in items]
+            joint = answer_many(items)
+            assert [a.shape for a in alone] == [j.shape for j in joint]
+            self.joint.append((type(items[0]).__name__, len(items),
+                               max(float((a - j).abs().max()) for a, j in zip(alone, joint))))
+        super()._answer(requests)
+
+
+@pytest.mark.parametrize("width", [1, 4])
+def test_the_head_and_the_lm_head_answer_every_request_in_one_call(target_model, width):
+    """SPD chain and W = 4 tree: the head's joint query over every running request (each with its own cache
+    length, path and tree) gives each request what its own query gives, and so do the verifications' logits from
+    one LM-head call, up to fp32 rounding; sampled and greedy requests mixed; greedy output equals solo ar up to
+    near-ties."""
+    staged = StagedModel(target_model, 4)
+    torch.manual_seed(1)
+    head = new_head(staged, DistillConfig(n_stages=4)).eval()
+    engine = PipelineEngine(staged, head) if width == 1 else TreeEngine(staged, SpdHeadSource(head, staged, 4), 4)
+    batched = CheckedBatch(engine, max_batch=6, kv_rows=2048, prefill_chunk=8)
+    settings = [SamplingParams(temperature=(0.0, 1.0)[i % 2], seed=i) for i in range(8)]
+    outs = batched.generate([_prompt(i) for i in range(8)], 18, settings)
+    for kind in ("Propose", "TargetLogits"):
+        calls = [(size, diff) for k, size, diff in batched.joint if k == kind]
+        assert len(calls) > 5 and max(size for size, _ in calls) >= 3, kind  # roots leave stage n at various steps
+        assert max(diff for _, diff in calls) < 1e-4, calls
+    for i in range(0, 8, 2):
+        differences_are_near_ties(staged, _prompt(i), generate_ar(staged, _prompt(i), 18).token_ids,
+                                   outs[i].token_ids)
 
 
 def test_sliding_window_targets_batch_too():

@@ -10,12 +10,15 @@ tree, width policy, sampling parameters and seed, and its own stage caches: a re
    bound); a request that waits is never dropped. A request the pool could never hold fails with one error.
 2. Every stage runs, as one ragged batch (:func:`spd.target.ragged.run_ragged`), the work at that stage of every
    request: the levels in flight of the running requests (a chain's token, a tree level) and one chunk of each
-   newcomer's prompt. The work is started first; every running request's proposer then makes its next level
-   while the stages compute (on the distributed runtime they do so at the same time), and the outputs are
-   collected after that. A prompt enters the pipeline ``prefill_chunk`` tokens per step and flows stage by stage like
+   newcomer's prompt. The work is started first; the running requests' proposers then make their next levels
+   while the stages compute (on the distributed runtime they do so at the same time), all in one call where they
+   share a head (:func:`spd.decoding.proposer.propose_many`: one batched query of the SPD head over every
+   request's path), and the outputs are collected after that. A prompt enters the pipeline ``prefill_chunk`` tokens per step and flows stage by stage like
    the levels, so a newcomer never stalls the requests in flight for its whole prompt (chunked, pipelined
    prefill); its first token comes when its last chunk leaves stage ``n``.
-3. Each running request verifies and prunes or flushes on its own (its rejection touches only its own region).
+3. Each running request verifies and prunes or flushes on its own (its rejection touches only its own region);
+   the target's logits its verification reads come from one LM-head call for every request whose root level
+   left stage ``n``.
    A request whose root level left stage ``n`` this step had its other levels run in the same stage calls, before
    the verification (the single-request loop runs them after it): the verification prunes their outputs and KV
    rows (a hit) or drops them (a miss), exactly as it does for the levels that ran in earlier steps. So every
@@ -34,8 +37,9 @@ The stages run in this process (:class:`LocalBatch`: the pool and :func:`~spd.ta
 engine's stages are the distributed runtime's, on the stage ranks (:class:`spd.runtime.batch.RemoteBatch`: the same
 ragged calls, carried stage to stage); this driver is the same for both.
 
-Not batched yet: the proposer (each request's proposer is queried on its own, one after another) and hybrid
-targets (their recurrent state is per request: refused with one line).
+Not batched yet: hybrid targets (their recurrent state is per request: refused with one line), and the
+proposers other than the SPD head (the authors' heads, draft models, output-state heads: each request's is asked
+on its own, one after another).
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from ..target.kv_pool import KVPool, Region
 from ..target.ragged import Segment, run_ragged
 from ..target.staging import StageOutput
 from .generation import GenerationOutput, OnToken
-from .loop import COLLECT, Advance, LocalStages, Prefill, anchors_by_stage
+from .loop import COLLECT, Advance, LocalStages, Prefill, Propose, TargetLogits, anchors_by_stage, answer_many
 from .sampling import SamplingParams
 
 DEFAULT_ROWS_PER_REQUEST = 2048  # the pool's default size: this many rows per request of max_batch
@@ -294,13 +298,15 @@ class BatchedPipeline:
             self.stage_tokens[-1][stage] += sum(segment.size for segment, _ in work)
         started = self.backend.start([[segment for segment, _ in work] for work in calls])
         for request in running:
-            self._resume(request, None)  # up to COLLECT: the proposer's step, while the stages compute
+            self._resume(request, None, ask=False)  # up to its proposer's query: asked below, while the stages compute
+        self._answer([r for r in running if isinstance(r.work, Propose)])  # then each goes on up to COLLECT
         for work, outs in zip(calls, self.backend.finish(started)):
             for (_, took), out in zip(work, outs):
                 took(out)
         for request in running:
             if request.work is COLLECT:
-                self._resume(request, None)
+                self._resume(request, None, ask=False)  # up to its verification's logits, if its root left stage n
+        self._answer([r for r in running if isinstance(r.work, TargetLogits)])  # one LM-head call, then verify
 
     def _next_chunk(self, request: BatchRequest) -> None:
         """The prompt's next chunk enters stage 1 (if any is left)."""
@@ -334,10 +340,34 @@ class BatchedPipeline:
                 request.state = "running"
                 self._resume(request, StageOutput(chunk.hidden_1TD, anchors))
 
-    def _resume(self, request: BatchRequest, value) -> None:
-        """Hand the request its work's result; it runs to its next work item, or ends."""
+    def _answer(self, requests: list[BatchRequest]) -> None:
+        """Answer the questions ``requests`` stopped at together (:func:`~spd.decoding.loop.answer_many`: the
+        proposers' queries, the verifications' logits) and resume each with its answer. If the joint call fails,
+        each is asked alone, so a request's own failure stays its own."""
+        try:
+            answers = answer_many([request.work for request in requests]) if len(requests) > 1 else None
+        except Exception:
+            answers = None
+        for i, request in enumerate(requests):
+            if answers is not None:
+                self._resume(request, answers[i])
+                continue
+            try:
+                answer = request.work.answer()
+            except Exception as exc:
+                request.error = exc
+                self._end(request, "failed")
+                continue
+            self._resume(request, answer)
+
+    def _resume(self, request: BatchRequest, value, ask: bool = True) -> None:
+        """Hand the request its work's result; it runs to its next work item, or ends. Its questions
+        (:class:`~spd.decoding.loop.Propose`, :class:`~spd.decoding.loop.TargetLogits`) are answered on the way
+        (``ask``), or left as its work for :meth:`_answer`."""
         try:
             request.work = request.steps.send(value)
+            while ask and isinstance(request.work, (Propose, TargetLogits)):
+                request.work = request.steps.send(request.work.answer())
         except StopIteration as done:
             request.output = done.value
             self._end(request, "done")

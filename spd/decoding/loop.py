@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set, first_output, stop_reason
-from .proposer import Proposer
+from .proposer import Proposer, propose_many
 from .sampling import SamplingParams, select_token, warped_probs
 from .stats import PipelineStats, TreeStats
 from .tree import (Level, TokenTree, grow_sampled, grow_top_k, verify_greedy, verify_sampled_deterministic,
@@ -182,6 +182,58 @@ class Advance:
     then: list[Level] = field(default_factory=list)
 
 
+@dataclass
+class Propose:
+    """Work a request hands its driver: the proposer's distributions after the tree's bottom nodes,
+    ``source.expand(tree, context, levels)``; the driver answers with the ``(L, X)`` log-probabilities. :func:`drive`
+    asks the source at once; a batched driver asks every request's source together
+    (:func:`spd.decoding.proposer.propose_many`: one batched head call where the sources share a head)."""
+
+    source: Proposer
+    tree: TokenTree
+    context: list[int]
+    levels: list[Level]
+
+    def answer(self) -> torch.Tensor:
+        """The proposer's answer, asked alone."""
+        return self.source.expand(self.tree, self.context, self.levels)
+
+
+@dataclass
+class TargetLogits:
+    """Work a request hands its driver: the target's logits ``(1, V)`` after its root's last row (what the verification
+    reads). A batched driver computes those of many requests in one LM-head call (:func:`answer_many`)."""
+
+    staged: StagedModel
+    hidden_1D: torch.Tensor
+
+    def answer(self) -> torch.Tensor:
+        """The logits, asked alone."""
+        return self.staged.logits(self.hidden_1D)
+
+
+def answer_many(items: list) -> list[torch.Tensor]:
+    """The answers to many requests' questions (:class:`Propose`, :class:`TargetLogits`), in their order: the
+    proposers' together where they share a head (:func:`~spd.decoding.proposer.propose_many`), the target's
+    logits in one LM-head call per target; a question alone of its kind is asked alone."""
+    answers: list[torch.Tensor | None] = [None] * len(items)
+    proposals = [i for i, item in enumerate(items) if isinstance(item, Propose)]
+    for i, answer in zip(proposals, propose_many([items[i] for i in proposals])):
+        answers[i] = answer
+    by_target: dict[int, list[int]] = {}
+    for i, item in enumerate(items):
+        if isinstance(item, TargetLogits):
+            by_target.setdefault(id(item.staged), []).append(i)
+    for indices in by_target.values():
+        if len(indices) == 1:
+            answers[indices[0]] = items[indices[0]].answer()
+            continue
+        logits_BV = items[indices[0]].staged.logits(torch.cat([items[i].hidden_1D for i in indices]))
+        for i, logits_1V in zip(indices, logits_BV.split(1)):
+            answers[i] = logits_1V
+    return answers
+
+
 class Collect:
     """The point where a request needs the outputs of the :class:`Advance` it handed over last: the driver finishes
     that work (and applies its outputs to the levels) before it resumes the request."""
@@ -198,6 +250,8 @@ def drive(stages, steps: Generator) -> GenerationOutput:
         while True:
             if isinstance(work, Prefill):
                 work = steps.send(stages.prefill(work.ids_1T, work.anchors, work.capacity))
+            elif isinstance(work, (Propose, TargetLogits)):
+                work = steps.send(work.answer())
             elif isinstance(work, Advance):
                 pending, work = work, steps.send(None)
             else:
@@ -240,10 +294,11 @@ class StepLoop:
 
     def steps(self, source: Proposer | None, input_ids, max_new_tokens: int, sampling: SamplingParams,
               eos_token_id, on_token: OnToken | None, stats: PipelineStats, stages=None,
-              policy: FixedWidth | AdaptiveWidth | None = None) -> Generator[Prefill | Advance, object,
-                                                                            GenerationOutput]:
-        """The loop of one request as a generator: it hands its stage work (:class:`Prefill`, :class:`Advance`) to a
-        driver and returns the :class:`GenerationOutput`. :meth:`run` drives it alone (:func:`drive`); a batched
+              policy: FixedWidth | AdaptiveWidth | None = None) -> Generator[Prefill | Advance | Propose | TargetLogits,
+                                                                            object, GenerationOutput]:
+        """The loop of one request as a generator: it hands its stage work (:class:`Prefill`, :class:`Advance`) and
+        its questions (:class:`Propose`: the proposer's query; :class:`TargetLogits`: the verification's logits)
+        to a driver and returns the :class:`GenerationOutput`. :meth:`run` drives it alone (:func:`drive`); a batched
         driver runs the work of many requests together. ``stages`` and ``policy`` are the request's own (default:
         this loop's); every other call on ``stages`` (``configure``, ``launch_level``, ``prune``, ``flush``) is
         made here, on the request's own back-end."""
@@ -282,13 +337,14 @@ class StepLoop:
         levels = [self._enter(tree, 0, 1, rank=0, needs_embedding=needs_embedding)]
         grown = 0  # levels added since the last (re)seed
 
-        def grow() -> Level | None:
-            """Step 1: the proposer's next level (None: nothing proposed), not yet in flight."""
+        def grow():
+            """Step 1: the proposer's next level (None: nothing proposed), not yet in flight (a generator: the
+            proposer's query goes to the driver)."""
             nonlocal grown
             if source is None or len(context) + tree.depth + 1 >= end_position:
                 return None
             tick = time.perf_counter()
-            logprobs_LX = source.expand(tree, context, levels)
+            logprobs_LX = yield Propose(source, tree, context, levels)
             width, children = policy.width, policy.children
             if rule == "top-k":
                 new_N = grow_top_k(tree, logprobs_LX, source.ids, width, children)
@@ -314,7 +370,7 @@ class StepLoop:
             tick = time.perf_counter()
             yield Advance(moving, tree, committed, after_verify, list(then))
             started = time.perf_counter()
-            result = meanwhile() if meanwhile is not None else None
+            result = (yield from meanwhile()) if meanwhile is not None else None
             busy = time.perf_counter() - started  # step 1's time, not the stages'
             yield COLLECT
             stats.stage_time_s += time.perf_counter() - tick - busy
@@ -329,9 +385,9 @@ class StepLoop:
                 stages.launch_level(levels[-1], tree, committed)
             exits = levels[0].depth == n - 1  # the root's level leaves stage n this step and is verified
 
-            def step_one(committed=committed, exits=exits) -> Level | None:
+            def step_one(committed=committed, exits=exits):
                 """1. The proposer's next level (it reads the state before this step's stage work)."""
-                new_level = grow() if schedule != "output" else None
+                new_level = (yield from grow()) if schedule != "output" else None
                 if new_level is not None:
                     # Remote stages may start on it before this step's verification (a prune or miss reaches it
                     # through the epoch); the single-process back-end runs it next step.
@@ -355,7 +411,8 @@ class StepLoop:
                 if new_level is not None:
                     levels.append(new_level)
                     new_level = None
-                token, child = self._verify(root, tree, levels, sampling, generator, stats, rule, policy)
+                logits_1V = yield TargetLogits(staged, root.hidden_1TD[:, -1])
+                token, child = self._verify(logits_1V, tree, levels, sampling, generator, stats, rule, policy)
                 proposed = len(tree) > 1
                 context.append(int(tree.tokens_N[0]))
                 out.append(token)
@@ -394,7 +451,7 @@ class StepLoop:
                 levels.append(new_level)
             # Output-state proposers read the state after the stages ran (serial with them).
             if schedule == "output" and levels[-1].depth >= 1:
-                new_level = grow()
+                new_level = yield from grow()
                 if new_level is not None:
                     levels.append(new_level)
 
@@ -434,12 +491,11 @@ class StepLoop:
         level.anchors = {index: hidden_TD[keep_T] for index, hidden_TD in level.anchors.items()}
         return level
 
-    def _verify(self, root: Level, tree: TokenTree, levels: list[Level], sampling: SamplingParams,
+    def _verify(self, logits_1V: torch.Tensor, tree: TokenTree, levels: list[Level], sampling: SamplingParams,
                 generator: torch.Generator | None, stats: PipelineStats, rule: str,
                 policy: FixedWidth | AdaptiveWidth) -> tuple[int, int | None]:
-        """The committed token after the root and the tree index of the accepted child (None: a miss or nothing
-        to verify)."""
-        logits_1V = self.staged.logits(root.hidden_1TD[:, -1])
+        """The committed token after the root (the target's logits ``logits_1V`` after it) and the tree index of the
+        accepted child (None: a miss or nothing to verify)."""
         children_C = tree.children(0)
         if children_C.numel() == 0:  # nothing proposed: the target's own next token
             return int(select_token(logits_1V, sampling, generator)[0]), None

@@ -10,6 +10,9 @@ head trained with variant=eagle). The standard pipeline (``pp``) runs the same l
 drafting (:mod:`spd.decoding.sd`) drives the draft model and the serial head through this interface too: it expands
 a chain while the target is idle, then commits the rows the target kept (``commit_root``) and resets.
 
+A batched driver asks the proposers of many requests at once (:func:`propose_many`): sources whose class has
+``expand_many`` (:class:`~spd.decoding.tree_engine.SpdHeadSource`) and share one head are asked in one call.
+
 Shape suffixes: L nodes of the tree's bottom level, X the proposer's outputs (the target's vocabulary, or a
 draft vocabulary that ``ids`` maps to target ids).
 """
@@ -62,3 +65,21 @@ class Proposer(Protocol):
 
     def reset(self, committed: int) -> None:
         """A miss (or nothing proposed): the tree is gone; ``committed`` tokens are final."""
+
+
+def propose_many(items: list) -> list[torch.Tensor]:
+    """The answers to many requests' proposer queries (:class:`spd.decoding.loop.Propose`), in their order: the
+    sources that can be asked together (a class with ``expand_many``, one head) in one call per group; the
+    others, and a group of one, each alone (so a batch of one asks exactly as a single request does)."""
+    answers: list[torch.Tensor | None] = [None] * len(items)
+    groups: dict[tuple, list[int]] = {}
+    for i, item in enumerate(items):
+        together = getattr(type(item.source), "expand_many", None) is not None
+        groups.setdefault((type(item.source), id(item.source.head)) if together else (None, i), []).append(i)
+    for (kind, _), indices in groups.items():
+        if len(indices) == 1:
+            answers[indices[0]] = items[indices[0]].answer()
+            continue
+        for i, answer in zip(indices, kind.expand_many([items[i] for i in indices])):
+            answers[i] = answer
+    return answers

@@ -162,7 +162,8 @@ class SpdHeadSource:
     For each node of the bottom level the head is queried as in the chain engine, with the node's root
     path as the trailing rows (each at its level's current depth, docs/method.md §3) after the head's cache
     of committed rows; the bottom nodes are one batch. The head's cache only ever holds committed rows
-    (the root's row is appended when it leaves stage n), so pruning and misses need no rollback.
+    (the root's row joins it after the root left stage n, before the next query), so pruning and misses need no
+    rollback. :meth:`expand_many` queries the sources of many requests sharing the head in one call.
     Only the SPD configuration (input-state schedule, max depth n) has tree semantics; the output-state
     ablation and PPSD are refused.
     """
@@ -190,32 +191,23 @@ class SpdHeadSource:
         self.prefill_anchors = tuple(cfg.anchors[cfg.max_depth])
         self.num_layers = cfg.num_layers
         self.cache = None
+        self.pending: list[dict[int, torch.Tensor]] = []  # committed rows' anchors, cached before the next query
 
     def start(self, prompt_ids: list[int], anchors: dict[int, torch.Tensor], capacity: int) -> None:
         """Every prompt position enters the head's cache at full depth."""
         head = self.head
         self.cache = head.new_cache(capacity=capacity)
+        self.pending = []
         head.append_memory(self.cache, head.features(head.config.max_depth, anchors))
 
     def expand(self, tree: TokenTree, context: list[int], levels: list[Level]) -> torch.Tensor:
         """The head's log-probabilities after each bottom node, ``(L, X)``: one batched query over their paths."""
         head, cfg, cache = self.head, self.head.config, self.cache
-        if cache.length != len(context):
-            raise RuntimeError("speculator cache and committed tokens are out of step")
-        rows = []  # (depth, g (L, D)) of every path position, root first: the trailing rows
-        # A chain's levels are one node each: their anchors are the path's rows as they are (no gather).
-        picks = [None] * len(levels) if tree.is_chain else path_rows(tree, levels)
-        for level, pick_L in zip(levels, picks):
-            depth = min(level.depth, cfg.max_depth)
-            if pick_L is not None:
-                pick_L = pick_L.to(level.hidden_1TD.device)
-            anchors = {a: level.anchors[a] if pick_L is None else level.anchors[a][pick_L] for a in cfg.anchors[depth]}
-            rows.append((depth, head.features(depth, anchors)))
-        bottom = levels[-1]
-        if rows[-1][0] == cfg.offset:
-            query_LD = rows[-1][1]
-        else:  # the bottom level already went deeper (a prune left the tree shallow)
-            query_LD = head.features(cfg.offset, {a: bottom.anchors[a] for a in cfg.anchors[cfg.offset]})
+        if self.pending:
+            head.append_memory(cache, head.features(cfg.max_depth, self._take_pending())[None])
+        path, query = self._path(tree, context, levels)
+        rows = [(depth, head.features(depth, anchors)) for depth, anchors in path]
+        query_LD = rows[-1][1] if query is None else head.features(cfg.offset, query)
         view = cache
         if query_LD.shape[0] > 1:  # one query per bottom node over the same cached rows
             b = query_LD.shape[0]
@@ -225,14 +217,72 @@ class SpdHeadSource:
         # Over the head's own outputs X (V, or its draft vocabulary: ``ids`` maps them to target ids).
         return torch.log_softmax(head.logits(head.query(view, rows, query_LD)).float(), dim=-1)
 
+    @staticmethod
+    def expand_many(items) -> list[torch.Tensor]:
+        """:meth:`expand` for many requests whose sources share one head (``items``: their
+        :class:`~spd.decoding.loop.Propose` work), in one head call: the rows of one depth of every request go
+        through the head's FC together, then :meth:`Speculator.query_many` and one LM head. Each request's
+        ``(L, X)``, equal to its own :meth:`expand` up to fp32 rounding."""
+        head = items[0].source.head
+        cfg = head.config
+        waiting = [item.source for item in items if item.source.pending]
+        if waiting:  # the rows committed since each request's last query, all through the head at once
+            rows = [source._take_pending() for source in waiting]
+            sizes = [next(iter(anchors.values())).shape[0] for anchors in rows]
+            g = head.features(cfg.max_depth, {a: torch.cat([anchors[a] for anchors in rows])
+                                              for a in cfg.anchors[cfg.max_depth]})
+            head.append_memory_many([source.cache for source in waiting], list(g.split(sizes)))
+        paths = [item.source._path(item.tree, item.context, item.levels) for item in items]
+        by_depth: dict[int, list[dict[int, torch.Tensor]]] = {}
+        for path, _ in paths:
+            for depth, anchors in path:
+                by_depth.setdefault(depth, []).append(anchors)
+        features = {}
+        for depth, group in by_depth.items():
+            sizes = [next(iter(anchors.values())).shape[0] for anchors in group]
+            g = head.features(depth, {a: torch.cat([anchors[a] for anchors in group]) for a in cfg.anchors[depth]})
+            features[depth] = iter(g.split(sizes))
+        trailing = [[(depth, next(features[depth])) for depth, _ in path] for path, _ in paths]
+        queries = [rows[-1][1] if query is None else head.features(cfg.offset, query)
+                   for rows, (_, query) in zip(trailing, paths)]
+        out_BD = head.query_many([item.source.cache for item in items], trailing, queries)
+        logprobs_BX = torch.log_softmax(head.logits(out_BD).float(), dim=-1)
+        return list(logprobs_BX.split([query.shape[0] for query in queries]))
+
+    def _path(self, tree: TokenTree, context: list[int],
+              levels: list[Level]) -> tuple[list[tuple[int, dict[int, torch.Tensor]]], dict[int, torch.Tensor] | None]:
+        """The trailing rows of the bottom nodes' query, root first, as ``(depth, anchors (L, D) each)``; and the
+        bottom level's anchors at the query's depth where it already went deeper (a prune left the tree shallow),
+        else None (the last row is the query)."""
+        cfg, cache = self.head.config, self.cache
+        if cache.length + len(self.pending) != len(context):
+            raise RuntimeError("speculator cache and committed tokens are out of step")
+        path = []
+        # A chain's levels are one node each: their anchors are the path's rows as they are (no gather).
+        picks = [None] * len(levels) if tree.is_chain else path_rows(tree, levels)
+        for level, pick_L in zip(levels, picks):
+            depth = min(level.depth, cfg.max_depth)
+            if pick_L is not None:
+                pick_L = pick_L.to(level.hidden_1TD.device)
+            path.append((depth, {a: level.anchors[a] if pick_L is None else level.anchors[a][pick_L]
+                                 for a in cfg.anchors[depth]}))
+        if path[-1][0] == cfg.offset:
+            return path, None
+        return path, {a: levels[-1].anchors[a] for a in cfg.anchors[cfg.offset]}
+
     def advanced(self, levels: list[Level], tree: TokenTree, committed: int) -> None:
         """Nothing to do: the root's row joins the cache when it is committed (:meth:`commit_root`)."""
 
     def commit_root(self, root: Level) -> None:
-        """The root left stage n: its row at full depth joins the head's cache (it is committed either way)."""
+        """The root left stage n: its row at full depth joins the head's cache (it is committed either way), before
+        the next query (:meth:`expand_many` caches the rows of many requests together)."""
         cfg = self.head.config
-        features_1D = self.head.features(cfg.max_depth, {a: root.anchors[a] for a in cfg.anchors[cfg.max_depth]})
-        self.head.append_memory(self.cache, features_1D[:, None])
+        self.pending.append({a: root.anchors[a] for a in cfg.anchors[cfg.max_depth]})
+
+    def _take_pending(self) -> dict[int, torch.Tensor]:
+        """The anchors of the committed rows not yet cached, ``(P, D)`` each, oldest first; none are left after."""
+        pending, self.pending = self.pending, []
+        return {a: torch.cat([anchors[a] for anchors in pending]) for a in pending[0]}
 
     def prune(self, committed: int, kept: torch.Tensor) -> None:
         """Nothing to do: the cache holds committed rows only."""

@@ -339,6 +339,26 @@ class Speculator(PreTrainedModel):
             cache.values[i][:, :, cache.length:cache.length + r] = v
         cache.length += r
 
+    def append_memory_many(self, caches: list["SpeculatorCache"], mems: list[torch.Tensor]) -> None:
+        """:meth:`append_memory` for many requests at once: ``mems[i]`` (``(P_i, D)``, at max depth) joins
+        ``caches[i]``; the rows of every request go through each layer's key and value projections together."""
+        sizes = [m.shape[0] for m in mems]
+        dev, dtype = mems[0].device, mems[0].dtype
+        pos_M = torch.cat([torch.arange(c.length, c.length + p) for c, p in zip(caches, sizes)]).to(dev)
+        cos, sin = self.rope(pos_M[:, None], dtype)
+        mem_M1D = torch.cat(mems)[:, None]
+        for cache, p in zip(caches, sizes):
+            cache.reserve(cache.length + p)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.memory_kv(mem_M1D, self.config.max_depth, cos, sin)  # (M, Hk, 1, Dh)
+            first = 0
+            for cache, p in zip(caches, sizes):
+                cache.keys[i][0, :, cache.length:cache.length + p] = k[first:first + p, :, 0].transpose(0, 1)
+                cache.values[i][0, :, cache.length:cache.length + p] = v[first:first + p, :, 0].transpose(0, 1)
+                first += p
+        for cache, p in zip(caches, sizes):
+            cache.length += p
+
     def query(self, cache: "SpeculatorCache", trailing: list[tuple[int, torch.Tensor]],
               query_BD: torch.Tensor) -> torch.Tensor:
         """Query-stream output (B, D) for the newest position, attending cached rows plus trailing rows.
@@ -367,6 +387,64 @@ class Speculator(PreTrainedModel):
                 k_all = layer.expand_kv(torch.cat(ks, dim=2))
                 v_all = layer.expand_kv(torch.cat(vs, dim=2))
                 attn = F.scaled_dot_product_attention(q, k_all, v_all, scale=scale)
+                h_B1D = layer.finish(h_B1D, attn)
+        return h_B1D[:, 0]
+
+    def query_many(self, caches: list["SpeculatorCache"], trailing: list[list[tuple[int, torch.Tensor]]],
+                   queries: list[torch.Tensor]) -> torch.Tensor:
+        """:meth:`query` for many requests at once: request ``i`` has its own cache ``caches[i]``, trailing rows
+        ``trailing[i]`` (``(depth, g (L_i, D))``, oldest first) and ``L_i`` query rows ``queries[i]`` (the bottom
+        nodes of its tree). Returns every query row's output, ``(sum L_i, D)``, in request order.
+
+        One call for the batch: the keys of every query row (its request's cached rows, then its trailing rows)
+        are laid out in one padded tensor and attended under a length mask; the trailing rows of one depth are
+        projected together. The result equals :meth:`query` per request up to fp32 rounding (other shapes).
+        """
+        cfg = self.config
+        dev, dtype = queries[0].device, queries[0].dtype
+        sizes = [q.shape[0] for q in queries]
+        total, hk, dh = sum(sizes), cfg.num_key_value_heads, cfg.head_dim
+        lengths = [cache.length + len(rows) for cache, rows in zip(caches, trailing)]
+        row_request_B = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+        length_B = torch.tensor(lengths)[row_request_B]
+        width = max(lengths)
+        mask_B11K = (torch.arange(width)[None] < length_B[:, None]).to(dev)[:, None, None]
+        cos_q, sin_q = self.rope((length_B - 1)[:, None].to(dev), dtype)
+        # Trailing rows by depth: their features, and where their keys go (query row, key slot).
+        by_depth: dict[int, tuple[list, list, list]] = {}
+        first = 0
+        for cache, rows, size in zip(caches, trailing, sizes):
+            rows_B = torch.arange(first, first + size)
+            for j, (depth, g_LD) in enumerate(rows):
+                gs, bs, slots = by_depth.setdefault(depth, ([], [], []))
+                gs.append(g_LD)
+                bs.append(rows_B)
+                slots.append(torch.full((size,), cache.length + j))
+            first += size
+        groups = []
+        for depth, (gs, bs, slots) in by_depth.items():
+            slot_M = torch.cat(slots)
+            groups.append((depth, torch.cat(gs)[:, None], torch.cat(bs).to(dev), slot_M.to(dev),
+                           self.rope(slot_M[:, None].to(dev), dtype)))
+        scale = cfg.head_dim ** -0.5
+        h_B1D = torch.cat(queries)[:, None]
+        with decode_kernels(dev):
+            for i, layer in enumerate(self.layers):
+                q = layer.query_heads(h_B1D, cos_q, sin_q)
+                k_BHKD = h_B1D.new_zeros(total, hk, width, dh)
+                v_BHKD = h_B1D.new_zeros(total, hk, width, dh)
+                first = 0
+                for cache, size in zip(caches, sizes):
+                    c = cache.length
+                    k_BHKD[first:first + size, :, :c] = cache.keys[i][:, :, :c]
+                    v_BHKD[first:first + size, :, :c] = cache.values[i][:, :, :c]
+                    first += size
+                for depth, g_M1D, rows_M, slot_M, (cos, sin) in groups:
+                    k, v = layer.memory_kv(g_M1D, depth, cos, sin)
+                    k_BHKD[rows_M, :, slot_M] = k[:, :, 0]
+                    v_BHKD[rows_M, :, slot_M] = v[:, :, 0]
+                attn = F.scaled_dot_product_attention(q, layer.expand_kv(k_BHKD), layer.expand_kv(v_BHKD),
+                                                      attn_mask=mask_B11K, scale=scale)
                 h_B1D = layer.finish(h_B1D, attn)
         return h_B1D[:, 0]
 
