@@ -13,9 +13,9 @@ tree, width policy, sampling parameters and seed, and its own stage caches: a re
    newcomer's prompt. The work is started first; the running requests' proposers then make their next levels
    while the stages compute (on the distributed runtime they do so at the same time), all in one call where they
    share a head (:func:`spd.decoding.proposer.propose_many`: one batched query of the SPD head over every
-   request's path), and the outputs are collected after that. A prompt enters the pipeline ``prefill_chunk`` tokens per step and flows stage by stage like
-   the levels, so a newcomer never stalls the requests in flight for its whole prompt (chunked, pipelined
-   prefill); its first token comes when its last chunk leaves stage ``n``.
+   request's path), and the outputs are collected after that. A prompt enters the pipeline ``prefill_chunk``
+   tokens per step and flows stage by stage like the levels, so a newcomer never stalls the requests in flight
+   for its whole prompt (chunked, pipelined prefill); its first token comes when its last chunk leaves stage ``n``.
 3. Each running request verifies and prunes or flushes on its own (its rejection touches only its own region);
    the target's logits its verification reads come from one LM-head call for every request whose root level
    left stage ``n``.
