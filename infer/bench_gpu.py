@@ -328,7 +328,8 @@ def main(argv=None) -> int:
     print(f"target: {name}, {params / 1e9:.2f} B parameters, {args.dtype} on {device} "
           f"(loaded in {time.perf_counter() - start:.1f} s)", flush=True)
     results = {"target": args.target, "speculators": args.speculator, "prompt": args.prompt if prompt else None,
-               "size": None if prompt else args.size, "config": model.config.to_diff_dict() if prompt else SIZES[args.size],
+               "size": None if prompt else args.size,
+               "config": model.config.to_diff_dict() if prompt else SIZES[args.size],
                "parameters": params, "dtype": args.dtype,
                "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
                else platform.processor(), "torch": torch.__version__,
