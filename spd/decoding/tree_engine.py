@@ -156,6 +156,14 @@ def path_rows(tree: TokenTree, levels: list[Level]) -> list[torch.Tensor]:
     return [ancestors_LN[:, level.start:level.start + level.size].float().argmax(dim=1) for level in levels]
 
 
+def _features_apart(head: Speculator, depth: int, anchor_sets: list[dict[int, torch.Tensor]]) -> list[torch.Tensor]:
+    """``head.features(depth, anchors)`` of several sets of rows (``(P_i, D)`` per anchor) in one call, split back
+    into one ``(P_i, D)`` per set."""
+    sizes = [next(iter(anchors.values())).shape[0] for anchors in anchor_sets]
+    rows = {a: torch.cat([anchors[a] for anchors in anchor_sets]) for a in head.config.anchors[depth]}
+    return list(head.features(depth, rows).split(sizes))
+
+
 class SpdHeadSource:
     """Token source (b): a trained input-state SPD head with width W (the paper's W = 4).
 
@@ -227,21 +235,14 @@ class SpdHeadSource:
         cfg = head.config
         waiting = [item.source for item in items if item.source.pending]
         if waiting:  # the rows committed since each request's last query, all through the head at once
-            rows = [source._take_pending() for source in waiting]
-            sizes = [next(iter(anchors.values())).shape[0] for anchors in rows]
-            g = head.features(cfg.max_depth, {a: torch.cat([anchors[a] for anchors in rows])
-                                              for a in cfg.anchors[cfg.max_depth]})
-            head.append_memory_many([source.cache for source in waiting], list(g.split(sizes)))
+            rows = _features_apart(head, cfg.max_depth, [source._take_pending() for source in waiting])
+            head.append_memory_many([source.cache for source in waiting], rows)
         paths = [item.source._path(item.tree, item.context, item.levels) for item in items]
         by_depth: dict[int, list[dict[int, torch.Tensor]]] = {}
         for path, _ in paths:
             for depth, anchors in path:
                 by_depth.setdefault(depth, []).append(anchors)
-        features = {}
-        for depth, group in by_depth.items():
-            sizes = [next(iter(anchors.values())).shape[0] for anchors in group]
-            g = head.features(depth, {a: torch.cat([anchors[a] for anchors in group]) for a in cfg.anchors[depth]})
-            features[depth] = iter(g.split(sizes))
+        features = {depth: iter(_features_apart(head, depth, group)) for depth, group in by_depth.items()}
         trailing = [[(depth, next(features[depth])) for depth, _ in path] for path, _ in paths]
         queries = [rows[-1][1] if query is None else head.features(cfg.offset, query)
                    for rows, (_, query) in zip(trailing, paths)]
@@ -271,7 +272,7 @@ class SpdHeadSource:
         return path, {a: levels[-1].anchors[a] for a in cfg.anchors[cfg.offset]}
 
     def advanced(self, levels: list[Level], tree: TokenTree, committed: int) -> None:
-        """Nothing to do: the root's row joins the cache when it is committed (:meth:`commit_root`)."""
+        """Nothing to do: the root's row joins the cache after it is committed (:meth:`commit_root`)."""
 
     def commit_root(self, root: Level) -> None:
         """The root left stage n: its row at full depth joins the head's cache (it is committed either way), before
