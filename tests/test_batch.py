@@ -16,11 +16,12 @@ from spd.decoding.sampling import SamplingParams
 from spd.decoding.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
 from spd.errors import SpdInputError
 from spd.target.kv_pool import KVPool
+from spd.target.linear_state import StackedStates
 from spd.target.ragged import Segment, run_ragged
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, new_head
 from test_cli import tiny_heads  # noqa: F401  (a fixture)
-from test_engine import _chi_square_p_value, _sequence_probs
+from test_engine import _chi_square_p_value, _ScriptedProposer, _sequence_probs
 from test_tree_engine import _noisy_copy
 
 
@@ -185,6 +186,71 @@ def test_sliding_window_targets_batch_too():
                                    out.token_ids)
 
 
+class ScriptedBatch(BatchedPipeline):
+    """Each SPD request's proposals forced right or wrong by position against its own solo ``ar`` output (the
+    single-request ScriptedEngine of test_engine, one per request): hits, and flushes rolling back different numbers
+    of tokens."""
+
+    def __init__(self, engine, right, **kwargs):
+        super().__init__(engine, **kwargs)
+        self.right = right
+
+    def submit(self, input_ids, max_new_tokens=128, *args, **kwargs):
+        inner = self.engine.source
+        reference = generate_ar(self.staged, input_ids, max_new_tokens).token_ids
+        self.engine.source = _ScriptedProposer(inner, reference, len(input_ids), self.right, self.staged.vocab_size)
+        try:
+            return super().submit(input_ids, max_new_tokens, *args, **kwargs)
+        finally:
+            self.engine.source = inner
+
+
+class _SwappedStates(StackedStates):
+    """Negative control: the first two members' states trade places (a batch that mixes up its requests' states)."""
+
+    def __init__(self, members, counts):
+        if len(members) > 1 and counts[0] == counts[1]:
+            members = [members[1], members[0], *members[2:]]
+        super().__init__(members, counts)
+
+
+def _hybrid_batch(mode: str, n: int):
+    model = tiny_model("qwen3_5", seed=4, layers=4)
+    staged = StagedModel(model, n)
+    if mode == "tree":  # a noisy copy of the target drafts a W = 3 tree: prunes and misses
+        engine = TreeEngine(staged, DraftModelSource(StagedModel(_noisy_copy(model, 0.5), 1), staged, 2), 3)
+        return staged, engine, BatchedPipeline(engine, max_batch=6, kv_rows=2048, prefill_chunk=8)
+    torch.manual_seed(2)
+    engine = PipelineEngine(staged, new_head(staged, DistillConfig(n_stages=n)).eval())
+    return staged, engine, ScriptedBatch(engine, lambda pos: pos % 5 not in (0, 2), max_batch=6, kv_rows=2048,
+                                         prefill_chunk=8)
+
+
+@pytest.mark.parametrize("mode,n", [("spd", 4), ("tree", 2)])
+def test_hybrid_targets_batch_with_each_requests_own_linear_state(mode, n, monkeypatch):
+    """Qwen3.5 (linear-attention layers beside attention ones): 8 requests, at most 6 at once, each with its own
+    linear-attention state, read and written together where each request runs one token (or one tree depth) through
+    a linear layer; hits, prunes and flushes roll back only the request's own state. Greedy output equals each
+    request's solo ar up to near-ties; a batch of one is the single-request engine (sampled, seeded); a batch that
+    swaps two requests' states is caught."""
+    staged, engine, batched = _hybrid_batch(mode, n)
+    prompts = [_prompt(i) for i in range(8)]
+    outs = batched.generate(prompts, 20)
+    solo = [generate_ar(staged, p, 20).token_ids for p in prompts]
+    for prompt, want, out in zip(prompts, solo, outs):
+        differences_are_near_ties(staged, prompt, want, out.token_ids)
+    assert max(batched.batch_sizes) == 6
+    assert sum(o.stats.flushes for o in outs) > 20 and sum(o.stats.accepted for o in outs) > 20
+    one = BatchedPipeline(engine, max_batch=1, kv_rows=512)
+    for i in (0, 3):
+        sampling = SamplingParams(temperature=0.8, seed=3)
+        alone, out = engine.run(prompts[i], 20, sampling), one.generate([prompts[i]], 20, sampling)[0]
+        assert out.token_ids == alone.token_ids and out.stats.steps == alone.stats.steps
+    monkeypatch.setattr("spd.target.ragged.StackedStates", _SwappedStates)
+    _, _, swapped = _hybrid_batch(mode, n)
+    assert [o.token_ids for o in swapped.generate(prompts, 20)] != solo
+
+
 def test_the_ragged_stage_call_is_each_request_alone(target_model):
     """One segment: exactly the stage call; several (prompt chunks and tree levels mixed): equal to each alone up
     to rounding, and each request's rows hold its own keys."""
@@ -272,9 +338,6 @@ def test_bad_settings_and_requests_are_refused_in_one_line(target_model):
         with pytest.raises(SpdInputError, match=match):
             batched.submit(*args, **kwargs)
     assert not batched.busy
-    hybrid = StagedModel(tiny_model("qwen3_5", layers=4), 2)
-    with pytest.raises(SpdInputError, match="hybrid"):
-        BatchedPipeline(PipelineEngine(hybrid), max_batch=2)
 
 
 # --------------------------------------------------------------------------------------- the benchmark

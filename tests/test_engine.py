@@ -1,6 +1,7 @@
 """The pipelined engine: lossless greedy decoding, flush/rollback corner cases, the head fed the right depths,
 and lossless sampling (a chi-square test against the target's exact distribution)."""
 
+import copy
 
 import pytest
 import torch
@@ -46,6 +47,9 @@ class _ScriptedProposer:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+    def __copy__(self):  # a request's own copy (the batched pipeline's): its own inner proposer state too
+        return _ScriptedProposer(copy.copy(self.inner), self.reference, self.prompt_len, self.right, self.vocab_size)
 
     def expand(self, tree, context, levels):
         logprobs_LX = self.inner.expand(tree, context, levels)

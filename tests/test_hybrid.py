@@ -1,14 +1,16 @@
 """Hybrid targets (linear-attention + full-attention layers: Qwen3.5, Qwen3-Next) in every pipelined path:
 staging equals the full forward, the linear state rolls back exactly, ar/pp/spd equal ``model.generate``,
-sampling follows the target's distribution, tree mode is refused with one clear line."""
+sampling follows the target's distribution, token trees carry per-node states, the distributed runtime (one request at
+a time and batched) equals the single process. The in-process batched pipeline on hybrid targets: tests/test_batch.py."""
 
 import pytest
 import torch
 
 from conftest import tiny_model, tiny_multimodal
 from spd.training.distill import DistillConfig, new_head
+from spd.decoding.batch import BatchedPipeline
 from spd.decoding.engine import PipelineEngine
-from spd.decoding.generation import generate_ar
+from spd.decoding.generation import default_eos, generate_ar
 from spd.target.linear_state import LinearStateRing
 from spd.decoding.sampling import SamplingParams
 from spd.target.staging import StagedModel
@@ -334,9 +336,11 @@ def hybrid_target(tiny_testbed, tmp_path_factory):
     return out
 
 
-def check_distributed_equals_single_process(target, tmp_path, temperature: float = 0.0, early: bool = False) -> None:
+def check_distributed_equals_single_process(target, tmp_path, temperature: float = 0.0, early: bool = False,
+                                           max_batch: int = 0) -> None:
     """Stage processes (torchrun, n = 4) give the single-process engines' tokens in spd, pp and a W = 2 tree with a
-    random head on ``target`` (many flushes: each rolls every stage back)."""
+    random head on ``target`` (many flushes: each rolls every stage back). ``max_batch``: the prompts as requests of
+    the batched pipeline (``--max-batch``), equal to the in-process batched pipeline's."""
     import json
 
     from spd.heads.loading import load_speculator
@@ -353,26 +357,38 @@ def check_distributed_equals_single_process(target, tmp_path, temperature: float
     proc = _torchrun(n, "--target", str(target), "--speculator", str(tmp_path / "head"), "--mode", "spd", "pp",
                      "tree", "--tree-width", "2", "--tree-children", "2",
                      "--prompts", str(prompts), "--max-new-tokens", "20", "--temperature", str(temperature),
-                     "--top-k", "20", "--seed", "5", "--out", str(out), *(["--early-launch"] if early else []))
+                     "--top-k", "20", "--seed", "5", "--out", str(out), *(["--early-launch"] if early else []),
+                     *(["--max-batch", str(max_batch)] if max_batch else []))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not max_batch or f"largest batch {max_batch}" in proc.stderr
     report = json.loads(out.read_text())
     tok = load_tokenizer(target)
     head = load_speculator(tmp_path / "head")
     engine = PipelineEngine(staged, head, tok)
     tree = TreeEngine(staged, SpdHeadSource(head, staged, 2), 2, tok)
+    torch.set_num_threads(1)  # as each stage process
     for mode, eng in (("spd", engine), ("pp", engine), ("tree", tree)):
-        want = [eng.generate(tok(p)["input_ids"], 20, mode=mode, temperature=temperature, top_k=20,
-                             seed=5 + i).token_ids for i, p in enumerate(PROMPTS)]
+        ids = [tok(p)["input_ids"] for p in PROMPTS]
+        if max_batch:
+            sampling = [SamplingParams(temperature, 20, 1.0, 5 + i) for i in range(len(ids))]
+            want = [o.token_ids for o in BatchedPipeline(eng, max_batch).generate(ids, 20, sampling,
+                                                                                  default_eos(staged.model, tok),
+                                                                                  mode=mode)]
+        else:
+            want = [eng.generate(p, 20, mode=mode, temperature=temperature, top_k=20, seed=5 + i).token_ids
+                    for i, p in enumerate(ids)]
         assert [r["token_ids"] for r in report["results"][mode]] == want, mode
     assert sum(r["stats"]["flushes"] for r in report["results"]["spd"]) > 5
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("temperature,early", [(0.0, False), (1.0, True)])
-def test_distributed_runtime_on_a_hybrid_target_equals_single_process(hybrid_target, tmp_path, temperature, early):
+@pytest.mark.parametrize("temperature,early,max_batch", [(0.0, False, 0), (1.0, True, 0), (1.0, False, 3)])
+def test_distributed_runtime_on_a_hybrid_target_equals_single_process(hybrid_target, tmp_path, temperature, early,
+                                                                      max_batch):
     """Stage processes keep their linear-state rings and the tree's per-node states; flushes roll them back exactly,
-    prunes keep the surviving nodes' states."""
-    check_distributed_equals_single_process(hybrid_target, tmp_path, temperature, early)
+    prunes keep the surviving nodes' states. Batched (``--max-batch 3``): each stage keeps every request's own state
+    beside the KV pool, and the ragged batches give the in-process batched pipeline's tokens."""
+    check_distributed_equals_single_process(hybrid_target, tmp_path, temperature, early, max_batch)
 
 
 @pytest.mark.slow

@@ -37,8 +37,9 @@ The stages run in this process (:class:`LocalBatch`: the pool and :func:`~spd.ta
 engine's stages are the distributed runtime's, on the stage ranks (:class:`spd.runtime.batch.RemoteBatch`: the same
 ragged calls, carried stage to stage); this driver is the same for both.
 
-Not batched yet: hybrid targets (their recurrent state is per request: refused with one line), and the
-proposers other than the SPD head (the authors' heads, draft models, output-state heads: each request's is asked
+On hybrid targets each request's stage caches carry its own linear-attention state beside its region, and a ragged
+call runs the linear-attention layers over the requests' stacked states (:mod:`spd.target.ragged`). Not batched yet:
+the proposers other than the SPD head (the authors' heads, draft models, output-state heads: each request's is asked
 on its own, one after another).
 """
 

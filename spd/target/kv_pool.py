@@ -14,6 +14,11 @@ In the distributed runtime (:mod:`spd.runtime.batch`) each stage rank holds the 
 (``ledger=True``), so that the step loop's bookkeeping (lengths, flush, prune) runs on rank 0 unchanged while the
 rows themselves live on the stages.
 
+On a hybrid target (docs/method.md, "Hybrid targets") the pool holds the attention layers' rows only; each request's stage cache
+carries its own linear-attention state beside them (:class:`~spd.target.linear_state.LinearStateRing`: a fixed size
+per request, so ``max_batch`` bounds it), which a ragged call reads and writes for each request
+(:func:`spd.target.ragged.run_ragged`), and which rolls back with the request's flushes like a single request's.
+
 Shape suffixes: L a stage's attention layers, Hk KV heads, C pool rows, Dh head dimension.
 """
 
@@ -24,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SpdInputError
-from .staging import StageKVCache, StagedModel
+from .linear_state import LinearStateRing
+from .staging import LINEAR_LAYER_TYPE, StageKVCache, StagedModel
 
 
 @dataclass(frozen=True)
@@ -43,13 +49,12 @@ class KVPool:
 
     def __init__(self, staged: StagedModel, rows: int, stages: list[int] | None = None, ledger: bool = False,
                  dtype: torch.dtype | None = None, device: torch.device | None = None):
-        if staged.is_hybrid:
-            raise SpdInputError("batched decoding does not run hybrid (linear-attention) targets yet: their "
-                                "recurrent state is per request; serve them one request at a time (--max-batch 1)")
         if not isinstance(rows, int) or rows < 1:
             raise SpdInputError(f"the KV pool needs a positive number of rows, got {rows!r}")
-        self.staged, self.rows = staged, rows
-        self.layer_ids = [list(staged.stage_layers(s)) for s in range(staged.n_stages)]
+        self.staged, self.rows, self.ledger = staged, rows, ledger
+        self.layer_ids = [_attention_layers(staged, s) for s in range(staged.n_stages)]
+        self.linear_ids = [[l for l in staged.stage_layers(s) if staged.layer_types[l] == LINEAR_LAYER_TYPE]
+                           for s in range(staged.n_stages)]
         self.stages = list(range(staged.n_stages)) if stages is None else list(stages)
         self.keys_LBHkCDh: dict[int, torch.Tensor] = {}
         self.values_LBHkCDh: dict[int, torch.Tensor] = {}
@@ -65,7 +70,8 @@ class KVPool:
     def row_bytes(staged: StagedModel) -> int:
         """Bytes one row takes over every stage (keys and values of every layer, and its position)."""
         element = torch.empty((), dtype=staged.dtype).element_size()
-        return staged.num_layers * 2 * staged.kv_heads * staged.head_dim * element + staged.n_stages * 8
+        attention = sum(len(_attention_layers(staged, s)) for s in range(staged.n_stages))
+        return attention * 2 * staged.kv_heads * staged.head_dim * element + staged.n_stages * 8
 
     @property
     def free_rows(self) -> int:
@@ -98,6 +104,16 @@ class KVPool:
     def cache(self, stage: int, region: Region) -> StageKVCache:
         """An empty cache of ``stage`` over ``region``'s rows (views of the pool's buffers)."""
         end = region.start + region.rows
-        return StageKVCache.over(self.layer_ids[stage], self.keys_LBHkCDh[stage][:, :, :, region.start:end],
-                                 self.values_LBHkCDh[stage][:, :, :, region.start:end],
-                                 self.positions_C[stage][region.start:end], base=region.start)
+        cache = StageKVCache.over(self.layer_ids[stage], self.keys_LBHkCDh[stage][:, :, :, region.start:end],
+                                  self.values_LBHkCDh[stage][:, :, :, region.start:end],
+                                  self.positions_C[stage][region.start:end], base=region.start)
+        if self.linear_ids[stage] and not self.ledger:  # a hybrid target: the request's own linear-attention state
+            # (a stage holds at most n + 1 tokens past the committed prefix: n - 1 in flight, a level run ahead of its
+            # verification, as on the distributed runtime's stages)
+            cache.linear = LinearStateRing(self.linear_ids[stage], self.staged.n_stages + 2)
+        return cache
+
+
+def _attention_layers(staged: StagedModel, stage: int) -> list[int]:
+    """The layers of ``stage`` that keep keys and values (a hybrid target's linear-attention layers keep a state)."""
+    return [l for l in staged.stage_layers(stage) if staged.layer_types[l] != LINEAR_LAYER_TYPE]

@@ -274,3 +274,43 @@ class LinearStateRing:
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
+
+
+class StackedStates:
+    """The linear-attention states of several stage caches (one per request of a ragged call, :mod:`spd.target.ragged`)
+    as one batch, for a layer call in which each member runs one-token sequences from its own states: a chain's next
+    token (``count`` 1), or the nodes of one depth of a tree (``count`` nodes; :meth:`LinearStateRing.select_nodes`
+    done). The layer sees the members' states stacked along the batch; its new states go back to each member's ring,
+    exactly where the member's own call would have put them. Every member must hold a committed prefix (a first
+    token runs on its own: its layer call takes the multi-token path)."""
+
+    def __init__(self, members: list, counts: list[int]):
+        self.members, self.counts = members, counts
+        self._conv: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # layer -> (stacked, members' tensors)
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        parts = [member.get_conv_state(layer_idx) for member in self.members]
+        if any(part is None for part in parts):
+            raise RuntimeError("a stacked linear-attention call needs every member's committed state")
+        stacked = torch.cat(parts)  # the one-token kernel updates it in place; copied back in update_recurrent_state
+        self._conv[layer_idx] = (stacked, parts)
+        return stacked
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return torch.cat([member.get_recurrent_state(layer_idx) for member in self.members])
+
+    def update_conv_state(self, *args, **kwargs):
+        raise RuntimeError("a stacked linear-attention call runs one token per sequence")
+
+    def update_recurrent_state(self, state_BHDkDv: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> torch.Tensor:
+        stacked, parts = self._conv.pop(layer_idx)
+        offset = 0
+        for member, part, count in zip(self.members, parts, self.counts):
+            part.copy_(stacked[offset:offset + count])  # the member's conv state after the token, where it reads it
+            member.update_recurrent_state(state_BHDkDv[offset:offset + count], layer_idx)
+            offset += count
+        return state_BHDkDv
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False

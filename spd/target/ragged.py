@@ -6,7 +6,10 @@ sequence, so every matrix product of the stage (projections, MLP) runs once for 
 the keys of every request from the shared :class:`~spd.target.kv_pool.KVPool` buffer in one call, under a mask
 that lets each token see exactly what it would see in its own request's stage call: its request's rows (the
 committed prefix, and of the tree only its ancestors, or causally the chunk's earlier tokens), never another
-request's. New keys and values are written straight into each request's region.
+request's. New keys and values are written straight into each request's region. On a hybrid target a
+linear-attention layer reads and writes each request's own state: the segments whose tokens are one-token sequences
+(a chain's next token, one tree depth) as one batch over their stacked states, the others (a prompt chunk, a first
+token, a level of several depths) each on its own (:func:`_linear_layer`).
 
 Shape suffixes: S packed tokens (every segment's), T one segment's tokens, N a segment's tree nodes, W the pool
 rows the batch spans, D hidden size, Hk KV heads, Dh head dimension.
@@ -20,8 +23,10 @@ import torch
 
 from ..errors import SpdInputError
 from .kv_pool import KVPool
+from .linear_state import StackedStates
 from .sdpa import decode_kernels
-from .staging import StageKVCache, StageOutput, _backend_mask, attention_mask, cache_keyword, tree_attention_mask
+from .staging import (LINEAR_LAYER_TYPE, StageKVCache, StageOutput, _backend_mask, attention_mask, cache_keyword,
+                      node_groups, run_linear_layer, tree_attention_mask)
 
 
 @dataclass
@@ -119,8 +124,19 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
     wanted = {a for seg in segments for a in seg.anchors}
     collected = {first: hidden_1SD} if first in wanted else {}
     masks: dict[int | None, torch.Tensor] = {}
+    # Linear-attention layers (hybrid targets): each segment's tokens from its own request's state.
+    groups = [node_groups(seg.tree_mask_TN) if seg.tree_mask_TN is not None and seg.cache.linear is not None
+              else None for seg in segments]
+    for seg, nodes in zip(segments, groups):
+        seg.cache.begin(seg.size, first_node=None if nodes is None else nodes[0][0])
     with decode_kernels(device):
         for layer in range(first, last):
+            if staged.layer_types[layer] == LINEAR_LAYER_TYPE:
+                hidden_1SD = _linear_layer(staged.layers[layer], hidden_1SD, segments, groups, position_ids_1S,
+                                           position_embeddings)
+                if layer + 1 in wanted:
+                    collected[layer + 1] = hidden_1SD
+                continue
             window = staged.windows[layer]
             if window not in masks:
                 masks[window] = _mask(segments, allowed_SW, q_pos_S, key_pos_W, window, staged.attn_impl,
@@ -136,6 +152,43 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
     for seg in segments:
         end = offset + seg.size
         outputs.append(StageOutput(hidden_1SD[:, offset:end], {a: collected[a][:, offset:end] for a in seg.anchors}))
-        seg.cache.advance(seg.size)
         offset = end
+    for seg, nodes in zip(segments, groups):
+        seg.cache.advance(seg.size, tree=nodes is not None)
     return outputs
+
+
+def _linear_layer(layer, hidden_1SD: torch.Tensor, segments: list[Segment], groups: list, position_ids_1S: torch.Tensor,
+                  position_embeddings) -> torch.Tensor:
+    """A linear-attention layer over the packed tokens, each segment from its own request's state. The segments whose
+    tokens are one-token sequences (a chain's next token, the nodes of one tree depth) run as one batch over their
+    stacked states (:class:`~spd.target.linear_state.StackedStates`); a prompt chunk, a first token or a tree level
+    of several depths runs on its own, as its request's stage call would run it. A lone segment is exactly that
+    stage call."""
+    if len(segments) == 1:
+        return run_linear_layer(layer, hidden_1SD, segments[0].cache, groups[0], position_ids_1S, position_embeddings)
+    out_1SD = torch.empty_like(hidden_1SD)
+    stacked, counts, rows, offset = [], [], [], 0
+    for seg, nodes in zip(segments, groups):
+        end = offset + seg.size
+        one_token_each = (nodes is None and seg.size == 1 and seg.cache.linear.length > 0) or \
+            (nodes is not None and len(nodes) == 1)
+        if one_token_each:
+            if nodes is not None:
+                seg.cache.linear.select_nodes(*nodes[0])
+            stacked.append(seg.cache)
+            counts.append(seg.size)
+            rows.append(torch.arange(offset, end, device=hidden_1SD.device))
+        else:
+            cos, sin = position_embeddings
+            out_1SD[:, offset:end] = run_linear_layer(layer, hidden_1SD[:, offset:end], seg.cache, nodes,
+                                                      position_ids_1S[:, offset:end],
+                                                      (cos[:, offset:end], sin[:, offset:end]))
+        offset = end
+    if stacked:
+        rows_B = torch.cat(rows)
+        tokens_B1D = hidden_1SD[0, rows_B, None]
+        out_1SD[0, rows_B] = layer(tokens_B1D, attention_mask=None, use_cache=True,
+                                   position_embeddings=position_embeddings,
+                                   **{cache_keyword(layer): StackedStates(stacked, counts)})[:, 0]
+    return out_1SD

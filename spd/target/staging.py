@@ -34,8 +34,8 @@ from ..paths import check_model_source
 # Decoder-layer kinds the staging wrapper runs: attention with a KV cache, and linear attention (Gated
 # DeltaNet, hybrid models such as Qwen3.5 / Qwen3-Next) with a conv + recurrent state (spd.target.linear_state).
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
-_LINEAR_LAYER_TYPE = "linear_attention"
-_SUPPORTED_LAYER_TYPES = (*_ATTENTION_LAYER_TYPES, _LINEAR_LAYER_TYPE)
+LINEAR_LAYER_TYPE = "linear_attention"
+_SUPPORTED_LAYER_TYPES = (*_ATTENTION_LAYER_TYPES, LINEAR_LAYER_TYPE)
 # Attention backends whose mask format the wrapper builds; other backends are switched to sdpa.
 _MASK_FORMATS = ("sdpa", "eager")
 
@@ -257,6 +257,25 @@ def node_groups(tree_mask_TN: torch.Tensor) -> list[tuple[int, int, torch.Tensor
     return groups
 
 
+def run_linear_layer(layer: nn.Module, hidden_BTD: torch.Tensor, cache: "StageKVCache",
+                     groups: list[tuple[int, int, torch.Tensor]] | None, position_ids_BT: torch.Tensor | None,
+                     position_embeddings) -> torch.Tensor:
+    """One linear-attention decoder layer on a stage call's ``T`` tokens, from and into ``cache``'s state: a chain of
+    tokens (``groups`` None) as one sequence, tree nodes (:func:`node_groups`) depth by depth as a batch of one-token
+    sequences, each from its parent's state. A recurrent layer takes no attention mask (there is no padding)."""
+    kw = {cache_keyword(layer): cache}
+    if groups is None:
+        return layer(hidden_BTD, attention_mask=None, position_ids=position_ids_BT, use_cache=True,
+                     position_embeddings=position_embeddings, **kw)
+    parts, offset = [], groups[0][0]
+    for node_first, node_end, parents_T in groups:
+        cache.linear.select_nodes(node_first, node_end, parents_T)
+        nodes_T1D = hidden_BTD[0, node_first - offset:node_end - offset, None]
+        parts.append(layer(nodes_T1D, attention_mask=None, use_cache=True, position_embeddings=position_embeddings,
+                           **kw)[:, 0])
+    return torch.cat(parts)[None]
+
+
 def cache_keyword(layer: nn.Module) -> str:
     """The keyword a Hugging Face decoder layer takes its cache by: ``cache`` where its forward names it so
     (transformers 5.24, where ``past_key_values`` still works with a warning until 5.40), else
@@ -433,7 +452,7 @@ class StagedModel(TargetShape, nn.Module):
     @property
     def is_hybrid(self) -> bool:
         """Whether some decoder layers are linear attention (their state is rolled back from a ring)."""
-        return _LINEAR_LAYER_TYPE in self.layer_types
+        return LINEAR_LAYER_TYPE in self.layer_types
 
     def stage_layers(self, stage: int) -> range:
         """Indices of the decoder layers owned by ``stage`` (0-based)."""
@@ -452,8 +471,8 @@ class StagedModel(TargetShape, nn.Module):
         """An empty cache for ``stage``'s layers (the distributed runtime builds only its own, with the dtype and
         device of its layers)."""
         layers = self.stage_layers(stage)
-        attention = [l for l in layers if self.layer_types[l] != _LINEAR_LAYER_TYPE]
-        linear = [l for l in layers if self.layer_types[l] == _LINEAR_LAYER_TYPE]
+        attention = [l for l in layers if self.layer_types[l] != LINEAR_LAYER_TYPE]
+        linear = [l for l in layers if self.layer_types[l] == LINEAR_LAYER_TYPE]
         ring = LinearStateRing(linear, ring_depth or self.n_stages + 1) if linear else None
         return StageKVCache(attention, self.kv_heads, self.head_dim, batch_size, capacity, dtype or self.dtype,
                             device or self.device, linear=ring)
@@ -537,20 +556,9 @@ class StagedModel(TargetShape, nn.Module):
         cache.begin(t, first_node=None if groups is None else groups[0][0])
         for layer in range(first, last):
             window = self.windows[layer]
-            if self.layer_types[layer] == _LINEAR_LAYER_TYPE:
-                # A recurrent layer reads its own state; it takes no attention mask (no padding here).
-                kw = {cache_keyword(self.layers[layer]): cache}
-                if groups is None:
-                    hidden_BTD = self.layers[layer](hidden_BTD, attention_mask=None, position_ids=position_ids_BT,
-                                                    use_cache=True, position_embeddings=position_embeddings, **kw)
-                else:  # each depth's nodes as a batch of one-token sequences, from their parents' states
-                    parts, offset = [], groups[0][0]
-                    for node_first, node_end, parents_T in groups:
-                        cache.linear.select_nodes(node_first, node_end, parents_T)
-                        nodes_T1D = hidden_BTD[0, node_first - offset:node_end - offset, None]
-                        parts.append(self.layers[layer](nodes_T1D, attention_mask=None, use_cache=True,
-                                                        position_embeddings=position_embeddings, **kw)[:, 0])
-                    hidden_BTD = torch.cat(parts)[None]
+            if self.layer_types[layer] == LINEAR_LAYER_TYPE:
+                hidden_BTD = run_linear_layer(self.layers[layer], hidden_BTD, cache, groups, position_ids_BT,
+                                              position_embeddings)
                 if layer + 1 in anchors:
                     out.anchors[layer + 1] = hidden_BTD
                 continue
@@ -612,7 +620,7 @@ class StagedModel(TargetShape, nn.Module):
         out = {0: hidden_BND} if 0 in anchors else {}
         for layer in range(max(anchors)):
             window = self.windows[layer]
-            if self.layer_types[layer] == _LINEAR_LAYER_TYPE:
+            if self.layer_types[layer] == LINEAR_LAYER_TYPE:
                 # Right padding never reaches earlier positions of a causal recurrence: no mask needed.
                 hidden_BND = self.layers[layer](hidden_BND, attention_mask=None, position_ids=position_ids_BN,
                                                 position_embeddings=rope)
