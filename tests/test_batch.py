@@ -175,6 +175,38 @@ def test_the_head_and_the_lm_head_answer_every_request_in_one_call(target_model,
                                    outs[i].token_ids)
 
 
+def test_a_draft_model_proposes_for_every_request_in_one_call(target_model, monkeypatch):
+    """Tree mode with a draft model: each request's draft cache is a region of one pool, and the draft runs for every
+    running request in one ragged call per step. Every joint answer equals the draft's own full forward over the
+    request's committed tokens and each bottom node's path (an independent reference), greedy and sampled requests
+    mixed; greedy output equals solo ar up to near-ties."""
+    engine = _tree_engine(target_model, n=4, width=4)
+    draft = engine.source.draft
+    joint, checked = [], []
+    original = DraftModelSource.expand_many
+
+    def checked_expand_many(items):
+        answers = original(items)
+        joint.append(len(items))
+        for item, answer_LX in list(zip(items, answers))[:2]:  # two requests of every joint call
+            mask_NN, bottom = item.tree.mask(), item.tree.bottom_level()
+            for row, node in enumerate(bottom.tolist()):
+                ids = item.context + item.tree.tokens_N[mask_NN[node]].tolist()
+                want_X = torch.log_softmax(draft.model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+                checked.append(float((answer_LX[row] - want_X[:answer_LX.shape[1]]).abs().max()))
+        return answers
+
+    monkeypatch.setattr(DraftModelSource, "expand_many", staticmethod(checked_expand_many))
+    batched = BatchedPipeline(engine, max_batch=6, kv_rows=2048, prefill_chunk=8)
+    settings = [SamplingParams(temperature=(0.0, 0.9)[i % 2], seed=i) for i in range(8)]
+    outs = batched.generate([_prompt(i) for i in range(8)], 18, settings)
+    assert len(joint) > 5 and max(joint) == 6 and len(checked) > 50
+    assert max(checked) < 1e-4
+    for i in range(0, 8, 2):
+        differences_are_near_ties(engine.staged, _prompt(i), generate_ar(engine.staged, _prompt(i), 18).token_ids,
+                                  outs[i].token_ids)
+
+
 def test_sliding_window_targets_batch_too():
     """Mistral with a window shorter than the prompts: the ragged mask applies each request's window."""
     model = tiny_model("mistral", seed=2, layers=4, sliding_window=8)

@@ -394,7 +394,9 @@ def test_distributed_runtime_on_a_hybrid_target_equals_single_process(hybrid_tar
 @pytest.mark.slow
 def test_distributed_draft_tree_on_a_hybrid_target_prunes_the_node_states(hybrid_target, tmp_path):
     """The target as its own draft model (W = 3): every step a hit, so every stage prunes its per-node states; with
-    a noisy copy also misses. Both equal the single-process tree engine."""
+    a noisy copy also misses, and the prompts as requests of the batched pipeline (``--max-batch 3``: the draft
+    proposes for every request in one call, each stage keeps every request's own state). Each equals the same
+    engine in one process."""
     import json
 
     from spd.target.staging import load_tokenizer
@@ -408,16 +410,24 @@ def test_distributed_draft_tree_on_a_hybrid_target_prunes_the_node_states(hybrid
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     tok = load_tokenizer(hybrid_target)
     staged = StagedModel.from_pretrained(hybrid_target, n_stages=n)
+    torch.set_num_threads(1)  # as each stage process
     for draft, hits_only in ((hybrid_target, True), (tmp_path / "noisy", False)):
         out = tmp_path / "out.json"
+        batch = [] if hits_only else ["--max-batch", "3"]
         proc = _torchrun(n, "--target", str(hybrid_target), "--draft-model", str(draft), "--mode", "tree",
                          "--tree-width", "3", "--tree-children", "2", "--prompts", str(prompts),
-                         "--max-new-tokens", "20", "--out", str(out))
+                         "--max-new-tokens", "20", "--out", str(out), *batch)
         assert proc.returncode == 0, proc.stderr[-3000:]
         results = json.loads(out.read_text())["results"]["tree"]
         engine = TreeEngine(staged, DraftModelSource(StagedModel.from_pretrained(draft, n_stages=1), staged, 2), 3, tok)
-        assert [r["token_ids"] for r in results] == [engine.generate(tok(p)["input_ids"], 20).token_ids
-                                                     for p in PROMPTS]
+        ids = [tok(p)["input_ids"] for p in PROMPTS]
+        if hits_only:
+            want = [engine.generate(p, 20).token_ids for p in ids]
+        else:
+            assert "largest batch 3" in proc.stderr
+            want = [o.token_ids for o in BatchedPipeline(engine, 3).generate(ids, 20, eos_token_id=default_eos(
+                staged.model, tok), mode="tree")]
+        assert [r["token_ids"] for r in results] == want
         flushes, accepted = sum(r["stats"]["flushes"] for r in results), sum(r["stats"]["accepted"] for r in results)
         assert accepted > 30 and (flushes == 0) == hits_only, (accepted, flushes)
 

@@ -38,9 +38,10 @@ engine's stages are the distributed runtime's, on the stage ranks (:class:`spd.r
 ragged calls, carried stage to stage); this driver is the same for both.
 
 On hybrid targets each request's stage caches carry its own linear-attention state beside its region, and a ragged
-call runs the linear-attention layers over the requests' stacked states (:mod:`spd.target.ragged`). Not batched yet:
-the proposers other than the SPD head (the authors' heads, draft models, output-state heads: each request's is asked
-on its own, one after another).
+call runs the linear-attention layers over the requests' stacked states (:mod:`spd.target.ragged`). A draft model
+proposes for every request in one ragged call too: its KV lives in a pool of its own, each request at the same rows
+as in the target's pool. Not batched yet: the authors' heads and our output-state and PPSD heads (each request's is
+asked on its own, one after another).
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class BatchRequest:
         self.state = "queued"
         self.work: Prefill | Advance | None = None
         self.region: Region | None = None
+        self.source = None  # its own copy of the engine's proposer (None: the standard pipeline)
         self.output: GenerationOutput | None = None
         self.error: BaseException | None = None
         self.cancelled = False
@@ -158,6 +160,7 @@ class BatchedPipeline:
         self.backend = (LocalBatch(self.staged, rows) if isinstance(engine.stages, LocalStages)
                         else engine.stages.batch_backend(rows))
         self.pool = self.backend.pool
+        self.proposer_pool = None  # a draft model's KV pool: each request's region at the same rows as in self.pool
         self.queue: deque[BatchRequest] = deque()
         self.active: list[BatchRequest] = []
         self.steps = 0  # pipeline steps run
@@ -185,9 +188,9 @@ class BatchedPipeline:
             return stop or request.cancelled
 
         # Each request has its own proposer state and width policy (the head's weights are shared).
-        steps = self.loop.steps(copy.copy(source) if source is not None else None, input_ids, max_new_tokens,
-                                sampling, eos_token_id, tokens, stats, stages=stages,
-                                policy=copy.deepcopy(self.loop.policy))
+        request.source = copy.copy(source) if source is not None else None
+        steps = self.loop.steps(request.source, input_ids, max_new_tokens, sampling, eos_token_id, tokens, stats,
+                                stages=stages, policy=copy.deepcopy(self.loop.policy))
         request.steps = steps
         request.work = next(steps)  # validates the request and asks for its prefill
         if request.work.capacity > self.pool.rows:
@@ -272,6 +275,10 @@ class BatchedPipeline:
             self.queue.popleft()
             request.region = region
             request.stages.caches = self.backend.open(region)
+            if hasattr(request.source, "use_pool"):  # a draft model: its KV in the same rows of a pool of its own
+                if self.proposer_pool is None:
+                    self.proposer_pool = request.source.new_pool(self.pool.rows)
+                request.source.use_pool(self.proposer_pool, region)
             request.prefill_stage_anchors = anchors_by_stage(self.staged.boundaries, request.work.anchors)
             request.state = "prefill"
             self.active.append(request)

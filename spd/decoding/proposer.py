@@ -11,7 +11,9 @@ drafting (:mod:`spd.decoding.sd`) drives the draft model and the serial head thr
 a chain while the target is idle, then commits the rows the target kept (``commit_root``) and resets.
 
 A batched driver asks the proposers of many requests at once (:func:`propose_many`): sources whose class has
-``expand_many`` (:class:`~spd.decoding.tree_engine.SpdHeadSource`) and share one head are asked in one call.
+``expand_many`` and whose ``batch_key()`` is the same are asked in one call (:class:`~spd.decoding.tree_engine.SpdHeadSource`:
+one head; :class:`~spd.decoding.tree_engine.DraftModelSource`: one draft model whose requests' caches share a pool,
+which the batched driver gives each request with ``use_pool`` when it admits it, from the source's ``new_pool``).
 
 Shape suffixes: L nodes of the tree's bottom level, X the proposer's outputs (the target's vocabulary, or a
 draft vocabulary that ``ids`` maps to target ids).
@@ -69,13 +71,13 @@ class Proposer(Protocol):
 
 def propose_many(items: list) -> list[torch.Tensor]:
     """The answers to many requests' proposer queries (:class:`spd.decoding.loop.Propose`), in their order: the
-    sources that can be asked together (a class with ``expand_many``, one head) in one call per group; the
-    others, and a group of one, each alone (so a batch of one asks exactly as a single request does)."""
+    sources that can be asked together (a class with ``expand_many``, the same ``batch_key()``) in one call per
+    group; the others, and a group of one, each alone (so a batch of one asks exactly as a single request does)."""
     answers: list[torch.Tensor | None] = [None] * len(items)
     groups: dict[tuple, list[int]] = {}
     for i, item in enumerate(items):
-        together = getattr(type(item.source), "expand_many", None) is not None
-        groups.setdefault((type(item.source), id(item.source.head)) if together else (None, i), []).append(i)
+        key = item.source.batch_key() if getattr(type(item.source), "expand_many", None) is not None else None
+        groups.setdefault((type(item.source), key) if key is not None else (None, i), []).append(i)
     for (kind, _), indices in groups.items():
         if len(indices) == 1:
             answers[indices[0]] = items[indices[0]].answer()

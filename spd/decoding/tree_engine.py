@@ -34,6 +34,8 @@ from .stats import TreeStats
 from ..heads.draft_vocab import check_draft_vocab
 from ..heads.config import check_compatible
 from ..heads.speculator import Speculator
+from ..target.kv_pool import KVPool, Region
+from ..target.ragged import Segment, run_ragged
 from ..target.staging import StageKVCache, StagedModel, load_target_tokenizer
 from .tree import Level, TokenTree
 from .tree_width import AdaptiveWidth, FixedWidth, tree_width
@@ -86,6 +88,10 @@ class DraftModelSource:
     left shallow by a prune is expanded again without recomputation (its log-probabilities per node, N x V
     floats: at most ``n * W + 1`` rows). Committed tokens it never ran
     (a root committed before it was expanded) are run first, as a plain causal chunk.
+
+    In a batched pipeline (:mod:`spd.decoding.batch`) each request's copy keeps its draft cache in a region of one
+    pool (:meth:`new_pool`, :meth:`use_pool`), so that :meth:`expand_many` runs the draft for every request in one
+    ragged call (:func:`spd.target.ragged.run_ragged`) and one LM-head call.
     """
 
     needed_anchors: tuple[int, ...] = ()
@@ -102,32 +108,90 @@ class DraftModelSource:
         self.draft = draft
         self.children = min(children, self.vocab)
         self.cache: StageKVCache | None = None
+        self.pool: KVPool | None = None  # a batched pipeline's pool of draft KV, shared by its requests' copies
+        self.region: Region | None = None  # this request's rows of it
         self._empty()
 
     def _empty(self) -> None:
         # Log-probabilities after each tree node run so far (rows = tree indices 0..held-1).
         self.logprobs_NX = torch.zeros(0, self.vocab, device=self.draft.device)
 
+    def new_pool(self, rows: int) -> KVPool:
+        """A pool of ``rows`` rows of draft KV for a batched pipeline whose requests' regions span as many rows."""
+        return KVPool(self.draft, rows)
+
+    def use_pool(self, pool: KVPool, region: Region) -> None:
+        """This request's draft cache will be ``region`` of ``pool`` (before :meth:`start`)."""
+        self.pool, self.region = pool, region
+
+    def batch_key(self) -> int | None:
+        """Requests whose keys are equal are asked together (:func:`spd.decoding.proposer.propose_many`)."""
+        return None if self.pool is None else id(self.pool)
+
     def start(self, prompt_ids: list[int], anchors: dict[int, torch.Tensor], capacity: int) -> None:
         """Prefill the draft's cache with the prompt."""
-        self.cache = self.draft.new_caches(capacity=capacity)[0]
+        self.cache = (self.draft.new_caches(capacity=capacity)[0] if self.pool is None
+                      else self.pool.cache(0, self.region))
         self._empty()
         self.draft.forward_stages(torch.tensor([prompt_ids], device=self.draft.device), [self.cache])
 
     def expand(self, tree: TokenTree, context: list[int], levels: list[Level]) -> torch.Tensor:
         """The draft's log-probabilities after each bottom node, ``(L, X)``; ``context`` = committed tokens."""
-        draft, cache, committed = self.draft, self.cache, len(context)
-        if cache.length < committed:
-            ids_1T = torch.tensor([context[cache.length:]], device=draft.device)
-            draft.run_stage(0, draft.embed(ids_1T), cache)
-        held = cache.length - committed
-        if held < len(tree):
-            ids_1T = tree.tokens_N[held:][None].to(draft.device)
-            positions_1T = tree.positions(committed)[held:][None].to(draft.device)
-            out = draft.run_stage(0, draft.embed(ids_1T), cache, positions_1T, tree_mask_TN=tree.mask()[held:])
-            logprobs_TX = torch.log_softmax(draft.logits(out.hidden_BTD[0]).float()[:, :self.vocab], dim=-1)
-            self.logprobs_NX = torch.cat([self.logprobs_NX, logprobs_TX])
+        draft, cache = self.draft, self.cache
+        missed = self._missed(context)
+        if missed is not None:
+            draft.run_stage(0, missed.hidden_1TD, cache)
+        nodes = self._new_nodes(tree, len(context))
+        if nodes is not None:
+            out = draft.run_stage(0, nodes.hidden_1TD, cache, nodes.positions_T[None], tree_mask_TN=nodes.tree_mask_TN)
+            self._took(draft.logits(out.hidden_BTD[0]))
         return self.logprobs_NX[tree.bottom_level().to(self.logprobs_NX.device)]
+
+    @staticmethod
+    def expand_many(items) -> list[torch.Tensor]:
+        """:meth:`expand` for many requests whose draft caches share one pool (``items``: their
+        :class:`~spd.decoding.loop.Propose` work): one ragged call over the committed tokens some have not run,
+        one over every request's new tree nodes, one LM-head call. Each request's ``(L, X)``, equal to its own
+        :meth:`expand` up to fp32 rounding."""
+        first = items[0].source
+        draft, pool = first.draft, first.pool
+        missed = [m for m in (item.source._missed(item.context) for item in items) if m is not None]
+        if missed:
+            run_ragged(pool, 0, missed)
+        owners, segments = [], []
+        for item in items:
+            nodes = item.source._new_nodes(item.tree, len(item.context))
+            if nodes is not None:
+                owners.append(item.source)
+                segments.append(nodes)
+        if segments:
+            outs = run_ragged(pool, 0, segments)
+            logits_SV = draft.logits(torch.cat([out.hidden_BTD[0] for out in outs]))
+            for source, logits_TV in zip(owners, logits_SV.split([seg.size for seg in segments])):
+                source._took(logits_TV)
+        return [item.source.logprobs_NX[item.tree.bottom_level().to(item.source.logprobs_NX.device)]
+                for item in items]
+
+    def _missed(self, context: list[int]) -> Segment | None:
+        """The committed tokens the draft has not run (a root committed before it was expanded), or None."""
+        if self.cache.length >= len(context):
+            return None
+        ids_1T = torch.tensor([context[self.cache.length:]], device=self.draft.device)
+        return Segment(self.cache, self.draft.embed(ids_1T))
+
+    def _new_nodes(self, tree: TokenTree, committed: int) -> Segment | None:
+        """The tree's nodes the draft has not run (after the ``committed`` tokens), or None."""
+        held = self.cache.length - committed
+        if held >= len(tree):
+            return None
+        ids_1T = tree.tokens_N[held:][None].to(self.draft.device)
+        positions_T = tree.positions(committed)[held:].to(self.draft.device)
+        return Segment(self.cache, self.draft.embed(ids_1T), positions_T, tree.mask()[held:])
+
+    def _took(self, logits_TV: torch.Tensor) -> None:
+        """The draft's logits after the new nodes: their log-probabilities join the held ones."""
+        logprobs_TX = torch.log_softmax(logits_TV.float()[:, :self.vocab], dim=-1)
+        self.logprobs_NX = torch.cat([self.logprobs_NX, logprobs_TX])
 
     def advanced(self, levels: list[Level], tree: TokenTree, committed: int) -> None:
         """Nothing to do: the draft reads no target state."""
@@ -224,6 +288,10 @@ class SpdHeadSource:
                                    values=[v[:, :, :cache.length].expand(b, -1, -1, -1) for v in cache.values])
         # Over the head's own outputs X (V, or its draft vocabulary: ``ids`` maps them to target ids).
         return torch.log_softmax(head.logits(head.query(view, rows, query_LD)).float(), dim=-1)
+
+    def batch_key(self) -> int:
+        """Requests whose keys are equal are asked together (:func:`spd.decoding.proposer.propose_many`)."""
+        return id(self.head)
 
     @staticmethod
     def expand_many(items) -> list[torch.Tensor]:
