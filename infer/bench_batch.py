@@ -14,6 +14,10 @@ pipeline, run three ways on the same target and head:
   pipelined vLLM deployment does);
 - ``spd 1-at-a-time``: today's server (``--max-batch 1``): one request in the pipeline, the others wait.
 
+With ``--draft-model DIR --stages N`` (instead of ``--speculator``) the speculative systems are a draft model's token
+tree of width ``--tree-width`` (SpecPipe-DB's configuration): ``tree batched`` and ``tree 1-at-a-time``, beside the
+same ``pp batched``.
+
 Every row reports output tokens/s over the whole run, time between tokens (p50 and p99 over every gap between
 two tokens of a request) and time to first token (p50, from the request's submission), under two clocks:
 
@@ -48,13 +52,19 @@ from spd.errors import SpdInputError  # noqa: E402
 from spd.paths import default_testbed_dir  # noqa: E402
 
 SYSTEMS = ("spd batched", "pp batched", "spd 1-at-a-time")
+TREE_SYSTEMS = ("tree batched", "pp batched", "tree 1-at-a-time")  # --draft-model
 
 
 def parse_args(argv=None):
     tb = default_testbed_dir()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=str(tb / "target"))
-    p.add_argument("--speculator", required=True, help="the SPD head (its n cuts the pipeline)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--speculator", help="the SPD head (its n cuts the pipeline)")
+    source.add_argument("--draft-model", help="a draft model proposing a token tree (mode tree; needs --stages)")
+    p.add_argument("--stages", type=int, default=None, help="with --draft-model: the number of pipeline stages, n")
+    p.add_argument("--tree-width", type=int, default=4, help="with --draft-model: the tree's width W")
+    p.add_argument("--tree-children", type=int, default=4, help="with --draft-model: candidates per node")
     p.add_argument("--prompts", default=str(tb / "prompts.jsonl"), help="as infer/bench.py --prompts")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--requests-per-client", type=int, default=3)
@@ -106,16 +116,19 @@ def calibrate(staged, context: int) -> tuple[float, float]:
     return max(mean_y - b * mean_x, 0.0), max(b, 0.0)
 
 
-def run_system(engine, system: str, prompts: list[list[int]], clients: int, per_client: int, max_new_tokens: int,
-               prefill_chunk: int) -> dict:
-    """C closed-loop clients on one batched pipeline; per request its token steps and wall times."""
+def run_system(engines: dict, system: str, prompts: list[list[int]], clients: int, per_client: int,
+               max_new_tokens: int, prefill_chunk: int, width: int = 1) -> dict:
+    """C closed-loop clients on one batched pipeline; per request its token steps and wall times. ``engines``: the
+    engine of each mode (spd and pp share one; a draft model's tree has its own)."""
     from spd.decoding.batch import BatchedPipeline
     from spd.decoding.sampling import SamplingParams
 
-    batched = BatchedPipeline(engine, max_batch=1 if system == "spd 1-at-a-time" else clients,
-                              kv_rows=clients * (max(map(len, prompts)) + max_new_tokens + 4 * engine.staged.n_stages + 8),
+    mode = "pp" if system == "pp batched" else system.split()[0]
+    engine = engines[mode]
+    in_flight = engine.staged.n_stages * width + 8  # the tree (or chain) in flight, with room to spare
+    batched = BatchedPipeline(engine, max_batch=1 if system.endswith("1-at-a-time") else clients,
+                              kv_rows=clients * (max(map(len, prompts)) + max_new_tokens + in_flight),
                               prefill_chunk=prefill_chunk)
-    mode = "pp" if system == "pp batched" else "spd"
     records, next_prompt = [], iter(range(10 ** 9))
 
     def send(client: int, left: int) -> None:
@@ -219,30 +232,41 @@ def _bench(args) -> int:
     transformers.utils.logging.set_verbosity_error()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.draft_model is not None and args.stages is None:
+        raise SpdInputError("--draft-model needs --stages N: the number of pipeline stages to cut the target into")
     tokenizer = load_tokenizer(args.target)
     dataset, prompts = load_prompts(args.prompts, tokenizer, max(args.clients) * args.requests_per_client)
+    mode = "spd" if args.draft_model is None else "tree"
+    decoding = DecodingSpec(mode, draft_model=args.draft_model, tree_width=args.tree_width,
+                            tree_children=args.tree_children)
     pipeline = None
     if args.runtime == "distributed":
         from spd.serving.pipeline import PipelineSpec, open_pipeline
 
-        pipeline = open_pipeline(PipelineSpec(args.target, "spd", speculator=args.speculator, runtime="distributed",
+        pipeline = open_pipeline(PipelineSpec(args.target, mode, stages=args.stages, speculator=args.speculator,
+                                              draft_model=args.draft_model, tree_width=args.tree_width,
+                                              tree_children=args.tree_children, runtime="distributed",
                                               emulate_stage_ms=args.emulate_stage_ms,
                                               emulate_token_ms=args.emulate_token_ms, timeout_s=300))
         engine, staged = pipeline.engine, pipeline.staged
         if args.stage_ms is None:
             args.stage_ms, args.token_ms = args.emulate_stage_ms, args.emulate_token_ms
     else:
-        stages, boundaries = pipeline_cut(None, None, args.speculator, None, args.target, None)
+        stages, boundaries = pipeline_cut(args.stages, None, args.speculator, None, args.target, None)
         staged = StagedModel.from_pretrained(args.target, n_stages=stages, boundaries=boundaries)
-        engine = build_engine(DecodingSpec("spd"), staged, load_speculator(args.speculator, target=staged), tokenizer)
+        head = load_speculator(args.speculator, target=staged) if args.speculator is not None else None
+        engine = build_engine(decoding, staged, head, tokenizer)
+    engines = {mode: engine, "pp": engine}
+    if args.draft_model is not None:  # the standard pipeline over the same stages
+        engines["pp"] = build_engine(DecodingSpec("pp"), staged, None, tokenizer, stages=engine.stages)
     try:
-        return _run_all(args, engine, staged, dataset, prompts)
+        return _run_all(args, engines, staged, dataset, prompts)
     finally:
         if pipeline is not None:
             pipeline.close()
 
 
-def _run_all(args, engine, staged, dataset, prompts) -> int:
+def _run_all(args, engines, staged, dataset, prompts) -> int:
     import torch
 
     if args.stage_ms is None:
@@ -255,20 +279,21 @@ def _run_all(args, engine, staged, dataset, prompts) -> int:
     wall = ("the distributed runtime: stage processes, each call sleeping "
             f"{args.emulate_stage_ms:g} ms + {args.emulate_token_ms:g} ms/token" if args.runtime == "distributed"
             else "one process, the stages in turn")
-    results = {"target": args.target, "speculator": args.speculator, "prompts": dataset, "stages": staged.n_stages,
+    results = {"target": args.target, "speculator": args.speculator, "draft_model": args.draft_model,
+               "tree_width": args.tree_width if args.draft_model else None, "prompts": dataset, "stages": staged.n_stages,
                "max_new_tokens": args.max_new_tokens, "requests_per_client": args.requests_per_client,
                "prefill_chunk": args.prefill_chunk, "stage_ms": a_ms, "token_ms": b_ms, "clock_source": source,
                "runtime": args.runtime, "real_clock": wall,
                "threads": torch.get_num_threads(), "command": " ".join(sys.argv), "rows": []}
     for clients in args.clients:
         outputs = []
-        for system in SYSTEMS:
-            run = run_system(engine, system, prompts, clients, args.requests_per_client, args.max_new_tokens,
-                             args.prefill_chunk)
+        for system in (SYSTEMS if args.draft_model is None else TREE_SYSTEMS):
+            run = run_system(engines, system, prompts, clients, args.requests_per_client, args.max_new_tokens,
+                             args.prefill_chunk, args.tree_width if args.draft_model else 1)
             outputs.append(sorted((r["prompt"], r["tokens"]) for r in run["records"]))
             row = {"clients": clients, "system": system, **summarize(run, staged.n_stages, a_ms, b_ms)}
             results["rows"].append(row)
-            row["identical_outputs"] = outputs[-1] == outputs[0]  # the same tokens for every prompt as spd batched
+            row["identical_outputs"] = outputs[-1] == outputs[0]  # the same tokens for every prompt as the first
             print(f"C={clients:<3} {system:<16} model {row['model']['tokens_per_s']:>8.1f} tok/s, real "
                   f"{row['real']['tokens_per_s']:>8.1f} tok/s, L'acc {row['accept_length']}", file=sys.stderr,
                   flush=True)

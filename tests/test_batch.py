@@ -375,16 +375,24 @@ def test_bad_settings_and_requests_are_refused_in_one_line(target_model):
 # --------------------------------------------------------------------------------------- the benchmark
 def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_heads, tmp_path):
     """infer/bench_batch.py on the miniature testbed: every system serves the same requests (the same tokens),
-    the table and the JSON carry both clocks, and the model clock follows a + b * tokens."""
+    the table and the JSON carry both clocks, and the model clock follows a + b * tokens; with a draft model's
+    tree instead of the head, too."""
     import json
 
-    from conftest import run_script
+    from conftest import run_script, two_at_a_time
 
-    out = tmp_path / "batch.json"
-    proc = run_script("infer/bench_batch.py", "--target", str(tiny_testbed / "target"), "--speculator",
-                      str(tiny_heads[4]), "--prompts", str(tiny_testbed / "prompts.jsonl"), "--clients", "1", "3",
-                      "--requests-per-client", "2", "--max-new-tokens", "6", "--stage-ms", "2", "--token-ms", "0.1",
-                      "--out", str(out))
+    out, tree_out = tmp_path / "batch.json", tmp_path / "batch_tree.json"
+    common = ["--target", str(tiny_testbed / "target"), "--prompts", str(tiny_testbed / "prompts.jsonl"),
+              "--clients", "1", "3", "--requests-per-client", "2", "--max-new-tokens", "6", "--stage-ms", "2",
+              "--token-ms", "0.1", "--threads", "1"]
+    proc, tree = two_at_a_time(lambda args: run_script("infer/bench_batch.py", *common, *args), [
+        ["--speculator", str(tiny_heads[4]), "--out", str(out)],
+        ["--draft-model", str(tiny_testbed / "draft"), "--stages", "2", "--tree-width", "2", "--out", str(tree_out)]])
+    assert "tree batched" in tree.stdout and "identical outputs across the systems: True" in tree.stdout
+    tree_rows = json.loads(tree_out.read_text())["rows"]
+    assert [(r["clients"], r["system"]) for r in tree_rows] == [
+        (c, s) for c in (1, 3) for s in ("tree batched", "pp batched", "tree 1-at-a-time")]
+    assert all(r["tokens"] == 12 * r["clients"] for r in tree_rows)
     assert "spd batched" in proc.stdout and "pp batched" in proc.stdout and "1-at-a-time" in proc.stdout
     assert "identical outputs across the systems: True" in proc.stdout
     results = json.loads(out.read_text())
@@ -398,5 +406,6 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
     # One pp request at a time: each token's step holds one token per busy stage, a step costs a + b = 2.1 ms, and
     # a token needs n = 4 steps after the first.
     assert pp_one["model"]["tbt_p50_ms"] == pytest.approx(4 * 2.1)
-    bad = run_script("infer/bench_batch.py", "--speculator", str(tiny_heads[4]), "--stage-ms", "2", check=False)
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error:")
+    for args in (["--speculator", str(tiny_heads[4]), "--stage-ms", "2"], ["--draft-model", str(tiny_testbed / "draft")]):
+        bad = run_script("infer/bench_batch.py", *args, check=False)
+        assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error:"), bad.stderr
