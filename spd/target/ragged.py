@@ -17,9 +17,13 @@ rows the batch spans, D hidden size, Hk KV heads, Dh head dimension.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass, field
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 from ..errors import SpdInputError
 from .kv_pool import KVPool
@@ -63,6 +67,79 @@ class _PooledWrite:
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
+
+
+class _Blocks:
+    """Where each segment's queries and keys sit in a ragged call: ``q_BT`` (each segment's rows of the packed tokens)
+    and ``k_BK`` (its request's rows of the window of pool rows the call spans), padded, with their validity masks.
+    The attention of several segments runs on these blocks (:func:`_block_attention`), not on every query against
+    every request's keys: the keys a query may see are its own request's, so the rest would be masked work."""
+
+    def __init__(self, segments: list[Segment], lo: int, device: torch.device):
+        q_sizes = [seg.size for seg in segments]
+        k_sizes = [seg.cache.length + seg.size for seg in segments]
+        t, k = max(q_sizes), max(k_sizes)
+        starts = torch.tensor([0] + q_sizes[:-1]).cumsum(0)
+        bases = torch.tensor([seg.cache.base - lo for seg in segments])
+        self.q_valid_BT = torch.arange(t)[None] < torch.tensor(q_sizes)[:, None]
+        self.k_valid_BK = torch.arange(k)[None] < torch.tensor(k_sizes)[:, None]
+        self.q_BT = torch.where(self.q_valid_BT, starts[:, None] + torch.arange(t)[None], 0).to(device)
+        self.k_BK = torch.where(self.k_valid_BK, bases[:, None] + torch.arange(k)[None], 0).to(device)
+        self.q_valid_BT, self.k_valid_BK = self.q_valid_BT.to(device), self.k_valid_BK.to(device)
+        self.q_rows = self.q_BT[self.q_valid_BT]  # the packed rows in block order (= the packed order)
+
+
+_BLOCKS: contextvars.ContextVar[_Blocks | None] = contextvars.ContextVar("spd_ragged_blocks", default=None)
+_BLOCK_ATTENTION = "spd_ragged_blocks"
+
+
+def _block_attention(module, query_1HSD: torch.Tensor, key_1HWD: torch.Tensor, value_1HWD: torch.Tensor,
+                     attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """The attention of a ragged call of several segments, block by block: each segment's queries against its own
+    request's keys (gathered from the window into one padded batch), under the call's mask restricted to those
+    blocks. Equal to the dense masked attention over the whole window up to fp32 rounding."""
+    blocks = _BLOCKS.get()
+    if blocks is None:  # not inside a ragged call of several segments
+        return sdpa_attention_forward(module, query_1HSD, key_1HWD, value_1HWD, attention_mask, dropout, scaling,
+                                      **kwargs)
+    q_BHTD = query_1HSD[0][:, blocks.q_BT].transpose(0, 1)
+    groups = getattr(module, "num_key_value_groups", 1)
+    k_BHKD = repeat_kv(key_1HWD[0][:, blocks.k_BK].transpose(0, 1), groups)
+    v_BHKD = repeat_kv(value_1HWD[0][:, blocks.k_BK].transpose(0, 1), groups)
+    mask_BTK = attention_mask[0, 0][blocks.q_BT[:, :, None], blocks.k_BK[:, None, :]]
+    visible_BTK = blocks.k_valid_BK[:, None, :] & blocks.q_valid_BT[:, :, None]
+    visible_BTK[:, :, 0] |= ~blocks.q_valid_BT  # a padding query sees one key (a fully masked row is NaN), dropped
+    if mask_BTK.dtype == torch.bool:
+        mask_BTK = mask_BTK & visible_BTK
+    else:
+        mask_BTK = torch.where(visible_BTK, mask_BTK, torch.finfo(mask_BTK.dtype).min)
+    out_BHTD = torch.nn.functional.scaled_dot_product_attention(q_BHTD, k_BHKD, v_BHKD, attn_mask=mask_BTK[:, None],
+                                                                scale=scaling)
+    out_SHD = out_BHTD.transpose(1, 2)[blocks.q_valid_BT]  # (S, H, Dh), packed order
+    return out_SHD[None].contiguous(), None
+
+
+AttentionInterface.register(_BLOCK_ATTENTION, _block_attention)
+
+
+@contextlib.contextmanager
+def _by_blocks(staged, stage: int, blocks: _Blocks | None):
+    """Within: the stage's attention layers run :func:`_block_attention` over ``blocks`` (None: unchanged)."""
+    if blocks is None:
+        yield
+        return
+    configs = {id(m.config): m.config for layer in staged.stage_layers(stage)
+               for m in staged.layers[layer].modules() if hasattr(m, "num_key_value_groups") and hasattr(m, "config")}
+    saved = {key: config._attn_implementation for key, config in configs.items()}
+    token = _BLOCKS.set(blocks)
+    try:
+        for config in configs.values():
+            config._attn_implementation = _BLOCK_ATTENTION
+        yield
+    finally:
+        _BLOCKS.reset(token)
+        for key, config in configs.items():
+            config._attn_implementation = saved[key]
 
 
 def _mask(segments: list[Segment], allowed_SW: torch.Tensor, q_pos_S: torch.Tensor, key_pos_W: torch.Tensor,
@@ -129,7 +206,8 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
               else None for seg in segments]
     for seg, nodes in zip(segments, groups):
         seg.cache.begin(seg.size, first_node=None if nodes is None else nodes[0][0])
-    with decode_kernels(device):
+    blocks = _Blocks(segments, lo, device) if len(segments) > 1 else None  # a lone segment: its own stage call
+    with decode_kernels(device), _by_blocks(staged, stage, blocks):
         for layer in range(first, last):
             if staged.layer_types[layer] == LINEAR_LAYER_TYPE:
                 hidden_1SD = _linear_layer(staged.layers[layer], hidden_1SD, segments, groups, position_ids_1S,
