@@ -3,16 +3,16 @@
 Each request contributes a *segment*: its new tokens at this stage (a chain's token, a tree level, or a chunk of a
 prompt) with their position ids and, for tree nodes, their ancestor mask. The segments are packed into one
 sequence, so every matrix product of the stage (projections, MLP) runs once for all of them; the attention reads
-the keys of every request from the shared :class:`~spd.target.kv_pool.KVPool` buffer in one call, under a mask
-that lets each token see exactly what it would see in its own request's stage call: its request's rows (the
-committed prefix, and of the tree only its ancestors, or causally the chunk's earlier tokens), never another
-request's. New keys and values are written straight into each request's region. On a hybrid target a
+the keys of every request from the shared :class:`~spd.target.kv_pool.KVPool` buffer in one call, block by block:
+each segment's queries against its own request's rows only (gathered into one padded batch), under a mask that
+lets each token see exactly what it would see in its own request's stage call (the committed prefix, and of the
+tree only its ancestors, or causally the chunk's earlier tokens). New keys and values are written straight into each request's region. On a hybrid target a
 linear-attention layer reads and writes each request's own state: the segments whose tokens are one-token sequences
 (a chain's next token, one tree depth) as one batch over their stacked states, the others (a prompt chunk, a first
 token, a level of several depths) each on its own (:func:`_linear_layer`).
 
 Shape suffixes: S packed tokens (every segment's), T one segment's tokens, N a segment's tree nodes, W the pool
-rows the batch spans, D hidden size, Hk KV heads, Dh head dimension.
+rows the batch spans, B segments, K one segment's keys, D hidden size, H / Hk query / KV heads, Dh head dimension.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..errors import SpdInputError
 from .kv_pool import KVPool
 from .linear_state import StackedStates
 from .sdpa import decode_kernels
-from .staging import (LINEAR_LAYER_TYPE, StageKVCache, StageOutput, _backend_mask, attention_mask, cache_keyword,
-                      node_groups, run_linear_layer, tree_attention_mask)
+from .staging import (LINEAR_LAYER_TYPE, StageKVCache, StageOutput, attention_mask, cache_keyword, node_groups,
+                      run_linear_layer, tree_attention_mask)
 
 
 @dataclass
@@ -70,23 +70,37 @@ class _PooledWrite:
 
 
 class _Blocks:
-    """Where each segment's queries and keys sit in a ragged call: ``q_BT`` (each segment's rows of the packed tokens)
-    and ``k_BK`` (its request's rows of the window of pool rows the call spans), padded, with their validity masks.
-    The attention of several segments runs on these blocks (:func:`_block_attention`), not on every query against
-    every request's keys: the keys a query may see are its own request's, so the rest would be masked work."""
+    """Where each segment's queries and keys sit in a ragged call of several segments: ``q_BT`` (its rows of the
+    packed tokens) and ``k_BK`` (its request's rows of the window of pool rows the call spans), padded, and which
+    key each query may see (``allowed_BTK``: its request's committed rows, and of its own new tokens those before it
+    or, in a tree, its ancestors). The attention runs on these blocks (:func:`_block_attention`), not on every query
+    against every request's keys: a query may see only its own request's, so the rest would be masked work."""
 
-    def __init__(self, segments: list[Segment], lo: int, device: torch.device):
+    def __init__(self, segments: list[Segment], allowed: list[torch.Tensor], q_pos_S: torch.Tensor,
+                 key_pos_W: torch.Tensor, lo: int, device: torch.device):
         q_sizes = [seg.size for seg in segments]
         k_sizes = [seg.cache.length + seg.size for seg in segments]
         t, k = max(q_sizes), max(k_sizes)
         starts = torch.tensor([0] + q_sizes[:-1]).cumsum(0)
         bases = torch.tensor([seg.cache.base - lo for seg in segments])
-        self.q_valid_BT = torch.arange(t)[None] < torch.tensor(q_sizes)[:, None]
-        self.k_valid_BK = torch.arange(k)[None] < torch.tensor(k_sizes)[:, None]
-        self.q_BT = torch.where(self.q_valid_BT, starts[:, None] + torch.arange(t)[None], 0).to(device)
-        self.k_BK = torch.where(self.k_valid_BK, bases[:, None] + torch.arange(k)[None], 0).to(device)
-        self.q_valid_BT, self.k_valid_BK = self.q_valid_BT.to(device), self.k_valid_BK.to(device)
-        self.q_rows = self.q_BT[self.q_valid_BT]  # the packed rows in block order (= the packed order)
+        self.q_valid_BT = (torch.arange(t)[None] < torch.tensor(q_sizes)[:, None]).to(device)
+        k_valid_BK = (torch.arange(k)[None] < torch.tensor(k_sizes)[:, None]).to(device)
+        self.q_BT = torch.where(self.q_valid_BT, (starts[:, None] + torch.arange(t)[None]).to(device), 0)
+        self.k_BK = torch.where(k_valid_BK, (bases[:, None] + torch.arange(k)[None]).to(device), 0)
+        self.allowed_BTK = torch.zeros(len(segments), t, k, dtype=torch.bool, device=device)
+        for b, allowed_TK in enumerate(allowed):
+            self.allowed_BTK[b, :allowed_TK.shape[0], :allowed_TK.shape[1]] = allowed_TK
+        self.q_pos_BT, self.key_pos_BK = q_pos_S[self.q_BT], key_pos_W[self.k_BK]
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """The ``(B, 1, T, K)`` boolean mask of the blocks with a sliding window (None: full attention). A padding
+        query sees its block's first key (a row that sees nothing would be NaN); its output is dropped."""
+        allowed_BTK = self.allowed_BTK
+        if window is not None:
+            allowed_BTK = allowed_BTK & (self.q_pos_BT[:, :, None] - self.key_pos_BK[:, None, :] < window)
+        allowed_BTK = allowed_BTK.clone()
+        allowed_BTK[:, :, 0] |= ~self.q_valid_BT
+        return allowed_BTK[:, None]
 
 
 _BLOCKS: contextvars.ContextVar[_Blocks | None] = contextvars.ContextVar("spd_ragged_blocks", default=None)
@@ -96,27 +110,21 @@ _BLOCK_ATTENTION = "spd_ragged_blocks"
 def _block_attention(module, query_1HSD: torch.Tensor, key_1HWD: torch.Tensor, value_1HWD: torch.Tensor,
                      attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
     """The attention of a ragged call of several segments, block by block: each segment's queries against its own
-    request's keys (gathered from the window into one padded batch), under the call's mask restricted to those
-    blocks. Equal to the dense masked attention over the whole window up to fp32 rounding."""
+    request's keys (gathered from the window into one padded batch) under the blocks' mask (``attention_mask``,
+    :meth:`_Blocks.mask`). Equal to a dense masked attention over the whole window up to fp32 rounding."""
     blocks = _BLOCKS.get()
     if blocks is None:  # not inside a ragged call of several segments
         return sdpa_attention_forward(module, query_1HSD, key_1HWD, value_1HWD, attention_mask, dropout, scaling,
                                       **kwargs)
-    q_BHTD = query_1HSD[0][:, blocks.q_BT].transpose(0, 1)
-    groups = getattr(module, "num_key_value_groups", 1)
-    k_BHKD = repeat_kv(key_1HWD[0][:, blocks.k_BK].transpose(0, 1), groups)
-    v_BHKD = repeat_kv(value_1HWD[0][:, blocks.k_BK].transpose(0, 1), groups)
-    mask_BTK = attention_mask[0, 0][blocks.q_BT[:, :, None], blocks.k_BK[:, None, :]]
-    visible_BTK = blocks.k_valid_BK[:, None, :] & blocks.q_valid_BT[:, :, None]
-    visible_BTK[:, :, 0] |= ~blocks.q_valid_BT  # a padding query sees one key (a fully masked row is NaN), dropped
-    if mask_BTK.dtype == torch.bool:
-        mask_BTK = mask_BTK & visible_BTK
-    else:
-        mask_BTK = torch.where(visible_BTK, mask_BTK, torch.finfo(mask_BTK.dtype).min)
-    out_BHTD = torch.nn.functional.scaled_dot_product_attention(q_BHTD, k_BHKD, v_BHKD, attn_mask=mask_BTK[:, None],
-                                                                scale=scaling)
-    out_SHD = out_BHTD.transpose(1, 2)[blocks.q_valid_BT]  # (S, H, Dh), packed order
-    return out_SHD[None].contiguous(), None
+    (b, t), k = blocks.q_BT.shape, blocks.k_BK.shape[1]
+    h, hk, dh = query_1HSD.shape[1], key_1HWD.shape[1], query_1HSD.shape[3]
+    q_BHTD = query_1HSD[0].index_select(1, blocks.q_BT.flatten()).view(h, b, t, dh).transpose(0, 1)
+    k_BHKD = key_1HWD[0].index_select(1, blocks.k_BK.flatten()).view(hk, b, k, dh).transpose(0, 1)
+    v_BHKD = value_1HWD[0].index_select(1, blocks.k_BK.flatten()).view(hk, b, k, -1).transpose(0, 1)
+    out_BHTD = torch.nn.functional.scaled_dot_product_attention(q_BHTD, k_BHKD, v_BHKD, attn_mask=attention_mask,
+                                                                scale=scaling, enable_gqa=h != hk)
+    out_SHD = out_BHTD.transpose(1, 2)[blocks.q_valid_BT]  # (S, H, Dh), in the packed order
+    return out_SHD[None], None
 
 
 AttentionInterface.register(_BLOCK_ATTENTION, _block_attention)
@@ -142,17 +150,14 @@ def _by_blocks(staged, stage: int, blocks: _Blocks | None):
             config._attn_implementation = saved[key]
 
 
-def _mask(segments: list[Segment], allowed_SW: torch.Tensor, q_pos_S: torch.Tensor, key_pos_W: torch.Tensor,
-          window: int | None, impl: str, dtype: torch.dtype) -> torch.Tensor | None:
-    """The attention mask of one window size. A lone segment gets the mask its own stage call would get (None where
-    the backend's default is exact), so that a batch of one computes bit for bit what the single-request engine
-    does; its keys are exactly its request's rows then."""
-    if len(segments) == 1:
-        seg = segments[0]
-        if seg.tree_mask_TN is not None:
-            return tree_attention_mask(q_pos_S, key_pos_W, seg.tree_mask_TN.to(q_pos_S.device), window, impl, dtype)
-        return attention_mask(q_pos_S, key_pos_W.shape[0], window, impl, dtype, contiguous=seg.positions_T is None)
-    return _backend_mask(allowed_SW, q_pos_S, key_pos_W, window, impl, dtype)
+def _lone_mask(seg: Segment, q_pos_S: torch.Tensor, key_pos_W: torch.Tensor, window: int | None, impl: str,
+               dtype: torch.dtype) -> torch.Tensor | None:
+    """The attention mask of a lone segment: the one its own stage call would get (None where the backend's default
+    is exact), so that a batch of one computes bit for bit what the single-request engine does; its keys are exactly
+    its request's rows then."""
+    if seg.tree_mask_TN is not None:
+        return tree_attention_mask(q_pos_S, key_pos_W, seg.tree_mask_TN.to(q_pos_S.device), window, impl, dtype)
+    return attention_mask(q_pos_S, key_pos_W.shape[0], window, impl, dtype, contiguous=seg.positions_T is None)
 
 
 def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageOutput]:
@@ -186,17 +191,13 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
     lo = min(seg.cache.base for seg in segments)
     hi = max(seg.cache.base + seg.cache.length + seg.size for seg in segments)
     rows_S, q_pos_S = torch.cat(rows), torch.cat(positions)
-    allowed_SW = torch.zeros(rows_S.shape[0], hi - lo, dtype=torch.bool, device=device)
-    offset = 0
-    for seg, allowed_TK in zip(segments, blocks):
-        column = seg.cache.base - lo
-        allowed_SW[offset:offset + seg.size, column:column + allowed_TK.shape[1]] = allowed_TK
-        offset += seg.size
+    key_pos_W = pool.positions_C[stage][lo:hi]
+    # Several segments attend block by block (each to its own request's keys); a lone one is its own stage call.
+    by_blocks = _Blocks(segments, blocks, q_pos_S, key_pos_W, lo, device) if len(segments) > 1 else None
 
     hidden_1SD = torch.cat([seg.hidden_1TD for seg in segments], dim=1)
     position_ids_1S = q_pos_S[None]
     position_embeddings = staged.rope(hidden_1SD, position_ids_1S)
-    key_pos_W = pool.positions_C[stage][lo:hi]
     cache = _PooledWrite(pool, stage, rows_S, lo, hi)
     wanted = {a for seg in segments for a in seg.anchors}
     collected = {first: hidden_1SD} if first in wanted else {}
@@ -206,8 +207,7 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
               else None for seg in segments]
     for seg, nodes in zip(segments, groups):
         seg.cache.begin(seg.size, first_node=None if nodes is None else nodes[0][0])
-    blocks = _Blocks(segments, lo, device) if len(segments) > 1 else None  # a lone segment: its own stage call
-    with decode_kernels(device), _by_blocks(staged, stage, blocks):
+    with decode_kernels(device), _by_blocks(staged, stage, by_blocks):
         for layer in range(first, last):
             if staged.layer_types[layer] == LINEAR_LAYER_TYPE:
                 hidden_1SD = _linear_layer(staged.layers[layer], hidden_1SD, segments, groups, position_ids_1S,
@@ -217,8 +217,9 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
                 continue
             window = staged.windows[layer]
             if window not in masks:
-                masks[window] = _mask(segments, allowed_SW, q_pos_S, key_pos_W, window, staged.attn_impl,
-                                      hidden_1SD.dtype)
+                masks[window] = (by_blocks.mask(window) if by_blocks is not None else
+                                 _lone_mask(segments[0], q_pos_S, key_pos_W, window, staged.attn_impl,
+                                            hidden_1SD.dtype))
             hidden_1SD = staged.layers[layer](hidden_1SD, attention_mask=masks[window],
                                               position_ids=position_ids_1S, use_cache=True,
                                               position_embeddings=position_embeddings,
