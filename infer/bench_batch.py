@@ -19,7 +19,8 @@ tree of width ``--tree-width`` (SpecPipe-DB's configuration): ``tree batched`` a
 same ``pp batched``.
 
 Every row reports output tokens/s over the whole run, time between tokens (mean, p50 and p99 over every gap
-between two tokens of a request; SpecPipe-DB's figures compare the mean) and time to first token (p50, from the request's submission), under two clocks:
+between two tokens of a request; SpecPipe-DB's figures compare the mean) and time to first token (p50, from the
+request's submission), under two clocks:
 
 - ``model``: the emulated deployment. Each stage runs on its own device, so a pipeline step lasts as long as its
   busiest stage, and a stage's time is a fixed cost plus a per-token cost, ``a + b * tokens`` (idle stages cost
@@ -283,7 +284,8 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
             f"{args.emulate_stage_ms:g} ms + {args.emulate_token_ms:g} ms/token" if args.runtime == "distributed"
             else "one process, the stages in turn")
     results = {"target": args.target, "speculator": args.speculator, "draft_model": args.draft_model,
-               "tree_width": args.tree_width if args.draft_model else None, "prompts": dataset, "stages": staged.n_stages,
+               "tree_width": args.tree_width if args.draft_model else None, "prompts": dataset,
+               "stages": staged.n_stages,
                "max_new_tokens": args.max_new_tokens, "requests_per_client": args.requests_per_client,
                "prefill_chunk": args.prefill_chunk, "stage_ms": a_ms, "token_ms": b_ms, "clock_source": source,
                "runtime": args.runtime, "real_clock": wall,

@@ -406,6 +406,7 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
     # One pp request at a time: each token's step holds one token per busy stage, a step costs a + b = 2.1 ms, and
     # a token needs n = 4 steps after the first.
     assert pp_one["model"]["tbt_p50_ms"] == pytest.approx(4 * 2.1) == pytest.approx(pp_one["model"]["tbt_mean_ms"])
-    for args in (["--speculator", str(tiny_heads[4]), "--stage-ms", "2"], ["--draft-model", str(tiny_testbed / "draft")]):
+    draft = str(tiny_testbed / "draft")
+    for args in (["--speculator", str(tiny_heads[4]), "--stage-ms", "2"], ["--draft-model", draft]):
         bad = run_script("infer/bench_batch.py", *args, check=False)
         assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error:"), bad.stderr

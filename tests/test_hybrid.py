@@ -1,7 +1,8 @@
 """Hybrid targets (linear-attention + full-attention layers: Qwen3.5, Qwen3-Next) in every pipelined path:
 staging equals the full forward, the linear state rolls back exactly, ar/pp/spd equal ``model.generate``,
 sampling follows the target's distribution, token trees carry per-node states, the distributed runtime (one request at
-a time and batched) equals the single process. The in-process batched pipeline on hybrid targets: tests/test_batch.py."""
+a time and batched) equals the single process. The in-process batched pipeline on hybrid targets:
+tests/test_batch.py."""
 
 import pytest
 import torch

@@ -14,10 +14,11 @@ In the distributed runtime (:mod:`spd.runtime.batch`) each stage rank holds the 
 (``ledger=True``), so that the step loop's bookkeeping (lengths, flush, prune) runs on rank 0 unchanged while the
 rows themselves live on the stages.
 
-On a hybrid target (docs/method.md, "Hybrid targets") the pool holds the attention layers' rows only; each request's stage cache
-carries its own linear-attention state beside them (:class:`~spd.target.linear_state.LinearStateRing`: a fixed size
-per request, so ``max_batch`` bounds it), which a ragged call reads and writes for each request
-(:func:`spd.target.ragged.run_ragged`), and which rolls back with the request's flushes like a single request's.
+On a hybrid target (docs/method.md, "Hybrid targets") the pool holds the attention layers' rows only; each
+request's stage cache carries its own linear-attention state beside them
+(:class:`~spd.target.linear_state.LinearStateRing`: a fixed size per request, so ``max_batch`` bounds it), which a
+ragged call reads and writes for each request (:func:`spd.target.ragged.run_ragged`), and which rolls back with the
+request's flushes like a single request's.
 
 Shape suffixes: L a stage's attention layers, Hk KV heads, C pool rows, Dh head dimension.
 """

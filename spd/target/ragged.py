@@ -6,10 +6,11 @@ sequence, so every matrix product of the stage (projections, MLP) runs once for 
 the keys of every request from the shared :class:`~spd.target.kv_pool.KVPool` buffer in one call, block by block:
 each segment's queries against its own request's rows only (gathered into one padded batch), under a mask that
 lets each token see exactly what it would see in its own request's stage call (the committed prefix, and of the
-tree only its ancestors, or causally the chunk's earlier tokens). New keys and values are written straight into each request's region. On a hybrid target a
-linear-attention layer reads and writes each request's own state: the segments whose tokens are one-token sequences
-(a chain's next token, one tree depth) as one batch over their stacked states, the others (a prompt chunk, a first
-token, a level of several depths) each on its own (:func:`_linear_layer`).
+tree only its ancestors, or causally the chunk's earlier tokens). New keys and values are written straight into
+each request's region. On a hybrid target a linear-attention layer reads and writes each request's own state: the
+segments whose tokens are one-token sequences (a chain's next token, one tree depth) as one batch over their
+stacked states, the others (a prompt chunk, a first token, a level of several depths) each on its own
+(:func:`_linear_layer`).
 
 Shape suffixes: S packed tokens (every segment's), T one segment's tokens, N a segment's tree nodes, W the pool
 rows the batch spans, B segments, K one segment's keys, D hidden size, H / Hk query / KV heads, Dh head dimension.
@@ -22,7 +23,7 @@ import contextvars
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..errors import SpdInputError
@@ -136,8 +137,8 @@ def _by_blocks(staged, stage: int, blocks: _Blocks | None):
     if blocks is None:
         yield
         return
-    configs = {id(m.config): m.config for layer in staged.stage_layers(stage)
-               for m in staged.layers[layer].modules() if hasattr(m, "num_key_value_groups") and hasattr(m, "config")}
+    configs = {id(m.config): m.config for layer in staged.stage_layers(stage)  # the configs the layers dispatch on
+               for m in staged.layers[layer].modules() if isinstance(getattr(m, "config", None), PretrainedConfig)}
     saved = {key: config._attn_implementation for key, config in configs.items()}
     token = _BLOCKS.set(blocks)
     try:
