@@ -11,9 +11,10 @@ drafting (:mod:`spd.decoding.sd`) drives the draft model and the serial head thr
 a chain while the target is idle, then commits the rows the target kept (``commit_root``) and resets.
 
 A batched driver asks the proposers of many requests at once (:func:`propose_many`): sources whose class has
-``expand_many`` and whose ``batch_key()`` is the same are asked in one call (:class:`~spd.decoding.tree_engine.SpdHeadSource`:
-one head; :class:`~spd.decoding.tree_engine.DraftModelSource`: one draft model whose requests' caches share a pool,
-which the batched driver gives each request with ``use_pool`` when it admits it, from the source's ``new_pool``).
+``expand_many`` and whose ``batch_key()`` is the same are asked in one call
+(:class:`~spd.decoding.tree_engine.SpdHeadSource`: one head; :class:`~spd.decoding.tree_engine.DraftModelSource`:
+one draft model whose requests' caches share a pool, which the batched driver gives each request with ``use_pool``
+when it admits it, from the source's ``new_pool``).
 
 Shape suffixes: L nodes of the tree's bottom level, X the proposer's outputs (the target's vocabulary, or a
 draft vocabulary that ``ids`` maps to target ids).
