@@ -31,7 +31,7 @@ import torch
 
 from ..errors import SpdInputError
 from .linear_state import LinearStateRing
-from .staging import LINEAR_LAYER_TYPE, StageKVCache, StagedModel
+from .staging import StageKVCache, StagedModel
 
 
 @dataclass(frozen=True)
@@ -53,9 +53,7 @@ class KVPool:
         if not isinstance(rows, int) or rows < 1:
             raise SpdInputError(f"the KV pool needs a positive number of rows, got {rows!r}")
         self.staged, self.rows, self.ledger = staged, rows, ledger
-        self.layer_ids = [_attention_layers(staged, s) for s in range(staged.n_stages)]
-        self.linear_ids = [[l for l in staged.stage_layers(s) if staged.layer_types[l] == LINEAR_LAYER_TYPE]
-                           for s in range(staged.n_stages)]
+        self.layer_ids, self.linear_ids = map(list, zip(*(staged.stage_layer_kinds(s) for s in range(staged.n_stages))))
         self.stages = list(range(staged.n_stages)) if stages is None else list(stages)
         self.keys_LBHkCDh: dict[int, torch.Tensor] = {}
         self.values_LBHkCDh: dict[int, torch.Tensor] = {}
@@ -71,7 +69,7 @@ class KVPool:
     def row_bytes(staged: StagedModel) -> int:
         """Bytes one row takes over every stage (keys and values of every layer, and its position)."""
         element = torch.empty((), dtype=staged.dtype).element_size()
-        attention = sum(len(_attention_layers(staged, s)) for s in range(staged.n_stages))
+        attention = sum(len(staged.stage_layer_kinds(s)[0]) for s in range(staged.n_stages))
         return attention * 2 * staged.kv_heads * staged.head_dim * element + staged.n_stages * 8
 
     @property
@@ -113,8 +111,3 @@ class KVPool:
             # verification, as on the distributed runtime's stages)
             cache.linear = LinearStateRing(self.linear_ids[stage], self.staged.n_stages + 2)
         return cache
-
-
-def _attention_layers(staged: StagedModel, stage: int) -> list[int]:
-    """The layers of ``stage`` that keep keys and values (a hybrid target's linear-attention layers keep a state)."""
-    return [l for l in staged.stage_layers(stage) if staged.layer_types[l] != LINEAR_LAYER_TYPE]

@@ -458,6 +458,13 @@ class StagedModel(TargetShape, nn.Module):
         """Indices of the decoder layers owned by ``stage`` (0-based)."""
         return range(self.boundaries[stage], self.boundaries[stage + 1])
 
+    def stage_layer_kinds(self, stage: int) -> tuple[list[int], list[int]]:
+        """``stage``'s layers that keep keys and values (attention), and those that keep a recurrent state (linear
+        attention, on hybrid targets)."""
+        layers = self.stage_layers(stage)
+        return ([l for l in layers if self.layer_types[l] != LINEAR_LAYER_TYPE],
+                [l for l in layers if self.layer_types[l] == LINEAR_LAYER_TYPE])
+
     # -------------------------------------------------------------------------------------- caches
     def new_caches(self, batch_size: int = 1, capacity: int = 256, rollback: int | None = None) -> list[StageKVCache]:
         """One empty cache per stage. ``rollback``: how many tokens a stage may run past a length it can still be
@@ -470,9 +477,7 @@ class StagedModel(TargetShape, nn.Module):
                         dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> StageKVCache:
         """An empty cache for ``stage``'s layers (the distributed runtime builds only its own, with the dtype and
         device of its layers)."""
-        layers = self.stage_layers(stage)
-        attention = [l for l in layers if self.layer_types[l] != LINEAR_LAYER_TYPE]
-        linear = [l for l in layers if self.layer_types[l] == LINEAR_LAYER_TYPE]
+        attention, linear = self.stage_layer_kinds(stage)
         ring = LinearStateRing(linear, ring_depth or self.n_stages + 1) if linear else None
         return StageKVCache(attention, self.kv_heads, self.head_dim, batch_size, capacity, dtype or self.dtype,
                             device or self.device, linear=ring)
