@@ -428,11 +428,12 @@ class Speculator(PreTrainedModel):
                            self.rope(slot_M[:, None].to(dev), dtype)))
         scale = cfg.head_dim ** -0.5
         h_B1D = torch.cat(queries)[:, None]
+        # One padded K/V for every layer: each layer writes the same slots, so the padding stays zero.
+        k_BHKD = h_B1D.new_zeros(total, hk, width, dh)
+        v_BHKD = h_B1D.new_zeros(total, hk, width, dh)
         with decode_kernels(dev):
             for i, layer in enumerate(self.layers):
                 q = layer.query_heads(h_B1D, cos_q, sin_q)
-                k_BHKD = h_B1D.new_zeros(total, hk, width, dh)
-                v_BHKD = h_B1D.new_zeros(total, hk, width, dh)
                 first = 0
                 for cache, size in zip(caches, sizes):
                     c = cache.length
