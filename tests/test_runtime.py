@@ -144,6 +144,58 @@ def test_distributed_runtime_batches_requests_as_the_in_process_batch_does(tiny_
     assert flushes > 10  # rejections happened, each on its own request's region
 
 
+def test_distributed_runtime_batches_the_heads_asked_through_their_engine_calls(tiny_testbed, tmp_path):
+    """run_pipeline --max-batch with a PPSD head (its query after the stages: serial with them) and with an SPD
+    authors' head (chain and W = 2 tree), sampled: every request gets exactly the tokens and verification outcomes
+    of the in-process batched pipeline, whose joint head calls tests/test_batch.py checks against each request's
+    own."""
+    from spd.decoding.batch import BatchedPipeline
+    from spd.decoding.generation import default_eos
+    from spd.decoding.sampling import SamplingParams
+    from spd.decoding.tree_engine import HeadSource
+    from spd.heads.published.authors_head import load_authors_head
+    from test_authors import FIXTURES, _head_file
+
+    n = 4
+    staged = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=n)
+    torch.manual_seed(3)
+    new_head(staged, DistillConfig(n_stages=n, variant="ppsd", target=str(tiny_testbed / "target"))).save_pretrained(
+        tmp_path / "ppsd")
+    authors_target = FIXTURES / "targets" / "qwen3"  # vocabulary 512, as the miniature testbed's tokenizer
+    texts = [p[:k] for p in BATCH_PROMPTS[::4] for k in (7, 19, 40)]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in texts))
+    common = ("--prompts", str(prompts), "--max-new-tokens", "16", "--temperature", "1", "--top-k", "20", "--seed",
+              "7", "--max-batch", "3", "--tokenizer", str(tiny_testbed / "target"))
+    runs = {"ppsd": ("--target", str(tiny_testbed / "target"), "--speculator", str(tmp_path / "ppsd"),
+                     "--mode", "spd"),
+            "authors": ("--target", str(authors_target), "--speculator", str(_head_file("v10_qwen3_n4_l1")),
+                        "--mode", "spd", "tree", "--tree-width", "2")}
+
+    def run(name):
+        return _torchrun(n, *runs[name], *common, "--out", str(tmp_path / f"{name}.json"))
+
+    for proc in two_at_a_time(run, runs):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "largest batch 3" in proc.stderr
+    torch.set_num_threads(1)
+    tok = load_tokenizer(tiny_testbed / "target")
+    ids = [tok(p)["input_ids"] for p in texts]
+    sampling = [SamplingParams(1.0, 20, 1.0, 7 + i) for i in range(len(ids))]
+    authors_staged = StagedModel.from_pretrained(authors_target, n_stages=n)
+    authors_head = load_authors_head(str(_head_file("v10_qwen3_n4_l1")), authors_staged)
+    cases = [("ppsd", "spd", PipelineEngine(staged, load_speculator(tmp_path / "ppsd"), tok), staged),
+             ("authors", "spd", PipelineEngine(authors_staged, authors_head, tok), authors_staged),
+             ("authors", "tree", TreeEngine(authors_staged, HeadSource(authors_head, authors_staged, 4), 2, tok),
+              authors_staged)]
+    for name, mode, engine, target in cases:
+        got = json.loads((tmp_path / f"{name}.json").read_text())["results"][mode]
+        want = BatchedPipeline(engine, 3).generate(ids, 16, sampling, default_eos(target.model, tok), mode=mode)
+        assert [r["token_ids"] for r in got] == [o.token_ids for o in want], (name, mode)
+        assert [r["stats"]["token_acceptance"] for r in got] == [o.stats.token_acceptance for o in want], (name, mode)
+        assert sum(r["stats"]["flushes"] for r in got) > 5, (name, mode)
+
+
 def test_a_batch_manifest_round_trips_and_a_corrupt_one_is_refused(tiny_testbed):
     """The manifest's wire format (spd/runtime/batch.py): operations and segments (a tree level from an item of the
     previous stage, pruned to two rows; a chunk carried in the manifest) decode as encoded; truncated, out-of-range

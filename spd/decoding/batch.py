@@ -40,8 +40,9 @@ ragged calls, carried stage to stage); this driver is the same for both.
 On hybrid targets each request's stage caches carry its own linear-attention state beside its region, and a ragged
 call runs the linear-attention layers over the requests' stacked states (:mod:`spd.target.ragged`). A draft model
 proposes for every request in one ragged call too: its KV lives in a pool of its own, each request at the same rows
-as in the target's pool. Not batched yet: the authors' heads and our output-state and PPSD heads (each request's is
-asked on its own, one after another).
+as in the target's pool. Every head is asked for every request in one call: our SPD heads, our output-state and PPSD
+heads (whose query comes after the stages ran: it is asked with the verifications' logits) and the SPD authors' heads
+(their tower over each request's rows, :meth:`~spd.heads.published.authors_head.AuthorsHead.propose_logits_many`).
 """
 
 from __future__ import annotations
@@ -227,9 +228,10 @@ class BatchedPipeline:
                 if any(not any(level is ran for ran in request.ran_ahead) for level in request.work.levels):
                     raise RuntimeError("a level moved after the verification without running in the step's stage "
                                        "calls")
-                self._resume(request, None)  # its outputs are in: up to COLLECT,
+                self._resume(request, None, ask=False)  # its outputs are in: up to COLLECT,
                 if request.work is COLLECT:
-                    self._resume(request, None)  # then on to its next step's work
+                    self._resume(request, None, ask=False)  # then on to its next step's work
+        self._answer([r for r in self.active if isinstance(r.work, Propose)])  # an output-state head's query
         self._leave()
         if not self.busy:
             self.backend.idle()
@@ -314,7 +316,8 @@ class BatchedPipeline:
         for request in running:
             if request.work is COLLECT:
                 self._resume(request, None, ask=False)  # up to its verification's logits, if its root left stage n
-        self._answer([r for r in running if isinstance(r.work, TargetLogits)])  # one LM-head call, then verify
+        # One LM-head call, then verify; an output-state head's query (after the stages) is asked here too.
+        self._answer([r for r in running if isinstance(r.work, (Propose, TargetLogits))])
 
     def _next_chunk(self, request: BatchRequest) -> None:
         """The prompt's next chunk enters stage 1 (if any is left)."""
@@ -350,23 +353,26 @@ class BatchedPipeline:
 
     def _answer(self, requests: list[BatchRequest]) -> None:
         """Answer the questions ``requests`` stopped at together (:func:`~spd.decoding.loop.answer_many`: the
-        proposers' queries, the verifications' logits) and resume each with its answer. If the joint call fails,
-        each is asked alone, so a request's own failure stays its own."""
-        try:
-            answers = answer_many([request.work for request in requests]) if len(requests) > 1 else None
-        except Exception:
-            answers = None
-        for i, request in enumerate(requests):
-            if answers is not None:
-                self._resume(request, answers[i])
-                continue
+        proposers' queries, the verifications' logits) and resume each with its answer, up to its next work; those
+        that ask again (an output-state head's query right after a verification) are answered together again. If a
+        joint call fails, each is asked alone, so a request's own failure stays its own."""
+        while requests:
             try:
-                answer = request.work.answer()
-            except Exception as exc:
-                request.error = exc
-                self._end(request, "failed")
-                continue
-            self._resume(request, answer)
+                answers = answer_many([request.work for request in requests]) if len(requests) > 1 else None
+            except Exception:
+                answers = None
+            for i, request in enumerate(requests):
+                if answers is not None:
+                    self._resume(request, answers[i], ask=False)
+                    continue
+                try:
+                    answer = request.work.answer()
+                except Exception as exc:
+                    request.error = exc
+                    self._end(request, "failed")
+                    continue
+                self._resume(request, answer, ask=False)
+            requests = [r for r in requests if isinstance(r.work, (Propose, TargetLogits))]
 
     def _resume(self, request: BatchRequest, value, ask: bool = True) -> None:
         """Hand the request its work's result; it runs to its next work item, or ends. Its questions

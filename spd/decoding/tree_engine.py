@@ -220,14 +220,6 @@ def path_rows(tree: TokenTree, levels: list[Level]) -> list[torch.Tensor]:
     return [ancestors_LN[:, level.start:level.start + level.size].float().argmax(dim=1) for level in levels]
 
 
-def _features_apart(head: Speculator, depth: int, anchor_sets: list[dict[int, torch.Tensor]]) -> list[torch.Tensor]:
-    """``head.features(depth, anchors)`` of several sets of rows (``(P_i, D)`` per anchor) in one call, split back
-    into one ``(P_i, D)`` per set."""
-    sizes = [next(iter(anchors.values())).shape[0] for anchors in anchor_sets]
-    rows = {a: torch.cat([anchors[a] for anchors in anchor_sets]) for a in head.config.anchors[depth]}
-    return list(head.features(depth, rows).split(sizes))
-
-
 class SpdHeadSource:
     """Token source (b): a trained input-state SPD head with width W (the paper's W = 4).
 
@@ -303,14 +295,14 @@ class SpdHeadSource:
         cfg = head.config
         waiting = [item.source for item in items if item.source.pending]
         if waiting:  # the rows committed since each request's last query, all through the head at once
-            rows = _features_apart(head, cfg.max_depth, [source._take_pending() for source in waiting])
+            rows = head.features_many(cfg.max_depth, [source._take_pending() for source in waiting])
             head.append_memory_many([source.cache for source in waiting], rows)
         paths = [item.source._path(item.tree, item.context, item.levels) for item in items]
         by_depth: dict[int, list[dict[int, torch.Tensor]]] = {}
         for path, _ in paths:
             for depth, anchors in path:
                 by_depth.setdefault(depth, []).append(anchors)
-        features = {depth: iter(_features_apart(head, depth, group)) for depth, group in by_depth.items()}
+        features = {depth: iter(head.features_many(depth, group)) for depth, group in by_depth.items()}
         trailing = [[(depth, next(features[depth])) for depth, _ in path] for path, _ in paths]
         queries = [rows[-1][1] if query is None else head.features(cfg.offset, query)
                    for rows, (_, query) in zip(trailing, paths)]
@@ -404,16 +396,39 @@ class HeadSource:
 
     def expand(self, tree: TokenTree, context: list[int], levels: list[Level]) -> torch.Tensor:
         """The head's log-probabilities after each bottom node, ``(L, V)``: one query per bottom node."""
+        rows = [self.head.propose_logits(self.cache, path) for path in self._paths(tree, context, levels)]
+        return torch.log_softmax(torch.cat(rows).float(), dim=-1)
+
+    def batch_key(self) -> int:
+        """Requests whose keys are equal are asked together (:func:`spd.decoding.proposer.propose_many`)."""
+        return id(self.head)
+
+    @staticmethod
+    def expand_many(items) -> list[torch.Tensor]:
+        """:meth:`expand` for many requests whose sources share one head (``items``: their
+        :class:`~spd.decoding.loop.Propose` work): every bottom node of every request in one
+        ``propose_logits_many`` call of the head. Each request's ``(L, V)``, equal to its own :meth:`expand` up to
+        fp32 rounding."""
+        caches, paths, sizes = [], [], []
+        for item in items:
+            nodes = item.source._paths(item.tree, item.context, item.levels)
+            caches += [item.source.cache] * len(nodes)
+            paths += nodes
+            sizes.append(len(nodes))
+        logits_BV = items[0].source.head.propose_logits_many(caches, paths)
+        return list(torch.log_softmax(logits_BV.float(), dim=-1).split(sizes))
+
+    def _paths(self, tree: TokenTree, context: list[int], levels: list[Level]) -> list[list[SimpleNamespace]]:
+        """Each bottom node's in-flight slots, root first (``position``, ``depth``, ``anchors`` (1, D) each): the
+        ``inflight`` argument of the head's ``propose_logits``."""
         if self.committed != len(context):
             raise RuntimeError("the head and the committed tokens are out of step")
         picks = [pick_L.tolist() for pick_L in path_rows(tree, levels)]
-        rows = []
-        for node in range(len(picks[0])):  # levels[i] holds the nodes i levels below the root (at committed + i)
-            path = [SimpleNamespace(position=self.committed + i, depth=level.depth,
-                                    anchors={a: h[pick[node]:pick[node] + 1] for a, h in level.anchors.items()})
-                    for i, (level, pick) in enumerate(zip(levels, picks))]
-            rows.append(self.head.propose_logits(self.cache, path))
-        return torch.log_softmax(torch.cat(rows).float(), dim=-1)
+        # levels[i] holds the nodes i levels below the root (at committed + i)
+        return [[SimpleNamespace(position=self.committed + i, depth=level.depth,
+                                 anchors={a: h[pick[node]:pick[node] + 1] for a, h in level.anchors.items()})
+                 for i, (level, pick) in enumerate(zip(levels, picks))]
+                for node in range(len(picks[0]))]
 
     def advanced(self, levels: list[Level], tree: TokenTree, committed: int) -> None:
         """Rows that reached the depth the head keeps join its cache (one-node levels: a deeper level's nodes never

@@ -193,6 +193,13 @@ class Speculator(PreTrainedModel):
         """``g^depth = FC_depth(concat(H^a for a in anchors[depth]))`` for rows that all have this depth."""
         return ConcatLinear.apply(self.fc[str(depth)].weight, *(hidden[a] for a in self.config.anchors[depth]))
 
+    def features_many(self, depth: int, anchor_sets: list[dict[int, torch.Tensor]]) -> list[torch.Tensor]:
+        """:meth:`features` of several sets of rows of one depth (``(P_i, D)`` per anchor) in one call, split back
+        into one ``(P_i, D)`` per set."""
+        sizes = [next(iter(anchors.values())).shape[0] for anchors in anchor_sets]
+        rows = {a: torch.cat([anchors[a] for anchors in anchor_sets]) for a in self.config.anchors[depth]}
+        return list(self.features(depth, rows).split(sizes))
+
     def get_input_embeddings(self):
         return None  # the head has no embedding of its own (accelerate's FSDP2 set-up asks)
 
@@ -322,6 +329,30 @@ class Speculator(PreTrainedModel):
         newest = inflight[-1]
         query_1D = rows[-1][1] if rows and rows[-1][0] == cfg.offset else self.features(cfg.offset, newest.anchors)
         return self.vocab_logits(self.query(cache, rows, query_1D))
+
+    def propose_logits_many(self, caches: list["SpeculatorCache"], inflights: list) -> torch.Tensor:
+        """:meth:`propose_logits` of many queries at once, ``inflights[i]`` over ``caches[i]`` (a cache may serve
+        several queries): the rows of one depth go through their FC together, then one :meth:`query_many` and one
+        LM head. Logits ``(B, V)``, equal to each query's own up to fp32 rounding."""
+        cfg = self.config
+        plans = []  # per query: its trailing rows as (depth, anchors), then its query's anchors (None: the last row)
+        for cache, inflight in zip(caches, inflights):
+            trailing = [s for s in inflight if s.position >= cache.length]
+            first_uncached = trailing[0].position if trailing else inflight[-1].position + 1
+            if first_uncached != cache.length:
+                raise RuntimeError("speculator cache and in-flight tokens are out of step")
+            rows = [(min(s.depth, cfg.max_depth), s.anchors) for s in trailing]
+            plans.append((rows, None if rows and rows[-1][0] == cfg.offset else inflight[-1].anchors))
+        by_depth: dict[int, list[dict[int, torch.Tensor]]] = {}
+        for rows, _ in plans:
+            for depth, anchors in rows:
+                by_depth.setdefault(depth, []).append(anchors)
+        features = {depth: iter(self.features_many(depth, group)) for depth, group in by_depth.items()}
+        trailing = [[(depth, next(features[depth])) for depth, _ in rows] for rows, _ in plans]
+        asked = [query for _, query in plans if query is not None]
+        own = iter(self.features_many(cfg.offset, asked) if asked else [])
+        queries = [rows[-1][1] if query is None else next(own) for rows, (_, query) in zip(trailing, plans)]
+        return self.vocab_logits(self.query_many(caches, trailing, queries))
 
     def new_cache(self, batch_size: int = 1, capacity: int = 256) -> "SpeculatorCache":
         p = next(self.parameters())

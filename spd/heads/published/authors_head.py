@@ -223,6 +223,20 @@ class AuthorsHead(nn.Module):
 
     def propose_logits(self, cache: AuthorsCache, inflight) -> torch.Tensor:
         """Full-vocabulary logits (1, V) of the head's next token after the newest in-flight token."""
+        rows_1RD, first, slots = self._window(cache, inflight)
+        return self.logits(self._tower(cache, rows_1RD, first, slots))
+
+    def propose_logits_many(self, caches: list[AuthorsCache], inflights: list) -> torch.Tensor:
+        """:meth:`propose_logits` of many queries at once, ``inflights[i]`` over ``caches[i]`` (a cache may serve
+        several queries, the nodes of one request's tree: its keys and values are then those of the last of them,
+        as when they are asked one after another): one tower call over every query's rows, left-padded to the
+        longest, each attending its own cache. Logits ``(B, V)``, equal to each query's own up to fp32 rounding."""
+        windows = [self._window(cache, inflight) for cache, inflight in zip(caches, inflights)]
+        return self.logits(self._tower_many(caches, *map(list, zip(*windows))))
+
+    def _window(self, cache: AuthorsCache, inflight) -> tuple[torch.Tensor, int, list[int]]:
+        """The rows of one query (their schedule, see the module docstring) as ``(1, R, D)``, the first row's
+        position and each row's slot; the cache is cut to the first row's position."""
         cfg = self.config
         n = cfg.n_stages
         newest = inflight[-1].position
@@ -246,8 +260,7 @@ class AuthorsHead(nn.Module):
         for p in [p for p in cache.snaps if p < newest - 2 * n]:
             del cache.snaps[p]
         cache.kv.truncate(positions[0])
-        out_1D = self._tower(cache, torch.cat(rows, dim=1), positions[0], slots)
-        return self.logits(out_1D)
+        return torch.cat(rows, dim=1), positions[0], slots
 
     def logits(self, hidden_1D: torch.Tensor) -> torch.Tensor:
         """``lm_head(target_norm(x))`` spread over the full vocabulary (-inf outside a draft vocabulary)."""
@@ -327,20 +340,41 @@ class AuthorsHead(nn.Module):
 
     def _tower(self, cache: AuthorsCache, rows_1RD: torch.Tensor, first: int, slots: list[int]) -> torch.Tensor:
         """Run the tower on rows at positions ``first ..`` after the cached ones; the last row's output (1, D)."""
-        kv = cache.kv
-        if kv.length != first:
-            raise RuntimeError(f"authors head: rows start at position {first} but the cache holds {kv.length}")
-        r = rows_1RD.shape[1]
-        pos_1R = torch.arange(first, first + r, device=rows_1RD.device)[None]
-        cos, sin = self.rotary(rows_1RD, pos_1R)
-        kv.reserve(first + r)
-        k_pos = torch.arange(first + r, device=rows_1RD.device)
-        mask_11RK = (k_pos[None, :] <= pos_1R[0, :, None])[None, None]
+        return self._tower_many([cache], [rows_1RD], [first], [slots])
+
+    def _tower_many(self, caches: list[AuthorsCache], rows: list[torch.Tensor], firsts: list[int],
+                    slots: list[list[int]]) -> torch.Tensor:
+        """:meth:`_tower` for B queries in one call: query ``b``'s rows ``(1, R_b, D)`` at positions ``firsts[b] ..``
+        after ``caches[b]``'s rows, left-padded to the longest (so every query's newest row is the last); each
+        cache gets its query's keys and values. The last row's output of each, ``(B, D)``. One query runs as
+        before batching, on its own cache."""
+        for cache, first in zip(caches, firsts):
+            if cache.kv.length != first:
+                raise RuntimeError(f"authors head: rows start at position {first} but the cache holds "
+                                   f"{cache.kv.length}")
+        sizes = [r.shape[1] for r in rows]
+        width = max(sizes)
+        dev = rows[0].device
+        rows_BRD = rows[0].new_zeros(len(rows), width, rows[0].shape[2])
+        pos_BR = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
+        slots_BR = torch.full((len(rows), width), -1, dtype=torch.long)  # -1: padding
+        for b, (r_1RD, first, size) in enumerate(zip(rows, firsts, sizes)):
+            rows_BRD[b, width - size:] = r_1RD[0]
+            pos_BR[b, width - size:] = torch.arange(first, first + size, device=dev)
+            slots_BR[b, width - size:] = torch.tensor(slots[b])
+        cos, sin = self.rotary(rows_BRD, pos_BR)
+        for cache, first, size in zip(caches, firsts, sizes):
+            cache.kv.reserve(first + size)
+        keys = max(first + size for first, size in zip(firsts, sizes))
+        # A row sees the keys up to its own position (a padding row, at position 0, sees key 0 only).
+        mask_B1RK = (torch.arange(keys, device=dev)[None, None, :] <= pos_BR[:, :, None])[:, None]
+        kv = caches[0].kv if len(caches) == 1 else _PaddedKV([c.kv for c in caches], sizes, keys)
         if self.config.version == 10:
-            out = self._tower_v10(kv, rows_1RD, cos, sin, pos_1R, mask_11RK, slots)
+            out = self._tower_v10(kv, rows_BRD, cos, sin, pos_BR, mask_B1RK, slots_BR)
         else:
-            out = self._decoder(rows_1RD, cos, sin, pos_1R, kv, mask_11RK)
-        kv.advance(r)
+            out = self._decoder(rows_BRD, cos, sin, pos_BR, kv, mask_B1RK)
+        for cache in {id(c): c for c in caches}.values():  # a cache serving several queries advances once
+            cache.kv.advance(sizes[caches.index(cache)])
         return out[:, -1]
 
     def _decoder(self, x_1RD, cos, sin, pos_1R, kv: StageKVCache, mask_11RK) -> torch.Tensor:
@@ -353,23 +387,25 @@ class AuthorsHead(nn.Module):
                 x_1RD = self._layer(layer, j, x_1RD, cos, sin, kv, mask_11RK, list(range(x_1RD.shape[1])))
         return x_1RD
 
-    def _tower_v10(self, kv, rows_1RD, cos, sin, pos_1R, mask_11RK, slots):
+    def _tower_v10(self, kv, rows_BRD, cos, sin, pos_BR, mask_B1RK, slots_BR):
+        """v10: the query rows (slot 0: the newest row of every query, or none in a prefill) through the layers; the
+        memory rows (slot s > 0) enter layer j as ``P_j(..(P_0(row)))``, padding rows (slot -1) as they are."""
         n = self.config.n_stages
-        memory = [i for i, s in enumerate(slots) if s > 0]
-        queries = [i for i, s in enumerate(slots) if s == 0]
-        mem_1MD = rows_1RD[:, memory]
-        query_1QD = rows_1RD[:, queries]
-        groups = {s: [m for m, i in enumerate(memory) if slots[i] == s] for s in sorted({slots[i] for i in memory})}
+        query_cols = [i for i in range(slots_BR.shape[1]) if bool((slots_BR[:, i] == 0).all())]
+        if any(bool((slots_BR[:, i] == 0).any()) for i in range(slots_BR.shape[1]) if i not in query_cols):
+            raise RuntimeError("authors head: the queries of one tower call must be the same rows of every query")
+        groups = {s: (slots_BR == s).to(rows_BRD.device) for s in sorted(set(slots_BR[slots_BR > 0].tolist()))}
+        mem_BRD = rows_BRD
+        query_BQD = rows_BRD[:, query_cols]
         for j, layer in enumerate(self.spec_layers):
             # The per-layer projections compose: layer j sees P_j(..(P_0(row))) (their in-place update).
-            mem_1MD = mem_1MD.clone()
-            for s, members in groups.items():
-                mem_1MD[:, members] = self.fixed_stage_per_layer_projs[j][n - s](mem_1MD[:, members])
-            x_1RD = rows_1RD.clone()
-            x_1RD[:, memory] = mem_1MD
-            x_1RD[:, queries] = query_1QD
-            query_1QD = self._layer(layer, j, x_1RD, cos, sin, kv, mask_11RK, queries)
-        return query_1QD if queries else rows_1RD[:, -1:]
+            mem_BRD = mem_BRD.clone()
+            for s, members_BR in groups.items():
+                mem_BRD[members_BR] = self.fixed_stage_per_layer_projs[j][n - s](mem_BRD[members_BR])
+            x_BRD = mem_BRD.clone()
+            x_BRD[:, query_cols] = query_BQD
+            query_BQD = self._layer(layer, j, x_BRD, cos, sin, kv, mask_B1RK, query_cols)
+        return query_BQD if query_cols else rows_BRD[:, -1:]
 
     def _layer(self, layer, j: int, x_1RD, cos, sin, kv: StageKVCache, mask_11RK, out_rows: list[int]):
         """A Qwen3-parts decoder layer over all rows (keys/values appended to ``kv``), outputs of ``out_rows``."""
@@ -391,6 +427,25 @@ class AuthorsHead(nn.Module):
                                                  attn_mask=mask_11RK[:, :, out_rows], scale=attn.scaling)
         y = x_1RD[:, out_rows] + attn.o_proj(out.transpose(1, 2).reshape(b, len(out_rows), -1))
         return y + layer.mlp(layer.post_attention_layernorm(y))
+
+
+class _PaddedKV:
+    """Many queries' tower caches as one batch for the layers' ``update(key, value, layer_idx)`` call: query ``b``'s
+    new rows (the last ``sizes[b]`` of the call's left-padded rows) are written into its own cache, and every query's
+    keys and values come back in one tensor padded to ``keys`` positions (the mask hides the padding)."""
+
+    def __init__(self, kvs: list[StageKVCache], sizes: list[int], keys: int):
+        self.kvs, self.sizes, self.keys = kvs, sizes, keys
+
+    def update(self, key_BHkRDh: torch.Tensor, value_BHkRDh: torch.Tensor, layer_idx: int, *args, **kwargs):
+        b, h, _, d = key_BHkRDh.shape
+        keys_BHkKDh = key_BHkRDh.new_zeros(b, h, self.keys, d)
+        values_BHkKDh = value_BHkRDh.new_zeros(b, h, self.keys, d)
+        for i, (kv, size) in enumerate(zip(self.kvs, self.sizes)):
+            k, v = kv.update(key_BHkRDh[i:i + 1, :, -size:], value_BHkRDh[i:i + 1, :, -size:], layer_idx)
+            keys_BHkKDh[i, :, :k.shape[2]] = k[0]  # copied now: another query of the same cache may write next
+            values_BHkKDh[i, :, :v.shape[2]] = v[0]
+        return keys_BHkKDh, values_BHkKDh
 
 
 def _config_for(checkpoint: AuthorsCheckpoint, staged: StagedModel, use_deepest: bool | None,
