@@ -114,6 +114,8 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu", help="torch device of the target and heads (cpu, cuda, cuda:1, ...)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--out", default="bench.json", help="where the JSON results go")
     p.add_argument("--plot", default=None, help="PNG: acceptance by pipeline position and L'_acc vs n")
     return p.parse_args(argv)
@@ -219,7 +221,8 @@ def _bench(args, runs: list[RunSpec]) -> int:
         torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(args.tokenizer or args.target)
     dataset, prompts = load_prompts(args.prompts, tokenizer, args.num_prompts)
-    base = StagedModel.from_pretrained(args.target, n_stages=1)
+    dtype, device = getattr(torch, args.dtype), args.device
+    base = StagedModel.from_pretrained(args.target, n_stages=1, dtype=dtype, device=device)
     staged_by_cut: dict[tuple[int, ...], StagedModel] = {(0, base.num_layers): base}
 
     def staged(n: int, boundaries: list[int] | None = None) -> StagedModel:
@@ -237,9 +240,9 @@ def _bench(args, runs: list[RunSpec]) -> int:
     info: dict[str, dict] = {}
     for run in runs:
         if run.mode == "sd":
-            head = load_speculator(run.source) if _is_head(run.source) else None
+            head = load_speculator(run.source, dtype=dtype, device=device) if _is_head(run.source) else None
             spec = DecodingSpec("sd", draft_model=None if head else run.source, draft_steps=run.draft_steps)
-            engines[run.name] = build_engine(spec, staged(1), head, tokenizer)
+            engines[run.name] = build_engine(spec, staged(1), head, tokenizer, dtype, device)
             info[run.name] = {"mode": "sd", "stages": 1, "head": run.source if head else None,
                               "draft": None if head else run.source, "draft_steps": run.draft_steps,
                               "variant": f"sd-{'eagle' if head else 'draft'} m={run.draft_steps}",
@@ -247,12 +250,13 @@ def _bench(args, runs: list[RunSpec]) -> int:
             continue
         if run.mode == "tree":
             engines[run.name], info[run.name] = _tree_run(
-                run, staged(run.stages, run.boundaries or head_cuts.get(run.stages)), tokenizer, args.tree_max_width)
+                run, staged(run.stages, run.boundaries or head_cuts.get(run.stages)), tokenizer, args.tree_max_width,
+                dtype, device)
             continue
-        head = load_speculator(run.head) if run.head else None
+        head = load_speculator(run.head, dtype=dtype, device=device) if run.head else None
         n = head.config.n_stages if head is not None else run.stages
         cut = head.config.boundaries if head is not None else run.boundaries or head_cuts.get(n)
-        engines[run.name] = build_engine(DecodingSpec(run.mode), staged(n, cut), head, tokenizer)
+        engines[run.name] = build_engine(DecodingSpec(run.mode), staged(n, cut), head, tokenizer, dtype, device)
         n = engines[run.name].staged.n_stages
         variant = "ar" if run.mode == "ar" else "pp" if head is None else (
             "ppsd" if head.config.max_depth == 1 else f"spd-{head.config.schedule}")
@@ -261,7 +265,7 @@ def _bench(args, runs: list[RunSpec]) -> int:
                           "speculator_layers": head.config.num_layers if head is not None else 0}
     if "ar" not in {r.mode for r in runs} and 0.0 in args.temperatures:
         runs.append(RunSpec("ar", "ar"))  # the lossless reference at T=0
-        engines["ar"] = build_engine(DecodingSpec("ar"), base, None, tokenizer)
+        engines["ar"] = build_engine(DecodingSpec("ar"), base, None, tokenizer, dtype, device)
         info["ar"] = {"mode": "ar", "stages": 1, "head": None, "variant": "ar", "speculator_layers": 0}
 
     results: dict[str, dict] = {}
@@ -314,7 +318,9 @@ def _bench(args, runs: list[RunSpec]) -> int:
                 summary["identical_to_ar"] = same
             results[key_t][run.name] = {**info[run.name], "summary": summary, "per_prompt": per_run[run.name]}
 
-    report = {"command": " ".join(sys.argv), "target": args.target, "dataset": dataset, "prompts_file": args.prompts,
+    report = {"command": " ".join(sys.argv), "target": args.target, "device": str(base.device),
+              "device_name": torch.cuda.get_device_name(base.device) if base.device.type == "cuda" else "cpu",
+              "dtype": args.dtype, "dataset": dataset, "prompts_file": args.prompts,
               "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "top_k": args.top_k,
               "top_p": args.top_p, "seed": args.seed, "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -337,7 +343,8 @@ def _journal_path(out: str) -> Path:
 def _settings(args, runs: list[RunSpec], prompts: list[list[int]]) -> dict:
     """What decides a benchmark's numbers: a journal resumes only a run with exactly these."""
     digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
-    return {"target": args.target, "prompts": args.prompts, "prompt_ids_sha256": digest,
+    return {"target": args.target, "device": args.device, "dtype": args.dtype, "prompts": args.prompts,
+            "prompt_ids_sha256": digest,
             "max_new_tokens": args.max_new_tokens, "temperatures": args.temperatures, "top_k": args.top_k,
             "top_p": args.top_p, "seed": args.seed, "tree_max_width": args.tree_max_width,
             "runs": [dataclasses.asdict(r) for r in runs]}
@@ -358,7 +365,7 @@ def _is_head(source: str) -> bool:
     return config.is_file() and json.loads(config.read_text()).get("model_type") == SpeculatorConfig.model_type
 
 
-def _tree_run(run: RunSpec, staged, tokenizer, max_width: int = 8):
+def _tree_run(run: RunSpec, staged, tokenizer, max_width: int = 8, dtype=None, device="cpu"):
     """The tree engine of a ``tree:SOURCE:N:W:K[:RULE]`` run and its info row."""
     import torch
 
@@ -366,10 +373,11 @@ def _tree_run(run: RunSpec, staged, tokenizer, max_width: int = 8):
     from spd.heads.loading import load_speculator
 
     is_head = _is_head(run.source)
-    head = load_speculator(run.source) if is_head else None
+    dtype = torch.float32 if dtype is None else dtype
+    head = load_speculator(run.source, dtype=dtype, device=device) if is_head else None
     spec = DecodingSpec("tree", draft_model=None if is_head else run.source, tree_width=run.width,
                         tree_children=run.children, tree_candidates=run.candidates, tree_max_width=max_width)
-    engine = build_engine(spec, staged, head, tokenizer, torch.float32, "cpu")
+    engine = build_engine(spec, staged, head, tokenizer, dtype, device)
     kind, layers = ("spd", head.config.num_layers) if is_head else ("draft", 0)
     info = {"mode": "tree", "stages": run.stages, "head": run.source if is_head else None,
             "draft": None if is_head else run.source, "width": run.width, "children": run.children,

@@ -175,3 +175,35 @@ def test_a_local_world_started_without_a_launcher_runs_on_loopback(tiny_testbed)
 
 if __name__ == "__main__":
     sys.exit(_hostile_peer_main())
+
+
+# ------------------------------------------------------------------------------------------------- devices
+
+
+def test_a_device_that_cannot_be_had_is_one_sentence():
+    """Not a device name; CUDA asked of a torch or a machine without it (on this CPU-only CI)."""
+    from spd.target.staging import check_device
+
+    assert check_device("cpu") == torch.device("cpu")
+    with pytest.raises(SpdInputError, match="^device 'cdua' is not a torch device; expected cpu, cuda or cuda:N$"):
+        check_device("cdua")
+    if torch.cuda.is_available():
+        with pytest.raises(SpdInputError, match=r"device 'cuda:64' does not exist: torch sees \d+ CUDA GPU"):
+            check_device("cuda:64")
+    else:
+        with pytest.raises(SpdInputError, match="^device 'cuda' needs a CUDA GPU, but "):
+            check_device("cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
+def test_cuda_on_a_cpu_machine_is_one_error_line_in_the_clis(tiny_testbed):
+    """spd-generate and infer/bench.py with --device cuda here: exit 2 and one line, before any model loads."""
+    target = str(tiny_testbed / "target")
+    cmds = [[sys.executable, "-m", "spd.cli.generate", "--target", target, "--prompt", "x", "--device", "cuda"],
+            [sys.executable, str(REPO / "infer" / "bench.py"), "--target", target, "--prompts",
+             str(tiny_testbed / "prompts.jsonl"), "--device", "cuda"]]
+    for cmd in cmds:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: device 'cuda' needs a CUDA GPU, but "), proc.stderr

@@ -165,7 +165,7 @@ def open_pipeline(spec: PipelineSpec) -> Pipeline:
     from ..paths import check_model_source
     from ..heads.published.authors_file import is_authors_file
     from ..heads.loading import load_speculator, pipeline_cut, speculator_stages
-    from ..target.staging import StagedModel, load_target_tokenizer
+    from ..target.staging import StagedModel, check_device, load_target_tokenizer
 
     check_model_source(spec.target, "target")
     if spec.speculator is not None and not is_authors_file(spec.speculator):
@@ -228,7 +228,7 @@ def _open_distributed(spec: PipelineSpec, n: int, boundaries: list[int] | None, 
         interface = route_interface(host)
     else:
         host, port, interface = "127.0.0.1", free_port(), loopback_interface()
-    backend = "nccl" if torch.device(spec.device).type == "cuda" else "gloo"
+    backend = "nccl" if check_device(spec.device).type == "cuda" else "gloo"
     config = RuntimeConfig(backend=backend, timeout_s=spec.timeout_s, emulate_stage_ms=spec.emulate_stage_ms,
                            emulate_token_ms=spec.emulate_token_ms,
                            emulate_link_ms=spec.emulate_link_ms, join_timeout_s=spec.join_timeout_s)

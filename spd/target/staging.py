@@ -665,12 +665,34 @@ def load_causal_lm(name_or_path: str | os.PathLike, revision: str | None = None,
 
     source = str(name_or_path)
     check_model_source(source, "model")
+    device = check_device(device)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, revision=revision, dtype=dtype,
                                                      attn_implementation="sdpa", **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         raise SpdInputError(f"could not load a causal LM from '{source}': {first_line(exc)}") from exc
     return model.to(device).eval()
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch device, or one sentence saying why it cannot be used here (not a device name, no CUDA in
+    this torch build or on this machine, a GPU index beyond the GPUs torch sees)."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise SpdInputError(f"device '{device}' is not a torch device; expected cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if torch.version.cuda is None:
+            raise SpdInputError(f"device '{device}' needs a CUDA GPU, but this torch ({torch.__version__}) is a build "
+                                "without CUDA; use --device cpu, or install torch's CUDA build on a GPU machine")
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise SpdInputError(f"device '{device}' needs a CUDA GPU, but torch sees none on this machine; use "
+                                "--device cpu")
+        if device.index is not None and device.index >= count:
+            raise SpdInputError(f"device '{device}' does not exist: torch sees {count} CUDA GPU(s), cuda:0 to "
+                                f"cuda:{count - 1}")
+    return device
 
 
 def load_tokenizer(name_or_path: str | os.PathLike, revision: str | None = None):
