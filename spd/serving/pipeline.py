@@ -165,7 +165,7 @@ def open_pipeline(spec: PipelineSpec) -> Pipeline:
     from ..paths import check_model_source
     from ..heads.published.authors_file import is_authors_file
     from ..heads.loading import load_speculator, pipeline_cut, speculator_stages
-    from ..target.staging import StagedModel, check_device, load_target_tokenizer
+    from ..target.staging import StagedModel, load_target_tokenizer
 
     check_model_source(spec.target, "target")
     if spec.speculator is not None and not is_authors_file(spec.speculator):
@@ -211,6 +211,7 @@ def _open_distributed(spec: PipelineSpec, n: int, boundaries: list[int] | None, 
     from ..runtime.remote import RemoteStages
     from ..runtime.world import bound_store, free_port, is_loopback, loopback_interface, route_interface
     from ..heads.loading import load_speculator
+    from ..target.staging import check_device
 
     if spec.mode not in ("spd", "pp", "tree"):
         raise SpdInputError(f"--runtime distributed runs --mode spd, pp or tree, not '{spec.mode}'")
