@@ -298,12 +298,7 @@ class SpdHeadSource:
             rows = head.features_many(cfg.max_depth, [source._take_pending() for source in waiting])
             head.append_memory_many([source.cache for source in waiting], rows)
         paths = [item.source._path(item.tree, item.context, item.levels) for item in items]
-        by_depth: dict[int, list[dict[int, torch.Tensor]]] = {}
-        for path, _ in paths:
-            for depth, anchors in path:
-                by_depth.setdefault(depth, []).append(anchors)
-        features = {depth: iter(head.features_many(depth, group)) for depth, group in by_depth.items()}
-        trailing = [[(depth, next(features[depth])) for depth, _ in path] for path, _ in paths]
+        trailing = head.trailing_features([path for path, _ in paths])
         queries = [rows[-1][1] if query is None else head.features(cfg.offset, query)
                    for rows, (_, query) in zip(trailing, paths)]
         out_BD = head.query_many([item.source.cache for item in items], trailing, queries)

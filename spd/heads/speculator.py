@@ -200,6 +200,17 @@ class Speculator(PreTrainedModel):
         rows = {a: torch.cat([anchors[a] for anchors in anchor_sets]) for a in self.config.anchors[depth]}
         return list(self.features(depth, rows).split(sizes))
 
+    def trailing_features(self, paths: list[list[tuple[int, dict[int, torch.Tensor]]]]
+                          ) -> list[list[tuple[int, torch.Tensor]]]:
+        """Many queries' trailing rows, each path ``[(depth, anchors), ...]``, as ``[(depth, g), ...]``: the rows of
+        one depth, of every path, through that depth's FC in one call."""
+        by_depth: dict[int, list[dict[int, torch.Tensor]]] = {}
+        for path in paths:
+            for depth, anchors in path:
+                by_depth.setdefault(depth, []).append(anchors)
+        features = {depth: iter(self.features_many(depth, group)) for depth, group in by_depth.items()}
+        return [[(depth, next(features[depth])) for depth, _ in path] for path in paths]
+
     def get_input_embeddings(self):
         return None  # the head has no embedding of its own (accelerate's FSDP2 set-up asks)
 
@@ -343,12 +354,7 @@ class Speculator(PreTrainedModel):
                 raise RuntimeError("speculator cache and in-flight tokens are out of step")
             rows = [(min(s.depth, cfg.max_depth), s.anchors) for s in trailing]
             plans.append((rows, None if rows and rows[-1][0] == cfg.offset else inflight[-1].anchors))
-        by_depth: dict[int, list[dict[int, torch.Tensor]]] = {}
-        for rows, _ in plans:
-            for depth, anchors in rows:
-                by_depth.setdefault(depth, []).append(anchors)
-        features = {depth: iter(self.features_many(depth, group)) for depth, group in by_depth.items()}
-        trailing = [[(depth, next(features[depth])) for depth, _ in rows] for rows, _ in plans]
+        trailing = self.trailing_features([rows for rows, _ in plans])
         asked = [query for _, query in plans if query is not None]
         own = iter(self.features_many(cfg.offset, asked) if asked else [])
         queries = [rows[-1][1] if query is None else next(own) for rows, (_, query) in zip(trailing, plans)]
