@@ -365,15 +365,12 @@ def _is_head(source: str) -> bool:
     return config.is_file() and json.loads(config.read_text()).get("model_type") == SpeculatorConfig.model_type
 
 
-def _tree_run(run: RunSpec, staged, tokenizer, max_width: int = 8, dtype=None, device="cpu"):
+def _tree_run(run: RunSpec, staged, tokenizer, max_width: int, dtype, device):
     """The tree engine of a ``tree:SOURCE:N:W:K[:RULE]`` run and its info row."""
-    import torch
-
     from spd.decoding.factory import DecodingSpec, build_engine
     from spd.heads.loading import load_speculator
 
     is_head = _is_head(run.source)
-    dtype = torch.float32 if dtype is None else dtype
     head = load_speculator(run.source, dtype=dtype, device=device) if is_head else None
     spec = DecodingSpec("tree", draft_model=None if is_head else run.source, tree_width=run.width,
                         tree_children=run.children, tree_candidates=run.candidates, tree_max_width=max_width)

@@ -329,34 +329,31 @@ class Speculator(PreTrainedModel):
 
     def propose_logits(self, cache: "SpeculatorCache", inflight) -> torch.Tensor:
         """Logits (1, V) for the position after the newest in-flight slot, from the slots' current depths."""
+        plan, query = self._plan(cache, inflight)
+        rows = [(depth, self.features(depth, anchors)) for depth, anchors in plan]
+        query_1D = rows[-1][1] if query is None else self.features(self.config.offset, query)
+        return self.vocab_logits(self.query(cache, rows, query_1D))
+
+    def _plan(self, cache: "SpeculatorCache", inflight) -> tuple[list[tuple[int, dict]], dict | None]:
+        """A query's trailing rows as ``(depth, anchors)``, and its query's anchors (None: the last row is the query,
+        already at the query's depth)."""
         cfg = self.config
         # Rows older than the cache are at max depth; the trailing rows are the in-flight tokens below it.
         trailing = [s for s in inflight if s.position >= cache.length]
         first_uncached = trailing[0].position if trailing else inflight[-1].position + 1
         if first_uncached != cache.length:
             raise RuntimeError("speculator cache and in-flight tokens are out of step")
-        rows = [(min(s.depth, cfg.max_depth), self.features(min(s.depth, cfg.max_depth), s.anchors))
-                for s in trailing]
-        newest = inflight[-1]
-        query_1D = rows[-1][1] if rows and rows[-1][0] == cfg.offset else self.features(cfg.offset, newest.anchors)
-        return self.vocab_logits(self.query(cache, rows, query_1D))
+        rows = [(min(s.depth, cfg.max_depth), s.anchors) for s in trailing]
+        return rows, None if rows and rows[-1][0] == cfg.offset else inflight[-1].anchors
 
     def propose_logits_many(self, caches: list["SpeculatorCache"], inflights: list) -> torch.Tensor:
         """:meth:`propose_logits` of many queries at once, ``inflights[i]`` over ``caches[i]`` (a cache may serve
         several queries): the rows of one depth go through their FC together, then one :meth:`query_many` and one
         LM head. Logits ``(B, V)``, equal to each query's own up to fp32 rounding."""
-        cfg = self.config
-        plans = []  # per query: its trailing rows as (depth, anchors), then its query's anchors (None: the last row)
-        for cache, inflight in zip(caches, inflights):
-            trailing = [s for s in inflight if s.position >= cache.length]
-            first_uncached = trailing[0].position if trailing else inflight[-1].position + 1
-            if first_uncached != cache.length:
-                raise RuntimeError("speculator cache and in-flight tokens are out of step")
-            rows = [(min(s.depth, cfg.max_depth), s.anchors) for s in trailing]
-            plans.append((rows, None if rows and rows[-1][0] == cfg.offset else inflight[-1].anchors))
+        plans = [self._plan(cache, inflight) for cache, inflight in zip(caches, inflights)]
         trailing = self.trailing_features([rows for rows, _ in plans])
         asked = [query for _, query in plans if query is not None]
-        own = iter(self.features_many(cfg.offset, asked) if asked else [])
+        own = iter(self.features_many(self.config.offset, asked) if asked else [])
         queries = [rows[-1][1] if query is None else next(own) for rows, (_, query) in zip(trailing, plans)]
         return self.vocab_logits(self.query_many(caches, trailing, queries))
 
