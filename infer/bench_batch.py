@@ -70,7 +70,10 @@ def parse_args(argv=None):
     p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--requests-per-client", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--prefill-chunk", type=int, default=64)
+    p.add_argument("--prefill-chunk", type=int, default=64,
+                   help="prompt tokens that enter the pipeline per step, all newcomers together")
+    p.add_argument("--step-tokens", type=int, default=None,
+                   help="a stage call's token budget: prompts enter with what the levels in flight leave of it")
     p.add_argument("--stage-ms", type=float, default=None, help="the model clock's fixed cost per stage call, a")
     p.add_argument("--token-ms", type=float, default=None, help="the model clock's cost per token, b")
     p.add_argument("--runtime", default="local", choices=("local", "distributed"),
@@ -118,7 +121,7 @@ def calibrate(staged, context: int) -> tuple[float, float]:
 
 
 def run_system(engines: dict, system: str, prompts: list[list[int]], clients: int, per_client: int,
-               max_new_tokens: int, prefill_chunk: int, width: int = 1) -> dict:
+               max_new_tokens: int, prefill_chunk: int, width: int = 1, step_tokens: int | None = None) -> dict:
     """C closed-loop clients on one batched pipeline; per request its token steps and wall times. ``engines``: the
     engine of each mode (spd and pp share one; a draft model's tree has its own)."""
     from spd.decoding.batch import BatchedPipeline
@@ -129,7 +132,7 @@ def run_system(engines: dict, system: str, prompts: list[list[int]], clients: in
     in_flight = engine.staged.n_stages * width + 8  # the tree (or chain) in flight, with room to spare
     batched = BatchedPipeline(engine, max_batch=1 if system.endswith("1-at-a-time") else clients,
                               kv_rows=clients * (max(map(len, prompts)) + max_new_tokens + in_flight),
-                              prefill_chunk=prefill_chunk)
+                              prefill_chunk=prefill_chunk, step_tokens=step_tokens)
     records, next_prompt = [], iter(range(10 ** 9))
 
     def send(client: int, left: int) -> None:
@@ -287,14 +290,15 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
                "tree_width": args.tree_width if args.draft_model else None, "prompts": dataset,
                "stages": staged.n_stages,
                "max_new_tokens": args.max_new_tokens, "requests_per_client": args.requests_per_client,
-               "prefill_chunk": args.prefill_chunk, "stage_ms": a_ms, "token_ms": b_ms, "clock_source": source,
+               "prefill_chunk": args.prefill_chunk, "step_tokens": args.step_tokens, "stage_ms": a_ms, "token_ms": b_ms,
+               "clock_source": source,
                "runtime": args.runtime, "real_clock": wall,
                "threads": torch.get_num_threads(), "command": " ".join(sys.argv), "rows": []}
     for clients in args.clients:
         outputs = []
         for system in (SYSTEMS if args.draft_model is None else TREE_SYSTEMS):
             run = run_system(engines, system, prompts, clients, args.requests_per_client, args.max_new_tokens,
-                             args.prefill_chunk, args.tree_width if args.draft_model else 1)
+                             args.prefill_chunk, args.tree_width if args.draft_model else 1, args.step_tokens)
             outputs.append(sorted((r["prompt"], r["tokens"]) for r in run["records"]))
             row = {"clients": clients, "system": system, **summarize(run, staged.n_stages, a_ms, b_ms)}
             results["rows"].append(row)

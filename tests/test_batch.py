@@ -252,6 +252,39 @@ def test_sliding_window_targets_batch_too():
                                    out.token_ids)
 
 
+def test_newcomers_share_the_prefill_budget_of_a_step(target_model):
+    """Prompts enter the pipeline ``prefill_chunk`` tokens per step in all, the oldest newcomer's first: three prompts
+    admitted together never put more than 8 tokens into a stage call (not 8 each), the second takes what the first
+    leaves of a step, and every request still gets its solo answer."""
+    engine = _tree_engine(target_model)
+    batched = BatchedPipeline(engine, max_batch=3, kv_rows=1024, prefill_chunk=8)
+    prompts = [_prompt(i) for i in (3, 1, 5)]  # 16, 6 and 26 tokens
+    outs = batched.generate(prompts, 12)
+    # Until the first request's last chunk leaves stage 4 (after step 5), the stages carry prompt tokens only: 8
+    # enter a step (the first prompt's 16 in steps 1-2, the second's 6 and 2 of the third's in step 3), and no stage
+    # call holds more.
+    assert [tokens[0] for tokens in batched.stage_tokens[:5]] == [8] * 5
+    assert max(max(tokens) for tokens in batched.stage_tokens[:5]) == 8
+    for prompt, out in zip(prompts, outs):
+        differences_are_near_ties(engine.staged, prompt, generate_ar(engine.staged, prompt, 12).token_ids,
+                                  out.token_ids)
+
+
+def test_a_step_token_budget_leaves_prompts_what_the_levels_do_not_take(target_model):
+    """``step_tokens``: the prompt tokens entering a step are what the levels in flight leave of a stage call's budget
+    (W = 4 tree levels of up to 3 running requests, 12 tokens, under a budget of 14): stage 1 never carries more than
+    14 tokens, prompts still enter beside full levels, and every request still gets its solo answer."""
+    engine = _tree_engine(target_model)
+    batched = BatchedPipeline(engine, max_batch=3, kv_rows=1024, prefill_chunk=64, step_tokens=14)
+    prompts = [_prompt(i) for i in (3, 1, 5, 7, 2)]
+    outs = batched.generate(prompts, 14)
+    assert max(tokens[0] for tokens in batched.stage_tokens) == 14  # (without the budget: 64 in the first step)
+    assert batched.stage_tokens[0][0] == 14
+    for prompt, out in zip(prompts, outs):
+        differences_are_near_ties(engine.staged, prompt, generate_ar(engine.staged, prompt, 14).token_ids,
+                                  out.token_ids)
+
+
 class ScriptedBatch(BatchedPipeline):
     """Each SPD request's proposals forced right or wrong by position against its own solo ``ar`` output (the
     single-request ScriptedEngine of test_engine, one per request): hits, and flushes rolling back different numbers
@@ -394,6 +427,7 @@ def test_bad_settings_and_requests_are_refused_in_one_line(target_model):
     engine = _tree_engine(target_model, n=2)
     for kwargs, match in [({"max_batch": 0}, "batch size must be a positive integer"),
                           ({"prefill_chunk": 0}, "prefill chunk must be a positive"),
+                          ({"max_batch": 2, "step_tokens": 8}, r"above the 8 tokens of levels .* \(2 requests x 4\)"),
                           ({"kv_rows": 0}, "positive number of rows")]:
         with pytest.raises(SpdInputError, match=match):
             BatchedPipeline(engine, **kwargs)

@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=1,
                    help="run up to B prompts of --prompts at once through the stages (dynamic batching, "
                         "docs/method.md section 9); 1: one after another")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="--max-batch B > 1: prompt tokens that enter the pipeline per step, all newcomers together "
+                        "(default: 64)")
+    p.add_argument("--step-tokens", type=int, default=None,
+                   help="--max-batch B > 1: a stage call's token budget; prompts enter with what the requests in flight "
+                        "leave of it (default: no budget)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--json", action="store_true")
     p.add_argument("--show-acceptance", action="store_true", help="colour accepted speculations (ANSI green)")
@@ -87,10 +93,15 @@ def check_numbers(args) -> None:
             raise SpdInputError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
     if not 0 < args.top_p <= 1:
         raise SpdInputError(f"--top-p must be in (0, 1], got {args.top_p}")
-    for flag, low in (("threads", 1), ("max_new_tokens", 1), ("num_prompts", 1), ("top_k", 0), ("max_batch", 1)):
+    for flag, low in (("threads", 1), ("max_new_tokens", 1), ("num_prompts", 1), ("top_k", 0), ("max_batch", 1),
+                       ("prefill_chunk", 1), ("step_tokens", 1)):
         value = getattr(args, flag)
         if value is not None and value < low:
             raise SpdInputError(f"--{flag.replace('_', '-')} must be at least {low}, got {value}")
+    for flag in ("prefill_chunk", "step_tokens"):
+        if getattr(args, flag) is not None and args.max_batch == 1:
+            raise SpdInputError(f"--{flag.replace('_', '-')} sets how a batched run admits prompts; it needs "
+                                "--max-batch above 1")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,6 +188,11 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
         args.tree_width = parse_tree_width(args.tree_width)
         if args.tree_children < 1 or args.tree_max_width < 1:
             raise SpdInputError("--tree-children and --tree-max-width must be positive integers")
+    if args.step_tokens is not None:
+        from spd.decoding.batch import check_step_tokens
+
+        widest = 1 if "tree" not in args.mode else args.tree_max_width if args.tree_width == "auto" else args.tree_width
+        check_step_tokens(args.step_tokens, args.max_batch, widest)
     tokenizer = load_target_tokenizer(args.target, args.revision, args.tokenizer)  # None: a target without one
     if tokenizer is None and args.prompt_ids is None:
         raise SpdInputError(f"the target '{args.target}' has no tokenizer; pass --tokenizer DIR_OR_ID or --prompt-ids")
@@ -225,11 +241,12 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
 def _run_batched(args, engine, mode: str, prompts: list[list[int]], tokenizer, staged) -> list[dict]:
     """Every prompt as a request of one batched pipeline over the stages (up to ``--max-batch`` at once, each with
     its own seed ``--seed + i``); the records in prompt order."""
-    from spd.decoding.batch import BatchedPipeline
+    from spd.decoding.batch import DEFAULT_PREFILL_CHUNK, BatchedPipeline
     from spd.decoding.request import prepare_prompt
     from spd.decoding.sampling import SamplingParams
 
-    batch = BatchedPipeline(engine, args.max_batch)
+    batch = BatchedPipeline(engine, args.max_batch, prefill_chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK,
+                            step_tokens=args.step_tokens)
     requests = []
     for i, ids in enumerate(prompts):
         _, eos = prepare_prompt(tokenizer, ids, None, staged.model)

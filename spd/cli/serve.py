@@ -42,6 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-rows", type=_positive_int, default=None,
                    help="--max-batch B > 1: KV rows shared by the requests in flight (each needs prompt + max_tokens "
                         "+ the tree in flight; more wait); default: 2048 per request of B")
+    p.add_argument("--prefill-chunk", type=_positive_int, default=None,
+                   help="--max-batch B > 1: prompt tokens that enter the pipeline per step, all newcomers together "
+                        "(oldest first); smaller chunks shorten the steps that carry them, for every request in "
+                        "flight, and lengthen the newcomers' time to first token (default: 64)")
+    p.add_argument("--step-tokens", type=_positive_int, default=None,
+                   help="--max-batch B > 1: a stage call's token budget; prompts enter with what the requests in "
+                        "flight leave of it, so a step that carries a prompt is no longer than a full one (bounds "
+                        "the time between tokens; above B x the tree width; default: no budget, --prefill-chunk "
+                        "alone)")
     p.add_argument("--idle-ping-s", type=_positive_seconds, default=None,
                    help="--runtime distributed: ping idle stages this often, in seconds, less than --timeout-s "
                         "(default: a quarter of --timeout-s, at most 5)")
@@ -110,6 +119,10 @@ def serve(args) -> int:
     check_batching(args.max_batch, args.runtime, args.mode)  # before the model loads
     if args.kv_rows is not None and args.max_batch == 1:
         raise SpdInputError("--kv-rows sizes the KV pool of a batched server; it needs --max-batch above 1")
+    for flag in ("prefill_chunk", "step_tokens"):
+        if getattr(args, flag) is not None and args.max_batch == 1:
+            raise SpdInputError(f"--{flag.replace('_', '-')} sets how a batched server admits prompts; it needs "
+                                "--max-batch above 1")
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPD_API_KEY") or None
     if api_key is not None and not api_key.strip():
         raise SpdInputError("the API key (--api-key or SPD_API_KEY) is empty; expected a key clients will send as "
@@ -150,7 +163,8 @@ def serve(args) -> int:
         metrics = ServerMetrics(name, args.mode, pipeline.n_stages, args.runtime)
         idle_s = args.idle_ping_s or min(5.0, args.timeout_s / 4)
         scheduler = Scheduler(pipeline, metrics, max_queue=args.max_queue, idle_s=idle_s, max_batch=args.max_batch,
-                              kv_rows=args.kv_rows)
+                              kv_rows=args.kv_rows, prefill_chunk=args.prefill_chunk,
+                              step_tokens=args.step_tokens)
     except BaseException:
         pipeline.close()
         raise
@@ -214,7 +228,9 @@ def _announce(server, args, name: str, pipeline, max_model_len: int, batch=None)
             kv = f" (target KV at most {per_token * max_model_len / 2 ** 20:.0f} MiB)" if per_token else ""
             if batch is not None:  # the pool is allocated once, whatever the requests
                 kv = (f", max batch {batch.max_batch} (KV pool of {batch.pool.rows} rows, "
-                      f"{batch.pool.row_bytes(batch.staged) * batch.pool.rows / 2 ** 20:.0f} MiB)")
+                      f"{batch.pool.row_bytes(batch.staged) * batch.pool.rows / 2 ** 20:.0f} MiB; "
+                      f"{batch.prefill_chunk} prompt tokens a step"
+                      + (f", {batch.step_tokens} tokens a stage call" if batch.step_tokens else "") + ")")
             print(f"[spd-serve] {name}: mode {args.mode}, {pipeline.n_stages} stages, runtime {args.runtime}, "
                   f"max model len {max_model_len}{kv}; listening on http://{args.host}:{port}", file=sys.stderr,
                   flush=True)

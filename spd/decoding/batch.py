@@ -9,13 +9,19 @@ tree, width policy, sampling parameters and seed, and its own stage caches: a re
    are in flight and the pool has a region as long as the request's longest possible sequence (the KV memory
    bound); a request that waits is never dropped. A request the pool could never hold fails with one error.
 2. Every stage runs, as one ragged batch (:func:`spd.target.ragged.run_ragged`), the work at that stage of every
-   request: the levels in flight of the running requests (a chain's token, a tree level) and one chunk of each
-   newcomer's prompt. The work is started first; the running requests' proposers then make their next levels
-   while the stages compute (on the distributed runtime they do so at the same time), all in one call where they
+   request: the levels in flight of the running requests (a chain's token, a tree level) and the chunks of the
+   newcomers' prompts in flight. The work is started first; the running requests' proposers then make their next
+   levels while the stages compute (on the distributed runtime they do so at the same time), all in one call where they
    share a head (:func:`spd.decoding.proposer.propose_many`: one batched query of the SPD head over every
-   request's path), and the outputs are collected after that. A prompt enters the pipeline ``prefill_chunk``
-   tokens per step and flows stage by stage like the levels, so a newcomer never stalls the requests in flight
-   for its whole prompt (chunked, pipelined prefill); its first token comes when its last chunk leaves stage ``n``.
+   request's path), and the outputs are collected after that. Prompts enter the pipeline ``prefill_chunk`` tokens
+   per step in all, the oldest newcomer's first (the rest of the budget goes to the next), and flow stage by stage
+   like the levels, so newcomers never stall the requests in flight for their whole prompts (chunked, pipelined
+   prefill), and however many arrive at once, no stage call carries more than ``prefill_chunk`` prompt tokens (a
+   step is as long as its longest stage call, and every request in flight waits for it). With a step token budget
+   (``step_tokens``) the prompts take only what the levels in flight leave of it, so that a step carrying a prompt
+   is no longer than one carrying a full batch's levels: this bounds the time between tokens of the requests in
+   flight, above all the ``n`` steps a request waits after a miss (docs/benchmarks.md measures it). A newcomer's
+   first token comes when its last chunk leaves stage ``n``.
 3. Each running request verifies and prunes or flushes on its own (its rejection touches only its own region);
    the target's logits its verification reads come from one LM-head call for every request whose root level
    left stage ``n``.
@@ -64,6 +70,17 @@ from .loop import COLLECT, Advance, LocalStages, Prefill, Propose, TargetLogits,
 from .sampling import SamplingParams
 
 DEFAULT_ROWS_PER_REQUEST = 2048  # the pool's default size: this many rows per request of max_batch
+DEFAULT_PREFILL_CHUNK = 64  # prompt tokens that enter the pipeline per step, all newcomers together
+
+
+def check_step_tokens(step_tokens: int | None, max_batch: int, max_width: int) -> None:
+    """A stage call's token budget must leave room for prompts at a full batch (``max_batch`` requests with a level
+    of up to ``max_width`` tokens each at every stage), or newcomers could not enter until requests leave."""
+    levels = max_batch * max_width
+    if step_tokens is not None and (not isinstance(step_tokens, int) or step_tokens <= levels):
+        raise SpdInputError(f"the step token budget (--step-tokens) must be above the {levels} tokens of levels a stage call carries "
+                            f"at a full batch ({max_batch} requests x {max_width}), so that prompts still enter; got "
+                            f"{step_tokens!r}")
 
 
 @dataclass
@@ -146,16 +163,22 @@ class BatchedPipeline:
 
     ``engine`` is a :class:`~spd.decoding.engine.PipelineEngine` (modes ``spd`` and ``pp``) or a
     :class:`~spd.decoding.tree_engine.TreeEngine` (``tree``) whose stages run in this process. ``kv_rows`` is the
-    pool's size in rows (default ``max_batch * 2048``); ``prefill_chunk`` how many prompt tokens enter per step.
+    pool's size in rows (default ``max_batch * 2048``); ``prefill_chunk`` how many prompt tokens enter per step, all
+    newcomers together; ``step_tokens`` (optional) a stage call's token budget: the prompt tokens entering a step
+    are at most what the levels in flight leave of it (the busiest stage's), so that a step that carries a prompt
+    is no longer than a full one (vLLM's ``max_num_batched_tokens``, for a pipeline).
     """
 
-    def __init__(self, engine, max_batch: int = 8, kv_rows: int | None = None, prefill_chunk: int = 64):
+    def __init__(self, engine, max_batch: int = 8, kv_rows: int | None = None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, step_tokens: int | None = None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise SpdInputError(f"the batch size must be a positive integer, got {max_batch!r}")
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise SpdInputError(f"the prefill chunk must be a positive number of tokens, got {prefill_chunk!r}")
+        check_step_tokens(step_tokens, max_batch, engine.loop.policy.max_width)
         self.engine, self.staged, self.loop = engine, engine.staged, engine.loop
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.step_tokens = step_tokens
         rows = kv_rows if kv_rows is not None else max_batch * DEFAULT_ROWS_PER_REQUEST
         # Stages in this process, or the distributed runtime's (spd.runtime.remote.RemoteStages.batch_backend).
         self.backend = (LocalBatch(self.staged, rows) if isinstance(engine.stages, LocalStages)
@@ -297,8 +320,11 @@ class BatchedPipeline:
                 calls[level.depth].append((request.stages.segment(level, work.tree, work.committed),
                                            lambda out, level=level, stages=request.stages: stages.took(level, out)))
             request.ran_ahead = list(work.then)
+        budget = self.prefill_chunk  # the prompt tokens that enter stage 1 this step, oldest newcomer first
+        if self.step_tokens is not None:  # what the levels in flight leave of a stage call's budget
+            budget = min(budget, self.step_tokens - max(sum(segment.size for segment, _ in work) for work in calls))
         for request in prefilling:
-            self._next_chunk(request)
+            budget -= self._next_chunk(request, budget)
             for chunk in request.chunks:
                 s = chunk.depth
                 calls[s].append((Segment(request.stages.caches[s], chunk.hidden_1TD,
@@ -319,18 +345,19 @@ class BatchedPipeline:
         # One LM-head call, then verify; an output-state head's query (after the stages) is asked here too.
         self._answer([r for r in running if isinstance(r.work, (Propose, TargetLogits))])
 
-    def _next_chunk(self, request: BatchRequest) -> None:
-        """The prompt's next chunk enters stage 1 (if any is left)."""
+    def _next_chunk(self, request: BatchRequest, budget: int) -> int:
+        """The prompt's next chunk, at most ``budget`` tokens, enters stage 1 (if any is left); its size."""
         ids_1T = request.work.ids_1T
         start = request.next_row
-        if start >= ids_1T.shape[1]:
-            return
-        end = min(start + self.prefill_chunk, ids_1T.shape[1])
+        if start >= ids_1T.shape[1] or budget <= 0:
+            return 0
+        end = min(start + budget, ids_1T.shape[1])
         chunk = _Chunk(end, self.staged.embed(ids_1T[:, start:end]))
         if 0 in request.work.anchors:
             chunk.anchors[0] = chunk.hidden_1TD
         request.chunks.append(chunk)
         request.next_row = end
+        return end - start
 
     @staticmethod
     def _chunk_took(chunk: _Chunk, out: StageOutput) -> None:
