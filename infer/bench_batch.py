@@ -74,6 +74,8 @@ def parse_args(argv=None):
                    help="prompt tokens that enter the pipeline per step, all newcomers together")
     p.add_argument("--step-tokens", type=int, default=None,
                    help="a stage call's token budget: prompts enter with what the levels in flight leave of it")
+    p.add_argument("--spread-prefill", action="store_true",
+                   help="each prompt enters in n equal chunks, 1/n of it in each stage call")
     p.add_argument("--stage-ms", type=float, default=None, help="the model clock's fixed cost per stage call, a")
     p.add_argument("--token-ms", type=float, default=None, help="the model clock's cost per token, b")
     p.add_argument("--runtime", default="local", choices=("local", "distributed"),
@@ -121,7 +123,8 @@ def calibrate(staged, context: int) -> tuple[float, float]:
 
 
 def run_system(engines: dict, system: str, prompts: list[list[int]], clients: int, per_client: int,
-               max_new_tokens: int, prefill_chunk: int, width: int = 1, step_tokens: int | None = None) -> dict:
+               max_new_tokens: int, prefill_chunk: int, width: int = 1, step_tokens: int | None = None,
+               spread_prefill: bool = False) -> dict:
     """C closed-loop clients on one batched pipeline; per request its token steps and wall times. ``engines``: the
     engine of each mode (spd and pp share one; a draft model's tree has its own)."""
     from spd.decoding.batch import BatchedPipeline
@@ -132,7 +135,7 @@ def run_system(engines: dict, system: str, prompts: list[list[int]], clients: in
     in_flight = engine.staged.n_stages * width + 8  # the tree (or chain) in flight, with room to spare
     batched = BatchedPipeline(engine, max_batch=1 if system.endswith("1-at-a-time") else clients,
                               kv_rows=clients * (max(map(len, prompts)) + max_new_tokens + in_flight),
-                              prefill_chunk=prefill_chunk, step_tokens=step_tokens)
+                              prefill_chunk=prefill_chunk, step_tokens=step_tokens, spread_prefill=spread_prefill)
     records, next_prompt = [], iter(range(10 ** 9))
 
     def send(client: int, left: int) -> None:
@@ -290,7 +293,8 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
                "tree_width": args.tree_width if args.draft_model else None, "prompts": dataset,
                "stages": staged.n_stages,
                "max_new_tokens": args.max_new_tokens, "requests_per_client": args.requests_per_client,
-               "prefill_chunk": args.prefill_chunk, "step_tokens": args.step_tokens, "stage_ms": a_ms, "token_ms": b_ms,
+               "prefill_chunk": args.prefill_chunk, "step_tokens": args.step_tokens,
+               "spread_prefill": args.spread_prefill, "stage_ms": a_ms, "token_ms": b_ms,
                "clock_source": source,
                "runtime": args.runtime, "real_clock": wall,
                "threads": torch.get_num_threads(), "command": " ".join(sys.argv), "rows": []}
@@ -298,7 +302,8 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
         outputs = []
         for system in (SYSTEMS if args.draft_model is None else TREE_SYSTEMS):
             run = run_system(engines, system, prompts, clients, args.requests_per_client, args.max_new_tokens,
-                             args.prefill_chunk, args.tree_width if args.draft_model else 1, args.step_tokens)
+                             args.prefill_chunk, args.tree_width if args.draft_model else 1, args.step_tokens,
+                             args.spread_prefill)
             outputs.append(sorted((r["prompt"], r["tokens"]) for r in run["records"]))
             row = {"clients": clients, "system": system, **summarize(run, staged.n_stages, a_ms, b_ms)}
             results["rows"].append(row)

@@ -285,6 +285,21 @@ def test_a_step_token_budget_leaves_prompts_what_the_levels_do_not_take(target_m
                                   out.token_ids)
 
 
+def test_a_spread_prefill_sends_each_prompt_in_n_equal_chunks(target_model):
+    """``spread_prefill``: a 26-token prompt on 4 stages enters as 7, 7, 7 and 5 tokens, one chunk a step, so each
+    stage call carries a quarter of it; two prompts admitted together share the step's budget oldest first; the
+    answers are the solo ones."""
+    engine = _tree_engine(target_model)
+    batched = BatchedPipeline(engine, max_batch=2, kv_rows=1024, prefill_chunk=10, spread_prefill=True)
+    prompts = [_prompt(5), _prompt(3)]  # 26 and 16 tokens: chunks of at most 7 and 4
+    outs = batched.generate(prompts, 10)
+    assert [tokens[0] for tokens in batched.stage_tokens[:4]] == [7 + 3, 7 + 3, 7 + 3, 5 + 4]
+    assert [tokens[1] for tokens in batched.stage_tokens[1:5]] == [7 + 3, 7 + 3, 7 + 3, 5 + 4]
+    for prompt, out in zip(prompts, outs):
+        differences_are_near_ties(engine.staged, prompt, generate_ar(engine.staged, prompt, 10).token_ids,
+                                  out.token_ids)
+
+
 class ScriptedBatch(BatchedPipeline):
     """Each SPD request's proposals forced right or wrong by position against its own solo ``ar`` output (the
     single-request ScriptedEngine of test_engine, one per request): hits, and flushes rolling back different numbers

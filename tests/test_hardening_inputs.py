@@ -48,6 +48,7 @@ def test_distill_cli_nan_is_one_error_line(tmp_path):
     (["--emulate-link-ms", "inf"], "--emulate-link-ms must be a finite number >= 0, got inf"),
     (["--max-batch", "2", "--prefill-chunk", "0"], "--prefill-chunk must be at least 1, got 0"),
     (["--prefill-chunk", "8"], "--prefill-chunk sets how a batched run admits prompts; it needs --max-batch above 1"),
+    (["--spread-prefill"], "--spread-prefill sets how a batched run admits prompts; it needs --max-batch above 1"),
 ])
 def test_run_pipeline_bad_numbers_are_one_error_line(args, message):
     proc = subprocess.run([sys.executable, "-m", "spd.cli.run_pipeline", "--prompt", "x", *args], capture_output=True,

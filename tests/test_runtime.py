@@ -121,7 +121,8 @@ def test_distributed_runtime_batches_requests_as_the_in_process_batch_does(tiny_
     out = tmp_path / "out.json"
     proc = _torchrun(n, "--target", str(tiny_testbed / "target"), "--speculator", str(heads[n]), "--mode", "spd",
                      "pp", "tree", "--tree-width", "2", "--prompts", str(prompts), "--max-new-tokens", "20",
-                     "--temperature", "1", "--top-k", "20", "--seed", "7", "--max-batch", "4", "--prefill-chunk", "24", "--out", str(out))
+                     "--temperature", "1", "--top-k", "20", "--seed", "7", "--max-batch", "4", "--prefill-chunk", "24", "--spread-prefill", "--out",
+                     str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[spd] 16 prompts in" in proc.stderr and "largest batch 4" in proc.stderr
     report = json.loads(out.read_text())
@@ -136,7 +137,8 @@ def test_distributed_runtime_batches_requests_as_the_in_process_batch_does(tiny_
     for mode in ("spd", "pp", "tree"):
         engine = (TreeEngine(staged, SpdHeadSource(head, staged, 4), 2, tok) if mode == "tree"
                   else PipelineEngine(staged, head, tok))
-        want = BatchedPipeline(engine, 4, prefill_chunk=24).generate(ids, 20, sampling, eos, mode=mode)
+        want = BatchedPipeline(engine, 4, prefill_chunk=24, spread_prefill=True).generate(ids, 20, sampling, eos,
+                                                                                          mode=mode)
         got = report["results"][mode]
         assert [r["token_ids"] for r in got] == [o.token_ids for o in want], mode
         assert [r["stats"]["token_acceptance"] for r in got] == [o.stats.token_acceptance for o in want], mode

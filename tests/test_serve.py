@@ -172,7 +172,8 @@ def test_batched_server_answers_each_client_as_the_one_at_a_time_server(spd_serv
     streamed one; /metrics shows the batch and the time between tokens. In this process, and over the distributed
     runtime (the ragged batches carried stage to stage by 4 stage processes)."""
     server = Server("--target", str(tiny_testbed / "target"), "--mode", "spd", "--speculator", str(tiny_heads[4]),
-                    "--max-batch", "4", "--kv-rows", "400", "--prefill-chunk", "16", "--runtime", runtime)
+                    "--max-batch", "4", "--kv-rows", "400", "--prefill-chunk", "16", "--step-tokens", "24",
+                    "--spread-prefill", "--runtime", runtime)
     try:
         bodies = [{"model": server.model, "prompt": f"def f{i}(x):\n    return", "max_tokens": 8 + 3 * i,
                    "temperature": 0.0 if i % 3 else 0.8, "seed": i} for i in range(14)]
@@ -474,6 +475,7 @@ BAD_FLAGS = [
     (["--mode", "pp", "--prefill-chunk", "16"], "needs --max-batch above 1"),
     (["--mode", "pp", "--max-batch", "2", "--prefill-chunk", "0"], "positive integer"),
     (["--mode", "pp", "--step-tokens", "64"], "needs --max-batch above 1"),
+    (["--mode", "pp", "--spread-prefill"], "needs --max-batch above 1"),
     (["--mode", "pp", "--max-batch", "4", "--step-tokens", "4"], "above the 4 tokens of levels a stage call carries"),
 ]
 

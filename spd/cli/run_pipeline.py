@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-tokens", type=int, default=None,
                    help="--max-batch B > 1: a stage call's token budget; prompts enter with what the requests in flight "
                         "leave of it (default: no budget)")
+    p.add_argument("--spread-prefill", action="store_true",
+                   help="--max-batch B > 1: each prompt enters in n equal chunks, 1/n of it in each stage call")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--json", action="store_true")
     p.add_argument("--show-acceptance", action="store_true", help="colour accepted speculations (ANSI green)")
@@ -98,8 +100,8 @@ def check_numbers(args) -> None:
         value = getattr(args, flag)
         if value is not None and value < low:
             raise SpdInputError(f"--{flag.replace('_', '-')} must be at least {low}, got {value}")
-    for flag in ("prefill_chunk", "step_tokens"):
-        if getattr(args, flag) is not None and args.max_batch == 1:
+    for flag in ("prefill_chunk", "step_tokens", "spread_prefill"):
+        if getattr(args, flag) not in (None, False) and args.max_batch == 1:
             raise SpdInputError(f"--{flag.replace('_', '-')} sets how a batched run admits prompts; it needs "
                                 "--max-batch above 1")
 
@@ -246,7 +248,7 @@ def _run_batched(args, engine, mode: str, prompts: list[list[int]], tokenizer, s
     from spd.decoding.sampling import SamplingParams
 
     batch = BatchedPipeline(engine, args.max_batch, prefill_chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK,
-                            step_tokens=args.step_tokens)
+                            step_tokens=args.step_tokens, spread_prefill=args.spread_prefill)
     requests = []
     for i, ids in enumerate(prompts):
         _, eos = prepare_prompt(tokenizer, ids, None, staged.model)

@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "flight leave of it, so a step that carries a prompt is no longer than a full one (bounds "
                         "the time between tokens; above B x the tree width; default: no budget, --prefill-chunk "
                         "alone)")
+    p.add_argument("--spread-prefill", action="store_true",
+                   help="--max-batch B > 1: each prompt enters in n equal chunks (n stages), so every stage call "
+                        "carries 1/n of it: shorter steps for the requests in flight, n - 1 more steps to the "
+                        "newcomer's first token")
     p.add_argument("--idle-ping-s", type=_positive_seconds, default=None,
                    help="--runtime distributed: ping idle stages this often, in seconds, less than --timeout-s "
                         "(default: a quarter of --timeout-s, at most 5)")
@@ -119,8 +123,8 @@ def serve(args) -> int:
     check_batching(args.max_batch, args.runtime, args.mode)  # before the model loads
     if args.kv_rows is not None and args.max_batch == 1:
         raise SpdInputError("--kv-rows sizes the KV pool of a batched server; it needs --max-batch above 1")
-    for flag in ("prefill_chunk", "step_tokens"):
-        if getattr(args, flag) is not None and args.max_batch == 1:
+    for flag in ("prefill_chunk", "step_tokens", "spread_prefill"):
+        if getattr(args, flag) not in (None, False) and args.max_batch == 1:
             raise SpdInputError(f"--{flag.replace('_', '-')} sets how a batched server admits prompts; it needs "
                                 "--max-batch above 1")
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPD_API_KEY") or None
@@ -164,7 +168,7 @@ def serve(args) -> int:
         idle_s = args.idle_ping_s or min(5.0, args.timeout_s / 4)
         scheduler = Scheduler(pipeline, metrics, max_queue=args.max_queue, idle_s=idle_s, max_batch=args.max_batch,
                               kv_rows=args.kv_rows, prefill_chunk=args.prefill_chunk,
-                              step_tokens=args.step_tokens)
+                              step_tokens=args.step_tokens, spread_prefill=args.spread_prefill)
     except BaseException:
         pipeline.close()
         raise
@@ -230,7 +234,8 @@ def _announce(server, args, name: str, pipeline, max_model_len: int, batch=None)
                 kv = (f", max batch {batch.max_batch} (KV pool of {batch.pool.rows} rows, "
                       f"{batch.pool.row_bytes(batch.staged) * batch.pool.rows / 2 ** 20:.0f} MiB; "
                       f"{batch.prefill_chunk} prompt tokens a step"
-                      + (f", {batch.step_tokens} tokens a stage call" if batch.step_tokens else "") + ")")
+                      + (f", {batch.step_tokens} tokens a stage call" if batch.step_tokens else "")
+                      + (", each prompt in n chunks" if batch.spread_prefill else "") + ")")
             print(f"[spd-serve] {name}: mode {args.mode}, {pipeline.n_stages} stages, runtime {args.runtime}, "
                   f"max model len {max_model_len}{kv}; listening on http://{args.host}:{port}", file=sys.stderr,
                   flush=True)

@@ -20,8 +20,10 @@ tree, width policy, sampling parameters and seed, and its own stage caches: a re
    step is as long as its longest stage call, and every request in flight waits for it). With a step token budget
    (``step_tokens``) the prompts take only what the levels in flight leave of it, so that a step carrying a prompt
    is no longer than one carrying a full batch's levels: this bounds the time between tokens of the requests in
-   flight, above all the ``n`` steps a request waits after a miss (docs/benchmarks.md measures it). A newcomer's
-   first token comes when its last chunk leaves stage ``n``.
+   flight, above all the ``n`` steps a request waits after a miss (docs/benchmarks.md measures it). A chunk stays
+   in a step's calls for ``n`` steps, one stage each: with ``spread_prefill`` a prompt goes in ``n`` equal chunks,
+   so that each of those steps carries ``1/n`` of it instead of one step carrying all of it at every stage. A
+   newcomer's first token comes when its last chunk leaves stage ``n``.
 3. Each running request verifies and prunes or flushes on its own (its rejection touches only its own region);
    the target's logits its verification reads come from one LM-head call for every request whose root level
    left stage ``n``.
@@ -166,11 +168,14 @@ class BatchedPipeline:
     pool's size in rows (default ``max_batch * 2048``); ``prefill_chunk`` how many prompt tokens enter per step, all
     newcomers together; ``step_tokens`` (optional) a stage call's token budget: the prompt tokens entering a step
     are at most what the levels in flight leave of it (the busiest stage's), so that a step that carries a prompt
-    is no longer than a full one (vLLM's ``max_num_batched_tokens``, for a pipeline).
+    is no longer than a full one (vLLM's ``max_num_batched_tokens``, for a pipeline); ``spread_prefill`` sends each
+    prompt in ``n`` equal chunks (at most ``prefill_chunk`` tokens each), so that every stage call carries ``1/n``
+    of it: shorter steps for the requests in flight, ``n - 1`` more steps to the newcomer's first token.
     """
 
     def __init__(self, engine, max_batch: int = 8, kv_rows: int | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, step_tokens: int | None = None):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, step_tokens: int | None = None,
+                 spread_prefill: bool = False):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise SpdInputError(f"the batch size must be a positive integer, got {max_batch!r}")
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
@@ -178,7 +183,7 @@ class BatchedPipeline:
         check_step_tokens(step_tokens, max_batch, engine.loop.policy.max_width)
         self.engine, self.staged, self.loop = engine, engine.staged, engine.loop
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
-        self.step_tokens = step_tokens
+        self.step_tokens, self.spread_prefill = step_tokens, spread_prefill
         rows = kv_rows if kv_rows is not None else max_batch * DEFAULT_ROWS_PER_REQUEST
         # Stages in this process, or the distributed runtime's (spd.runtime.remote.RemoteStages.batch_backend).
         self.backend = (LocalBatch(self.staged, rows) if isinstance(engine.stages, LocalStages)
@@ -351,6 +356,8 @@ class BatchedPipeline:
         start = request.next_row
         if start >= ids_1T.shape[1] or budget <= 0:
             return 0
+        if self.spread_prefill:  # the prompt in n equal chunks: each stage call carries 1/n of it
+            budget = min(budget, -(-ids_1T.shape[1] // self.staged.n_stages))
         end = min(start + budget, ids_1T.shape[1])
         chunk = _Chunk(end, self.staged.embed(ids_1T[:, start:end]))
         if 0 in request.work.anchors:
