@@ -26,6 +26,7 @@ from pathlib import Path
 
 from spd.errors import SpdInputError
 from spd.paths import default_testbed_dir
+from spd.cli.batch_flags import add_prefill_flags, check_prefill_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,14 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=1,
                    help="run up to B prompts of --prompts at once through the stages (dynamic batching, "
                         "docs/method.md section 9); 1: one after another")
-    p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="--max-batch B > 1: prompt tokens that enter the pipeline per step, all newcomers together "
-                        "(default: 64)")
-    p.add_argument("--step-tokens", type=int, default=None,
-                   help="--max-batch B > 1: a stage call's token budget; prompts enter with what the requests in flight "
-                        "leave of it (default: no budget)")
-    p.add_argument("--spread-prefill", action="store_true",
-                   help="--max-batch B > 1: each prompt enters in n equal chunks, 1/n of it in each stage call")
+    add_prefill_flags(p)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--json", action="store_true")
     p.add_argument("--show-acceptance", action="store_true", help="colour accepted speculations (ANSI green)")
@@ -100,10 +94,7 @@ def check_numbers(args) -> None:
         value = getattr(args, flag)
         if value is not None and value < low:
             raise SpdInputError(f"--{flag.replace('_', '-')} must be at least {low}, got {value}")
-    for flag in ("prefill_chunk", "step_tokens", "spread_prefill"):
-        if getattr(args, flag) not in (None, False) and args.max_batch == 1:
-            raise SpdInputError(f"--{flag.replace('_', '-')} sets how a batched run admits prompts; it needs "
-                                "--max-batch above 1")
+    check_prefill_flags(args, "run")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,12 +234,12 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
 def _run_batched(args, engine, mode: str, prompts: list[list[int]], tokenizer, staged) -> list[dict]:
     """Every prompt as a request of one batched pipeline over the stages (up to ``--max-batch`` at once, each with
     its own seed ``--seed + i``); the records in prompt order."""
-    from spd.decoding.batch import DEFAULT_PREFILL_CHUNK, BatchedPipeline
+    from spd.cli.batch_flags import prefill_options
+    from spd.decoding.batch import BatchedPipeline
     from spd.decoding.request import prepare_prompt
     from spd.decoding.sampling import SamplingParams
 
-    batch = BatchedPipeline(engine, args.max_batch, prefill_chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK,
-                            step_tokens=args.step_tokens, spread_prefill=args.spread_prefill)
+    batch = BatchedPipeline(engine, args.max_batch, **prefill_options(args))
     requests = []
     for i, ids in enumerate(prompts):
         _, eos = prepare_prompt(tokenizer, ids, None, staged.model)

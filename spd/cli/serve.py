@@ -24,6 +24,7 @@ from pathlib import Path
 
 from spd.errors import SpdInputError
 from spd.cli.generate import _finite_float, _Parser, _positive_int, _quiet_libraries, add_model_flags, check_model_flags
+from spd.cli.batch_flags import add_prefill_flags, check_prefill_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,19 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-rows", type=_positive_int, default=None,
                    help="--max-batch B > 1: KV rows shared by the requests in flight (each needs prompt + max_tokens "
                         "+ the tree in flight; more wait); default: 2048 per request of B")
-    p.add_argument("--prefill-chunk", type=_positive_int, default=None,
-                   help="--max-batch B > 1: prompt tokens that enter the pipeline per step, all newcomers together "
-                        "(oldest first); smaller chunks shorten the steps that carry them, for every request in "
-                        "flight, and lengthen the newcomers' time to first token (default: 64)")
-    p.add_argument("--step-tokens", type=_positive_int, default=None,
-                   help="--max-batch B > 1: a stage call's token budget; prompts enter with what the requests in "
-                        "flight leave of it, so a step that carries a prompt is no longer than a full one (bounds "
-                        "the time between tokens; above B x the tree width; default: no budget, --prefill-chunk "
-                        "alone)")
-    p.add_argument("--spread-prefill", action="store_true",
-                   help="--max-batch B > 1: each prompt enters in n equal chunks (n stages), so every stage call "
-                        "carries 1/n of it: shorter steps for the requests in flight, n - 1 more steps to the "
-                        "newcomer's first token")
+    add_prefill_flags(p, _positive_int)
     p.add_argument("--idle-ping-s", type=_positive_seconds, default=None,
                    help="--runtime distributed: ping idle stages this often, in seconds, less than --timeout-s "
                         "(default: a quarter of --timeout-s, at most 5)")
@@ -123,10 +112,7 @@ def serve(args) -> int:
     check_batching(args.max_batch, args.runtime, args.mode)  # before the model loads
     if args.kv_rows is not None and args.max_batch == 1:
         raise SpdInputError("--kv-rows sizes the KV pool of a batched server; it needs --max-batch above 1")
-    for flag in ("prefill_chunk", "step_tokens", "spread_prefill"):
-        if getattr(args, flag) not in (None, False) and args.max_batch == 1:
-            raise SpdInputError(f"--{flag.replace('_', '-')} sets how a batched server admits prompts; it needs "
-                                "--max-batch above 1")
+    check_prefill_flags(args, "server")
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPD_API_KEY") or None
     if api_key is not None and not api_key.strip():
         raise SpdInputError("the API key (--api-key or SPD_API_KEY) is empty; expected a key clients will send as "
