@@ -80,9 +80,9 @@ def check_step_tokens(step_tokens: int | None, max_batch: int, max_width: int) -
     of up to ``max_width`` tokens each at every stage), or newcomers could not enter until requests leave."""
     levels = max_batch * max_width
     if step_tokens is not None and (not isinstance(step_tokens, int) or step_tokens <= levels):
-        raise SpdInputError(f"the step token budget (--step-tokens) must be above the {levels} tokens of levels a stage call carries "
-                            f"at a full batch ({max_batch} requests x {max_width}), so that prompts still enter; got "
-                            f"{step_tokens!r}")
+        raise SpdInputError(f"the step token budget (--step-tokens) must be above the {levels} tokens of levels a "
+                            f"stage call carries at a full batch ({max_batch} requests x {max_width}), so that "
+                            f"prompts still enter; got {step_tokens!r}")
 
 
 @dataclass
