@@ -169,6 +169,7 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
     from spd.runtime.loading import load_partial
     from spd.runtime.protocol import PipelineLost
     from spd.runtime.remote import RemoteStages
+    from spd.decoding.batch import check_step_tokens
     from spd.heads.loading import load_speculator
 
     if "spd" in args.mode and args.speculator is None:
@@ -181,11 +182,6 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
         args.tree_width = parse_tree_width(args.tree_width)
         if args.tree_children < 1 or args.tree_max_width < 1:
             raise SpdInputError("--tree-children and --tree-max-width must be positive integers")
-    if args.step_tokens is not None:
-        from spd.decoding.batch import check_step_tokens
-
-        widest = 1 if "tree" not in args.mode else args.tree_max_width if args.tree_width == "auto" else args.tree_width
-        check_step_tokens(args.step_tokens, args.max_batch, widest)
     tokenizer = load_target_tokenizer(args.target, args.revision, args.tokenizer)  # None: a target without one
     if tokenizer is None and args.prompt_ids is None:
         raise SpdInputError(f"the target '{args.target}' has no tokenizer; pass --tokenizer DIR_OR_ID or --prompt-ids")
@@ -203,6 +199,9 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
         tree = None
         if "tree" in args.mode:
             tree = build_engine(DecodingSpec.of(args, mode="tree"), staged, head, tokenizer, dtype, device, remote)
+        for engine in (chain, tree):  # a budget too small for a full batch, before any mode runs
+            if engine is not None and args.max_batch > 1:
+                check_step_tokens(args.step_tokens, args.max_batch, engine.loop.policy.max_width)
         for mode in args.mode:
             results[mode] = []
             engine = tree if mode == "tree" else chain

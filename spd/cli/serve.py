@@ -24,7 +24,7 @@ from pathlib import Path
 
 from spd.errors import SpdInputError
 from spd.cli.generate import _finite_float, _Parser, _positive_int, _quiet_libraries, add_model_flags, check_model_flags
-from spd.cli.batch_flags import add_prefill_flags, check_prefill_flags
+from spd.cli.batch_flags import add_prefill_flags, check_prefill_flags, prefill_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,8 +153,7 @@ def serve(args) -> int:
         metrics = ServerMetrics(name, args.mode, pipeline.n_stages, args.runtime)
         idle_s = args.idle_ping_s or min(5.0, args.timeout_s / 4)
         scheduler = Scheduler(pipeline, metrics, max_queue=args.max_queue, idle_s=idle_s, max_batch=args.max_batch,
-                              kv_rows=args.kv_rows, prefill_chunk=args.prefill_chunk,
-                              step_tokens=args.step_tokens, spread_prefill=args.spread_prefill)
+                              kv_rows=args.kv_rows, batch_options=prefill_options(args))
     except BaseException:
         pipeline.close()
         raise

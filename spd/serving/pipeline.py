@@ -98,14 +98,13 @@ class Pipeline:
             self._lost = _exited(self.procs) or str(exc)  # a stage that exited is the cause, not its neighbour
             raise
 
-    def batched(self, max_batch: int, kv_rows: int | None = None, prefill_chunk: int | None = None,
-                step_tokens: int | None = None, spread_prefill: bool = False):
-        """A batched pipeline over this engine (``--max-batch``): modes spd, pp and tree, either runtime."""
-        from ..decoding.batch import DEFAULT_PREFILL_CHUNK, BatchedPipeline
+    def batched(self, max_batch: int, kv_rows: int | None = None, **options):
+        """A batched pipeline over this engine (``--max-batch``): modes spd, pp and tree, either runtime; ``options``:
+        how prompts enter (:func:`spd.cli.batch_flags.prefill_options`)."""
+        from ..decoding.batch import BatchedPipeline
 
         check_batching(max_batch, self.spec.runtime, self.spec.mode)
-        return BatchedPipeline(self.engine, max_batch, kv_rows, prefill_chunk or DEFAULT_PREFILL_CHUNK, step_tokens,
-                               spread_prefill)
+        return BatchedPipeline(self.engine, max_batch, kv_rows, **options)
 
     def step(self, batch) -> None:
         """One step of ``batch``; a lost stage is remembered as :meth:`generate` remembers it."""

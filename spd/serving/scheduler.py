@@ -165,11 +165,10 @@ class Scheduler:
     """The engine thread: takes jobs in order and runs them on the pipeline, pings it while idle."""
 
     def __init__(self, pipeline: Pipeline, metrics: ServerMetrics, max_queue: int = 64, idle_s: float = 5.0,
-                 max_batch: int = 1, kv_rows: int | None = None, prefill_chunk: int | None = None,
-                 step_tokens: int | None = None, spread_prefill: bool = False):
+                 max_batch: int = 1, kv_rows: int | None = None, batch_options: dict | None = None):
         self.pipeline, self.metrics = pipeline, metrics
         # --max-batch B > 1: many requests in flight at once (spd.decoding.batch); the pipeline checks it can.
-        self.batch = pipeline.batched(max_batch, kv_rows, prefill_chunk, step_tokens, spread_prefill) if max_batch > 1 else None
+        self.batch = pipeline.batched(max_batch, kv_rows, **(batch_options or {})) if max_batch > 1 else None
         self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self.idle_s = idle_s
         self.tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to call from two threads at once
