@@ -7,7 +7,10 @@
         --emulate-stage-ms 10 --emulate-token-ms 0.1 --out bench_batch_runtime.json
 
 ``C`` closed-loop clients (each sends its next request as soon as its last one ends, no think time) share one
-pipeline, run three ways on the same target and head:
+pipeline, run three ways on the same target and head. With ``--rates R ...`` the load is open-loop instead (or as
+well): ``--requests`` requests arrive at random times, a Poisson process of ``R`` requests per second (seeded, the
+same arrival times and prompts for every system), whether or not earlier ones have finished, and the batched
+systems hold up to ``--max-batch`` of them at once (the others queue):
 
 - ``spd batched``: the batched pipeline (spd.decoding.batch) with up to ``C`` requests in flight;
 - ``pp batched``: the same batched pipeline without a head: the standard pipeline with dynamic batching (what a
@@ -34,7 +37,9 @@ request's submission), under two clocks:
   run for real, with rank 0's own work (the proposers, verification, messages) on the clock.
 
 The token counts, steps and acceptance come from the real run; only the time per step differs between the
-clocks. The systems run one after another on the same machine; the table prints ratios to ``pp batched``.
+clocks. An open-loop run has one clock, the one its arrivals follow: the model clock with ``--runtime local``
+(the pipeline idles until the next arrival when it has nothing to run), the real clock with ``--runtime
+distributed``; its time to first token counts from the request's arrival, the time it spent queued included. The systems run one after another on the same machine; the table prints ratios to ``pp batched``.
 """
 
 from __future__ import annotations
@@ -67,8 +72,14 @@ def parse_args(argv=None):
     p.add_argument("--tree-width", type=int, default=4, help="with --draft-model: the tree's width W")
     p.add_argument("--tree-children", type=int, default=4, help="with --draft-model: candidates per node")
     p.add_argument("--prompts", default=str(tb / "prompts.jsonl"), help="as infer/bench.py --prompts")
-    p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--clients", type=int, nargs="+", default=None,
+                   help="closed-loop clients, one row each (default 1 2 4 8 16 32 unless --rates is given)")
     p.add_argument("--requests-per-client", type=int, default=3)
+    p.add_argument("--rates", type=float, nargs="+", default=None,
+                   help="open-loop: requests per second arriving at random (Poisson), one row each")
+    p.add_argument("--requests", type=int, default=64, help="open-loop: requests per rate")
+    p.add_argument("--max-batch", type=int, default=32, help="open-loop: requests in flight at most, batched")
+    p.add_argument("--seed", type=int, default=0, help="open-loop: the arrival times' seed")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--prefill-chunk", type=int, default=64,
                    help="prompt tokens that enter the pipeline per step, all newcomers together")
@@ -91,8 +102,12 @@ def parse_args(argv=None):
         raise SpdInputError("--emulate-stage-ms and --emulate-token-ms need --runtime distributed")
     if min(args.emulate_stage_ms, args.emulate_token_ms) < 0:
         raise SpdInputError("--emulate-stage-ms and --emulate-token-ms must be >= 0")
-    if min(args.clients) < 1 or args.requests_per_client < 1 or args.max_new_tokens < 1:
+    if args.clients is None:
+        args.clients = [] if args.rates else [1, 2, 4, 8, 16, 32]
+    if min(args.clients, default=1) < 1 or args.requests_per_client < 1 or args.max_new_tokens < 1:
         raise SpdInputError("--clients, --requests-per-client and --max-new-tokens must be positive")
+    if min(args.rates or [1.0]) <= 0 or args.requests < 1 or args.max_batch < 1:
+        raise SpdInputError("--rates, --requests and --max-batch must be positive")
     return args
 
 
@@ -127,15 +142,10 @@ def run_system(engines: dict, system: str, prompts: list[list[int]], clients: in
                spread_prefill: bool = False) -> dict:
     """C closed-loop clients on one batched pipeline; per request its token steps and wall times. ``engines``: the
     engine of each mode (spd and pp share one; a draft model's tree has its own)."""
-    from spd.decoding.batch import BatchedPipeline
     from spd.decoding.sampling import SamplingParams
 
-    mode = "pp" if system == "pp batched" else system.split()[0]
-    engine = engines[mode]
-    in_flight = engine.staged.n_stages * width + 8  # the tree (or chain) in flight, with room to spare
-    batched = BatchedPipeline(engine, max_batch=1 if system.endswith("1-at-a-time") else clients,
-                              kv_rows=clients * (max(map(len, prompts)) + max_new_tokens + in_flight),
-                              prefill_chunk=prefill_chunk, step_tokens=step_tokens, spread_prefill=spread_prefill)
+    mode, batched = _pipeline(engines, system, prompts, clients, max_new_tokens, prefill_chunk, width, step_tokens,
+                              spread_prefill)
     records, next_prompt = [], iter(range(10 ** 9))
 
     def send(client: int, left: int) -> None:
@@ -168,6 +178,83 @@ def run_system(engines: dict, system: str, prompts: list[list[int]], clients: in
             "start_s": start, "wall_s": wall_s}
 
 
+def _pipeline(engines: dict, system: str, prompts: list[list[int]], max_batch: int, max_new_tokens: int,
+              prefill_chunk: int, width: int, step_tokens: int | None, spread_prefill: bool):
+    """The mode ``system`` runs and its batched pipeline, with KV rows for ``max_batch`` requests."""
+    from spd.decoding.batch import BatchedPipeline
+
+    mode = "pp" if system == "pp batched" else system.split()[0]
+    engine = engines[mode]
+    in_flight = engine.staged.n_stages * width + 8  # the tree (or chain) in flight, with room to spare
+    batched = BatchedPipeline(engine, max_batch=1 if system.endswith("1-at-a-time") else max_batch,
+                              kv_rows=max_batch * (max(map(len, prompts)) + max_new_tokens + in_flight),
+                              prefill_chunk=prefill_chunk, step_tokens=step_tokens, spread_prefill=spread_prefill)
+    return mode, batched
+
+
+def poisson_arrivals(rate: float, count: int, seed: int) -> list[float]:
+    """``count`` arrival times (s) of a Poisson process of ``rate`` requests per second: exponential gaps."""
+    import random
+
+    rng, clock, times = random.Random(seed), 0.0, []
+    for _ in range(count):
+        clock += rng.expovariate(rate)
+        times.append(clock)
+    return times
+
+
+def run_open(engines: dict, system: str, prompts: list[list[int]], arrivals: list[float], max_batch: int,
+             max_new_tokens: int, prefill_chunk: int, width: int, step_tokens: int | None, spread_prefill: bool,
+             clock: str, a_ms: float = 0.0, b_ms: float = 0.0) -> dict:
+    """Open-loop load: request ``i`` (prompt ``i``) arrives at ``arrivals[i]`` seconds of ``clock`` ("model": the
+    emulated deployment's clock, a step costing its busiest stage's ``a + b * tokens``; "real": the wall clock) and is
+    submitted at the first step boundary after it; per request its token steps and times on that clock."""
+    from spd.decoding.sampling import SamplingParams
+
+    mode, batched = _pipeline(engines, system, prompts, max_batch, max_new_tokens, prefill_chunk, width,
+                              step_tokens, spread_prefill)
+    records, ends, clock_s = [], [0.0], 0.0  # ends[k]: the model clock (s) when step k ends; clock_s: now
+
+    def submit(index: int) -> None:
+        record = {"prompt": index % len(prompts), "arrival_s": arrivals[index], "steps": [], "times": [],
+                  "tokens": []}
+
+        def on_token(token: int, accepted: bool) -> None:
+            record["tokens"].append(token)
+            record["steps"].append(batched.steps)
+            record["times"].append(time.perf_counter() - start)
+
+        def on_done(request) -> None:
+            if request.error is not None:
+                raise request.error
+            record["stats"] = request.output.stats
+
+        records.append(record)
+        batched.submit(prompts[index % len(prompts)], max_new_tokens, SamplingParams(), [], on_token, mode, on_done)
+
+    start, waiting = time.perf_counter(), 0
+    while waiting < len(arrivals) or batched.busy:
+        now = clock_s if clock == "model" else time.perf_counter() - start
+        while waiting < len(arrivals) and arrivals[waiting] <= now:
+            submit(waiting)
+            waiting += 1
+        if not batched.busy:  # idle until the next arrival
+            if clock == "model":
+                clock_s = arrivals[waiting]
+            else:
+                time.sleep(max(arrivals[waiting] - now, 0.0))
+            continue
+        batched.step()
+        clock_s += max((a_ms + b_ms * t for t in batched.stage_tokens[-1] if t), default=0.0) / 1000
+        ends.append(clock_s)
+    wall_s = time.perf_counter() - start
+    if clock == "model":
+        for record in records:
+            record["times"] = [ends[s] for s in record["steps"]]
+    return {"records": records, "stage_tokens": batched.stage_tokens, "batch_sizes": batched.batch_sizes,
+            "clock": clock, "total_s": clock_s if clock == "model" else wall_s}
+
+
 def summarize(run: dict, n: int, a_ms: float, b_ms: float) -> dict:
     """Throughput, time between tokens and time to first token under both clocks."""
     # The model clock: step k ends at the sum of the first k step costs (a step is as long as its busiest stage).
@@ -181,10 +268,14 @@ def summarize(run: dict, n: int, a_ms: float, b_ms: float) -> dict:
     decode = sum(r["stats"].decode_tokens for r in run["records"])
     steps = sum(r["stats"].steps for r in run["records"])
     out["accept_length"] = round(n * decode / steps, 3) if steps else 0.0
-    clocks = {"model": ([[ends_ms[s] / 1000 for s in r["steps"]] for r in run["records"]],
-                        [ends_ms[r["submit_step"]] / 1000 for r in run["records"]], ends_ms[-1] / 1000),
-              "real": ([[t - run["start_s"] for t in r["times"]] for r in run["records"]],
-                       [r["submit_s"] - run["start_s"] for r in run["records"]], run["wall_s"])}
+    if "clock" in run:  # open-loop: the one clock its arrivals followed
+        clocks = {run["clock"]: ([r["times"] for r in run["records"]], [r["arrival_s"] for r in run["records"]],
+                                 run["total_s"])}
+    else:
+        clocks = {"model": ([[ends_ms[s] / 1000 for s in r["steps"]] for r in run["records"]],
+                            [ends_ms[r["submit_step"]] / 1000 for r in run["records"]], ends_ms[-1] / 1000),
+                  "real": ([[t - run["start_s"] for t in r["times"]] for r in run["records"]],
+                           [r["submit_s"] - run["start_s"] for r in run["records"]], run["wall_s"])}
     for name, (times, submits, total_s) in clocks.items():
         gaps = sorted(b - a for ts in times for a, b in zip(ts, ts[1:]))
         first = sorted(ts[0] - s for ts, s in zip(times, submits) if ts)
@@ -208,14 +299,18 @@ def render(results: dict) -> str:
     lines = [f"model clock: a = {results['stage_ms']:.3f} ms + b = {results['token_ms']:.4f} ms/token per stage call "
              f"({results['clock_source']}); n = {results['stages']}",
              f"real clock: {results.get('real_clock', 'one process, the stages in turn')}",
-             f"{'C':>3} {'system':<16} {'clock':<5} {'tok/s':>9} {'x pp':>6} {'TBT mean':>9} {'TBT p50':>9} "
+             f"{'load':>7} {'system':<16} {'clock':<5} {'tok/s':>9} {'x pp':>6} {'TBT mean':>9} {'TBT p50':>9} "
              f"{'TBT p99':>9} "
              f"{'TTFT p50':>10} {'batch':>6} {'Lacc':>5}"]
     for row in results["rows"]:
+        load = f"C={row['clients']}" if row.get("rate") is None else f"{row['rate']:g}/s"
+        pp = next(r for r in results["rows"] if r["clients"] == row["clients"] and r.get("rate") == row.get("rate")
+                  and r["system"] == "pp batched")
         for clock in ("model", "real"):
-            pp = next(r for r in results["rows"] if r["clients"] == row["clients"] and r["system"] == "pp batched")
+            if clock not in row:  # an open-loop row has the clock its arrivals followed
+                continue
             ratio = row[clock]["tokens_per_s"] / pp[clock]["tokens_per_s"] if pp[clock]["tokens_per_s"] else 0.0
-            lines.append(f"{row['clients']:>3} {row['system']:<16} {clock:<5} {row[clock]['tokens_per_s']:>9.1f} "
+            lines.append(f"{load:>7} {row['system']:<16} {clock:<5} {row[clock]['tokens_per_s']:>9.1f} "
                          f"{ratio:>6.2f} {row[clock]['tbt_mean_ms']:>9.2f} {row[clock]['tbt_p50_ms']:>9.2f} "
                          f"{row[clock]['tbt_p99_ms']:>9.2f} "
                          f"{row[clock]['ttft_p50_ms']:>10.1f} {row['mean_batch']:>6.2f} {row['accept_length']:>5.2f}")
@@ -245,7 +340,8 @@ def _bench(args) -> int:
     if args.draft_model is not None and args.stages is None:
         raise SpdInputError("--draft-model needs --stages N: the number of pipeline stages to cut the target into")
     tokenizer = load_tokenizer(args.target)
-    dataset, prompts = load_prompts(args.prompts, tokenizer, max(args.clients) * args.requests_per_client)
+    wanted = max(max(args.clients, default=0) * args.requests_per_client, args.requests if args.rates else 0)
+    dataset, prompts = load_prompts(args.prompts, tokenizer, wanted)
     mode = "spd" if args.draft_model is None else "tree"
     decoding = DecodingSpec(mode, draft_model=args.draft_model, tree_width=args.tree_width,
                             tree_children=args.tree_children)
@@ -293,6 +389,8 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
                "tree_width": args.tree_width if args.draft_model else None, "prompts": dataset,
                "stages": staged.n_stages,
                "max_new_tokens": args.max_new_tokens, "requests_per_client": args.requests_per_client,
+               "rates": args.rates, "requests": args.requests if args.rates else None,
+               "max_batch": args.max_batch if args.rates else None, "seed": args.seed if args.rates else None,
                "prefill_chunk": args.prefill_chunk, "step_tokens": args.step_tokens,
                "spread_prefill": args.spread_prefill, "stage_ms": a_ms, "token_ms": b_ms,
                "clock_source": source,
@@ -311,6 +409,19 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
             print(f"C={clients:<3} {system:<16} model {row['model']['tokens_per_s']:>8.1f} tok/s, real "
                   f"{row['real']['tokens_per_s']:>8.1f} tok/s, L'acc {row['accept_length']}", file=sys.stderr,
                   flush=True)
+    clock = "model" if args.runtime == "local" else "real"
+    for rate in args.rates or []:
+        arrivals, outputs = poisson_arrivals(rate, args.requests, args.seed), []
+        for system in (SYSTEMS if args.draft_model is None else TREE_SYSTEMS):
+            run = run_open(engines, system, prompts, arrivals, args.max_batch, args.max_new_tokens,
+                           args.prefill_chunk, args.tree_width if args.draft_model else 1, args.step_tokens,
+                           args.spread_prefill, clock, a_ms, b_ms)
+            outputs.append(sorted((r["prompt"], r["tokens"]) for r in run["records"]))
+            row = {"clients": None, "rate": rate, "system": system, **summarize(run, staged.n_stages, a_ms, b_ms)}
+            results["rows"].append(row)
+            row["identical_outputs"] = outputs[-1] == outputs[0]
+            print(f"{rate:g}/s {system:<16} {clock} {row[clock]['tokens_per_s']:>8.1f} tok/s, "
+                  f"TBT p99 {row[clock]['tbt_p99_ms']} ms, L'acc {row['accept_length']}", file=sys.stderr, flush=True)
     print(render(results))
     print("identical outputs across the systems:", all(row["identical_outputs"] for row in results["rows"]))
     Path(args.out).write_text(json.dumps(results, indent=1))

@@ -469,7 +469,7 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
               "--clients", "1", "3", "--requests-per-client", "2", "--max-new-tokens", "6", "--stage-ms", "2",
               "--token-ms", "0.1", "--threads", "1"]
     proc, tree = two_at_a_time(lambda args: run_script("infer/bench_batch.py", *common, *args), [
-        ["--speculator", str(tiny_heads[4]), "--out", str(out)],
+        ["--speculator", str(tiny_heads[4]), "--rates", "0.001", "1000", "--requests", "3", "--out", str(out)],
         ["--draft-model", str(tiny_testbed / "draft"), "--stages", "2", "--tree-width", "2", "--out", str(tree_out)]])
     assert "tree batched" in tree.stdout and "identical outputs across the systems: True" in tree.stdout
     tree_rows = json.loads(tree_out.read_text())["rows"]
@@ -479,9 +479,23 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
     assert "spd batched" in proc.stdout and "pp batched" in proc.stdout and "1-at-a-time" in proc.stdout
     assert "identical outputs across the systems: True" in proc.stdout
     results = json.loads(out.read_text())
-    assert [(r["clients"], r["system"]) for r in results["rows"]] == [
-        (c, s) for c in (1, 3) for s in ("spd batched", "pp batched", "spd 1-at-a-time")]
-    for row in results["rows"]:
+    systems = ("spd batched", "pp batched", "spd 1-at-a-time")
+    assert [(r["clients"], r.get("rate"), r["system"]) for r in results["rows"]] == [
+        (c, None, s) for c in (1, 3) for s in systems] + [(None, r, s) for r in (0.001, 1000) for s in systems]
+    closed = [r for r in results["rows"] if r["clients"] is not None]
+    # Open-loop rows: Poisson arrivals on the model clock, only that clock reported. At 0.001 requests/s each request
+    # arrives long after the last one left, so batching changes nothing; at 1000/s all three arrive at once.
+    slow = {r["system"]: r for r in results["rows"] if r.get("rate") == 0.001}
+    burst = {r["system"]: r for r in results["rows"] if r.get("rate") == 1000}
+    for row in [*slow.values(), *burst.values()]:
+        assert "real" not in row and row["requests"] == 3 and row["tokens"] == 18 and row["identical_outputs"]
+    assert all(row["mean_batch"] == 1.0 for row in slow.values())
+    assert slow["pp batched"]["model"]["tbt_p50_ms"] == pytest.approx(4 * 2.1)
+    assert slow["spd batched"]["model"] == slow["spd 1-at-a-time"]["model"]
+    assert burst["spd batched"]["mean_batch"] > 1.0 and burst["spd 1-at-a-time"]["mean_batch"] == 1.0
+    # Queued behind the others, the last requests' first tokens come later one at a time (from their arrival).
+    assert burst["spd 1-at-a-time"]["model"]["ttft_p50_ms"] > burst["spd batched"]["model"]["ttft_p50_ms"]
+    for row in closed:
         assert row["requests"] == 2 * row["clients"] and row["tokens"] == 12 * row["clients"]
         assert row["identical_outputs"]  # greedy: every system gives every prompt the same tokens
         assert row["model"]["tokens_per_s"] > 0 and row["real"]["tokens_per_s"] > 0
@@ -490,6 +504,7 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
     # a token needs n = 4 steps after the first.
     assert pp_one["model"]["tbt_p50_ms"] == pytest.approx(4 * 2.1) == pytest.approx(pp_one["model"]["tbt_mean_ms"])
     draft = str(tiny_testbed / "draft")
-    for args in (["--speculator", str(tiny_heads[4]), "--stage-ms", "2"], ["--draft-model", draft]):
+    for args in (["--speculator", str(tiny_heads[4]), "--stage-ms", "2"], ["--draft-model", draft],
+                 ["--speculator", str(tiny_heads[4]), "--rates", "0"]):
         bad = run_script("infer/bench_batch.py", *args, check=False)
         assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error:"), bad.stderr
