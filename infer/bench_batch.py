@@ -87,6 +87,8 @@ def parse_args(argv=None):
                    help="a stage call's token budget: prompts enter with what the levels in flight leave of it")
     p.add_argument("--spread-prefill", action="store_true",
                    help="each prompt enters in n equal chunks, 1/n of it in each stage call")
+    p.add_argument("--tree-nodes", type=int, default=None,
+                   help="with --draft-model: a node budget per level across the batch (the trees narrow as it grows)")
     p.add_argument("--stage-ms", type=float, default=None, help="the model clock's fixed cost per stage call, a")
     p.add_argument("--token-ms", type=float, default=None, help="the model clock's cost per token, b")
     p.add_argument("--runtime", default="local", choices=("local", "distributed"),
@@ -139,13 +141,13 @@ def calibrate(staged, context: int) -> tuple[float, float]:
 
 def run_system(engines: dict, system: str, prompts: list[list[int]], clients: int, per_client: int,
                max_new_tokens: int, prefill_chunk: int, width: int = 1, step_tokens: int | None = None,
-               spread_prefill: bool = False) -> dict:
+               spread_prefill: bool = False, tree_nodes: int | None = None) -> dict:
     """C closed-loop clients on one batched pipeline; per request its token steps and wall times. ``engines``: the
     engine of each mode (spd and pp share one; a draft model's tree has its own)."""
     from spd.decoding.sampling import SamplingParams
 
     mode, batched = _pipeline(engines, system, prompts, clients, max_new_tokens, prefill_chunk, width, step_tokens,
-                              spread_prefill)
+                              spread_prefill, tree_nodes)
     records, next_prompt = [], iter(range(10 ** 9))
 
     def send(client: int, left: int) -> None:
@@ -179,8 +181,10 @@ def run_system(engines: dict, system: str, prompts: list[list[int]], clients: in
 
 
 def _pipeline(engines: dict, system: str, prompts: list[list[int]], max_batch: int, max_new_tokens: int,
-              prefill_chunk: int, width: int, step_tokens: int | None, spread_prefill: bool):
-    """The mode ``system`` runs and its batched pipeline, with KV rows for ``max_batch`` requests."""
+              prefill_chunk: int, width: int, step_tokens: int | None, spread_prefill: bool,
+              tree_nodes: int | None = None):
+    """The mode ``system`` runs and its batched pipeline, with KV rows for ``max_batch`` requests (a tree's node
+    budget for the tree systems only)."""
     from spd.decoding.batch import BatchedPipeline
 
     mode = "pp" if system == "pp batched" else system.split()[0]
@@ -188,7 +192,8 @@ def _pipeline(engines: dict, system: str, prompts: list[list[int]], max_batch: i
     in_flight = engine.staged.n_stages * width + 8  # the tree (or chain) in flight, with room to spare
     batched = BatchedPipeline(engine, max_batch=1 if system.endswith("1-at-a-time") else max_batch,
                               kv_rows=max_batch * (max(map(len, prompts)) + max_new_tokens + in_flight),
-                              prefill_chunk=prefill_chunk, step_tokens=step_tokens, spread_prefill=spread_prefill)
+                              prefill_chunk=prefill_chunk, step_tokens=step_tokens, spread_prefill=spread_prefill,
+                              tree_nodes=tree_nodes if mode == "tree" and not system.endswith("1-at-a-time") else None)
     return mode, batched
 
 
@@ -205,14 +210,14 @@ def poisson_arrivals(rate: float, count: int, seed: int) -> list[float]:
 
 def run_open(engines: dict, system: str, prompts: list[list[int]], arrivals: list[float], max_batch: int,
              max_new_tokens: int, prefill_chunk: int, width: int, step_tokens: int | None, spread_prefill: bool,
-             clock: str, a_ms: float = 0.0, b_ms: float = 0.0) -> dict:
+             clock: str, a_ms: float = 0.0, b_ms: float = 0.0, tree_nodes: int | None = None) -> dict:
     """Open-loop load: request ``i`` (prompt ``i``) arrives at ``arrivals[i]`` seconds of ``clock`` ("model": the
     emulated deployment's clock, a step costing its busiest stage's ``a + b * tokens``; "real": the wall clock) and is
     submitted at the first step boundary after it; per request its token steps and times on that clock."""
     from spd.decoding.sampling import SamplingParams
 
     mode, batched = _pipeline(engines, system, prompts, max_batch, max_new_tokens, prefill_chunk, width,
-                              step_tokens, spread_prefill)
+                              step_tokens, spread_prefill, tree_nodes)
     records, ends, clock_s = [], [0.0], 0.0  # ends[k]: the model clock (s) when step k ends; clock_s: now
 
     def submit(index: int) -> None:
@@ -337,6 +342,8 @@ def _bench(args) -> int:
     transformers.utils.logging.set_verbosity_error()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.tree_nodes is not None and args.draft_model is None:
+        raise SpdInputError("--tree-nodes narrows a draft model's token trees; it needs --draft-model")
     if args.draft_model is not None and args.stages is None:
         raise SpdInputError("--draft-model needs --stages N: the number of pipeline stages to cut the target into")
     tokenizer = load_tokenizer(args.target)
@@ -392,7 +399,8 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
                "rates": args.rates, "requests": args.requests if args.rates else None,
                "max_batch": args.max_batch if args.rates else None, "seed": args.seed if args.rates else None,
                "prefill_chunk": args.prefill_chunk, "step_tokens": args.step_tokens,
-               "spread_prefill": args.spread_prefill, "stage_ms": a_ms, "token_ms": b_ms,
+               "spread_prefill": args.spread_prefill, "tree_nodes": args.tree_nodes, "stage_ms": a_ms,
+               "token_ms": b_ms,
                "clock_source": source,
                "runtime": args.runtime, "real_clock": wall,
                "threads": torch.get_num_threads(), "command": " ".join(sys.argv), "rows": []}
@@ -401,7 +409,7 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
         for system in (SYSTEMS if args.draft_model is None else TREE_SYSTEMS):
             run = run_system(engines, system, prompts, clients, args.requests_per_client, args.max_new_tokens,
                              args.prefill_chunk, args.tree_width if args.draft_model else 1, args.step_tokens,
-                             args.spread_prefill)
+                             args.spread_prefill, args.tree_nodes)
             outputs.append(sorted((r["prompt"], r["tokens"]) for r in run["records"]))
             row = {"clients": clients, "system": system, **summarize(run, staged.n_stages, a_ms, b_ms)}
             results["rows"].append(row)
@@ -415,7 +423,7 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
         for system in (SYSTEMS if args.draft_model is None else TREE_SYSTEMS):
             run = run_open(engines, system, prompts, arrivals, args.max_batch, args.max_new_tokens,
                            args.prefill_chunk, args.tree_width if args.draft_model else 1, args.step_tokens,
-                           args.spread_prefill, clock, a_ms, b_ms)
+                           args.spread_prefill, clock, a_ms, b_ms, args.tree_nodes)
             outputs.append(sorted((r["prompt"], r["tokens"]) for r in run["records"]))
             row = {"clients": None, "rate": rate, "system": system, **summarize(run, staged.n_stages, a_ms, b_ms)}
             results["rows"].append(row)

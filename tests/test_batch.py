@@ -300,6 +300,33 @@ def test_a_spread_prefill_sends_each_prompt_in_n_equal_chunks(target_model):
                                   out.token_ids)
 
 
+def test_a_node_budget_narrows_the_trees_as_the_batch_grows(target_model):
+    """``tree_nodes``: W = 4 trees under a budget of 4 nodes per level across the batch: while 3 or 4 requests run,
+    each grows one node per level, so no stage call carries more nodes than there are requests (without the budget
+    the same batch carries up to 16); the last request alone grows its tree to 4 again; every answer is the solo
+    one. A chain engine, or a budget below the batch size, is refused."""
+    engine = _tree_engine(target_model)
+    prompts = [_prompt(i) for i in (1, 2, 3, 4)]  # 6 + 11 + 16 + 21 = 54 tokens: all enter in the first step
+    runs = {}
+    for budget in (None, 4):
+        batched = BatchedPipeline(engine, max_batch=4, kv_rows=1024, prefill_chunk=64, tree_nodes=budget)
+        outs = batched.generate(prompts, 16)
+        running = [(size, tokens) for size, tokens in zip(batched.batch_sizes[4:], batched.stage_tokens[4:])]
+        runs[budget] = running, [o.stats.width_total / o.stats.expansions for o in outs]
+        for prompt, out in zip(prompts, outs):
+            differences_are_near_ties(engine.staged, prompt, generate_ar(engine.staged, prompt, 16).token_ids,
+                                      out.token_ids)
+    budgeted, free = runs[4][0], runs[None][0]
+    assert all(max(tokens) <= size for size, tokens in budgeted if size >= 3), budgeted
+    assert any(max(tokens) > size for size, tokens in free if size >= 3)  # (the budget is what bounds them)
+    assert max(runs[4][1]) < 4 and min(runs[None][1]) == 4  # mean width per request
+    for kwargs, match in [({"engine": PipelineEngine(StagedModel(target_model, 2)), "tree_nodes": 8},
+                           "narrows token trees, but this engine proposes chains"),
+                          ({"max_batch": 4, "tree_nodes": 3}, "at least the batch size")]:
+        with pytest.raises(SpdInputError, match=match):
+            BatchedPipeline(**{"engine": engine, **kwargs})
+
+
 class ScriptedBatch(BatchedPipeline):
     """Each SPD request's proposals forced right or wrong by position against its own solo ``ar`` output (the
     single-request ScriptedEngine of test_engine, one per request): hits, and flushes rolling back different numbers

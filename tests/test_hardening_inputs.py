@@ -49,6 +49,7 @@ def test_distill_cli_nan_is_one_error_line(tmp_path):
     (["--max-batch", "2", "--prefill-chunk", "0"], "--prefill-chunk must be at least 1, got 0"),
     (["--prefill-chunk", "8"], "--prefill-chunk sets how a batched run admits prompts; it needs --max-batch above 1"),
     (["--spread-prefill"], "--spread-prefill sets how a batched run admits prompts; it needs --max-batch above 1"),
+    (["--max-batch", "2", "--tree-nodes", "4"], "--tree-nodes narrows token trees; it needs --mode tree"),
 ])
 def test_run_pipeline_bad_numbers_are_one_error_line(args, message):
     proc = subprocess.run([sys.executable, "-m", "spd.cli.run_pipeline", "--prompt", "x", *args], capture_output=True,

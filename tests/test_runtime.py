@@ -110,7 +110,7 @@ def test_distributed_runtime_batches_requests_as_the_in_process_batch_does(tiny_
     """run_pipeline --max-batch: the ragged batches travel stage to stage (spd/runtime/batch.py) and every request
     gets exactly the tokens and verification outcomes of the in-process batched pipeline (the same ragged calls,
     bit for bit; tests/test_batch.py proves that pipeline lossless), in spd, pp and tree mode, sampled, with the
-    flushes and prunes of an untrained head."""
+    flushes and prunes of an untrained head; the tree under a node budget (its trees narrowing as the batch grows)."""
     from spd.decoding.batch import BatchedPipeline
     from spd.decoding.generation import default_eos
     from spd.decoding.sampling import SamplingParams
@@ -121,8 +121,8 @@ def test_distributed_runtime_batches_requests_as_the_in_process_batch_does(tiny_
     out = tmp_path / "out.json"
     proc = _torchrun(n, "--target", str(tiny_testbed / "target"), "--speculator", str(heads[n]), "--mode", "spd",
                      "pp", "tree", "--tree-width", "2", "--prompts", str(prompts), "--max-new-tokens", "20",
-                     "--temperature", "1", "--top-k", "20", "--seed", "7", "--max-batch", "4", "--prefill-chunk", "24", "--spread-prefill", "--out",
-                     str(out))
+                     "--temperature", "1", "--top-k", "20", "--seed", "7", "--max-batch", "4", "--prefill-chunk", "24", "--spread-prefill", "--tree-nodes", "4",
+                     "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[spd] 16 prompts in" in proc.stderr and "largest batch 4" in proc.stderr
     report = json.loads(out.read_text())
@@ -137,8 +137,9 @@ def test_distributed_runtime_batches_requests_as_the_in_process_batch_does(tiny_
     for mode in ("spd", "pp", "tree"):
         engine = (TreeEngine(staged, SpdHeadSource(head, staged, 4), 2, tok) if mode == "tree"
                   else PipelineEngine(staged, head, tok))
-        want = BatchedPipeline(engine, 4, prefill_chunk=24, spread_prefill=True).generate(ids, 20, sampling, eos,
-                                                                                          mode=mode)
+        # (--tree-nodes 4 is the tree's: its W = 2 trees narrow to 1 node a level while 3 or 4 requests run)
+        want = BatchedPipeline(engine, 4, prefill_chunk=24, spread_prefill=True,
+                               tree_nodes=4 if mode == "tree" else None).generate(ids, 20, sampling, eos, mode=mode)
         got = report["results"][mode]
         assert [r["token_ids"] for r in got] == [o.token_ids for o in want], mode
         assert [r["stats"]["token_acceptance"] for r in got] == [o.stats.token_acceptance for o in want], mode

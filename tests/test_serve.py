@@ -477,6 +477,9 @@ BAD_FLAGS = [
     (["--mode", "pp", "--step-tokens", "64"], "needs --max-batch above 1"),
     (["--mode", "pp", "--spread-prefill"], "needs --max-batch above 1"),
     (["--mode", "pp", "--max-batch", "4", "--step-tokens", "4"], "above the 4 tokens of levels a stage call carries"),
+    (["--mode", "pp", "--tree-nodes", "4"], "needs --max-batch above 1"),
+    (["--mode", "pp", "--max-batch", "2", "--tree-nodes", "4"], "narrows token trees; it needs --mode tree"),
+    (["--mode", "pp", "--max-batch", "4", "--tree-nodes", "2"], "--tree-nodes must be at least --max-batch (4"),
 ]
 
 

@@ -90,7 +90,7 @@ def check_numbers(args) -> None:
     if not 0 < args.top_p <= 1:
         raise SpdInputError(f"--top-p must be in (0, 1], got {args.top_p}")
     for flag, low in (("threads", 1), ("max_new_tokens", 1), ("num_prompts", 1), ("top_k", 0), ("max_batch", 1),
-                       ("prefill_chunk", 1), ("step_tokens", 1)):
+                       ("prefill_chunk", 1), ("step_tokens", 1), ("tree_nodes", 1)):
         value = getattr(args, flag)
         if value is not None and value < low:
             raise SpdInputError(f"--{flag.replace('_', '-')} must be at least {low}, got {value}")
@@ -201,7 +201,10 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
             tree = build_engine(DecodingSpec.of(args, mode="tree"), staged, head, tokenizer, dtype, device, remote)
         for engine in (chain, tree):  # a budget too small for a full batch, before any mode runs
             if engine is not None and args.max_batch > 1:
-                check_step_tokens(args.step_tokens, args.max_batch, engine.loop.policy.max_width)
+                width = engine.loop.policy.max_width
+                if engine is tree and args.tree_nodes is not None:  # the trees' width at a full batch
+                    width = min(width, max(1, args.tree_nodes // args.max_batch))
+                check_step_tokens(args.step_tokens, args.max_batch, width)
         for mode in args.mode:
             results[mode] = []
             engine = tree if mode == "tree" else chain
@@ -238,7 +241,10 @@ def _run_batched(args, engine, mode: str, prompts: list[list[int]], tokenizer, s
     from spd.decoding.request import prepare_prompt
     from spd.decoding.sampling import SamplingParams
 
-    batch = BatchedPipeline(engine, args.max_batch, **prefill_options(args))
+    options = prefill_options(args)
+    if mode != "tree":  # (the node budget is the tree's; --mode pp tree runs pp without it)
+        options["tree_nodes"] = None
+    batch = BatchedPipeline(engine, args.max_batch, **options)
     requests = []
     for i, ids in enumerate(prompts):
         _, eos = prepare_prompt(tokenizer, ids, None, staged.model)

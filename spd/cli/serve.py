@@ -220,7 +220,8 @@ def _announce(server, args, name: str, pipeline, max_model_len: int, batch=None)
                       f"{batch.pool.row_bytes(batch.staged) * batch.pool.rows / 2 ** 20:.0f} MiB; "
                       f"{batch.prefill_chunk} prompt tokens a step"
                       + (f", {batch.step_tokens} tokens a stage call" if batch.step_tokens else "")
-                      + (", each prompt in n chunks" if batch.spread_prefill else "") + ")")
+                      + (", each prompt in n chunks" if batch.spread_prefill else "")
+                      + (f", trees of at most {batch.tree_nodes} nodes a level" if batch.tree_nodes else "") + ")")
             print(f"[spd-serve] {name}: mode {args.mode}, {pipeline.n_stages} stages, runtime {args.runtime}, "
                   f"max model len {max_model_len}{kv}; listening on http://{args.host}:{port}", file=sys.stderr,
                   flush=True)

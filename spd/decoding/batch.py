@@ -70,6 +70,7 @@ from ..target.staging import StageOutput
 from .generation import GenerationOutput, OnToken
 from .loop import COLLECT, Advance, LocalStages, Prefill, Propose, TargetLogits, anchors_by_stage, answer_many
 from .sampling import SamplingParams
+from .tree_width import SharedWidth
 
 DEFAULT_ROWS_PER_REQUEST = 2048  # the pool's default size: this many rows per request of max_batch
 DEFAULT_PREFILL_CHUNK = 64  # prompt tokens that enter the pipeline per step, all newcomers together
@@ -141,6 +142,7 @@ class BatchRequest:
         self.work: Prefill | Advance | None = None
         self.region: Region | None = None
         self.source = None  # its own copy of the engine's proposer (None: the standard pipeline)
+        self.width = None  # its own width policy (a copy of the engine's; SharedWidth under a node budget)
         self.output: GenerationOutput | None = None
         self.error: BaseException | None = None
         self.cancelled = False
@@ -171,19 +173,32 @@ class BatchedPipeline:
     is no longer than a full one (vLLM's ``max_num_batched_tokens``, for a pipeline); ``spread_prefill`` sends each
     prompt in ``n`` equal chunks (at most ``prefill_chunk`` tokens each), so that every stage call carries ``1/n``
     of it: shorter steps for the requests in flight, ``n - 1`` more steps to the newcomer's first token.
+    ``tree_nodes`` (optional, token trees) a node budget per level across the batch: each request's tree is at most
+    ``tree_nodes // requests in flight`` wide (at least 1), so the trees narrow as the batch grows and a stage
+    call carries about ``tree_nodes`` tree nodes however many requests are in flight
+    (:class:`~spd.decoding.tree_width.SharedWidth`).
     """
 
     def __init__(self, engine, max_batch: int = 8, kv_rows: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, step_tokens: int | None = None,
-                 spread_prefill: bool = False):
+                 spread_prefill: bool = False, tree_nodes: int | None = None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise SpdInputError(f"the batch size must be a positive integer, got {max_batch!r}")
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise SpdInputError(f"the prefill chunk must be a positive number of tokens, got {prefill_chunk!r}")
-        check_step_tokens(step_tokens, max_batch, engine.loop.policy.max_width)
+        max_width = engine.loop.policy.max_width
+        if tree_nodes is not None:
+            if max_width == 1:
+                raise SpdInputError("a node budget (tree_nodes, --tree-nodes) narrows token trees, but this engine "
+                                    "proposes chains (width 1); use it with --mode tree")
+            if not isinstance(tree_nodes, int) or tree_nodes < max_batch:
+                raise SpdInputError(f"the node budget must be at least the batch size ({max_batch}: one node per "
+                                    f"request and level), got {tree_nodes!r}")
+            max_width = min(max_width, tree_nodes // max_batch)  # the trees' width at a full batch
+        check_step_tokens(step_tokens, max_batch, max_width)
         self.engine, self.staged, self.loop = engine, engine.staged, engine.loop
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
-        self.step_tokens, self.spread_prefill = step_tokens, spread_prefill
+        self.step_tokens, self.spread_prefill, self.tree_nodes = step_tokens, spread_prefill, tree_nodes
         rows = kv_rows if kv_rows is not None else max_batch * DEFAULT_ROWS_PER_REQUEST
         # Stages in this process, or the distributed runtime's (spd.runtime.remote.RemoteStages.batch_backend).
         self.backend = (LocalBatch(self.staged, rows) if isinstance(engine.stages, LocalStages)
@@ -218,8 +233,11 @@ class BatchedPipeline:
 
         # Each request has its own proposer state and width policy (the head's weights are shared).
         request.source = copy.copy(source) if source is not None else None
+        request.width = copy.deepcopy(self.loop.policy)
+        if self.tree_nodes is not None:
+            request.width = SharedWidth(request.width)
         steps = self.loop.steps(request.source, input_ids, max_new_tokens, sampling, eos_token_id, tokens, stats,
-                                stages=stages, policy=copy.deepcopy(self.loop.policy))
+                                stages=stages, policy=request.width)
         request.steps = steps
         request.work = next(steps)  # validates the request and asks for its prefill
         if request.work.capacity > self.pool.rows:
@@ -242,6 +260,9 @@ class BatchedPipeline:
             self.backend.idle()
             return
         self.backend.new_step()
+        if self.tree_nodes is not None:  # every request's share of the node budget, for the levels grown this step
+            for request in self.active:
+                request.width.cap = max(1, self.tree_nodes // len(self.active))
         self.steps += 1
         self.batch_sizes.append(len(self.active))
         self.stage_tokens.append([0] * self.staged.n_stages)

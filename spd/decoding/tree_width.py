@@ -112,6 +112,33 @@ class AdaptiveWidth:
             self._grew = False
 
 
+class SharedWidth:
+    """A request's width policy in a batch with a node budget per step (``BatchedPipeline(tree_nodes=N)``): its own
+    policy's width, at most ``cap``, which the batch sets before every step to the request's share of the budget
+    (``N`` over the requests in flight). The cap changes only between steps, so between verifications, and follows
+    how many requests are in flight, never a draw of this request: every decoding rule stays lossless. A sampled
+    request's output for a seed then depends on the load (its distribution does not)."""
+
+    def __init__(self, inner: FixedWidth | AdaptiveWidth):
+        self.inner, self.cap = inner, inner.max_width
+        self.adaptive = inner.adaptive
+        self.max_width, self.max_children = inner.max_width, inner.max_children
+
+    @property
+    def width(self) -> int:
+        return min(self.inner.width, self.cap)
+
+    @property
+    def children(self) -> int:
+        return self.inner.children
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def observe(self, hit_rank: int | None) -> None:
+        self.inner.observe(hit_rank)
+
+
 def tree_width(width: int | str, children: int, max_width: int = 8) -> FixedWidth | AdaptiveWidth:
     """The width policy for ``--tree-width`` (an integer or ``auto``) and ``--tree-children``."""
     width = parse_tree_width(width)
