@@ -435,10 +435,18 @@ class UnfairBatch(BatchedPipeline):
         return super().submit(input_ids, max_new_tokens, same, *args, **kwargs)
 
 
-@pytest.mark.parametrize("cls", [BatchedPipeline, UnfairBatch])
+class NodeBudgetBatch(BatchedPipeline):
+    """Trees under a node budget (18 nodes a level over up to 12 requests: W = 3 trees narrowing to 2 and 1)."""
+
+    def __init__(self, engine, **kwargs):
+        super().__init__(engine, tree_nodes=18, **kwargs)
+
+
+@pytest.mark.parametrize("cls", [BatchedPipeline, UnfairBatch, NodeBudgetBatch])
 def test_sampled_tree_in_a_mixed_batch_follows_the_target_distribution(cls):
     """3-token continuations of one prompt from 600 seeds, each run in a batch beside requests with other prompts,
-    temperatures and budgets, vs the exact warped target distribution (p > 1e-3; the control fails)."""
+    temperatures and budgets, vs the exact warped target distribution (p > 1e-3; the control fails); with trees
+    whose width follows the batch under a node budget, too."""
     model = tiny_model("llama", seed=3, layers=6, vocab=VOCAB, bos_token_id=0, eos_token_id=None, pad_token_id=0)
     staged = StagedModel(model, 2)
     engine = TreeEngine(staged, DraftModelSource(StagedModel(_noisy_copy(model, 1.0), 1), staged, 3), 3,
@@ -460,6 +468,8 @@ def test_sampled_tree_in_a_mixed_batch_follows_the_target_distribution(cls):
         assert p_value < 1e-3
         return
     assert max(batched.batch_sizes) == 12
+    if cls is NodeBudgetBatch:  # the trees did narrow (W = 3 without the budget)
+        assert sum(r.output.stats.width_total for r in counted) < 3 * sum(r.output.stats.expansions for r in counted)
     assert sum(r.output.stats.flushes for r in counted) > 20 and sum(r.output.stats.accepted for r in counted) > 20
     assert p_value > 1e-3
 
