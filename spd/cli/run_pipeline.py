@@ -169,7 +169,7 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
     from spd.runtime.loading import load_partial
     from spd.runtime.protocol import PipelineLost
     from spd.runtime.remote import RemoteStages
-    from spd.decoding.batch import check_step_tokens
+    from spd.decoding.batch import check_step_tokens, full_batch_width
     from spd.heads.loading import load_speculator
 
     if "spd" in args.mode and args.speculator is None:
@@ -201,9 +201,8 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
             tree = build_engine(DecodingSpec.of(args, mode="tree"), staged, head, tokenizer, dtype, device, remote)
         for engine in (chain, tree):  # a budget too small for a full batch, before any mode runs
             if engine is not None and args.max_batch > 1:
-                width = engine.loop.policy.max_width
-                if engine is tree and args.tree_nodes is not None:  # the trees' width at a full batch
-                    width = min(width, max(1, args.tree_nodes // args.max_batch))
+                width = full_batch_width(engine.loop.policy.max_width, args.max_batch,
+                                         args.tree_nodes if engine is tree else None)
                 check_step_tokens(args.step_tokens, args.max_batch, width)
         for mode in args.mode:
             results[mode] = []

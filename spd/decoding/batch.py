@@ -76,6 +76,12 @@ DEFAULT_ROWS_PER_REQUEST = 2048  # the pool's default size: this many rows per r
 DEFAULT_PREFILL_CHUNK = 64  # prompt tokens that enter the pipeline per step, all newcomers together
 
 
+def full_batch_width(max_width: int, max_batch: int, tree_nodes: int | None) -> int:
+    """The widest level a request grows at a full batch: its policy's ``max_width``, or under a node budget its share
+    of ``tree_nodes`` (at least 1)."""
+    return max_width if tree_nodes is None else min(max_width, max(1, tree_nodes // max_batch))
+
+
 def check_step_tokens(step_tokens: int | None, max_batch: int, max_width: int) -> None:
     """A stage call's token budget must leave room for prompts at a full batch (``max_batch`` requests with a level
     of up to ``max_width`` tokens each at every stage), or newcomers could not enter until requests leave."""
@@ -194,8 +200,7 @@ class BatchedPipeline:
             if not isinstance(tree_nodes, int) or tree_nodes < max_batch:
                 raise SpdInputError(f"the node budget must be at least the batch size ({max_batch}: one node per "
                                     f"request and level), got {tree_nodes!r}")
-            max_width = min(max_width, tree_nodes // max_batch)  # the trees' width at a full batch
-        check_step_tokens(step_tokens, max_batch, max_width)
+        check_step_tokens(step_tokens, max_batch, full_batch_width(max_width, max_batch, tree_nodes))
         self.engine, self.staged, self.loop = engine, engine.staged, engine.loop
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.step_tokens, self.spread_prefill, self.tree_nodes = step_tokens, spread_prefill, tree_nodes
