@@ -23,6 +23,15 @@ for an input-state head k is the fill a of docs/method.md §3), flushes,
 greedy identity with ``ar`` and single-process tokens/s (informational: a single process runs the
 stages one after another, so its wall clock shows no pipeline speedup). JSON has every per-prompt number.
 
+``--batch B`` runs the ``spd``, ``pp`` and ``tree`` runs B prompts at a time through the batched pipeline
+(:class:`spd.decoding.batch.BatchedPipeline`, what ``spd-serve --max-batch`` schedules with): every number per
+prompt is the one a prompt run alone gives, and a benchmark of many prompts takes a fraction of the time (the
+stages run every request's tokens in one call). Only fp32's last bits can differ (other matrix shapes), so at
+T = 0 a prompt's output may part from ``ar``'s at a near tie; every output that differs from ``ar``'s is
+reported with the token where it first differs and ``ar``'s top-two logit margin there (``differences_from_ar``;
+:mod:`spd.decoding.ties`), and a difference that is not a near tie is a warning. ``ar`` and ``sd`` runs stay one
+prompt at a time; tokens/s of a batched run is its whole batch's.
+
 A long benchmark resumes: each result is journalled to ``OUT.progress.jsonl`` as it finishes, and the same
 command run again after a kill skips what is done (seeded sampling makes the numbers those of an unbroken
 run; only tokens/s mixes the two runs' machines). The journal goes once ``OUT`` is written.
@@ -116,6 +125,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="torch device of the target and heads (cpu, cuda, cuda:1, ...)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--batch", type=int, default=1,
+                   help="spd, pp and tree runs: prompts in flight at once in the batched pipeline (default: 1, one at a "
+                        "time; ar and sd always run one at a time)")
     p.add_argument("--out", default="bench.json", help="where the JSON results go")
     p.add_argument("--plot", default=None, help="PNG: acceptance by pipeline position and L'_acc vs n")
     return p.parse_args(argv)
@@ -202,6 +214,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         runs = [parse_run(r) for r in (args.run or ["ar", "pp:4"])]
+        if args.batch < 1:
+            raise SpdInputError(f"--batch must be a positive number of prompts in flight, got {args.batch}")
         return _bench(args, runs)
     except SpdInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -274,49 +288,50 @@ def _bench(args, runs: list[RunSpec]) -> int:
     if done:
         print(f"[bench] resuming from {journal.path}: {len(done)} of "
               f"{len(args.temperatures) * len(prompts) * len(runs)} results done", file=sys.stderr)
+    batched = [r for r in runs if args.batch > 1 and r.mode in BATCHED_MODES]
+    solo = [r for r in runs if r not in batched]
     started = time.perf_counter()
     for temperature in args.temperatures:
         key_t = f"T={temperature:g}"
-        per_run: dict[str, list[dict]] = {r.name: [] for r in runs}
-        tokens: dict[str, list[list[int]]] = {r.name: [] for r in runs}
+        sampling = {"temperature": temperature, "top_k": args.top_k if temperature > 0 else 0,
+                    "top_p": args.top_p if temperature > 0 else 1.0}
+        per_run: dict[str, dict[int, dict]] = {r.name: {} for r in runs}
+        tokens: dict[str, dict[int, list[int]]] = {r.name: {} for r in runs}
+        for (t, i, name), entry in done.items():
+            if t == key_t:
+                per_run[name][i], tokens[name][i] = entry["record"], entry["tokens"]
+
+        def finished(run: RunSpec, i: int, out) -> None:
+            record = _record(out, run, info[run.name])
+            per_run[run.name][i], tokens[run.name][i] = record, out.token_ids
+            journal.append({"T": key_t, "prompt": i, "run": run.name, "record": record, "tokens": out.token_ids})
+
         for i, ids in enumerate(prompts):
-            order = runs if i % 2 == 0 else runs[::-1]  # alternate so that machine noise hits every run alike
+            order = solo if i % 2 == 0 else solo[::-1]  # alternate so that machine noise hits every run alike
             for run in order:
-                if (key_t, i, run.name) in done:
-                    entry = done[(key_t, i, run.name)]
-                    per_run[run.name].append(entry["record"])
-                    tokens[run.name].append(entry["tokens"])
-                    continue
-                out = engines[run.name].generate(ids, args.max_new_tokens, mode=run.mode, temperature=temperature,
-                                                 top_k=args.top_k if temperature > 0 else 0,
-                                                 top_p=args.top_p if temperature > 0 else 1.0, seed=args.seed + i)
-                record = out.stats.as_dict()
-                if run.mode == "sd":  # an iteration (one target forward) is its step; L_acc its acceptance length
-                    record["steps"] = record["iterations"]
-                    record["equivalent_accept_length"] = record["mean_acceptance_length"]
-                record.setdefault("steps", 0)
-                record.setdefault("decode_tokens", record["new_tokens"] - 1)
-                record.setdefault("equivalent_accept_length", 0.0)
-                record.setdefault("flushes", 0)
-                record.setdefault("verified_by_position", [0] * info[run.name]["stages"])
-                record.setdefault("accepted_by_position", [0] * info[run.name]["stages"])
-                per_run[run.name].append(record)
-                tokens[run.name].append(out.token_ids)
-                journal.append({"T": key_t, "prompt": i, "run": run.name, "record": record,
-                                "tokens": out.token_ids})
-            print(f"\r{key_t}: {i + 1}/{len(prompts)} prompts ({time.perf_counter() - started:.0f} s)",
-                  end="", file=sys.stderr, flush=True)
+                if i not in per_run[run.name]:
+                    finished(run, i, engines[run.name].generate(ids, args.max_new_tokens, mode=run.mode,
+                                                                seed=args.seed + i, **sampling))
+            if solo:
+                print(f"\r{key_t}: {i + 1}/{len(prompts)} prompts ({time.perf_counter() - started:.0f} s)",
+                      end="", file=sys.stderr, flush=True)
+        batch_info = {run.name: _run_batched(engines[run.name], run, prompts, per_run[run.name], args, sampling,
+                                             lambda i, out, run=run: finished(run, i, out), key_t, started)
+                      for run in batched}
         print(file=sys.stderr)
         results[key_t] = {}
         for run in runs:
-            summary = summarize(per_run[run.name], info[run.name]["stages"]) if run.mode != "ar" else {
-                "prompts": len(prompts), "new_tokens": sum(r["new_tokens"] for r in per_run[run.name]),
-                "tokens_per_s": sum(r["new_tokens"] for r in per_run[run.name])
-                / sum(r["wall_time_s"] for r in per_run[run.name])}
+            records = [per_run[run.name][i] for i in range(len(prompts))]
+            summary = summarize(records, info[run.name]["stages"]) if run.mode != "ar" else {
+                "prompts": len(prompts), "new_tokens": sum(r["new_tokens"] for r in records),
+                "tokens_per_s": sum(r["new_tokens"] for r in records) / sum(r["wall_time_s"] for r in records)}
+            summary.update(batch_info.get(run.name, {}))
             if temperature == 0:
-                same = sum(a == b for a, b in zip(tokens[run.name], tokens["ar"]))
-                summary["identical_to_ar"] = same
-            results[key_t][run.name] = {**info[run.name], "summary": summary, "per_prompt": per_run[run.name]}
+                ours, reference = [tokens[run.name][i] for i in range(len(prompts))], \
+                    [tokens["ar"][i] for i in range(len(prompts))]
+                summary["identical_to_ar"] = sum(a == b for a, b in zip(ours, reference))
+                summary["differences_from_ar"] = _differences(base, prompts, reference, ours, run.name)
+            results[key_t][run.name] = {**info[run.name], "summary": summary, "per_prompt": records}
 
     report = {"command": " ".join(sys.argv), "target": args.target, "device": str(base.device),
               "device_name": torch.cuda.get_device_name(base.device) if base.device.type == "cuda" else "cpu",
@@ -336,6 +351,77 @@ def _bench(args, runs: list[RunSpec]) -> int:
     return 0
 
 
+BATCHED_MODES = ("spd", "pp", "tree")  # what the batched pipeline runs
+
+
+def _record(out, run: RunSpec, info: dict) -> dict:
+    """A prompt's numbers: its stats, with the fields every run's summary reads."""
+    record = out.stats.as_dict()
+    if run.mode == "sd":  # an iteration (one target forward) is its step; L_acc its acceptance length
+        record["steps"] = record["iterations"]
+        record["equivalent_accept_length"] = record["mean_acceptance_length"]
+    record.setdefault("steps", 0)
+    record.setdefault("decode_tokens", record["new_tokens"] - 1)
+    record.setdefault("equivalent_accept_length", 0.0)
+    record.setdefault("flushes", 0)
+    record.setdefault("verified_by_position", [0] * info["stages"])
+    record.setdefault("accepted_by_position", [0] * info["stages"])
+    return record
+
+
+def _run_batched(engine, run: RunSpec, prompts: list[list[int]], records: dict[int, dict], args, sampling: dict,
+                 finished, key_t: str, started: float) -> dict:
+    """Every prompt of ``run`` not yet in ``records`` through one batched pipeline, ``args.batch`` at a time;
+    ``finished(i, output)`` as each ends. Returns the batch's own numbers for the summary."""
+    from spd.decoding.batch import BatchedPipeline
+    from spd.decoding.request import prepare_prompt
+    from spd.decoding.sampling import SamplingParams
+
+    pending = [i for i in range(len(prompts)) if i not in records]
+    summary = {"batch": args.batch}
+    if not pending:
+        return summary
+    pipeline = BatchedPipeline(engine, max_batch=args.batch)
+    requests = []
+    for i in pending:
+        ids, eos = prepare_prompt(None, prompts[i], None, engine.staged.model)
+        requests.append(pipeline.submit(ids, args.max_new_tokens, SamplingParams(seed=args.seed + i, **sampling),
+                                        eos, mode=run.mode, on_done=lambda r, i=i: finished(i, r.output)
+                                        if r.state == "done" else None))
+    t0 = time.perf_counter()
+    while pipeline.busy:
+        pipeline.step()
+        if pipeline.steps % 50 == 0:
+            print(f"\r{key_t}: {run.name}: {sum(r.finished for r in requests)}/{len(requests)} prompts, batched "
+                  f"({time.perf_counter() - started:.0f} s)", end="", file=sys.stderr, flush=True)
+    wall = time.perf_counter() - t0
+    for request in requests:
+        if request.error is not None:
+            raise request.error
+    new_tokens = sum(r.output.stats.new_tokens for r in requests)
+    summary.update({"mean_batch_size": statistics.fmean(pipeline.batch_sizes), "batch_steps": pipeline.steps,
+                    "batch_wall_time_s": wall, "tokens_per_s": new_tokens / wall})
+    return summary
+
+
+def _differences(base, prompts: list[list[int]], reference: list[list[int]], ours: list[list[int]],
+                 name: str) -> list[dict]:
+    """Where each greedy output that is not ``ar``'s first parts from it, with ``ar``'s top-two margin there; a
+    difference that is not a near tie is printed as a warning (a lossless check failed)."""
+    from spd.decoding.ties import first_difference
+
+    found = []
+    for i, (a, b) in enumerate(zip(reference, ours)):
+        difference = first_difference(base, prompts[i], a, b)
+        if difference is None:
+            continue
+        found.append({"prompt": i, **difference.as_dict()})
+        if not difference.near_tie:
+            print(f"warning: {name}'s output for prompt {i} differs from ar's at token {difference.token}, where ar's "
+                  f"top-two logit margin is {difference.margin:.2e}: not a near tie", file=sys.stderr)
+    return found
+
+
 def _journal_path(out: str) -> Path:
     return Path(f"{out}.progress.jsonl")
 
@@ -347,7 +433,7 @@ def _settings(args, runs: list[RunSpec], prompts: list[list[int]]) -> dict:
             "prompt_ids_sha256": digest,
             "max_new_tokens": args.max_new_tokens, "temperatures": args.temperatures, "top_k": args.top_k,
             "top_p": args.top_p, "seed": args.seed, "tree_max_width": args.tree_max_width,
-            "runs": [dataclasses.asdict(r) for r in runs]}
+            "runs": [dataclasses.asdict(r) for r in runs], **({"batch": args.batch} if args.batch > 1 else {})}
 
 
 def _head_boundaries(source: str | None) -> list[int] | None:
@@ -398,6 +484,9 @@ def render_table(results: dict) -> str:
 
             fills = " ".join(fmt(a) for a in s.get("acceptance_by_position", [])) or "-"
             same = f"{s['identical_to_ar']}/{s['prompts']}" if "identical_to_ar" in s else "-"
+            ties = sum(d["near_tie"] for d in s.get("differences_from_ar", []))
+            if ties:
+                same += f" (+{ties} near tie{'s' if ties > 1 else ''})"
             lines.append(f"| {key_t[2:]} | {name} | {r['variant']} | {r['stages']} | {fmt(s.get('L_acc'))} "
                          f"| {fmt(s.get('L_acc_mean_per_prompt'))} | {fmt(s.get('theoretical_speedup'))} "
                          f"| {s.get('flushes', '-')} | {fills} | {same} | {fmt(s.get('tokens_per_s'), 1)} "

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from spd.decoding.ties import first_difference
+
 REPO = Path(__file__).resolve().parents[1]
 
 # At most 2 intra-op threads (the CI machine has 2 cores); OMP_NUM_THREADS=1 wins when the machine is shared,
@@ -20,32 +22,17 @@ REPO = Path(__file__).resolve().parents[1]
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or min(2, os.cpu_count() or 1)))
 
 
-NEAR_TIE = 1e-4  # fp32: top-two logits this close may part two runs of the same model (other matrix shapes)
-
-
-def near_tie_tolerance(top: float, dtype: torch.dtype) -> float:
-    """How close the top-two logits may be where two runs of the same model part ways: NEAR_TIE in fp32, 8 bf16
-    spacings of the top logit in bf16 (bf16 keeps 8 significant bits)."""
-    if dtype == torch.float32:
-        return NEAR_TIE
-    return 8 * 2.0 ** (math.floor(math.log2(max(abs(top), 1e-30))) - 7)
-
-
 def differences_are_near_ties(staged, prompt: list[int], solo: list[int], other: list[int],
                               what: str = "outputs") -> int:
     """0 if ``other`` equals the solo run's ``solo``; 1 if they first differ where the solo run's top-two logits are
-    a near tie (:func:`near_tie_tolerance`; printed with its margin); fails otherwise."""
-    if solo == other:
+    a near tie (:func:`spd.decoding.ties.near_tie_tolerance`; printed with its margin); fails otherwise."""
+    difference = first_difference(staged, prompt, solo, other)
+    if difference is None:
         return 0
-    i = next((k for k, (a, b) in enumerate(zip(solo, other)) if a != b), None)
-    assert i is not None, f"{what}: {len(other)} tokens instead of the solo run's {len(solo)}"
-    with torch.no_grad():
-        logits_V = staged.model(torch.tensor([prompt + solo[:i]], device=staged.device)).logits[0, -1]
-    top2 = torch.topk(logits_V.float(), 2).values.tolist()
-    margin, tolerance = top2[0] - top2[1], near_tie_tolerance(top2[0], staged.dtype)
-    assert margin < tolerance, (f"{what} differ at token {i} where the solo run's top-two margin is {margin:.2e} "
-                                f"(near-tie tolerance {tolerance:.2e})")
-    print(f"{what}: near-tie at token {i} (margin {margin:.2e})")
+    assert difference.margin != math.inf, f"{what}: {len(other)} tokens instead of the solo run's {len(solo)}"
+    assert difference.near_tie, (f"{what} differ at token {difference.token} where the solo run's top-two margin is "
+                                 f"{difference.margin:.2e} (near-tie tolerance {difference.tolerance:.2e})")
+    print(f"{what}: near-tie at token {difference.token} (margin {difference.margin:.2e})")
     return 1
 
 

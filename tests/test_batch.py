@@ -41,6 +41,21 @@ def _prompt(i: int) -> list[int]:
     return [(7 * i + 3 * j) % 120 + 1 for j in range(1 + (i * 5) % 38)]
 
 
+def test_where_two_outputs_part_the_solo_run_s_margin_is_measured(target_model):
+    """spd.decoding.ties: no difference for equal outputs; else the first differing token and the solo run's
+    top-two margin there, a near tie only below the tolerance."""
+    from spd.decoding.ties import NEAR_TIE, first_difference
+
+    staged, prompt = StagedModel(target_model, 1), _prompt(4)
+    solo = generate_ar(staged, prompt, 8).token_ids
+    assert first_difference(staged, prompt, solo, list(solo)) is None
+    other = solo[:5] + [(solo[5] + 1) % 128] + solo[6:]
+    found = first_difference(staged, prompt, solo, other)
+    top2 = torch.topk(target_model(torch.tensor([prompt + solo[:5]])).logits[0, -1], 2).values
+    assert found.token == 5 and found.margin == pytest.approx(float(top2[0] - top2[1]), abs=1e-6)
+    assert found.tolerance == NEAR_TIE and found.near_tie == (found.margin < NEAR_TIE)
+    assert first_difference(staged, prompt, solo, solo[:6]).near_tie is False  # cut short: never a near tie
+
 
 @pytest.mark.parametrize("width,temperature", [(1, 0.0), (4, 0.0), (1, 1.0), (4, 0.8)])
 def test_a_batch_of_one_is_the_single_request_engine(target_model, width, temperature):

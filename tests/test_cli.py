@@ -235,26 +235,45 @@ def test_head_for_another_target_is_refused(tiny_testbed, tiny_heads, tmp_path):
 
 
 def test_bench_runs_modes_and_heads(tiny_testbed, tiny_heads, tmp_path):
-    from conftest import run_script
+    """Every kind of run, solo and (side by side) with --batch: the batched pipeline gives every prompt the numbers
+    it gets alone, at T = 0 and sampled."""
+    from conftest import run_script, two_at_a_time
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "import os\n"}) + "\n"
-                       + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    proc = run_script("infer/bench.py", "--target", str(tiny_testbed / "target"), "--prompts", str(prompts),
-                      "--run", "pp:2", "--run", f"h2=spd:{tiny_heads[2]}", "--run", f"spd:{tiny_heads[4]}",
-                      "--temperatures", "0", "1", "--max-new-tokens", "12", "--out", str(out), "--plot", str(png))
+                       + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+                       + json.dumps({"prompt": "def f(x):\n    return"}) + "\n")
+    out, png, batched = tmp_path / "bench.json", tmp_path / "bench.png", tmp_path / "batched.json"
+    args = ["--target", str(tiny_testbed / "target"), "--prompts", str(prompts), "--run", "pp:2",
+            "--run", f"h2=spd:{tiny_heads[2]}", "--run", f"spd:{tiny_heads[4]}", "--run", f"t2=tree:{tiny_heads[2]}:2:2:2",
+            "--temperatures", "0", "1", "--max-new-tokens", "12"]
+    proc, _ = two_at_a_time(lambda extra: run_script("infer/bench.py", *args, *extra),
+                            [["--out", str(out), "--plot", str(png)], ["--out", str(batched), "--batch", "2"]])
     assert "| 0 | h2 | spd-input | 2 |" in proc.stdout
     report = json.loads(out.read_text())
     greedy = report["results"]["T=0"]
-    assert set(greedy) == {"pp n=2", "h2", str(tiny_heads[4]), "ar"}  # ar added as the lossless reference
-    for name in ("pp n=2", "h2", str(tiny_heads[4])):
-        assert greedy[name]["summary"]["identical_to_ar"] == 2
+    assert set(greedy) == {"pp n=2", "h2", str(tiny_heads[4]), "t2", "ar"}  # ar added as the lossless reference
+    for name in ("pp n=2", "h2", str(tiny_heads[4]), "t2"):
+        assert greedy[name]["summary"]["identical_to_ar"] == 3
+        assert greedy[name]["summary"]["differences_from_ar"] == []
     assert greedy["pp n=2"]["summary"]["L_acc"] == 1.0
-    assert len(greedy["h2"]["per_prompt"]) == 2 and "T=1" in report["results"]
+    assert len(greedy["h2"]["per_prompt"]) == 3 and "T=1" in report["results"]
     assert png.stat().st_size > 10_000
+
+    def numbers(results):  # the method's, not the machine's
+        return {(t, name): [{k: v for k, v in r.items() if not k.endswith(("time_s", "_per_s", "_ms"))}
+                            for r in run["per_prompt"]] for t, runs in results.items() for name, run in runs.items()}
+
+    together = json.loads(batched.read_text())["results"]
+    assert numbers(together) == numbers(report["results"])
+    for t in ("T=0", "T=1"):
+        for name in ("pp n=2", "h2", "t2"):
+            assert together[t][name]["summary"]["batch"] == 2 and together[t][name]["summary"]["mean_batch_size"] > 1
+        assert "batch" not in together[t]["ar"]["summary"]  # the reference runs alone
     bad = run_script("infer/bench.py", "--run", "spd", "--prompts", str(prompts), check=False)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --run 'spd' is not a run")
+    bad = run_script("infer/bench.py", *args, "--batch", "0", check=False)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --batch must be a positive number"), bad.stderr
 
 
 def test_killed_bench_resumes_to_the_same_numbers(tiny_testbed, tiny_heads, tmp_path):
