@@ -25,8 +25,8 @@ stages one after another, so its wall clock shows no pipeline speedup). JSON has
 
 ``--batch B`` runs the ``spd``, ``pp`` and ``tree`` runs B prompts at a time through the batched pipeline
 (:class:`spd.decoding.batch.BatchedPipeline`, what ``spd-serve --max-batch`` schedules with): every number per
-prompt is the one a prompt run alone gives, and a benchmark of many prompts takes a fraction of the time (the
-stages run every request's tokens in one call). Only fp32's last bits can differ (other matrix shapes), so at
+prompt is the one a prompt run alone gives, and a benchmark of many prompts takes less time (the stages run
+every request's tokens in one call: 1.8x faster at 8 prompts on 2 CPU cores, docs/benchmarks.md). Only fp32's last bits can differ (other matrix shapes), so at
 T = 0 a prompt's output may part from ``ar``'s at a near tie; every output that differs from ``ar``'s is
 reported with the token where it first differs and ``ar``'s top-two logit margin there (``differences_from_ar``;
 :mod:`spd.decoding.ties`), and a difference that is not a near tie is a warning. ``ar`` and ``sd`` runs stay one
