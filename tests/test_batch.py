@@ -51,7 +51,8 @@ def test_where_two_outputs_part_the_solo_run_s_margin_is_measured(target_model):
     assert first_difference(staged, prompt, solo, list(solo)) is None
     other = solo[:5] + [(solo[5] + 1) % 128] + solo[6:]
     found = first_difference(staged, prompt, solo, other)
-    top2 = torch.topk(target_model(torch.tensor([prompt + solo[:5]])).logits[0, -1], 2).values
+    with torch.no_grad():
+        top2 = torch.topk(target_model(torch.tensor([prompt + solo[:5]])).logits[0, -1], 2).values
     assert found.token == 5 and found.margin == pytest.approx(float(top2[0] - top2[1]), abs=1e-6)
     assert found.tolerance == NEAR_TIE and found.near_tie == (found.margin < NEAR_TIE)
     assert first_difference(staged, prompt, solo, solo[:6]).near_tie is False  # cut short: never a near tie
