@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Install (if needed) and run the test suite. Extra arguments go to pytest (e.g. -m "not slow").
+# Two pytest-xdist workers by default (the CI machine has 2 cores); SPD_TEST_WORKERS=0 runs in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 set +e
-"${SPD_VENV:-.venv}/bin/python" -m pytest "$@"
+"${SPD_VENV:-.venv}/bin/python" -m pytest -n "${SPD_TEST_WORKERS:-2}" --dist loadgroup "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -18,7 +18,12 @@ from spd.decoding.ties import first_difference
 REPO = Path(__file__).resolve().parents[1]
 
 # At most 2 intra-op threads (the CI machine has 2 cores); OMP_NUM_THREADS=1 wins when the machine is shared,
-# because spinning OpenMP threads on a busy core make every small op orders of magnitude slower.
+# because spinning OpenMP threads on a busy core make every small op orders of magnitude slower. Under pytest-xdist
+# (scripts/test.sh runs two workers) the cores are shared out among the workers, and the CLI processes and
+# distributed ranks that tests start inherit the same share through OMP_NUM_THREADS.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or min(2, os.cpu_count() or 1)))
 
 

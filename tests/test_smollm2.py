@@ -20,7 +20,8 @@ import torch
 
 from conftest import REPO, run_script
 
-pytestmark = pytest.mark.slow
+# One xdist worker runs them all: they share one materialised model and the wheel cache in $SPD_CACHE.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]
 CHAT = ["Write a Python function that reverses a string.", "What is a list comprehension?"]
 
 
