@@ -175,6 +175,7 @@ def test_topk_teacher_capture_trains(tiny_testbed, tmp_path):
     assert bad.returncode == 2 and "tau=1" in bad.stderr
 
 
+@torch.no_grad()
 def test_topk_loss_with_every_token_is_the_full_loss():
     torch.manual_seed(0)
     student, teacher = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16)
