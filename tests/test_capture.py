@@ -234,6 +234,7 @@ def test_draft_vocab_selection_breaks_ties_by_id():
         select_draft_vocab(counts, 8)
 
 
+@torch.no_grad()
 def test_kd_over_the_whole_vocab_as_draft_vocab_is_the_full_kd():
     torch.manual_seed(0)
     student, teacher = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16)
