@@ -15,10 +15,13 @@ divide the target's layers takes the balanced cut (``spd.target.staging.balanced
 2. The heads, each trained from that capture by ``train/distill.py`` unless ``<runs>/<name>/final`` exists:
    SPD (``variant=spd``) for every n of ``--stages`` and L_s of ``--layers``; its output-state ablation
    (``variant=output_state``, the first L_s of ``--layers``) and PPSD (``variant=ppsd``, L_s 1) for every n;
-   and the EAGLE-style serial drafter (``variant=eagle``, trained for up to max(--draft-steps)).
+   and the EAGLE-style serial drafter (``variant=eagle``, trained for up to max(--draft-steps)). A head is
+   checkpointed every 40 steps, so a killed run resumes where its heads stood.
 3. One ``infer/bench.py`` run on ``--prompts`` (default: HumanEval's 164 problems, the first
    ``--num-prompts``) at every temperature of ``--temperatures``: EAGLE-style ``sd`` for every m, SPD,
    output-state and PPSD chains, and the SPD head's token tree of width 4 (sampled candidates at T > 0).
+   It journals every finished prompt and resumes; ``--batch B`` runs the pipeline rows B prompts at a time
+   through the batched pipeline (the same outputs and acceptance per prompt, in less wall time).
 4. The Table-1-shaped result in ``--out``: ``table.md`` (acceptance length and theoretical speedup per
    method and setting), ``table.json`` (the same rows plus the benchmark's command and data set) and
    ``table.png``.
@@ -45,6 +48,9 @@ from spd.errors import SpdInputError  # noqa: E402
 from spd.paths import default_testbed_dir  # noqa: E402
 
 
+CHECKPOINT_EVERY = 40  # optimizer steps: a head whose training is killed resumes from its last checkpoint
+
+
 @dataclass
 class Head:
     name: str
@@ -54,7 +60,8 @@ class Head:
 
     def overrides(self, steps: int, draft_steps: int, num_layers: int) -> list[str]:
         keys = [f"variant={self.variant}", f"n_stages={self.stages}", f"num_layers={self.layers}",
-                f"max_steps={steps}", "max_minutes=none", f"save_every={steps}", f"eval_every={steps}"]
+                f"max_steps={steps}", "max_minutes=none", f"save_every={min(steps, CHECKPOINT_EVERY)}",
+                f"eval_every={steps}"]
         if self.variant == "eagle":
             return keys + [f"draft_steps={draft_steps}", "boundaries=null"]
         from spd.target.staging import balanced_boundaries
@@ -80,6 +87,9 @@ def parse_args(argv=None):
     p.add_argument("--num-prompts", type=int, default=50)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--batch", type=int, default=1,
+                   help="infer/bench.py --batch: the pipeline rows run this many prompts at a time through the batched "
+                        "pipeline (default: 1, one at a time); the serial rows stay one at a time")
     p.add_argument("--max-length", type=int, default=256, help="tokens per captured row (default: %(default)s)")
     p.add_argument("--capture-tokens", type=int, default=None,
                    help="capture only this many training tokens (default: the whole training text)")
@@ -154,6 +164,7 @@ def bench(args, testbed: Path, runs: Path, finals: dict[str, Path], stages: list
     cmd = [sys.executable, str(REPO / "infer" / "bench.py"), "--target", str(testbed / "target"),
            "--prompts", args.prompts, "--num-prompts", str(args.num_prompts), "--max-new-tokens",
            str(args.max_new_tokens), "--temperatures", *map(str, args.temperatures), "--out", str(out)]
+    cmd += ["--batch", str(args.batch)] if args.batch > 1 else []
     _run(cmd + [x for s in spec for x in ("--run", s)], "benchmark")
     return json.loads(out.read_text())
 
@@ -219,8 +230,8 @@ def main(argv=None) -> int:
         bad = [n for n in stages if not 1 <= n <= num_layers]
         if bad or not stages:
             raise SpdInputError(f"--stages {bad or stages} must be between 1 and the target's {num_layers} layers")
-        if min(args.draft_steps) < 1 or min(args.layers) < 1 or args.steps < 1 or args.max_length < 2:
-            raise SpdInputError("--draft-steps, --layers, --steps and --max-length must be positive")
+        if min(args.draft_steps) < 1 or min(args.layers) < 1 or args.steps < 1 or args.max_length < 2 or args.batch < 1:
+            raise SpdInputError("--draft-steps, --layers, --steps, --max-length and --batch must be positive")
         runs = Path(args.runs or REPO / "runs" / f"reproduce-{testbed.resolve().name}")
         data, eval_data = capture(args, testbed, runs, stages, text)
         finals = {h.name: train(args, testbed, runs, h, data, eval_data, num_layers)
