@@ -3,7 +3,8 @@
     python infer/reproduce.py --testbed testbed --out docs/results/reproduction
     python infer/reproduce.py --testbed testbed-deep --stages 4 8 16 --out docs/results/reproduction-deep
     python infer/reproduce.py --testbed smollm2 --config configs/smollm2-n4.yaml --prompts humaneval-chat \
-        --stages 4 8 --max-length 512 --out docs/results/reproduction-smollm2
+        --stages 4 8 --draft-steps 3 7 --max-length 512 --steps 240 --num-prompts 30 --max-new-tokens 96 \
+        --batch 20 --out docs/results/reproduction-smollm2
 
 ``--testbed DIR`` is a testbed (``DIR/target``, training text in ``DIR/corpus``) or a target prepared with its
 own answers by ``data/smollm2.py --out DIR`` (``DIR/target``, conversations in ``DIR/data``). An n that does not
