@@ -32,7 +32,6 @@ def test_reproduce_trains_what_is_missing_and_writes_the_table(tiny_testbed, tmp
         assert set(row) >= {"T=0", "T=1"} and row["T=0"]["identical_to_ar"] == 2  # every greedy run is lossless
         assert row["T=1"]["acceptance_length"] >= 1 and row["T=1"]["theoretical_speedup"] > 0
     assert "| EAGLE-style (sd) | m=2 |" in (out / "table.md").read_text() and (out / "table.png").stat().st_size
-    assert (runs / "eagle" / "checkpoints").is_dir()  # a killed head would resume from its checkpoint
     # A second run trains nothing and captures nothing new; its pipeline rows run batched, still lossless.
     again = _reproduce(tiny_testbed, tmp_path, "--temperatures", "0", "--batch", "2", "--out", str(tmp_path / "again"))
     assert again.stdout.count("trained already") == 7 and "training " not in again.stdout
@@ -57,3 +56,12 @@ def test_a_prepared_target_s_conversations_are_its_training_text(tmp_path):
     for split in ("train", "validation"):
         (tmp_path / "corpus" / f"{split}.jsonl").write_text("{}\n")
     assert training_text(tmp_path)["train"] == tmp_path / "corpus" / "train.jsonl"  # a testbed's corpus first
+
+
+def test_heads_checkpoint_every_40_steps_so_a_killed_run_resumes():
+    """A long head saves every 40 steps (and a short one at its end), not only once it is done."""
+    from infer.reproduce import Head
+
+    assert "save_every=40" in Head("spd-n8-ls1", "spd", 8, 1).overrides(240, 7, 30)
+    assert "save_every=40" in Head("eagle", "eagle", 1, 1).overrides(800, 15, 8)
+    assert "save_every=2" in Head("ppsd-n2", "ppsd", 2, 1).overrides(2, 2, 8)
