@@ -409,11 +409,12 @@ def test_hybrid_targets_batch_with_each_requests_own_linear_state(mode, n, monke
 
 
 def test_the_ragged_stage_call_is_each_request_alone(target_model):
-    """One segment: exactly the stage call; several (prompt chunks and tree levels mixed): equal to each alone up
-    to rounding, and each request's rows hold its own keys."""
+    """One segment: exactly the stage call; several of mixed sizes (the first and third of one size, attended as
+    one group apart from the others): equal to each alone up to rounding, and each request's rows hold its own
+    keys."""
     staged = StagedModel(target_model, 2)
-    pool = KVPool(staged, 256)
-    prompts = [_prompt(1), _prompt(4), _prompt(7)]
+    pool = KVPool(staged, 320)
+    prompts = [_prompt(1), _prompt(4), _prompt(1)[::-1], _prompt(7)]
     pooled = [pool.caches(pool.allocate(64)) for _ in prompts]
     own = [staged.new_caches(capacity=64) for _ in prompts]
     with torch.no_grad():

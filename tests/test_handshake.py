@@ -6,8 +6,9 @@ import pytest
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from spd.runtime.handshake import mismatch, target_fingerprint
+from spd.runtime.handshake import mismatch, runtime_settings, target_fingerprint
 from spd.runtime.loading import Checkpoint
+from spd.runtime.protocol import RuntimeConfig
 
 
 def _identity(**changes):
@@ -32,6 +33,15 @@ def test_the_first_difference_is_named_with_its_ranks(change, words):
     problem = mismatch([_identity(), _identity(), _identity(**change)])
     assert problem.startswith("the ranks of this job disagree on the ") and words in problem
     assert "\n" not in problem
+
+
+def test_a_setting_given_as_an_int_on_one_rank_and_a_float_on_another_agrees():
+    """A Python caller's ``emulate_stage_ms=10`` meets the stage ranks' ``--emulate-stage-ms 10.0``."""
+    given = _identity(runtime=runtime_settings(RuntimeConfig(emulate_stage_ms=10, emulate_token_ms=0.1)))
+    parsed = _identity(runtime=runtime_settings(RuntimeConfig(emulate_stage_ms=10.0, emulate_token_ms=0.1)))
+    assert mismatch([given, parsed]) is None
+    other = _identity(runtime=runtime_settings(RuntimeConfig(emulate_stage_ms=11.0, emulate_token_ms=0.1)))
+    assert "runtime settings" in mismatch([given, other])
 
 
 def test_the_target_fingerprint_sees_weights_not_paths(tiny_testbed, tmp_path):

@@ -62,9 +62,15 @@ def job_identity(source: str, revision: str | None, staged, dtype: torch.dtype, 
     fingerprint = target_fingerprint(staged.model.config, Checkpoint(source, revision))
     return {"spd": spd.__version__, "torch": torch.__version__, "target": fingerprint, "source": source,
             "cut": list(staged.boundaries), "dtype": str(dtype).removeprefix("torch."),
-            "runtime": {"backend": config.backend, "early_launch": config.early_launch,
-                        "emulate_stage_ms": config.emulate_stage_ms, "emulate_token_ms": config.emulate_token_ms,
-                        "emulate_link_ms": config.emulate_link_ms}}
+            "runtime": runtime_settings(config)}
+
+
+def runtime_settings(config) -> dict:
+    """The settings of a RuntimeConfig that every rank must share, as values: a time given as the int 10 on one
+    rank and the float 10.0 on another is the same setting."""
+    return {"backend": config.backend, "early_launch": bool(config.early_launch),
+            "emulate_stage_ms": float(config.emulate_stage_ms), "emulate_token_ms": float(config.emulate_token_ms),
+            "emulate_link_ms": float(config.emulate_link_ms)}
 
 
 def mismatch(identities: list[dict]) -> str | None:

@@ -70,38 +70,57 @@ class _PooledWrite:
         return False
 
 
-class _Blocks:
-    """Where each segment's queries and keys sit in a ragged call of several segments: ``q_BT`` (its rows of the
-    packed tokens) and ``k_BK`` (its request's rows of the window of pool rows the call spans), padded, and which
-    key each query may see (``allowed_BTK``: its request's committed rows, and of its own new tokens those before it
-    or, in a tree, its ancestors). The attention runs on these blocks (:func:`_block_attention`), not on every query
-    against every request's keys: a query may see only its own request's, so the rest would be masked work."""
+class _Group:
+    """Segments of one size ``T`` in a ragged call, as one batch: ``q_BT`` their rows of the packed tokens, ``k_BK``
+    their requests' rows of the window of pool rows the call spans (padded to the longest), and which key each query
+    may see (``allowed_BTK``: its request's committed rows, and of its own new tokens those before it or, in a tree,
+    its ancestors)."""
 
-    def __init__(self, segments: list[Segment], allowed: list[torch.Tensor], q_pos_S: torch.Tensor,
-                 key_pos_W: torch.Tensor, lo: int, device: torch.device):
-        q_sizes = [seg.size for seg in segments]
-        k_sizes = [seg.cache.length + seg.size for seg in segments]
-        t, k = max(q_sizes), max(k_sizes)
-        starts = torch.tensor([0] + q_sizes[:-1]).cumsum(0)
-        bases = torch.tensor([seg.cache.base - lo for seg in segments])
-        self.q_valid_BT = (torch.arange(t)[None] < torch.tensor(q_sizes)[:, None]).to(device)
+    def __init__(self, segments: list[Segment], indices: list[int], starts: list[int], allowed: list[torch.Tensor],
+                 q_pos_S: torch.Tensor, key_pos_W: torch.Tensor, lo: int, device: torch.device):
+        t = segments[indices[0]].size
+        k_sizes = [segments[i].cache.length + t for i in indices]
+        k = max(k_sizes)
+        bases = torch.tensor([segments[i].cache.base - lo for i in indices])
         k_valid_BK = (torch.arange(k)[None] < torch.tensor(k_sizes)[:, None]).to(device)
-        self.q_BT = torch.where(self.q_valid_BT, (starts[:, None] + torch.arange(t)[None]).to(device), 0)
+        self.q_BT = (torch.tensor([starts[i] for i in indices])[:, None] + torch.arange(t)[None]).to(device)
         self.k_BK = torch.where(k_valid_BK, (bases[:, None] + torch.arange(k)[None]).to(device), 0)
-        self.allowed_BTK = torch.zeros(len(segments), t, k, dtype=torch.bool, device=device)
-        for b, allowed_TK in enumerate(allowed):
-            self.allowed_BTK[b, :allowed_TK.shape[0], :allowed_TK.shape[1]] = allowed_TK
+        self.allowed_BTK = torch.zeros(len(indices), t, k, dtype=torch.bool, device=device)
+        for b, i in enumerate(indices):
+            self.allowed_BTK[b, :, :allowed[i].shape[1]] = allowed[i]
         self.q_pos_BT, self.key_pos_BK = q_pos_S[self.q_BT], key_pos_W[self.k_BK]
 
     def mask(self, window: int | None) -> torch.Tensor:
-        """The ``(B, 1, T, K)`` boolean mask of the blocks with a sliding window (None: full attention). A padding
-        query sees its block's first key (a row that sees nothing would be NaN); its output is dropped."""
+        """The ``(B, 1, T, K)`` boolean mask with a sliding window (None: full attention)."""
         allowed_BTK = self.allowed_BTK
         if window is not None:
             allowed_BTK = allowed_BTK & (self.q_pos_BT[:, :, None] - self.key_pos_BK[:, None, :] < window)
-        allowed_BTK = allowed_BTK.clone()
-        allowed_BTK[:, :, 0] |= ~self.q_valid_BT
         return allowed_BTK[:, None]
+
+
+class _Blocks:
+    """Where each segment's queries and keys sit in a ragged call of several segments, grouped by the segments'
+    sizes (:class:`_Group`: a chain's tokens in one group, a tree's levels of one width in another, each prompt
+    chunk with those of its length), so that no query is padding: one prompt chunk of 64 tokens would otherwise
+    pad every other segment's single query to 64. The attention runs on these blocks (:func:`_block_attention`),
+    one batch per group, not on every query against every request's keys: a query may see only its own
+    request's, so the rest would be masked work. ``masks`` holds the masks of the layer that runs (one per group,
+    set by :func:`run_ragged`)."""
+
+    def __init__(self, segments: list[Segment], allowed: list[torch.Tensor], q_pos_S: torch.Tensor,
+                 key_pos_W: torch.Tensor, lo: int, device: torch.device):
+        starts, by_size = [], {}
+        for i, seg in enumerate(segments):
+            starts.append(starts[-1] + segments[i - 1].size if i else 0)
+            by_size.setdefault(seg.size, []).append(i)
+        self.groups = [_Group(segments, indices, starts, allowed, q_pos_S, key_pos_W, lo, device)
+                       for indices in by_size.values()]
+        self.packed_in_order = len(self.groups) == 1  # one group: its rows are the packed tokens, in order
+        self.masks: list[torch.Tensor] = []
+
+    def mask(self, window: int | None) -> list[torch.Tensor]:
+        """Each group's ``(B, 1, T, K)`` boolean mask with a sliding window (None: full attention)."""
+        return [group.mask(window) for group in self.groups]
 
 
 _BLOCKS: contextvars.ContextVar[_Blocks | None] = contextvars.ContextVar("spd_ragged_blocks", default=None)
@@ -110,21 +129,28 @@ _BLOCK_ATTENTION = "spd_ragged_blocks"
 
 def _block_attention(module, query_1HSD: torch.Tensor, key_1HWD: torch.Tensor, value_1HWD: torch.Tensor,
                      attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
-    """The attention of a ragged call of several segments, block by block: each segment's queries against its own
-    request's keys (gathered from the window into one padded batch) under the blocks' mask (``attention_mask``,
-    :meth:`_Blocks.mask`). Equal to a dense masked attention over the whole window up to fp32 rounding."""
+    """The attention of a ragged call of several segments, block by block: each group's queries against their own
+    requests' keys (gathered from the window into one padded batch) under the group's mask (``blocks.masks``, set
+    for the layer that runs). Equal to a dense masked attention over the whole window up to fp32 rounding."""
     blocks = _BLOCKS.get()
     if blocks is None:  # not inside a ragged call of several segments
         return sdpa_attention_forward(module, query_1HSD, key_1HWD, value_1HWD, attention_mask, dropout, scaling,
                                       **kwargs)
-    (b, t), k = blocks.q_BT.shape, blocks.k_BK.shape[1]
-    h, hk, dh = query_1HSD.shape[1], key_1HWD.shape[1], query_1HSD.shape[3]
-    q_BHTD = query_1HSD[0].index_select(1, blocks.q_BT.flatten()).view(h, b, t, dh).transpose(0, 1)
-    k_BHKD = key_1HWD[0].index_select(1, blocks.k_BK.flatten()).view(hk, b, k, dh).transpose(0, 1)
-    v_BHKD = value_1HWD[0].index_select(1, blocks.k_BK.flatten()).view(hk, b, k, -1).transpose(0, 1)
-    out_BHTD = torch.nn.functional.scaled_dot_product_attention(q_BHTD, k_BHKD, v_BHKD, attn_mask=attention_mask,
-                                                                scale=scaling, enable_gqa=h != hk)
-    out_SHD = out_BHTD.transpose(1, 2)[blocks.q_valid_BT]  # (S, H, Dh), in the packed order
+    h, hk, dh, dv = query_1HSD.shape[1], key_1HWD.shape[1], query_1HSD.shape[3], value_1HWD.shape[3]
+    outs = []
+    for group, mask_B1TK in zip(blocks.groups, blocks.masks):
+        (b, t), k = group.q_BT.shape, group.k_BK.shape[1]
+        q_BHTD = query_1HSD[0].index_select(1, group.q_BT.flatten()).view(h, b, t, dh).transpose(0, 1)
+        k_BHKD = key_1HWD[0].index_select(1, group.k_BK.flatten()).view(hk, b, k, dh).transpose(0, 1)
+        v_BHKD = value_1HWD[0].index_select(1, group.k_BK.flatten()).view(hk, b, k, dv).transpose(0, 1)
+        out_BHTD = torch.nn.functional.scaled_dot_product_attention(q_BHTD, k_BHKD, v_BHKD, attn_mask=mask_B1TK,
+                                                                    scale=scaling, enable_gqa=h != hk)
+        outs.append(out_BHTD.transpose(1, 2).reshape(b * t, h, dv))  # in the order of the group's q_BT
+    if blocks.packed_in_order:
+        return outs[0][None], None
+    out_SHD = query_1HSD.new_empty(query_1HSD.shape[2], h, dv)
+    for group, out in zip(blocks.groups, outs):
+        out_SHD[group.q_BT.flatten()] = out  # (S, H, Dh), in the packed order
     return out_SHD[None], None
 
 
@@ -202,7 +228,7 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
     cache = _PooledWrite(pool, stage, rows_S, lo, hi)
     wanted = {a for seg in segments for a in seg.anchors}
     collected = {first: hidden_1SD} if first in wanted else {}
-    masks: dict[int | None, torch.Tensor] = {}
+    masks: dict[int | None, torch.Tensor | list[torch.Tensor]] = {}
     # Linear-attention layers (hybrid targets): each segment's tokens from its own request's state.
     groups = [node_groups(seg.tree_mask_TN) if seg.tree_mask_TN is not None and seg.cache.linear is not None
               else None for seg in segments]
@@ -221,7 +247,10 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
                 masks[window] = (by_blocks.mask(window) if by_blocks is not None else
                                  _lone_mask(segments[0], q_pos_S, key_pos_W, window, staged.attn_impl,
                                             hidden_1SD.dtype))
-            hidden_1SD = staged.layers[layer](hidden_1SD, attention_mask=masks[window],
+            if by_blocks is not None:
+                by_blocks.masks = masks[window]  # what this layer's block attention reads
+            hidden_1SD = staged.layers[layer](hidden_1SD,
+                                              attention_mask=None if by_blocks is not None else masks[window],
                                               position_ids=position_ids_1S, use_cache=True,
                                               position_embeddings=position_embeddings,
                                               **{cache_keyword(staged.layers[layer]): cache})
