@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -109,13 +110,12 @@ class _Blocks:
 
     def __init__(self, segments: list[Segment], allowed: list[torch.Tensor], q_pos_S: torch.Tensor,
                  key_pos_W: torch.Tensor, lo: int, device: torch.device):
-        starts, by_size = [], {}
+        starts = list(itertools.accumulate((seg.size for seg in segments[:-1]), initial=0))
+        by_size: dict[int, list[int]] = {}
         for i, seg in enumerate(segments):
-            starts.append(starts[-1] + segments[i - 1].size if i else 0)
             by_size.setdefault(seg.size, []).append(i)
         self.groups = [_Group(segments, indices, starts, allowed, q_pos_S, key_pos_W, lo, device)
                        for indices in by_size.values()]
-        self.packed_in_order = len(self.groups) == 1  # one group: its rows are the packed tokens, in order
         self.masks: list[torch.Tensor] = []
 
     def mask(self, window: int | None) -> list[torch.Tensor]:
@@ -146,7 +146,7 @@ def _block_attention(module, query_1HSD: torch.Tensor, key_1HWD: torch.Tensor, v
         out_BHTD = torch.nn.functional.scaled_dot_product_attention(q_BHTD, k_BHKD, v_BHKD, attn_mask=mask_B1TK,
                                                                     scale=scaling, enable_gqa=h != hk)
         outs.append(out_BHTD.transpose(1, 2).reshape(b * t, h, dv))  # in the order of the group's q_BT
-    if blocks.packed_in_order:
+    if len(blocks.groups) == 1:  # one group: its rows are the packed tokens, in order
         return outs[0][None], None
     out_SHD = query_1HSD.new_empty(query_1HSD.shape[2], h, dv)
     for group, out in zip(blocks.groups, outs):
