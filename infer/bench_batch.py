@@ -36,6 +36,11 @@ request's submission), under two clocks:
   ``--emulate-token-ms`` * its tokens (the model clock's a and b, unless given apart): the emulated deployment
   run for real, with rank 0's own work (the proposers, verification, messages) on the clock.
 
+A closed-loop row also splits a step's wall time (``own/step`` in the table, ``stage_ms_per_step`` and
+``own_ms_per_step`` in the JSON): the time in the stage back-end (in one process the stage calls themselves; over
+the runtime, sending to the stages and waiting for their outputs) and the rest, the driver's own work per step
+(rank 0's: admission, the proposers, the verifications, the bookkeeping), which the stages must hide.
+
 The token counts, steps and acceptance come from the real run; only the time per step differs between the
 clocks. An open-loop run has one clock, the one its arrivals follow: the model clock with ``--runtime local``
 (the pipeline idles until the next arrival when it has nothing to run), the real clock with ``--runtime
@@ -177,7 +182,7 @@ def run_system(engines: dict, system: str, prompts: list[list[int]], clients: in
         batched.step()
     wall_s = time.perf_counter() - start
     return {"records": records, "stage_tokens": batched.stage_tokens, "batch_sizes": batched.batch_sizes,
-            "start_s": start, "wall_s": wall_s}
+            "start_s": start, "wall_s": wall_s, "stage_s": batched.stage_s}
 
 
 def _pipeline(engines: dict, system: str, prompts: list[list[int]], max_batch: int, max_new_tokens: int,
@@ -270,6 +275,9 @@ def summarize(run: dict, n: int, a_ms: float, b_ms: float) -> dict:
     tokens = sum(len(r["steps"]) for r in run["records"])
     out = {"requests": len(run["records"]), "tokens": tokens, "steps": len(run["stage_tokens"]),
            "mean_batch": round(statistics.fmean(run["batch_sizes"]), 2)}
+    if "stage_s" in run and out["steps"]:  # closed loop: a step's wall time, in the stage back-end and the rest
+        out["stage_ms_per_step"] = round(1000 * run["stage_s"] / out["steps"], 3)
+        out["own_ms_per_step"] = round(1000 * (run["wall_s"] - run["stage_s"]) / out["steps"], 3)
     decode = sum(r["stats"].decode_tokens for r in run["records"])
     steps = sum(r["stats"].steps for r in run["records"])
     out["accept_length"] = round(n * decode / steps, 3) if steps else 0.0
@@ -306,11 +314,12 @@ def render(results: dict) -> str:
              f"real clock: {results.get('real_clock', 'one process, the stages in turn')}",
              f"{'load':>7} {'system':<16} {'clock':<5} {'tok/s':>9} {'x pp':>6} {'TBT mean':>9} {'TBT p50':>9} "
              f"{'TBT p99':>9} "
-             f"{'TTFT p50':>10} {'batch':>6} {'Lacc':>5}"]
+             f"{'TTFT p50':>10} {'batch':>6} {'Lacc':>5} {'own/step':>8}"]
     for row in results["rows"]:
         load = f"C={row['clients']}" if row.get("rate") is None else f"{row['rate']:g}/s"
         pp = next(r for r in results["rows"] if r["clients"] == row["clients"] and r.get("rate") == row.get("rate")
                   and r["system"] == "pp batched")
+        own = f"{row['own_ms_per_step']:.2f}" if "own_ms_per_step" in row else ""
         for clock in ("model", "real"):
             if clock not in row:  # an open-loop row has the clock its arrivals followed
                 continue
@@ -318,7 +327,8 @@ def render(results: dict) -> str:
             lines.append(f"{load:>7} {row['system']:<16} {clock:<5} {row[clock]['tokens_per_s']:>9.1f} "
                          f"{ratio:>6.2f} {row[clock]['tbt_mean_ms']:>9.2f} {row[clock]['tbt_p50_ms']:>9.2f} "
                          f"{row[clock]['tbt_p99_ms']:>9.2f} "
-                         f"{row[clock]['ttft_p50_ms']:>10.1f} {row['mean_batch']:>6.2f} {row['accept_length']:>5.2f}")
+                         f"{row[clock]['ttft_p50_ms']:>10.1f} {row['mean_batch']:>6.2f} {row['accept_length']:>5.2f} "
+                         f"{own if clock == 'real' else '':>8}")
     return "\n".join(lines)
 
 

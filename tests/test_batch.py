@@ -531,7 +531,7 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
         (c, s) for c in (1, 3) for s in ("tree batched", "pp batched", "tree 1-at-a-time")]
     assert all(r["tokens"] == 12 * r["clients"] for r in tree_rows)
     assert "spd batched" in proc.stdout and "pp batched" in proc.stdout and "1-at-a-time" in proc.stdout
-    assert "identical outputs across the systems: True" in proc.stdout
+    assert "identical outputs across the systems: True" in proc.stdout and "own/step" in proc.stdout
     results = json.loads(out.read_text())
     systems = ("spd batched", "pp batched", "spd 1-at-a-time")
     assert [(r["clients"], r.get("rate"), r["system"]) for r in results["rows"]] == [
@@ -553,6 +553,11 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
         assert row["requests"] == 2 * row["clients"] and row["tokens"] == 12 * row["clients"]
         assert row["identical_outputs"]  # greedy: every system gives every prompt the same tokens
         assert row["model"]["tokens_per_s"] > 0 and row["real"]["tokens_per_s"] > 0
+        # A step's wall time splits into the stage calls and the driver's own work, both there, adding up.
+        per_step_ms = 1000 * row["real"]["total_s"] / row["steps"]
+        assert row["stage_ms_per_step"] > 0 and row["own_ms_per_step"] > 0
+        assert row["stage_ms_per_step"] + row["own_ms_per_step"] == pytest.approx(per_step_ms,
+                                                                                  abs=0.5 / row["steps"] + 0.01)
     pp_one = next(r for r in results["rows"] if r["clients"] == 1 and r["system"] == "pp batched")
     # One pp request at a time: each token's step holds one token per busy stage, a step costs a + b = 2.1 ms, and
     # a token needs n = 4 steps after the first.

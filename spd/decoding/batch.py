@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -216,6 +217,10 @@ class BatchedPipeline:
         self.batch_sizes: list[int] = []  # requests in flight at each step
         self.kv_waits = 0  # admissions put off because the pool had no region long enough
         self.stage_tokens: list[list[int]] = []  # per step, the tokens each stage ran (levels, prompt chunks)
+        # Seconds in the stage back-end (starting the stage calls and taking their outputs): in one process the
+        # stage calls themselves, over the runtime sending to and waiting for the stages. The rest of a step is
+        # this driver's own work (rank 0's): admission, proposers, verification, bookkeeping.
+        self.stage_s = 0.0
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------------------------- public
@@ -363,11 +368,16 @@ class BatchedPipeline:
                                  lambda out, chunk=chunk: self._chunk_took(chunk, out)))
         for stage, work in enumerate(calls):  # every piece of work was taken before any ran: one stage each
             self.stage_tokens[-1][stage] += sum(segment.size for segment, _ in work)
+        tick = time.perf_counter()
         started = self.backend.start([[segment for segment, _ in work] for work in calls])
+        self.stage_s += time.perf_counter() - tick
         for request in running:
             self._resume(request, None, ask=False)  # up to its proposer's query: asked below, while the stages compute
         self._answer([r for r in running if isinstance(r.work, Propose)])  # then each goes on up to COLLECT
-        for work, outs in zip(calls, self.backend.finish(started)):
+        tick = time.perf_counter()
+        outputs = self.backend.finish(started)
+        self.stage_s += time.perf_counter() - tick
+        for work, outs in zip(calls, outputs):
             for (_, took), out in zip(work, outs):
                 took(out)
         for request in running:
