@@ -13,7 +13,7 @@ stacked states, the others (a prompt chunk, a first token, a level of several de
 (:func:`_linear_layer`).
 
 Shape suffixes: S packed tokens (every segment's), T one segment's tokens, N a segment's tree nodes, W the pool
-rows the batch spans, B segments, K one segment's keys, D hidden size, H / Hk query / KV heads, Dh head dimension.
+rows the call reads, B segments, K one segment's keys, D hidden size, H / Hk query / KV heads, Dh head dimension.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class Segment:
 
 class _PooledWrite:
     """The cache a layer sees in a ragged call: ``update`` writes the packed keys/values into each request's rows of
-    the pool and returns the rows the batch spans."""
+    the pool and returns the rows the call reads: the whole buffer for several segments (their blocks gather their
+    requests' rows from it), a lone segment's own rows."""
 
     def __init__(self, pool: KVPool, stage: int, rows_S: torch.Tensor, lo: int, hi: int):
         self.keys_LBHkCDh, self.values_LBHkCDh = pool.keys_LBHkCDh[stage], pool.values_LBHkCDh[stage]
@@ -73,7 +74,7 @@ class _PooledWrite:
 
 class _Group:
     """Segments of one size ``T`` in a ragged call, as one batch: ``q_BT`` their rows of the packed tokens, ``k_BK``
-    their requests' rows of the window of pool rows the call spans (padded to the longest), and which key each query
+    their requests' rows of the pool (padded to the longest), and which key each query
     may see (``allowed_BTK``: its request's committed rows, and of its own new tokens those before it or, in a tree,
     its ancestors)."""
 
@@ -215,8 +216,10 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
         rows.append(cache.base + torch.arange(start, kv_len, device=device))
         positions.append(pos_T)
         blocks.append(allowed_TK)
-    lo = min(seg.cache.base for seg in segments)
-    hi = max(seg.cache.base + seg.cache.length + seg.size for seg in segments)
+    if len(segments) > 1:  # the blocks gather their keys from the whole buffer: a contiguous tensor gathers ~2x faster
+        lo, hi = 0, pool.rows
+    else:  # a lone segment attends to its own rows, as its own stage call would
+        lo, hi = segments[0].cache.base, segments[0].cache.base + segments[0].cache.length + segments[0].size
     rows_S, q_pos_S = torch.cat(rows), torch.cat(positions)
     key_pos_W = pool.positions_C[stage][lo:hi]
     # Several segments attend block by block (each to its own request's keys); a lone one is its own stage call.
