@@ -254,6 +254,8 @@ class SpdHeadSource:
         self.needed_anchors = tuple(head.needed_anchors())
         self.prefill_anchors = tuple(cfg.anchors[cfg.max_depth])
         self.num_layers = cfg.num_layers
+        # The config's settings read on every query, read once (a config's attributes are slow to read).
+        self.max_depth, self.offset, self.anchors_by_depth = cfg.max_depth, cfg.offset, cfg.anchors
         self.cache = None
         self.pending: list[dict[int, torch.Tensor]] = []  # committed rows' anchors, cached before the next query
 
@@ -310,21 +312,21 @@ class SpdHeadSource:
         """The trailing rows of the bottom nodes' query, root first, as ``(depth, anchors (L, D) each)``; and the
         bottom level's anchors at the query's depth where it already went deeper (a prune left the tree shallow),
         else None (the last row is the query)."""
-        cfg, cache = self.head.config, self.cache
+        cache, anchors_by_depth = self.cache, self.anchors_by_depth
         if cache.length + len(self.pending) != len(context):
             raise RuntimeError("speculator cache and committed tokens are out of step")
         path = []
         # A chain's levels are one node each: their anchors are the path's rows as they are (no gather).
         picks = [None] * len(levels) if tree.is_chain else path_rows(tree, levels)
         for level, pick_L in zip(levels, picks):
-            depth = min(level.depth, cfg.max_depth)
+            depth = min(level.depth, self.max_depth)
             if pick_L is not None:
                 pick_L = pick_L.to(level.hidden_1TD.device)
             path.append((depth, {a: level.anchors[a] if pick_L is None else level.anchors[a][pick_L]
-                                 for a in cfg.anchors[depth]}))
-        if path[-1][0] == cfg.offset:
+                                 for a in anchors_by_depth[depth]}))
+        if path[-1][0] == self.offset:
             return path, None
-        return path, {a: levels[-1].anchors[a] for a in cfg.anchors[cfg.offset]}
+        return path, {a: levels[-1].anchors[a] for a in anchors_by_depth[self.offset]}
 
     def advanced(self, levels: list[Level], tree: TokenTree, committed: int) -> None:
         """Nothing to do: the root's row joins the cache after it is committed (:meth:`commit_root`)."""
@@ -332,8 +334,7 @@ class SpdHeadSource:
     def commit_root(self, root: Level) -> None:
         """The root left stage n: its row at full depth joins the head's cache (it is committed either way), before
         the next query (:meth:`expand_many` caches the rows of many requests together)."""
-        cfg = self.head.config
-        self.pending.append({a: root.anchors[a] for a in cfg.anchors[cfg.max_depth]})
+        self.pending.append({a: root.anchors[a] for a in self.prefill_anchors})
 
     def _take_pending(self) -> dict[int, torch.Tensor]:
         """The anchors of the committed rows not yet cached, ``(P, D)`` each, oldest first; none are left after."""
