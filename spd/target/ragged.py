@@ -79,11 +79,11 @@ class _Group:
     its ancestors)."""
 
     def __init__(self, segments: list[Segment], indices: list[int], starts: list[int], allowed: list[torch.Tensor],
-                 q_pos_S: torch.Tensor, key_pos_W: torch.Tensor, lo: int, device: torch.device):
+                 q_pos_S: torch.Tensor, key_pos_W: torch.Tensor, device: torch.device):
         t = segments[indices[0]].size
         k_sizes = [segments[i].cache.length + t for i in indices]
         k = max(k_sizes)
-        bases = torch.tensor([segments[i].cache.base - lo for i in indices])
+        bases = torch.tensor([segments[i].cache.base for i in indices])  # rows of the whole buffer
         k_valid_BK = (torch.arange(k)[None] < torch.tensor(k_sizes)[:, None]).to(device)
         self.q_BT = (torch.tensor([starts[i] for i in indices])[:, None] + torch.arange(t)[None]).to(device)
         self.k_BK = torch.where(k_valid_BK, (bases[:, None] + torch.arange(k)[None]).to(device), 0)
@@ -110,12 +110,12 @@ class _Blocks:
     set by :func:`run_ragged`)."""
 
     def __init__(self, segments: list[Segment], allowed: list[torch.Tensor], q_pos_S: torch.Tensor,
-                 key_pos_W: torch.Tensor, lo: int, device: torch.device):
+                 key_pos_W: torch.Tensor, device: torch.device):
         starts = list(itertools.accumulate((seg.size for seg in segments[:-1]), initial=0))
         by_size: dict[int, list[int]] = {}
         for i, seg in enumerate(segments):
             by_size.setdefault(seg.size, []).append(i)
-        self.groups = [_Group(segments, indices, starts, allowed, q_pos_S, key_pos_W, lo, device)
+        self.groups = [_Group(segments, indices, starts, allowed, q_pos_S, key_pos_W, device)
                        for indices in by_size.values()]
         self.masks: list[torch.Tensor] = []
 
@@ -219,11 +219,12 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
     if len(segments) > 1:  # the blocks gather their keys from the whole buffer: a contiguous tensor gathers ~2x faster
         lo, hi = 0, pool.rows
     else:  # a lone segment attends to its own rows, as its own stage call would
-        lo, hi = segments[0].cache.base, segments[0].cache.base + segments[0].cache.length + segments[0].size
+        lone = segments[0]
+        lo, hi = lone.cache.base, lone.cache.base + lone.cache.length + lone.size
     rows_S, q_pos_S = torch.cat(rows), torch.cat(positions)
     key_pos_W = pool.positions_C[stage][lo:hi]
     # Several segments attend block by block (each to its own request's keys); a lone one is its own stage call.
-    by_blocks = _Blocks(segments, blocks, q_pos_S, key_pos_W, lo, device) if len(segments) > 1 else None
+    by_blocks = _Blocks(segments, blocks, q_pos_S, key_pos_W, device) if len(segments) > 1 else None
 
     hidden_1SD = torch.cat([seg.hidden_1TD for seg in segments], dim=1)
     position_ids_1S = q_pos_S[None]
