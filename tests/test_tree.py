@@ -164,6 +164,57 @@ def test_random_grow_and_prune_keeps_the_invariants():
             _check_invariants(tree)
 
 
+def _same_tree(fast: TokenTree, general: TokenTree) -> None:
+    for name in ("tokens_N", "parents_N", "depths_N", "mask_NN"):
+        assert torch.equal(getattr(fast, name), getattr(general, name)), name
+    torch.testing.assert_close(fast.logprobs_N, general.logprobs_N, rtol=0, atol=0)
+    torch.testing.assert_close(fast.cum_logprobs_N, general.cum_logprobs_N, rtol=0, atol=0)
+    assert fast.principal == general.principal and fast.drafts.keys() == general.drafts.keys()
+    assert fast.depth == int(general.depths_N[-1]) and torch.equal(fast.bottom_level(), general.bottom_level())
+    for i in range(-1, len(general) + 1):
+        assert torch.equal(fast.children(i), general.children(i)), i
+
+
+@pytest.mark.parametrize("grow", ["append_child", "append_level", "append_children"])
+def test_a_chain_grows_and_prunes_as_the_general_tree_does(grow):
+    """A chain's fast path (shared depths, parents and mask; a prune that moves every node up by one) gives the
+    same tree, step by step, as the general path, which a tree takes whenever it is not a chain."""
+    gen = torch.Generator().manual_seed(1)
+    fast, general = TokenTree(5), TokenTree(5)
+    general._chain = False  # every operation on it goes the general way
+    for step in range(40):
+        token, logprob = int(torch.randint(0, 50, (1,), generator=gen)), -float(torch.rand(1, generator=gen))
+        for tree in (fast, general):
+            if grow == "append_child":
+                new = tree.append_child(token, logprob)
+            elif grow == "append_level":
+                new = tree.append_level(torch.tensor([[token, token + 1]]), torch.tensor([[logprob, -9.0]]), 1)
+            else:
+                new = tree.append_children(torch.tensor([1]), torch.tensor([[token]]), torch.tensor([[logprob]]))
+                tree.drafts[len(tree) - 2] = torch.tensor([float(step)])
+            assert new.tolist() == [len(tree) - 1]
+        general._chain = False
+        assert fast.is_chain and len(fast) == fast.depth + 1
+        _same_tree(fast, general)
+        if step % 3 == 2 or len(fast) > 6:
+            assert torch.equal(fast.prune_to_child(1), general.prune_to_child(1))
+            general._chain = False
+            _same_tree(fast, general)
+            assert fast.is_chain
+        if step % 11 == 10:
+            fast.reset(token)
+            general.reset(token)
+            general._chain = False
+    # A level of two nodes ends the chain; a prune back to one branch of single nodes makes it one again.
+    fast.reset(7)
+    fast.append_level(torch.tensor([[1, 2]]), torch.tensor([[-0.1, -0.2]]), 2)
+    assert not fast.is_chain
+    fast.append_level(torch.tensor([[3], [4]]), torch.tensor([[-0.1], [-0.2]]), 2)
+    assert fast.prune_to_child(2).tolist() == [2, 4]
+    assert fast.is_chain and fast.tokens_N.tolist() == [2, 4] and fast.depth == 1
+    _check_invariants(fast)
+
+
 def test_kv_cache_keep_compacts_rows_in_order():
     cache = StageKVCache([0, 1], kv_heads=1, head_dim=2, capacity=3)
     cache.reserve(9)

@@ -55,6 +55,8 @@ a leading 1 is the batch.
 
 from __future__ import annotations
 
+import bisect
+
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -421,7 +423,8 @@ class StepLoop:
                 if child is not None:
                     kept = tree.prune_to_child(child)
                     stages.prune(committed, kept)
-                    levels = [lv for lv in (self._prune_level(lv, kept) for lv in levels) if lv is not None]
+                    kept_list = kept.tolist()
+                    levels = [lv for lv in (self._prune_level(lv, kept, kept_list) for lv in levels) if lv is not None]
                     rest = [lv for lv in levels if any(lv is r for r in rest)]
                 else:
                     # Miss: reseed from the committed token (nothing proposed: it is simply the next root).
@@ -472,12 +475,13 @@ class StepLoop:
         return level
 
     @staticmethod
-    def _prune_level(level: Level, kept: torch.Tensor) -> Level | None:
-        """Keep the level's nodes that survive the prune (``kept``: old tree indices); None when none do."""
+    def _prune_level(level: Level, kept: torch.Tensor, kept_list: list[int] | None = None) -> Level | None:
+        """Keep the level's nodes that survive the prune (``kept``: old tree indices, ``kept_list`` the same as a
+        list, if at hand); None when none do."""
         if level.size == 1:  # a chain's level (and any one-node level): it survives or it does not
-            node = level.start
-            index = int(torch.searchsorted(kept, node))
-            if index >= kept.numel() or int(kept[index]) != node:
+            kept_list = kept.tolist() if kept_list is None else kept_list
+            index = bisect.bisect_left(kept_list, level.start)
+            if index >= len(kept_list) or kept_list[index] != level.start:
                 return None
             level.start = index
             return level

@@ -41,6 +41,21 @@ import torch
 from ..errors import SpdInputError
 from .sampling import SamplingParams, warped_probs
 
+_CHAIN_PARTS: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_CHAIN_PARTS_MAX = 256  # chains up to this many nodes share their constant parts
+
+
+def _chain_parts(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The depths, parents and ancestor mask of a chain of ``n`` nodes (``arange(n)``, ``arange(n) - 1``, the lower
+    triangle): what every chain of that length has, made once and shared (trees never write these in place)."""
+    parts = _CHAIN_PARTS.get(n)
+    if parts is None:
+        depths_N = torch.arange(n)
+        parts = (depths_N, depths_N - 1, torch.ones(n, n, dtype=torch.bool).tril())
+        if n <= _CHAIN_PARTS_MAX:
+            _CHAIN_PARTS[n] = parts
+    return parts
+
 
 class TokenTree:
     """A dynamic token tree in BFS order with per-node token, parent, depth and log-probabilities."""
@@ -61,6 +76,9 @@ class TokenTree:
         self.principal = 0
         # Sampled candidates: node -> the distribution q its children were drawn from (see grow_sampled).
         self.drafts: dict[int, torch.Tensor] = {}
+        # Every level is one node. A chain (every tree of width 1) keeps its depths, parents and mask as the shared
+        # parts of its length (_chain_parts) and grows and prunes with a few tensor operations.
+        self._chain = True
 
     def __len__(self) -> int:
         return self.tokens_N.shape[0]
@@ -68,19 +86,23 @@ class TokenTree:
     @property
     def depth(self) -> int:
         """Depth of the deepest level (0 for a lone root)."""
-        return int(self.depths_N[-1])
+        return len(self) - 1 if self._chain else int(self.depths_N[-1])
 
     @property
     def is_chain(self) -> bool:
         """Every level is one node (a chain: each node's only child is the next one)."""
-        return len(self) == self.depth + 1
+        return self._chain
 
     def bottom_level(self) -> torch.Tensor:
         """Indices of the nodes of the deepest level (a contiguous range, in BFS order)."""
+        if self._chain:
+            return torch.tensor([len(self) - 1])
         return torch.nonzero(self.depths_N == self.depths_N[-1])[:, 0]
 
     def children(self, i: int) -> torch.Tensor:
         """Indices of the children of node ``i`` (in BFS order)."""
+        if self._chain:
+            return torch.tensor([i + 1] if -1 <= i < len(self) - 1 else [], dtype=torch.long)
         return torch.nonzero(self.parents_N == i)[:, 0]
 
     def path(self, i: int) -> torch.Tensor:
@@ -130,15 +152,18 @@ class TokenTree:
         n = len(self)
         parent = n - 1
         self.tokens_N = torch.cat([self.tokens_N, torch.tensor([int(token)])])
-        self.parents_N = torch.cat([self.parents_N, torch.tensor([parent])])
-        self.depths_N = torch.cat([self.depths_N, self.depths_N[parent:] + 1])
         self.logprobs_N = torch.cat([self.logprobs_N, torch.tensor([float(logprob)])])
         self.cum_logprobs_N = torch.cat([self.cum_logprobs_N, self.cum_logprobs_N[parent:] + float(logprob)])
-        mask_NN = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        mask_NN[:n, :n] = self.mask_NN
-        mask_NN[n, :n] = self.mask_NN[parent]
-        mask_NN[n, n] = True
-        self.mask_NN = mask_NN
+        if self._chain:  # it stays a chain
+            self.depths_N, self.parents_N, self.mask_NN = _chain_parts(n + 1)
+        else:
+            self.parents_N = torch.cat([self.parents_N, torch.tensor([parent])])
+            self.depths_N = torch.cat([self.depths_N, self.depths_N[parent:] + 1])
+            mask_NN = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+            mask_NN[:n, :n] = self.mask_NN
+            mask_NN[n, :n] = self.mask_NN[parent]
+            mask_NN[n, n] = True
+            self.mask_NN = mask_NN
         self.principal = n
         return torch.tensor([n])
 
@@ -225,6 +250,7 @@ class TokenTree:
         """Append candidates ``(parent_rank, cand)`` (grouped by parent, in order) as the new bottom level."""
         parents_T = bottom_L[parent_rank]
         n, t = len(self), parents_T.shape[0]
+        self._chain = self._chain and t <= 1
         edge_T = logprobs_LK[parent_rank, cand]
         self.tokens_N = torch.cat([self.tokens_N, tokens_LK[parent_rank, cand]])
         self.parents_N = torch.cat([self.parents_N, parents_T])
@@ -249,6 +275,15 @@ class TokenTree:
         if not 0 < child < len(self) or int(self.parents_N[child]) != 0:
             raise SpdInputError(f"prune_to_child expects a child of the root (one of {self.children(0).tolist()}), "
                                 f"got node {child}")
+        if self._chain:  # the chain after the root (child 1): every node moves up by one
+            n = len(self)
+            self.tokens_N = self.tokens_N[1:]
+            self.logprobs_N = torch.cat([self.logprobs_N.new_zeros(1), self.logprobs_N[2:]])
+            self.cum_logprobs_N = self.cum_logprobs_N[1:] - self.cum_logprobs_N[1]
+            self.depths_N, self.parents_N, self.mask_NN = _chain_parts(n - 1)
+            self.drafts = {i - 1: q for i, q in self.drafts.items() if i >= 1}
+            self.principal = self.principal - 1 if self.principal >= 1 else n - 2
+            return torch.arange(1, n)
         kept = torch.nonzero(self.mask_NN[:, child])[:, 0]
         new_index = torch.full((len(self),), -1, dtype=torch.long)
         new_index[kept] = torch.arange(kept.shape[0])
@@ -266,6 +301,7 @@ class TokenTree:
         else:  # the hit left the greedy path: it goes on from the best of the deepest kept nodes
             bottom = self.bottom_level()
             self.principal = int(bottom[torch.argmax(self.cum_logprobs_N[bottom])])
+        self._chain = len(self) == int(self.depths_N[-1]) + 1
         return kept
 
 
