@@ -170,15 +170,21 @@ class CheckedBatch(BatchedPipeline):
         super()._answer(requests)
 
 
-@pytest.mark.parametrize("width", [1, 4])
-def test_the_head_and_the_lm_head_answer_every_request_in_one_call(target_model, width):
+@pytest.mark.parametrize("width,memory_proj", [(1, False), (4, False), (1, True)])
+def test_the_head_and_the_lm_head_answer_every_request_in_one_call(target_model, width, memory_proj):
     """SPD chain and W = 4 tree: the head's joint query over every running request (each with its own cache
     length, path and tree) gives each request what its own query gives, and so do the verifications' logits from
     one LM-head call, up to fp32 rounding; sampled and greedy requests mixed; greedy output equals solo ar up to
-    near-ties."""
+    near-ties. With per-depth memory projections (made unlike each other here) the joint query projects each
+    depth's rows with its own."""
     staged = StagedModel(target_model, 4)
     torch.manual_seed(1)
-    head = new_head(staged, DistillConfig(n_stages=4)).eval()
+    head = new_head(staged, DistillConfig(n_stages=4, memory_proj=memory_proj)).eval()
+    if memory_proj:
+        with torch.no_grad():
+            for layer in head.layers:
+                for proj in layer.memory_proj.values():
+                    proj.weight.add_(0.3 * torch.randn_like(proj.weight))
     engine = PipelineEngine(staged, head) if width == 1 else TreeEngine(staged, SpdHeadSource(head, staged, 4), 4)
     batched = CheckedBatch(engine, max_batch=6, kv_rows=2048, prefill_chunk=8)
     settings = [SamplingParams(temperature=(0.0, 1.0)[i % 2], seed=i) for i in range(8)]

@@ -444,13 +444,14 @@ class Speculator(PreTrainedModel):
         width = max(lengths)
         mask_B11K = (torch.arange(width)[None] < length_B[:, None]).to(dev)[:, None, None]
         cos_q, sin_q = self.rope((length_B - 1)[:, None].to(dev), dtype)
-        # Trailing rows by depth: their features, and where their keys go (query row, key slot).
+        # Trailing rows by depth: their features, and where their keys go (query row, key slot). Without per-depth
+        # memory projections a row's key and value do not depend on its depth: every trailing row is one group.
         by_depth: dict[int, tuple[list, list, list]] = {}
         first = 0
         for cache, rows, size in zip(caches, trailing, sizes):
             rows_B = torch.arange(first, first + size)
             for j, (depth, g_LD) in enumerate(rows):
-                gs, bs, slots = by_depth.setdefault(depth, ([], [], []))
+                gs, bs, slots = by_depth.setdefault(depth if cfg.memory_proj else cfg.max_depth, ([], [], []))
                 gs.append(g_LD)
                 bs.append(rows_B)
                 slots.append(torch.full((size,), cache.length + j))
@@ -460,6 +461,17 @@ class Speculator(PreTrainedModel):
             slot_M = torch.cat(slots)
             groups.append((depth, torch.cat(gs)[:, None], torch.cat(bs).to(dev), slot_M.to(dev),
                            self.rope(slot_M[:, None].to(dev), dtype)))
+        # The cached rows: every query row gets its request's cached keys in its first slots. ``cached`` lists
+        # them request after request; ``pick`` repeats a request's for each of its query rows (None: one row each).
+        cached_C = torch.tensor([cache.length for cache in caches])
+        per_row_B = cached_C[row_request_B]
+        cached_rows = torch.repeat_interleave(torch.arange(total), per_row_B).to(dev)
+        starts_B = torch.cumsum(per_row_B, 0) - per_row_B
+        cached_slots = (torch.arange(int(per_row_B.sum())) - torch.repeat_interleave(starts_B, per_row_B)).to(dev)
+        pick = None
+        if total > len(sizes):
+            request_starts = torch.cumsum(cached_C, 0) - cached_C
+            pick = (torch.repeat_interleave(request_starts[row_request_B], per_row_B) + cached_slots.cpu()).to(dev)
         scale = cfg.head_dim ** -0.5
         h_B1D = torch.cat(queries)[:, None]
         # One padded K/V for every layer: each layer writes the same slots, so the padding stays zero.
@@ -468,12 +480,11 @@ class Speculator(PreTrainedModel):
         with decode_kernels(dev):
             for i, layer in enumerate(self.layers):
                 q = layer.query_heads(h_B1D, cos_q, sin_q)
-                first = 0
-                for cache, size in zip(caches, sizes):
-                    c = cache.length
-                    k_BHKD[first:first + size, :, :c] = cache.keys[i][:, :, :c]
-                    v_BHKD[first:first + size, :, :c] = cache.values[i][:, :, :c]
-                    first += size
+                for buffer_BHKD, held in ((k_BHKD, [cache.keys[i] for cache in caches]),
+                                          (v_BHKD, [cache.values[i] for cache in caches])):
+                    cached_MHD = torch.cat([kv[0, :, :cache.length] for kv, cache in zip(held, caches)],
+                                           dim=1).transpose(0, 1)
+                    buffer_BHKD[cached_rows, :, cached_slots] = cached_MHD if pick is None else cached_MHD[pick]
                 for depth, g_M1D, rows_M, slot_M, (cos, sin) in groups:
                     k, v = layer.memory_kv(g_M1D, depth, cos, sin)
                     k_BHKD[rows_M, :, slot_M] = k[:, :, 0]
