@@ -10,7 +10,11 @@
 pipeline, run three ways on the same target and head. With ``--rates R ...`` the load is open-loop instead (or as
 well): ``--requests`` requests arrive at random times, a Poisson process of ``R`` requests per second (seeded, the
 same arrival times and prompts for every system), whether or not earlier ones have finished, and the batched
-systems hold up to ``--max-batch`` of them at once (the others queue):
+systems hold up to ``--max-batch`` of them at once (the others queue). Every request asks for ``--max-new-tokens``
+tokens (no EOS), or with ``--new-tokens-jitter J`` for that many plus a whole number from ``-J`` to ``J`` of its own
+(seeded by the request's index, the same for every system): with equal budgets the closed-loop clients of batched
+pp finish in the same step and their newcomers' prompts never overlap another request's tokens, a lockstep that
+real requests, whose lengths differ, do not keep:
 
 - ``spd batched``: the batched pipeline (spd.decoding.batch) with up to ``C`` requests in flight;
 - ``pp batched``: the same batched pipeline without a head: the standard pipeline with dynamic batching (what a
@@ -86,6 +90,9 @@ def parse_args(argv=None):
     p.add_argument("--max-batch", type=int, default=32, help="open-loop: requests in flight at most, batched")
     p.add_argument("--seed", type=int, default=0, help="open-loop: the arrival times' seed")
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--new-tokens-jitter", type=int, default=0,
+                   help="request i's budget is --max-new-tokens + a whole number from -J to J, drawn with seed i (the "
+                        "same for every system); 0: every request gets --max-new-tokens")
     p.add_argument("--prefill-chunk", type=int, default=64,
                    help="prompt tokens that enter the pipeline per step, all newcomers together")
     p.add_argument("--step-tokens", type=int, default=None,
@@ -113,6 +120,9 @@ def parse_args(argv=None):
         args.clients = [] if args.rates else [1, 2, 4, 8, 16, 32]
     if min(args.clients, default=1) < 1 or args.requests_per_client < 1 or args.max_new_tokens < 1:
         raise SpdInputError("--clients, --requests-per-client and --max-new-tokens must be positive")
+    if not 0 <= args.new_tokens_jitter < args.max_new_tokens:
+        raise SpdInputError(f"--new-tokens-jitter must be from 0 to --max-new-tokens - 1 ({args.max_new_tokens - 1}), "
+                            f"got {args.new_tokens_jitter}")
     if min(args.rates or [1.0]) <= 0 or args.requests < 1 or args.max_batch < 1:
         raise SpdInputError("--rates, --requests and --max-batch must be positive")
     return args
@@ -144,15 +154,23 @@ def calibrate(staged, context: int) -> tuple[float, float]:
     return max(mean_y - b * mean_x, 0.0), max(b, 0.0)
 
 
+def new_tokens(index: int, max_new_tokens: int, jitter: int) -> int:
+    """Request ``index``'s budget: ``max_new_tokens``, moved by a whole number from ``-jitter`` to ``jitter`` drawn
+    with seed ``index`` (so every system gives request ``index``, and its prompt, the same budget)."""
+    import random
+
+    return max_new_tokens + (random.Random(index).randint(-jitter, jitter) if jitter else 0)
+
+
 def run_system(engines: dict, system: str, prompts: list[list[int]], clients: int, per_client: int,
                max_new_tokens: int, prefill_chunk: int, width: int = 1, step_tokens: int | None = None,
-               spread_prefill: bool = False, tree_nodes: int | None = None) -> dict:
+               spread_prefill: bool = False, tree_nodes: int | None = None, jitter: int = 0) -> dict:
     """C closed-loop clients on one batched pipeline; per request its token steps and wall times. ``engines``: the
     engine of each mode (spd and pp share one; a draft model's tree has its own)."""
     from spd.decoding.sampling import SamplingParams
 
-    mode, batched = _pipeline(engines, system, prompts, clients, max_new_tokens, prefill_chunk, width, step_tokens,
-                              spread_prefill, tree_nodes)
+    mode, batched = _pipeline(engines, system, prompts, clients, max_new_tokens + jitter, prefill_chunk, width,
+                              step_tokens, spread_prefill, tree_nodes)
     records, next_prompt = [], iter(range(10 ** 9))
 
     def send(client: int, left: int) -> None:
@@ -173,7 +191,8 @@ def run_system(engines: dict, system: str, prompts: list[list[int]], clients: in
                 send(client, left - 1)
 
         records.append(record)
-        batched.submit(prompts[index % len(prompts)], max_new_tokens, SamplingParams(), [], on_token, mode, on_done)
+        batched.submit(prompts[index % len(prompts)], new_tokens(index, max_new_tokens, jitter), SamplingParams(), [],
+                       on_token, mode, on_done)
 
     start = time.perf_counter()
     for client in range(clients):
@@ -215,13 +234,14 @@ def poisson_arrivals(rate: float, count: int, seed: int) -> list[float]:
 
 def run_open(engines: dict, system: str, prompts: list[list[int]], arrivals: list[float], max_batch: int,
              max_new_tokens: int, prefill_chunk: int, width: int, step_tokens: int | None, spread_prefill: bool,
-             clock: str, a_ms: float = 0.0, b_ms: float = 0.0, tree_nodes: int | None = None) -> dict:
+             clock: str, a_ms: float = 0.0, b_ms: float = 0.0, tree_nodes: int | None = None,
+             jitter: int = 0) -> dict:
     """Open-loop load: request ``i`` (prompt ``i``) arrives at ``arrivals[i]`` seconds of ``clock`` ("model": the
     emulated deployment's clock, a step costing its busiest stage's ``a + b * tokens``; "real": the wall clock) and is
     submitted at the first step boundary after it; per request its token steps and times on that clock."""
     from spd.decoding.sampling import SamplingParams
 
-    mode, batched = _pipeline(engines, system, prompts, max_batch, max_new_tokens, prefill_chunk, width,
+    mode, batched = _pipeline(engines, system, prompts, max_batch, max_new_tokens + jitter, prefill_chunk, width,
                               step_tokens, spread_prefill, tree_nodes)
     records, ends, clock_s = [], [0.0], 0.0  # ends[k]: the model clock (s) when step k ends; clock_s: now
 
@@ -240,7 +260,8 @@ def run_open(engines: dict, system: str, prompts: list[list[int]], arrivals: lis
             record["stats"] = request.output.stats
 
         records.append(record)
-        batched.submit(prompts[index % len(prompts)], max_new_tokens, SamplingParams(), [], on_token, mode, on_done)
+        batched.submit(prompts[index % len(prompts)], new_tokens(index, max_new_tokens, jitter), SamplingParams(), [],
+                       on_token, mode, on_done)
 
     start, waiting = time.perf_counter(), 0
     while waiting < len(arrivals) or batched.busy:
@@ -405,7 +426,8 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
     results = {"target": args.target, "speculator": args.speculator, "draft_model": args.draft_model,
                "tree_width": args.tree_width if args.draft_model else None, "prompts": dataset,
                "stages": staged.n_stages,
-               "max_new_tokens": args.max_new_tokens, "requests_per_client": args.requests_per_client,
+               "max_new_tokens": args.max_new_tokens, "new_tokens_jitter": args.new_tokens_jitter,
+               "requests_per_client": args.requests_per_client,
                "rates": args.rates, "requests": args.requests if args.rates else None,
                "max_batch": args.max_batch if args.rates else None, "seed": args.seed if args.rates else None,
                "prefill_chunk": args.prefill_chunk, "step_tokens": args.step_tokens,
@@ -419,7 +441,7 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
         for system in (SYSTEMS if args.draft_model is None else TREE_SYSTEMS):
             run = run_system(engines, system, prompts, clients, args.requests_per_client, args.max_new_tokens,
                              args.prefill_chunk, args.tree_width if args.draft_model else 1, args.step_tokens,
-                             args.spread_prefill, args.tree_nodes)
+                             args.spread_prefill, args.tree_nodes, args.new_tokens_jitter)
             outputs.append(sorted((r["prompt"], r["tokens"]) for r in run["records"]))
             row = {"clients": clients, "system": system, **summarize(run, staged.n_stages, a_ms, b_ms)}
             results["rows"].append(row)
@@ -433,7 +455,7 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
         for system in (SYSTEMS if args.draft_model is None else TREE_SYSTEMS):
             run = run_open(engines, system, prompts, arrivals, args.max_batch, args.max_new_tokens,
                            args.prefill_chunk, args.tree_width if args.draft_model else 1, args.step_tokens,
-                           args.spread_prefill, clock, a_ms, b_ms, args.tree_nodes)
+                           args.spread_prefill, clock, a_ms, b_ms, args.tree_nodes, args.new_tokens_jitter)
             outputs.append(sorted((r["prompt"], r["tokens"]) for r in run["records"]))
             row = {"clients": None, "rate": rate, "system": system, **summarize(run, staged.n_stages, a_ms, b_ms)}
             results["rows"].append(row)

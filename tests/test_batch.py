@@ -4,6 +4,8 @@ KV memory bound; greedy output equals each request's solo output except at near-
 follows the target's distribution in a batch of mixed requests (chi-square, with a negative control); the ragged
 stage call; clear errors."""
 
+import random
+
 import pytest
 import torch
 
@@ -530,12 +532,15 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
               "--token-ms", "0.1", "--threads", "1"]
     proc, tree = two_at_a_time(lambda args: run_script("infer/bench_batch.py", *common, *args), [
         ["--speculator", str(tiny_heads[4]), "--rates", "0.001", "1000", "--requests", "3", "--out", str(out)],
-        ["--draft-model", str(tiny_testbed / "draft"), "--stages", "2", "--tree-width", "2", "--out", str(tree_out)]])
+        ["--draft-model", str(tiny_testbed / "draft"), "--stages", "2", "--tree-width", "2", "--new-tokens-jitter", "2",
+         "--out", str(tree_out)]])
     assert "tree batched" in tree.stdout and "identical outputs across the systems: True" in tree.stdout
     tree_rows = json.loads(tree_out.read_text())["rows"]
     assert [(r["clients"], r["system"]) for r in tree_rows] == [
         (c, s) for c in (1, 3) for s in ("tree batched", "pp batched", "tree 1-at-a-time")]
-    assert all(r["tokens"] == 12 * r["clients"] for r in tree_rows)
+    # With a jitter of 2, request k asks for 6 + a number from -2 to 2 drawn with seed k, in every system.
+    budgets = [6 + random.Random(k).randint(-2, 2) for k in range(6)]
+    assert len(set(budgets)) > 1 and all(r["tokens"] == sum(budgets[:2 * r["clients"]]) for r in tree_rows)
     assert "spd batched" in proc.stdout and "pp batched" in proc.stdout and "1-at-a-time" in proc.stdout
     assert "identical outputs across the systems: True" in proc.stdout and "own/step" in proc.stdout
     results = json.loads(out.read_text())
@@ -570,6 +575,7 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
     assert pp_one["model"]["tbt_p50_ms"] == pytest.approx(4 * 2.1) == pytest.approx(pp_one["model"]["tbt_mean_ms"])
     draft = str(tiny_testbed / "draft")
     for args in (["--speculator", str(tiny_heads[4]), "--stage-ms", "2"], ["--draft-model", draft],
-                 ["--speculator", str(tiny_heads[4]), "--rates", "0"]):
+                 ["--speculator", str(tiny_heads[4]), "--rates", "0"],
+                 ["--speculator", str(tiny_heads[4]), "--new-tokens-jitter", "48"]):
         bad = run_script("infer/bench_batch.py", *args, check=False)
         assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error:"), bad.stderr
