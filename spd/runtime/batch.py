@@ -56,8 +56,7 @@ FROM_MANIFEST = -1  # a segment's input travels in the manifest (stage 1)
 
 def handle(key: int, size: int, device: torch.device) -> torch.Tensor:
     """The stand-in of an item's hidden states on rank 0: ``(key, row)`` for each of its ``size`` rows, (1, T, 2)."""
-    rows_T = torch.arange(size, device=device)
-    return torch.stack([torch.full_like(rows_T, key), rows_T], dim=1)[None]
+    return torch.tensor([[[key, row] for row in range(size)]], dtype=torch.long, device=device)
 
 
 def encode_manifest(phase: int, keep_from: int, ops: list[list[int]], segments: list[Segment],
@@ -72,7 +71,8 @@ def encode_manifest(phase: int, keep_from: int, ops: list[list[int]], segments: 
     for seg, key_out in zip(segments, keys_out):
         hidden = seg.hidden_1TD
         if hidden.dtype == torch.long:  # a handle: an item of the previous stage, the rows that survive
-            key_in, rows = int(hidden[0, 0, 0]), hidden[0, :, 1].tolist()
+            pairs = hidden[0].tolist()
+            key_in, rows = pairs[0][0], [row for _, row in pairs]
         else:
             key_in, rows = FROM_MANIFEST, []
         words += [seg.cache.base, key_in, seg.size, len(rows), *rows]
