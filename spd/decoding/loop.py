@@ -56,7 +56,6 @@ a leading 1 is the batch.
 from __future__ import annotations
 
 import bisect
-
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field

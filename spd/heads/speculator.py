@@ -461,8 +461,9 @@ class Speculator(PreTrainedModel):
             slot_M = torch.cat(slots)
             groups.append((depth, torch.cat(gs)[:, None], torch.cat(bs).to(dev), slot_M.to(dev),
                            self.rope(slot_M[:, None].to(dev), dtype)))
-        # The cached rows: every query row gets its request's cached keys in its first slots. ``cached`` lists
-        # them request after request; ``pick`` repeats a request's for each of its query rows (None: one row each).
+        # The cached rows: every query row gets its request's cached keys and values in its first slots
+        # (``cached_rows``, ``cached_slots``). Each layer lays every request's cached rows out one request after
+        # another; ``pick`` repeats a request's for each of its query rows (None: every request has one query row).
         cached_C = torch.tensor([cache.length for cache in caches])
         per_row_B = cached_C[row_request_B]
         cached_rows = torch.repeat_interleave(torch.arange(total), per_row_B).to(dev)
