@@ -474,11 +474,10 @@ class StepLoop:
         return level
 
     @staticmethod
-    def _prune_level(level: Level, kept: torch.Tensor, kept_list: list[int] | None = None) -> Level | None:
-        """Keep the level's nodes that survive the prune (``kept``: old tree indices, ``kept_list`` the same as a
-        list, if at hand); None when none do."""
+    def _prune_level(level: Level, kept: torch.Tensor, kept_list: list[int]) -> Level | None:
+        """Keep the level's nodes that survive the prune (``kept``: old tree indices; ``kept_list``: the same as a
+        list); None when none do."""
         if level.size == 1:  # a chain's level (and any one-node level): it survives or it does not
-            kept_list = kept.tolist() if kept_list is None else kept_list
             index = bisect.bisect_left(kept_list, level.start)
             if index >= len(kept_list) or kept_list[index] != level.start:
                 return None

@@ -468,11 +468,11 @@ class Speculator(PreTrainedModel):
         per_row_B = cached_C[row_request_B]
         cached_rows = torch.repeat_interleave(torch.arange(total), per_row_B).to(dev)
         starts_B = torch.cumsum(per_row_B, 0) - per_row_B
-        cached_slots = (torch.arange(int(per_row_B.sum())) - torch.repeat_interleave(starts_B, per_row_B)).to(dev)
-        pick = None
+        slots_M = torch.arange(int(per_row_B.sum())) - torch.repeat_interleave(starts_B, per_row_B)
+        cached_slots, pick = slots_M.to(dev), None
         if total > len(sizes):
             request_starts = torch.cumsum(cached_C, 0) - cached_C
-            pick = (torch.repeat_interleave(request_starts[row_request_B], per_row_B) + cached_slots.cpu()).to(dev)
+            pick = (torch.repeat_interleave(request_starts[row_request_B], per_row_B) + slots_M).to(dev)
         scale = cfg.head_dim ** -0.5
         h_B1D = torch.cat(queries)[:, None]
         # One padded K/V for every layer: each layer writes the same slots, so the padding stays zero.
