@@ -42,6 +42,7 @@ from ..target.sdpa import decode_kernels
 from ..training.kd import KDResult, kd_loss, kd_loss_topk
 from .config import SpeculatorConfig
 from .kernels import ConcatLinear, offset_band_attention
+from .memory import SpeculatorCache
 
 # -------------------------------------------------------------------------------------------- blocks
 
@@ -495,27 +496,3 @@ class Speculator(PreTrainedModel):
                 h_B1D = layer.finish(h_B1D, attn)
         return h_B1D[:, 0]
 
-
-class SpeculatorCache:
-    """Per-layer K/V of the head's depth-max memory rows; truncation sets the length (rollback)."""
-
-    def __init__(self, config: SpeculatorConfig, batch_size: int, capacity: int, dtype, device):
-        self._shape = (batch_size, config.num_key_value_heads, capacity, config.head_dim)
-        self._dtype, self._device = dtype, device
-        self.keys = [torch.zeros(self._shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.values = [torch.zeros(self._shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.length = 0
-
-    def reserve(self, length: int) -> None:
-        capacity = self.keys[0].shape[2]
-        if length <= capacity:
-            return
-        new_capacity = max(length, 2 * capacity)
-        for store in (self.keys, self.values):
-            for i, old in enumerate(store):
-                new = torch.zeros(*old.shape[:2], new_capacity, old.shape[3], dtype=self._dtype, device=self._device)
-                new[:, :, : self.length] = old[:, :, : self.length]
-                store[i] = new
-
-    def truncate(self, length: int) -> None:
-        self.length = min(self.length, length)
