@@ -286,3 +286,49 @@ def test_query_blocks_equal_one_block(n):
     assert len(grads[0]) == len(grads[1]) > 10
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("variant", [0, 3])
+def test_a_pool_s_joint_query_equals_each_request_alone(variant):
+    """The memory of a batched pipeline's requests in one pool (a slot each, the buffers growing while rows are
+    held, a slot given back and taken again): rows appended for many requests at once land where each request's own
+    cache would hold them, and the joint query, read in place over the pool, equals each query row asked alone over
+    a plain cache: chains and several query rows per request (a tree's bottom nodes), 0 to 4 trailing rows."""
+    head = _head(4, 2, **VARIANTS[variant])
+    cfg = head.config
+    gen = torch.Generator().manual_seed(3)
+
+    def rows(depth, count):
+        return head.features(depth, {a: torch.randn(count, D, generator=gen, dtype=torch.float64)
+                                     for a in range(L + 1)})
+
+    pool = head.new_pool(slots=5, capacity=4)
+    caches = [pool.cache(capacity=2) for _ in range(4)]
+    pool.release(caches[1])
+    caches[1] = pool.cache(capacity=3)  # the freed slot again: the lowest free one
+    assert [c.slot for c in caches] == [0, 1, 2, 3] and pool.free == [4]
+    plain = [head.new_cache(capacity=2) for _ in caches]
+    for sizes in ([3, 5, 1, 2], [0, 4, 0, 4]):  # two rounds of appends, the pool grows in the second
+        picked = [i for i, size in enumerate(sizes) if size]
+        mems = [rows(cfg.max_depth, sizes[i]) for i in picked]
+        head.append_memory_many([caches[i] for i in picked], mems)
+        for i, mem in zip(picked, mems):
+            head.append_memory(plain[i], mem[None])
+    assert pool.capacity >= 9 and [c.length for c in caches] == [3, 9, 1, 6]
+    for pooled, alone in zip(caches, plain):
+        for held, own in ((pooled.keys, alone.keys), (pooled.values, alone.values)):
+            for i in range(cfg.num_layers):
+                torch.testing.assert_close(held[i][:, :, :alone.length], own[i][:, :, :alone.length], atol=1e-12,
+                                           rtol=0)
+    asked = [0, 1, 3]  # slot 2 asks nothing this time
+    shapes = {0: (1, [4, 3]), 1: (3, [4, 3, 2, 1]), 3: (2, [])}  # query rows, the trailing rows' depths
+    trailing = {i: [(d, rows(d, shapes[i][0])) for d in shapes[i][1]] for i in asked}
+    queries = {i: rows(cfg.offset, shapes[i][0]) for i in asked}
+    joint = head.query_many([caches[i] for i in asked], [trailing[i] for i in asked], [queries[i] for i in asked])
+    alone = torch.cat([head.query(plain[i], [(d, g[row:row + 1]) for d, g in trailing[i]], queries[i][row:row + 1])
+                       for i in asked for row in range(shapes[i][0])])
+    torch.testing.assert_close(joint, alone, atol=1e-12, rtol=0)
+    assert [c.length for c in caches] == [3, 9, 1, 6]  # the trailing rows went to scratch rows only
+    pool.release(caches[3])
+    with pytest.raises(RuntimeError, match="not held"):
+        pool.release(caches[3])

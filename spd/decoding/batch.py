@@ -210,7 +210,9 @@ class BatchedPipeline:
         self.backend = (LocalBatch(self.staged, rows) if isinstance(engine.stages, LocalStages)
                         else engine.stages.batch_backend(rows))
         self.pool = self.backend.pool
-        self.proposer_pool = None  # a draft model's KV pool: each request's region at the same rows as in self.pool
+        # The proposers' pool: a draft model's KV (each request's region at the same rows as in self.pool), or an SPD
+        # head's memory (a slot per request).
+        self.proposer_pool = None
         self.queue: deque[BatchRequest] = deque()
         self.active: list[BatchRequest] = []
         self.steps = 0  # pipeline steps run
@@ -336,9 +338,9 @@ class BatchedPipeline:
             self.queue.popleft()
             request.region = region
             request.stages.caches = self.backend.open(region)
-            if hasattr(request.source, "use_pool"):  # a draft model: its KV in the same rows of a pool of its own
-                if self.proposer_pool is None:
-                    self.proposer_pool = request.source.new_pool(self.pool.rows)
+            if hasattr(request.source, "use_pool"):  # its proposer's cache in a pool of the batch's (given back at
+                if self.proposer_pool is None:      # the end): a draft model's KV at the same rows, a head's a slot
+                    self.proposer_pool = request.source.new_pool(self.pool.rows, self.max_batch)
                 request.source.use_pool(self.proposer_pool, region)
             request.prefill_stage_anchors = anchors_by_stage(self.staged.boundaries, request.work.anchors)
             request.state = "prefill"
@@ -463,6 +465,8 @@ class BatchedPipeline:
         request.state = state
         request.work = None
         request.chunks = []
+        if request.source is not None and hasattr(request.source, "leave_pool"):
+            request.source.leave_pool()
         if request.region is not None:
             self.backend.release(request.region)
             request.region = None

@@ -13,8 +13,11 @@ a chain while the target is idle, then commits the rows the target kept (``commi
 A batched driver asks the proposers of many requests at once (:func:`propose_many`): sources whose class has
 ``expand_many`` and whose ``batch_key()`` is the same are asked in one call
 (:class:`~spd.decoding.tree_engine.SpdHeadSource`: one head; :class:`~spd.decoding.tree_engine.DraftModelSource`:
-one draft model whose requests' caches share a pool, which the batched driver gives each request with ``use_pool``
-when it admits it, from the source's ``new_pool``).
+one draft model). Such a source may keep its request's cache in a pool shared by the batch's requests, which the
+batched driver makes once from the first source's ``new_pool(rows, slots)``, gives each request with ``use_pool``
+when it admits it, and takes back with ``leave_pool`` when the request ends: a draft model's KV in the rows of the
+request's region of the target's pool, an SPD head's memory in a slot of one buffer
+(:class:`~spd.heads.memory.SpeculatorPool`), so that the joint call reads every request's rows in place.
 
 Shape suffixes: L nodes of the tree's bottom level, X the proposer's outputs (the target's vocabulary, or a
 draft vocabulary that ``ids`` maps to target ids).

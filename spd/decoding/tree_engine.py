@@ -33,6 +33,7 @@ from .sampling import SamplingParams
 from .stats import TreeStats
 from ..heads.draft_vocab import check_draft_vocab
 from ..heads.config import check_compatible
+from ..heads.memory import SpeculatorPool
 from ..heads.speculator import Speculator
 from ..target.kv_pool import KVPool, Region
 from ..target.ragged import Segment, run_ragged
@@ -116,13 +117,17 @@ class DraftModelSource:
         # Log-probabilities after each tree node run so far (rows = tree indices 0..held-1).
         self.logprobs_NX = torch.zeros(0, self.vocab, device=self.draft.device)
 
-    def new_pool(self, rows: int) -> KVPool:
-        """A pool of ``rows`` rows of draft KV for a batched pipeline whose requests' regions span as many rows."""
+    def new_pool(self, rows: int, slots: int) -> KVPool:
+        """A pool of ``rows`` rows of draft KV for a batched pipeline whose requests' regions span as many rows (and
+        who are at most ``slots``)."""
         return KVPool(self.draft, rows)
 
     def use_pool(self, pool: KVPool, region: Region) -> None:
         """This request's draft cache will be ``region`` of ``pool`` (before :meth:`start`)."""
         self.pool, self.region = pool, region
+
+    def leave_pool(self) -> None:
+        """The request ended: nothing to give back (its region is the target pool's, given back with it)."""
 
     def batch_key(self) -> int | None:
         """Requests whose keys are equal are asked together (:func:`spd.decoding.proposer.propose_many`)."""
@@ -257,12 +262,28 @@ class SpdHeadSource:
         # The config's settings read on every query, read once (a config's attributes are slow to read).
         self.max_depth, self.offset, self.anchors_by_depth = cfg.max_depth, cfg.offset, cfg.anchors
         self.cache = None
+        self.pool: SpeculatorPool | None = None  # a batched pipeline's memory pool, shared by its requests' copies
         self.pending: list[dict[int, torch.Tensor]] = []  # committed rows' anchors, cached before the next query
+
+    def new_pool(self, rows: int, slots: int) -> SpeculatorPool:
+        """The head's memory for a batched pipeline of up to ``slots`` requests (``rows``: the target pool's, unused):
+        one slot per request (:class:`~spd.heads.memory.SpeculatorPool`), read by :meth:`expand_many` in place."""
+        return self.head.new_pool(slots)
+
+    def use_pool(self, pool: SpeculatorPool, region=None) -> None:
+        """This request's head cache will be a slot of ``pool`` (before :meth:`start`)."""
+        self.pool = pool
+
+    def leave_pool(self) -> None:
+        """The request ended: its slot goes back to the pool."""
+        if self.pool is not None and self.cache is not None:
+            self.pool.release(self.cache)
+        self.cache = None
 
     def start(self, prompt_ids: list[int], anchors: dict[int, torch.Tensor], capacity: int) -> None:
         """Every prompt position enters the head's cache at full depth."""
         head = self.head
-        self.cache = head.new_cache(capacity=capacity)
+        self.cache = head.new_cache(capacity=capacity) if self.pool is None else self.pool.cache(capacity)
         self.pending = []
         head.append_memory(self.cache, head.features(head.config.max_depth, anchors))
 

@@ -42,7 +42,7 @@ from ..target.sdpa import decode_kernels
 from ..training.kd import KDResult, kd_loss, kd_loss_topk
 from .config import SpeculatorConfig
 from .kernels import ConcatLinear, offset_band_attention
-from .memory import SpeculatorCache
+from .memory import PooledSpeculatorCache, SpeculatorCache, SpeculatorPool
 
 # -------------------------------------------------------------------------------------------- blocks
 
@@ -362,6 +362,11 @@ class Speculator(PreTrainedModel):
         p = next(self.parameters())
         return SpeculatorCache(self.config, batch_size, capacity, p.dtype, p.device)
 
+    def new_pool(self, slots: int, capacity: int = 256) -> SpeculatorPool:
+        """The memory of up to ``slots`` requests of a batched pipeline (:class:`~spd.heads.memory.SpeculatorPool`)."""
+        p = next(self.parameters())
+        return SpeculatorPool(self.config, slots, capacity, p.dtype, p.device)
+
     def append_memory(self, cache: "SpeculatorCache", mem_BRD: torch.Tensor) -> None:
         """Append rows that reached max_depth (positions cache.length ...) to the per-layer K/V cache."""
         b, r, _ = mem_BRD.shape
@@ -379,11 +384,22 @@ class Speculator(PreTrainedModel):
         ``caches[i]``; the rows of every request go through each layer's key and value projections together."""
         sizes = [m.shape[0] for m in mems]
         dev, dtype = mems[0].device, mems[0].dtype
-        pos_M = torch.cat([torch.arange(c.length, c.length + p) for c, p in zip(caches, sizes)]).to(dev)
+        positions = [position for c, p in zip(caches, sizes) for position in range(c.length, c.length + p)]
+        pos_M = torch.tensor(positions, device=dev)
         cos, sin = self.rope(pos_M[:, None], dtype)
         mem_M1D = torch.cat(mems)[:, None]
         for cache, p in zip(caches, sizes):
             cache.reserve(cache.length + p)
+        pool = _one_pool(caches)
+        if pool is not None:  # every row straight into its request's slot, one write per layer
+            slot_M = torch.tensor([cache.slot for cache, p in zip(caches, sizes) for _ in range(p)], device=dev)
+            for i, layer in enumerate(self.layers):
+                k, v = layer.memory_kv(mem_M1D, self.config.max_depth, cos, sin)  # (M, Hk, 1, Dh)
+                pool.keys[i][slot_M, :, pos_M] = k[:, :, 0]
+                pool.values[i][slot_M, :, pos_M] = v[:, :, 0]
+            for cache, p in zip(caches, sizes):
+                cache.length += p
+            return
         for i, layer in enumerate(self.layers):
             k, v = layer.memory_kv(mem_M1D, self.config.max_depth, cos, sin)  # (M, Hk, 1, Dh)
             first = 0
@@ -434,7 +450,12 @@ class Speculator(PreTrainedModel):
         One call for the batch: the keys of every query row (its request's cached rows, then its trailing rows)
         are laid out in one padded tensor and attended under a length mask; the trailing rows of one depth are
         projected together. The result equals :meth:`query` per request up to fp32 rounding (other shapes).
+        When the caches are the slots of one :class:`~spd.heads.memory.SpeculatorPool` (a batched pipeline's
+        requests) the keys are read where they lie instead (:meth:`_query_pool`).
         """
+        pool = _one_pool(caches)
+        if pool is not None and len({cache.slot for cache in caches}) == len(caches):
+            return self._query_pool(pool, caches, trailing, queries)
         cfg = self.config
         dev, dtype = queries[0].device, queries[0].dtype
         sizes = [q.shape[0] for q in queries]
@@ -496,3 +517,70 @@ class Speculator(PreTrainedModel):
                 h_B1D = layer.finish(h_B1D, attn)
         return h_B1D[:, 0]
 
+
+    def _query_pool(self, pool: SpeculatorPool, caches: list[PooledSpeculatorCache],
+                    trailing: list[list[tuple[int, torch.Tensor]]], queries: list[torch.Tensor]) -> torch.Tensor:
+        """:meth:`query_many` over the slots of one pool, with nothing gathered: one attention call over the pool's
+        buffer, a batch entry per slot. Request ``b`` (slot ``s``, ``c`` cached rows, ``r`` trailing rows, ``L``
+        query rows) writes the trailing rows of its query row ``l`` into the scratch rows ``c + l r .. c + (l + 1) r``
+        of its slot (at positions ``c .. c + r - 1`` all the same), and its query rows are the entry's queries
+        ``0 .. L - 1``; each sees its cached rows and its own trailing rows (a mask). Entries of slots that ask nothing
+        and query rows past ``L`` are padding (their outputs are dropped)."""
+        cfg = self.config
+        memory_proj, max_depth = cfg.memory_proj, cfg.max_depth  # (a config's attributes are slow to read)
+        dev, dtype = queries[0].device, queries[0].dtype
+        sizes = [q.shape[0] for q in queries]
+        slots = [cache.slot for cache in caches]
+        spans = [cache.length + size * len(rows) for cache, rows, size in zip(caches, trailing, sizes)]
+        entries, rows_per_entry, width = max(slots) + 1, max(sizes), max(spans)
+        pool.reserve(width)
+        # Per entry: cached rows, trailing rows per query row, query rows (0 for entries that ask nothing).
+        cached_S, trailing_S, asked_S = ([0] * entries for _ in range(3))
+        # Trailing rows by depth (one group without per-depth projections): features, slot, scratch row, position.
+        by_depth: dict[int, tuple[list, list, list, list]] = {}
+        for cache, rows, size, slot in zip(caches, trailing, sizes, slots):
+            c, r = cache.length, len(rows)
+            cached_S[slot], trailing_S[slot], asked_S[slot] = c, r, size
+            for j, (depth, g_LD) in enumerate(rows):
+                gs, slot_M, row_M, pos_M = by_depth.setdefault(depth if memory_proj else max_depth, ([], [], [], []))
+                gs.append(g_LD)
+                slot_M.extend([slot] * size)
+                row_M.extend(range(c + j, c + j + size * r, r))
+                pos_M.extend([c + j] * size)
+        groups = []
+        for depth, (gs, slot_M, row_M, pos_M) in by_depth.items():
+            groups.append((depth, torch.cat(gs)[:, None], torch.tensor(slot_M, device=dev),
+                           torch.tensor(row_M, device=dev), self.rope(torch.tensor(pos_M, device=dev)[:, None], dtype)))
+        cached_S1, trailing_S1, asked_S1 = (torch.tensor(x, device=dev)[:, None] for x in (cached_S, trailing_S, asked_S))
+        query_L = torch.arange(rows_per_entry, device=dev)
+        key_K = torch.arange(width, device=dev)
+        own_SL = cached_S1 + query_L[None] * trailing_S1  # each query row's first trailing row
+        mask_SLK = (key_K < cached_S1[:, :, None]) | ((key_K >= own_SL[:, :, None])
+                                                      & (key_K < (own_SL + trailing_S1)[:, :, None]))
+        real_SL = query_L[None] < asked_S1
+        mask_S1LK = torch.where(real_SL[:, :, None], mask_SLK, key_K == 0)[:, None]  # padding sees row 0 alone
+        cos_q, sin_q = self.rope((cached_S1 + trailing_S1 - 1).expand(entries, rows_per_entry), dtype)
+        entry_B = torch.tensor([slot for slot, size in zip(slots, sizes) for _ in range(size)], device=dev)
+        row_B = torch.tensor([row for size in sizes for row in range(size)], device=dev)
+        h_SLD = queries[0].new_zeros(entries, rows_per_entry, queries[0].shape[-1])
+        h_SLD[entry_B, row_B] = torch.cat(queries)
+        scale = cfg.head_dim ** -0.5
+        with decode_kernels(dev):
+            for i, layer in enumerate(self.layers):
+                keys_SHkCDh, values_SHkCDh = pool.keys[i], pool.values[i]
+                for depth, g_M1D, slot_M, row_M, (cos, sin) in groups:
+                    k, v = layer.memory_kv(g_M1D, depth, cos, sin)
+                    keys_SHkCDh[slot_M, :, row_M] = k[:, :, 0]
+                    values_SHkCDh[slot_M, :, row_M] = v[:, :, 0]
+                q = layer.query_heads(h_SLD, cos_q, sin_q)
+                attn = F.scaled_dot_product_attention(q, keys_SHkCDh[:entries, :, :width],
+                                                      values_SHkCDh[:entries, :, :width], attn_mask=mask_S1LK,
+                                                      scale=scale, enable_gqa=layer.n_heads != layer.n_kv_heads)
+                h_SLD = layer.finish(h_SLD, attn)
+        return h_SLD[entry_B, row_B]
+
+
+def _one_pool(caches) -> SpeculatorPool | None:
+    """The pool every cache of ``caches`` is a slot of, or None."""
+    pool = getattr(caches[0], "pool", None)
+    return pool if pool is not None and all(getattr(cache, "pool", None) is pool for cache in caches) else None
