@@ -360,6 +360,8 @@ class SpdHeadSource:
     def _take_pending(self) -> dict[int, torch.Tensor]:
         """The anchors of the committed rows not yet cached, ``(P, D)`` each, oldest first; none are left after."""
         pending, self.pending = self.pending, []
+        if len(pending) == 1:  # one row since the last query (the usual case): nothing to join
+            return pending[0]
         return {a: torch.cat([anchors[a] for anchors in pending]) for a in pending[0]}
 
     def prune(self, committed: int, kept: torch.Tensor) -> None:
