@@ -152,6 +152,39 @@ def test_pp_and_spd_share_a_batch(target_model):
                                    request.output.token_ids)
 
 
+def test_the_head_s_memory_slots_are_taken_and_given_back(target_model):
+    """An SPD head's requests keep its memory in the batch's pool, a slot each: 8 requests through 3 slots, one
+    cancelled in flight and one failing in its own callback; every slot is back in the pool at the end, and every
+    other request equals its solo greedy output up to near-ties."""
+    staged = StagedModel(target_model, 4)
+    torch.manual_seed(0)
+    engine = PipelineEngine(staged, new_head(staged, DistillConfig(n_stages=4)).eval())
+    batched = BatchedPipeline(engine, max_batch=3, kv_rows=1024, prefill_chunk=16)
+    slots_seen, counts = set(), [0] * 8
+
+    def watch(i):
+        def on_token(token, accepted):
+            counts[i] += 1
+            slots_seen.add(requests[i].source.cache.slot)
+            if i == 2 and counts[i] == 3:
+                raise ValueError("the client went away")
+            if i == 5 and counts[i] == 3:
+                requests[5].cancel()
+        return on_token
+
+    requests = [batched.submit(_prompt(i), 12, on_token=watch(i)) for i in range(8)]
+    batched.run()
+    assert type(batched.proposer_pool).__name__ == "SpeculatorPool"
+    assert slots_seen == {0, 1, 2} and batched.proposer_pool.free == [0, 1, 2]
+    assert requests[2].state == "failed" and "went away" in str(requests[2].error)
+    assert requests[5].state == "done" and requests[5].output.stats.stop_reason == "stopped"
+    for i, request in enumerate(requests):
+        if i not in (2, 5):
+            assert request.state == "done", (i, request.state, request.error)
+            differences_are_near_ties(staged, _prompt(i), generate_ar(staged, _prompt(i), 12).token_ids,
+                                      request.output.token_ids)
+
+
 class CheckedBatch(BatchedPipeline):
     """Also asks every question of a joint call alone (the proposers' queries, the verifications' logits), and
     records the largest difference of the answers."""
