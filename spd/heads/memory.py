@@ -25,22 +25,11 @@ class SpeculatorCache:
     """Per-layer K/V of the head's depth-max memory rows; truncation sets the length (rollback)."""
 
     def __init__(self, config: SpeculatorConfig, batch_size: int, capacity: int, dtype, device):
-        self._shape = (batch_size, config.num_key_value_heads, capacity, config.head_dim)
-        self._dtype, self._device = dtype, device
-        self.keys = [torch.zeros(self._shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.values = [torch.zeros(self._shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.keys, self.values = _buffers(config, batch_size, capacity, dtype, device)
         self.length = 0
 
     def reserve(self, length: int) -> None:
-        capacity = self.keys[0].shape[2]
-        if length <= capacity:
-            return
-        new_capacity = max(length, 2 * capacity)
-        for store in (self.keys, self.values):
-            for i, old in enumerate(store):
-                new = torch.zeros(*old.shape[:2], new_capacity, old.shape[3], dtype=self._dtype, device=self._device)
-                new[:, :, : self.length] = old[:, :, : self.length]
-                store[i] = new
+        _grow((self.keys, self.values), length, kept=self.length)
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
@@ -52,10 +41,7 @@ class SpeculatorPool:
     (every slot at once) when a request needs more rows than they hold."""
 
     def __init__(self, config: SpeculatorConfig, slots: int, capacity: int, dtype, device):
-        shape = (slots, config.num_key_value_heads, capacity, config.head_dim)
-        self._dtype, self._device = dtype, device
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.keys, self.values = _buffers(config, slots, capacity, dtype, device)
         self.free = list(range(slots))  # ascending: the lowest free slot is taken first
 
     @property
@@ -77,16 +63,8 @@ class SpeculatorPool:
         self.free.sort()
 
     def reserve(self, length: int) -> None:
-        """At least ``length`` rows in every slot (the rows held are kept)."""
-        capacity = self.capacity
-        if length <= capacity:
-            return
-        new_capacity = max(length, 2 * capacity)
-        for store in (self.keys, self.values):
-            for i, old in enumerate(store):
-                new = torch.zeros(*old.shape[:2], new_capacity, old.shape[3], dtype=self._dtype, device=self._device)
-                new[:, :, :capacity] = old
-                store[i] = new
+        """At least ``length`` rows in every slot (every row is kept: the pool does not know the slots' lengths)."""
+        _grow((self.keys, self.values), length, kept=self.capacity)
 
 
 class PooledSpeculatorCache(SpeculatorCache):
@@ -106,3 +84,23 @@ class PooledSpeculatorCache(SpeculatorCache):
 
     def reserve(self, length: int) -> None:
         self.pool.reserve(length)
+
+
+def _buffers(config: SpeculatorConfig, batch: int, capacity: int, dtype, device) -> tuple[list, list]:
+    """Zeroed keys and values, one ``(batch, Hk, capacity, Dh)`` buffer per layer of each."""
+    shape = (batch, config.num_key_value_heads, capacity, config.head_dim)
+    return tuple([torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)] for _ in range(2))
+
+
+def _grow(stores: tuple[list[torch.Tensor], ...], length: int, kept: int) -> None:
+    """Replace every buffer of ``stores`` by one of at least ``length`` rows (and at least twice as many as before)
+    holding its first ``kept`` rows; nothing when they already hold ``length``."""
+    capacity = stores[0][0].shape[2]
+    if length <= capacity:
+        return
+    new_capacity = max(length, 2 * capacity)
+    for store in stores:
+        for i, old in enumerate(store):
+            new = old.new_zeros(*old.shape[:2], new_capacity, old.shape[3])
+            new[:, :, :kept] = old[:, :, :kept]
+            store[i] = new

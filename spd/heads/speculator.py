@@ -391,17 +391,14 @@ class Speculator(PreTrainedModel):
         for cache, p in zip(caches, sizes):
             cache.reserve(cache.length + p)
         pool = _one_pool(caches)
-        if pool is not None:  # every row straight into its request's slot, one write per layer
+        if pool is not None:  # the slots of one pool: every row straight into its request's slot
             slot_M = torch.tensor([cache.slot for cache, p in zip(caches, sizes) for _ in range(p)], device=dev)
-            for i, layer in enumerate(self.layers):
-                k, v = layer.memory_kv(mem_M1D, self.config.max_depth, cos, sin)  # (M, Hk, 1, Dh)
-                pool.keys[i][slot_M, :, pos_M] = k[:, :, 0]
-                pool.values[i][slot_M, :, pos_M] = v[:, :, 0]
-            for cache, p in zip(caches, sizes):
-                cache.length += p
-            return
         for i, layer in enumerate(self.layers):
             k, v = layer.memory_kv(mem_M1D, self.config.max_depth, cos, sin)  # (M, Hk, 1, Dh)
+            if pool is not None:
+                pool.keys[i][slot_M, :, pos_M] = k[:, :, 0]
+                pool.values[i][slot_M, :, pos_M] = v[:, :, 0]
+                continue
             first = 0
             for cache, p in zip(caches, sizes):
                 cache.keys[i][0, :, cache.length:cache.length + p] = k[first:first + p, :, 0].transpose(0, 1)
