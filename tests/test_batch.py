@@ -19,6 +19,7 @@ from spd.decoding.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
 from spd.errors import SpdInputError
 from spd.target.kv_pool import KVPool
 from spd.target.linear_state import StackedStates
+from spd.target import ragged
 from spd.target.ragged import Segment, run_ragged
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, new_head
@@ -298,8 +299,11 @@ def test_every_head_proposes_for_every_request_in_one_call(target_model, head_ki
                                   outs[i].token_ids)
 
 
-def test_sliding_window_targets_batch_too():
-    """Mistral with a window shorter than the prompts: the ragged mask applies each request's window."""
+@pytest.mark.parametrize("layout", ["spans", "blocks"])
+def test_sliding_window_targets_batch_too(layout, monkeypatch):
+    """Mistral with a window shorter than the prompts: the ragged mask applies each request's window (both attention
+    layouts of a ragged call: in place, and gathered by segment size)."""
+    monkeypatch.setattr(ragged, "RAGGED_ATTENTION", layout)
     model = tiny_model("mistral", seed=2, layers=4, sliding_window=8)
     engine = _tree_engine(model, n=2, width=2)
     batched = BatchedPipeline(engine, max_batch=4, kv_rows=1024, prefill_chunk=5)
@@ -449,10 +453,12 @@ def test_hybrid_targets_batch_with_each_requests_own_linear_state(mode, n, monke
     assert [o.token_ids for o in swapped.generate(prompts, 20)] != solo
 
 
-def test_the_ragged_stage_call_is_each_request_alone(target_model):
-    """One segment: exactly the stage call; several of mixed sizes (the first and third of one size, attended as
-    one group apart from the others): equal to each alone up to rounding, and each request's rows hold its own
-    keys."""
+@pytest.mark.parametrize("layout", ["spans", "blocks"])
+def test_the_ragged_stage_call_is_each_request_alone(target_model, layout, monkeypatch):
+    """One segment: exactly the stage call; several of mixed sizes (the first and third of one size, one group apart
+    from the others in the gathered layout): equal to each alone up to rounding in both attention layouts, and each
+    request's rows hold its own keys."""
+    monkeypatch.setattr(ragged, "RAGGED_ATTENTION", layout)
     staged = StagedModel(target_model, 2)
     pool = KVPool(staged, 320)
     prompts = [_prompt(1), _prompt(4), _prompt(1)[::-1], _prompt(7)]
@@ -480,6 +486,60 @@ def test_the_ragged_stage_call_is_each_request_alone(target_model):
             single = run_ragged(pool, 0, [Segment(mine, hidden_1TD)])[0]
             assert torch.equal(single.hidden_BTD, staged.run_stage(0, hidden_1TD, alone).hidden_BTD)
 
+
+
+@pytest.mark.parametrize("layout", ["spans", "blocks"])
+def test_tree_levels_and_causal_segments_share_a_ragged_call(target_model, layout, monkeypatch):
+    """Tree levels (explicit positions, an ancestor mask) beside a prompt chunk and single tokens, in one call per
+    stage: each equal to its own stage call up to rounding in both attention layouts, its keys and position ids
+    in its own rows."""
+    monkeypatch.setattr(ragged, "RAGGED_ATTENTION", layout)
+    staged = StagedModel(target_model, 2)
+    pool = KVPool(staged, 400)
+    prompts = [_prompt(2), _prompt(5), _prompt(3), _prompt(6)]
+    pooled = [pool.caches(pool.allocate(80)) for _ in prompts]
+    own = [staged.new_caches(capacity=80) for _ in prompts]
+    committed = [len(p) for p in prompts]
+    # Request 0: a root then two children (a tree level of 2); 1: a root, then a level of 3 under two parents;
+    # 2: a chain's tokens (causal); 3: a prompt chunk of 4, then one of 2.
+    trees = {0: [([7], [[True]]), ([8, 9], [[True, True, False], [True, False, True]])],
+             1: [([11], [[True]]), ([12, 13], [[True, True, False], [True, False, True]]),
+                 ([14, 15, 16], [[True, True, False, True, False, False], [True, True, False, False, True, False],
+                                 [True, False, True, False, False, True]])]}
+    depths = {0: [[0], [1, 1]], 1: [[0], [1, 1], [2, 2, 2]]}
+    causal = {2: [[21], [22], [23]], 3: [[31, 32, 33, 34], [35, 36], [37]]}
+    with torch.no_grad():
+        for prompt, c, o in zip(prompts, pooled, own):  # the prompts, each alone
+            h_pool = h_own = staged.embed(torch.tensor([prompt]))
+            for s in range(2):
+                h_pool = run_ragged(pool, s, [Segment(c[s], h_pool)])[0].hidden_BTD
+                h_own = staged.run_stage(s, h_own, o[s]).hidden_BTD
+        for step in range(3):
+            work = []  # (request, ids, positions or None, tree mask or None)
+            for r, levels in trees.items():
+                if step < len(levels):
+                    ids, mask = levels[step]
+                    positions = torch.tensor([committed[r] + d for d in depths[r][step]])
+                    work.append((r, ids, positions, torch.tensor(mask)))
+            for r, chunks in causal.items():
+                work.append((r, chunks[step], None, None))
+            hidden = {r: staged.embed(torch.tensor([ids])) for r, ids, _, _ in work}
+            alone = dict(hidden)
+            for s in range(2):
+                outs = run_ragged(pool, s, [Segment(pooled[r][s], hidden[r], pos, mask, anchors=[2 * s + 1])
+                                            for r, _, pos, mask in work])
+                for (r, _, pos, mask), out in zip(work, outs):
+                    ref = staged.run_stage(s, alone[r], own[r][s], None if pos is None else pos[None],
+                                           anchors=[2 * s + 1], tree_mask_TN=mask)
+                    assert torch.allclose(out.hidden_BTD, ref.hidden_BTD, atol=1e-4, rtol=1e-5)
+                    assert torch.allclose(out.anchors[2 * s + 1], ref.anchors[2 * s + 1], atol=1e-4, rtol=1e-5)
+                    hidden[r], alone[r] = out.hidden_BTD, ref.hidden_BTD
+        for c, o in zip(pooled, own):
+            for s in range(2):
+                assert c[s].length == o[s].length
+                assert torch.equal(c[s].positions_C[:c[s].length], o[s].positions_C[:o[s].length])
+                assert torch.allclose(c[s].keys_LBHkCDh[:, :, :, :c[s].length],
+                                      o[s].keys_LBHkCDh[:, :, :, :o[s].length], atol=1e-4, rtol=1e-5)
 
 # ------------------------------------------------------------------------ sampled: the distribution
 VOCAB, LENGTH, SAMPLES = 6, 3, 600
