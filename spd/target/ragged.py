@@ -156,7 +156,7 @@ class _Blocks:
 class _Spans:
     """The attention of a ragged call of several segments in place (the CPU's layout): each segment's queries attend
     to its own request's rows as a view of the window, with the mask its own stage call would use
-    (:func:`_lone_mask`), one attention call per segment. Nothing is gathered: on CPU, copying every request's rows
+    (:func:`_lone_mask`, in SDPA's form), one attention call per segment. Nothing is gathered: on CPU, copying every request's rows
     into a padded batch at every layer cost more than the attention itself (docs/benchmarks.md)."""
 
     def __init__(self, segments: list[Segment], starts: list[int], lo: int, q_pos_S: torch.Tensor,
@@ -179,10 +179,13 @@ class _Spans:
     def attention(self, module, query_1HSD: torch.Tensor, key_1HWD: torch.Tensor, value_1HWD: torch.Tensor,
                   dropout: float, scaling: float | None, **kwargs) -> torch.Tensor:
         """``(1, S, H, Dh)``: each segment's own attention over its rows, in the packed order."""
-        outs = [sdpa_attention_forward(module, query_1HSD[:, :, q:q + t], key_1HWD[:, :, k:k + kv],
-                                       value_1HWD[:, :, k:k + kv], mask, dropout, scaling, **kwargs)[0]
+        gqa = query_1HSD.shape[1] != key_1HWD.shape[1]
+        attend = torch.nn.functional.scaled_dot_product_attention
+        # (no mask: one query sees every row; a whole prompt's square block is causal, as in its own stage call)
+        outs = [attend(query_1HSD[:, :, q:q + t], key_1HWD[:, :, k:k + kv], value_1HWD[:, :, k:k + kv], attn_mask=mask,
+                       is_causal=mask is None and t > 1, scale=scaling, enable_gqa=gqa)
                 for (q, t, k, kv), mask in zip(self.spans, self.masks[self.window])]
-        return torch.cat(outs, dim=1)
+        return torch.cat(outs, dim=2).transpose(1, 2)
 
 
 #: How a ragged call of several segments runs its attention: "blocks" (:class:`_Blocks`, gathered, one call per
