@@ -3,10 +3,11 @@
 Each request contributes a *segment*: its new tokens at this stage (a chain's token, a tree level, or a chunk of a
 prompt) with their position ids and, for tree nodes, their ancestor mask. The segments are packed into one
 sequence, so every matrix product of the stage (projections, MLP) runs once for all of them; the attention reads
-the keys of every request from the shared :class:`~spd.target.kv_pool.KVPool` buffer, block by block: each
-segment's queries against its own request's rows only (gathered into one padded batch per segment size), under a
-mask that lets each token see exactly what it would see in its own request's stage call (the committed prefix, and
-of the tree only its ancestors, or causally the chunk's earlier tokens). New keys and values are written straight into
+the keys of every request from the shared :class:`~spd.target.kv_pool.KVPool` buffer: each segment's queries
+against its own request's rows only (on CPU in place, one attention call per segment: :class:`_Spans`; on CUDA
+gathered into one padded batch per segment size: :class:`_Blocks`), under a mask that lets each token see exactly
+what it would see in its own request's stage call (the committed prefix, and of the tree only its ancestors, or
+causally the chunk's earlier tokens). New keys and values are written straight into
 each request's region. On a hybrid target a linear-attention layer reads and writes each request's own state: the
 segments whose tokens are one-token sequences (a chain's next token, one tree depth) as one batch over their
 stacked states, the others (a prompt chunk, a first token, a level of several depths) each on its own
