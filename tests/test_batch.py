@@ -487,7 +487,6 @@ def test_the_ragged_stage_call_is_each_request_alone(target_model, layout, monke
             assert torch.equal(single.hidden_BTD, staged.run_stage(0, hidden_1TD, alone).hidden_BTD)
 
 
-
 @pytest.mark.parametrize("layout", ["spans", "blocks"])
 def test_tree_levels_and_causal_segments_share_a_ragged_call(target_model, layout, monkeypatch):
     """Tree levels (explicit positions, an ancestor mask) beside a prompt chunk and single tokens, in one call per
@@ -540,6 +539,7 @@ def test_tree_levels_and_causal_segments_share_a_ragged_call(target_model, layou
                 assert torch.equal(c[s].positions_C[:c[s].length], o[s].positions_C[:o[s].length])
                 assert torch.allclose(c[s].keys_LBHkCDh[:, :, :, :c[s].length],
                                       o[s].keys_LBHkCDh[:, :, :, :o[s].length], atol=1e-4, rtol=1e-5)
+
 
 # ------------------------------------------------------------------------ sampled: the distribution
 VOCAB, LENGTH, SAMPLES = 6, 3, 600

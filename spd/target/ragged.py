@@ -23,6 +23,7 @@ import contextlib
 import contextvars
 import weakref
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from transformers import AttentionInterface, PretrainedConfig
@@ -73,22 +74,29 @@ class _PooledWrite:
         return False
 
 
+class _Packed(NamedTuple):
+    """Where each segment of a ragged call sits: its first packed token, the rows its request held before the call,
+    and its request's first row in the pool (``(B,)`` each)."""
+
+    starts_B: torch.Tensor
+    lengths_B: torch.Tensor
+    bases_B: torch.Tensor
+
+
 class _Group:
     """Segments of one size ``T`` in a ragged call, as one batch: ``q_BT`` their rows of the packed tokens, ``k_BK``
     their requests' rows of the pool (padded to the longest), and which key each query
     may see (``allowed_BTK``: its request's committed rows, and of its own new tokens those before it or, in a tree,
     its ancestors)."""
 
-    def __init__(self, segments: list[Segment], indices: list[int], starts_B: torch.Tensor, trees: dict,
+    def __init__(self, t: int, indices: list[int], packed: _Packed, trees: dict[int, torch.Tensor],
                  q_pos_S: torch.Tensor, key_pos_W: torch.Tensor, device: torch.device):
-        t = segments[indices[0]].size
-        lengths = [segments[i].cache.length for i in indices]  # rows each request held before this call
-        k = max(lengths) + t
         index_B = torch.tensor(indices)
-        lengths_B, bases_B = torch.tensor(lengths), torch.tensor([segments[i].cache.base for i in indices])
+        starts_B, lengths_B, bases_B = (x[index_B] for x in packed)
+        k = int(lengths_B.max()) + t
         k_K, t_T = torch.arange(k), torch.arange(t)
         k_valid_BK = k_K[None] < (lengths_B + t)[:, None]
-        self.q_BT = (starts_B[index_B][:, None] + t_T[None]).to(device)
+        self.q_BT = (starts_B[:, None] + t_T[None]).to(device)
         self.k_BK = torch.where(k_valid_BK, bases_B[:, None] + k_K[None], 0).to(device)
         # Causal: a query sees its request's committed rows and its segment's tokens up to itself (never the
         # padding past its request's rows); a tree level's rows are its own mask, set below.
@@ -114,16 +122,16 @@ class _Blocks:
     is padding (one prompt chunk of 64 tokens would otherwise pad every other segment's single query to 64) and no
     query attends to another request's rows. One attention call per group."""
 
-    def __init__(self, segments: list[Segment], starts_B: torch.Tensor, q_pos_S: torch.Tensor,
-                 key_pos_W: torch.Tensor, device: torch.device):
+    def __init__(self, segments: list[Segment], packed: _Packed, q_pos_S: torch.Tensor, key_pos_W: torch.Tensor,
+                 device: torch.device):
         trees = {i: torch.cat([torch.ones(seg.size, seg.cache.length + seg.size - seg.tree_mask_TN.shape[1],
                                           dtype=torch.bool), seg.tree_mask_TN.to("cpu")], dim=1)
                  for i, seg in enumerate(segments) if seg.tree_mask_TN is not None}  # committed rows, then the tree
         by_size: dict[int, list[int]] = {}
         for i, seg in enumerate(segments):
             by_size.setdefault(seg.size, []).append(i)
-        self.groups = [_Group(segments, indices, starts_B, trees, q_pos_S, key_pos_W, device)
-                       for indices in by_size.values()]
+        self.groups = [_Group(t, indices, packed, trees, q_pos_S, key_pos_W, device)
+                       for t, indices in by_size.items()]
         self.masks: dict[int | None, list[torch.Tensor]] = {}
         self.window: int | None = None
 
@@ -157,15 +165,15 @@ class _Blocks:
 class _Spans:
     """The attention of a ragged call of several segments in place (the CPU's layout): each segment's queries attend
     to its own request's rows as a view of the window, with the mask its own stage call would use
-    (:func:`_lone_mask`, in SDPA's form), one attention call per segment. Nothing is gathered: on CPU, copying every request's rows
-    into a padded batch at every layer cost more than the attention itself (docs/benchmarks.md)."""
+    (:func:`_lone_mask`, in SDPA's form), one attention call per segment. Nothing is gathered: on CPU, copying every
+    request's rows into a padded batch at every layer cost more than the attention itself (docs/benchmarks.md)."""
 
-    def __init__(self, segments: list[Segment], starts: list[int], lo: int, q_pos_S: torch.Tensor,
+    def __init__(self, segments: list[Segment], packed: _Packed, lo: int, q_pos_S: torch.Tensor,
                  key_pos_W: torch.Tensor, dtype: torch.dtype):
         self.segments, self.q_pos_S, self.key_pos_W, self.dtype = segments, q_pos_S, key_pos_W, dtype
         # per segment: its first query row, its number of tokens, its first key row in the window, its key rows
-        self.spans = [(start, seg.size, seg.cache.base - lo, seg.cache.length + seg.size)
-                      for start, seg in zip(starts, segments)]
+        self.spans = [(start, seg.size, base - lo, length + seg.size)
+                      for seg, start, length, base in zip(segments, *(x.tolist() for x in packed))]
         self.masks: dict[int | None, list[torch.Tensor | None]] = {}
         self.window: int | None = None
 
@@ -198,14 +206,14 @@ _LAYOUT: contextvars.ContextVar[_Blocks | _Spans | None] = contextvars.ContextVa
 _BLOCK_ATTENTION = "spd_ragged_blocks"
 
 
-def _ragged_layout(segments: list[Segment], starts_B: torch.Tensor, lo: int, q_pos_S: torch.Tensor,
+def _ragged_layout(segments: list[Segment], packed: _Packed, lo: int, q_pos_S: torch.Tensor,
                    key_pos_W: torch.Tensor, device: torch.device, dtype: torch.dtype) -> _Blocks | _Spans:
     """The attention layout of a ragged call of several segments (:data:`RAGGED_ATTENTION`)."""
     if RAGGED_ATTENTION not in ("auto", "blocks", "spans"):
         raise ValueError(f"RAGGED_ATTENTION must be 'auto', 'blocks' or 'spans', not {RAGGED_ATTENTION!r}")
     if RAGGED_ATTENTION == "blocks" or (RAGGED_ATTENTION == "auto" and device.type == "cuda"):
-        return _Blocks(segments, starts_B, q_pos_S, key_pos_W, device)
-    return _Spans(segments, starts_B.tolist(), lo, q_pos_S, key_pos_W, dtype)
+        return _Blocks(segments, packed, q_pos_S, key_pos_W, device)
+    return _Spans(segments, packed, lo, q_pos_S, key_pos_W, dtype)
 
 
 def _block_attention(module, query_1HSD: torch.Tensor, key_1HWD: torch.Tensor, value_1HWD: torch.Tensor,
@@ -288,24 +296,25 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
     # Every segment's rows of the pool and position ids at once: a segment's tokens take its request's next rows,
     # at the next positions unless it gives its own (tree nodes sit at committed length + depth).
     sizes_B = torch.tensor(sizes)
-    starts_B = torch.cumsum(sizes_B, 0) - sizes_B  # each segment's first packed token
-    lengths_B = torch.tensor([seg.cache.length for seg in segments])
+    packed = _Packed(torch.cumsum(sizes_B, 0) - sizes_B, torch.tensor([seg.cache.length for seg in segments]),
+                     torch.tensor([seg.cache.base for seg in segments]))
+    starts_B, lengths_B, bases_B = packed
     offsets_S = torch.arange(int(sizes_B.sum())) - starts_B.repeat_interleave(sizes_B)
     q_pos_S = lengths_B.repeat_interleave(sizes_B) + offsets_S
-    rows_S = (torch.tensor([seg.cache.base for seg in segments]) + lengths_B).repeat_interleave(sizes_B) + offsets_S
+    rows_S = (bases_B + lengths_B).repeat_interleave(sizes_B) + offsets_S
     for seg, start in zip(segments, starts_B.tolist()):
         if seg.positions_T is not None:
             q_pos_S[start:start + seg.size] = seg.positions_T
     rows_S, q_pos_S = rows_S.to(device), q_pos_S.to(device)
     pool.positions_C[stage].index_copy_(0, rows_S, q_pos_S)
-    if len(segments) > 1:  # every request's rows are in the window (the blocks gather from the whole buffer: a
-        lo, hi = 0, pool.rows  # contiguous tensor gathers ~2x faster)
+    if len(segments) > 1:  # the whole buffer: every request's rows (and a contiguous tensor gathers ~2x faster)
+        lo, hi = 0, pool.rows
     else:  # a lone segment attends to its own rows, as its own stage call would
         lone = segments[0]
         lo, hi = lone.cache.base, lone.cache.base + lone.cache.length + lone.size
     key_pos_W = pool.positions_C[stage][lo:hi]
     # Several segments: each attends to its own request's keys only (the layout); a lone one is its own stage call.
-    layout = (_ragged_layout(segments, starts_B, lo, q_pos_S, key_pos_W, device, pool.keys_LBHkCDh[stage].dtype)
+    layout = (_ragged_layout(segments, packed, lo, q_pos_S, key_pos_W, device, pool.keys_LBHkCDh[stage].dtype)
               if len(segments) > 1 else None)
 
     hidden_1SD = torch.cat([seg.hidden_1TD for seg in segments], dim=1)
