@@ -1,5 +1,6 @@
 """Run by tests/test_runtime.py under torchrun (2 processes): messages of every size, inline and spilled, arrive
-intact and in order, with their header fields, extras and dtypes."""
+intact and in order, with their header fields, extras and dtypes: each sent with its own bytes into a larger posted
+receive (gloo's links) and padded to the slot (NCCL's links, run here over gloo)."""
 
 import sys
 
@@ -24,8 +25,9 @@ def messages(hidden: int, inline: int, dtype: torch.dtype):
 def main() -> int:
     dist.init_process_group("gloo")
     rank, hidden = dist.get_rank(), 48
-    for dtype in (torch.float32, torch.bfloat16):
-        link = Link(rank, RuntimeConfig(timeout_s=30), dtype, torch.device("cpu"), hidden)
+    for dtype, backend in ((torch.float32, "gloo"), (torch.bfloat16, "gloo"), (torch.float32, "nccl")):
+        link = Link(rank, RuntimeConfig(timeout_s=30, backend=backend), dtype, torch.device("cpu"), hidden)
+        assert link.padded == (backend == "nccl")
         for i, payload, extra in messages(hidden, link.inline, dtype):
             if rank == 0:
                 link.send(1, DATA_TAG, TOKEN, 7, i, payload, stage=3, extra=extra)

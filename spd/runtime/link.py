@@ -18,17 +18,23 @@ from .protocol import (CLOSE, CONTROL_TAG, DEFAULT_MAX_TOKENS, DEFAULT_MAX_WIDTH
 
 SENDS_IN_FLIGHT = 64  # sends whose completion is not awaited yet (their buffers stay alive until it is)
 SEND_BYTES_HELD = 256 << 20  # and at most this much of their buffers (prompts' activations), the newest apart
+GLOO_INLINE = 1 << 20  # bytes of extra + payload a message carries in its one send over gloo (the slot, less the header)
 
 
 class Link:
     """Point-to-point messages with epoch bookkeeping, emulated latency and sends that never block.
 
-    A message is one flat byte tensor: the int64 header, then the int64 ``extra`` and the payload (T, W, D),
-    padded to a fixed slot size both sides know, so the receiver can have the next receive posted before the
-    message is sent (a gloo send completes only against a posted receive; posting after the header arrived
-    cost a second round trip per message). Header and payload in one send also halves the number of
-    operations. Extra + payload larger than the slot (a prompt, a wide tree level) follow in a second send
-    whose size the header gives.
+    A message is one flat byte tensor: the int64 header, then the int64 ``extra`` and the payload (T, W, D). The
+    receiver keeps the next receive from each peer and tag posted before the message is sent, in a buffer of a
+    fixed slot size both sides know (a gloo send completes only against a posted receive; posting after the
+    header arrived costs a second round trip per message). Header and payload in one send also halves the number
+    of operations. Extra + payload larger than the slot (a long prompt) follow in a second send whose size the
+    header gives.
+
+    Over gloo a message lands in a larger posted buffer, so the slot is large (:data:`GLOO_INLINE`: a batch's
+    ragged call, its outputs and its reports fit) and a send carries only its own bytes. NCCL needs a receive
+    as long as the send, so there every message is padded to a small slot (a token's report, a small tree level)
+    and the rest spills.
     """
 
     def __init__(self, rank: int, config: RuntimeConfig, dtype: torch.dtype, device: torch.device, hidden: int,
@@ -39,8 +45,11 @@ class Link:
         self.max_width = max_width or DEFAULT_MAX_WIDTH
         self.max_cells = self.max_tokens * self.max_width  # tokens x rows of one payload
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
-        # Room for a token's report (a few anchor rows plus H^L) and a small tree level's extra, inline.
-        self.inline = 6 * hidden * self.itemsize + 4096
+        # Room inline: over NCCL for a token's report (a few anchor rows plus H^L) and a small tree level's extra,
+        # over gloo for far more (the class docstring); gloo's sends carry only their own bytes, NCCL's the slot.
+        self.padded = config.backend != "gloo"
+        self.inline = 6 * hidden * self.itemsize + 4096 if self.padded else max(6 * hidden * self.itemsize + 4096,
+                                                                                GLOO_INLINE)
         self.slot = HEADER * 8 + self.inline
         self._posted: dict[tuple[int, int], tuple[dist.Work, torch.Tensor]] = {}
         # Sends in flight, oldest first, with their buffers (alive until the send is waited on). The transfer needs no
@@ -81,10 +90,12 @@ class Link:
         if payload_TWD is not None:
             body.append(payload_TWD.to(self.dtype).contiguous().view(torch.uint8).flatten())
         size = sum(part.numel() for part in body)
-        message = torch.empty(self.slot, dtype=torch.uint8, device=self.device)
+        inline = size <= self.inline
+        length = self.slot if self.padded else HEADER * 8 + (size if inline else 0)
+        message = torch.empty(length, dtype=torch.uint8, device=self.device)
         message[:HEADER * 8] = header.view(torch.uint8).to(self.device)
         spill = None
-        if size <= self.inline:
+        if inline:
             if body:
                 message[HEADER * 8:HEADER * 8 + size] = torch.cat(body)
         else:
