@@ -203,7 +203,7 @@ def test_a_batch_manifest_round_trips_and_a_corrupt_one_is_refused(tiny_testbed)
     """The manifest's wire format (spd/runtime/batch.py): operations and segments (a tree level from an item of the
     previous stage, pruned to two rows; a chunk carried in the manifest) decode as encoded; truncated, out-of-range
     or overlong manifests are a PipelineLost naming the rank, never a crash or a huge allocation."""
-    from spd.runtime.batch import OPEN, PRUNE, decode_manifest, encode_manifest, handle
+    from spd.runtime.batch import OPEN, PRUNE, decode_manifest, encode_manifest, handles_of
     from spd.runtime.protocol import PipelineLost
     from spd.target.kv_pool import KVPool, Region
     from spd.target.ragged import Segment
@@ -213,7 +213,7 @@ def test_a_batch_manifest_round_trips_and_a_corrupt_one_is_refused(tiny_testbed)
     level = pool.caches(Region(0, 32))[1]
     chunk = pool.caches(Region(32, 32))[0]
     mask = torch.tensor([[True, True, False], [True, False, True]])
-    tree = Segment(level, handle(5, 3, staged.device)[:, [0, 2]], torch.tensor([7, 7]), mask, anchors=[3])
+    tree = Segment(level, handles_of([5], [3], staged.device)[:, [0, 2]], torch.tensor([7, 7]), mask, anchors=[3])
     prompt = Segment(chunk, torch.zeros(1, 4, staged.config.hidden_size))
     ops = [[OPEN, 32, 32], [PRUNE, 0, 6, 2, 1, 3]]
     words = encode_manifest(9, 7, ops, [tree, prompt], [11, 12])

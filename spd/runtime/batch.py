@@ -54,9 +54,11 @@ OPEN, CLOSE, TRUNCATE, PRUNE = 1, 2, 3, 4  # cache operations of a manifest
 FROM_MANIFEST = -1  # a segment's input travels in the manifest (stage 1)
 
 
-def handle(key: int, size: int, device: torch.device) -> torch.Tensor:
-    """The stand-in of an item's hidden states on rank 0: ``(key, row)`` for each of its ``size`` rows, (1, T, 2)."""
-    return torch.tensor([[[key, row] for row in range(size)]], dtype=torch.long, device=device)
+def handles_of(keys: list[int], sizes: list[int], device: torch.device) -> torch.Tensor:
+    """The stand-ins on rank 0 of items' hidden states, side by side: ``(key, row)`` for each of the ``sizes[i]``
+    rows of item ``keys[i]``, ``(1, sum(sizes), 2)`` int64 (split it to get each item's handle)."""
+    pairs = [[key, row] for key, size in zip(keys, sizes) for row in range(size)]
+    return torch.tensor([pairs], dtype=torch.long, device=device)
 
 
 def encode_manifest(phase: int, keep_from: int, ops: list[list[int]], segments: list[Segment],
@@ -236,17 +238,28 @@ class RemoteBatch:
             if int(header[1]) != self.phase or got != expected:
                 raise PipelineLost(f"rank 0: stage {s} reported {got} rows for phase {int(header[1])}, expected "
                                    f"{expected} rows for phase {self.phase}")
-            outs, offset = [], 0
-            for seg, key in zip(segments, keys[s]):
-                anchors = {}
-                for a in seg.anchors:
-                    anchors[a] = payload[offset:offset + seg.size, 0][None]
-                    offset += seg.size
-                if last:
-                    hidden = payload[offset:offset + seg.size, 0][None]
-                    offset += seg.size
-                else:
-                    hidden = handle(key, seg.size, self.staged.device)
-                outs.append(StageOutput(hidden, anchors))
-            outputs.append(outs)
+            outputs.append(self._outputs(segments, keys[s], payload, last))
         return outputs
+
+    def _outputs(self, segments: list[Segment], keys: list[int], payload: torch.Tensor | None,
+                 last: bool) -> list[StageOutput]:
+        """A stage's report cut into its segments' outputs: each segment's anchors (``T`` rows each, in its order),
+        then from the last stage ``H^L``; before it, each segment's output stays there under its key (a handle)."""
+        if not segments:
+            return []
+        blocks = [seg.size for seg in segments for _ in range(len(seg.anchors) + last)]
+        rows = payload[:, 0].split(blocks) if blocks else ()
+        if not last:
+            sizes = [seg.size for seg in segments]
+            handles = handles_of(keys, sizes, self.staged.device).split(sizes, dim=1)
+        outs, i = [], 0
+        for j, seg in enumerate(segments):
+            anchors = {a: rows[i + k][None] for k, a in enumerate(seg.anchors)}
+            i += len(seg.anchors)
+            if last:
+                hidden = rows[i][None]
+                i += 1
+            else:
+                hidden = handles[j]
+            outs.append(StageOutput(hidden, anchors))
+        return outs
