@@ -19,7 +19,8 @@ real requests, whose lengths differ, do not keep:
 - ``spd batched``: the batched pipeline (spd.decoding.batch) with up to ``C`` requests in flight;
 - ``pp batched``: the same batched pipeline without a head: the standard pipeline with dynamic batching (what a
   pipelined vLLM deployment does);
-- ``spd 1-at-a-time``: today's server (``--max-batch 1``): one request in the pipeline, the others wait.
+- ``spd 1-at-a-time``: today's server (``--max-batch 1``): one request in the pipeline, the others wait (left out
+  with ``--batched-only``).
 
 With ``--draft-model DIR --stages N`` (instead of ``--speculator``) the speculative systems are a draft model's token
 tree of width ``--tree-width`` (SpecPipe-DB's configuration): ``tree batched`` and ``tree 1-at-a-time``, beside the
@@ -108,6 +109,8 @@ def parse_args(argv=None):
     p.add_argument("--emulate-stage-ms", type=float, default=0.0, help="distributed: sleep per stage call, a")
     p.add_argument("--emulate-token-ms", type=float, default=0.0, help="distributed: and per token of the call, b")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--batched-only", action="store_true",
+                   help="run the two batched systems only, not the one-at-a-time baseline (the slowest to run)")
     p.add_argument("--out", default="bench_batch.json")
     args = p.parse_args(argv)
     if (args.stage_ms is None) != (args.token_ms is None):
@@ -410,6 +413,12 @@ def _bench(args) -> int:
             pipeline.close()
 
 
+def _systems(args) -> tuple[str, ...]:
+    """The systems a run compares, in order (the first is the one every other's outputs are checked against)."""
+    systems = SYSTEMS if args.draft_model is None else TREE_SYSTEMS
+    return systems[:2] if args.batched_only else systems
+
+
 def _run_all(args, engines, staged, dataset, prompts) -> int:
     import torch
 
@@ -435,10 +444,11 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
                "token_ms": b_ms,
                "clock_source": source,
                "runtime": args.runtime, "real_clock": wall,
-               "threads": torch.get_num_threads(), "command": " ".join(sys.argv), "rows": []}
+               "threads": torch.get_num_threads(), "systems": list(_systems(args)), "command": " ".join(sys.argv),
+               "rows": []}
     for clients in args.clients:
         outputs = []
-        for system in (SYSTEMS if args.draft_model is None else TREE_SYSTEMS):
+        for system in _systems(args):
             run = run_system(engines, system, prompts, clients, args.requests_per_client, args.max_new_tokens,
                              args.prefill_chunk, args.tree_width if args.draft_model else 1, args.step_tokens,
                              args.spread_prefill, args.tree_nodes, args.new_tokens_jitter)
@@ -452,7 +462,7 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
     clock = "model" if args.runtime == "local" else "real"
     for rate in args.rates or []:
         arrivals, outputs = poisson_arrivals(rate, args.requests, args.seed), []
-        for system in (SYSTEMS if args.draft_model is None else TREE_SYSTEMS):
+        for system in _systems(args):
             run = run_open(engines, system, prompts, arrivals, args.max_batch, args.max_new_tokens,
                            args.prefill_chunk, args.tree_width if args.draft_model else 1, args.step_tokens,
                            args.spread_prefill, clock, a_ms, b_ms, args.tree_nodes, args.new_tokens_jitter)

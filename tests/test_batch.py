@@ -626,11 +626,12 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
     proc, tree = two_at_a_time(lambda args: run_script("infer/bench_batch.py", *common, *args), [
         ["--speculator", str(tiny_heads[4]), "--rates", "0.001", "1000", "--requests", "3", "--out", str(out)],
         ["--draft-model", str(tiny_testbed / "draft"), "--stages", "2", "--tree-width", "2", "--new-tokens-jitter", "2",
-         "--out", str(tree_out)]])
+         "--batched-only", "--out", str(tree_out)]])
     assert "tree batched" in tree.stdout and "identical outputs across the systems: True" in tree.stdout
-    tree_rows = json.loads(tree_out.read_text())["rows"]
-    assert [(r["clients"], r["system"]) for r in tree_rows] == [
-        (c, s) for c in (1, 3) for s in ("tree batched", "pp batched", "tree 1-at-a-time")]
+    tree_results = json.loads(tree_out.read_text())
+    tree_rows = tree_results["rows"]  # (--batched-only: no one-at-a-time baseline)
+    assert tree_results["systems"] == ["tree batched", "pp batched"] and "1-at-a-time" not in tree.stdout
+    assert [(r["clients"], r["system"]) for r in tree_rows] == [(c, s) for c in (1, 3) for s in tree_results["systems"]]
     # With a jitter of 2, request k asks for 6 + a number from -2 to 2 drawn with seed k, in every system.
     budgets = [6 + random.Random(k).randint(-2, 2) for k in range(6)]
     assert len(set(budgets)) > 1 and all(r["tokens"] == sum(budgets[:2 * r["clients"]]) for r in tree_rows)
@@ -638,6 +639,7 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
     assert "identical outputs across the systems: True" in proc.stdout and "own/step" in proc.stdout
     results = json.loads(out.read_text())
     systems = ("spd batched", "pp batched", "spd 1-at-a-time")
+    assert results["systems"] == list(systems)
     assert [(r["clients"], r.get("rate"), r["system"]) for r in results["rows"]] == [
         (c, None, s) for c in (1, 3) for s in systems] + [(None, r, s) for r in (0.001, 1000) for s in systems]
     closed = [r for r in results["rows"] if r["clients"] is not None]
