@@ -96,8 +96,10 @@ class Link:
         message[:HEADER * 8] = header.view(torch.uint8).to(self.device)
         spill = None
         if inline:
-            if body:
-                message[HEADER * 8:HEADER * 8 + size] = torch.cat(body)
+            at = HEADER * 8
+            for part in body:  # each part straight into its place (no concatenation first)
+                message[at:at + part.numel()] = part
+                at += part.numel()
         else:
             spill = torch.cat(body)
         self._clock["send"] += time.perf_counter() - tick  # (the posting: isend)
@@ -126,8 +128,10 @@ class Link:
         except RuntimeError as exc:
             raise PipelineLost(f"rank {self.rank}: lost contact with rank {src} ({_short_reason(exc)})") from None
 
-    def _post_recv(self, src: int, tag: int) -> None:
-        buffer = torch.empty(self.slot, dtype=torch.uint8, device=self.device)
+    def _post_recv(self, src: int, tag: int, buffer: torch.Tensor | None = None) -> None:
+        """Post the next receive from ``src`` on ``tag``, into ``buffer`` (the last one, reused) or a new slot."""
+        if buffer is None:
+            buffer = torch.empty(self.slot, dtype=torch.uint8, device=self.device)
         self._posted[(src, tag)] = (self._irecv(buffer, src, tag), buffer)
 
     def recv(self, src: int, tag: int) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
@@ -141,13 +145,13 @@ class Link:
         header = message[:HEADER * 8].cpu().view(torch.long).tolist()  # (plain ints: one op, not one per field)
         size = self.check_header(header, src)
         n_extra, length, width = header[7], header[3], header[6]
-        if size <= self.inline:
-            body = message[HEADER * 8:HEADER * 8 + size]
+        if size <= self.inline:  # copied out, so that the slot takes the next message (a new one would cost
+            body = message[HEADER * 8:HEADER * 8 + size].clone()  # more: a megabyte allocated per message)
         else:  # the second part comes next on this (src, tag): receive it before posting the next slot
             body = torch.empty(size, dtype=torch.uint8, device=self.device)
             self._wait(self._irecv(body, src, tag), src)
         if header[0] != STOP:
-            self._post_recv(src, tag)  # the next message from this peer can land as soon as it is sent
+            self._post_recv(src, tag, message)  # the next message from this peer can land as soon as it is sent
         extra = payload_TWD = None
         if n_extra:
             extra = body[:n_extra * 8].cpu().view(torch.long).clone()
