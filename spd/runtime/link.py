@@ -48,8 +48,8 @@ class Link:
         # Room inline: over NCCL for a token's report (a few anchor rows plus H^L) and a small tree level's extra,
         # over gloo for far more (the class docstring); gloo's sends carry only their own bytes, NCCL's the slot.
         self.padded = config.backend != "gloo"
-        self.inline = 6 * hidden * self.itemsize + 4096 if self.padded else max(6 * hidden * self.itemsize + 4096,
-                                                                                GLOO_INLINE)
+        token = 6 * hidden * self.itemsize + 4096
+        self.inline = token if self.padded else max(token, GLOO_INLINE)
         self.slot = HEADER * 8 + self.inline
         self._posted: dict[tuple[int, int], tuple[dist.Work, torch.Tensor]] = {}
         # Sends in flight, oldest first, with their buffers (alive until the send is waited on). The transfer needs no
@@ -145,8 +145,10 @@ class Link:
         header = message[:HEADER * 8].cpu().view(torch.long).tolist()  # (plain ints: one op, not one per field)
         size = self.check_header(header, src)
         n_extra, length, width = header[7], header[3], header[6]
-        if size <= self.inline:  # copied out, so that the slot takes the next message (a new one would cost
-            body = message[HEADER * 8:HEADER * 8 + size].clone()  # more: a megabyte allocated per message)
+        if size <= self.inline:
+            # Copied out, so that the same slot takes the next message (a new slot per message would cost more: a
+            # megabyte allocated each time over gloo).
+            body = message[HEADER * 8:HEADER * 8 + size].clone()
         else:  # the second part comes next on this (src, tag): receive it before posting the next slot
             body = torch.empty(size, dtype=torch.uint8, device=self.device)
             self._wait(self._irecv(body, src, tag), src)
