@@ -24,7 +24,18 @@ REPO = Path(__file__).resolve().parents[1]
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or min(2, os.cpu_count() or 1)))
+_THREADS = int(os.environ.get("OMP_NUM_THREADS") or min(2, os.cpu_count() or 1))
+torch.set_num_threads(_THREADS)
+
+
+@pytest.fixture(autouse=True)
+def _own_thread_share():
+    """Every test starts with the worker's share of the cores: a test (or the library code it calls) that sets
+    torch's thread count must not leave it for the tests after it. One worker left at 2 threads while the other
+    works made a test file 5x slower (tests/test_tree_sampling.py: 112 s at 1 thread per worker, 594 s at 2)."""
+    yield
+    if torch.get_num_threads() != _THREADS:
+        torch.set_num_threads(_THREADS)
 
 
 def differences_are_near_ties(staged, prompt: list[int], solo: list[int], other: list[int],

@@ -65,7 +65,9 @@ def test_build_is_deterministic(tmp_path):
                                               batch_size=2, seq_len=32, warmup_steps=2, compile=False),
                              draft=ModelSpec(layers=2, hidden=16, heads=2, kv_heads=1, ffn=32, steps=3,
                                              batch_size=2, seq_len=32, warmup_steps=2, compile=False))
+    torch.set_num_threads(1)
     a = build_testbed(tmp_path / "a", cfg(), progress=False)
+    assert torch.get_num_threads() == 1  # the caller's thread count is given back (a pytest worker's share)
     b = build_testbed(tmp_path / "b", cfg(), progress=False)
     assert a["target"]["validation_loss"] == b["target"]["validation_loss"]
     wa = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "target").state_dict()

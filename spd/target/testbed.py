@@ -484,7 +484,17 @@ def check_outputs(out: Path, force: bool = False) -> None:
 
 def build_testbed(out: str | os.PathLike | None = None, cfg: TestbedConfig | None = None,
                   progress: bool = True, force: bool = False) -> dict:
-    """Build (or reuse) the testbed under ``out`` and return the contents of ``testbed.json``."""
+    """Build (or reuse) the testbed under ``out`` and return the contents of ``testbed.json``. It trains on every
+    core (``OMP_NUM_THREADS`` when set) and gives the caller its own thread count back."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1))
+    try:
+        return _build(out, cfg, progress, force)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build(out, cfg: TestbedConfig | None, progress: bool, force: bool) -> dict:
     out = Path(out) if out is not None else default_testbed_dir()
     cfg = cfg or TestbedConfig()
     check_outputs(out, force)
@@ -492,7 +502,6 @@ def build_testbed(out: str | os.PathLike | None = None, cfg: TestbedConfig | Non
     for leftover in out.iterdir():
         if _TEMP_DIR.fullmatch(leftover.name) and leftover.is_dir() and not leftover.is_symlink():
             shutil.rmtree(leftover, ignore_errors=True)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
     settings = dataclasses.asdict(cfg)
     existing = _read_json(out / "testbed.json")
     # Each component complete: a build killed while it put a directory in place left that marker's key null.
