@@ -31,8 +31,8 @@ torch.set_num_threads(_THREADS)
 @pytest.fixture(autouse=True)
 def _own_thread_share():
     """Every test starts with the worker's share of the cores: a test (or the library code it calls) that sets
-    torch's thread count must not leave it for the tests after it. One worker left at 2 threads while the other
-    works made a test file 5x slower (tests/test_tree_sampling.py: 112 s at 1 thread per worker, 594 s at 2)."""
+    torch's thread count must not leave it for the tests after it: spinning threads on a shared core are slow
+    (tests/test_tree_sampling.py on two workers: 112 s at 1 thread each, 594 s at 2 each)."""
     yield
     if torch.get_num_threads() != _THREADS:
         torch.set_num_threads(_THREADS)
