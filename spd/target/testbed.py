@@ -485,9 +485,9 @@ def check_outputs(out: Path, force: bool = False) -> None:
 def build_testbed(out: str | os.PathLike | None = None, cfg: TestbedConfig | None = None,
                   progress: bool = True, force: bool = False) -> dict:
     """Build (or reuse) the testbed under ``out`` and return the contents of ``testbed.json``. It trains on every
-    core (``OMP_NUM_THREADS`` when set) and gives the caller its own thread count back."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1))
+    core (``OMP_NUM_THREADS`` when it is a positive count) and gives the caller its own thread count back."""
+    threads, asked = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS", "").strip()
+    torch.set_num_threads(int(asked) if asked.isdigit() and int(asked) > 0 else max(1, os.cpu_count() or 1))
     try:
         return _build(out, cfg, progress, force)
     finally:
