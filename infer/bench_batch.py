@@ -44,7 +44,13 @@ request's submission), under two clocks:
 A closed-loop row also splits a step's wall time (``own/step`` in the table, ``stage_ms_per_step`` and
 ``own_ms_per_step`` in the JSON): the time in the stage back-end (in one process the stage calls themselves; over
 the runtime, sending to the stages and waiting for their outputs) and the rest, the driver's own work per step
-(rank 0's: admission, the proposers, the verifications, the bookkeeping), which the stages must hide.
+(rank 0's: admission, the proposers, the verifications, the bookkeeping), which the stages must hide. Of the own
+work, ``overlap_ms_per_step`` is what ran between starting the stage calls and taking their outputs (the
+proposers: over the runtime the stages compute meanwhile, on the same cores); the rest is on the step's critical
+path. ``cpu_ms_per_step`` counts the CPU time (user + system) of this process (``driver``) and of each of its child
+processes (``stages``: over the runtime, the stage ranks), per step, and ``cores_busy`` their sum over the wall
+time: where stage processes and rank 0 share a machine's cores, a step's stage calls wait for CPU that the
+proposers and the other stages use (``cpu/step`` in the table: driver + stages).
 
 The token counts, steps and acceptance come from the real run; only the time per step differs between the
 clocks. An open-loop run has one clock, the one its arrivals follow: the model clock with ``--runtime local``
@@ -165,6 +171,29 @@ def new_tokens(index: int, max_new_tokens: int, jitter: int) -> int:
     return max_new_tokens + (random.Random(index).randint(-jitter, jitter) if jitter else 0)
 
 
+def cpu_seconds() -> dict[int, float]:
+    """CPU seconds (user + system) used so far by this process and by each of its live child processes (over the
+    distributed runtime, the stage ranks), by process id; this process is the first entry."""
+    import psutil
+
+    me = psutil.Process()
+    used = {me.pid: sum(me.cpu_times()[:2])}
+    for child in me.children(recursive=True):
+        try:
+            used[child.pid] = sum(child.cpu_times()[:2])
+        except psutil.Error:  # it ended meanwhile: nothing of it to count
+            pass
+    return used
+
+
+def cpu_used(before: dict[int, float], after: dict[int, float]) -> dict:
+    """The CPU seconds between two :func:`cpu_seconds`: ``driver`` (this process) and ``stages`` (each child process
+    alive at both, in process-id order)."""
+    driver = next(iter(before))
+    return {"driver": after[driver] - before[driver],
+            "stages": [after[pid] - before[pid] for pid in sorted(before) if pid != driver and pid in after]}
+
+
 def run_system(engines: dict, system: str, prompts: list[list[int]], clients: int, per_client: int,
                max_new_tokens: int, prefill_chunk: int, width: int = 1, step_tokens: int | None = None,
                spread_prefill: bool = False, tree_nodes: int | None = None, jitter: int = 0) -> dict:
@@ -197,6 +226,7 @@ def run_system(engines: dict, system: str, prompts: list[list[int]], clients: in
         batched.submit(prompts[index % len(prompts)], new_tokens(index, max_new_tokens, jitter), SamplingParams(), [],
                        on_token, mode, on_done)
 
+    cpu_before = cpu_seconds()
     start = time.perf_counter()
     for client in range(clients):
         send(client, per_client)
@@ -204,7 +234,8 @@ def run_system(engines: dict, system: str, prompts: list[list[int]], clients: in
         batched.step()
     wall_s = time.perf_counter() - start
     return {"records": records, "stage_tokens": batched.stage_tokens, "batch_sizes": batched.batch_sizes,
-            "start_s": start, "wall_s": wall_s, "stage_s": batched.stage_s}
+            "start_s": start, "wall_s": wall_s, "stage_s": batched.stage_s, "overlap_s": batched.overlap_s,
+            "cpu_s": cpu_used(cpu_before, cpu_seconds())}
 
 
 def _pipeline(engines: dict, system: str, prompts: list[list[int]], max_batch: int, max_new_tokens: int,
@@ -302,6 +333,11 @@ def summarize(run: dict, n: int, a_ms: float, b_ms: float) -> dict:
     if "stage_s" in run and out["steps"]:  # closed loop: a step's wall time, in the stage back-end and the rest
         out["stage_ms_per_step"] = round(1000 * run["stage_s"] / out["steps"], 3)
         out["own_ms_per_step"] = round(1000 * (run["wall_s"] - run["stage_s"]) / out["steps"], 3)
+        out["overlap_ms_per_step"] = round(1000 * run["overlap_s"] / out["steps"], 3)
+        cpu = run["cpu_s"]
+        out["cpu_ms_per_step"] = {"driver": round(1000 * cpu["driver"] / out["steps"], 3),
+                                  "stages": [round(1000 * s / out["steps"], 3) for s in cpu["stages"]]}
+        out["cores_busy"] = round((cpu["driver"] + sum(cpu["stages"])) / run["wall_s"], 3)
     decode = sum(r["stats"].decode_tokens for r in run["records"])
     steps = sum(r["stats"].steps for r in run["records"])
     out["accept_length"] = round(n * decode / steps, 3) if steps else 0.0
@@ -338,12 +374,14 @@ def render(results: dict) -> str:
              f"real clock: {results.get('real_clock', 'one process, the stages in turn')}",
              f"{'load':>7} {'system':<16} {'clock':<5} {'tok/s':>9} {'x pp':>6} {'TBT mean':>9} {'TBT p50':>9} "
              f"{'TBT p99':>9} "
-             f"{'TTFT p50':>10} {'batch':>6} {'Lacc':>5} {'own/step':>8}"]
+             f"{'TTFT p50':>10} {'batch':>6} {'Lacc':>5} {'own/step':>8} {'cpu/step':>11}"]
     for row in results["rows"]:
         load = f"C={row['clients']}" if row.get("rate") is None else f"{row['rate']:g}/s"
         pp = next(r for r in results["rows"] if r["clients"] == row["clients"] and r.get("rate") == row.get("rate")
                   and r["system"] == "pp batched")
         own = f"{row['own_ms_per_step']:.2f}" if "own_ms_per_step" in row else ""
+        cpu = row.get("cpu_ms_per_step")
+        cpu = f"{cpu['driver']:.1f}+{sum(cpu['stages']):.1f}" if cpu else ""
         for clock in ("model", "real"):
             if clock not in row:  # an open-loop row has the clock its arrivals followed
                 continue
@@ -352,7 +390,7 @@ def render(results: dict) -> str:
                          f"{ratio:>6.2f} {row[clock]['tbt_mean_ms']:>9.2f} {row[clock]['tbt_p50_ms']:>9.2f} "
                          f"{row[clock]['tbt_p99_ms']:>9.2f} "
                          f"{row[clock]['ttft_p50_ms']:>10.1f} {row['mean_batch']:>6.2f} {row['accept_length']:>5.2f} "
-                         f"{own if clock == 'real' else '':>8}")
+                         f"{own if clock == 'real' else '':>8} {cpu if clock == 'real' else '':>11}")
     return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@ KV memory bound; greedy output equals each request's solo output except at near-
 follows the target's distribution in a batch of mixed requests (chi-square, with a negative control); the ragged
 stage call; clear errors."""
 
+import os
 import random
 
 import pytest
@@ -611,6 +612,31 @@ def test_bad_settings_and_requests_are_refused_in_one_line(target_model):
 
 
 # --------------------------------------------------------------------------------------- the benchmark
+def test_the_batch_benchmark_counts_the_cpu_of_its_stage_processes():
+    """infer/bench_batch.py's CPU count covers this process and each child process (the stage ranks over the
+    runtime): a child that burns half a second of CPU shows it."""
+    import subprocess
+    import sys
+    import time
+
+    from infer.bench_batch import cpu_seconds, cpu_used
+
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                              "while time.process_time() - t < 0.5: pass\ntime.sleep(60)"])
+    try:
+        before = cpu_seconds()
+        assert next(iter(before)) != child.pid and child.pid in before
+        deadline = time.monotonic() + 30
+        while cpu_seconds()[child.pid] - before[child.pid] < 0.45 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sum(range(10 ** 6))  # some CPU of this process's own
+        used = cpu_used(before, cpu_seconds())
+    finally:
+        child.kill()
+        child.wait()
+    assert used["driver"] > 0 and len(used["stages"]) == 1 and 0.45 <= used["stages"][0] < 5
+
+
 def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_heads, tmp_path):
     """infer/bench_batch.py on the miniature testbed: every system serves the same requests (the same tokens),
     the table and the JSON carry both clocks, and the model clock follows a + b * tokens; with a draft model's
@@ -664,6 +690,12 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
         assert row["stage_ms_per_step"] > 0 and row["own_ms_per_step"] > 0
         assert row["stage_ms_per_step"] + row["own_ms_per_step"] == pytest.approx(per_step_ms,
                                                                                   abs=0.5 / row["steps"] + 0.01)
+        # Of the own work, what ran while the stage calls were out (the proposers); the CPU of this one process (no
+        # stage processes in one process), at most the machine's cores over the wall time.
+        assert 0 <= row["overlap_ms_per_step"] <= row["own_ms_per_step"]
+        assert row["cpu_ms_per_step"]["driver"] > 0 and row["cpu_ms_per_step"]["stages"] == []
+        assert 0 < row["cores_busy"] <= os.cpu_count() + 0.1
+    assert "cpu/step" in proc.stdout
     pp_one = next(r for r in results["rows"] if r["clients"] == 1 and r["system"] == "pp batched")
     # One pp request at a time: each token's step holds one token per busy stage, a step costs a + b = 2.1 ms, and
     # a token needs n = 4 steps after the first.

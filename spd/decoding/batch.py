@@ -223,6 +223,9 @@ class BatchedPipeline:
         # stage calls themselves, over the runtime sending to and waiting for the stages. The rest of a step is
         # this driver's own work (rank 0's): admission, proposers, verification, bookkeeping.
         self.stage_s = 0.0
+        # Of the driver's own work, the seconds between starting a step's stage calls and taking their outputs: the
+        # proposers (over the runtime the stages compute meanwhile; the rest of its work waits on or for them).
+        self.overlap_s = 0.0
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------------------------- public
@@ -372,11 +375,13 @@ class BatchedPipeline:
             self.stage_tokens[-1][stage] += sum(segment.size for segment, _ in work)
         tick = time.perf_counter()
         started = self.backend.start([[segment for segment, _ in work] for work in calls])
-        self.stage_s += time.perf_counter() - tick
+        started_at = time.perf_counter()
+        self.stage_s += started_at - tick
         for request in running:
             self._resume(request, None, ask=False)  # up to its proposer's query: asked below, while the stages compute
         self._answer([r for r in running if isinstance(r.work, Propose)])  # then each goes on up to COLLECT
         tick = time.perf_counter()
+        self.overlap_s += tick - started_at
         outputs = self.backend.finish(started)
         self.stage_s += time.perf_counter() - tick
         for work, outs in zip(calls, outputs):
