@@ -50,7 +50,10 @@ proposers: over the runtime the stages compute meanwhile, on the same cores); th
 path. ``cpu_ms_per_step`` counts the CPU time (user + system) of this process (``driver``) and of each of its child
 processes (``stages``: over the runtime, the stage ranks), per step, and ``cores_busy`` their sum over the wall
 time: where stage processes and rank 0 share a machine's cores, a step's stage calls wait for CPU that the
-proposers and the other stages use (``cpu/step`` in the table: driver + stages).
+proposers and the other stages use (``cpu/step`` in the table: driver + stages). Over the runtime,
+``stage_clock_ms_per_step`` gives each stage's wall time per step in its ragged calls (``compute``), its emulated
+sleep (``emulated_compute``), waiting for rank 0's manifest or the previous stage's outputs (``receive_wait``) and
+sending (``send``).
 
 The token counts, steps and acceptance come from the real run; only the time per step differs between the
 clocks. An open-loop run has one clock, the one its arrivals follow: the model clock with ``--runtime local``
@@ -75,6 +78,8 @@ from spd.paths import default_testbed_dir  # noqa: E402
 
 SYSTEMS = ("spd batched", "pp batched", "spd 1-at-a-time")
 TREE_SYSTEMS = ("tree batched", "pp batched", "tree 1-at-a-time")  # --draft-model
+# A stage's clock over the runtime, per step: its ragged calls, the emulated sleep, waiting for messages, sending.
+STAGE_CLOCKS = ("compute", "emulated_compute", "receive_wait", "send")
 
 
 def parse_args(argv=None):
@@ -201,6 +206,11 @@ def run_system(engines: dict, system: str, prompts: list[list[int]], clients: in
     engine of each mode (spd and pp share one; a draft model's tree has its own)."""
     from spd.decoding.sampling import SamplingParams
 
+    # Over the distributed runtime the stages keep clocks (their layers, the emulated sleep, their sends and
+    # receives): asked now, they start anew for this run.
+    stage_clocks = getattr(engines["pp" if system == "pp batched" else system.split()[0]].stages, "clocks", None)
+    if stage_clocks is not None:
+        stage_clocks()
     mode, batched = _pipeline(engines, system, prompts, clients, max_new_tokens + jitter, prefill_chunk, width,
                               step_tokens, spread_prefill, tree_nodes)
     records, next_prompt = [], iter(range(10 ** 9))
@@ -233,9 +243,10 @@ def run_system(engines: dict, system: str, prompts: list[list[int]], clients: in
     while batched.busy:
         batched.step()
     wall_s = time.perf_counter() - start
+    cpu_s = cpu_used(cpu_before, cpu_seconds())
     return {"records": records, "stage_tokens": batched.stage_tokens, "batch_sizes": batched.batch_sizes,
             "start_s": start, "wall_s": wall_s, "stage_s": batched.stage_s, "overlap_s": batched.overlap_s,
-            "cpu_s": cpu_used(cpu_before, cpu_seconds())}
+            "cpu_s": cpu_s, "stage_clocks": stage_clocks()["stages"] if stage_clocks is not None else None}
 
 
 def _pipeline(engines: dict, system: str, prompts: list[list[int]], max_batch: int, max_new_tokens: int,
@@ -338,6 +349,9 @@ def summarize(run: dict, n: int, a_ms: float, b_ms: float) -> dict:
         out["cpu_ms_per_step"] = {"driver": round(1000 * cpu["driver"] / out["steps"], 3),
                                   "stages": [round(1000 * s / out["steps"], 3) for s in cpu["stages"]]}
         out["cores_busy"] = round((cpu["driver"] + sum(cpu["stages"])) / run["wall_s"], 3)
+        if run.get("stage_clocks"):  # each stage's wall time per step: its layers, its sleep, its waits and sends
+            out["stage_clock_ms_per_step"] = [{name: round(1000 * clock[name] / out["steps"], 3)
+                                               for name in STAGE_CLOCKS} for clock in run["stage_clocks"]]
     decode = sum(r["stats"].decode_tokens for r in run["records"])
     steps = sum(r["stats"].steps for r in run["records"])
     out["accept_length"] = round(n * decode / steps, 3) if steps else 0.0

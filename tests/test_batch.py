@@ -612,6 +612,34 @@ def test_bad_settings_and_requests_are_refused_in_one_line(target_model):
 
 
 # --------------------------------------------------------------------------------------- the benchmark
+def test_the_batch_benchmark_over_the_runtime_reports_each_stage(tiny_testbed, tiny_heads, tmp_path):
+    """infer/bench_batch.py over the distributed runtime (2 stage processes, each call sleeping 1 ms): the same
+    tokens from both systems, and per step the CPU of each stage process and each stage's clock (its ragged calls,
+    its emulated sleep, its waits)."""
+    import json
+
+    from conftest import run_script
+
+    out = tmp_path / "runtime.json"
+    proc = run_script("infer/bench_batch.py", "--target", str(tiny_testbed / "target"), "--speculator",
+                      str(tiny_heads[2]), "--prompts", str(tiny_testbed / "prompts.jsonl"), "--runtime",
+                      "distributed", "--emulate-stage-ms", "1", "--clients", "2", "--requests-per-client", "1",
+                      "--max-new-tokens", "6", "--threads", "1", "--batched-only", "--out", str(out))
+    assert "identical outputs across the systems: True" in proc.stdout and "cpu/step" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["system"] for r in rows] == ["spd batched", "pp batched"]
+    for row in rows:
+        assert row["tokens"] == 12 and row["identical_outputs"]
+        assert len(row["cpu_ms_per_step"]["stages"]) == 2 and all(ms > 0 for ms in row["cpu_ms_per_step"]["stages"])
+        assert 0 <= row["overlap_ms_per_step"] <= row["own_ms_per_step"]
+        clocks = row["stage_clock_ms_per_step"]
+        assert len(clocks) == 2 and all(set(c) == {"compute", "emulated_compute", "receive_wait", "send"}
+                                        for c in clocks)
+        # Each stage call sleeps at least 1 ms, and stage 1 has work in every step but the last ones.
+        assert all(c["compute"] > 0 and c["emulated_compute"] > 0 for c in clocks)
+        assert clocks[0]["emulated_compute"] >= 0.5
+
+
 def test_the_batch_benchmark_counts_the_cpu_of_its_stage_processes():
     """infer/bench_batch.py's CPU count covers this process and each child process (the stage ranks over the
     runtime): a child that burns half a second of CPU shows it."""
