@@ -49,8 +49,8 @@ work, ``overlap_ms_per_step`` is what ran between starting the stage calls and t
 proposers: over the runtime the stages compute meanwhile, on the same cores); the rest is on the step's critical
 path. ``cpu_ms_per_step`` counts the CPU time (user + system) of this process (``driver``) and of each of its child
 processes (``stages``: over the runtime, the stage ranks), per step, and ``cores_busy`` their sum over the wall
-time: where stage processes and rank 0 share a machine's cores, a step's stage calls wait for CPU that the
-proposers and the other stages use (``cpu/step`` in the table: driver + stages). Over the runtime,
+time: where stage processes and rank 0 share a machine's cores, a stage call may wait for CPU that the other
+processes use (``cpu/step`` in the table: driver + stages). Over the runtime,
 ``stage_clock_ms_per_step`` gives each stage's wall time per step in its ragged calls (``compute``), its emulated
 sleep (``emulated_compute``), waiting for rank 0's manifest or the previous stage's outputs (``receive_wait``) and
 sending (``send``).
