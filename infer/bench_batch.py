@@ -206,13 +206,13 @@ def run_system(engines: dict, system: str, prompts: list[list[int]], clients: in
     engine of each mode (spd and pp share one; a draft model's tree has its own)."""
     from spd.decoding.sampling import SamplingParams
 
-    # Over the distributed runtime the stages keep clocks (their layers, the emulated sleep, their sends and
-    # receives): asked now, they start anew for this run.
-    stage_clocks = getattr(engines["pp" if system == "pp batched" else system.split()[0]].stages, "clocks", None)
-    if stage_clocks is not None:
-        stage_clocks()
     mode, batched = _pipeline(engines, system, prompts, clients, max_new_tokens + jitter, prefill_chunk, width,
                               step_tokens, spread_prefill, tree_nodes)
+    # Over the distributed runtime the stages keep clocks (their layers, the emulated sleep, their sends and
+    # receives): asked now, they start anew for this run (the batch mode is entered at the first step).
+    stage_clocks = getattr(engines[mode].stages, "clocks", None)
+    if stage_clocks is not None:
+        stage_clocks()
     records, next_prompt = [], iter(range(10 ** 9))
 
     def send(client: int, left: int) -> None:
