@@ -26,9 +26,13 @@ With ``--draft-model DIR --stages N`` (instead of ``--speculator``) the speculat
 tree of width ``--tree-width`` (SpecPipe-DB's configuration): ``tree batched`` and ``tree 1-at-a-time``, beside the
 same ``pp batched``.
 
-Every row reports output tokens/s over the whole run, time between tokens (mean, p50 and p99 over every gap
-between two tokens of a request; SpecPipe-DB's figures compare the mean) and time to first token (p50, from the
-request's submission), under two clocks:
+Every row reports output tokens/s over the whole run, time between tokens and time to first token (p50, from the
+request's submission), under two clocks. Time between tokens is given two ways: over every gap between two tokens
+of a request (``tbt_mean_ms``, ``tbt_p50_ms``, ``tbt_p99_ms``: a speculative request's tokens come one step apart
+after a hit and ``n`` steps apart after a miss, so its per-gap tail is ``n`` of its steps), and per request
+(``tbt_request_p50_ms``, ``tbt_request_p99_ms`` over the requests, ``tbt_request_mean_ms`` their mean: each
+request's own mean time between tokens, from its first token to its last over its gaps; SpecPipe-DB's "average
+single-request TBT" and its 99th percentile):
 
 - ``model``: the emulated deployment. Each stage runs on its own device, so a pipeline step lasts as long as its
   busiest stage, and a stage's time is a fixed cost plus a per-token cost, ``a + b * tokens`` (idle stages cost
@@ -58,7 +62,8 @@ sending (``send``).
 The token counts, steps and acceptance come from the real run; only the time per step differs between the
 clocks. An open-loop run has one clock, the one its arrivals follow: the model clock with ``--runtime local``
 (the pipeline idles until the next arrival when it has nothing to run), the real clock with ``--runtime
-distributed``; its time to first token counts from the request's arrival, the time it spent queued included. The systems run one after another on the same machine; the table prints ratios to ``pp batched``.
+distributed``; its time to first token counts from the request's arrival, the time it spent queued included.
+The systems run one after another on the same machine; the table prints ratios to ``pp batched``.
 """
 
 from __future__ import annotations
@@ -365,11 +370,15 @@ def summarize(run: dict, n: int, a_ms: float, b_ms: float) -> dict:
                            [r["submit_s"] - run["start_s"] for r in run["records"]], run["wall_s"])}
     for name, (times, submits, total_s) in clocks.items():
         gaps = sorted(b - a for ts in times for a, b in zip(ts, ts[1:]))
+        per_request = sorted((ts[-1] - ts[0]) / (len(ts) - 1) for ts in times if len(ts) > 1)
         first = sorted(ts[0] - s for ts, s in zip(times, submits) if ts)
         out[name] = {"tokens_per_s": round(tokens / total_s, 2) if total_s else 0.0,
                      "tbt_mean_ms": round(1000 * statistics.fmean(gaps), 2) if gaps else 0.0,
                      "tbt_p50_ms": round(1000 * _percentile(gaps, 50), 2),
                      "tbt_p99_ms": round(1000 * _percentile(gaps, 99), 2),
+                     "tbt_request_mean_ms": round(1000 * statistics.fmean(per_request), 2) if per_request else 0.0,
+                     "tbt_request_p50_ms": round(1000 * _percentile(per_request, 50), 2),
+                     "tbt_request_p99_ms": round(1000 * _percentile(per_request, 99), 2),
                      "ttft_p50_ms": round(1000 * _percentile(first, 50), 2), "total_s": round(total_s, 3)}
     return out
 
@@ -387,7 +396,7 @@ def render(results: dict) -> str:
              f"({results['clock_source']}); n = {results['stages']}",
              f"real clock: {results.get('real_clock', 'one process, the stages in turn')}",
              f"{'load':>7} {'system':<16} {'clock':<5} {'tok/s':>9} {'x pp':>6} {'TBT mean':>9} {'TBT p50':>9} "
-             f"{'TBT p99':>9} "
+             f"{'TBT p99':>9} {'req p50':>8} {'req p99':>8} "
              f"{'TTFT p50':>10} {'batch':>6} {'Lacc':>5} {'own/step':>8} {'cpu/step':>11}"]
     for row in results["rows"]:
         load = f"C={row['clients']}" if row.get("rate") is None else f"{row['rate']:g}/s"
@@ -402,7 +411,8 @@ def render(results: dict) -> str:
             ratio = row[clock]["tokens_per_s"] / pp[clock]["tokens_per_s"] if pp[clock]["tokens_per_s"] else 0.0
             lines.append(f"{load:>7} {row['system']:<16} {clock:<5} {row[clock]['tokens_per_s']:>9.1f} "
                          f"{ratio:>6.2f} {row[clock]['tbt_mean_ms']:>9.2f} {row[clock]['tbt_p50_ms']:>9.2f} "
-                         f"{row[clock]['tbt_p99_ms']:>9.2f} "
+                         f"{row[clock]['tbt_p99_ms']:>9.2f} {row[clock]['tbt_request_p50_ms']:>8.2f} "
+                         f"{row[clock]['tbt_request_p99_ms']:>8.2f} "
                          f"{row[clock]['ttft_p50_ms']:>10.1f} {row['mean_batch']:>6.2f} {row['accept_length']:>5.2f} "
                          f"{own if clock == 'real' else '':>8} {cpu if clock == 'real' else '':>11}")
     return "\n".join(lines)
@@ -523,7 +533,8 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
             results["rows"].append(row)
             row["identical_outputs"] = outputs[-1] == outputs[0]
             print(f"{rate:g}/s {system:<16} {clock} {row[clock]['tokens_per_s']:>8.1f} tok/s, "
-                  f"TBT p99 {row[clock]['tbt_p99_ms']} ms, L'acc {row['accept_length']}", file=sys.stderr, flush=True)
+                  f"TBT p99 {row[clock]['tbt_p99_ms']} ms (per request {row[clock]['tbt_request_p99_ms']}), "
+                  f"L'acc {row['accept_length']}", file=sys.stderr, flush=True)
     print(render(results))
     print("identical outputs across the systems:", all(row["identical_outputs"] for row in results["rows"]))
     Path(args.out).write_text(json.dumps(results, indent=1))

@@ -640,6 +640,33 @@ def test_the_batch_benchmark_over_the_runtime_reports_each_stage(tiny_testbed, t
         assert clocks[0]["emulated_compute"] >= 0.5
 
 
+def test_the_batch_benchmark_gives_time_between_tokens_per_gap_and_per_request():
+    """infer/bench_batch.py's time between tokens, from recorded steps and times: per gap (every gap of every
+    request) and per request (each request's own mean gap, then their mean and percentiles); a request of one token
+    has no gap."""
+    from types import SimpleNamespace
+
+    from infer.bench_batch import summarize
+
+    # Two stages, every step costs a = 1 ms on the model clock; the real clock records the same times.
+    steps = {"spec": [1, 2, 3, 5, 6, 7, 9, 10], "pipe": [2, 4, 6, 8, 10], "one": [3]}
+    records = [{"steps": s, "times": [k / 1000 for k in s], "submit_step": 0, "submit_s": 0.0,
+                "stats": SimpleNamespace(decode_tokens=len(s), steps=len(s))} for s in steps.values()]
+    run = {"records": records, "stage_tokens": [[1, 1]] * 10, "batch_sizes": [3] * 10, "start_s": 0.0,
+           "wall_s": 0.01}
+    out = summarize(run, 2, 1.0, 0.0)
+    spec, pipe = 9 / 7, 2.0  # ms: 9 ms over 7 gaps, 8 ms over 4
+    for clock in ("model", "real"):
+        got = out[clock]
+        # per gap: five gaps of 1 ms and six of 2 ms
+        assert got["tbt_mean_ms"] == pytest.approx(round(17 / 11, 2)) and got["tbt_p50_ms"] == 2.0
+        assert got["tbt_p99_ms"] == 2.0
+        assert got["tbt_request_mean_ms"] == pytest.approx(round((spec + pipe) / 2, 2))
+        assert got["tbt_request_p50_ms"] == pytest.approx(round((spec + pipe) / 2, 2))
+        assert got["tbt_request_p99_ms"] == pytest.approx(round(spec + 0.99 * (pipe - spec), 2))
+    assert out["tokens"] == 14 and out["model"]["tokens_per_s"] == pytest.approx(1400)
+
+
 def test_the_batch_benchmark_counts_the_cpu_of_its_stage_processes():
     """infer/bench_batch.py's CPU count covers this process and each child process (the stage ranks over the
     runtime): a child that burns half a second of CPU shows it."""
@@ -728,6 +755,8 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
     # One pp request at a time: each token's step holds one token per busy stage, a step costs a + b = 2.1 ms, and
     # a token needs n = 4 steps after the first.
     assert pp_one["model"]["tbt_p50_ms"] == pytest.approx(4 * 2.1) == pytest.approx(pp_one["model"]["tbt_mean_ms"])
+    assert pp_one["model"]["tbt_request_p99_ms"] == pytest.approx(4 * 2.1)  # every request's own gaps the same
+    assert "req p99" in proc.stdout
     draft = str(tiny_testbed / "draft")
     for args in (["--speculator", str(tiny_heads[4]), "--stage-ms", "2"], ["--draft-model", draft],
                  ["--speculator", str(tiny_heads[4]), "--rates", "0"],
