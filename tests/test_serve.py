@@ -169,7 +169,7 @@ def test_sixteen_concurrent_clients_all_answered_correctly(spd_server):
 def test_batched_server_answers_each_client_as_the_one_at_a_time_server(spd_server, tiny_testbed, tiny_heads, runtime):
     """--max-batch 4 with a KV pool that holds fewer: 16 concurrent clients (greedy and seeded sampling, a stop string,
     a long prompt, one that disconnects, one bad request) each get the answer the one-at-a-time server gives, then a
-    streamed one; /metrics shows the batch and the time between tokens. In this process, and over the distributed
+    streamed one; /metrics shows the batch and the time between tokens (per gap and per request). In this process, and over the distributed
     runtime (the ragged batches carried stage to stage by 4 stage processes)."""
     server = Server("--target", str(tiny_testbed / "target"), "--mode", "spd", "--speculator", str(tiny_heads[4]),
                     "--max-batch", "4", "--kv-rows", "400", "--prefill-chunk", "16", "--step-tokens", "24",
@@ -212,6 +212,11 @@ def test_batched_server_answers_each_client_as_the_one_at_a_time_server(spd_serv
             time.sleep(0.2)
         assert m['spd_requests_total{endpoint="completions",outcome="ok"}'] == 15
         assert m["spd_time_between_tokens_seconds_count"] > 50 and "spd_batch_size" in m
+        # Each request of two tokens or more gives its own mean time between tokens (the disconnected one too, if
+        # it ended after its tokens rather than before).
+        multi = sum(a["usage"]["completion_tokens"] > 1 for a in [*answers, expected[1]])
+        assert multi <= m["spd_request_time_between_tokens_seconds_count"] <= multi + 1
+        assert m["spd_request_time_between_tokens_seconds_sum"] > 0
         assert m["spd_batch_size"] == 0 and m["spd_kv_reserved_tokens"] == 0  # idle again, every region given back
     finally:
         server.stop()

@@ -45,6 +45,9 @@ class ServerMetrics:
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.between_tokens = Histogram("spd_time_between_tokens_seconds", "From one token of a request to its "
                                         "next", buckets=TBT_BUCKETS, registry=r)
+        self.request_between_tokens = Histogram(
+            "spd_request_time_between_tokens_seconds", "A request's own mean time between tokens (from its first "
+            "token to its last over its gaps), when it ends with two tokens or more", buckets=TBT_BUCKETS, registry=r)
         self.batch_size = Gauge("spd_batch_size", "Requests in flight in the pipeline now (--max-batch B: up to B)",
                                 registry=r)
         self.steps = Counter("spd_pipeline_steps", "Pipeline steps (K) of pipelined modes", registry=r)

@@ -59,6 +59,9 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None  # when its first and its latest token came, and how many came
+    last_token_at: float | None = None
+    tokens_out: int = 0
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -361,16 +364,16 @@ class Scheduler:
         started = time.perf_counter()
         metrics.queue_time.observe(started - job.arrived)
         tracker = TextTracker(self.pipeline.tokenizer, job.stops, self.tokenizer_lock)
-        last = None  # when the previous token came
 
         def on_token(token: int, accepted: bool) -> bool:
-            nonlocal last
             now = time.perf_counter()
-            if last is None:
+            if job.last_token_at is None:
                 metrics.first_token.observe(now - job.arrived)
+                job.first_token_at = now
             else:
-                metrics.between_tokens.observe(now - last)
-            last = now
+                metrics.between_tokens.observe(now - job.last_token_at)
+            job.last_token_at = now
+            job.tokens_out += 1
             job.emit("token", tracker.add(token), token, accepted)
             return tracker.stopped or job.cancelled.is_set()
 
@@ -393,6 +396,8 @@ class Scheduler:
         self.service_s = 0.8 * self.service_s + 0.2 * elapsed
         stats = out.stats.as_dict()
         metrics.record_generation(stats)
+        if job.tokens_out > 1:  # its own mean time between tokens, from its first token to its last
+            metrics.request_between_tokens.observe((job.last_token_at - job.first_token_at) / (job.tokens_out - 1))
         if job.cancelled.is_set() and not tracker.stopped and out.stats.stop_reason == "stopped":
             metrics.requests.labels(job.endpoint, "cancelled").inc()
             job.emit("cancelled")
