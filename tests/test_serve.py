@@ -169,8 +169,8 @@ def test_sixteen_concurrent_clients_all_answered_correctly(spd_server):
 def test_batched_server_answers_each_client_as_the_one_at_a_time_server(spd_server, tiny_testbed, tiny_heads, runtime):
     """--max-batch 4 with a KV pool that holds fewer: 16 concurrent clients (greedy and seeded sampling, a stop string,
     a long prompt, one that disconnects, one bad request) each get the answer the one-at-a-time server gives, then a
-    streamed one; /metrics shows the batch and the time between tokens (per gap and per request). In this process, and over the distributed
-    runtime (the ragged batches carried stage to stage by 4 stage processes)."""
+    streamed one; /metrics shows the batch and the time between tokens (per gap and per request). In this process,
+    and over the distributed runtime (the ragged batches carried stage to stage by 4 stage processes)."""
     server = Server("--target", str(tiny_testbed / "target"), "--mode", "spd", "--speculator", str(tiny_heads[4]),
                     "--max-batch", "4", "--kv-rows", "400", "--prefill-chunk", "16", "--step-tokens", "24",
                     "--spread-prefill", "--runtime", runtime)
