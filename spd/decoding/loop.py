@@ -415,7 +415,7 @@ class StepLoop:
                 logits_1V = yield TargetLogits(staged, root.hidden_1TD[:, -1])
                 token, child = self._verify(logits_1V, tree, levels, sampling, generator, stats, rule, policy)
                 proposed = len(tree) > 1
-                context.append(int(tree.tokens_N[0]))
+                context.append(tree.token(0))
                 out.append(token)
                 stats.token_acceptance.append(child is not None)  # a hit: the token is a tree node
                 stop = stop_reason(token, out, eos, budget, max_new_tokens)
@@ -467,7 +467,7 @@ class StepLoop:
     def _enter(self, tree: TokenTree, start: int, end: int, rank: int, needs_embedding: bool) -> Level:
         """Tree nodes ``[start, end)`` about to enter stage 1: their embeddings are H^0 (also an anchor when the
         proposer reads ``H^0``)."""
-        hidden_1TD = self.staged.embed(tree.tokens_N[start:end][None].to(self.staged.device))
+        hidden_1TD = self.staged.embed(tree.token_ids(start, end)[None].to(self.staged.device))
         level = Level(start, hidden_1TD, rank=rank)
         if needs_embedding:
             level.anchors[0] = hidden_1TD[0]
@@ -498,15 +498,14 @@ class StepLoop:
                 policy: FixedWidth | AdaptiveWidth) -> tuple[int, int | None]:
         """The committed token after the root (the target's logits ``logits_1V`` after it) and the tree index of the
         accepted child (None: a miss or nothing to verify)."""
-        children_C = tree.children(0)
-        if children_C.numel() == 0:  # nothing proposed: the target's own next token
+        children_C, tokens_C = tree.child_tokens(0)
+        if not tokens_C:  # nothing proposed: the target's own next token
             return int(select_token(logits_1V, sampling, generator)[0]), None
-        tokens_C = tree.tokens_N[children_C]
         if sampling.greedy:
             index, token = verify_greedy(logits_1V[0], tokens_C)
         elif rule == "sampled":
             p_V = warped_probs(logits_1V, sampling)[0]
-            index, token = self.verify_sampled(p_V, tokens_C, tree.drafts[0].to(p_V.device), generator)
+            index, token = self.verify_sampled(p_V, torch.tensor(tokens_C), tree.drafts[0].to(p_V.device), generator)
         else:
             index, token = verify_sampled_deterministic(warped_probs(logits_1V, sampling)[0], tokens_C, generator)
         policy.observe(index)

@@ -32,6 +32,8 @@ V vocabulary, C candidates being verified.
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Sequence
 
 from dataclasses import dataclass, field
@@ -40,6 +42,18 @@ import torch
 
 from ..errors import SpdInputError
 from .sampling import SamplingParams, warped_probs
+
+_F32 = struct.Struct("f")
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to fp32, as a float32 tensor would hold it (a sum or difference of two fp32 values rounded so
+    is the fp32 operation's result)."""
+    try:
+        return _F32.unpack(_F32.pack(x))[0]
+    except OverflowError:  # beyond fp32's range
+        return math.copysign(math.inf, x)
+
 
 _CHAIN_PARTS: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 _CHAIN_PARTS_MAX = 256  # chains up to this many nodes share their constant parts
@@ -65,11 +79,10 @@ class TokenTree:
 
     def reset(self, root_token: int) -> None:
         """Discard the tree and start a new one made of the root ``root_token``."""
-        self.tokens_N = torch.tensor([int(root_token)], dtype=torch.long)
+        # A chain keeps its tokens and log-probs as lists (below); the tensors are made from them when asked for.
+        self._set_chain_lists([int(root_token)], [0.0], [0.0])
         self.parents_N = torch.tensor([-1], dtype=torch.long)  # -1 for the root
         self.depths_N = torch.zeros(1, dtype=torch.long)  # root 0
-        self.logprobs_N = torch.zeros(1)  # log-prob of the edge parent -> node (root 0)
-        self.cum_logprobs_N = torch.zeros(1)  # sum of edge log-probs from the root (root 0)
         self.mask_NN = torch.ones(1, 1, dtype=torch.bool)  # ancestor mask M
         # The bottom node of the source's own greedy path (its best child at every level, from the root or from the
         # best node a prune kept); append_level always keeps its best child. -1: none.
@@ -77,11 +90,65 @@ class TokenTree:
         # Sampled candidates: node -> the distribution q its children were drawn from (see grow_sampled).
         self.drafts: dict[int, torch.Tensor] = {}
         # Every level is one node. A chain (every tree of width 1) keeps its depths, parents and mask as the shared
-        # parts of its length (_chain_parts) and grows and prunes with a few tensor operations.
+        # parts of its length (_chain_parts), its tokens, edge and cumulative log-probs as Python lists (fp32 values,
+        # as the tensors hold them), and grows and prunes without a tensor operation.
         self._chain = True
 
+    # Per node: token, log-prob of the edge parent -> node (root 0), sum of edge log-probs from the root (root 0).
+    # Each is held as a tensor, or (a chain) as a list from which the tensor is made when read; a chain's operations
+    # work on the lists (:meth:`_lists`), every other on the tensors (assigning one drops its list).
+    @property
+    def tokens_N(self) -> torch.Tensor:
+        if self._tokens_N is None:
+            self._tokens_N = torch.tensor(self._tokens, dtype=torch.long)
+        return self._tokens_N
+
+    @tokens_N.setter
+    def tokens_N(self, value: torch.Tensor) -> None:
+        self._tokens_N, self._tokens = value, None
+
+    @property
+    def logprobs_N(self) -> torch.Tensor:
+        if self._logprobs_N is None:
+            self._logprobs_N = torch.tensor(self._logprobs, dtype=torch.float32)
+        return self._logprobs_N
+
+    @logprobs_N.setter
+    def logprobs_N(self, value: torch.Tensor) -> None:
+        self._logprobs_N, self._logprobs = value, None
+
+    @property
+    def cum_logprobs_N(self) -> torch.Tensor:
+        if self._cum_logprobs_N is None:
+            self._cum_logprobs_N = torch.tensor(self._cum_logprobs, dtype=torch.float32)
+        return self._cum_logprobs_N
+
+    @cum_logprobs_N.setter
+    def cum_logprobs_N(self, value: torch.Tensor) -> None:
+        self._cum_logprobs_N, self._cum_logprobs = value, None
+
+    def _set_chain_lists(self, tokens: list[int], logprobs: list[float], cum_logprobs: list[float]) -> None:
+        self._tokens, self._logprobs, self._cum_logprobs = tokens, logprobs, cum_logprobs
+        self._tokens_N = self._logprobs_N = self._cum_logprobs_N = None
+
+    def _lists(self) -> tuple[list[int], list[float], list[float]]:
+        """The chain's lists (made from the tensors where a tree operation left it a chain)."""
+        if self._tokens is None or self._logprobs is None or self._cum_logprobs is None:
+            self._set_chain_lists(self.tokens_N.tolist(), self.logprobs_N.tolist(), self.cum_logprobs_N.tolist())
+        return self._tokens, self._logprobs, self._cum_logprobs
+
+    def token(self, i: int) -> int:
+        """The token of node ``i``."""
+        return self._tokens[i] if self._tokens is not None else int(self.tokens_N[i])
+
+    def token_ids(self, start: int, end: int) -> torch.Tensor:
+        """The tokens of nodes ``start .. end - 1``, shape (end - start,)."""
+        if self._tokens is not None and self._tokens_N is None:
+            return torch.tensor(self._tokens[start:end], dtype=torch.long)
+        return self.tokens_N[start:end]
+
     def __len__(self) -> int:
-        return self.tokens_N.shape[0]
+        return len(self._tokens) if self._tokens is not None else self._tokens_N.shape[0]
 
     @property
     def depth(self) -> int:
@@ -104,6 +171,15 @@ class TokenTree:
         if self._chain:
             return torch.tensor([i + 1] if -1 <= i < len(self) - 1 else [], dtype=torch.long)
         return torch.nonzero(self.parents_N == i)[:, 0]
+
+    def child_tokens(self, i: int) -> tuple[torch.Tensor, list[int]]:
+        """The children of node ``i`` (as :meth:`children`) and their tokens."""
+        if self._chain and self._tokens is not None:
+            if -1 <= i < len(self) - 1:
+                return torch.tensor([i + 1]), [self._tokens[i + 1]]
+            return torch.tensor([], dtype=torch.long), []
+        children_C = self.children(i)
+        return children_C, self.tokens_N[children_C].tolist()
 
     def path(self, i: int) -> torch.Tensor:
         """The tokens from the root to node ``i`` (inclusive), shape (depth_i + 1,)."""
@@ -151,12 +227,18 @@ class TokenTree:
         """Append one child of the last node, which is the principal (a chain grown by one); its new index."""
         n = len(self)
         parent = n - 1
-        self.tokens_N = torch.cat([self.tokens_N, torch.tensor([int(token)])])
-        self.logprobs_N = torch.cat([self.logprobs_N, torch.tensor([float(logprob)])])
-        self.cum_logprobs_N = torch.cat([self.cum_logprobs_N, self.cum_logprobs_N[parent:] + float(logprob)])
         if self._chain:  # it stays a chain
+            tokens, logprobs, cum_logprobs = self._lists()
+            edge = _f32(float(logprob))
+            tokens.append(int(token))
+            logprobs.append(edge)
+            cum_logprobs.append(_f32(cum_logprobs[parent] + edge))
+            self._tokens_N = self._logprobs_N = self._cum_logprobs_N = None
             self.depths_N, self.parents_N, self.mask_NN = _chain_parts(n + 1)
         else:
+            self.tokens_N = torch.cat([self.tokens_N, torch.tensor([int(token)])])
+            self.logprobs_N = torch.cat([self.logprobs_N, torch.tensor([float(logprob)])])
+            self.cum_logprobs_N = torch.cat([self.cum_logprobs_N, self.cum_logprobs_N[parent:] + float(logprob)])
             self.parents_N = torch.cat([self.parents_N, torch.tensor([parent])])
             self.depths_N = torch.cat([self.depths_N, self.depths_N[parent:] + 1])
             mask_NN = torch.zeros(n + 1, n + 1, dtype=torch.bool)
@@ -277,9 +359,9 @@ class TokenTree:
                                 f"got node {child}")
         if self._chain:  # the chain after the root (child 1): every node moves up by one
             n = len(self)
-            self.tokens_N = self.tokens_N[1:]
-            self.logprobs_N = torch.cat([self.logprobs_N.new_zeros(1), self.logprobs_N[2:]])
-            self.cum_logprobs_N = self.cum_logprobs_N[1:] - self.cum_logprobs_N[1]
+            tokens, logprobs, cum_logprobs = self._lists()
+            first = cum_logprobs[1]
+            self._set_chain_lists(tokens[1:], [0.0] + logprobs[2:], [_f32(c - first) for c in cum_logprobs[1:]])
             self.depths_N, self.parents_N, self.mask_NN = _chain_parts(n - 1)
             self.drafts = {i - 1: q for i, q in self.drafts.items() if i >= 1}
             self.principal = self.principal - 1 if self.principal >= 1 else n - 2
@@ -324,6 +406,8 @@ class Level:
 
 # ------------------------------------------------------------------------------------- verification
 def _candidates(child_tokens: torch.Tensor | Sequence[int]) -> list[int]:
+    if isinstance(child_tokens, list):
+        return child_tokens
     return torch.as_tensor(child_tokens, dtype=torch.long).flatten().tolist()
 
 
