@@ -165,6 +165,15 @@ def test_random_grow_and_prune_keeps_the_invariants():
 
 
 def _same_tree(fast: TokenTree, general: TokenTree) -> None:
+    # What the step loop reads of a chain, from its lists (before any tensor is made from them below).
+    n = len(general)
+    assert len(fast) == n and [fast.token(i) for i in range(n)] == general.tokens_N.tolist()
+    for start in range(n):
+        assert fast.token_ids(start, n).tolist() == general.tokens_N[start:].tolist(), start
+    for i in range(-1, n + 1):
+        children_C, tokens = fast.child_tokens(i)
+        assert torch.equal(children_C, general.children(i)), i
+        assert tokens == general.child_tokens(i)[1] == general.tokens_N[general.children(i)].tolist(), i
     for name in ("tokens_N", "parents_N", "depths_N", "mask_NN"):
         assert torch.equal(getattr(fast, name), getattr(general, name)), name
     torch.testing.assert_close(fast.logprobs_N, general.logprobs_N, rtol=0, atol=0)
