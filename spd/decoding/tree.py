@@ -71,6 +71,29 @@ def _chain_parts(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return parts
 
 
+class _ListBacked:
+    """A per-node tensor of a :class:`TokenTree` (``tokens_N`` ...) that a chain may hold as a Python list instead
+    (``_tokens`` ...): reading it makes the tensor from the list once; assigning a tensor drops the list."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.tensor_attr, self.list_attr = "_" + name, "_" + name.removesuffix("_N")
+
+    def __get__(self, tree: TokenTree | None, owner: type | None = None):
+        if tree is None:
+            return self
+        attrs = tree.__dict__
+        value = attrs[self.tensor_attr]
+        if value is None:
+            value = attrs[self.tensor_attr] = torch.tensor(attrs[self.list_attr], dtype=self.dtype)
+        return value
+
+    def __set__(self, tree: TokenTree, value: torch.Tensor) -> None:
+        tree.__dict__[self.tensor_attr], tree.__dict__[self.list_attr] = value, None
+
+
 class TokenTree:
     """A dynamic token tree in BFS order with per-node token, parent, depth and log-probabilities."""
 
@@ -97,35 +120,9 @@ class TokenTree:
     # Per node: token, log-prob of the edge parent -> node (root 0), sum of edge log-probs from the root (root 0).
     # Each is held as a tensor, or (a chain) as a list from which the tensor is made when read; a chain's operations
     # work on the lists (:meth:`_lists`), every other on the tensors (assigning one drops its list).
-    @property
-    def tokens_N(self) -> torch.Tensor:
-        if self._tokens_N is None:
-            self._tokens_N = torch.tensor(self._tokens, dtype=torch.long)
-        return self._tokens_N
-
-    @tokens_N.setter
-    def tokens_N(self, value: torch.Tensor) -> None:
-        self._tokens_N, self._tokens = value, None
-
-    @property
-    def logprobs_N(self) -> torch.Tensor:
-        if self._logprobs_N is None:
-            self._logprobs_N = torch.tensor(self._logprobs, dtype=torch.float32)
-        return self._logprobs_N
-
-    @logprobs_N.setter
-    def logprobs_N(self, value: torch.Tensor) -> None:
-        self._logprobs_N, self._logprobs = value, None
-
-    @property
-    def cum_logprobs_N(self) -> torch.Tensor:
-        if self._cum_logprobs_N is None:
-            self._cum_logprobs_N = torch.tensor(self._cum_logprobs, dtype=torch.float32)
-        return self._cum_logprobs_N
-
-    @cum_logprobs_N.setter
-    def cum_logprobs_N(self, value: torch.Tensor) -> None:
-        self._cum_logprobs_N, self._cum_logprobs = value, None
+    tokens_N = _ListBacked(torch.long)
+    logprobs_N = _ListBacked(torch.float32)
+    cum_logprobs_N = _ListBacked(torch.float32)
 
     def _set_chain_lists(self, tokens: list[int], logprobs: list[float], cum_logprobs: list[float]) -> None:
         self._tokens, self._logprobs, self._cum_logprobs = tokens, logprobs, cum_logprobs
