@@ -1,13 +1,19 @@
-"""Regenerate training data: a target's own answers to a set of prompts, stored as conversations.
+"""Regenerate training data: a target's own answers to a set of prompts, stored as conversations, or a base
+model's own continuations of prefixes of a text corpus, stored as text.
 
     python data/regenerate.py --target smollm2/target --prompts stdlib:1024 --out chats.jsonl
     python data/regenerate.py --target my-chat-model --prompts prompts.jsonl --out chats.jsonl --temperature 0.7
+    python data/regenerate.py --target testbed/target --texts testbed/corpus/train.jsonl:8192 --out texts.jsonl
 
 ``--prompts`` is a jsonl file of ``{"prompt": ...}`` rows (an ``"id"`` is optional; the row number is used
 otherwise) or ``stdlib[:N]``: N coding instructions made from the Python standard library's documented
-functions (spd/data/instructions.py). Answers are greedy unless ``--temperature`` is set; they are written in
+functions (spd/data/instructions.py). ``--texts FILE[:N]`` is for a base model (no chat template): N prefixes
+(default: one per row) of the ``"text"`` of FILE's jsonl rows, each a run of whole lines from a line drawn with
+``--seed``, at most ``--prefix-chars`` characters, the ``i``-th from row ``i`` modulo the rows; the target continues
+each, and the row written is ``{"id", "text": prefix + continuation}``. Answers are greedy unless ``--temperature`` is set; they are written in
 batches and a run that is interrupted continues where it stopped (the ids already in ``--out`` are skipped).
-The rows train a head directly: ``accelerate launch train/distill.py ... data=chats.jsonl``.
+The rows train a head directly: ``accelerate launch train/distill.py ... data=chats.jsonl``. Take the prefixes
+from the training split only, never from the prompts the head will be benchmarked on.
 """
 
 import argparse
@@ -47,11 +53,45 @@ def read_prompts(spec: str) -> list[dict]:
     return rows
 
 
+def read_texts(spec: str, seed: int, max_chars: int) -> list[dict]:
+    """``{"id", "prompt"}`` rows: prefixes of the ``"text"`` rows of ``FILE[:N]`` (:func:`spd.data.regenerate.text_prefixes`)."""
+    from spd.data.regenerate import text_prefixes
+    from spd.errors import SpdInputError
+
+    path, count = spec, None
+    head, _, tail = spec.rpartition(":")
+    if head and tail.isdigit():
+        path, count = head, int(tail)
+        if count < 1:
+            raise SpdInputError(f"--texts {spec}: the number of prefixes must be a positive integer")
+    if not Path(path).is_file():
+        raise SpdInputError(f"the texts file '{path}' does not exist; expected a jsonl file of {{\"text\": ...}} rows")
+    texts = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise SpdInputError(f"{path}:{number} is not JSON; expected one {{\"text\": ...}} object per line") from None
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise SpdInputError(f"{path}:{number} has no \"text\" string")
+        if row["text"].strip():
+            texts.append(row["text"])
+    if not texts:
+        raise SpdInputError(f"the texts file '{path}' has no non-empty \"text\"")
+    prefixes = text_prefixes(texts, count or len(texts), seed, max_chars)
+    return [{"id": f"text-{i}", "prompt": p["text"]} for i, p in enumerate(prefixes)]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True, help="chat target: a model directory or hub id")
+    p.add_argument("--target", required=True, help="the target: a model directory or hub id")
     p.add_argument("--revision", default=None)
-    p.add_argument("--prompts", required=True, help="a jsonl file of {\"prompt\"} rows, or stdlib[:N]")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompts", help="chat target: a jsonl file of {\"prompt\"} rows, or stdlib[:N]")
+    source.add_argument("--texts", help="base model: FILE[:N], N prefixes of a jsonl file's {\"text\"} rows to continue")
+    p.add_argument("--prefix-chars", type=int, default=400, help="with --texts: a prefix's length at most, in characters")
     p.add_argument("--out", required=True, type=Path, help="jsonl of conversations (appended to, resumable)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=384)
@@ -61,6 +101,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.batch_size < 1 or args.max_new_tokens < 1:
         p.error("--batch-size and --max-new-tokens must be positive integers")
+    if args.prefix_chars < 1:
+        p.error("--prefix-chars must be a positive integer")
     if not 0 <= args.temperature < float("inf"):
         p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
 
@@ -74,11 +116,13 @@ def main(argv=None) -> int:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        prompts = read_prompts(args.prompts)
+        prompts = (read_prompts(args.prompts) if args.texts is None
+                   else read_texts(args.texts, args.seed, args.prefix_chars))
         model, tokenizer = load_causal_lm(args.target, revision=args.revision).eval(), load_tokenizer(args.target,
                                                                                                       args.revision)
         stats = regenerate(model, tokenizer, prompts, args.out, batch_size=args.batch_size,
-                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                           chat=args.texts is None)
     except SpdInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,9 +1,12 @@
-"""Regenerate chat data: a target's own answers to a list of prompts, stored as conversations.
+"""Regenerate training data: a target's own answers to a list of prompts (chat), or its own continuations of
+text prefixes (a base model).
 
 A speculation head learns to predict its target, so the best training data are the target's own responses
-(EAGLE and SpecForge regenerate their data the same way). The rows written here are
-``{"id", "messages": [user, assistant], "finish_reason", "new_tokens"}``; ``train/distill.py`` renders them
-with the target's chat template and supervises the assistant turn only.
+(EAGLE and SpecForge regenerate their data the same way). The rows written here are, for a chat target,
+``{"id", "messages": [user, assistant], "finish_reason", "new_tokens"}`` (``train/distill.py`` renders them
+with the target's chat template and supervises the assistant turn only), and for a base model (``chat=False``)
+``{"id", "text": prefix + continuation, "finish_reason", "new_tokens"}``: plain text, every position supervised.
+The prefixes of a text corpus come from :func:`text_prefixes`.
 
 Batched (prompts of similar length together, left padding) and resumable: each finished batch is appended
 and fsynced, a restart skips the ids already written and drops a last line a kill cut short.
@@ -41,6 +44,27 @@ def read_done(path: Path) -> set[str]:
     return done
 
 
+def text_prefixes(texts: Sequence[str], count: int, seed: int, max_chars: int = 400) -> list[dict]:
+    """``count`` prefixes of documents, ``{"doc", "line", "text"}`` (the ``i``-th from document ``i % len(texts)``):
+    a run of whole lines from a seeded line (``line``, from 1), at most ``max_chars`` characters (a longer first line
+    is cut); blank runs are left out."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    prefixes = []
+    for i in range(count):
+        lines = texts[i % len(texts)].splitlines(keepends=True)
+        start = int(rng.integers(0, max(1, len(lines) - 4)))
+        text = ""
+        for line in lines[start:]:
+            if text and len(text) + len(line) > max_chars:
+                break
+            text += line[:max_chars]
+        if text.strip():
+            prefixes.append({"doc": i % len(texts), "line": start + 1, "text": text})
+    return prefixes
+
+
 def chat_ids(tokenizer, prompt: str) -> list[int]:
     """The prompt as one user turn, rendered with the chat template and the assistant's header."""
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -52,18 +76,22 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
 
 @torch.no_grad()
 def regenerate(model, tokenizer, prompts: Sequence[dict], out: str | os.PathLike, batch_size: int = 16,
-               max_new_tokens: int = 384, temperature: float = 0.0, seed: int = 0, progress: bool = True) -> dict:
-    """Append the target's answer to every prompt ``{"id", "prompt"}`` not yet in ``out``; return statistics."""
+               max_new_tokens: int = 384, temperature: float = 0.0, seed: int = 0, progress: bool = True,
+               chat: bool = True) -> dict:
+    """Append the target's answer to every prompt ``{"id", "prompt"}`` not yet in ``out`` (``chat``: the prompt as
+    a user turn; otherwise its continuation of the prompt as plain text); return statistics."""
     from tqdm import tqdm
 
-    if tokenizer.chat_template is None:
-        raise SpdInputError("regeneration needs a target whose tokenizer has a chat template")
+    if chat and tokenizer.chat_template is None:
+        raise SpdInputError("regeneration of chat data needs a target whose tokenizer has a chat template; for a "
+                            "base model, continue text prefixes instead (data/regenerate.py --texts)")
     if batch_size < 1 or max_new_tokens < 1:
         raise SpdInputError(f"batch size and max new tokens must be positive, got {batch_size} and {max_new_tokens}")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = read_done(out)
-    todo = [(p, chat_ids(tokenizer, p["prompt"])) for p in prompts if p["id"] not in done]
+    encode = (lambda text: chat_ids(tokenizer, text)) if chat else (lambda text: tokenizer(text)["input_ids"])
+    todo = [(p, encode(p["prompt"])) for p in prompts if p["id"] not in done]
     todo.sort(key=lambda item: len(item[1]))  # similar lengths per batch: little padding
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos])
@@ -89,10 +117,11 @@ def regenerate(model, tokenizer, prompts: Sequence[dict], out: str | os.PathLike
                 stop = next((i for i, t in enumerate(ids) if t in eos_ids), None)
                 answer = ids if stop is None else ids[:stop]
                 new_tokens += len(answer)
-                row = {"id": prompt["id"], "messages": [
-                    {"role": "user", "content": prompt["prompt"]},
-                    {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}],
-                    "finish_reason": "length" if stop is None else "stop", "new_tokens": len(answer)}
+                reply = tokenizer.decode(answer, skip_special_tokens=True)
+                row = ({"id": prompt["id"], "messages": [{"role": "user", "content": prompt["prompt"]},
+                                                         {"role": "assistant", "content": reply}]} if chat
+                       else {"id": prompt["id"], "text": prompt["prompt"] + reply})
+                row.update(finish_reason="length" if stop is None else "stop", new_tokens=len(answer))
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())

@@ -166,21 +166,11 @@ def _write_corpus(files: list[Path], root: Path, cfg: TestbedConfig, tmp: dict[s
 
 def make_prompts(corpus_dir: Path, count: int, seed: int, max_chars: int = 400) -> list[dict]:
     """Code prompts from the validation split: a run of whole lines starting at a seeded line of a file."""
-    rng = np.random.default_rng(seed)
+    from ..data.regenerate import text_prefixes
+
     rows = [json.loads(line) for line in open(corpus_dir / "validation.jsonl")]
-    prompts = []
-    for i in range(count):
-        row = rows[i % len(rows)]
-        lines = row["text"].splitlines(keepends=True)
-        start = int(rng.integers(0, max(1, len(lines) - 4)))
-        text = ""
-        for line in lines[start:]:
-            if text and len(text) + len(line) > max_chars:
-                break
-            text += line[:max_chars]
-        if text.strip():
-            prompts.append({"prompt": text, "path": row["path"], "line": start + 1})
-    return prompts
+    return [{"prompt": p["text"], "path": rows[p["doc"]]["path"], "line": p["line"]}
+            for p in text_prefixes([row["text"] for row in rows], count, seed, max_chars)]
 
 
 def _read_texts(path: Path) -> list[str]:
