@@ -32,7 +32,8 @@ of a request (``tbt_mean_ms``, ``tbt_p50_ms``, ``tbt_p99_ms``: a speculative req
 after a hit and ``n`` steps apart after a miss, so its per-gap tail is ``n`` of its steps), and per request
 (``tbt_request_p50_ms``, ``tbt_request_p99_ms`` over the requests, ``tbt_request_mean_ms`` their mean: each
 request's own mean time between tokens, from its first token to its last over its gaps; SpecPipe-DB's "average
-single-request TBT" and its 99th percentile):
+single-request TBT" and its 99th percentile; the JSON's ``per_request`` lists each request's own, with its prompt,
+its steps per token and the share of its verifications that accepted a speculated token):
 
 - ``model``: the emulated deployment. Each stage runs on its own device, so a pipeline step lasts as long as its
   busiest stage, and a stage's time is a fixed cost plus a per-token cost, ``a + b * tokens`` (idle stages cost
@@ -368,8 +369,17 @@ def summarize(run: dict, n: int, a_ms: float, b_ms: float) -> dict:
                             [ends_ms[r["submit_step"]] / 1000 for r in run["records"]], ends_ms[-1] / 1000),
                   "real": ([[t - run["start_s"] for t in r["times"]] for r in run["records"]],
                            [r["submit_s"] - run["start_s"] for r in run["records"]], run["wall_s"])}
+    # Each request's own figures (the tail of the per-request time between tokens is a few requests: which ones, and
+    # how many steps per token the head gave them); the clocks' time between tokens is added below.
+    out["per_request"] = [{"prompt": r.get("prompt"), "tokens": len(r["steps"]),
+                           "steps_per_token": round((r["steps"][-1] - r["steps"][0]) / (len(r["steps"]) - 1), 3)
+                           if len(r["steps"]) > 1 else None,
+                           "acceptance": round(r["stats"].accepted / r["stats"].verified, 3)
+                           if getattr(r["stats"], "verified", 0) else None, "tbt_ms": {}} for r in run["records"]]
     for name, (times, submits, total_s) in clocks.items():
         gaps = sorted(b - a for ts in times for a, b in zip(ts, ts[1:]))
+        for row, ts in zip(out["per_request"], times):
+            row["tbt_ms"][name] = round(1000 * (ts[-1] - ts[0]) / (len(ts) - 1), 2) if len(ts) > 1 else None
         per_request = sorted((ts[-1] - ts[0]) / (len(ts) - 1) for ts in times if len(ts) > 1)
         first = sorted(ts[0] - s for ts, s in zip(times, submits) if ts)
         out[name] = {"tokens_per_s": round(tokens / total_s, 2) if total_s else 0.0,

@@ -665,6 +665,10 @@ def test_the_batch_benchmark_gives_time_between_tokens_per_gap_and_per_request()
         assert got["tbt_request_p50_ms"] == pytest.approx(round((spec + pipe) / 2, 2))
         assert got["tbt_request_p99_ms"] == pytest.approx(round(spec + 0.99 * (pipe - spec), 2))
     assert out["tokens"] == 14 and out["model"]["tokens_per_s"] == pytest.approx(1400)
+    # each request's own: steps per token and time between tokens (none for a request of one token)
+    assert [r["steps_per_token"] for r in out["per_request"]] == [round(9 / 7, 3), 2.0, None]
+    assert [r["tbt_ms"]["real"] for r in out["per_request"]] == [round(spec, 2), pipe, None]
+    assert [r["tokens"] for r in out["per_request"]] == [8, 5, 1]
 
 
 def test_the_batch_benchmark_counts_the_cpu_of_its_stage_processes():
