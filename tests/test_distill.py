@@ -111,7 +111,7 @@ def test_bad_input_is_one_clear_error(tiny_testbed, tmp_path, args, expected):
 
 
 def test_presets_load_and_override(tmp_path):
-    for preset in ("testbed-n4", "testbed-n8", "qwen3-8b-n8"):
+    for preset in ("testbed-n4", "testbed-n4-regen", "testbed-n8", "qwen3-8b-n8"):
         cfg = load_config(str(REPO / "configs" / f"{preset}.yaml"), ["output_dir=/tmp/x", "lr=2e-4", "boundaries=[1,2]"])
         assert cfg.output_dir == "/tmp/x" and cfg.lr == 2e-4 and cfg.boundaries == [1, 2]
     bad = tmp_path / "bad.yaml"
