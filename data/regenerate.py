@@ -10,10 +10,10 @@ otherwise) or ``stdlib[:N]``: N coding instructions made from the Python standar
 functions (spd/data/instructions.py). ``--texts FILE[:N]`` is for a base model (no chat template): N prefixes
 (default: one per row) of the ``"text"`` of FILE's jsonl rows, each a run of whole lines from a line drawn with
 ``--seed``, at most ``--prefix-chars`` characters, the ``i``-th from row ``i`` modulo the rows; the target continues
-each, and the row written is ``{"id", "text": prefix + continuation}``. Answers are greedy unless ``--temperature`` is set; they are written in
-batches and a run that is interrupted continues where it stopped (the ids already in ``--out`` are skipped).
-The rows train a head directly: ``accelerate launch train/distill.py ... data=chats.jsonl``. Take the prefixes
-from the training split only, never from the prompts the head will be benchmarked on.
+each, and the row written is ``{"id", "text": prefix + continuation}``. Answers are greedy unless ``--temperature``
+is set; they are written in batches and a run that is interrupted continues where it stopped (the ids already in
+``--out`` are skipped). The rows train a head directly: ``accelerate launch train/distill.py ... data=chats.jsonl``.
+Take the prefixes from the training split only, never from the prompts the head will be benchmarked on.
 """
 
 import argparse
@@ -54,7 +54,8 @@ def read_prompts(spec: str) -> list[dict]:
 
 
 def read_texts(spec: str, seed: int, max_chars: int) -> list[dict]:
-    """``{"id", "prompt"}`` rows: prefixes of the ``"text"`` rows of ``FILE[:N]`` (:func:`spd.data.regenerate.text_prefixes`)."""
+    """``{"id", "prompt"}`` rows: prefixes of the ``"text"`` rows of ``FILE[:N]``
+    (:func:`spd.data.regenerate.text_prefixes`)."""
     from spd.data.regenerate import text_prefixes
     from spd.errors import SpdInputError
 
@@ -73,7 +74,8 @@ def read_texts(spec: str, seed: int, max_chars: int) -> list[dict]:
         try:
             row = json.loads(line)
         except ValueError:
-            raise SpdInputError(f"{path}:{number} is not JSON; expected one {{\"text\": ...}} object per line") from None
+            raise SpdInputError(f"{path}:{number} is not JSON; expected one {{\"text\": ...}} object per "
+                                "line") from None
         if not isinstance(row, dict) or not isinstance(row.get("text"), str):
             raise SpdInputError(f"{path}:{number} has no \"text\" string")
         if row["text"].strip():
@@ -90,9 +92,11 @@ def main(argv=None) -> int:
     p.add_argument("--revision", default=None)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompts", help="chat target: a jsonl file of {\"prompt\"} rows, or stdlib[:N]")
-    source.add_argument("--texts", help="base model: FILE[:N], N prefixes of a jsonl file's {\"text\"} rows to continue")
-    p.add_argument("--prefix-chars", type=int, default=400, help="with --texts: a prefix's length at most, in characters")
-    p.add_argument("--out", required=True, type=Path, help="jsonl of conversations (appended to, resumable)")
+    source.add_argument("--texts",
+                        help="base model: FILE[:N], N prefixes of a jsonl file's {\"text\"} rows to continue")
+    p.add_argument("--prefix-chars", type=int, default=400,
+                   help="with --texts: a prefix's length at most, in characters")
+    p.add_argument("--out", required=True, type=Path, help="jsonl of conversations or texts (appended to, resumable)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=384)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers (default)")

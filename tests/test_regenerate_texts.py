@@ -44,7 +44,8 @@ def test_texts_are_the_targets_own_greedy_continuations(tiny_testbed, tmp_path):
 
 
 def test_texts_bad_input_is_one_clear_error(tiny_testbed, tmp_path):
-    """A missing file, N = 0 or rows without text: exit 2 and one error line, nothing written; ``--texts`` with ``--prompts``, or neither: a usage error (exit 2)."""
+    """A missing file, N = 0 or rows without text: exit 2 and one error line, nothing written; ``--texts`` with
+    ``--prompts``, or neither: a usage error (exit 2)."""
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"path": "a.py"}\n')
     train = str(tiny_testbed / "corpus" / "train.jsonl")
