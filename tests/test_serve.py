@@ -339,7 +339,15 @@ def test_full_queue_gets_503_with_retry_after(tiny_testbed):
     try:
         body = {"model": server.model, "prompt": "x", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
         with ThreadPoolExecutor(4) as pool:
-            responses = list(pool.map(lambda _: server.post("/v1/completions", body), range(4)))
+            # One request running first (else all four may arrive before the scheduler takes one from the queue of
+            # one, and only one is answered), then three at once: one waits in the queue, the others are refused.
+            first = pool.submit(server.post, "/v1/completions", body)
+            deadline = time.monotonic() + 60
+            while server.metrics().get("spd_running_requests", 0) < 1 and not first.done():
+                assert time.monotonic() < deadline, "the first request never started"
+                time.sleep(0.02)
+            rest = list(pool.map(lambda _: server.post("/v1/completions", body), range(3)))
+            responses = [first.result(), *rest]
         codes = sorted(r.status_code for r in responses)
         assert codes.count(503) >= 1 and codes.count(200) >= 2, codes
         busy = next(r for r in responses if r.status_code == 503)
