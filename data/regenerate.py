@@ -22,6 +22,22 @@ import sys
 from pathlib import Path
 
 
+def json_lines(path: str, key: str):
+    """``(line number, value)`` of each non-blank line of the jsonl file ``path``, whose rows carry ``key``; a line
+    that is not JSON is one error."""
+    from spd.errors import SpdInputError
+
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise SpdInputError(f"{path}:{number} is not JSON; expected one {{\"{key}\": ...}} object per "
+                                "line") from None
+        yield number, row
+
+
 def read_prompts(spec: str) -> list[dict]:
     """``{"id", "prompt"}`` rows from a jsonl file or ``stdlib[:N]``."""
     from spd.errors import SpdInputError
@@ -36,13 +52,7 @@ def read_prompts(spec: str) -> list[dict]:
     if not path.is_file():
         raise SpdInputError(f"the prompts file '{spec}' does not exist; expected a jsonl file or stdlib[:N]")
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            raise SpdInputError(f"{spec}:{number} is not JSON; expected one {{\"prompt\": ...}} object per line") from None
+    for number, row in json_lines(spec, "prompt"):
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             raise SpdInputError(f"{spec}:{number} has no non-empty \"prompt\" string")
         rows.append({"id": str(row.get("id", number)), "prompt": row["prompt"]})
@@ -68,14 +78,7 @@ def read_texts(spec: str, seed: int, max_chars: int) -> list[dict]:
     if not Path(path).is_file():
         raise SpdInputError(f"the texts file '{path}' does not exist; expected a jsonl file of {{\"text\": ...}} rows")
     texts = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            raise SpdInputError(f"{path}:{number} is not JSON; expected one {{\"text\": ...}} object per "
-                                "line") from None
+    for number, row in json_lines(path, "text"):
         if not isinstance(row, dict) or not isinstance(row.get("text"), str):
             raise SpdInputError(f"{path}:{number} has no \"text\" string")
         if row["text"].strip():
