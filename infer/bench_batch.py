@@ -23,8 +23,9 @@ real requests, whose lengths differ, do not keep:
   with ``--batched-only``).
 
 With ``--draft-model DIR --stages N`` (instead of ``--speculator``) the speculative systems are a draft model's token
-tree of width ``--tree-width`` (SpecPipe-DB's configuration): ``tree batched`` and ``tree 1-at-a-time``, beside the
-same ``pp batched``.
+tree of width ``--tree-width`` (default 4; SpecPipe-DB's configuration): ``tree batched`` and ``tree 1-at-a-time``,
+beside the same ``pp batched``. With ``--speculator`` and ``--tree-width W`` (or ``auto``, up to
+``--tree-max-width``) the head proposes the trees instead of chains (``--mode tree`` with a head).
 
 Every row reports output tokens/s over the whole run, time between tokens and time to first token (p50, from the
 request's submission), under two clocks. Time between tokens is given two ways: over every gap between two tokens
@@ -80,10 +81,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # infer/bench.py's prompt loading (the scripts are not installed)
 
 from spd.errors import SpdInputError  # noqa: E402
+from spd.decoding.tree_width import parse_tree_width  # noqa: E402
 from spd.paths import default_testbed_dir  # noqa: E402
 
 SYSTEMS = ("spd batched", "pp batched", "spd 1-at-a-time")
-TREE_SYSTEMS = ("tree batched", "pp batched", "tree 1-at-a-time")  # --draft-model
+TREE_SYSTEMS = ("tree batched", "pp batched", "tree 1-at-a-time")  # --draft-model or --tree-width
 # A stage's clock over the runtime, per step: its ragged calls, the emulated sleep, waiting for messages, sending.
 STAGE_CLOCKS = ("compute", "emulated_compute", "receive_wait", "send")
 
@@ -96,8 +98,11 @@ def parse_args(argv=None):
     source.add_argument("--speculator", help="the SPD head (its n cuts the pipeline)")
     source.add_argument("--draft-model", help="a draft model proposing a token tree (mode tree; needs --stages)")
     p.add_argument("--stages", type=int, default=None, help="with --draft-model: the number of pipeline stages, n")
-    p.add_argument("--tree-width", type=int, default=4, help="with --draft-model: the tree's width W")
-    p.add_argument("--tree-children", type=int, default=4, help="with --draft-model: candidates per node")
+    p.add_argument("--tree-width", default=None,
+                   help="the tree's width W, or 'auto' (default 4 with --draft-model; with --speculator: the head "
+                        "proposes trees of this width instead of chains)")
+    p.add_argument("--tree-children", type=int, default=4, help="with a tree: candidates per node")
+    p.add_argument("--tree-max-width", type=int, default=8, help="with --tree-width auto: the largest width")
     p.add_argument("--prompts", default=str(tb / "prompts.jsonl"), help="as infer/bench.py --prompts")
     p.add_argument("--clients", type=int, nargs="+", default=None,
                    help="closed-loop clients, one row each (default 1 2 4 8 16 32 unless --rates is given)")
@@ -118,7 +123,7 @@ def parse_args(argv=None):
     p.add_argument("--spread-prefill", action="store_true",
                    help="each prompt enters in n equal chunks, 1/n of it in each stage call")
     p.add_argument("--tree-nodes", type=int, default=None,
-                   help="with --draft-model: a node budget per level across the batch (the trees narrow as it grows)")
+                   help="with a tree: a node budget per level across the batch (the trees narrow as it grows)")
     p.add_argument("--stage-ms", type=float, default=None, help="the model clock's fixed cost per stage call, a")
     p.add_argument("--token-ms", type=float, default=None, help="the model clock's cost per token, b")
     p.add_argument("--runtime", default="local", choices=("local", "distributed"),
@@ -145,6 +150,14 @@ def parse_args(argv=None):
                             f"got {args.new_tokens_jitter}")
     if min(args.rates or [1.0]) <= 0 or args.requests < 1 or args.max_batch < 1:
         raise SpdInputError("--rates, --requests and --max-batch must be positive")
+    if args.tree_width is None and args.draft_model is not None:
+        args.tree_width = 4
+    if args.tree_width is not None:  # a token tree: a draft model's, or the head's with --tree-width
+        args.tree_width = parse_tree_width(args.tree_width)
+        if args.tree_max_width < 1 or args.tree_children < 1:
+            raise SpdInputError("--tree-max-width and --tree-children must be positive")
+    elif args.tree_nodes is not None:
+        raise SpdInputError("--tree-nodes narrows token trees; it needs --draft-model or --tree-width")
     return args
 
 
@@ -448,23 +461,23 @@ def _bench(args) -> int:
     transformers.utils.logging.set_verbosity_error()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.tree_nodes is not None and args.draft_model is None:
-        raise SpdInputError("--tree-nodes narrows a draft model's token trees; it needs --draft-model")
+    tree = args.tree_width is not None
     if args.draft_model is not None and args.stages is None:
         raise SpdInputError("--draft-model needs --stages N: the number of pipeline stages to cut the target into")
     tokenizer = load_tokenizer(args.target)
     wanted = max(max(args.clients, default=0) * args.requests_per_client, args.requests if args.rates else 0)
     dataset, prompts = load_prompts(args.prompts, tokenizer, wanted)
-    mode = "spd" if args.draft_model is None else "tree"
-    decoding = DecodingSpec(mode, draft_model=args.draft_model, tree_width=args.tree_width,
-                            tree_children=args.tree_children)
+    mode = "tree" if tree else "spd"
+    decoding = DecodingSpec(mode, draft_model=args.draft_model, tree_width=args.tree_width or 4,
+                            tree_children=args.tree_children, tree_max_width=args.tree_max_width)
     pipeline = None
     if args.runtime == "distributed":
         from spd.serving.pipeline import PipelineSpec, open_pipeline
 
         pipeline = open_pipeline(PipelineSpec(args.target, mode, stages=args.stages, speculator=args.speculator,
-                                              draft_model=args.draft_model, tree_width=args.tree_width,
-                                              tree_children=args.tree_children, runtime="distributed",
+                                              draft_model=args.draft_model, tree_width=args.tree_width or 4,
+                                              tree_children=args.tree_children,
+                                              tree_max_width=args.tree_max_width, runtime="distributed",
                                               emulate_stage_ms=args.emulate_stage_ms,
                                               emulate_token_ms=args.emulate_token_ms, timeout_s=300))
         engine, staged = pipeline.engine, pipeline.staged
@@ -476,7 +489,7 @@ def _bench(args) -> int:
         head = load_speculator(args.speculator, target=staged) if args.speculator is not None else None
         engine = build_engine(decoding, staged, head, tokenizer)
     engines = {mode: engine, "pp": engine}
-    if args.draft_model is not None:  # the standard pipeline over the same stages
+    if tree:  # the standard pipeline over the same stages
         engines["pp"] = build_engine(DecodingSpec("pp"), staged, None, tokenizer, stages=engine.stages)
     try:
         return _run_all(args, engines, staged, dataset, prompts)
@@ -485,9 +498,16 @@ def _bench(args) -> int:
             pipeline.close()
 
 
+def _widest(args) -> int:
+    """The widest level a request's tree can have (1: chains), for the KV rows each request may need in flight."""
+    if args.tree_width is None:
+        return 1
+    return args.tree_max_width if args.tree_width == "auto" else args.tree_width
+
+
 def _systems(args) -> tuple[str, ...]:
     """The systems a run compares, in order (the first is the one every other's outputs are checked against)."""
-    systems = SYSTEMS if args.draft_model is None else TREE_SYSTEMS
+    systems = SYSTEMS if args.tree_width is None else TREE_SYSTEMS
     return systems[:2] if args.batched_only else systems
 
 
@@ -505,7 +525,8 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
             f"{args.emulate_stage_ms:g} ms + {args.emulate_token_ms:g} ms/token" if args.runtime == "distributed"
             else "one process, the stages in turn")
     results = {"target": args.target, "speculator": args.speculator, "draft_model": args.draft_model,
-               "tree_width": args.tree_width if args.draft_model else None, "prompts": dataset,
+               "tree_width": args.tree_width, "tree_children": args.tree_children if args.tree_width else None,
+               "tree_max_width": args.tree_max_width if args.tree_width == "auto" else None, "prompts": dataset,
                "stages": staged.n_stages,
                "max_new_tokens": args.max_new_tokens, "new_tokens_jitter": args.new_tokens_jitter,
                "requests_per_client": args.requests_per_client,
@@ -522,7 +543,7 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
         outputs = []
         for system in _systems(args):
             run = run_system(engines, system, prompts, clients, args.requests_per_client, args.max_new_tokens,
-                             args.prefill_chunk, args.tree_width if args.draft_model else 1, args.step_tokens,
+                             args.prefill_chunk, _widest(args), args.step_tokens,
                              args.spread_prefill, args.tree_nodes, args.new_tokens_jitter)
             outputs.append(sorted((r["prompt"], r["tokens"]) for r in run["records"]))
             row = {"clients": clients, "system": system, **summarize(run, staged.n_stages, a_ms, b_ms)}
@@ -536,7 +557,7 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
         arrivals, outputs = poisson_arrivals(rate, args.requests, args.seed), []
         for system in _systems(args):
             run = run_open(engines, system, prompts, arrivals, args.max_batch, args.max_new_tokens,
-                           args.prefill_chunk, args.tree_width if args.draft_model else 1, args.step_tokens,
+                           args.prefill_chunk, _widest(args), args.step_tokens,
                            args.spread_prefill, clock, a_ms, b_ms, args.tree_nodes, args.new_tokens_jitter)
             outputs.append(sorted((r["prompt"], r["tokens"]) for r in run["records"]))
             row = {"clients": None, "rate": rate, "system": system, **summarize(run, staged.n_stages, a_ms, b_ms)}

@@ -761,9 +761,21 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
     assert pp_one["model"]["tbt_p50_ms"] == pytest.approx(4 * 2.1) == pytest.approx(pp_one["model"]["tbt_mean_ms"])
     assert pp_one["model"]["tbt_request_p99_ms"] == pytest.approx(4 * 2.1)  # every request's own gaps the same
     assert "req p99" in proc.stdout
+    # The head's own trees (--tree-width with --speculator), adaptive and under a node budget: the same tokens as pp.
+    head_tree_out = tmp_path / "batch_head_tree.json"
+    head_tree = run_script("infer/bench_batch.py", *common, "--speculator", str(tiny_heads[4]), "--tree-width", "auto",
+                           "--tree-max-width", "2", "--tree-nodes", "6", "--clients", "3", "--batched-only",
+                           "--out", str(head_tree_out))
+    assert "identical outputs across the systems: True" in head_tree.stdout
+    head_tree_results = json.loads(head_tree_out.read_text())
+    assert head_tree_results["systems"] == ["tree batched", "pp batched"]
+    assert (head_tree_results["tree_width"], head_tree_results["tree_max_width"]) == ("auto", 2)
+    assert all(r["tokens"] == 36 and r["identical_outputs"] for r in head_tree_results["rows"])
     draft = str(tiny_testbed / "draft")
     for args in (["--speculator", str(tiny_heads[4]), "--stage-ms", "2"], ["--draft-model", draft],
                  ["--speculator", str(tiny_heads[4]), "--rates", "0"],
-                 ["--speculator", str(tiny_heads[4]), "--new-tokens-jitter", "48"]):
+                 ["--speculator", str(tiny_heads[4]), "--new-tokens-jitter", "48"],
+                 ["--speculator", str(tiny_heads[4]), "--tree-width", "0"],
+                 ["--speculator", str(tiny_heads[4]), "--tree-nodes", "8"]):
         bad = run_script("infer/bench_batch.py", *args, check=False)
         assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error:"), bad.stderr
