@@ -163,11 +163,12 @@ class StageKVCache:
             raise ValueError(f"keep: indices must lie in [0, {held}) (the rows after start {start}), "
                              f"got {indices.tolist()}")
         end = start + indices.numel()
-        rows = (start + indices).to(self._device)
-        # Advanced indexing copies the selected rows first, so an in-place compaction is safe.
-        self.keys_LBHkCDh[:, :, :, start:end] = self.keys_LBHkCDh[:, :, :, rows]
-        self.values_LBHkCDh[:, :, :, start:end] = self.values_LBHkCDh[:, :, :, rows]
-        self.positions_C[start:end] = self.positions_C[rows]
+        if not torch.equal(indices, torch.arange(indices.numel())):  # (kept rows that are a prefix stay in place)
+            rows = (start + indices).to(self._device)
+            # Advanced indexing copies the selected rows first, so an in-place compaction is safe.
+            self.keys_LBHkCDh[:, :, :, start:end] = self.keys_LBHkCDh[:, :, :, rows]
+            self.values_LBHkCDh[:, :, :, start:end] = self.values_LBHkCDh[:, :, :, rows]
+            self.positions_C[start:end] = self.positions_C[rows]
         self.length = end
         if self.linear is not None:  # the root (row start - 1) is committed; the kept nodes' states follow their rows
             if start != self.linear.length + 1:
@@ -340,14 +341,17 @@ def attention_mask(q_pos_T: torch.Tensor, kv_len: int, window: int | None, impl:
 
 
 def tree_attention_mask(q_pos_T: torch.Tensor, key_pos_K: torch.Tensor, tree_mask_TN: torch.Tensor,
-                        window: int | None, impl: str, dtype: torch.dtype) -> torch.Tensor:
-    """The (1, 1, T, K) mask of T tree nodes: the first K - N keys (committed) visible, the last N by ``tree_mask_TN``.
+                        window: int | None, impl: str, dtype: torch.dtype) -> torch.Tensor | None:
+    """The (1, 1, T, K) mask of T tree nodes: the first K - N keys (committed) visible, the last N by ``tree_mask_TN``
+    (for sdpa, None for one node that sees every row without a window: a chain's node, as a chain token's call).
 
     ``key_pos_K`` are the keys' position ids (tree nodes sit at committed length + depth), used for
     sliding windows: along a root-to-node path positions are consecutive, so the window by position is
     the one a plain forward of ``committed + path`` would apply.
     """
     t, n = tree_mask_TN.shape
+    if t == 1 and window is None and impl == "sdpa" and tree_mask_TN.device.type == "cpu" and tree_mask_TN.all():
+        return None  # (a mask makes SDPA take a slower path on CPU; on CUDA asking would wait for the device)
     k = key_pos_K.shape[0]
     committed_TP = torch.ones(t, k - n, dtype=torch.bool, device=tree_mask_TN.device)
     allowed_TK = torch.cat([committed_TP, tree_mask_TN], dim=1)
