@@ -244,9 +244,30 @@ def test_kv_cache_keep_compacts_rows_in_order():
         cache.keep(3, [3])
     with pytest.raises(ValueError, match="outside"):
         cache.keep(7, [])
+    cache.advance(2)  # rows 6 and 7 still hold 6 and 7 from the first fill; a prefix kept stays where it is
+    cache.keep(4, [0, 1, 2])
+    assert cache.length == 7 and cache.keys_LBHkCDh[0, 0, 0, :7, 0].tolist() == [0, 1, 2, 4, 6, 7, 6]
+    assert cache.positions_C[:7].tolist() == [0, 1, 2, 4, 5, 5, 5]
 
 
 # ---------------------------------------------------------------------------------- tree attention
+def test_a_node_that_sees_every_row_needs_no_mask():
+    """One tree node whose mask row is all True (a chain's node) gets no SDPA mask, as a chain token's call; any
+    other node, a window, or the eager backend gets the full mask, its committed rows visible."""
+    from spd.target.staging import tree_attention_mask
+
+    q_pos_T, key_pos_K = torch.tensor([5]), torch.arange(6)
+    chain_TN = torch.ones(1, 2, dtype=torch.bool)
+    assert tree_attention_mask(q_pos_T, key_pos_K, chain_TN, None, "sdpa", torch.float32) is None
+    sibling_TN = torch.tensor([[True, False]])
+    assert tree_attention_mask(q_pos_T, key_pos_K, sibling_TN, None, "sdpa", torch.float32)[0, 0].tolist() == [
+        [True, True, True, True, True, False]]
+    windowed = tree_attention_mask(q_pos_T, key_pos_K, chain_TN, 3, "sdpa", torch.float32)
+    assert windowed[0, 0].tolist() == [[False, False, False, True, True, True]]
+    eager = tree_attention_mask(q_pos_T, key_pos_K, chain_TN, None, "eager", torch.float32)
+    assert eager.shape == (1, 1, 1, 6) and bool((eager == 0).all())
+
+
 def _reference(model, sequences: list[list[int]]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """One plain causal forward of right-padded sequences: (H^l at each last token for every l, logits there)."""
     width = max(len(ids) for ids in sequences)
