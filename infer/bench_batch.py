@@ -71,6 +71,7 @@ The systems run one after another on the same machine; the table prints ratios t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -474,12 +475,10 @@ def _bench(args) -> int:
     if args.runtime == "distributed":
         from spd.serving.pipeline import PipelineSpec, open_pipeline
 
-        pipeline = open_pipeline(PipelineSpec(args.target, mode, stages=args.stages, speculator=args.speculator,
-                                              draft_model=args.draft_model, tree_width=args.tree_width or 4,
-                                              tree_children=args.tree_children,
-                                              tree_max_width=args.tree_max_width, runtime="distributed",
-                                              emulate_stage_ms=args.emulate_stage_ms,
-                                              emulate_token_ms=args.emulate_token_ms, timeout_s=300))
+        pipeline = open_pipeline(PipelineSpec(args.target, stages=args.stages, speculator=args.speculator,
+                                              runtime="distributed", emulate_stage_ms=args.emulate_stage_ms,
+                                              emulate_token_ms=args.emulate_token_ms, timeout_s=300,
+                                              **dataclasses.asdict(decoding)))
         engine, staged = pipeline.engine, pipeline.staged
         if args.stage_ms is None:
             args.stage_ms, args.token_ms = args.emulate_stage_ms, args.emulate_token_ms

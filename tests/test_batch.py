@@ -704,14 +704,17 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
 
     from conftest import run_script, two_at_a_time
 
-    out, tree_out = tmp_path / "batch.json", tmp_path / "batch_tree.json"
+    out, tree_out, head_tree_out = (tmp_path / name for name in ("batch.json", "batch_tree.json", "head_tree.json"))
     common = ["--target", str(tiny_testbed / "target"), "--prompts", str(tiny_testbed / "prompts.jsonl"),
               "--clients", "1", "3", "--requests-per-client", "2", "--max-new-tokens", "6", "--stage-ms", "2",
               "--token-ms", "0.1", "--threads", "1"]
-    proc, tree = two_at_a_time(lambda args: run_script("infer/bench_batch.py", *common, *args), [
+    # The third: the head's own trees (--tree-width with --speculator), adaptive and under a node budget.
+    proc, tree, head_tree = two_at_a_time(lambda args: run_script("infer/bench_batch.py", *common, *args), [
         ["--speculator", str(tiny_heads[4]), "--rates", "0.001", "1000", "--requests", "3", "--out", str(out)],
         ["--draft-model", str(tiny_testbed / "draft"), "--stages", "2", "--tree-width", "2", "--new-tokens-jitter", "2",
-         "--batched-only", "--out", str(tree_out)]])
+         "--batched-only", "--out", str(tree_out)],
+        ["--speculator", str(tiny_heads[4]), "--tree-width", "auto", "--tree-max-width", "2", "--tree-nodes", "6",
+         "--clients", "3", "--batched-only", "--out", str(head_tree_out)]])
     assert "tree batched" in tree.stdout and "identical outputs across the systems: True" in tree.stdout
     tree_results = json.loads(tree_out.read_text())
     tree_rows = tree_results["rows"]  # (--batched-only: no one-at-a-time baseline)
@@ -761,11 +764,7 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
     assert pp_one["model"]["tbt_p50_ms"] == pytest.approx(4 * 2.1) == pytest.approx(pp_one["model"]["tbt_mean_ms"])
     assert pp_one["model"]["tbt_request_p99_ms"] == pytest.approx(4 * 2.1)  # every request's own gaps the same
     assert "req p99" in proc.stdout
-    # The head's own trees (--tree-width with --speculator), adaptive and under a node budget: the same tokens as pp.
-    head_tree_out = tmp_path / "batch_head_tree.json"
-    head_tree = run_script("infer/bench_batch.py", *common, "--speculator", str(tiny_heads[4]), "--tree-width", "auto",
-                           "--tree-max-width", "2", "--tree-nodes", "6", "--clients", "3", "--batched-only",
-                           "--out", str(head_tree_out))
+    # The head's own trees: the same tokens as pp.
     assert "identical outputs across the systems: True" in head_tree.stdout
     head_tree_results = json.loads(head_tree_out.read_text())
     assert head_tree_results["systems"] == ["tree batched", "pp batched"]

@@ -163,7 +163,7 @@ class StageKVCache:
             raise ValueError(f"keep: indices must lie in [0, {held}) (the rows after start {start}), "
                              f"got {indices.tolist()}")
         end = start + indices.numel()
-        if not torch.equal(indices, torch.arange(indices.numel())):  # (kept rows that are a prefix stay in place)
+        if not torch.equal(indices, torch.arange(indices.numel(), device=indices.device)):  # (a prefix stays put)
             rows = (start + indices).to(self._device)
             # Advanced indexing copies the selected rows first, so an in-place compaction is safe.
             self.keys_LBHkCDh[:, :, :, start:end] = self.keys_LBHkCDh[:, :, :, rows]
