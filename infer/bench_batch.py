@@ -220,14 +220,14 @@ def cpu_used(before: dict[int, float], after: dict[int, float]) -> dict:
 
 
 def run_system(engines: dict, system: str, prompts: list[list[int]], clients: int, per_client: int,
-               max_new_tokens: int, prefill_chunk: int, width: int = 1, step_tokens: int | None = None,
-               spread_prefill: bool = False, tree_nodes: int | None = None, jitter: int = 0) -> dict:
+               max_new_tokens: int, prefill_chunk: int, step_tokens: int | None = None, spread_prefill: bool = False,
+               tree_nodes: int | None = None, jitter: int = 0) -> dict:
     """C closed-loop clients on one batched pipeline; per request its token steps and wall times. ``engines``: the
     engine of each mode (spd and pp share one; a draft model's tree has its own)."""
     from spd.decoding.sampling import SamplingParams
 
-    mode, batched = _pipeline(engines, system, prompts, clients, max_new_tokens + jitter, prefill_chunk, width,
-                              step_tokens, spread_prefill, tree_nodes)
+    mode, batched = _pipeline(engines, system, prompts, clients, max_new_tokens + jitter, prefill_chunk, step_tokens,
+                              spread_prefill, tree_nodes)
     # Over the distributed runtime the stages keep clocks (their layers, the emulated sleep, their sends and
     # receives): asked now, they start anew for this run (the batch mode is entered at the first step).
     stage_clocks = getattr(engines[mode].stages, "clocks", None)
@@ -270,15 +270,15 @@ def run_system(engines: dict, system: str, prompts: list[list[int]], clients: in
 
 
 def _pipeline(engines: dict, system: str, prompts: list[list[int]], max_batch: int, max_new_tokens: int,
-              prefill_chunk: int, width: int, step_tokens: int | None, spread_prefill: bool,
-              tree_nodes: int | None = None):
+              prefill_chunk: int, step_tokens: int | None, spread_prefill: bool, tree_nodes: int | None = None):
     """The mode ``system`` runs and its batched pipeline, with KV rows for ``max_batch`` requests (a tree's node
     budget for the tree systems only)."""
     from spd.decoding.batch import BatchedPipeline
 
     mode = "pp" if system == "pp batched" else system.split()[0]
     engine = engines[mode]
-    in_flight = engine.staged.n_stages * width + 8  # the tree (or chain) in flight, with room to spare
+    # The tree (or chain) in flight at its policy's widest, with room to spare.
+    in_flight = engine.staged.n_stages * engine.loop.policy.max_width + 8
     batched = BatchedPipeline(engine, max_batch=1 if system.endswith("1-at-a-time") else max_batch,
                               kv_rows=max_batch * (max(map(len, prompts)) + max_new_tokens + in_flight),
                               prefill_chunk=prefill_chunk, step_tokens=step_tokens, spread_prefill=spread_prefill,
@@ -298,7 +298,7 @@ def poisson_arrivals(rate: float, count: int, seed: int) -> list[float]:
 
 
 def run_open(engines: dict, system: str, prompts: list[list[int]], arrivals: list[float], max_batch: int,
-             max_new_tokens: int, prefill_chunk: int, width: int, step_tokens: int | None, spread_prefill: bool,
+             max_new_tokens: int, prefill_chunk: int, step_tokens: int | None, spread_prefill: bool,
              clock: str, a_ms: float = 0.0, b_ms: float = 0.0, tree_nodes: int | None = None,
              jitter: int = 0) -> dict:
     """Open-loop load: request ``i`` (prompt ``i``) arrives at ``arrivals[i]`` seconds of ``clock`` ("model": the
@@ -306,8 +306,8 @@ def run_open(engines: dict, system: str, prompts: list[list[int]], arrivals: lis
     submitted at the first step boundary after it; per request its token steps and times on that clock."""
     from spd.decoding.sampling import SamplingParams
 
-    mode, batched = _pipeline(engines, system, prompts, max_batch, max_new_tokens + jitter, prefill_chunk, width,
-                              step_tokens, spread_prefill, tree_nodes)
+    mode, batched = _pipeline(engines, system, prompts, max_batch, max_new_tokens + jitter, prefill_chunk, step_tokens,
+                              spread_prefill, tree_nodes)
     records, ends, clock_s = [], [0.0], 0.0  # ends[k]: the model clock (s) when step k ends; clock_s: now
 
     def submit(index: int) -> None:
@@ -497,13 +497,6 @@ def _bench(args) -> int:
             pipeline.close()
 
 
-def _widest(args) -> int:
-    """The widest level a request's tree can have (1: chains), for the KV rows each request may need in flight."""
-    if args.tree_width is None:
-        return 1
-    return args.tree_max_width if args.tree_width == "auto" else args.tree_width
-
-
 def _systems(args) -> tuple[str, ...]:
     """The systems a run compares, in order (the first is the one every other's outputs are checked against)."""
     systems = SYSTEMS if args.tree_width is None else TREE_SYSTEMS
@@ -542,8 +535,8 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
         outputs = []
         for system in _systems(args):
             run = run_system(engines, system, prompts, clients, args.requests_per_client, args.max_new_tokens,
-                             args.prefill_chunk, _widest(args), args.step_tokens,
-                             args.spread_prefill, args.tree_nodes, args.new_tokens_jitter)
+                             args.prefill_chunk, args.step_tokens, args.spread_prefill, args.tree_nodes,
+                             args.new_tokens_jitter)
             outputs.append(sorted((r["prompt"], r["tokens"]) for r in run["records"]))
             row = {"clients": clients, "system": system, **summarize(run, staged.n_stages, a_ms, b_ms)}
             results["rows"].append(row)
@@ -556,8 +549,8 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
         arrivals, outputs = poisson_arrivals(rate, args.requests, args.seed), []
         for system in _systems(args):
             run = run_open(engines, system, prompts, arrivals, args.max_batch, args.max_new_tokens,
-                           args.prefill_chunk, _widest(args), args.step_tokens,
-                           args.spread_prefill, clock, a_ms, b_ms, args.tree_nodes, args.new_tokens_jitter)
+                           args.prefill_chunk, args.step_tokens, args.spread_prefill, clock, a_ms, b_ms,
+                           args.tree_nodes, args.new_tokens_jitter)
             outputs.append(sorted((r["prompt"], r["tokens"]) for r in run["records"]))
             row = {"clients": None, "rate": rate, "system": system, **summarize(run, staged.n_stages, a_ms, b_ms)}
             results["rows"].append(row)
