@@ -17,6 +17,8 @@ It writes, under ``--out``:
     data/prompts.jsonl         coding instructions made from the Python standard library (spd/data/instructions.py)
     data/train.jsonl           the target's own greedy answers to them, as conversations (spd/data/regenerate.py)
     data/validation.jsonl      held-out conversations of the same kind, for evaluation
+    data/text/{train,validation}.jsonl  plain text: the standard library's sources, one row per file (online
+                               distillation on dataset text, configs/smollm2-n8-text.yaml)
     captures/{train,validation}  the target's states over both (data/capture.py; anchors for n = 4 and 8)
     smollm2.json               what was built, with the time each part took
 
@@ -180,6 +182,15 @@ def prepare_data(args, target: Path, manifest: dict, save_manifest) -> None:
 
     data = args.out / "data"
     data.mkdir(exist_ok=True)
+    text = data / "text"
+    if (text / "train.jsonl").is_file() and (text / "validation.jsonl").is_file():
+        log(f"plain text: {text} (already written)")
+    else:
+        from spd.target.testbed import TestbedConfig, build_corpus
+
+        manifest["text"] = build_corpus(text, TestbedConfig())  # each file whole; held-out files by a hash of the path
+        save_manifest()
+        log(f"plain text: {text} ({manifest['text']['files']['train']} training files)")
     wanted = args.train_prompts + args.validation_prompts
     instructions = stdlib_instructions(wanted, seed=0)
     if len(instructions) < wanted:

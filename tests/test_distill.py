@@ -1,6 +1,7 @@
 """The distillation trainer as users run it: real processes, real files, kill and resume."""
 
 import json
+import math
 import os
 import random
 import signal
@@ -93,8 +94,20 @@ def test_two_process_cpu_data_parallel(tiny_testbed, tmp_path):
     assert (out / "final" / "model.safetensors").is_file()
 
 
+def test_bf16_teacher_on_cpu_trains_a_float32_head(tiny_testbed, tmp_path):
+    """target_dtype=bfloat16 with bf16 autocast (the fast setting on CPUs with AMX): the run ends, the head is
+    stored in float32 and it agrees with the target better than chance on held-out text."""
+    out = tmp_path / "run"
+    _train(*_args(tiny_testbed, out, "max_steps=4", "save_every=0", "target_dtype=bfloat16", "mixed_precision=bf16"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["target_dtype"] == "bfloat16" and summary["step"] == 4
+    assert 0 < summary["eval"]["top1_full"] <= 1 and math.isfinite(summary["eval"]["kd_loss"])
+    assert {t.dtype for t in load_file(out / "final" / "model.safetensors").values()} == {torch.float32}
+
+
 @pytest.mark.parametrize("args,expected", [
     (["bogus_key=1"], "unknown config key 'bogus_key'"),
+    (["target_dtype=float16"], "target_dtype must be auto, float32 or bfloat16"),
     (["max_steps=ten"], "bad value for max_steps"),
     (["variant=medusa"], "variant must be one of"),
     (["n_stages=3"], "do not divide"),
@@ -111,7 +124,7 @@ def test_bad_input_is_one_clear_error(tiny_testbed, tmp_path, args, expected):
 
 
 def test_presets_load_and_override(tmp_path):
-    for preset in ("testbed-n4", "testbed-n4-regen", "testbed-n8", "qwen3-8b-n8"):
+    for preset in ("testbed-n4", "testbed-n4-regen", "testbed-n8", "qwen3-8b-n8", "smollm2-n8-text"):
         cfg = load_config(str(REPO / "configs" / f"{preset}.yaml"), ["output_dir=/tmp/x", "lr=2e-4", "boundaries=[1,2]"])
         assert cfg.output_dir == "/tmp/x" and cfg.lr == 2e-4 and cfg.boundaries == [1, 2]
     bad = tmp_path / "bad.yaml"

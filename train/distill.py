@@ -108,8 +108,10 @@ def load_target_and_data(cfg, accelerator):
         pad_id = train_ds.manifest["pad_id"]
         return target, train_ds, eval_ds, partial(collate_captured, pad_id=pad_id), target.token_strings
     on_gpu = torch.cuda.is_available()
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.target_dtype,
+                                                                     torch.bfloat16 if on_gpu else torch.float32)
     staged = StagedModel.from_pretrained(cfg.target, revision=cfg.target_revision, device=accelerator.device,
-                                         dtype=torch.bfloat16 if on_gpu else torch.float32, **stages)
+                                         dtype=dtype, **stages)
     staged.requires_grad_(False)
     tokenizer = load_tokenizer(cfg.target, revision=cfg.target_revision)
     data_cfg = DataConfig(max_length=cfg.max_length, overflow=cfg.overflow, revision=cfg.data_revision)

@@ -75,6 +75,9 @@ class DistillConfig:
     p_full: float = 0.5  # probability of a fully occupied pipeline per example (Appendix A.2)
     kd_chunk: int = 512  # positions per chunk of the KD loss
     mixed_precision: str = "auto"  # auto (bf16 on GPU, no on CPU) | no | bf16 | fp16
+    # the frozen target of online distillation: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16. bf16 on a CPU
+    # with AMX runs the teacher ~2.5x faster (docs/training.md); pair it with mixed_precision=bf16.
+    target_dtype: str = "auto"
     seed: int = 0
     # evaluation, logging, checkpoints
     eval_every: int = 200  # optimizer steps (0 = only at the end)
@@ -122,6 +125,8 @@ class DistillConfig:
             raise SpdInputError(f"p_full must be in [0, 1], got {self.p_full}")
         if self.fc_init not in ("random", "deepest", "scaled"):
             raise SpdInputError(f"fc_init must be random, deepest or scaled, got '{self.fc_init}'")
+        if self.target_dtype not in ("auto", "float32", "bfloat16"):
+            raise SpdInputError(f"target_dtype must be auto, float32 or bfloat16, got '{self.target_dtype}'")
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
             raise SpdInputError(f"mixed_precision must be auto, no, bf16 or fp16, got '{self.mixed_precision}'")
 
