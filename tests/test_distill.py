@@ -20,7 +20,7 @@ from spd.heads.config import check_compatible
 from spd.heads.speculator import Speculator
 from spd.target.staging import StagedModel
 
-from conftest import REPO, tiny_model
+from conftest import REPO, run_script, tiny_model
 
 
 def _args(tb, out, *extra):
@@ -206,3 +206,23 @@ def test_deepspeed_zero2_config_is_accepted_by_accelerate():
     assert cfg.distributed_type == DistributedType.DEEPSPEED
     plugin = DeepSpeedPlugin(hf_ds_config=str(REPO / cfg.deepspeed_config["deepspeed_config_file"]))
     assert plugin.zero_stage == 2
+
+
+def test_publish_head_writes_bf16_and_keeps_the_model_card(tmp_path):
+    """train/publish_head.py: a head in bf16 beside an existing README.md, loadable, its weights the rounded
+    originals; a directory that is not a head is one error line."""
+    source = tmp_path / "head"
+    new_head(StagedModel(tiny_model("llama"), 2), DistillConfig(n_stages=2)).save_pretrained(source)
+    out = tmp_path / "published"
+    out.mkdir()
+    (out / "README.md").write_text("card\n")
+    proc = run_script("train/publish_head.py", str(source), str(out))
+    assert "bfloat16" in proc.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    original, published = load_file(source / "model.safetensors"), load_file(out / "model.safetensors")
+    assert original.keys() == published.keys()
+    for key, value in original.items():
+        expected = value.to(torch.bfloat16) if value.is_floating_point() else value
+        assert torch.equal(published[key], expected), key
+    bad = run_script("train/publish_head.py", str(tmp_path), str(tmp_path / "x"), check=False)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error:") and "Traceback" not in bad.stderr
