@@ -105,7 +105,25 @@ def test_bf16_teacher_on_cpu_trains_a_float32_head(tiny_testbed, tmp_path):
     assert {t.dtype for t in load_file(out / "final" / "model.safetensors").values()} == {torch.float32}
 
 
+def test_a_list_of_datasets_trains_on_their_rows_mixed(tiny_testbed, tmp_path):
+    """data=[text, chats]: both are prepared and their rows mixed; the draft vocabulary counts both."""
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"Write f{i}."},
+                                                        {"role": "assistant", "content": f"def f{i}():\n    return {i}"}]})
+                               for i in range(6)) + "\n")
+    cfg = load_config(None, [f"data=[{tiny_testbed / 'corpus' / 'train.jsonl'}, {chats}]"])
+    assert cfg.data == [str(tiny_testbed / "corpus" / "train.jsonl"), str(chats)]
+    out = tmp_path / "run"
+    base = [a for a in _args(tiny_testbed, out, "max_steps=2", "save_every=0", "draft_vocab_size=64")
+            if not a.startswith("data=")]
+    _train(*base, f"data=[{tiny_testbed / 'corpus' / 'train.jsonl'}, {chats}]")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["data"] == [str(tiny_testbed / "corpus" / "train.jsonl"), str(chats)]
+    assert Speculator.from_pretrained(out / "final").config.draft_vocab_size == 64
+
+
 @pytest.mark.parametrize("args,expected", [
+    (["data=[]"], "bad value for data"),
     (["bogus_key=1"], "unknown config key 'bogus_key'"),
     (["target_dtype=float16"], "target_dtype must be auto, float32 or bfloat16"),
     (["max_steps=ten"], "bad value for max_steps"),

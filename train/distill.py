@@ -84,12 +84,16 @@ def load_target_and_data(cfg, accelerator):
     holding its config, final norm and LM head; no target layers are loaded.
     """
     from spd.training.capture import CapturedDataset, CapturedTarget, collate_captured, is_capture
+    from datasets import concatenate_datasets
     from spd.data.prepare import DataConfig, prepare_dataset
     from spd.training.distill import collate
     from spd.target.staging import StagedModel, load_tokenizer
 
     stages = {"n_stages": None if cfg.boundaries else cfg.n_stages, "boundaries": cfg.boundaries}
-    if is_capture(cfg.data):
+    sources = cfg.data if isinstance(cfg.data, list) else [cfg.data]
+    if len(sources) > 1 and any(is_capture(s) for s in sources):
+        raise SpdInputError(f"a mixture of datasets is prepared online; a capture cannot be one of them, got {sources}")
+    if len(sources) == 1 and is_capture(sources[0]):
         target = CapturedTarget(cfg.data, device=accelerator.device, **stages)
         train_ds = CapturedDataset(cfg.data)
         eval_ds = None
@@ -116,7 +120,9 @@ def load_target_and_data(cfg, accelerator):
     tokenizer = load_tokenizer(cfg.target, revision=cfg.target_revision)
     data_cfg = DataConfig(max_length=cfg.max_length, overflow=cfg.overflow, revision=cfg.data_revision)
     with accelerator.main_process_first():
-        train_ds = prepare_dataset(cfg.data, tokenizer, data_cfg, cfg.cache_dir, report=accelerator.print)
+        parts = [prepare_dataset(source, tokenizer, data_cfg, cfg.cache_dir, report=accelerator.print)
+                 for source in sources]
+        train_ds = parts[0] if len(parts) == 1 else concatenate_datasets(parts)  # shuffled by the loader
         eval_ds = (prepare_dataset(cfg.eval_data, tokenizer, data_cfg, cfg.cache_dir, report=accelerator.print)
                    if cfg.eval_data else None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

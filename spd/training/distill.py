@@ -54,8 +54,9 @@ class DistillConfig:
     fc_init: str = "random"  # random | deepest (FC_k = identity on its deepest anchor) | scaled (per-anchor std)
     init_from: str | None = None  # start from an existing head (dir or hub id) instead of a fresh one
     draft_vocab_size: int = 0  # K: the head's LM head covers the K most frequent supervised tokens (0: all)
-    # data: a dataset (the target runs online), or a capture directory (data/capture.py: no target needed)
-    data: str = field(default_factory=lambda: _testbed("corpus", "train.jsonl"))
+    # data: a dataset (the target runs online), a list of datasets (their rows mixed), or a capture directory
+    # (data/capture.py: no target needed)
+    data: str | list[str] = field(default_factory=lambda: _testbed("corpus", "train.jsonl"))
     data_revision: str | None = None
     eval_data: str | None = field(default_factory=lambda: _testbed("corpus", "validation.jsonl"))
     max_length: int = 2048  # tokens per training row
@@ -156,6 +157,15 @@ def _coerce(value, type_text: str):
         return float(value)
     if base == "str":
         return str(value)
+    if base == "str | list[str]":  # one source, or a YAML list of them ([a.jsonl, b.jsonl] on the command line)
+        import yaml
+
+        value = yaml.safe_load(value) if isinstance(value, str) and value.lstrip().startswith("[") else value
+        if isinstance(value, list):
+            if not value or not all(isinstance(v, str) and v for v in value):
+                raise ValueError("expected a non-empty list of paths or dataset ids")
+            return value[0] if len(value) == 1 else list(value)
+        return str(value)
     if base.startswith("list"):
         import yaml
 
@@ -196,9 +206,14 @@ def load_config(path: str | None, overrides: list[str]) -> DistillConfig:
     # A preset for a target that a data script prepared names its data beside the target
     # ("{target}/../data/train.jsonl"), so target=DIR/target alone moves both.
     target = str(raw.get("target") or DistillConfig.__dataclass_fields__["target"].default_factory())
+    def beside(value):
+        return os.path.normpath(value.replace("{target}", target)) if isinstance(value, str) and "{target}" in value \
+            else value
+
     for key in ("data", "eval_data"):
-        if isinstance(raw.get(key), str) and "{target}" in raw[key]:
-            raw[key] = os.path.normpath(raw[key].replace("{target}", target))
+        raw[key] = [beside(v) for v in raw[key]] if isinstance(raw.get(key), list) else beside(raw.get(key))
+        if raw[key] is None:
+            del raw[key]
     values = {}
     for key, value in raw.items():
         try:
