@@ -6,8 +6,9 @@ model's own continuations of prefixes of a text corpus, stored as text.
     python data/regenerate.py --target testbed/target --texts testbed/corpus/train.jsonl:8192 --out texts.jsonl
 
 ``--prompts`` is a jsonl file of ``{"prompt": ...}`` rows (an ``"id"`` is optional; the row number is used
-otherwise; rows with ``"keep": false`` are skipped, as data/self_instruct.py writes its rejected samples) or ``stdlib[:N]``: N coding instructions made from the Python standard library's documented
-functions (spd/data/instructions.py). ``--texts FILE[:N]`` is for a base model (no chat template): N prefixes
+otherwise; rows with ``"keep": false``, the samples data/self_instruct.py rejected, are left out) or
+``stdlib[:N]``: N coding instructions made from the Python standard library's documented functions
+(spd/data/instructions.py); ``--skip N`` leaves out the first N. ``--texts FILE[:N]`` is for a base model (no chat template): N prefixes
 (default: one per row) of the ``"text"`` of FILE's jsonl rows, each a run of whole lines from a line drawn with
 ``--seed``, at most ``--prefix-chars`` characters, the ``i``-th from row ``i`` modulo the rows; the target continues
 each, and the row written is ``{"id", "text": prefix + continuation}``. Answers are greedy unless ``--temperature``
@@ -101,6 +102,9 @@ def main(argv=None) -> int:
                         help="base model: FILE[:N], N prefixes of a jsonl file's {\"text\"} rows to continue")
     p.add_argument("--prefix-chars", type=int, default=400,
                    help="with --texts: a prefix's length at most, in characters")
+    p.add_argument("--skip", type=int, default=0,
+                   help="leave out the first N prompts (e.g. --prompts stdlib --skip 64: the 64 held out for evaluation "
+                        "by data/smollm2.py)")
     p.add_argument("--out", required=True, type=Path, help="jsonl of conversations or texts (appended to, resumable)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=384)
@@ -113,6 +117,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.batch_size < 1 or args.max_new_tokens < 1:
         p.error("--batch-size and --max-new-tokens must be positive integers")
+    if args.skip < 0:
+        p.error(f"--skip must be 0 or more, got {args.skip}")
     if args.prefix_chars < 1:
         p.error("--prefix-chars must be a positive integer")
     if not 0 <= args.temperature < float("inf"):
@@ -129,7 +135,9 @@ def main(argv=None) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         prompts = (read_prompts(args.prompts) if args.texts is None
-                   else read_texts(args.texts, args.seed, args.prefix_chars))
+                   else read_texts(args.texts, args.seed, args.prefix_chars))[args.skip:]
+        if not prompts:
+            raise SpdInputError(f"--skip {args.skip} leaves no prompts to answer")
         model = load_causal_lm(args.target, revision=args.revision, dtype=getattr(torch, args.dtype)).eval()
         tokenizer = load_tokenizer(args.target, args.revision)
         stats = regenerate(model, tokenizer, prompts, args.out, batch_size=args.batch_size,

@@ -52,6 +52,8 @@ def test_texts_bad_input_is_one_clear_error(tiny_testbed, tmp_path):
     cases = [(["--texts", str(tmp_path / "nope.jsonl")], "does not exist"),
              (["--texts", f"{train}:0"], "must be a positive integer"),
              (["--texts", str(bad)], 'has no "text" string'),
+             (["--prompts", "stdlib:2", "--skip", "2"], "leaves no prompts to answer"),
+             (["--prompts", "stdlib:2", "--skip", "-1"], None),
              (["--prompts", "stdlib:2", "--texts", train], None),
              ([], None)]
 
