@@ -173,3 +173,32 @@ def test_regeneration_resumes_after_kill(smollm2, tmp_path):
     assert len(ids) == len(set(ids)) == 6
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert "0 answered now, 6 already there" in again.stdout
+
+
+PUBLISHED = REPO / "heads" / "smollm2-135m-instruct-spd-n8"
+
+
+def test_published_head_equals_ar_on_a_chat_prompt(smollm2, target):
+    """The head shipped in heads/ loads as --speculator DIR, fits the target's n = 8 cut, and spd (chain and W = 4
+    tree) gives ar's tokens on a chat prompt while accepting some of its proposals."""
+    from spd.decoding.engine import PipelineEngine
+    from spd.decoding.generation import generate_ar
+    from spd.decoding.sampling import SamplingParams
+    from spd.decoding.tree_engine import SpdHeadSource, TreeEngine
+    from spd.heads.config import check_compatible
+    from spd.heads.loading import load_speculator
+    from spd.target.staging import StagedModel
+
+    assert sum(p.stat().st_size for p in PUBLISHED.iterdir()) < 50 * 2**20
+    head = load_speculator(str(PUBLISHED))
+    assert head.config.n_stages == 8 and head.config.boundaries == [0, 4, 8, 12, 16, 20, 24, 27, 30]
+    model, tokenizer = target
+    staged = StagedModel(model, boundaries=head.config.boundaries)
+    check_compatible(head.config, staged, "spd")
+    ids = _chat_ids(tokenizer, "Write a Python function that returns the n-th Fibonacci number.")
+    ar = generate_ar(StagedModel(model, 1), ids, 48).token_ids
+    chain = PipelineEngine(staged, head).run(ids, 48, SamplingParams())
+    assert chain.token_ids == ar
+    assert chain.stats.equivalent_accept_length > 1.2  # a head that never agrees would give 1.0
+    assert TreeEngine(staged, SpdHeadSource(head, staged, 4), 4).run(ids, 48, SamplingParams()).token_ids == ar
+
