@@ -8,8 +8,8 @@ model's own continuations of prefixes of a text corpus, stored as text.
 ``--prompts`` is a jsonl file of ``{"prompt": ...}`` rows (an ``"id"`` is optional; the row number is used
 otherwise; rows with ``"keep": false``, the samples data/self_instruct.py rejected, are left out) or
 ``stdlib[:N]``: N coding instructions made from the Python standard library's documented functions
-(spd/data/instructions.py); ``--skip N`` leaves out the first N. ``--texts FILE[:N]`` is for a base model (no chat template): N prefixes
-(default: one per row) of the ``"text"`` of FILE's jsonl rows, each a run of whole lines from a line drawn with
+(spd/data/instructions.py); ``--skip N`` leaves out the first N. ``--texts FILE[:N]`` is for a base model (no chat
+template): N prefixes (default: one per row) of the ``"text"`` of FILE's jsonl rows, each a run of whole lines from a line drawn with
 ``--seed``, at most ``--prefix-chars`` characters, the ``i``-th from row ``i`` modulo the rows; the target continues
 each, and the row written is ``{"id", "text": prefix + continuation}``. Answers are greedy unless ``--temperature``
 is set; they are written in batches and a run that is interrupted continues where it stopped (the ids already in

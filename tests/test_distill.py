@@ -145,6 +145,9 @@ def test_presets_load_and_override(tmp_path):
     for preset in ("testbed-n4", "testbed-n4-regen", "testbed-n8", "qwen3-8b-n8", "smollm2-n8-text"):
         cfg = load_config(str(REPO / "configs" / f"{preset}.yaml"), ["output_dir=/tmp/x", "lr=2e-4", "boundaries=[1,2]"])
         assert cfg.output_dir == "/tmp/x" and cfg.lr == 2e-4 and cfg.boundaries == [1, 2]
+    no_eval = tmp_path / "no-eval.yaml"
+    no_eval.write_text("target: /m/target\ndata: '{target}/../d.jsonl'\neval_data: null\n")
+    assert (load_config(str(no_eval), []).data, load_config(str(no_eval), []).eval_data) == ("/m/d.jsonl", None)
     bad = tmp_path / "bad.yaml"
     bad.write_text("n_stages: 4\nlearning_rate: 1\n")
     with pytest.raises(SpdInputError, match="learning_rate"):

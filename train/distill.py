@@ -94,8 +94,8 @@ def load_target_and_data(cfg, accelerator):
     if len(sources) > 1 and any(is_capture(s) for s in sources):
         raise SpdInputError(f"a mixture of datasets is prepared online; a capture cannot be one of them, got {sources}")
     if len(sources) == 1 and is_capture(sources[0]):
-        target = CapturedTarget(cfg.data, device=accelerator.device, **stages)
-        train_ds = CapturedDataset(cfg.data)
+        target = CapturedTarget(sources[0], device=accelerator.device, **stages)
+        train_ds = CapturedDataset(sources[0])
         eval_ds = None
         if cfg.eval_data:
             if not is_capture(cfg.eval_data):

@@ -76,8 +76,8 @@ class DistillConfig:
     p_full: float = 0.5  # probability of a fully occupied pipeline per example (Appendix A.2)
     kd_chunk: int = 512  # positions per chunk of the KD loss
     mixed_precision: str = "auto"  # auto (bf16 on GPU, no on CPU) | no | bf16 | fp16
-    # the frozen target of online distillation: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16. bf16 on a CPU
-    # with AMX runs the teacher ~2.5x faster (docs/training.md); pair it with mixed_precision=bf16.
+    # the frozen target of online distillation: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16. On a CPU with
+    # AMX, bf16 with mixed_precision=bf16 makes a SmolLM2 step 2.2x faster (docs/smollm2.md, training at scale).
     target_dtype: str = "auto"
     seed: int = 0
     # evaluation, logging, checkpoints
@@ -134,7 +134,7 @@ class DistillConfig:
 
 def _coerce(value, type_text: str):
     """A YAML / command-line value as the field's declared type (``1e-4`` is a string to YAML 1.1)."""
-    if isinstance(value, str) and value.strip().lower() in ("none", "null", "~", ""):
+    if value is None or isinstance(value, str) and value.strip().lower() in ("none", "null", "~", ""):
         if "None" in type_text:
             return None
         raise ValueError("a value is required")
@@ -206,14 +206,14 @@ def load_config(path: str | None, overrides: list[str]) -> DistillConfig:
     # A preset for a target that a data script prepared names its data beside the target
     # ("{target}/../data/train.jsonl"), so target=DIR/target alone moves both.
     target = str(raw.get("target") or DistillConfig.__dataclass_fields__["target"].default_factory())
+
     def beside(value):
         return os.path.normpath(value.replace("{target}", target)) if isinstance(value, str) and "{target}" in value \
             else value
 
     for key in ("data", "eval_data"):
-        raw[key] = [beside(v) for v in raw[key]] if isinstance(raw.get(key), list) else beside(raw.get(key))
-        if raw[key] is None:
-            del raw[key]
+        if key in raw:  # a key left out keeps its default; an explicit null stays null
+            raw[key] = [beside(v) for v in raw[key]] if isinstance(raw[key], list) else beside(raw[key])
     values = {}
     for key, value in raw.items():
         try:
