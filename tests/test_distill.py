@@ -191,6 +191,34 @@ def test_fc_init_options():
         DistillConfig(fc_init="xavier")
 
 
+def test_layer_init_copies_a_target_decoder_layer():
+    staged = StagedModel(tiny_model("llama"), 4)
+    head = new_head(staged, DistillConfig(n_stages=4, num_layers=2, layer_init="target", layer_init_from=-2))
+    source = staged.layers[-2]
+    for layer in head.layers:
+        torch.testing.assert_close(layer.q_proj.weight, source.self_attn.q_proj.weight)
+        torch.testing.assert_close(layer.down_proj.weight, source.mlp.down_proj.weight)
+        torch.testing.assert_close(layer.post_attention_layernorm.weight, source.post_attention_layernorm.weight)
+    # the head's layer computes what the target's does on the same input (query and memory the same rows)
+    layer = head.layers[0]
+    x = torch.randn(1, 5, staged.config.hidden_size)
+    pos = torch.arange(5)[None]
+    cos, sin = head.rope(pos, x.dtype)
+    q = layer.query_heads(x, cos, sin)
+    k, v = layer.memory_kv(x, 0, cos, sin)
+    attn = torch.nn.functional.scaled_dot_product_attention(q, layer.expand_kv(k), layer.expand_kv(v), is_causal=True)
+    ours = layer.finish(x, attn)
+    theirs = source(x, attention_mask=None, position_ids=pos, position_embeddings=staged.rotary_emb(x, pos))
+    theirs = theirs[0] if isinstance(theirs, tuple) else theirs
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+    random = new_head(staged, DistillConfig(n_stages=4))
+    assert not torch.equal(random.layers[0].q_proj.weight, source.self_attn.q_proj.weight)
+    with pytest.raises(SpdInputError, match="layer_init_from"):
+        new_head(staged, DistillConfig(n_stages=4, layer_init="target", layer_init_from=9))
+    with pytest.raises(SpdInputError, match="layer_init"):
+        DistillConfig(layer_init="copy")
+
+
 def test_fill_sampling_policy():
     fills = sample_fills(20000, 4, torch.Generator().manual_seed(0))
     share_full = (fills == 4).float().mean().item()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..errors import SpdInputError, first_line
 from ..files import fsync_path, fsync_tree
@@ -52,6 +53,8 @@ class DistillConfig:
     anchors: list[list[int]] | None = None  # per depth; default (0, b[k]//2, b[k]) (docs/method.md §2)
     memory_proj: bool = False  # per-layer per-depth memory projections
     fc_init: str = "random"  # random | deepest (FC_k = identity on its deepest anchor) | scaled (per-anchor std)
+    layer_init: str = "random"  # random | target (every head layer starts as a copy of target layer layer_init_from)
+    layer_init_from: int = -1  # the target decoder layer layer_init=target copies (negative: from the end)
     init_from: str | None = None  # start from an existing head (dir or hub id) instead of a fresh one
     draft_vocab_size: int = 0  # K: the head's LM head covers the K most frequent supervised tokens (0: all)
     # data: a dataset (the target runs online), a list of datasets (their rows mixed), or a capture directory
@@ -126,6 +129,8 @@ class DistillConfig:
             raise SpdInputError(f"p_full must be in [0, 1], got {self.p_full}")
         if self.fc_init not in ("random", "deepest", "scaled"):
             raise SpdInputError(f"fc_init must be random, deepest or scaled, got '{self.fc_init}'")
+        if self.layer_init not in ("random", "target"):
+            raise SpdInputError(f"layer_init must be random or target, got '{self.layer_init}'")
         if self.target_dtype not in ("auto", "float32", "bfloat16"):
             raise SpdInputError(f"target_dtype must be auto, float32 or bfloat16, got '{self.target_dtype}'")
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
@@ -265,7 +270,53 @@ def new_head(staged: StagedModel, cfg: DistillConfig, draft_ids: torch.Tensor | 
                 deepest = anchors.index(max(anchors))
                 fc.weight.zero_()
                 fc.weight[:, deepest * d:(deepest + 1) * d] = torch.eye(d, dtype=fc.weight.dtype)
+        if cfg.layer_init == "target":
+            for layer in head.layers:
+                copy_target_layer(layer, staged, cfg.layer_init_from)
     return head
+
+
+# head layer parameter -> the Hugging Face decoder layer's (Llama/Qwen3 layout); norms are read off separately
+_TARGET_LAYER_NAMES = {
+    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj",
+    "input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
+    "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+}
+
+
+@torch.no_grad()
+def copy_target_layer(layer: nn.Module, staged: StagedModel, index: int) -> None:
+    """Start a head decoder layer as a copy of the target's decoder layer ``index`` (negative: from the end).
+
+    The layer must be a full-attention layer with a dense MLP of the head's shapes; a norm's scale is read off
+    the norm applied to a unit vector, so ``w`` and ``1 + w`` conventions both copy correctly.
+    """
+    layers = getattr(staged, "layers", None)
+    if layers is None:
+        raise SpdInputError("layer_init=target needs the target's weights, which offline captures do not hold; "
+                            "train online (no capture) or use layer_init=random")
+    if not -len(layers) <= index < len(layers):
+        raise SpdInputError(f"layer_init_from must name one of the target's {len(layers)} decoder layers, got {index}")
+    source = layers[index]
+    for name, path in _TARGET_LAYER_NAMES.items():
+        dest = getattr(layer, name)
+        if dest is None:
+            continue
+        try:
+            src = source.get_submodule(path)
+        except AttributeError:
+            raise SpdInputError(f"target layer {index} has no {path} (a linear-attention or MoE layer?); "
+                                f"layer_init=target needs a full-attention layer with a dense MLP") from None
+        if isinstance(dest, nn.Linear):
+            if src.weight.shape != dest.weight.shape:
+                raise SpdInputError(f"target layer {index}'s {path} is {tuple(src.weight.shape)}, "
+                                    f"the head's {name} {tuple(dest.weight.shape)}")
+            dest.weight.copy_(src.weight)
+        else:
+            unit = torch.ones(1, dest.weight.shape[0], dtype=torch.float64, device=src.weight.device)
+            eps = getattr(src, "variance_epsilon", getattr(src, "eps", 0.0))
+            dest.weight.copy_(src(unit.to(src.weight.dtype))[0].double() * (1.0 + eps) ** 0.5)
 
 
 def scale_fc_init(head: Speculator, rms: dict[int, float]) -> None:
