@@ -70,19 +70,19 @@ def test_greedy_generate_reproduces_the_authors_code(name):
 def test_their_head_as_a_tree_source_of_width_1_is_their_chain(name):
     """Our tree engine with their head at W = 1 reproduces their greedy generate (tokens, flags, steps); at W = 4
     the output still equals the target's greedy output."""
-    from spd.decoding.tree_engine import HeadSource, TreeEngine
+    from spd.decoding.tree_engine import HeadProposer, TreeEngine
 
     info = EXPECTED["heads"][name]
     staged = _staged(info["target"], info["num_stages"])
     eos = EXPECTED["targets"][info["target"]]["eos_token_id"]
     for rec in (r for r in EXPECTED["generate"] if r["head"] == name):
         head = load_authors_head(str(_head_file(name)), staged, use_deepest=rec["use_deepest_effective"])
-        out = TreeEngine(staged, HeadSource(head, staged, 1), 1).run(rec["prompt_ids"], rec["max_new_tokens"],
+        out = TreeEngine(staged, HeadProposer(head, staged, 1), 1).run(rec["prompt_ids"], rec["max_new_tokens"],
                                                                           SamplingParams(), eos_token_id=eos)
         assert out.token_ids == rec["output_ids"]
         assert out.stats.token_acceptance[1:] == rec["accepted"][1:], rec["prompt_index"]
         assert (out.stats.steps, out.stats.flushes) == (rec["steps"], rec["num_rejections"])
-        wide = TreeEngine(staged, HeadSource(head, staged, 4), 4).run(rec["prompt_ids"], rec["max_new_tokens"],
+        wide = TreeEngine(staged, HeadProposer(head, staged, 4), 4).run(rec["prompt_ids"], rec["max_new_tokens"],
                                                                            SamplingParams(), eos_token_id=eos)
         assert wide.token_ids == rec["target_greedy_ids"]
 
@@ -345,7 +345,7 @@ def test_sampling_with_an_authors_draft_vocabulary_head_follows_the_target(tmp_p
     """A head predicting over a subset of the vocabulary (q is zero elsewhere): chi-square, 2000 seeds, in the chain
     and as the source of a sampled tree."""
     from conftest import tiny_model
-    from spd.decoding.tree_engine import HeadSource, TreeEngine
+    from spd.decoding.tree_engine import HeadProposer, TreeEngine
     from spd.training.distill import DistillConfig, new_head
     from spd.heads.published.convert import head_to_authors_file
     from test_engine import _chi_square_p_value, _sample_outcomes, _sequence_probs
@@ -370,7 +370,7 @@ def test_sampling_with_an_authors_draft_vocabulary_head_follows_the_target(tmp_p
     prompt = [1, 4, 2]
     exact = _sequence_probs(staged, prompt, params, 3)
     # The chain on their schedule, and our tree (W = 3, sampled children: q is zero outside the draft vocabulary).
-    for engine in (PipelineEngine(staged, authors), TreeEngine(staged, HeadSource(authors, staged, 2), 3)):
+    for engine in (PipelineEngine(staged, authors), TreeEngine(staged, HeadProposer(authors, staged, 2), 3)):
         counts, stats = _sample_outcomes(engine, prompt, params, 3, 2000)
         flushes, verified = sum(s.flushes for s in stats), sum(s.verified for s in stats)
         assert 0.1 * verified < flushes < 0.9 * verified, type(engine).__name__

@@ -16,7 +16,7 @@ from spd.decoding.engine import PipelineEngine
 from spd.decoding.generation import generate_ar
 from spd.decoding.loop import answer_many
 from spd.decoding.sampling import SamplingParams
-from spd.decoding.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
+from spd.decoding.tree_engine import DraftModelProposer, SpdHeadProposer, TreeEngine
 from spd.errors import SpdInputError
 from spd.target.kv_pool import KVPool
 from spd.target.linear_state import StackedStates
@@ -37,7 +37,7 @@ def target_model():
 
 def _tree_engine(model, n=4, width=4, noise=0.5):
     staged = StagedModel(model, n)
-    return TreeEngine(staged, DraftModelSource(StagedModel(_noisy_copy(model, noise), 1), staged, 4), width)
+    return TreeEngine(staged, DraftModelProposer(StagedModel(_noisy_copy(model, noise), 1), staged, 4), width)
 
 
 def _prompt(i: int) -> list[int]:
@@ -222,7 +222,7 @@ def test_the_head_and_the_lm_head_answer_every_request_in_one_call(target_model,
             for layer in head.layers:
                 for proj in layer.memory_proj.values():
                     proj.weight.add_(0.3 * torch.randn_like(proj.weight))
-    engine = PipelineEngine(staged, head) if width == 1 else TreeEngine(staged, SpdHeadSource(head, staged, 4), 4)
+    engine = PipelineEngine(staged, head) if width == 1 else TreeEngine(staged, SpdHeadProposer(head, staged, 4), 4)
     batched = CheckedBatch(engine, max_batch=6, kv_rows=2048, prefill_chunk=8)
     settings = [SamplingParams(temperature=(0.0, 1.0)[i % 2], seed=i) for i in range(8)]
     outs = batched.generate([_prompt(i) for i in range(8)], 18, settings)
@@ -243,7 +243,7 @@ def test_a_draft_model_proposes_for_every_request_in_one_call(target_model, monk
     engine = _tree_engine(target_model, n=4, width=4)
     draft = engine.source.draft
     joint, checked = [], []
-    original = DraftModelSource.expand_many
+    original = DraftModelProposer.expand_many
 
     def checked_expand_many(items):
         answers = original(items)
@@ -256,7 +256,7 @@ def test_a_draft_model_proposes_for_every_request_in_one_call(target_model, monk
                 checked.append(float((answer_LX[row] - want_X[:answer_LX.shape[1]]).abs().max()))
         return answers
 
-    monkeypatch.setattr(DraftModelSource, "expand_many", staticmethod(checked_expand_many))
+    monkeypatch.setattr(DraftModelProposer, "expand_many", staticmethod(checked_expand_many))
     batched = BatchedPipeline(engine, max_batch=6, kv_rows=2048, prefill_chunk=8)
     settings = [SamplingParams(temperature=(0.0, 0.9)[i % 2], seed=i) for i in range(8)]
     outs = batched.generate([_prompt(i) for i in range(8)], 18, settings)
@@ -271,12 +271,12 @@ def test_a_draft_model_proposes_for_every_request_in_one_call(target_model, monk
                                               ("v10_qwen3_n4_l1", 4), ("v11_qwen35_n4_l1", 4),
                                               ("v11_qwen3_n4_l1_draft", 1)])
 def test_every_head_proposes_for_every_request_in_one_call(target_model, head_kind, width):
-    """The heads asked through their engine calls (HeadSource): our output-state and PPSD heads, and the SPD authors'
+    """The heads asked through their engine calls (HeadProposer): our output-state and PPSD heads, and the SPD authors'
     v10 and v11 heads (a hybrid target's, a draft vocabulary's), chain and W = 4 tree. One ``propose_logits_many``
     call per step answers every running request's every bottom node as its own query does (the authors' tower
     re-runs each request's in-flight rows over its own cache), up to fp32 rounding; greedy and sampled requests
     mixed; greedy output equals solo ar up to near-ties."""
-    from spd.decoding.tree_engine import HeadSource
+    from spd.decoding.tree_engine import HeadProposer
     from test_authors import EXPECTED, _head_file, _staged
     from spd.heads.published.authors_head import load_authors_head
 
@@ -288,7 +288,7 @@ def test_every_head_proposes_for_every_request_in_one_call(target_model, head_ki
         info = EXPECTED["heads"][head_kind]
         staged = _staged(info["target"], info["num_stages"])
         head = load_authors_head(str(_head_file(head_kind)), staged)
-    engine = PipelineEngine(staged, head) if width == 1 else TreeEngine(staged, HeadSource(head, staged, 4), width)
+    engine = PipelineEngine(staged, head) if width == 1 else TreeEngine(staged, HeadProposer(head, staged, 4), width)
     batched = CheckedBatch(engine, max_batch=6, kv_rows=2048, prefill_chunk=8)
     settings = [SamplingParams(temperature=(0.0, 1.0)[i % 2], seed=i) for i in range(8)]
     outs = batched.generate([_prompt(i) for i in range(8)], 18, settings)
@@ -421,7 +421,7 @@ def _hybrid_batch(mode: str, n: int):
     model = tiny_model("qwen3_5", seed=4, layers=4)
     staged = StagedModel(model, n)
     if mode == "tree":  # a noisy copy of the target drafts a W = 3 tree: prunes and misses
-        engine = TreeEngine(staged, DraftModelSource(StagedModel(_noisy_copy(model, 0.5), 1), staged, 2), 3)
+        engine = TreeEngine(staged, DraftModelProposer(StagedModel(_noisy_copy(model, 0.5), 1), staged, 2), 3)
         return staged, engine, BatchedPipeline(engine, max_batch=6, kv_rows=2048, prefill_chunk=8)
     torch.manual_seed(2)
     engine = PipelineEngine(staged, new_head(staged, DistillConfig(n_stages=n)).eval())
@@ -568,7 +568,7 @@ def test_sampled_tree_in_a_mixed_batch_follows_the_target_distribution(cls):
     whose width follows the batch under a node budget, too."""
     model = tiny_model("llama", seed=3, layers=6, vocab=VOCAB, bos_token_id=0, eos_token_id=None, pad_token_id=0)
     staged = StagedModel(model, 2)
-    engine = TreeEngine(staged, DraftModelSource(StagedModel(_noisy_copy(model, 1.0), 1), staged, 3), 3,
+    engine = TreeEngine(staged, DraftModelProposer(StagedModel(_noisy_copy(model, 1.0), 1), staged, 3), 3,
                         candidates="sampled")
     params, prompt = SamplingParams(temperature=1.0), [1, 4, 2]
     batched = cls(engine, max_batch=12, kv_rows=12 * 24, prefill_chunk=4)

@@ -27,8 +27,8 @@ from spd.decoding.engine import PipelineEngine
 from spd.decoding.generation import generate_ar
 from spd.decoding.sampling import SamplingParams
 from spd.decoding.sd import SpeculativeDecoder
-from spd.decoding.serial_head import SerialHeadSource
-from spd.decoding.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
+from spd.decoding.proposers.serial_head import SerialHeadProposer
+from spd.decoding.tree_engine import DraftModelProposer, SpdHeadProposer, TreeEngine
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, new_head
 from test_engine import _chi_square_p_value, _sample_outcomes, _sequence_probs
@@ -96,8 +96,8 @@ def test_greedy_tree_equals_ar(llama, dtype):
     """Width 4 with an SPD head and with a draft model (the target with a noisy LM head), n = 4."""
     staged = StagedModel(_on_device(llama, dtype), 4)
     draft = StagedModel(_on_device(_noisy_copy(llama, 0.3), dtype), 1)
-    engines = {"head": TreeEngine(staged, SpdHeadSource(_head(staged, 4), staged, 4), 4),
-               "draft": TreeEngine(staged, DraftModelSource(draft, staged, 4), 4)}
+    engines = {"head": TreeEngine(staged, SpdHeadProposer(_head(staged, 4), staged, 4), 4),
+               "draft": TreeEngine(staged, DraftModelProposer(draft, staged, 4), 4)}
     hits = 0
     for prompt in PROMPTS:
         ar = generate_ar(staged, prompt, NEW).token_ids
@@ -115,7 +115,7 @@ def test_greedy_sd_equals_ar(llama, dtype):
     draft = StagedModel(_on_device(_noisy_copy(llama, 0.5), dtype), 1)
     torch.manual_seed(4)
     eagle = new_head(target, DistillConfig(variant="eagle", draft_steps=3)).eval()
-    for name, drafter in {"draft": draft, "eagle head": SerialHeadSource(eagle, target)}.items():
+    for name, drafter in {"draft": draft, "eagle head": SerialHeadProposer(eagle, target)}.items():
         sd = SpeculativeDecoder(target, drafter, 3)
         for prompt in PROMPTS:
             ar = generate_ar(target, prompt, NEW).token_ids
@@ -131,7 +131,7 @@ def test_batched_requests_each_get_their_own_answer(llama, dtype, mode):
     if mode == "spd":
         engine = PipelineEngine(staged, _head(staged, 4))
     else:
-        engine = TreeEngine(staged, DraftModelSource(StagedModel(_on_device(_noisy_copy(llama, 0.5), dtype), 1),
+        engine = TreeEngine(staged, DraftModelProposer(StagedModel(_on_device(_noisy_copy(llama, 0.5), dtype), 1),
                                                      staged, 4), 4)
     batched = BatchedPipeline(engine, max_batch=6, kv_rows=2 * (38 + 30 + 4 * 4 + 1), prefill_chunk=8)
     settings = [([(7 * i + 3 * j) % 120 + 1 for j in range(1 + (i * 5) % 38)], 5 + (i * 7) % 26,
@@ -164,7 +164,7 @@ def test_sampled_decoding_follows_the_target_distribution(mode):
     head = _head(staged, 2, seed=4)
     with torch.no_grad():
         head.lm_head.weight.normal_(0, 0.5)  # q differs from p: rejections and residual draws
-    engine = PipelineEngine(staged, head) if mode == "spd" else TreeEngine(staged, SpdHeadSource(head, staged, 2), 2)
+    engine = PipelineEngine(staged, head) if mode == "spd" else TreeEngine(staged, SpdHeadProposer(head, staged, 2), 2)
     counts, stats = _sample_outcomes(engine, [1, 4, 2], params, length, samples)
     assert sum(s.flushes for s in stats) > 0
     assert _chi_square_p_value(counts, exact, samples) > 1e-3
@@ -174,7 +174,7 @@ def test_sampled_decoding_follows_the_target_distribution(mode):
 def test_a_seed_reproduces_its_sample(llama):
     staged = StagedModel(_on_device(llama, torch.float32), 4)
     engines = {"spd": PipelineEngine(staged, _head(staged, 4)),
-               "tree": TreeEngine(staged, SpdHeadSource(_head(staged, 4), staged, 4), 4)}
+               "tree": TreeEngine(staged, SpdHeadProposer(_head(staged, 4), staged, 4), 4)}
     params = SamplingParams(temperature=1.0, top_k=20, seed=11)
     for name, engine in engines.items():
         a, b = (engine.run([5, 6, 7], 30, params).token_ids for _ in range(2))

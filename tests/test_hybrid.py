@@ -15,7 +15,7 @@ from spd.decoding.generation import default_eos, generate_ar
 from spd.target.linear_state import LinearStateRing
 from spd.decoding.sampling import SamplingParams
 from spd.target.staging import StagedModel
-from spd.decoding.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
+from spd.decoding.tree_engine import DraftModelProposer, SpdHeadProposer, TreeEngine
 from test_engine import ScriptedEngine, _chi_square_p_value, _sample_outcomes, _sequence_probs
 
 HYBRIDS = ["qwen3_5", "qwen3_next"]
@@ -276,11 +276,11 @@ def test_hybrid_tree_greedy_equals_generate(family, n):
     torch.manual_seed(1)
     head = new_head(staged, DistillConfig(n_stages=n)).eval()
     noisy = StagedModel(_noisy_copy(model, 0.5), 1)
-    runs = [(DraftModelSource(StagedModel(model, 1), staged, 4), 4, "perfect"),
-            (DraftModelSource(noisy, staged, 4), 4, "noisy"),
-            (ScriptedSource(SpdHeadSource(head, staged, 1), PROMPT + reference, lambda pos: pos % 5 not in (0, 2)), 1,
+    runs = [(DraftModelProposer(StagedModel(model, 1), staged, 4), 4, "perfect"),
+            (DraftModelProposer(noisy, staged, 4), 4, "noisy"),
+            (ScriptedSource(SpdHeadProposer(head, staged, 1), PROMPT + reference, lambda pos: pos % 5 not in (0, 2)), 1,
              "scripted"),
-            (ScriptedSource(SpdHeadSource(head, staged, 4), PROMPT + reference, lambda pos: pos % 4 != 1, rank=2), 4,
+            (ScriptedSource(SpdHeadProposer(head, staged, 4), PROMPT + reference, lambda pos: pos % 4 != 1, rank=2), 4,
              "scripted")]
     for source, width, kind in runs:
         out = TreeEngine(staged, source, width).run(PROMPT, 40, SamplingParams())
@@ -308,11 +308,11 @@ def test_sampled_tree_on_a_hybrid_target_follows_the_target_distribution():
     draft = StagedModel(_noisy_copy(model, 1.5), 1)
     prompt = [1, 4, 2]
     exact = _sequence_probs(staged, prompt, params, length)
-    counts, stats = _sample_outcomes(TreeEngine(staged, DraftModelSource(draft, staged, 2), 3), prompt, params, length,
+    counts, stats = _sample_outcomes(TreeEngine(staged, DraftModelProposer(draft, staged, 2), 3), prompt, params, length,
                                      samples)
     assert sum(s.flushes for s in stats) > 0.1 * samples and sum(s.accepted for s in stats) > 0.1 * samples
     assert _chi_square_p_value(counts, exact, samples) > 1e-3
-    control, _ = _sample_outcomes(IndependentBranches(staged, DraftModelSource(draft, staged, 2), 3), prompt, params,
+    control, _ = _sample_outcomes(IndependentBranches(staged, DraftModelProposer(draft, staged, 2), 3), prompt, params,
                                   length, samples)
     assert _chi_square_p_value(control, exact, samples) < 1e-3
 
@@ -366,7 +366,7 @@ def check_distributed_equals_single_process(target, tmp_path, temperature: float
     tok = load_tokenizer(target)
     head = load_speculator(tmp_path / "head")
     engine = PipelineEngine(staged, head, tok)
-    tree = TreeEngine(staged, SpdHeadSource(head, staged, 2), 2, tok)
+    tree = TreeEngine(staged, SpdHeadProposer(head, staged, 2), 2, tok)
     torch.set_num_threads(1)  # as each stage process
     for mode, eng in (("spd", engine), ("pp", engine), ("tree", tree)):
         ids = [tok(p)["input_ids"] for p in PROMPTS]
@@ -420,7 +420,7 @@ def test_distributed_draft_tree_on_a_hybrid_target_prunes_the_node_states(hybrid
                          "--max-new-tokens", "20", "--out", str(out), *batch)
         assert proc.returncode == 0, proc.stderr[-3000:]
         results = json.loads(out.read_text())["results"]["tree"]
-        engine = TreeEngine(staged, DraftModelSource(StagedModel.from_pretrained(draft, n_stages=1), staged, 2), 3, tok)
+        engine = TreeEngine(staged, DraftModelProposer(StagedModel.from_pretrained(draft, n_stages=1), staged, 2), 3, tok)
         ids = [tok(p)["input_ids"] for p in PROMPTS]
         if hits_only:
             want = [engine.generate(p, 20).token_ids for p in ids]

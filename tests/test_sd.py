@@ -14,8 +14,8 @@ from spd.errors import SpdInputError
 from spd.decoding.generation import generate_ar
 from spd.decoding.sampling import SamplingParams
 from spd.decoding.sd import SpeculativeDecoder
-from spd.decoding.serial_head import SerialHeadSource
-from spd.decoding.proposer import Proposer
+from spd.decoding.proposers.serial_head import SerialHeadProposer
+from spd.decoding.proposers import Proposer
 from spd.heads.speculator import Speculator
 from spd.target.staging import StagedModel
 from test_cli import spd_generate
@@ -69,7 +69,7 @@ def _small_vocab_target(vocab: int = 6, scale: float = 1.0) -> tuple[torch.nn.Mo
 def test_greedy_sd_with_an_eagle_head_equals_ar(m):
     """The head drafts from its memory of the rows the target ran plus the rows in flight at depth 0."""
     _, target = _small_vocab_target()
-    sd = SpeculativeDecoder(target, SerialHeadSource(_eagle_head(target, m), target), m)
+    sd = SpeculativeDecoder(target, SerialHeadProposer(_eagle_head(target, m), target), m)
     accepted = 0
     for prompt in ([1, 4, 2], [3], [5, 1, 1, 2, 3, 4, 0, 2]):
         out = sd.run(prompt, 30, SamplingParams())
@@ -86,7 +86,7 @@ def test_the_head_drafter_reads_the_target_rows_and_its_drafts():
     drafts at depth 0): incremental drafting is the computation the head was trained for."""
     _, target = _small_vocab_target()
     head = _eagle_head(target, 4)
-    sd = SpeculativeDecoder(target, SerialHeadSource(head, target), 4)
+    sd = SpeculativeDecoder(target, SerialHeadProposer(head, target), 4)
     assert isinstance(sd.proposer, Proposer)
     prompt, m = [1, 4, 2, 5, 3], 4
     caches = target.new_caches(capacity=16)
@@ -158,7 +158,7 @@ def test_sampled_sd_follows_the_target_distribution(cls, params, kind):
     with a draft model and with an eagle head drafting."""
     length, samples = 3, 800
     model, target = _small_vocab_target()
-    drafter = StagedModel(_noisy_copy(model, 1.0), 1) if kind == "draft" else SerialHeadSource(
+    drafter = StagedModel(_noisy_copy(model, 1.0), 1) if kind == "draft" else SerialHeadProposer(
         _eagle_head(target, 2, spread=0.2), target)
     sd = cls(target, drafter, 2)
     prompt = [1, 4, 2]

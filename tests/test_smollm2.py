@@ -108,7 +108,7 @@ def test_trained_head_every_mode_equals_ar(smollm2, target, tmp_path):
     from spd.decoding.sd import build_sd_engine
     from spd.heads.speculator import Speculator
     from spd.target.staging import StagedModel
-    from spd.decoding.tree_engine import SpdHeadSource, TreeEngine
+    from spd.decoding.tree_engine import SpdHeadProposer, TreeEngine
 
     data = tmp_path / "chats.jsonl"
     run_script("data/regenerate.py", "--target", str(smollm2 / "target"), "--prompts", "stdlib:4",
@@ -126,7 +126,7 @@ def test_trained_head_every_mode_equals_ar(smollm2, target, tmp_path):
     head = Speculator.from_pretrained(run / "final").eval()
     assert head.config.boundaries == [0, 8, 16, 23, 30]
     staged = StagedModel(model, boundaries=head.config.boundaries)
-    engine, tree = PipelineEngine(staged, head), TreeEngine(staged, SpdHeadSource(head, staged, 3), 3)
+    engine, tree = PipelineEngine(staged, head), TreeEngine(staged, SpdHeadProposer(head, staged, 3), 3)
     whole = StagedModel(model, 1)
     torch.manual_seed(0)
     sd = build_sd_engine(whole, tokenizer, None, None, 3, torch.float32, "cpu",
@@ -184,7 +184,7 @@ def test_published_head_equals_ar_on_a_chat_prompt(smollm2, target):
     from spd.decoding.engine import PipelineEngine
     from spd.decoding.generation import generate_ar
     from spd.decoding.sampling import SamplingParams
-    from spd.decoding.tree_engine import SpdHeadSource, TreeEngine
+    from spd.decoding.tree_engine import SpdHeadProposer, TreeEngine
     from spd.heads.config import check_compatible
     from spd.heads.loading import load_speculator
     from spd.target.staging import StagedModel
@@ -200,5 +200,5 @@ def test_published_head_equals_ar_on_a_chat_prompt(smollm2, target):
     chain = PipelineEngine(staged, head).run(ids, 48, SamplingParams())
     assert chain.token_ids == ar
     assert chain.stats.equivalent_accept_length > 1.2  # a head that never agrees would give 1.0
-    assert TreeEngine(staged, SpdHeadSource(head, staged, 4), 4).run(ids, 48, SamplingParams()).token_ids == ar
+    assert TreeEngine(staged, SpdHeadProposer(head, staged, 4), 4).run(ids, 48, SamplingParams()).token_ids == ar
 

@@ -14,8 +14,8 @@ from spd.errors import SpdInputError
 from spd.decoding.generation import generate_ar
 from spd.decoding.sampling import SamplingParams
 from spd.target.staging import StagedModel, load_tokenizer
-from spd.decoding.proposer import Proposer
-from spd.decoding.tree_engine import DraftModelSource, HeadSource, SpdHeadSource, TreeEngine
+from spd.decoding.proposers import Proposer
+from spd.decoding.tree_engine import DraftModelProposer, HeadProposer, SpdHeadProposer, TreeEngine
 from test_engine import _chi_square_p_value, _sample_outcomes, _sequence_probs
 
 PROMPTS = [[5, 17, 3, 99, 42, 8], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
@@ -39,7 +39,7 @@ def target_model():
 def _draft_engine(target_model, n, width, children, draft_model=None, noise=0.3):
     staged = StagedModel(target_model, n)
     draft = StagedModel(draft_model if draft_model is not None else _noisy_copy(target_model, noise), 1)
-    return TreeEngine(staged, DraftModelSource(draft, staged, children), width)
+    return TreeEngine(staged, DraftModelProposer(draft, staged, children), width)
 
 
 class ScriptedSource:
@@ -96,7 +96,7 @@ def test_greedy_tree_equals_ar_on_the_testbed(tiny_testbed):
         staged = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=n)
         refs = [generate_ar(staged, ids, 20).token_ids for ids in prompts]
         for i, (width, children) in enumerate(((1, 1), (4, 1), (4, 4), (16, 4))):
-            engine = TreeEngine(staged, DraftModelSource(draft, staged, children, tok, tok), width)
+            engine = TreeEngine(staged, DraftModelProposer(draft, staged, children, tok, tok), width)
             out = engine.run(prompts[i % 3], 20, SamplingParams())
             assert out.token_ids == refs[i % 3], (n, width, children)
             assert out.stats.max_tree_size <= 1 + n * width
@@ -110,7 +110,7 @@ def test_greedy_tree_equals_ar_with_drafts_of_every_quality(target_model, n):
     staged = StagedModel(target_model, n)
     refs = [generate_ar(staged, prompt, 24).token_ids for prompt in PROMPTS[:2]]
     for model, width, children in runs:
-        engine = TreeEngine(staged, DraftModelSource(StagedModel(model, 1), staged, children), width)
+        engine = TreeEngine(staged, DraftModelProposer(StagedModel(model, 1), staged, children), width)
         for prompt, ref in zip(PROMPTS, refs):
             out = engine.run(prompt, 24, SamplingParams())
             assert out.token_ids == ref, (width, children)
@@ -127,7 +127,7 @@ def test_greedy_tree_equals_ar_with_drafts_of_every_quality(target_model, n):
 @pytest.mark.parametrize("family,overrides", [("qwen3", {}), ("mistral", {"sliding_window": 4})])
 def test_greedy_tree_equals_ar_other_families(family, overrides):
     model = tiny_model(family, **overrides)
-    engine = TreeEngine(StagedModel(model, 4), DraftModelSource(StagedModel(_noisy_copy(model, 0.3), 1),
+    engine = TreeEngine(StagedModel(model, 4), DraftModelProposer(StagedModel(_noisy_copy(model, 0.3), 1),
                                                                StagedModel(model, 4), 4), 4)
     for prompt in PROMPTS[:2]:
         out = engine.run(prompt, 24, SamplingParams())
@@ -235,7 +235,7 @@ def test_spd_head_width_one_reproduces_the_chain_engine(target_model, n):
     head = new_head(staged, DistillConfig(n_stages=n)).eval()
     chain = PipelineEngine(staged, head)
     for children in (1, 4):
-        tree = TreeEngine(staged, SpdHeadSource(head, staged, children), 1)
+        tree = TreeEngine(staged, SpdHeadProposer(head, staged, children), 1)
         for prompt in PROMPTS:
             with _Recorder(head) as rec_chain:
                 c = chain.run(prompt, 30, SamplingParams())
@@ -249,7 +249,7 @@ def test_spd_head_width_one_reproduces_the_chain_engine(target_model, n):
                 torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-class CheckedHeadSource(SpdHeadSource):
+class CheckedHeadSource(SpdHeadProposer):
     """Checks every bottom node's candidates against a from-scratch query: the anchors of each path node come
     from a plain forward of ``committed + path``, at the depth the node's level has reached."""
 
@@ -358,41 +358,41 @@ def test_sampling_is_reproducible_for_a_seed(target_model):
 def test_vocabulary_mismatch_is_refused(tiny_testbed, target_model):
     staged = StagedModel(target_model, 2)
     with pytest.raises(SpdInputError, match="draft model's vocabulary has 64 tokens but the target's has 128"):
-        DraftModelSource(StagedModel(tiny_model("llama", layers=2, vocab=64), 1), staged)
+        DraftModelProposer(StagedModel(tiny_model("llama", layers=2, vocab=64), 1), staged)
     tok = load_tokenizer(tiny_testbed / "target")
     other = copy.deepcopy(tok)
     other.add_tokens(["<|extra|>"])
     target = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=2)
     draft = StagedModel.from_pretrained(tiny_testbed / "draft", n_stages=1)
     with pytest.raises(SpdInputError, match=r"draft model's tokenizer .* differs from the target's"):
-        DraftModelSource(draft, target, 4, tok, other)
-    DraftModelSource(draft, target, 4, tok, copy.deepcopy(tok))  # the same vocabulary is fine
+        DraftModelProposer(draft, target, 4, tok, other)
+    DraftModelProposer(draft, target, 4, tok, copy.deepcopy(tok))  # the same vocabulary is fine
 
 
 def test_bad_settings_and_heads_are_refused(target_model):
     staged = StagedModel(target_model, 4)
     draft = StagedModel(target_model, 1)
     with pytest.raises(SpdInputError, match="tree width"):
-        TreeEngine(staged, DraftModelSource(draft, staged, 4), 0)
+        TreeEngine(staged, DraftModelProposer(draft, staged, 4), 0)
     with pytest.raises(SpdInputError, match="tree children"):
-        DraftModelSource(draft, staged, 0)
+        DraftModelProposer(draft, staged, 0)
     for variant in ("output_state", "ppsd"):
         head = new_head(staged, DistillConfig(n_stages=4, variant=variant))
         with pytest.raises(SpdInputError, match="needs an SPD head"):
-            SpdHeadSource(head, staged)
+            SpdHeadProposer(head, staged)
     with pytest.raises(SpdInputError, match="trained for n = 4 stages but the pipeline has 2"):
-        SpdHeadSource(new_head(staged, DistillConfig(n_stages=4)), StagedModel(target_model, 2))
-    for variant in ("output_state", "ppsd"):  # a chain only: through HeadSource at width 1, refused wider
+        SpdHeadProposer(new_head(staged, DistillConfig(n_stages=4)), StagedModel(target_model, 2))
+    for variant in ("output_state", "ppsd"):  # a chain only: through HeadProposer at width 1, refused wider
         head = new_head(staged, DistillConfig(n_stages=4, variant=variant))
-        TreeEngine(staged, HeadSource(head, staged, 1), 1)
+        TreeEngine(staged, HeadProposer(head, staged, 1), 1)
         with pytest.raises(SpdInputError, match="no tree semantics"):
-            TreeEngine(staged, HeadSource(head, staged, 2), 2)
+            TreeEngine(staged, HeadProposer(head, staged, 2), 2)
 
 
 def test_every_token_source_is_a_proposer(target_model):
     staged = StagedModel(target_model, 4)
     head = new_head(staged, DistillConfig(n_stages=4)).eval()
-    for source in (SpdHeadSource(head, staged), HeadSource(head, staged), DraftModelSource(StagedModel(target_model, 1),
+    for source in (SpdHeadProposer(head, staged), HeadProposer(head, staged), DraftModelProposer(StagedModel(target_model, 1),
                                                                                            staged)):
         assert isinstance(source, Proposer), type(source).__name__
 

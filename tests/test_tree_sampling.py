@@ -14,7 +14,7 @@ from spd.decoding.generation import generate_ar
 from spd.decoding.sampling import SamplingParams
 from spd.target.staging import StagedModel
 from spd.decoding.tree import TokenTree, grow_sampled, grow_top_k, verify_sampled_recursive
-from spd.decoding.tree_engine import DraftModelSource, SpdHeadSource, TreeEngine
+from spd.decoding.tree_engine import DraftModelProposer, SpdHeadProposer, TreeEngine
 from spd.decoding.tree_width import AdaptiveWidth, FixedWidth, parse_tree_width, tree_width
 from test_engine import _chi_square_p_value, _sample_outcomes, _sequence_probs
 from test_tree_engine import _noisy_copy
@@ -121,12 +121,12 @@ def _target(n: int, scale: float) -> tuple[torch.nn.Module, StagedModel]:
 
 def _source(kind: str, model, staged, n: int, children: int):
     if kind == "draft":
-        return DraftModelSource(StagedModel(_noisy_copy(model, 1.0), 1), staged, children)
+        return DraftModelProposer(StagedModel(_noisy_copy(model, 1.0), 1), staged, children)
     torch.manual_seed(4)
     head = new_head(staged, DistillConfig(n_stages=n)).eval()
     with torch.no_grad():
         head.lm_head.weight.normal_(0, 0.5)  # a head whose q differs from p: rejections, residual draws
-    return SpdHeadSource(head, staged, children)
+    return SpdHeadProposer(head, staged, children)
 
 
 class IndependentBranches(TreeEngine):
@@ -198,7 +198,7 @@ def test_the_rule_follows_the_request():
     """auto: top-K when greedy (output == ar), sampled at T > 0; a seed reproduces; bad names are refused."""
     model = tiny_model("llama", seed=0, layers=8)
     staged = StagedModel(model, 4)
-    engine = TreeEngine(staged, DraftModelSource(StagedModel(_noisy_copy(model, 0.3), 1), staged, 4), 4)
+    engine = TreeEngine(staged, DraftModelProposer(StagedModel(_noisy_copy(model, 0.3), 1), staged, 4), 4)
     greedy = engine.run([5, 17, 3], 20, SamplingParams())
     assert greedy.stats.candidates == "top-k" and greedy.token_ids == generate_ar(staged, [5, 17, 3], 20).token_ids
     params = SamplingParams(temperature=1.0, top_k=20, seed=3)
@@ -249,7 +249,7 @@ def test_tree_width_parsing():
 def test_greedy_auto_width_equals_ar(tiny_testbed):
     target = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=4)
     draft = StagedModel.from_pretrained(tiny_testbed / "draft", n_stages=1)
-    engine = TreeEngine(target, DraftModelSource(draft, target, 4), AdaptiveWidth(max_width=8, children=4, window=2))
+    engine = TreeEngine(target, DraftModelProposer(draft, target, 4), AdaptiveWidth(max_width=8, children=4, window=2))
     for prompt in ([5, 17, 3, 99], [7]):
         out = engine.run(prompt, 40, SamplingParams())
         assert out.token_ids == generate_ar(target, prompt, 40).token_ids

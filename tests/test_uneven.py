@@ -14,7 +14,7 @@ from spd.decoding.generation import generate_ar
 from spd.decoding.sampling import SamplingParams
 from spd.heads.loading import pipeline_cut
 from spd.target.staging import StagedModel, balanced_boundaries, split_layers
-from spd.decoding.tree_engine import SpdHeadSource, TreeEngine
+from spd.decoding.tree_engine import SpdHeadProposer, TreeEngine
 
 PROMPTS = [[5, 17, 3, 99, 42, 8], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 
@@ -37,7 +37,7 @@ def test_uneven_cut_every_mode_equals_ar(boundaries):
     head = new_head(staged, DistillConfig(n_stages=len(boundaries) - 1, boundaries=boundaries)).eval()
     assert head.config.boundaries == boundaries
     engine = PipelineEngine(staged, head)
-    tree = TreeEngine(staged, SpdHeadSource(head, staged, 3), 3)
+    tree = TreeEngine(staged, SpdHeadProposer(head, staged, 3), 3)
     for prompt in PROMPTS:
         ar = generate_ar(staged, prompt, 24).token_ids
         assert engine.run(prompt, 24, SamplingParams()).token_ids == ar

@@ -12,7 +12,7 @@ tree, width policy, sampling parameters and seed, and its own stage caches: a re
    request: the levels in flight of the running requests (a chain's token, a tree level) and the chunks of the
    newcomers' prompts in flight. The work is started first; the running requests' proposers then make their next
    levels while the stages compute (on the distributed runtime they do so at the same time), all in one call where they
-   share a head (:func:`spd.decoding.proposer.propose_many`: one batched query of the SPD head over every
+   share a head (:func:`spd.decoding.proposers.propose_many`: one batched query of the SPD head over every
    request's path), and the outputs are collected after that. Prompts enter the pipeline ``prefill_chunk`` tokens
    per step in all, the oldest newcomer's first (the rest of the budget goes to the next), and flow stage by stage
    like the levels, so newcomers never stall the requests in flight for their whole prompts (chunked, pipelined

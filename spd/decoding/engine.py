@@ -1,8 +1,8 @@
 """The pipelined SPD chain engine (``spd`` and ``pp``, single process): the semantic reference of docs/method.md §5.
 
 The chain is the step loop of :mod:`spd.decoding.loop` at width 1 (every tree level one token), with the head as
-its proposer (:class:`spd.decoding.tree_engine.SpdHeadSource` for SPD heads,
-:class:`spd.decoding.tree_engine.HeadSource` for the output-state ablation, PPSD and the SPD authors' heads) or with
+its proposer (:class:`spd.decoding.proposers.SpdHeadProposer` for SPD heads,
+:class:`spd.decoding.proposers.HeadProposer` for the output-state ablation, PPSD and the SPD authors' heads) or with
 none (``pp``).
 
 The target is cut into ``n`` stages, each with its own KV cache. Every **step** each in-flight token
@@ -48,7 +48,7 @@ from .loop import LocalStages, StepLoop
 from .request import generate_request
 from .sampling import SamplingParams
 from .stats import PipelineStats
-from .tree_engine import HeadSource, SpdHeadSource
+from .tree_engine import HeadProposer, SpdHeadProposer
 from .tree_width import FixedWidth
 from ..heads.speculator import Speculator
 from ..target.staging import StagedModel, load_target_tokenizer
@@ -73,7 +73,7 @@ class PipelineEngine:
                                     f"{staged.dtype} on {staged.device}; load both with the same dtype and device")
             spd_head = isinstance(speculator, Speculator) and speculator.config.schedule == "input" \
                 and speculator.config.max_depth == staged.n_stages
-            source = SpdHeadSource if spd_head else HeadSource
+            source = SpdHeadProposer if spd_head else HeadProposer
             self.source = source(speculator, staged, children=1, mode="spd", tokenizer=tokenizer)
         self.stages = stages if stages is not None else LocalStages(staged)
         self.loop = StepLoop(staged, self.stages, FixedWidth(1, 1))

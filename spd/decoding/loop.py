@@ -6,7 +6,7 @@ its level ``d`` holds speculated tokens for position ``P + d``. A chain is the t
 node), the standard pipeline (``pp``) the loop without a proposer (the tree is the root alone). One **step** (the
 unit ``K`` counts):
 
-1. The proposer (:class:`spd.decoding.proposer.Proposer`) grows the tree by one level: it gives its distribution
+1. The proposer (:class:`spd.decoding.proposers.Proposer`) grows the tree by one level: it gives its distribution
    after each bottom node and the request's *candidate rule* picks at most ``W`` children for the level (fixed
    or adaptive: :mod:`spd.decoding.tree_width`), at most ``K`` per node: greedy or ``top-k``: each node's
    top-``K``, the ``W`` best by cumulative log-probability kept (:func:`spd.decoding.tree.grow_top_k`);
@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set, first_output, stop_reason
-from .proposer import Proposer, propose_many
+from .proposers import Proposer, propose_many
 from .sampling import SamplingParams, select_token, warped_probs
 from .stats import PipelineStats, TreeStats
 from .tree import (Level, TokenTree, grow_sampled, grow_top_k, verify_greedy, verify_sampled_deterministic,
@@ -188,7 +188,7 @@ class Propose:
     """Work a request hands its driver: the proposer's distributions after the tree's bottom nodes,
     ``source.expand(tree, context, levels)``; the driver answers with the ``(L, X)`` log-probabilities. :func:`drive`
     asks the source at once; a batched driver asks every request's source together
-    (:func:`spd.decoding.proposer.propose_many`: one batched head call where the sources share a head)."""
+    (:func:`spd.decoding.proposers.propose_many`: one batched head call where the sources share a head)."""
 
     source: Proposer
     tree: TokenTree
@@ -215,7 +215,7 @@ class TargetLogits:
 
 def answer_many(items: list) -> list[torch.Tensor]:
     """The answers to many requests' questions (:class:`Propose`, :class:`TargetLogits`), in their order: the
-    proposers' together where they share a head (:func:`~spd.decoding.proposer.propose_many`), the target's
+    proposers' together where they share a head (:func:`~spd.decoding.proposers.propose_many`), the target's
     logits in one LM-head call per target; a question alone of its kind is asked alone."""
     answers: list[torch.Tensor | None] = [None] * len(items)
     proposals = [i for i, item in enumerate(items) if isinstance(item, Propose)]

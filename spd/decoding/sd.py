@@ -2,10 +2,10 @@
 
 No pipeline: a token source drafts ``m`` tokens one after another (``--draft-steps``), then the target
 runs the last committed token and the ``m`` drafts in **one** forward and verifies them left to right.
-The token source is a :class:`~spd.decoding.proposer.Proposer`, the interface of the pipelined modes, growing a
+The token source is a :class:`~spd.decoding.proposers.Proposer`, the interface of the pipelined modes, growing a
 chain rooted at the newest committed token one node at a time while the target is idle. Two fit: a draft model
-(:class:`~spd.decoding.tree_engine.DraftModelSource`), or our head trained with ``variant=eagle``
-(:class:`~spd.decoding.serial_head.SerialHeadSource`, the paper's EAGLE-3 row): the serial schedule, where every row
+(:class:`~spd.decoding.proposers.DraftModelProposer`), or our head trained with ``variant=eagle``
+(:class:`~spd.decoding.proposers.SerialHeadProposer`, the paper's EAGLE-3 row): the serial schedule, where every row
 the target has run enters the head's memory with the target's features (low, middle and last layer) and the newest
 committed token and the head's own earlier drafts enter at depth 0 (their embeddings), as in training. One
 *iteration*:
@@ -53,10 +53,10 @@ from .request import OneModeEngine
 from .sampling import SamplingParams, select_token, warped_probs
 from ..heads.speculator import Speculator
 from ..target.staging import StagedModel, load_target_tokenizer
-from .proposer import Proposer
-from .serial_head import SerialHeadSource
+from .proposers import Proposer
+from .proposers import SerialHeadProposer
 from .tree import Level, TokenTree, verify_sampled_recursive
-from .tree_engine import DraftModelSource, load_draft_model
+from .tree_engine import DraftModelProposer, load_draft_model
 
 
 @dataclass
@@ -120,13 +120,13 @@ def serial_proposer(drafter: "Proposer | StagedModel", target: StagedModel, targ
                     draft_tokenizer=None) -> Proposer:
     """The proposer that drafts serially for ``target``: a bare StagedModel is a draft model; a proposer is kept.
 
-    Two fit: a draft model (:class:`~spd.decoding.tree_engine.DraftModelSource`, sharing the target's tokenizer) and
-    our head trained with variant=eagle (:class:`~spd.decoding.serial_head.SerialHeadSource`)."""
+    Two fit: a draft model (:class:`~spd.decoding.proposers.DraftModelProposer`, sharing the target's tokenizer) and
+    our head trained with variant=eagle (:class:`~spd.decoding.proposers.SerialHeadProposer`)."""
     if isinstance(drafter, StagedModel):
         if drafter.is_hybrid:
             raise SpdInputError(HYBRID_SD_ERROR)
-        drafter = DraftModelSource(drafter, target, 1, target_tokenizer, draft_tokenizer)
-    if not isinstance(drafter, (DraftModelSource, SerialHeadSource)):
+        drafter = DraftModelProposer(drafter, target, 1, target_tokenizer, draft_tokenizer)
+    if not isinstance(drafter, (DraftModelProposer, SerialHeadProposer)):
         raise SpdInputError(f"--mode sd drafts with a draft model or a head trained with variant=eagle, not with "
                             f"{type(drafter).__name__}")
     return drafter
@@ -143,8 +143,8 @@ class SpeculativeDecoder(OneModeEngine):
 
     def __init__(self, target: StagedModel, drafter: "Proposer | StagedModel", draft_steps: int = 4,
                  tokenizer=None, target_tokenizer=None, draft_tokenizer=None):
-        """``drafter``: a :class:`~spd.decoding.tree_engine.DraftModelSource` or
-        :class:`~spd.decoding.serial_head.SerialHeadSource` (a bare StagedModel is a draft model)."""
+        """``drafter``: a :class:`~spd.decoding.proposers.DraftModelProposer` or
+        :class:`~spd.decoding.proposers.SerialHeadProposer` (a bare StagedModel is a draft model)."""
         if not isinstance(draft_steps, int) or draft_steps < 1:
             raise SpdInputError(f"the number of draft steps must be a positive integer, got {draft_steps!r}")
         if target.is_hybrid:
@@ -155,7 +155,7 @@ class SpeculativeDecoder(OneModeEngine):
         self.target, self.draft_steps, self.tokenizer = target, draft_steps, tokenizer
         self.staged = target  # OneModeEngine's name for the target
         # The cost model counts a draft model's layers (it runs serially here, not hidden behind a stage).
-        is_draft = isinstance(self.proposer, DraftModelSource)
+        is_draft = isinstance(self.proposer, DraftModelProposer)
         self.source = "draft" if is_draft else "head"
         self.draft_layers = self.proposer.draft.num_layers if is_draft else self.proposer.num_layers
 
@@ -304,6 +304,6 @@ def build_sd_engine(staged: StagedModel, tokenizer, draft_model: str | None, dra
         raise SpdInputError("--mode sd takes one drafter: --draft-model DIR_OR_ID (a small causal LM with the "
                             "target's tokenizer) or --speculator DIR_OR_ID (a head trained with variant=eagle)")
     if head is not None:
-        return SpeculativeDecoder(staged, SerialHeadSource(head, staged), draft_steps, tokenizer)
+        return SpeculativeDecoder(staged, SerialHeadProposer(head, staged), draft_steps, tokenizer)
     draft, draft_tokenizer = load_draft_model(draft_model, draft_revision, dtype, device)
     return SpeculativeDecoder(staged, draft, draft_steps, tokenizer, draft_tokenizer=draft_tokenizer)

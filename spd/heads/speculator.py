@@ -309,7 +309,7 @@ class Speculator(PreTrainedModel):
         return h_BND
 
     # ------------------------------------------------------------------------------ inference path
-    # The head's engine calls (spd.decoding.tree_engine.HeadSource): prefill_anchors / prefill_memory / retire /
+    # The head's engine calls (spd.decoding.proposers.HeadProposer): prefill_anchors / prefill_memory / retire /
     # propose_logits. The authors' heads (spd.heads.published.authors_head) implement the same four with their own
     # schedule.
     def prefill_anchors(self) -> list[int]:

@@ -1,18 +1,18 @@
 """The one interface of a token source: :class:`Proposer`, what the step loop (:mod:`spd.decoding.loop`) asks of it.
 
 A proposer grows the token tree by one level per step (docs/method.md §5-6). Three implement it in
-:mod:`spd.decoding.tree_engine`: :class:`~spd.decoding.tree_engine.SpdHeadSource` (our SPD heads, any width, one
-batched query over the bottom nodes), :class:`~spd.decoding.tree_engine.HeadSource` (any head through the
+:mod:`spd.decoding.tree_engine`: :class:`~spd.decoding.proposers.SpdHeadProposer` (our SPD heads, any width, one
+batched query over the bottom nodes), :class:`~spd.decoding.proposers.HeadProposer` (any head through the
 head's engine calls, one query per bottom node: the SPD authors' heads at any width, and our heads on the
-output-state and PPSD schedules, which are chains) and :class:`~spd.decoding.tree_engine.DraftModelSource` (a small
-causal LM), and a fourth in :mod:`spd.decoding.serial_head`: :class:`~spd.decoding.serial_head.SerialHeadSource` (our
+output-state and PPSD schedules, which are chains) and :class:`~spd.decoding.proposers.DraftModelProposer` (a small
+causal LM), and a fourth in :mod:`spd.decoding.proposers.serial_head`: :class:`~spd.decoding.proposers.SerialHeadProposer` (our
 head trained with variant=eagle). The standard pipeline (``pp``) runs the same loop with no proposer. Serial
 drafting (:mod:`spd.decoding.sd`) drives the draft model and the serial head through this interface too: it expands
 a chain while the target is idle, then commits the rows the target kept (``commit_root``) and resets.
 
 A batched driver asks the proposers of many requests at once (:func:`propose_many`): sources whose class has
 ``expand_many`` and whose ``batch_key()`` is the same are asked in one call
-(:class:`~spd.decoding.tree_engine.SpdHeadSource`: one head; :class:`~spd.decoding.tree_engine.DraftModelSource`:
+(:class:`~spd.decoding.proposers.SpdHeadProposer`: one head; :class:`~spd.decoding.proposers.DraftModelProposer`:
 one draft model). Such a source may keep its request's cache in a pool shared by the batch's requests, which the
 batched driver makes once from the first source's ``new_pool(rows, slots)``, gives each request with ``use_pool``
 when it admits it, and takes back with ``leave_pool`` when the request ends: a draft model's KV in the rows of the
@@ -29,7 +29,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .tree import Level, TokenTree
+from ..tree import Level, TokenTree
 
 
 @runtime_checkable

@@ -1,12 +1,12 @@
-"""Token source (d): our head trained with ``variant=eagle``, the serial drafter of ``--mode sd`` (the paper's EAGLE-3 row).
+"""Proposer (d): our head trained with ``variant=eagle``, the serial drafter of ``--mode sd`` (the paper's EAGLE-3 row).
 
-A :class:`~spd.decoding.proposer.Proposer` on the *serial* schedule (docs/method.md §2): no pipeline, the whole target
+A :class:`~spd.decoding.proposers.Proposer` on the *serial* schedule (docs/method.md §2): no pipeline, the whole target
 is one stage. Every row the target has run enters the head's memory with the target's features at full depth (low,
 middle and last layer); the rows the target has not run, the newest committed token (the tree's root) and the head's
 own drafts, are the trailing rows at depth 0 (``g^0``: the token's embedding in the target through ``FC_0``), the
 j-th draft seeing j of them, as in training. Serial drafting (:mod:`spd.decoding.sd`) grows a chain with
-:meth:`SerialHeadSource.expand` while the target is idle, then hands each row the target verified and kept to
-:meth:`SerialHeadSource.commit_root`.
+:meth:`SerialHeadProposer.expand` while the target is idle, then hands each row the target verified and kept to
+:meth:`SerialHeadProposer.commit_root`.
 
 Shape suffixes: T rows, D hidden, V the target's vocabulary.
 """
@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import SpdInputError
-from ..heads.config import check_compatible
-from ..heads.draft_vocab import check_draft_vocab
-from ..heads.speculator import Speculator
-from ..target.staging import StagedModel
-from .tree import Level, TokenTree
+from ...errors import SpdInputError
+from ...heads.config import check_compatible
+from ...heads.draft_vocab import check_draft_vocab
+from ...heads.speculator import Speculator
+from ...target.staging import StagedModel
+from ..tree import Level, TokenTree
 
 
-class SerialHeadSource:
+class SerialHeadProposer:
     """Our head trained with variant=eagle, drafting a chain from the target's cached rows and the tokens it has
     not run (see the module docstring). Its cache holds only rows the target ran and kept, so a rejection needs no
     rollback."""
