@@ -40,7 +40,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from spd.decoding.engine import PipelineEngine  # noqa: E402
+from spd.decoding.engine import Engine  # noqa: E402
 from spd.decoding.generation import generate_ar  # noqa: E402
 from spd.decoding.sampling import SamplingParams  # noqa: E402
 from spd.target import sdpa  # noqa: E402
@@ -185,7 +185,7 @@ def decode_part(model, args, device, prompt: list[int] | None = None) -> list[di
     greedy = SamplingParams()
     for i, (staged, head) in enumerate(cuts(model, args, device)):
         n = staged.n_stages
-        engine = PipelineEngine(staged, head)
+        engine = Engine.chain(staged, head)
         outputs = {}
         timers = Timers(device)
         instrument(staged, engine, timers)

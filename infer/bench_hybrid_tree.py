@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from spd.decoding.engine import PipelineEngine
+from spd.decoding.engine import Engine
 from spd.decoding.generation import generate_ar
 from spd.decoding.sampling import SamplingParams
-from spd.decoding.tree_engine import SpdHeadProposer, TreeEngine
+from spd.decoding.proposers import SpdHeadProposer
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, distill_step, new_head, teacher_anchors
 from spd.training.kd import sample_fills
@@ -75,7 +75,7 @@ def train_head(staged: StagedModel, n: int, data_BT: torch.Tensor, steps: int, s
 
 
 def authors_main(args) -> None:
-    from spd.decoding.tree_engine import HeadProposer
+    from spd.decoding.proposers import HeadProposer
     from spd.heads.published.authors_head import load_authors_head
 
     fixtures = TARGETS.parent
@@ -87,8 +87,8 @@ def authors_main(args) -> None:
                                              dtype=torch.float32)
         head = load_authors_head(str(fixtures / info["path"]), staged)
         runs = [r for r in expected["generate"] if r["head"] == name and r["use_deepest_arg"] is None]
-        engines = [("chain", PipelineEngine(staged, head))]
-        engines += [(f"tree W = {w}", TreeEngine(staged, HeadProposer(head, staged, 4), w)) for w in args.widths]
+        engines = [("chain", Engine.chain(staged, head))]
+        engines += [(f"tree W = {w}", Engine.tree(staged, HeadProposer(head, staged, 4), w)) for w in args.widths]
         for temperature in (0.0, 1.0):
             for run, engine in engines:
                 l_acc, same = [], 0
@@ -135,8 +135,8 @@ def main() -> None:
         tick = time.perf_counter()
         head, loss = train_head(staged, n, data, args.steps, args.seed + n)
         print(f"n = {n}: head trained, {args.steps} steps in {time.perf_counter() - tick:.0f} s, final loss {loss:.3f}")
-        engines = [("chain", PipelineEngine(staged, head))]
-        engines += [(f"tree W = {w}", TreeEngine(staged, SpdHeadProposer(head, staged, 4), w)) for w in args.widths]
+        engines = [("chain", Engine.chain(staged, head))]
+        engines += [(f"tree W = {w}", Engine.tree(staged, SpdHeadProposer(head, staged, 4), w)) for w in args.widths]
         for temperature in (0.0, 1.0):
             for name, engine in engines:
                 l_acc, same, steps = [], 0, 0

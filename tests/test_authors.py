@@ -16,11 +16,10 @@ import pytest
 import torch
 
 from conftest import REPO, two_at_a_time
-from spd.decoding.engine import PipelineEngine
+from spd.decoding.engine import Engine
 from spd.errors import SpdInputError
 from spd.heads.published.authors_file import load_authors_file, parse_hub_reference
 from spd.heads.published.authors_head import AuthorsHead, load_authors_head
-from spd.heads.published.convert import to_authors_file, to_directory
 from spd.decoding.sampling import SamplingParams
 from spd.heads.loading import load_speculator
 from spd.target.staging import StagedModel
@@ -57,7 +56,7 @@ def test_greedy_generate_reproduces_the_authors_code(name):
     for rec in runs:
         head = load_authors_head(str(_head_file(name)), staged, use_deepest=rec["use_deepest_effective"])
         assert head.config.version == info["version"]
-        out = PipelineEngine(staged, head).run(rec["prompt_ids"], rec["max_new_tokens"], SamplingParams(),
+        out = Engine.chain(staged, head).run(rec["prompt_ids"], rec["max_new_tokens"], SamplingParams(),
                                                eos_token_id=EXPECTED["targets"][info["target"]]["eos_token_id"])
         assert out.token_ids == rec["output_ids"] == rec["target_greedy_ids"]
         # Their flag for the first token (from the prefill) is always True; ours is False (not a speculation).
@@ -70,19 +69,20 @@ def test_greedy_generate_reproduces_the_authors_code(name):
 def test_their_head_as_a_tree_source_of_width_1_is_their_chain(name):
     """Our tree engine with their head at W = 1 reproduces their greedy generate (tokens, flags, steps); at W = 4
     the output still equals the target's greedy output."""
-    from spd.decoding.tree_engine import HeadProposer, TreeEngine
+    from spd.decoding.proposers import HeadProposer
+    from spd.decoding.engine import Engine
 
     info = EXPECTED["heads"][name]
     staged = _staged(info["target"], info["num_stages"])
     eos = EXPECTED["targets"][info["target"]]["eos_token_id"]
     for rec in (r for r in EXPECTED["generate"] if r["head"] == name):
         head = load_authors_head(str(_head_file(name)), staged, use_deepest=rec["use_deepest_effective"])
-        out = TreeEngine(staged, HeadProposer(head, staged, 1), 1).run(rec["prompt_ids"], rec["max_new_tokens"],
+        out = Engine.tree(staged, HeadProposer(head, staged, 1), 1).run(rec["prompt_ids"], rec["max_new_tokens"],
                                                                           SamplingParams(), eos_token_id=eos)
         assert out.token_ids == rec["output_ids"]
         assert out.stats.token_acceptance[1:] == rec["accepted"][1:], rec["prompt_index"]
         assert (out.stats.steps, out.stats.flushes) == (rec["steps"], rec["num_rejections"])
-        wide = TreeEngine(staged, HeadProposer(head, staged, 4), 4).run(rec["prompt_ids"], rec["max_new_tokens"],
+        wide = Engine.tree(staged, HeadProposer(head, staged, 4), 4).run(rec["prompt_ids"], rec["max_new_tokens"],
                                                                            SamplingParams(), eos_token_id=eos)
         assert wide.token_ids == rec["target_greedy_ids"]
 
@@ -101,7 +101,7 @@ def test_draft_vocabulary_maps_back_to_target_ids():
 
 
 def test_loaded_through_every_entry_point(tmp_path):
-    """load_speculator, PipelineEngine.from_pretrained and spd-generate --speculator all take the file."""
+    """load_speculator, Engine.from_pretrained and spd-generate --speculator all take the file."""
     name = "v11_qwen3_n4_l1_draft"
     rec = next(r for r in EXPECTED["generate"] if r["head"] == name and r["prompt_index"] == 1)
     target = FIXTURES / EXPECTED["targets"]["qwen3"]["path"]
@@ -109,7 +109,7 @@ def test_loaded_through_every_entry_point(tmp_path):
     assert isinstance(load_speculator(str(_head_file(name)), target=staged), AuthorsHead)
     with pytest.raises(SpdInputError, match="attached to its target"):
         load_speculator(str(_head_file(name)))
-    engine = PipelineEngine.from_pretrained(str(target), speculator=str(_head_file(name)))
+    engine = Engine.from_pretrained(str(target), speculator=str(_head_file(name)))
     assert engine.staged.n_stages == 4
     out = engine.generate(rec["prompt_ids"], rec["max_new_tokens"])
     assert out.token_ids == rec["output_ids"]
@@ -178,7 +178,7 @@ def test_converter_round_trip_is_bit_exact(tmp_path, name):
     staged = _staged(info["target"], info["num_stages"])
     rec = next(r for r in EXPECTED["generate"] if r["head"] == name and r["use_deepest_effective"])
     head = load_speculator(str(tmp_path / "dir"), target=staged)
-    out = PipelineEngine(staged, head).run(rec["prompt_ids"], rec["max_new_tokens"], SamplingParams(), eos_token_id=1)
+    out = Engine.chain(staged, head).run(rec["prompt_ids"], rec["max_new_tokens"], SamplingParams(), eos_token_id=1)
     assert out.stats.token_acceptance[1:] == rec["accepted"][1:]
 
 
@@ -345,7 +345,8 @@ def test_sampling_with_an_authors_draft_vocabulary_head_follows_the_target(tmp_p
     """A head predicting over a subset of the vocabulary (q is zero elsewhere): chi-square, 2000 seeds, in the chain
     and as the source of a sampled tree."""
     from conftest import tiny_model
-    from spd.decoding.tree_engine import HeadProposer, TreeEngine
+    from spd.decoding.proposers import HeadProposer
+    from spd.decoding.engine import Engine
     from spd.training.distill import DistillConfig, new_head
     from spd.heads.published.convert import head_to_authors_file
     from test_engine import _chi_square_p_value, _sample_outcomes, _sequence_probs
@@ -370,7 +371,7 @@ def test_sampling_with_an_authors_draft_vocabulary_head_follows_the_target(tmp_p
     prompt = [1, 4, 2]
     exact = _sequence_probs(staged, prompt, params, 3)
     # The chain on their schedule, and our tree (W = 3, sampled children: q is zero outside the draft vocabulary).
-    for engine in (PipelineEngine(staged, authors), TreeEngine(staged, HeadProposer(authors, staged, 2), 3)):
+    for engine in (Engine.chain(staged, authors), Engine.tree(staged, HeadProposer(authors, staged, 2), 3)):
         counts, stats = _sample_outcomes(engine, prompt, params, 3, 2000)
         flushes, verified = sum(s.flushes for s in stats), sum(s.verified for s in stats)
         assert 0.1 * verified < flushes < 0.9 * verified, type(engine).__name__

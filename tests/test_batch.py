@@ -12,11 +12,11 @@ import torch
 
 from conftest import differences_are_near_ties, tiny_model
 from spd.decoding.batch import BatchedPipeline
-from spd.decoding.engine import PipelineEngine
+from spd.decoding.engine import Engine
 from spd.decoding.generation import generate_ar
 from spd.decoding.loop import answer_many
 from spd.decoding.sampling import SamplingParams
-from spd.decoding.tree_engine import DraftModelProposer, SpdHeadProposer, TreeEngine
+from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
 from spd.errors import SpdInputError
 from spd.target.kv_pool import KVPool
 from spd.target.linear_state import StackedStates
@@ -37,7 +37,7 @@ def target_model():
 
 def _tree_engine(model, n=4, width=4, noise=0.5):
     staged = StagedModel(model, n)
-    return TreeEngine(staged, DraftModelProposer(StagedModel(_noisy_copy(model, noise), 1), staged, 4), width)
+    return Engine.tree(staged, DraftModelProposer(StagedModel(_noisy_copy(model, noise), 1), staged, 4), width)
 
 
 def _prompt(i: int) -> list[int]:
@@ -144,7 +144,7 @@ def test_pp_and_spd_share_a_batch(target_model):
     """The standard pipeline and SPD requests in one batch, each equal to its solo greedy output."""
     staged = StagedModel(target_model, 4)
     torch.manual_seed(0)
-    engine = PipelineEngine(staged, new_head(staged, DistillConfig(n_stages=4)).eval())
+    engine = Engine.chain(staged, new_head(staged, DistillConfig(n_stages=4)).eval())
     batched = BatchedPipeline(engine, max_batch=8, kv_rows=1024, prefill_chunk=16)
     requests = [batched.submit(_prompt(i), 20, mode="pp" if i % 2 else "spd") for i in range(8)]
     batched.run()
@@ -160,7 +160,7 @@ def test_the_head_s_memory_slots_are_taken_and_given_back(target_model):
     other request equals its solo greedy output up to near-ties."""
     staged = StagedModel(target_model, 4)
     torch.manual_seed(0)
-    engine = PipelineEngine(staged, new_head(staged, DistillConfig(n_stages=4)).eval())
+    engine = Engine.chain(staged, new_head(staged, DistillConfig(n_stages=4)).eval())
     batched = BatchedPipeline(engine, max_batch=3, kv_rows=1024, prefill_chunk=16)
     slots_seen, counts = set(), [0] * 8
 
@@ -222,7 +222,7 @@ def test_the_head_and_the_lm_head_answer_every_request_in_one_call(target_model,
             for layer in head.layers:
                 for proj in layer.memory_proj.values():
                     proj.weight.add_(0.3 * torch.randn_like(proj.weight))
-    engine = PipelineEngine(staged, head) if width == 1 else TreeEngine(staged, SpdHeadProposer(head, staged, 4), 4)
+    engine = Engine.chain(staged, head) if width == 1 else Engine.tree(staged, SpdHeadProposer(head, staged, 4), 4)
     batched = CheckedBatch(engine, max_batch=6, kv_rows=2048, prefill_chunk=8)
     settings = [SamplingParams(temperature=(0.0, 1.0)[i % 2], seed=i) for i in range(8)]
     outs = batched.generate([_prompt(i) for i in range(8)], 18, settings)
@@ -241,7 +241,7 @@ def test_a_draft_model_proposes_for_every_request_in_one_call(target_model, monk
     request's committed tokens and each bottom node's path (an independent reference), greedy and sampled requests
     mixed; greedy output equals solo ar up to near-ties."""
     engine = _tree_engine(target_model, n=4, width=4)
-    draft = engine.source.draft
+    draft = engine.proposer.draft
     joint, checked = [], []
     original = DraftModelProposer.expand_many
 
@@ -276,7 +276,7 @@ def test_every_head_proposes_for_every_request_in_one_call(target_model, head_ki
     call per step answers every running request's every bottom node as its own query does (the authors' tower
     re-runs each request's in-flight rows over its own cache), up to fp32 rounding; greedy and sampled requests
     mixed; greedy output equals solo ar up to near-ties."""
-    from spd.decoding.tree_engine import HeadProposer
+    from spd.decoding.proposers import HeadProposer
     from test_authors import EXPECTED, _head_file, _staged
     from spd.heads.published.authors_head import load_authors_head
 
@@ -288,7 +288,7 @@ def test_every_head_proposes_for_every_request_in_one_call(target_model, head_ki
         info = EXPECTED["heads"][head_kind]
         staged = _staged(info["target"], info["num_stages"])
         head = load_authors_head(str(_head_file(head_kind)), staged)
-    engine = PipelineEngine(staged, head) if width == 1 else TreeEngine(staged, HeadProposer(head, staged, 4), width)
+    engine = Engine.chain(staged, head) if width == 1 else Engine.tree(staged, HeadProposer(head, staged, 4), width)
     batched = CheckedBatch(engine, max_batch=6, kv_rows=2048, prefill_chunk=8)
     settings = [SamplingParams(temperature=(0.0, 1.0)[i % 2], seed=i) for i in range(8)]
     outs = batched.generate([_prompt(i) for i in range(8)], 18, settings)
@@ -382,7 +382,7 @@ def test_a_node_budget_narrows_the_trees_as_the_batch_grows(target_model):
     assert all(max(tokens) <= size for size, tokens in budgeted if size >= 3), budgeted
     assert any(max(tokens) > size for size, tokens in free if size >= 3)  # (the budget is what bounds them)
     assert max(runs[4][1]) < 4 and min(runs[None][1]) == 4  # mean width per request
-    for kwargs, match in [({"engine": PipelineEngine(StagedModel(target_model, 2)), "tree_nodes": 8},
+    for kwargs, match in [({"engine": Engine.chain(StagedModel(target_model, 2)), "tree_nodes": 8},
                            "narrows token trees, but this engine proposes chains"),
                           ({"max_batch": 4, "tree_nodes": 3}, "at least the batch size")]:
         with pytest.raises(SpdInputError, match=match):
@@ -399,13 +399,13 @@ class ScriptedBatch(BatchedPipeline):
         self.right = right
 
     def submit(self, input_ids, max_new_tokens=128, *args, **kwargs):
-        inner = self.engine.source
+        inner = self.engine.proposer
         reference = generate_ar(self.staged, input_ids, max_new_tokens).token_ids
-        self.engine.source = _ScriptedProposer(inner, reference, len(input_ids), self.right, self.staged.vocab_size)
+        self.engine.proposer = _ScriptedProposer(inner, reference, len(input_ids), self.right, self.staged.vocab_size)
         try:
             return super().submit(input_ids, max_new_tokens, *args, **kwargs)
         finally:
-            self.engine.source = inner
+            self.engine.proposer = inner
 
 
 class _SwappedStates(StackedStates):
@@ -421,10 +421,10 @@ def _hybrid_batch(mode: str, n: int):
     model = tiny_model("qwen3_5", seed=4, layers=4)
     staged = StagedModel(model, n)
     if mode == "tree":  # a noisy copy of the target drafts a W = 3 tree: prunes and misses
-        engine = TreeEngine(staged, DraftModelProposer(StagedModel(_noisy_copy(model, 0.5), 1), staged, 2), 3)
+        engine = Engine.tree(staged, DraftModelProposer(StagedModel(_noisy_copy(model, 0.5), 1), staged, 2), 3)
         return staged, engine, BatchedPipeline(engine, max_batch=6, kv_rows=2048, prefill_chunk=8)
     torch.manual_seed(2)
-    engine = PipelineEngine(staged, new_head(staged, DistillConfig(n_stages=n)).eval())
+    engine = Engine.chain(staged, new_head(staged, DistillConfig(n_stages=n)).eval())
     return staged, engine, ScriptedBatch(engine, lambda pos: pos % 5 not in (0, 2), max_batch=6, kv_rows=2048,
                                          prefill_chunk=8)
 
@@ -568,7 +568,7 @@ def test_sampled_tree_in_a_mixed_batch_follows_the_target_distribution(cls):
     whose width follows the batch under a node budget, too."""
     model = tiny_model("llama", seed=3, layers=6, vocab=VOCAB, bos_token_id=0, eos_token_id=None, pad_token_id=0)
     staged = StagedModel(model, 2)
-    engine = TreeEngine(staged, DraftModelProposer(StagedModel(_noisy_copy(model, 1.0), 1), staged, 3), 3,
+    engine = Engine.tree(staged, DraftModelProposer(StagedModel(_noisy_copy(model, 1.0), 1), staged, 3), 3,
                         candidates="sampled")
     params, prompt = SamplingParams(temperature=1.0), [1, 4, 2]
     batched = cls(engine, max_batch=12, kv_rows=12 * 24, prefill_chunk=4)

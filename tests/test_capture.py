@@ -5,7 +5,6 @@ import signal
 import subprocess
 import sys
 import time
-from functools import partial
 
 import pytest
 import torch
@@ -15,11 +14,10 @@ from spd.training.capture import CapturedDataset, CapturedTarget, collate_captur
 from spd.data.prepare import DataConfig, prepare_dataset
 from spd.training.distill import DistillConfig, collate, distill_step, new_head, teacher_anchors, teacher_pass
 from spd.heads.draft_vocab import check_draft_vocab, select_draft_vocab, token_counts, tokens_sha256
-from spd.decoding.engine import PipelineEngine
+from spd.decoding.engine import Engine
 from spd.errors import SpdInputError
 from spd.training.kd import kd_loss, kd_loss_topk
 from spd.heads.loading import load_speculator
-from spd.heads.speculator import Speculator
 from spd.target.staging import StagedModel, load_tokenizer
 
 from conftest import REPO
@@ -278,17 +276,17 @@ def test_draft_vocab_head_round_trip(tiny_testbed, draft_head):
 
 @pytest.mark.parametrize("mode", ["spd", "tree"])
 def test_draft_vocab_head_decodes_losslessly(tiny_testbed, draft_head, mode):
-    engine = PipelineEngine.from_pretrained(str(tiny_testbed / "target"), speculator=str(draft_head))
+    engine = Engine.from_pretrained(str(tiny_testbed / "target"), speculator=str(draft_head))
     prompts = ["def parse(", "import os\n", "class A:"]
     for prompt in prompts:
         ar = engine.generate(prompt, 40, mode="ar")
         if mode == "spd":
             out = engine.generate(prompt, 40, mode="spd")
         else:
-            from spd.decoding.tree_engine import build_tree_engine
+            from spd.decoding.engine import tree_proposer
 
-            tree = build_tree_engine(engine.staged, engine.speculator, engine.tokenizer, None, None, width=2,
-                                     children=2, dtype=torch.float32, device="cpu")
+            tree = Engine.tree(engine.staged, tree_proposer(engine.staged, engine.proposer.head, engine.tokenizer,
+                                                            None, None, 2, torch.float32, "cpu"), 2, engine.tokenizer)
             out = tree.generate(prompt, 40)
         assert out.token_ids == ar.token_ids
         assert out.stats.accepted > 0  # the head's draft tokens do get accepted

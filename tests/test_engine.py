@@ -8,7 +8,7 @@ import torch
 
 from conftest import tiny_model
 from spd.training.distill import DistillConfig, new_head
-from spd.decoding.engine import PipelineEngine
+from spd.decoding.engine import Engine
 from spd.decoding.loop import LocalStages
 from spd.errors import SpdInputError
 from spd.decoding.generation import generate_ar
@@ -23,10 +23,10 @@ def _engine(family="llama", n=4, variant="spd", layers=8, seed=0, head_seed=1, *
     staged = StagedModel(tiny_model(family, seed=seed, layers=layers, **model_kw), n)
     torch.manual_seed(head_seed)
     head = new_head(staged, DistillConfig(n_stages=n, variant=VARIANTS[variant]))
-    return PipelineEngine(staged, head.eval())
+    return Engine.chain(staged, head.eval())
 
 
-class ScriptedEngine(PipelineEngine):
+class ScriptedEngine(Engine):
     """The real engine and head, but each proposal's token is replaced by a scripted right or wrong one (greedy).
 
     ``right(position) -> bool`` decides; the right token is the autoregressive reference's, a wrong one
@@ -34,8 +34,8 @@ class ScriptedEngine(PipelineEngine):
     """
 
     def __init__(self, engine, reference, prompt_len, right):
-        super().__init__(engine.staged, engine.speculator)
-        self.source = _ScriptedProposer(self.source, reference, prompt_len, right, engine.staged.vocab_size)
+        super().__init__(engine.staged, engine.proposer)
+        self.proposer = _ScriptedProposer(self.proposer, reference, prompt_len, right, engine.staged.vocab_size)
 
 
 class _ScriptedProposer:
@@ -97,7 +97,7 @@ def test_greedy_spd_equals_ar_on_the_testbed(tiny_testbed):
     prompts = [tok(text)["input_ids"] for text in ("def main(argv):\n    ", "import os\n", "class A:\n    def")]
     for n, staged in staged_by_n.items():
         torch.manual_seed(n)
-        engine = PipelineEngine(staged, new_head(staged, DistillConfig(n_stages=n)).eval())
+        engine = Engine.chain(staged, new_head(staged, DistillConfig(n_stages=n)).eval())
         for ids in prompts:
             assert engine.run(ids, 48, SamplingParams()).token_ids == generate_ar(staged, ids, 48).token_ids
 
@@ -205,8 +205,8 @@ def test_the_chain_moves_no_rows_and_pp_flushes_nothing():
     base = _engine(n=4)
     reference = generate_ar(base.staged, [5, 17, 3, 99], 30).token_ids
     stages = _CountingStages(base.staged)
-    engine = PipelineEngine(base.staged, base.speculator, stages=stages)
-    engine.source = _ScriptedProposer(engine.source, reference, 4, lambda pos: pos % 5 != 0, base.staged.vocab_size)
+    engine = Engine.chain(base.staged, base.proposer.head, stages=stages)
+    engine.proposer = _ScriptedProposer(engine.proposer, reference, 4, lambda pos: pos % 5 != 0, base.staged.vocab_size)
     out = engine.run([5, 17, 3, 99], 30, SamplingParams())
     assert out.token_ids == reference and out.stats.accepted > 10
     assert stages.moves == 0 and stages.flushes == out.stats.flushes > 0
@@ -214,14 +214,14 @@ def test_the_chain_moves_no_rows_and_pp_flushes_nothing():
     assert pp.token_ids == reference and stages.flushes == out.stats.flushes
 
 
-class RecordingEngine(PipelineEngine):
+class RecordingEngine(Engine):
     """Records the head's log-probabilities with the tokens and positions of the path they were computed from and
     the fill (tokens in flight)."""
 
     def __init__(self, engine):
-        super().__init__(engine.staged, engine.speculator)
+        super().__init__(engine.staged, engine.proposer)
         self.records = []
-        inner, records = self.source, self.records
+        inner, records = self.proposer, self.records
 
         class Recording:
             def __getattr__(self, name):
@@ -233,7 +233,7 @@ class RecordingEngine(PipelineEngine):
                 records.append((path, len(levels), logprobs_LX[0].clone()))
                 return logprobs_LX
 
-        self.source = Recording()
+        self.proposer = Recording()
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -245,7 +245,7 @@ def test_engine_proposals_equal_the_training_forward(variant, n):
     out = engine.run(prompt, 30, SamplingParams())
     sequence = prompt + out.token_ids
     ids = torch.tensor([sequence])
-    head = engine.speculator
+    head = engine.proposer.head
     hidden = engine.staged.hidden_states(ids, sorted(set(head.needed_anchors())))
     checked = 0
     for inflight, fill, logits in engine.records:
@@ -324,7 +324,7 @@ def test_sampled_spd_follows_the_target_distribution(n, params):
     head = new_head(staged, DistillConfig(n_stages=n)).eval()
     with torch.no_grad():
         head.lm_head.weight.normal_(0, 0.5)  # a head whose q differs from p: many rejections and residual draws
-    engine = PipelineEngine(staged, head)
+    engine = Engine.chain(staged, head)
     prompt = [1, 4, 2]
     exact = _sequence_probs(staged, prompt, params, length)
     counts, stats = _sample_outcomes(engine, prompt, params, length, samples)
@@ -347,11 +347,11 @@ def test_sampling_is_reproducible_for_a_seed():
 def test_head_for_another_pipeline_is_refused():
     engine = _engine(n=4)
     with pytest.raises(SpdInputError, match="trained for n = 4 stages but the pipeline has 2"):
-        PipelineEngine(StagedModel(tiny_model("llama"), 2), engine.speculator)
+        Engine.chain(StagedModel(tiny_model("llama"), 2), engine.proposer.head)
     with pytest.raises(SpdInputError, match="hidden size"):
-        PipelineEngine(StagedModel(tiny_model("llama", hidden_size=32), 4), engine.speculator)
+        Engine.chain(StagedModel(tiny_model("llama", hidden_size=32), 4), engine.proposer.head)
     with pytest.raises(SpdInputError, match="dtype|same"):
-        PipelineEngine(engine.staged, engine.speculator.to(torch.float64))
+        Engine.chain(engine.staged, engine.proposer.head.to(torch.float64))
 
 
 def test_generate_api_modes_and_streamer():

@@ -3,11 +3,10 @@
 import pytest
 
 from conftest import tiny_model
-from spd.decoding.engine import PipelineEngine
+from spd.decoding.engine import Engine
 from spd.decoding.factory import DecodingSpec, build_engine
 from spd.decoding.generation import generate_ar
 from spd.decoding.sd import SpeculativeDecoder
-from spd.decoding.tree_engine import TreeEngine
 from spd.errors import SpdInputError
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, new_head
@@ -24,9 +23,9 @@ def test_every_mode_gets_its_engine_and_stays_lossless(staged):
     eagle = new_head(whole, DistillConfig(variant="eagle", draft_steps=3)).eval()
     prompt = [3, 17, 9, 41]
     ar = generate_ar(staged, prompt, 12).token_ids
-    for spec, source, kind in [(DecodingSpec("ar"), None, PipelineEngine), (DecodingSpec("pp"), None, PipelineEngine),
-                               (DecodingSpec("spd"), head, PipelineEngine),
-                               (DecodingSpec("tree", tree_width=2, tree_children=2), head, TreeEngine),
+    for spec, source, kind in [(DecodingSpec("ar"), None, Engine), (DecodingSpec("pp"), None, Engine),
+                               (DecodingSpec("spd"), head, Engine),
+                               (DecodingSpec("tree", tree_width=2, tree_children=2), head, Engine),
                                (DecodingSpec("sd", draft_steps=3), eagle, SpeculativeDecoder)]:
         engine = build_engine(spec, whole if spec.mode == "sd" else staged, source, None)
         assert isinstance(engine, kind), spec.mode

@@ -23,12 +23,12 @@ import torch
 
 from conftest import differences_are_near_ties, tiny_model
 from spd.decoding.batch import BatchedPipeline
-from spd.decoding.engine import PipelineEngine
+from spd.decoding.engine import Engine
 from spd.decoding.generation import generate_ar
 from spd.decoding.sampling import SamplingParams
 from spd.decoding.sd import SpeculativeDecoder
 from spd.decoding.proposers.serial_head import SerialHeadProposer
-from spd.decoding.tree_engine import DraftModelProposer, SpdHeadProposer, TreeEngine
+from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, new_head
 from test_engine import _chi_square_p_value, _sample_outcomes, _sequence_probs
@@ -75,7 +75,7 @@ def test_greedy_chain_modes_equal_ar(family, dtype):
     staged_by_n = {n: StagedModel(_on_device(tiny_model(family, seed=0, layers=8), dtype), n) for n in (2, 4)}
     near, runs = 0, 0
     for n, staged in staged_by_n.items():
-        engines = {v: PipelineEngine(staged, _head(staged, n, v)) for v in ("spd", "output_state", "ppsd")}
+        engines = {v: Engine.chain(staged, _head(staged, n, v)) for v in ("spd", "output_state", "ppsd")}
         for prompt in PROMPTS:
             ar = generate_ar(staged, prompt, NEW).token_ids
             assert len(ar) == NEW
@@ -96,8 +96,8 @@ def test_greedy_tree_equals_ar(llama, dtype):
     """Width 4 with an SPD head and with a draft model (the target with a noisy LM head), n = 4."""
     staged = StagedModel(_on_device(llama, dtype), 4)
     draft = StagedModel(_on_device(_noisy_copy(llama, 0.3), dtype), 1)
-    engines = {"head": TreeEngine(staged, SpdHeadProposer(_head(staged, 4), staged, 4), 4),
-               "draft": TreeEngine(staged, DraftModelProposer(draft, staged, 4), 4)}
+    engines = {"head": Engine.tree(staged, SpdHeadProposer(_head(staged, 4), staged, 4), 4),
+               "draft": Engine.tree(staged, DraftModelProposer(draft, staged, 4), 4)}
     hits = 0
     for prompt in PROMPTS:
         ar = generate_ar(staged, prompt, NEW).token_ids
@@ -129,9 +129,9 @@ def test_batched_requests_each_get_their_own_answer(llama, dtype, mode):
     their solo ar (near-ties reported); in fp32, seeded sampled ones equal the engine's own seeded run."""
     staged = StagedModel(_on_device(llama, dtype), 4)
     if mode == "spd":
-        engine = PipelineEngine(staged, _head(staged, 4))
+        engine = Engine.chain(staged, _head(staged, 4))
     else:
-        engine = TreeEngine(staged, DraftModelProposer(StagedModel(_on_device(_noisy_copy(llama, 0.5), dtype), 1),
+        engine = Engine.tree(staged, DraftModelProposer(StagedModel(_on_device(_noisy_copy(llama, 0.5), dtype), 1),
                                                      staged, 4), 4)
     batched = BatchedPipeline(engine, max_batch=6, kv_rows=2 * (38 + 30 + 4 * 4 + 1), prefill_chunk=8)
     settings = [([(7 * i + 3 * j) % 120 + 1 for j in range(1 + (i * 5) % 38)], 5 + (i * 7) % 26,
@@ -164,7 +164,7 @@ def test_sampled_decoding_follows_the_target_distribution(mode):
     head = _head(staged, 2, seed=4)
     with torch.no_grad():
         head.lm_head.weight.normal_(0, 0.5)  # q differs from p: rejections and residual draws
-    engine = PipelineEngine(staged, head) if mode == "spd" else TreeEngine(staged, SpdHeadProposer(head, staged, 2), 2)
+    engine = Engine.chain(staged, head) if mode == "spd" else Engine.tree(staged, SpdHeadProposer(head, staged, 2), 2)
     counts, stats = _sample_outcomes(engine, [1, 4, 2], params, length, samples)
     assert sum(s.flushes for s in stats) > 0
     assert _chi_square_p_value(counts, exact, samples) > 1e-3
@@ -173,8 +173,8 @@ def test_sampled_decoding_follows_the_target_distribution(mode):
 @on_gpu
 def test_a_seed_reproduces_its_sample(llama):
     staged = StagedModel(_on_device(llama, torch.float32), 4)
-    engines = {"spd": PipelineEngine(staged, _head(staged, 4)),
-               "tree": TreeEngine(staged, SpdHeadProposer(_head(staged, 4), staged, 4), 4)}
+    engines = {"spd": Engine.chain(staged, _head(staged, 4)),
+               "tree": Engine.tree(staged, SpdHeadProposer(_head(staged, 4), staged, 4), 4)}
     params = SamplingParams(temperature=1.0, top_k=20, seed=11)
     for name, engine in engines.items():
         a, b = (engine.run([5, 6, 7], 30, params).token_ids for _ in range(2))

@@ -10,12 +10,12 @@ import torch
 from conftest import tiny_model, tiny_multimodal
 from spd.training.distill import DistillConfig, new_head
 from spd.decoding.batch import BatchedPipeline
-from spd.decoding.engine import PipelineEngine
+from spd.decoding.engine import Engine
 from spd.decoding.generation import default_eos, generate_ar
 from spd.target.linear_state import LinearStateRing
 from spd.decoding.sampling import SamplingParams
 from spd.target.staging import StagedModel
-from spd.decoding.tree_engine import DraftModelProposer, SpdHeadProposer, TreeEngine
+from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
 from test_engine import ScriptedEngine, _chi_square_p_value, _sample_outcomes, _sequence_probs
 
 HYBRIDS = ["qwen3_5", "qwen3_next"]
@@ -145,7 +145,7 @@ def check_ar_pp_spd_equal_generate(model, n: int, prompt: list[int], reference: 
     fill, each rolling back a different number of tokens) give ``model.generate``'s greedy ``reference``."""
     staged = StagedModel(model, n)
     torch.manual_seed(1)
-    engine = PipelineEngine(staged, new_head(staged, DistillConfig(n_stages=n)).eval())
+    engine = Engine.chain(staged, new_head(staged, DistillConfig(n_stages=n)).eval())
     new = len(reference)
     assert generate_ar(staged, prompt, new).token_ids == reference
     assert engine.run(prompt, new, SamplingParams(), use_head=False).token_ids == reference
@@ -170,7 +170,7 @@ def test_a_rollback_that_keeps_the_rejected_state_is_caught(monkeypatch):
     reference = _generate_reference(model, PROMPT, 48)
     staged = StagedModel(model, 4)
     torch.manual_seed(1)
-    engine = PipelineEngine(staged, new_head(staged, DistillConfig(n_stages=4)).eval())
+    engine = Engine.chain(staged, new_head(staged, DistillConfig(n_stages=4)).eval())
     monkeypatch.setattr("spd.target.staging.LinearStateRing", _ForgetfulRing)
     scripted = ScriptedEngine(engine, reference, len(PROMPT), right=lambda pos: pos % 5 not in (0, 2))
     assert scripted.run(PROMPT, 48, SamplingParams()).token_ids != reference
@@ -192,7 +192,7 @@ def test_sampled_spd_on_a_hybrid_target_follows_the_target_distribution():
     head = new_head(staged, DistillConfig(n_stages=2)).eval()
     with torch.no_grad():
         head.lm_head.weight.normal_(0, 0.5)
-    engine = PipelineEngine(staged, head)
+    engine = Engine.chain(staged, head)
     prompt = [1, 4, 2, 5, 3]
     exact = _sequence_probs(staged, prompt, params, length)
     counts, stats = _sample_outcomes(engine, prompt, params, length, samples)
@@ -283,7 +283,7 @@ def test_hybrid_tree_greedy_equals_generate(family, n):
             (ScriptedSource(SpdHeadProposer(head, staged, 4), PROMPT + reference, lambda pos: pos % 4 != 1, rank=2), 4,
              "scripted")]
     for source, width, kind in runs:
-        out = TreeEngine(staged, source, width).run(PROMPT, 40, SamplingParams())
+        out = Engine.tree(staged, source, width).run(PROMPT, 40, SamplingParams())
         assert out.token_ids == reference, (kind, width)
         s = out.stats
         if kind == "perfect":
@@ -308,7 +308,7 @@ def test_sampled_tree_on_a_hybrid_target_follows_the_target_distribution():
     draft = StagedModel(_noisy_copy(model, 1.5), 1)
     prompt = [1, 4, 2]
     exact = _sequence_probs(staged, prompt, params, length)
-    counts, stats = _sample_outcomes(TreeEngine(staged, DraftModelProposer(draft, staged, 2), 3), prompt, params, length,
+    counts, stats = _sample_outcomes(Engine.tree(staged, DraftModelProposer(draft, staged, 2), 3), prompt, params, length,
                                      samples)
     assert sum(s.flushes for s in stats) > 0.1 * samples and sum(s.accepted for s in stats) > 0.1 * samples
     assert _chi_square_p_value(counts, exact, samples) > 1e-3
@@ -365,8 +365,8 @@ def check_distributed_equals_single_process(target, tmp_path, temperature: float
     report = json.loads(out.read_text())
     tok = load_tokenizer(target)
     head = load_speculator(tmp_path / "head")
-    engine = PipelineEngine(staged, head, tok)
-    tree = TreeEngine(staged, SpdHeadProposer(head, staged, 2), 2, tok)
+    engine = Engine.chain(staged, head, tok)
+    tree = Engine.tree(staged, SpdHeadProposer(head, staged, 2), 2, tok)
     torch.set_num_threads(1)  # as each stage process
     for mode, eng in (("spd", engine), ("pp", engine), ("tree", tree)):
         ids = [tok(p)["input_ids"] for p in PROMPTS]
@@ -420,7 +420,7 @@ def test_distributed_draft_tree_on_a_hybrid_target_prunes_the_node_states(hybrid
                          "--max-new-tokens", "20", "--out", str(out), *batch)
         assert proc.returncode == 0, proc.stderr[-3000:]
         results = json.loads(out.read_text())["results"]["tree"]
-        engine = TreeEngine(staged, DraftModelProposer(StagedModel.from_pretrained(draft, n_stages=1), staged, 2), 3, tok)
+        engine = Engine.tree(staged, DraftModelProposer(StagedModel.from_pretrained(draft, n_stages=1), staged, 2), 3, tok)
         ids = [tok(p)["input_ids"] for p in PROMPTS]
         if hits_only:
             want = [engine.generate(p, 20).token_ids for p in ids]
@@ -449,7 +449,7 @@ def test_trainer_distils_a_head_for_a_hybrid_target(tiny_testbed, hybrid_target,
     staged = StagedModel.from_pretrained(hybrid_target, n_stages=4)
     kinds = {staged.layer_types[a - 1] for a in anchors if a > 0}
     assert kinds == {"linear_attention", "full_attention"}  # H^l read after linear and full layers alike
-    engine = PipelineEngine(staged, head)
+    engine = Engine.chain(staged, head)
     prompt = list(range(10, 30))
     assert engine.run(prompt, 24, SamplingParams()).token_ids == generate_ar(staged, prompt, 24).token_ids
 

@@ -72,8 +72,6 @@ def test_the_cycle_finder_finds_one():
 
 
 @pytest.mark.parametrize("old,new,name", [
-    ("spd.engine", "spd.decoding.engine", "PipelineEngine"),
-    ("spd.tree_engine", "spd.decoding.tree_engine", "TreeEngine"),
     ("spd.staging", "spd.target.staging", "StagedModel"),
     ("spd.speculator", "spd.heads.speculator", "Speculator"),
     ("spd.speculator", "spd.heads.loading", "load_speculator"),

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from conftest import tiny_model, tiny_multimodal
-from spd.decoding.engine import PipelineEngine
+from spd.decoding.engine import Engine
 from spd.decoding.generation import generate_ar
 from spd.decoding.sampling import SamplingParams
-from spd.decoding.tree_engine import DraftModelProposer, SpdHeadProposer, TreeEngine
+from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, new_head
 from test_hybrid import (PROMPT, _generate_reference, check_ar_pp_spd_equal_generate,
@@ -74,7 +74,7 @@ def test_moe_tree_greedy_equals_generate(moe, n, width):
     draft = StagedModel(tiny_model(family, seed=3, layers=2), 1)  # a weak draft: misses, the odd hit
     for source in (SpdHeadProposer(head, staged, children=4), DraftModelProposer(draft, staged, 4),
                    DraftModelProposer(StagedModel(model, 1), staged, 4)):  # the target itself: hits and prunes only
-        out = TreeEngine(staged, source, width).run(PROMPT, 40, SamplingParams())
+        out = Engine.tree(staged, source, width).run(PROMPT, 40, SamplingParams())
         assert out.token_ids == reference, (type(source).__name__, width)
 
 
@@ -164,6 +164,6 @@ def test_trainer_distils_a_head_for_a_moe_target(tiny_testbed, moe_targets, tmp_
     staged = StagedModel.from_pretrained(target, n_stages=4)
     prompt = list(range(10, 30))
     reference = generate_ar(staged, prompt, 24).token_ids
-    assert PipelineEngine(staged, head).run(prompt, 24, SamplingParams()).token_ids == reference
-    tree = TreeEngine(staged, SpdHeadProposer(head, staged), 4)
+    assert Engine.chain(staged, head).run(prompt, 24, SamplingParams()).token_ids == reference
+    tree = Engine.tree(staged, SpdHeadProposer(head, staged), 4)
     assert tree.run(prompt, 24, SamplingParams()).token_ids == reference

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from spd.decoding.engine import PipelineEngine
+from spd.decoding.engine import Engine
 from spd.errors import SpdInputError
 from spd.decoding.generation import default_eos, generate_ar
 from spd.target.staging import StagedModel
-from spd.decoding.tree_engine import TreeEngine
 from test_cli import spd_generate
 
 PROMPT = [5, 17, 3, 99, 42, 8, 11, 12]
@@ -65,7 +64,7 @@ def test_default_eos_follows_model_generate():
 
 
 def test_python_api_without_a_tokenizer_stops_where_model_generate_stops(model_only):
-    engine = PipelineEngine.from_pretrained(str(model_only.target), speculator=str(model_only.head))
+    engine = Engine.from_pretrained(str(model_only.target), speculator=str(model_only.head))
     assert engine.tokenizer is None
     for mode in ("ar", "pp", "spd"):
         out = engine.generate(PROMPT, max_new_tokens=MAX_NEW, mode=mode)
@@ -73,7 +72,7 @@ def test_python_api_without_a_tokenizer_stops_where_model_generate_stops(model_o
         assert out.stats.stop_reason == "eos" and len(out.stats.token_acceptance) == out.stats.new_tokens
     # An explicit EOS wins; an empty list means none.
     assert len(engine.generate(PROMPT, max_new_tokens=MAX_NEW, eos_token_id=[]).token_ids) == MAX_NEW
-    tree = TreeEngine.from_pretrained(str(model_only.target), str(model_only.draft), stages=2, width=2, children=2)
+    tree = Engine.from_pretrained(str(model_only.target), draft_model=str(model_only.draft), stages=2, width=2, children=2)
     assert tree.tokenizer is None
     out = tree.generate(PROMPT, max_new_tokens=MAX_NEW)
     assert out.token_ids == model_only.expected and out.stats.stop_reason == "eos"

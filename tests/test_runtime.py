@@ -16,13 +16,13 @@ import torch
 from conftest import REPO, two_at_a_time
 from spd.errors import SpdInputError
 from spd.training.distill import DistillConfig, new_head
-from spd.decoding.engine import PipelineEngine
+from spd.decoding.engine import Engine
 from spd.runtime.loading import load_partial, materialized_bytes
 from spd.runtime.stage import EpochLog, _level_now, pack_level
 from spd.heads.loading import load_speculator
 from spd.target.staging import StagedModel, load_tokenizer
 from spd.decoding.tree import TokenTree
-from spd.decoding.tree_engine import DraftModelProposer, SpdHeadProposer, TreeEngine
+from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
 from test_no_tokenizer import PROMPT as NO_TOKENIZER_PROMPT
 from test_no_tokenizer import model_only  # noqa: F401  (a fixture)
 
@@ -66,11 +66,11 @@ def _reference(tiny_testbed, head_dir, n, mode, temperature, top_k, seed, max_ne
     tok = load_tokenizer(tiny_testbed / "target")
     if mode == "tree" and draft is not None:
         source = DraftModelProposer(StagedModel.from_pretrained(draft, n_stages=1), staged, 4)
-        engine = TreeEngine(staged, source, width, tok)
+        engine = Engine.tree(staged, source, width, tok)
     elif mode == "tree":
-        engine = TreeEngine(staged, SpdHeadProposer(load_speculator(head_dir), staged, 4), width, tok)
+        engine = Engine.tree(staged, SpdHeadProposer(load_speculator(head_dir), staged, 4), width, tok)
     else:
-        engine = PipelineEngine(staged, load_speculator(head_dir), tok)
+        engine = Engine.chain(staged, load_speculator(head_dir), tok)
     return [engine.generate(tok(p)["input_ids"], max_new, mode=mode, temperature=temperature, top_k=top_k,
                             seed=None if seed is None else seed + i) for i, p in enumerate(PROMPTS)]
 
@@ -135,8 +135,8 @@ def test_distributed_runtime_batches_requests_as_the_in_process_batch_does(tiny_
     eos = default_eos(staged.model, tok)
     flushes = 0
     for mode in ("spd", "pp", "tree"):
-        engine = (TreeEngine(staged, SpdHeadProposer(head, staged, 4), 2, tok) if mode == "tree"
-                  else PipelineEngine(staged, head, tok))
+        engine = (Engine.tree(staged, SpdHeadProposer(head, staged, 4), 2, tok) if mode == "tree"
+                  else Engine.chain(staged, head, tok))
         # (--tree-nodes 4 is the tree's: its W = 2 trees narrow to 1 node a level while 3 or 4 requests run)
         want = BatchedPipeline(engine, 4, prefill_chunk=24, spread_prefill=True,
                                tree_nodes=4 if mode == "tree" else None).generate(ids, 20, sampling, eos, mode=mode)
@@ -155,7 +155,7 @@ def test_distributed_runtime_batches_the_heads_asked_through_their_engine_calls(
     from spd.decoding.batch import BatchedPipeline
     from spd.decoding.generation import default_eos
     from spd.decoding.sampling import SamplingParams
-    from spd.decoding.tree_engine import HeadProposer
+    from spd.decoding.proposers import HeadProposer
     from spd.heads.published.authors_head import load_authors_head
     from test_authors import FIXTURES, _head_file
 
@@ -187,9 +187,9 @@ def test_distributed_runtime_batches_the_heads_asked_through_their_engine_calls(
     sampling = [SamplingParams(1.0, 20, 1.0, 7 + i) for i in range(len(ids))]
     authors_staged = StagedModel.from_pretrained(authors_target, n_stages=n)
     authors_head = load_authors_head(str(_head_file("v10_qwen3_n4_l1")), authors_staged)
-    cases = [("ppsd", "spd", PipelineEngine(staged, load_speculator(tmp_path / "ppsd"), tok), staged),
-             ("authors", "spd", PipelineEngine(authors_staged, authors_head, tok), authors_staged),
-             ("authors", "tree", TreeEngine(authors_staged, HeadProposer(authors_head, authors_staged, 4), 2, tok),
+    cases = [("ppsd", "spd", Engine.chain(staged, load_speculator(tmp_path / "ppsd"), tok), staged),
+             ("authors", "spd", Engine.chain(authors_staged, authors_head, tok), authors_staged),
+             ("authors", "tree", Engine.tree(authors_staged, HeadProposer(authors_head, authors_staged, 4), 2, tok),
               authors_staged)]
     for name, mode, engine, target in cases:
         got = json.loads((tmp_path / f"{name}.json").read_text())["results"][mode]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from spd.decoding.engine import PipelineEngine
+from spd.decoding.engine import Engine
 from spd.decoding.sampling import SamplingParams
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, new_head
@@ -39,7 +39,7 @@ def engine():
     torch.manual_seed(0)
     staged = StagedModel(tiny_model("llama", layers=4), n_stages=2)
     torch.manual_seed(1)
-    return PipelineEngine(staged, new_head(staged, DistillConfig(n_stages=2)).eval())
+    return Engine.chain(staged, new_head(staged, DistillConfig(n_stages=2)).eval())
 
 
 @pytest.mark.parametrize("settings,tokens,stats", PINNED)

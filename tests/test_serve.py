@@ -529,11 +529,10 @@ def test_spd_stage_bad_input_one_line_exit_2(tiny_testbed, args, needle):
 
 
 def test_engines_stop_when_on_token_says_so(tiny_testbed, tiny_heads):
-    from spd.decoding.engine import PipelineEngine
-    from spd.decoding.tree_engine import TreeEngine
+    from spd.decoding.engine import Engine
 
-    spd = PipelineEngine.from_pretrained(str(tiny_testbed / "target"), speculator=str(tiny_heads[4]))
-    tree = TreeEngine.from_pretrained(str(tiny_testbed / "target"), str(tiny_testbed / "draft"), stages=2)
+    spd = Engine.from_pretrained(str(tiny_testbed / "target"), speculator=str(tiny_heads[4]))
+    tree = Engine.from_pretrained(str(tiny_testbed / "target"), draft_model=str(tiny_testbed / "draft"), stages=2)
     full = spd.generate(PROMPT, 20, mode="ar").token_ids
     for engine, mode in ((spd, "ar"), (spd, "pp"), (spd, "spd"), (tree, "tree")):
         seen = []

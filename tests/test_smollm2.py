@@ -102,13 +102,13 @@ def test_trained_head_every_mode_equals_ar(smollm2, target, tmp_path):
     """Regenerate a little chat data, train an n = 4 head on the uneven cut for a few steps with the real trainer,
     then spd, pp, tree (W = 3) and sd (an EAGLE-style head) decode exactly as ar."""
     from spd.training.distill import DistillConfig, new_head
-    from spd.decoding.engine import PipelineEngine
+    from spd.decoding.engine import Engine
     from spd.decoding.generation import generate_ar
     from spd.decoding.sampling import SamplingParams
     from spd.decoding.sd import build_sd_engine
     from spd.heads.speculator import Speculator
     from spd.target.staging import StagedModel
-    from spd.decoding.tree_engine import SpdHeadProposer, TreeEngine
+    from spd.decoding.proposers import SpdHeadProposer
 
     data = tmp_path / "chats.jsonl"
     run_script("data/regenerate.py", "--target", str(smollm2 / "target"), "--prompts", "stdlib:4",
@@ -126,7 +126,7 @@ def test_trained_head_every_mode_equals_ar(smollm2, target, tmp_path):
     head = Speculator.from_pretrained(run / "final").eval()
     assert head.config.boundaries == [0, 8, 16, 23, 30]
     staged = StagedModel(model, boundaries=head.config.boundaries)
-    engine, tree = PipelineEngine(staged, head), TreeEngine(staged, SpdHeadProposer(head, staged, 3), 3)
+    engine, tree = Engine.chain(staged, head), Engine.tree(staged, SpdHeadProposer(head, staged, 3), 3)
     whole = StagedModel(model, 1)
     torch.manual_seed(0)
     sd = build_sd_engine(whole, tokenizer, None, None, 3, torch.float32, "cpu",
@@ -181,10 +181,10 @@ PUBLISHED = REPO / "heads" / "smollm2-135m-instruct-spd-n8"
 def test_published_head_equals_ar_on_a_chat_prompt(smollm2, target):
     """The head shipped in heads/ loads as --speculator DIR, fits the target's n = 8 cut, and spd (chain and W = 4
     tree) gives ar's tokens on a chat prompt while accepting some of its proposals."""
-    from spd.decoding.engine import PipelineEngine
+    from spd.decoding.engine import Engine
     from spd.decoding.generation import generate_ar
     from spd.decoding.sampling import SamplingParams
-    from spd.decoding.tree_engine import SpdHeadProposer, TreeEngine
+    from spd.decoding.proposers import SpdHeadProposer
     from spd.heads.config import check_compatible
     from spd.heads.loading import load_speculator
     from spd.target.staging import StagedModel
@@ -197,8 +197,8 @@ def test_published_head_equals_ar_on_a_chat_prompt(smollm2, target):
     check_compatible(head.config, staged, "spd")
     ids = _chat_ids(tokenizer, "Write a Python function that returns the n-th Fibonacci number.")
     ar = generate_ar(StagedModel(model, 1), ids, 48).token_ids
-    chain = PipelineEngine(staged, head).run(ids, 48, SamplingParams())
+    chain = Engine.chain(staged, head).run(ids, 48, SamplingParams())
     assert chain.token_ids == ar
     assert chain.stats.equivalent_accept_length > 1.2  # a head that never agrees would give 1.0
-    assert TreeEngine(staged, SpdHeadProposer(head, staged, 4), 4).run(ids, 48, SamplingParams()).token_ids == ar
+    assert Engine.tree(staged, SpdHeadProposer(head, staged, 4), 4).run(ids, 48, SamplingParams()).token_ids == ar
 

@@ -9,14 +9,13 @@ import torch
 
 from conftest import tiny_model
 from spd.training.distill import DistillConfig, new_head
-from spd.decoding.engine import PipelineEngine
+from spd.decoding.engine import Engine
 from spd.errors import SpdInputError
 from spd.decoding.generation import generate_ar
 from spd.decoding.sampling import SamplingParams
 from spd.target.staging import StagedModel, load_tokenizer
 from spd.decoding.proposers import Proposer
-from spd.decoding.tree_engine import DraftModelProposer, HeadProposer, SpdHeadProposer, TreeEngine
-from test_engine import _chi_square_p_value, _sample_outcomes, _sequence_probs
+from spd.decoding.proposers import DraftModelProposer, HeadProposer, SpdHeadProposer
 
 PROMPTS = [[5, 17, 3, 99, 42, 8], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 
@@ -39,7 +38,7 @@ def target_model():
 def _draft_engine(target_model, n, width, children, draft_model=None, noise=0.3):
     staged = StagedModel(target_model, n)
     draft = StagedModel(draft_model if draft_model is not None else _noisy_copy(target_model, noise), 1)
-    return TreeEngine(staged, DraftModelProposer(draft, staged, children), width)
+    return Engine.tree(staged, DraftModelProposer(draft, staged, children), width)
 
 
 class ScriptedSource:
@@ -74,7 +73,7 @@ def _scripted(target_model, n, right, width=1, children=1, max_new=24, prompt=(5
     engine = _draft_engine(target_model, n, width, children)
     prompt = list(prompt)
     reference = generate_ar(engine.staged, prompt, max_new, eos_token_id=eos).token_ids
-    engine.source = ScriptedSource(engine.source, prompt + reference, right, rank)
+    engine.proposer = ScriptedSource(engine.proposer, prompt + reference, right, rank)
     out = engine.run(prompt, max_new, SamplingParams(), eos_token_id=eos)
     assert out.token_ids == reference
     s = out.stats
@@ -96,7 +95,7 @@ def test_greedy_tree_equals_ar_on_the_testbed(tiny_testbed):
         staged = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=n)
         refs = [generate_ar(staged, ids, 20).token_ids for ids in prompts]
         for i, (width, children) in enumerate(((1, 1), (4, 1), (4, 4), (16, 4))):
-            engine = TreeEngine(staged, DraftModelProposer(draft, staged, children, tok, tok), width)
+            engine = Engine.tree(staged, DraftModelProposer(draft, staged, children, tok, tok), width)
             out = engine.run(prompts[i % 3], 20, SamplingParams())
             assert out.token_ids == refs[i % 3], (n, width, children)
             assert out.stats.max_tree_size <= 1 + n * width
@@ -110,7 +109,7 @@ def test_greedy_tree_equals_ar_with_drafts_of_every_quality(target_model, n):
     staged = StagedModel(target_model, n)
     refs = [generate_ar(staged, prompt, 24).token_ids for prompt in PROMPTS[:2]]
     for model, width, children in runs:
-        engine = TreeEngine(staged, DraftModelProposer(StagedModel(model, 1), staged, children), width)
+        engine = Engine.tree(staged, DraftModelProposer(StagedModel(model, 1), staged, children), width)
         for prompt, ref in zip(PROMPTS, refs):
             out = engine.run(prompt, 24, SamplingParams())
             assert out.token_ids == ref, (width, children)
@@ -127,7 +126,7 @@ def test_greedy_tree_equals_ar_with_drafts_of_every_quality(target_model, n):
 @pytest.mark.parametrize("family,overrides", [("qwen3", {}), ("mistral", {"sliding_window": 4})])
 def test_greedy_tree_equals_ar_other_families(family, overrides):
     model = tiny_model(family, **overrides)
-    engine = TreeEngine(StagedModel(model, 4), DraftModelProposer(StagedModel(_noisy_copy(model, 0.3), 1),
+    engine = Engine.tree(StagedModel(model, 4), DraftModelProposer(StagedModel(_noisy_copy(model, 0.3), 1),
                                                                StagedModel(model, 4), 4), 4)
     for prompt in PROMPTS[:2]:
         out = engine.run(prompt, 24, SamplingParams())
@@ -170,7 +169,7 @@ def test_the_tree_keeps_its_sources_greedy_path(target_model, n):
     steps = {}
     for width in (1, 2):
         engine = _draft_engine(target_model, n, width, 2)
-        engine.source = ConfidentDetours(engine.source, prompt + reference)
+        engine.proposer = ConfidentDetours(engine.proposer, prompt + reference)
         out = engine.run(prompt, 32, SamplingParams())
         assert out.token_ids == reference and out.stats.flushes == 0
         steps[width] = out.stats.steps
@@ -233,9 +232,9 @@ def test_spd_head_width_one_reproduces_the_chain_engine(target_model, n):
     staged = StagedModel(target_model, n)
     torch.manual_seed(n)
     head = new_head(staged, DistillConfig(n_stages=n)).eval()
-    chain = PipelineEngine(staged, head)
+    chain = Engine.chain(staged, head)
     for children in (1, 4):
-        tree = TreeEngine(staged, SpdHeadProposer(head, staged, children), 1)
+        tree = Engine.tree(staged, SpdHeadProposer(head, staged, children), 1)
         for prompt in PROMPTS:
             with _Recorder(head) as rec_chain:
                 c = chain.run(prompt, 30, SamplingParams())
@@ -284,7 +283,7 @@ def test_spd_head_with_width_reads_the_right_states(target_model, n):
     prompt = [5, 17, 3, 99]
     reference = generate_ar(staged, prompt, 20).token_ids
     checked = CheckedHeadSource(head, staged, 4)
-    engine = TreeEngine(staged, ScriptedSource(checked, prompt + reference, lambda pos: pos % 5 != 0, rank=1), 4)
+    engine = Engine.tree(staged, ScriptedSource(checked, prompt + reference, lambda pos: pos % 5 != 0, rank=1), 4)
     out = engine.run(prompt, 20, SamplingParams())
     assert out.token_ids == reference
     assert out.stats.accepted > 5 and out.stats.flushes > 0 and checked.checked > 20
@@ -373,7 +372,7 @@ def test_bad_settings_and_heads_are_refused(target_model):
     staged = StagedModel(target_model, 4)
     draft = StagedModel(target_model, 1)
     with pytest.raises(SpdInputError, match="tree width"):
-        TreeEngine(staged, DraftModelProposer(draft, staged, 4), 0)
+        Engine.tree(staged, DraftModelProposer(draft, staged, 4), 0)
     with pytest.raises(SpdInputError, match="tree children"):
         DraftModelProposer(draft, staged, 0)
     for variant in ("output_state", "ppsd"):
@@ -384,9 +383,9 @@ def test_bad_settings_and_heads_are_refused(target_model):
         SpdHeadProposer(new_head(staged, DistillConfig(n_stages=4)), StagedModel(target_model, 2))
     for variant in ("output_state", "ppsd"):  # a chain only: through HeadProposer at width 1, refused wider
         head = new_head(staged, DistillConfig(n_stages=4, variant=variant))
-        TreeEngine(staged, HeadProposer(head, staged, 1), 1)
+        Engine.tree(staged, HeadProposer(head, staged, 1), 1)
         with pytest.raises(SpdInputError, match="no tree semantics"):
-            TreeEngine(staged, HeadProposer(head, staged, 2), 2)
+            Engine.tree(staged, HeadProposer(head, staged, 2), 2)
 
 
 def test_every_token_source_is_a_proposer(target_model):
@@ -398,7 +397,7 @@ def test_every_token_source_is_a_proposer(target_model):
 
 
 def test_from_pretrained_and_generate_api(tiny_testbed):
-    engine = TreeEngine.from_pretrained(str(tiny_testbed / "target"), str(tiny_testbed / "draft"), stages=4,
+    engine = Engine.from_pretrained(str(tiny_testbed / "target"), draft_model=str(tiny_testbed / "draft"), stages=4,
                                         width=4, children=4)
     seen = []
     out = engine.generate("def main():\n", max_new_tokens=12, streamer=seen.append)

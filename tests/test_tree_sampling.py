@@ -14,7 +14,8 @@ from spd.decoding.generation import generate_ar
 from spd.decoding.sampling import SamplingParams
 from spd.target.staging import StagedModel
 from spd.decoding.tree import TokenTree, grow_sampled, grow_top_k, verify_sampled_recursive
-from spd.decoding.tree_engine import DraftModelProposer, SpdHeadProposer, TreeEngine
+from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
+from spd.decoding.engine import Engine
 from spd.decoding.tree_width import AdaptiveWidth, FixedWidth, parse_tree_width, tree_width
 from test_engine import _chi_square_p_value, _sample_outcomes, _sequence_probs
 from test_tree_engine import _noisy_copy
@@ -129,7 +130,7 @@ def _source(kind: str, model, staged, n: int, children: int):
     return SpdHeadProposer(head, staged, children)
 
 
-class IndependentBranches(TreeEngine):
+class IndependentBranches(Engine):
     """Negative control: every child checked on its own with min(1, p/q), the first accepted one wins (the
     reference code's rule at T > 0, docs/method.md §6) - not lossless."""
 
@@ -143,7 +144,7 @@ class IndependentBranches(TreeEngine):
 
 def _chi_square(engine_cls, kind, n, params, scale, width=3, children=3):
     model, staged = _target(n, scale)
-    engine = engine_cls(staged, _source(kind, model, staged, n, children), width, candidates="sampled")
+    engine = engine_cls.tree(staged, _source(kind, model, staged, n, children), width, candidates="sampled")
     counts, stats = _sample_outcomes(engine, PROMPT, params, LENGTH, SAMPLES)
     return _chi_square_p_value(counts, _sequence_probs(staged, PROMPT, params, LENGTH), SAMPLES), stats
 
@@ -152,7 +153,7 @@ def _chi_square(engine_cls, kind, n, params, scale, width=3, children=3):
 @pytest.mark.parametrize("n,params,scale", [(2, T1, 1.0), (3, T07, 0.2)])
 def test_sampled_tree_follows_the_target_distribution(kind, n, params, scale):
     """3-token continuations from 800 seeds vs the exact warped target distribution (p > 1e-3)."""
-    p_value, stats = _chi_square(TreeEngine, kind, n, params, scale)
+    p_value, stats = _chi_square(Engine, kind, n, params, scale)
     assert all(s.candidates == "sampled" for s in stats)
     flushes, accepted = sum(s.flushes for s in stats), sum(s.accepted for s in stats)
     later_sibling = sum(sum(s.accepted_by_sibling[1:]) for s in stats)
@@ -172,7 +173,7 @@ def test_negative_control_fails_the_same_test(kind):
 def test_top_k_tree_follows_the_target_distribution(n, width, children, params):
     """The deterministic rule (--tree-candidates top-k) at T > 0: children are the source's top-K."""
     model, staged = _target(n, 0.2 if n == 2 else 0.05)
-    engine = TreeEngine(staged, _source("draft", model, staged, n, children), width, candidates="top-k")
+    engine = Engine.tree(staged, _source("draft", model, staged, n, children), width, candidates="top-k")
     counts, stats = _sample_outcomes(engine, PROMPT, params, LENGTH, SAMPLES)
     flushes, verified = sum(s.flushes for s in stats), sum(s.verified for s in stats)
     later_sibling = sum(sum(s.accepted_by_sibling[1:]) for s in stats)
@@ -185,7 +186,7 @@ def test_adaptive_width_follows_the_target_distribution():
     """A width that changes after every verification (window 1) keeps sampled trees exact."""
     model, staged = _target(2, 0.2)
     policy = AdaptiveWidth(max_width=4, children=3, window=1)
-    engine = TreeEngine(staged, _source("draft", model, staged, 2, 3), policy)
+    engine = Engine.tree(staged, _source("draft", model, staged, 2, 3), policy)
     counts, stats = _sample_outcomes(engine, PROMPT, T1, LENGTH, SAMPLES)
     assert len({s.mean_width for s in stats}) > 1  # the width did move
     assert _chi_square_p_value(counts, _sequence_probs(staged, PROMPT, T1, LENGTH), SAMPLES) > 1e-3
@@ -198,14 +199,14 @@ def test_the_rule_follows_the_request():
     """auto: top-K when greedy (output == ar), sampled at T > 0; a seed reproduces; bad names are refused."""
     model = tiny_model("llama", seed=0, layers=8)
     staged = StagedModel(model, 4)
-    engine = TreeEngine(staged, DraftModelProposer(StagedModel(_noisy_copy(model, 0.3), 1), staged, 4), 4)
+    engine = Engine.tree(staged, DraftModelProposer(StagedModel(_noisy_copy(model, 0.3), 1), staged, 4), 4)
     greedy = engine.run([5, 17, 3], 20, SamplingParams())
     assert greedy.stats.candidates == "top-k" and greedy.token_ids == generate_ar(staged, [5, 17, 3], 20).token_ids
     params = SamplingParams(temperature=1.0, top_k=20, seed=3)
     sampled = engine.run([5, 17, 3], 20, params)
     assert sampled.stats.candidates == "sampled" and sampled.token_ids == engine.run([5, 17, 3], 20, params).token_ids
     with pytest.raises(SpdInputError, match="unknown tree candidate rule 'random'"):
-        TreeEngine(staged, engine.source, 4, candidates="random")
+        Engine.tree(staged, engine.proposer, 4, candidates="random")
 
 
 # ------------------------------------------------------------------------------------ width policy
@@ -249,7 +250,7 @@ def test_tree_width_parsing():
 def test_greedy_auto_width_equals_ar(tiny_testbed):
     target = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=4)
     draft = StagedModel.from_pretrained(tiny_testbed / "draft", n_stages=1)
-    engine = TreeEngine(target, DraftModelProposer(draft, target, 4), AdaptiveWidth(max_width=8, children=4, window=2))
+    engine = Engine.tree(target, DraftModelProposer(draft, target, 4), AdaptiveWidth(max_width=8, children=4, window=2))
     for prompt in ([5, 17, 3, 99], [7]):
         out = engine.run(prompt, 40, SamplingParams())
         assert out.token_ids == generate_ar(target, prompt, 40).token_ids

@@ -8,13 +8,13 @@ import torch
 
 from conftest import REPO, run_script, tiny_model
 from spd.training.distill import DistillConfig, new_head
-from spd.decoding.engine import PipelineEngine
+from spd.decoding.engine import Engine
 from spd.errors import SpdInputError
 from spd.decoding.generation import generate_ar
 from spd.decoding.sampling import SamplingParams
 from spd.heads.loading import pipeline_cut
 from spd.target.staging import StagedModel, balanced_boundaries, split_layers
-from spd.decoding.tree_engine import SpdHeadProposer, TreeEngine
+from spd.decoding.proposers import SpdHeadProposer
 
 PROMPTS = [[5, 17, 3, 99, 42, 8], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 
@@ -36,8 +36,8 @@ def test_uneven_cut_every_mode_equals_ar(boundaries):
     torch.manual_seed(1)
     head = new_head(staged, DistillConfig(n_stages=len(boundaries) - 1, boundaries=boundaries)).eval()
     assert head.config.boundaries == boundaries
-    engine = PipelineEngine(staged, head)
-    tree = TreeEngine(staged, SpdHeadProposer(head, staged, 3), 3)
+    engine = Engine.chain(staged, head)
+    tree = Engine.tree(staged, SpdHeadProposer(head, staged, 3), 3)
     for prompt in PROMPTS:
         ar = generate_ar(staged, prompt, 24).token_ids
         assert engine.run(prompt, 24, SamplingParams()).token_ids == ar
@@ -60,10 +60,10 @@ def test_head_carries_its_cut(tmp_path):
     with pytest.raises(SpdInputError, match="does not fit this target: it was trained for a target of 7 layers, "
                                             "and this one has 3"):
         pipeline_cut(None, None, str(tmp_path / "head"), target=str(tmp_path / "shallow"))
-    engine = PipelineEngine.from_pretrained(str(tmp_path / "target"), speculator=str(tmp_path / "head"))
+    engine = Engine.from_pretrained(str(tmp_path / "target"), speculator=str(tmp_path / "head"))
     assert engine.staged.boundaries == [0, 2, 4, 6, 7]
     with pytest.raises(SpdInputError, match="--boundaries 2,4,6"):
-        PipelineEngine.from_pretrained(str(tmp_path / "target"), speculator=str(tmp_path / "head"),
+        Engine.from_pretrained(str(tmp_path / "target"), speculator=str(tmp_path / "head"),
                                        boundaries=[0, 1, 2, 3, 7])
 
 

@@ -172,8 +172,8 @@ class BatchRequest:
 class BatchedPipeline:
     """Runs many requests at once through one engine's staged target (see the module docstring).
 
-    ``engine`` is a :class:`~spd.decoding.engine.PipelineEngine` (modes ``spd`` and ``pp``) or a
-    :class:`~spd.decoding.tree_engine.TreeEngine` (``tree``) whose stages run in this process. ``kv_rows`` is the
+    ``engine`` is an :class:`~spd.decoding.engine.Engine` (a chain: modes ``spd`` and ``pp``; a tree: ``tree``)
+    whose stages run in this process. ``kv_rows`` is the
     pool's size in rows (default ``max_batch * 2048``); ``prefill_chunk`` how many prompt tokens enter per step, all
     newcomers together; ``step_tokens`` (optional) a stage call's token budget: the prompt tokens entering a step
     are at most what the levels in flight leave of it (the busiest stage's), so that a step that carries a prompt
@@ -319,7 +319,7 @@ class BatchedPipeline:
 
     # ------------------------------------------------------------------------------------ pieces
     def _use_head(self, mode: str | None) -> bool:
-        modes = ("tree",) if getattr(self.engine, "mode", None) == "tree" else ("spd", "pp")
+        modes = ("tree",) if self.engine.mode == "tree" else ("spd", "pp")
         mode = mode or modes[0]
         if mode not in modes:
             raise SpdInputError(f"this batched pipeline runs mode {' or '.join(modes)}, not '{mode}'")

@@ -1,9 +1,13 @@
-"""The pipelined SPD chain engine (``spd`` and ``pp``, single process): the semantic reference of docs/method.md §5.
+"""The pipelined engine (``pp``, ``spd`` and ``tree``): the semantic reference of docs/method.md §5-6.
 
-The chain is the step loop of :mod:`spd.decoding.loop` at width 1 (every tree level one token), with the head as
-its proposer (:class:`spd.decoding.proposers.SpdHeadProposer` for SPD heads,
-:class:`spd.decoding.proposers.HeadProposer` for the output-state ablation, PPSD and the SPD authors' heads) or with
-none (``pp``).
+One class, :class:`Engine`, runs the step loop of :mod:`spd.decoding.loop`; its width policy makes it a chain or a
+tree. A chain (``pp``, ``spd``) is the loop at width 1 (every tree level one token), with the head as its proposer
+(:class:`spd.decoding.proposers.SpdHeadProposer` for SPD heads, :class:`spd.decoding.proposers.HeadProposer` for the
+output-state ablation, PPSD and the SPD authors' heads) or with none (``pp``). A tree (``tree``) is the loop with a
+proposer of width ``W`` (``--tree-width``, fixed or adaptive: :mod:`spd.decoding.tree_width`) and at most ``K``
+children per node (``--tree-children``): an SPD head or a draft model (:mod:`spd.decoding.proposers`).
+:meth:`Engine.from_pretrained` loads a target and its proposer by name; :meth:`Engine.chain` and
+:meth:`Engine.tree` build one from loaded parts.
 
 The target is cut into ``n`` stages, each with its own KV cache. Every **step** each in-flight token
 advances by one stage; the token that completes stage ``n`` exits, its final hidden state gives the
@@ -16,7 +20,7 @@ flight, speculated ``n - 1`` steps earlier) is verified against ``p``:
   every stage's KV cache and the speculator's cache are truncated to the committed length, and the
   replacement enters stage 1 alone (flush and reseed, paper section 3.6).
 
-A token source proposes one token per step. With a speculation head it reads the *input state*
+In a chain the proposer proposes one token per step. With a speculation head it reads the *input state*
 (docs/method.md §3: the newest token at depth 0, in-flight tokens at their depths, everything older at
 depth ``n``), so in a real deployment it runs concurrently with the stages. The output-state ablation
 and the PPSD baseline are the same head with other settings (``schedule="output"``: the head reads
@@ -43,58 +47,101 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..errors import SpdInputError
-from .generation import GenerationOutput, OnToken
-from .loop import LocalStages, StepLoop
-from .request import generate_request
-from .sampling import SamplingParams
-from .stats import PipelineStats
-from .tree_engine import HeadProposer, SpdHeadProposer
-from .tree_width import FixedWidth
 from ..heads.speculator import Speculator
 from ..target.staging import StagedModel, load_target_tokenizer
+from .generation import GenerationOutput, OnToken
+from .loop import LocalStages, StepLoop, verify_sampled
+from .proposers import DraftModelProposer, HeadProposer, Proposer, SpdHeadProposer, load_draft_model
+from .request import generate_request
+from .sampling import SamplingParams
+from .stats import PipelineStats, TreeStats
+from .tree_width import AdaptiveWidth, FixedWidth, tree_width
 
-MODES = ("spd", "pp", "ar")
+MODES = ("spd", "pp", "ar")  # of a chain engine; a tree engine runs tree and ar
+CANDIDATES = ("auto", "sampled", "top-k")  # how children are chosen at T > 0 (greedy: always top-k)
 
 
-class PipelineEngine:
-    """Runs one request at a time through the staged target, with a speculation head (``spd``) or without
-    (``pp``); ``ar`` delegates to plain autoregressive decoding. See the module docstring."""
+class Engine:
+    """Runs one request at a time through the staged target on the step loop (see the module docstring).
 
-    def __init__(self, staged: StagedModel, speculator: Speculator | None = None, tokenizer=None,
-                 stages: LocalStages | None = None):
-        self.staged = staged
-        self.speculator = speculator
-        self.tokenizer = tokenizer
-        self.source = None  # the head as the loop's proposer (it checks the head fits the target)
-        if speculator is not None:
-            head_param = next(speculator.parameters())
-            if head_param.dtype != staged.dtype or head_param.device != staged.device:
-                raise SpdInputError(f"the speculator is {head_param.dtype} on {head_param.device} but the target is "
-                                    f"{staged.dtype} on {staged.device}; load both with the same dtype and device")
-            spd_head = isinstance(speculator, Speculator) and speculator.config.schedule == "input" \
-                and speculator.config.max_depth == staged.n_stages
-            source = SpdHeadProposer if spd_head else HeadProposer
-            self.source = source(speculator, staged, children=1, mode="spd", tokenizer=tokenizer)
+    ``mode`` is ``"tree"`` (a proposer of width ``width``: W, ``"auto"`` for :class:`~.tree_width.AdaptiveWidth`
+    up to ``max_width``, or a policy) or a chain: ``"spd"`` with a proposer, ``"pp"`` without (the default mode
+    follows from ``width`` and ``proposer``). ``candidates`` is how a tree's children are chosen at T > 0 (``auto`` =
+    ``sampled``; greedy always uses top-k). ``stages`` is where the stages run: this process (default) or other
+    processes (:class:`spd.runtime.remote.RemoteStages`).
+    """
+
+    def __init__(self, staged: StagedModel, proposer: Proposer | None = None,
+                 width: int | str | FixedWidth | AdaptiveWidth = 1, tokenizer=None, stages: LocalStages | None = None,
+                 candidates: str = "auto", max_width: int = 8, *, mode: str | None = None):
+        mode = mode or ("tree" if width != 1 else "spd" if proposer is not None else "pp")
+        if mode not in ("spd", "pp", "tree"):
+            raise SpdInputError(f"unknown engine mode '{mode}'; expected one of: spd, pp, tree")
+        if candidates not in CANDIDATES:
+            raise SpdInputError(f"unknown tree candidate rule '{candidates}'; expected one of: {', '.join(CANDIDATES)}")
+        if mode == "tree":
+            if proposer is None:
+                raise SpdInputError("the tree mode needs a proposer: an SPD head or a draft model")
+            policy = width if isinstance(width, (FixedWidth, AdaptiveWidth)) else \
+                tree_width(width, proposer.children, max_width)
+            if proposer.chain_only and policy.max_width > 1:
+                raise SpdInputError(f"this head's schedule ('{proposer.schedule}', keeping rows before they leave "
+                                    "stage n) has no tree semantics; run it with --mode spd (or a tree width of 1)")
+        else:
+            if width != 1:
+                raise SpdInputError(f"mode '{mode}' is a chain (width 1), got width {width!r}; use mode 'tree'")
+            policy = FixedWidth(1, 1)
+        self.staged, self.proposer, self.tokenizer, self.mode, self.candidates = \
+            staged, proposer, tokenizer, mode, candidates
+        self.policy = policy
+        self.width = "auto" if policy.adaptive else policy.width
         self.stages = stages if stages is not None else LocalStages(staged)
-        self.loop = StepLoop(staged, self.stages, FixedWidth(1, 1))
+        self.loop = StepLoop(staged, self.stages, policy, candidates)
+        self.loop.verify_sampled = self._verify_sampled
+
+    _verify_sampled = staticmethod(verify_sampled)  # how sampled children are verified (a test swaps in a control)
+
+    # ------------------------------------------------------------------------------------ building
+    @classmethod
+    def chain(cls, staged: StagedModel, head=None, tokenizer=None, stages: LocalStages | None = None) -> "Engine":
+        """The chain engine with a loaded head (``spd`` and ``pp``) or none (``pp``)."""
+        return cls(staged, chain_proposer(staged, head, tokenizer), tokenizer=tokenizer, stages=stages)
 
     @classmethod
-    def from_pretrained(cls, target: str, speculator: str | None = None, stages: int | None = None,
-                        revision: str | None = None, speculator_revision: str | None = None,
-                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                        tokenizer: str | None = None, boundaries: list[int] | None = None) -> "PipelineEngine":
-        """Load a target (directory or hub id), cut it into ``stages`` (default: the head's cut), and a head.
+    def tree(cls, staged: StagedModel, proposer: Proposer, width: int | str | FixedWidth | AdaptiveWidth = 4,
+             tokenizer=None, stages: LocalStages | None = None, candidates: str = "auto",
+             max_width: int = 8) -> "Engine":
+        """The tree engine with a proposer (:func:`tree_proposer` makes one from a head or a draft model's name)."""
+        return cls(staged, proposer, width, tokenizer, stages, candidates, max_width, mode="tree")
 
-        ``boundaries`` cuts it unevenly (e.g. ``[0, 8, 16, 23, 30]``). The tokenizer is ``tokenizer`` or the
-        target's; a target without one gives an engine for token-id prompts.
+    @classmethod
+    def from_pretrained(cls, target: str, speculator: str | None = None, *, mode: str | None = None,
+                        draft_model: str | None = None, stages: int | None = None,
+                        boundaries: list[int] | None = None, width: int | str = 4, children: int = 4,
+                        revision: str | None = None, speculator_revision: str | None = None,
+                        draft_revision: str | None = None, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu", tokenizer: str | None = None) -> "Engine":
+        """Load a target (directory or hub id) and its proposer: a head (``speculator``) or a draft model.
+
+        ``mode``: ``spd`` (the default with a head), ``pp`` (the default without one) or ``tree`` (the default with
+        only a draft model; ``width`` W and ``children`` K). The target is cut into ``stages`` (default: the
+        head's cut, else 1) or at ``boundaries`` (e.g. ``[0, 8, 16, 23, 30]``). The tokenizer is ``tokenizer`` or
+        the target's; a target without one gives an engine for token-id prompts.
         """
         from ..heads.loading import load_speculator, pipeline_cut
 
+        mode = mode or ("spd" if speculator else "tree" if draft_model else "pp")
+        if mode not in ("spd", "pp", "tree"):
+            raise SpdInputError(f"unknown mode '{mode}' for Engine.from_pretrained; expected one of: spd, pp, tree")
         stages, boundaries = pipeline_cut(stages, boundaries, speculator, speculator_revision, target, revision)
         staged = StagedModel.from_pretrained(target, n_stages=stages, boundaries=boundaries, revision=revision,
                                              dtype=dtype, device=device)
+        tok = load_target_tokenizer(target, revision, tokenizer)
         head = load_speculator(speculator, speculator_revision, dtype, device, target=staged) if speculator else None
-        return cls(staged, head, load_target_tokenizer(target, revision, tokenizer))
+        if mode != "tree":
+            return cls.chain(staged, head, tok)
+        return cls.tree(staged, tree_proposer(staged, head, tok, draft_model, draft_revision, children, dtype, device),
+                        width, tok)
 
     # ------------------------------------------------------------------------------------- public
     def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128, mode: str | None = None,
@@ -102,7 +149,8 @@ class PipelineEngine:
                  eos_token_id: int | Sequence[int] | None = None,
                  streamer: Callable[[int], None] | object | None = None,
                  on_token: OnToken | None = None) -> GenerationOutput:
-        """Generate from a prompt (text needs a tokenizer) or token ids; ``mode`` defaults to spd with a head.
+        """Generate from a prompt (text needs a tokenizer) or token ids; ``mode`` is the engine's own (default),
+        ``ar``, or on a chain with a head also ``pp``.
 
         ``streamer`` is a callable taking each committed token id, or an object with ``put``/``end`` (a
         Hugging Face ``TextStreamer``); ``on_token(token, accepted)`` also gets the token's
@@ -110,13 +158,15 @@ class PipelineEngine:
         (``stop_reason`` "stopped": stop strings, cancelled requests). ``eos_token_id`` defaults as in
         ``model.generate`` (:func:`default_eos`).
         """
-        mode = mode or ("spd" if self.speculator is not None else "pp")
+        mode = mode or self.mode
+        if self.mode == "tree" and mode not in ("tree", "ar"):
+            raise SpdInputError(f"unknown mode '{mode}' for the tree engine; expected one of: tree, ar")
+        if self.mode != "tree" and mode not in MODES:
+            raise SpdInputError(f"unknown mode '{mode}'; expected one of: {', '.join(MODES)}")
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
         def decode(prompt_ids, eos, on_token):
-            if mode not in MODES:
-                raise SpdInputError(f"unknown mode '{mode}'; expected one of: {', '.join(MODES)}")
-            return self.run(prompt_ids, max_new_tokens, sampling, eos, on_token, use_head=mode == "spd")
+            return self.run(prompt_ids, max_new_tokens, sampling, eos, on_token, use_head=mode != "pp")
 
         return generate_request(self.staged, self.tokenizer, prompt, max_new_tokens, mode, sampling, eos_token_id,
                                 streamer, decode, on_token)
@@ -124,17 +174,54 @@ class PipelineEngine:
     def run(self, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: SamplingParams,
             eos_token_id: int | Sequence[int] | None = None, on_token: OnToken | None = None,
             use_head: bool = True) -> GenerationOutput:
-        """One request through the step loop at width 1 (``use_head=False``: the standard pipeline); no EOS unless
+        """One request through the step loop (``use_head=False`` on a chain: the standard pipeline); no EOS unless
         given."""
-        source, stats = self.request_parts(use_head)
-        return self.loop.run(source, input_ids, max_new_tokens, sampling, eos_token_id, on_token, stats)
+        proposer, stats = self.request_parts(use_head)
+        return self.loop.run(proposer, input_ids, max_new_tokens, sampling, eos_token_id, on_token, stats)
 
-    def request_parts(self, use_head: bool = True) -> tuple[object | None, PipelineStats]:
+    def request_parts(self, use_head: bool = True) -> tuple[Proposer | None, PipelineStats]:
         """The proposer (None: the standard pipeline) and fresh statistics of one request."""
-        head = self.speculator if use_head else None
-        if use_head and head is None:
+        proposer = self.proposer
+        if self.mode == "tree":
+            policy = self.policy
+            stats = TreeStats(mode="tree", prompt_tokens=0, schedule=proposer.schedule,
+                              speculator_layers=proposer.num_layers,
+                              source="draft" if isinstance(proposer, DraftModelProposer) else "head", width=self.width,
+                              children=policy.max_children,
+                              accepted_by_sibling=[0] * max(policy.max_width, policy.max_children))
+            return proposer, stats
+        if use_head and proposer is None:
             raise SpdInputError("mode 'spd' needs a speculation head; pass a speculator or use mode 'pp'")
-        stats = PipelineStats(mode="spd" if head is not None else "pp", prompt_tokens=0,
-                              schedule=head.config.schedule if head is not None else "none",
-                              speculator_layers=head.config.num_layers if head is not None else 0)
-        return (self.source if head is not None else None), stats
+        proposer = proposer if use_head else None
+        stats = PipelineStats(mode="spd" if proposer is not None else "pp", prompt_tokens=0,
+                              schedule=proposer.schedule if proposer is not None else "none",
+                              speculator_layers=proposer.num_layers if proposer is not None else 0)
+        return proposer, stats
+
+
+def chain_proposer(staged: StagedModel, head, tokenizer=None) -> Proposer | None:
+    """The proposer of a chain with ``head`` (None: none, the standard pipeline); it checks the head fits the target."""
+    if head is None:
+        return None
+    head_param = next(head.parameters())
+    if head_param.dtype != staged.dtype or head_param.device != staged.device:
+        raise SpdInputError(f"the speculator is {head_param.dtype} on {head_param.device} but the target is "
+                            f"{staged.dtype} on {staged.device}; load both with the same dtype and device")
+    spd_head = isinstance(head, Speculator) and head.config.schedule == "input" \
+        and head.config.max_depth == staged.n_stages
+    kind = SpdHeadProposer if spd_head else HeadProposer
+    return kind(head, staged, children=1, mode="spd", tokenizer=tokenizer)
+
+
+def tree_proposer(staged: StagedModel, head, tokenizer, draft_model: str | None, draft_revision: str | None,
+                  children: int, dtype: torch.dtype, device: str | torch.device) -> Proposer:
+    """The proposer of a tree: an SPD head (any other head through its engine calls), or else a draft model by name
+    (refused unless it shares the target's tokenizer)."""
+    if head is not None and not isinstance(head, Speculator):
+        return HeadProposer(head, staged, children, tokenizer=tokenizer)
+    if head is not None:
+        return SpdHeadProposer(head, staged, children, tokenizer=tokenizer)
+    if draft_model is None:
+        raise SpdInputError("the tree mode needs a speculator (a head) or a draft model")
+    draft, draft_tokenizer = load_draft_model(draft_model, draft_revision, dtype, device)
+    return DraftModelProposer(draft, staged, children, tokenizer, draft_tokenizer)

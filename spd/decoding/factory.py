@@ -1,8 +1,8 @@
 """The one place a decoding mode becomes an engine: ``spd-generate``, ``spd-serve``, the runtime's rank 0 and the
 benchmark all call :func:`build_engine`.
 
-``ar``, ``pp`` and ``spd`` share :class:`~spd.decoding.engine.PipelineEngine` (the mode picks its loop); ``tree``
-is :class:`~spd.decoding.tree_engine.TreeEngine` with the head of width W or a draft model; ``sd`` is serial
+``ar``, ``pp``, ``spd`` and ``tree`` are :class:`~spd.decoding.engine.Engine`: a chain (``ar``, ``pp``, ``spd``: the
+mode picks the proposer) or a tree with the head of width W or a draft model; ``sd`` is serial
 drafting (:class:`~spd.decoding.sd.SpeculativeDecoder`) with a head trained with variant=eagle or a draft model.
 ``stages`` replaces the single-process stages (the runtime's :class:`~spd.runtime.remote.RemoteStages`).
 """
@@ -51,12 +51,11 @@ def build_engine(spec: DecodingSpec, staged, head, tokenizer, dtype: torch.dtype
 
         return build_sd_engine(staged, tokenizer, spec.draft_model, spec.draft_revision, spec.draft_steps, dtype,
                                device, head=head)
+    from .engine import Engine, tree_proposer
+
     if spec.mode == "tree":
-        from .tree_engine import build_tree_engine
-
-        return build_tree_engine(staged, head, tokenizer, spec.draft_model, spec.draft_revision, spec.tree_width,
-                                 spec.tree_children, dtype, device, stages, candidates=spec.tree_candidates,
-                                 max_width=spec.tree_max_width)
-    from .engine import PipelineEngine
-
-    return PipelineEngine(staged, head, tokenizer, stages=stages)
+        proposer = tree_proposer(staged, head, tokenizer, spec.draft_model, spec.draft_revision, spec.tree_children,
+                                 dtype, device)
+        return Engine.tree(staged, proposer, spec.tree_width, tokenizer, stages, spec.tree_candidates,
+                           spec.tree_max_width)
+    return Engine.chain(staged, head, tokenizer, stages=stages)

@@ -116,7 +116,7 @@ def generate_ar(staged: StagedModel, input_ids: Sequence[int] | torch.Tensor, ma
                 on_token: OnToken | None = None) -> GenerationOutput:
     """Plain autoregressive decoding through every stage; greedy or sampled (see SamplingParams).
 
-    ``eos_token_id=None`` means no EOS (``PipelineEngine.generate`` resolves the default, :func:`default_eos`).
+    ``eos_token_id=None`` means no EOS (``Engine.generate`` resolves the default, :func:`default_eos`).
     """
     prompt = as_prompt_ids(input_ids)
     budget = check_request(staged, prompt, max_new_tokens)

@@ -56,7 +56,7 @@ class OneModeEngine:
                  eos_token_id: int | Sequence[int] | None = None,
                  streamer: Callable[[int], None] | object | None = None,
                  on_token: OnToken | None = None) -> GenerationOutput:
-        """Generate from a prompt (text needs a tokenizer) or token ids, as :meth:`PipelineEngine.generate`;
+        """Generate from a prompt (text needs a tokenizer) or token ids, as :meth:`Engine.generate`;
         ``mode`` is the engine's own (default) or ``ar``."""
         mode = mode or self.mode
         if mode not in (self.mode, "ar"):

@@ -53,10 +53,9 @@ from .request import OneModeEngine
 from .sampling import SamplingParams, select_token, warped_probs
 from ..heads.speculator import Speculator
 from ..target.staging import StagedModel, load_target_tokenizer
-from .proposers import Proposer
-from .proposers import SerialHeadProposer
+from .proposers import Proposer, SerialHeadProposer
 from .tree import Level, TokenTree, verify_sampled_recursive
-from .tree_engine import DraftModelProposer, load_draft_model
+from .proposers import DraftModelProposer, load_draft_model
 
 
 @dataclass

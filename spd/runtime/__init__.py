@@ -1,8 +1,8 @@
 """The multi-process pipeline runtime on ``torch.distributed`` (docs/method.md §7).
 
 Rank 0 is the driver: embedding, final norm, LM head, the token source (speculation head or draft model),
-verification and control. It runs the very step loop of :class:`spd.decoding.engine.PipelineEngine` (or of
-:class:`spd.decoding.tree_engine.TreeEngine`), with :class:`RemoteStages` as its stage backend, so it commits
+verification and control. It runs the very step loop of :class:`spd.decoding.engine.Engine` (a chain or a
+tree), with :class:`RemoteStages` as its stage backend, so it commits
 exactly the tokens of the single-process engines (same verification code, same random draws in the same
 order). Ranks ``1..n`` each own one stage: only that stage's decoder layers are loaded
 (:func:`load_partial`), plus its KV cache.

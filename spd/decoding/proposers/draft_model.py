@@ -63,6 +63,7 @@ class DraftModelProposer:
     ragged call (:func:`spd.target.ragged.run_ragged`) and one LM-head call.
     """
 
+    chain_only = False  # it has tree semantics
     needed_anchors: tuple[int, ...] = ()
     prefill_anchors: tuple[int, ...] = ()
     ids = None  # its outputs are target token ids

@@ -1,11 +1,11 @@
 """The one interface of a token source: :class:`Proposer`, what the step loop (:mod:`spd.decoding.loop`) asks of it.
 
 A proposer grows the token tree by one level per step (docs/method.md §5-6). Three implement it in
-:mod:`spd.decoding.tree_engine`: :class:`~spd.decoding.proposers.SpdHeadProposer` (our SPD heads, any width, one
+:mod:`spd.decoding.proposers`: :class:`~spd.decoding.proposers.SpdHeadProposer` (our SPD heads, any width, one
 batched query over the bottom nodes), :class:`~spd.decoding.proposers.HeadProposer` (any head through the
 head's engine calls, one query per bottom node: the SPD authors' heads at any width, and our heads on the
 output-state and PPSD schedules, which are chains) and :class:`~spd.decoding.proposers.DraftModelProposer` (a small
-causal LM), and a fourth in :mod:`spd.decoding.proposers.serial_head`: :class:`~spd.decoding.proposers.SerialHeadProposer` (our
+causal LM), and a fourth, :class:`~spd.decoding.proposers.SerialHeadProposer` (our
 head trained with variant=eagle). The standard pipeline (``pp``) runs the same loop with no proposer. Serial
 drafting (:mod:`spd.decoding.sd`) drives the draft model and the serial head through this interface too: it expands
 a chain while the target is idle, then commits the rows the target kept (``commit_root``) and resets.
@@ -42,7 +42,8 @@ class Proposer(Protocol):
     drafting). ``needed_anchors`` are the hidden-state indices ``l`` of ``H^l``
     it reads of tokens in flight, ``prefill_anchors`` those of the prompt's positions; ``ids`` maps its outputs to
     target ids (None: they are target ids); ``children`` caps the candidates per node; ``num_layers`` is its
-    depth for the step cost model (0: hidden behind a stage).
+    depth for the step cost model (0: hidden behind a stage); ``chain_only`` marks a schedule with no tree semantics
+    (width 1 only).
     """
 
     schedule: str
@@ -51,6 +52,7 @@ class Proposer(Protocol):
     ids: torch.Tensor | None
     children: int
     num_layers: int
+    chain_only: bool
 
     def start(self, prompt_ids: list[int], anchors: dict[int, torch.Tensor], capacity: int) -> None:
         """A request starts: the prompt's ids and its ``prefill_anchors`` (``H^l`` (1, T, D) each)."""

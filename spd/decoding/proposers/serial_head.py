@@ -28,6 +28,7 @@ class SerialHeadProposer:
     not run (see the module docstring). Its cache holds only rows the target ran and kept, so a rejection needs no
     rollback."""
 
+    chain_only = False  # it has tree semantics
     schedule = "serial"
     needed_anchors: tuple[int, ...] = ()  # tokens in flight enter through their embeddings, not the target's states
     ids = None  # its log-probabilities are over the target's vocabulary (-inf outside a draft vocabulary)

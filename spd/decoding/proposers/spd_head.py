@@ -40,6 +40,7 @@ class SpdHeadProposer:
     ablation and PPSD are refused.
     """
 
+    chain_only = False  # it has tree semantics
     schedule = "input"
 
     def __init__(self, head: Speculator, staged: StagedModel, children: int = 4, mode: str = "tree", tokenizer=None):
