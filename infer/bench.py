@@ -226,7 +226,8 @@ def _bench(args, runs: list[RunSpec]) -> int:
     import torch
     import transformers
 
-    from spd.decoding.factory import DecodingSpec, build_engine
+    from spd.decoding.factory import build_engine
+    from spd.decoding.spec import DecodingSpec
     from spd.heads.loading import load_speculator
     from spd.target.staging import StagedModel, load_tokenizer, split_layers
 
@@ -453,7 +454,8 @@ def _is_head(source: str) -> bool:
 
 def _tree_run(run: RunSpec, staged, tokenizer, max_width: int, dtype, device):
     """The tree engine of a ``tree:SOURCE:N:W:K[:RULE]`` run and its info row."""
-    from spd.decoding.factory import DecodingSpec, build_engine
+    from spd.decoding.factory import build_engine
+    from spd.decoding.spec import DecodingSpec
     from spd.heads.loading import load_speculator
 
     is_head = _is_head(run.source)

@@ -71,7 +71,6 @@ The systems run one after another on the same machine; the table prints ratios t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -454,7 +453,8 @@ def _bench(args) -> int:
     import torch
     import transformers
 
-    from spd.decoding.factory import DecodingSpec, build_engine
+    from spd.decoding.factory import build_engine
+    from spd.decoding.spec import DecodingSpec
     from spd.heads.loading import load_speculator, pipeline_cut
     from spd.target.staging import StagedModel, load_tokenizer
     from infer.bench import load_prompts
@@ -475,10 +475,10 @@ def _bench(args) -> int:
     if args.runtime == "distributed":
         from spd.serving.pipeline import PipelineSpec, open_pipeline
 
-        pipeline = open_pipeline(PipelineSpec(args.target, stages=args.stages, speculator=args.speculator,
-                                              runtime="distributed", emulate_stage_ms=args.emulate_stage_ms,
-                                              emulate_token_ms=args.emulate_token_ms, timeout_s=300,
-                                              **dataclasses.asdict(decoding)))
+        pipeline = open_pipeline(PipelineSpec.of(decoding, target=args.target, stages=args.stages,
+                                                 speculator=args.speculator, runtime="distributed",
+                                                 emulate_stage_ms=args.emulate_stage_ms,
+                                                 emulate_token_ms=args.emulate_token_ms, timeout_s=300))
         engine, staged = pipeline.engine, pipeline.staged
         if args.stage_ms is None:
             args.stage_ms, args.token_ms = args.emulate_stage_ms, args.emulate_token_ms

@@ -4,7 +4,8 @@ import pytest
 
 from conftest import tiny_model
 from spd.decoding.engine import Engine
-from spd.decoding.factory import DecodingSpec, build_engine
+from spd.decoding.factory import build_engine
+from spd.decoding.spec import DecodingSpec
 from spd.decoding.generation import generate_ar
 from spd.decoding.sd import SpeculativeDecoder
 from spd.errors import SpdInputError
@@ -46,3 +47,28 @@ def test_bad_modes_are_one_clear_error(staged):
         build_engine(DecodingSpec("beam"), staged, None, None)
     with pytest.raises(SpdInputError, match="--mode sd runs the whole target in one process"):
         build_engine(DecodingSpec("sd", draft_model="x"), staged, None, None, stages=object())
+
+
+def test_the_flags_and_the_runtime_command_line_come_from_the_spec():
+    """spd-generate and spd-serve take every field of DecodingSpec as a flag; the command line the distributed
+    runtime gets (DecodingSpec.argv) parses back to the same settings; --mode defaults by the proposer given."""
+    from dataclasses import fields
+
+    from spd.cli.generate import RUNTIME_FLAGS, build_parser
+    from spd.cli.run_pipeline import build_parser as runtime_parser
+    from spd.cli.serve import build_parser as serve_parser
+
+    names = {f.name for f in fields(DecodingSpec)}
+    assert names <= set(vars(build_parser().parse_args([]))) and names <= set(vars(serve_parser().parse_args([])))
+    args = build_parser().parse_args(["--speculator", "h", "--boundaries", "2,4", "--tree-width", "auto",
+                                      "--timeout-s", "9", "--dtype", "bfloat16", "--prompt", "x"])
+    spec = DecodingSpec.of(args)
+    assert (spec.mode, spec.boundaries, spec.tree_width, spec.timeout_s) == ("spd", [2, 4], "auto", 9.0)
+    back = runtime_parser().parse_args(["--prompt", "x", *spec.argv(RUNTIME_FLAGS)])
+    assert DecodingSpec.of(back, mode=spec.mode) == spec
+    assert DecodingSpec().mode == "ar" and DecodingSpec(draft_model="d").mode == "tree"
+    assert DecodingSpec(speculator="h", draft_model="d").mode == "spd"
+    with pytest.raises(SpdInputError, match="--mode tree takes one proposer"):
+        DecodingSpec("tree", speculator="h", draft_model="d").check()
+    with pytest.raises(SpdInputError, match="--timeout-s must be a positive number of seconds, got nan"):
+        DecodingSpec(timeout_s=float("nan")).check()

@@ -23,17 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 from pathlib import Path
 
+from spd.decoding.spec import DecodingSpec, finite_float, positive_int
 from spd.errors import SpdInputError
-from spd.paths import check_model_source, default_testbed_dir
+from spd.paths import check_model_source
 from spd.heads.published.authors_file import is_authors_file
-
-MODES = ("ar", "pp", "spd", "tree", "sd")
-
 
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (usage is in --help) and exit code 2."""
@@ -42,122 +39,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
-def _tree_width(text: str) -> int | str:
-    from spd.decoding.tree_width import parse_tree_width
-
-    try:
-        return parse_tree_width(text)
-    except SpdInputError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got '{text}'") from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got '{text}'")
-    return value
-
-
-def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """The flags that say what to run (target, mode, head or draft model, runtime): spd-generate's and spd-serve's."""
-    p.add_argument("--target", default=str(default_testbed_dir() / "target"),
-                   help="target model: a local directory or a Hugging Face hub id (default: %(default)s)")
-    p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of --target")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the target's)")
-    p.add_argument("--mode", default="ar", help=f"decoding mode: one of {', '.join(MODES)} (default: ar)")
-    p.add_argument("--stages", type=_positive_int, default=None,
-                   help="pipeline stages the target is cut into (default: the speculator's n, else 1)")
-    p.add_argument("--boundaries", default=None,
-                   help="cut the target at these layer indices instead of equally, e.g. 8,16,23 for 30 layers in 4 "
-                        "stages of 8, 8, 7, 7 (default: the speculator's cut, else an equal one)")
-    p.add_argument("--speculator", default=None,
-                   help="speculation head for --mode spd or tree (a head trained for the pipeline), or --mode sd (a "
-                        "head trained with variant=eagle): a directory or hub id")
-    p.add_argument("--speculator-revision", default=None, help="hub revision of --speculator")
-    p.add_argument("--draft-model", default=None,
-                   help="draft model for --mode tree or sd: a directory or hub id of a small causal LM with the "
-                        "target's tokenizer")
-    p.add_argument("--draft-steps", type=_positive_int, default=4,
-                   help="--mode sd: tokens drafted one after another per target forward, m "
-                        "(default: %(default)s)")
-    p.add_argument("--draft-revision", default=None, help="hub revision of --draft-model")
-    p.add_argument("--tree-width", type=_tree_width, default=4,
-                   help="--mode tree: tree nodes kept per level, W, or 'auto' (follows the measured acceptance, up to "
-                        "--tree-max-width) (default: %(default)s)")
-    p.add_argument("--tree-children", type=_positive_int, default=4,
-                   help="--mode tree: candidate children per node, K (default: %(default)s)")
-    p.add_argument("--tree-max-width", type=_positive_int, default=8,
-                   help="--mode tree --tree-width auto: the largest width (default: %(default)s)")
-    p.add_argument("--tree-candidates", default="auto", choices=("auto", "sampled", "top-k"),
-                   help="--mode tree at T > 0: children drawn from the source's distribution (sampled) or its top-K "
-                        "(top-k); auto = sampled (greedy always uses top-k) (default: %(default)s)")
-    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--runtime", default="local", choices=("local", "distributed"),
-                   help="local: one process; distributed: one process per stage plus rank 0 on torch.distributed "
-                        "(modes spd, pp and tree)")
-    p.add_argument("--emulate-stage-ms", type=_finite_float, default=0.0,
-                   help="--runtime distributed: added compute time per stage per token")
-    p.add_argument("--emulate-link-ms", type=_finite_float, default=0.0,
-                   help="--runtime distributed: added latency per message")
-    p.add_argument("--timeout-s", type=_finite_float, default=60.0,
-                   help="--runtime distributed: a rank silent this long counts as lost")
-
-
-def check_model_flags(args) -> None:
-    """The checks of add_model_flags' values that need no model loaded (one SpdInputError each)."""
-    if args.mode not in MODES:
-        raise SpdInputError(f"unknown --mode '{args.mode}'; expected one of: {', '.join(MODES)}")
-    if args.mode == "spd" and args.speculator is None:
-        raise SpdInputError("--mode spd needs --speculator DIR_OR_ID (a head trained by train/distill.py)")
-    if args.mode not in ("spd", "tree", "sd") and args.speculator is not None:
-        raise SpdInputError(f"--speculator is only used by --mode spd, tree and sd, but --mode is '{args.mode}'")
-    if args.mode == "tree" and args.draft_model is None and args.speculator is None:
-        raise SpdInputError("--mode tree needs --draft-model DIR_OR_ID (a small causal LM with the target's "
-                            "tokenizer) or --speculator DIR_OR_ID (an SPD head)")
-    if args.mode == "tree" and args.draft_model is not None and args.speculator is not None:
-        raise SpdInputError("--mode tree takes one token source: --draft-model or --speculator, not both")
-    if args.mode == "sd" and (args.draft_model is None) == (args.speculator is None):
-        raise SpdInputError("--mode sd takes one drafter: --draft-model DIR_OR_ID (a small causal LM with the target's "
-                            "tokenizer) or --speculator DIR_OR_ID (a head trained with variant=eagle)")
-    if args.mode == "sd" and args.stages not in (None, 1):
-        raise SpdInputError(f"--mode sd runs the whole target in one process (no pipeline), so --stages must be 1, "
-                            f"got {args.stages}")
-    if args.mode not in ("tree", "sd") and args.draft_model is not None:
-        raise SpdInputError(f"--draft-model is only used by --mode tree and --mode sd, but --mode is '{args.mode}'")
-    if args.runtime == "distributed" and args.mode not in ("spd", "pp", "tree"):
-        raise SpdInputError(f"--runtime distributed runs --mode spd, pp or tree, not '{args.mode}'")
-    if args.runtime == "local" and (args.emulate_stage_ms or args.emulate_link_ms):
-        raise SpdInputError("--emulate-stage-ms / --emulate-link-ms need --runtime distributed")
-    if args.emulate_stage_ms < 0 or args.emulate_link_ms < 0 or args.timeout_s <= 0:
-        raise SpdInputError("--emulate-stage-ms and --emulate-link-ms must be >= 0 and --timeout-s > 0")
+# The fields of DecodingSpec that the distributed runtime's program (spd/cli/run_pipeline.py) takes as flags; its
+# --mode takes several modes, and device, runtime and draft_steps are not its.
+RUNTIME_FLAGS = tuple(f for f in DecodingSpec.__dataclass_fields__ if f not in ("mode", "device", "runtime", "draft_steps"))
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="spd-generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_flags(p)
+    DecodingSpec.add_flags(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file whose contents are the prompt")
     src.add_argument("--prompt-ids", help="the prompt as token ids, e.g. 1,15,27 (for targets without a tokenizer)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=128)
-    p.add_argument("--temperature", type=_finite_float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
-    p.add_argument("--top-p", type=_finite_float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--show-acceptance", action="store_true",
@@ -213,7 +111,9 @@ def _check_numbers(args) -> None:
         raise SpdInputError(f"--top-k must be >= 0, got {args.top_k}")
     if not 0 < args.top_p <= 1:
         raise SpdInputError(f"--top-p must be in (0, 1], got {args.top_p}")
-    check_model_flags(args)
+    spec = DecodingSpec.of(args)
+    args.mode = spec.mode  # the default follows --speculator and --draft-model
+    spec.check()
     if args.chat and args.prompt_ids is not None:
         raise SpdInputError("--chat wraps a text prompt in the chat template; --prompt-ids are used as given, "
                             "so pass the template's token ids yourself")
@@ -311,9 +211,10 @@ def run(args) -> int:
         check_model_source(args.draft_model, "draft model")
     import torch
 
-    from spd.decoding.factory import DecodingSpec, build_engine
+    from spd.decoding.factory import build_engine
+    from spd.decoding.spec import DecodingSpec
     from spd.heads.loading import load_speculator, pipeline_cut
-    from spd.target.staging import StagedModel, parse_boundaries
+    from spd.target.staging import StagedModel
 
     _quiet_libraries()
     tokenizer = load_cli_tokenizer(args, prompt)
@@ -329,7 +230,7 @@ def run(args) -> int:
     else:
         prompt_ids = tokenizer(prompt)["input_ids"]
     dtype = getattr(torch, args.dtype)
-    stages, boundaries = pipeline_cut(args.stages, parse_boundaries(args.boundaries) if args.boundaries else None,
+    stages, boundaries = pipeline_cut(args.stages, args.boundaries,
                                       args.speculator, args.speculator_revision, args.target, args.revision)
     staged = StagedModel.from_pretrained(args.target, n_stages=stages, boundaries=boundaries, revision=args.revision,
                                          dtype=dtype, device=args.device)
@@ -373,10 +274,10 @@ def run_distributed(args, prompt: str | list[int]) -> int:
         check_model_source(args.draft_model, "draft model")
     stages = args.stages
     if args.boundaries:  # the cut decides the world size; checked against the target's layers here
-        from spd.target.staging import parse_boundaries, split_layers, target_num_layers
+        from spd.target.staging import split_layers, target_num_layers
 
         num_layers = target_num_layers(args.target, args.revision)
-        stages = len(split_layers(num_layers, stages, parse_boundaries(args.boundaries))) - 1
+        stages = len(split_layers(num_layers, stages, args.boundaries)) - 1
     if args.speculator is not None:
         from spd.heads.loading import speculator_stages
 
@@ -388,22 +289,12 @@ def run_distributed(args, prompt: str | list[int]) -> int:
     stages = stages or 1
     from spd.runtime.world import free_port, local_world_env
 
-    cmd = [sys.executable, "-m", "spd.cli.run_pipeline",
-           "--target", args.target, "--mode", args.mode, "--stages", str(stages),
+    spec = DecodingSpec.of(args, stages=stages)
+    cmd = [sys.executable, "-m", "spd.cli.run_pipeline", "--mode", args.mode, *spec.argv(RUNTIME_FLAGS),
            *(["--prompt-ids", ",".join(map(str, prompt))] if isinstance(prompt, list) else ["--prompt", prompt]),
            "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature),
-           "--top-k", str(args.top_k), "--top-p", str(args.top_p), "--dtype", args.dtype,
-           "--emulate-stage-ms", str(args.emulate_stage_ms), "--emulate-link-ms", str(args.emulate_link_ms),
-           "--timeout-s", str(args.timeout_s)]
-    if args.mode == "tree":
-        cmd += ["--tree-width", str(args.tree_width), "--tree-children", str(args.tree_children),
-                "--tree-max-width", str(args.tree_max_width), "--tree-candidates", args.tree_candidates]
-    for flag, value in (("--revision", args.revision), ("--tokenizer", args.tokenizer), ("--boundaries", args.boundaries),
-                        ("--speculator", args.speculator), ("--speculator-revision", args.speculator_revision),
-                        ("--draft-model", args.draft_model), ("--draft-revision", args.draft_revision),
-                        ("--seed", args.seed)):
-        if value is not None:
-            cmd += [flag, str(value)]
+           "--top-k", str(args.top_k), "--top-p", str(args.top_p)]
+    cmd += ["--seed", str(args.seed)] if args.seed is not None else []
     cmd += ["--chat"] if args.chat else []
     cmd += ["--json"] if args.json else []
     cmd += ["--show-acceptance"] if args.show_acceptance else []

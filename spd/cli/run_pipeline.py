@@ -18,36 +18,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 from pathlib import Path
 
+from spd.decoding.spec import DecodingSpec, check_runtime_numbers, default_mode
 from spd.errors import SpdInputError
-from spd.paths import default_testbed_dir
 from spd.cli.batch_flags import add_prefill_flags, check_prefill_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="run_pipeline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=str(default_testbed_dir() / "target"))
-    p.add_argument("--revision", default=None)
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--speculator", default=None)
-    p.add_argument("--speculator-revision", default=None)
-    p.add_argument("--mode", nargs="+", default=["spd"], choices=("spd", "pp", "tree"))
-    p.add_argument("--draft-model", default=None, help="--mode tree: a small causal LM with the target's tokenizer")
-    p.add_argument("--draft-revision", default=None)
-    p.add_argument("--tree-width", default="4", help="--mode tree: tree nodes kept per level, W, or 'auto'")
-    p.add_argument("--tree-children", type=int, default=4, help="--mode tree: candidate children per node, K")
-    p.add_argument("--tree-max-width", type=int, default=8, help="--mode tree --tree-width auto: the largest width")
-    p.add_argument("--tree-candidates", default="auto", choices=("auto", "sampled", "top-k"),
-                   help="--mode tree at T > 0: sampled children or the source's top-K (auto: sampled)")
-    p.add_argument("--stages", type=int, default=None, help="must equal the world size - 1 (checked)")
-    p.add_argument("--boundaries", default=None,
-                   help="cut the target at these layer indices, e.g. 8,16,23 (default: the speculator's cut, else equal)")
+    p.add_argument("--mode", nargs="+", default=None, choices=("spd", "pp", "tree"),
+                   help="one or more modes, run one after another on the same processes (default: spd with "
+                        "--speculator, tree with only --draft-model, else spd, which needs --speculator)")
+    DecodingSpec.add_flags(p, exclude=("mode", "device", "runtime", "draft_steps"))
     p.add_argument("--prompt", default=None)
     p.add_argument("--prompt-ids", default=None, help="the prompt as comma-separated token ids")
     p.add_argument("--prompts", default=None, help='jsonl with a "prompt" field per row')
@@ -58,13 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl with CUDA, else gloo)")
-    p.add_argument("--timeout-s", type=float, default=60.0, help="a rank silent this long counts as lost")
-    p.add_argument("--emulate-stage-ms", type=float, default=0.0,
-                   help="added compute time per stage call (a token, a tree level, a batch)")
     p.add_argument("--emulate-token-ms", type=float, default=0.0, help="and per token of that call")
-    p.add_argument("--emulate-link-ms", type=float, default=0.0, help="added latency per message")
     p.add_argument("--early-launch", action="store_true",
                    help="let stage 1 start a proposal before the step that made it is verified (see spd/runtime/)")
     p.add_argument("--max-batch", type=int, default=1,
@@ -80,13 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_numbers(args) -> None:
     """Refuse numbers no run can use (one sentence), before any process joins the world."""
-    # nan passes every comparison and inf every lower bound: the float flags must be finite as well.
-    if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
-        raise SpdInputError(f"--timeout-s must be a positive number of seconds, got {args.timeout_s}")
-    for flag in ("emulate_stage_ms", "emulate_token_ms", "emulate_link_ms", "temperature"):
-        value = getattr(args, flag)
-        if not (math.isfinite(value) and value >= 0):
-            raise SpdInputError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
+    check_runtime_numbers(args.timeout_s, emulate_stage_ms=args.emulate_stage_ms, emulate_token_ms=args.emulate_token_ms,
+                          emulate_link_ms=args.emulate_link_ms, temperature=args.temperature)
     if not 0 < args.top_p <= 1:
         raise SpdInputError(f"--top-p must be in (0, 1], got {args.top_p}")
     for flag, low in (("threads", 1), ("max_new_tokens", 1), ("num_prompts", 1), ("top_k", 0), ("max_batch", 1),
@@ -99,6 +76,8 @@ def check_numbers(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Without a proposer the default (ar) has no pipeline: spd then asks for --speculator, as every spd run does.
+    args.mode = args.mode or [default_mode(args.speculator, args.draft_model).replace("ar", "spd")]
     try:
         check_numbers(args)
     except SpdInputError as exc:
@@ -155,15 +134,14 @@ def main(argv: list[str] | None = None) -> int:
 def _boundaries(args, n: int) -> list[int] | None:
     """The cut every rank loads: --boundaries, else the speculator's own cut when it has n stages, else equal."""
     from spd.heads.loading import pipeline_cut
-    from spd.target.staging import parse_boundaries
 
-    explicit = parse_boundaries(args.boundaries) if args.boundaries else None
-    stages, boundaries = pipeline_cut(n, explicit, args.speculator, args.speculator_revision, args.target, args.revision)
+    stages, boundaries = pipeline_cut(n, args.boundaries, args.speculator, args.speculator_revision, args.target, args.revision)
     return boundaries
 
 
 def _driver(args, n: int, config, control, device, dtype) -> None:
-    from spd.decoding.factory import DecodingSpec, build_engine
+    from spd.decoding.factory import build_engine
+    from spd.decoding.spec import DecodingSpec
     from spd.target.staging import load_target_tokenizer
     from spd.runtime.handshake import check_same_job, job_identity
     from spd.runtime.loading import load_partial
@@ -176,12 +154,6 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
         raise SpdInputError("--mode spd needs --speculator DIR_OR_ID")
     if "tree" in args.mode and (args.draft_model is None) == (args.speculator is None):
         raise SpdInputError("--mode tree needs one token source: --draft-model DIR_OR_ID or --speculator DIR_OR_ID")
-    if "tree" in args.mode:
-        from spd.decoding.tree_width import parse_tree_width
-
-        args.tree_width = parse_tree_width(args.tree_width)
-        if args.tree_children < 1 or args.tree_max_width < 1:
-            raise SpdInputError("--tree-children and --tree-max-width must be positive integers")
     tokenizer = load_target_tokenizer(args.target, args.revision, args.tokenizer)  # None: a target without one
     if tokenizer is None and args.prompt_ids is None:
         raise SpdInputError(f"the target '{args.target}' has no tokenizer; pass --tokenizer DIR_OR_ID or --prompt-ids")

@@ -23,27 +23,28 @@ import sys
 from pathlib import Path
 
 from spd.errors import SpdInputError
-from spd.cli.generate import _finite_float, _Parser, _positive_int, _quiet_libraries, add_model_flags, check_model_flags
+from spd.cli.generate import _Parser, _quiet_libraries
+from spd.decoding.spec import DecodingSpec, finite_float, positive_int
 from spd.cli.batch_flags import add_prefill_flags, check_prefill_flags, prefill_options
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="spd-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_flags(p)
+    DecodingSpec.add_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 = a free one)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the target's directory name or hub id)")
-    p.add_argument("--max-queue", type=_positive_int, default=64,
+    p.add_argument("--max-queue", type=positive_int, default=64,
                    help="requests that may wait for the pipeline; one more gets 503 (default: %(default)s)")
-    p.add_argument("--max-batch", type=_positive_int, default=1,
+    p.add_argument("--max-batch", type=positive_int, default=1,
                    help="requests in flight at once: 1 runs them one after another (SPD's lowest latency); B > 1 "
                         "batches up to B in the pipeline, admitted at step boundaries (local runtime, --mode spd, "
                         "pp or tree; default: %(default)s)")
-    p.add_argument("--kv-rows", type=_positive_int, default=None,
+    p.add_argument("--kv-rows", type=positive_int, default=None,
                    help="--max-batch B > 1: KV rows shared by the requests in flight (each needs prompt + max_tokens "
                         "+ the tree in flight; more wait); default: 2048 per request of B")
-    add_prefill_flags(p, _positive_int)
+    add_prefill_flags(p, positive_int)
     p.add_argument("--idle-ping-s", type=_positive_seconds, default=None,
                    help="--runtime distributed: ping idle stages this often, in seconds, less than --timeout-s "
                         "(default: a quarter of --timeout-s, at most 5)")
@@ -55,9 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "where the other machines' stages join (port default 29500); listens on that address only")
     p.add_argument("--join-timeout-s", type=_positive_seconds, default=600.0,
                    help="--runtime distributed: how long the stages may take to load and join (default: %(default)s)")
-    p.add_argument("--max-body-bytes", type=_positive_int, default=8 * 2 ** 20,
+    p.add_argument("--max-body-bytes", type=positive_int, default=8 * 2 ** 20,
                    help="largest request body; a larger one gets 413 before it is read (default: %(default)s = 8 MiB)")
-    p.add_argument("--max-model-len", type=_positive_int, default=None,
+    p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="most tokens of prompt + max_tokens per request, which sizes the running request's KV "
                         "cache (default: the model's context)")
     p.add_argument("--api-key", default=None,
@@ -80,7 +81,7 @@ def _non_negative_int(text: str) -> int:
 
 
 def _positive_seconds(text: str) -> float:
-    value = _finite_float(text)
+    value = finite_float(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
     return value
@@ -98,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(args) -> int:
-    check_model_flags(args)
+    decoding = DecodingSpec.of(args)
+    args.mode = decoding.mode  # the default follows --speculator and --draft-model
+    decoding.check()
     if not 0 <= args.port < 65536:
         raise SpdInputError(f"--port must be in 0..65535, got {args.port}")
     if args.idle_ping_s is not None and args.runtime == "distributed" and args.idle_ping_s >= args.timeout_s:
@@ -128,20 +131,9 @@ def serve(args) -> int:
     from spd.serving.metrics import ServerMetrics
     from spd.serving.pipeline import PipelineSpec, open_pipeline
     from spd.serving.scheduler import Scheduler
-    from spd.target.staging import parse_boundaries
-
     _quiet_libraries()
-    spec = PipelineSpec(target=args.target, mode=args.mode, stages=args.stages, revision=args.revision,
-                        boundaries=parse_boundaries(args.boundaries) if args.boundaries else None,
-                        tokenizer=args.tokenizer, speculator=args.speculator,
-                        speculator_revision=args.speculator_revision, draft_model=args.draft_model,
-                        draft_revision=args.draft_revision, tree_width=args.tree_width,
-                        tree_children=args.tree_children, tree_max_width=args.tree_max_width,
-                        tree_candidates=args.tree_candidates, draft_steps=args.draft_steps, dtype=args.dtype, device=args.device,
-                        runtime=args.runtime,
-                        emulate_stage_ms=args.emulate_stage_ms, emulate_link_ms=args.emulate_link_ms,
-                        timeout_s=args.timeout_s, local_stages=args.local_stages, stage_addr=args.stage_addr,
-                        join_timeout_s=args.join_timeout_s)
+    spec = PipelineSpec.of(decoding, local_stages=args.local_stages, stage_addr=args.stage_addr,
+                           join_timeout_s=args.join_timeout_s)
     name = args.served_model_name or (Path(args.target).name if Path(args.target).is_dir() else args.target)
     # SIGTERM unwinds (SystemExit) from here on, through the loading too: open_pipeline then stops the stage
     # processes it started, and the finally below the ones of a running server. uvicorn handles SIGTERM itself

@@ -9,33 +9,10 @@ drafting (:class:`~spd.decoding.sd.SpeculativeDecoder`) with a head trained with
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import torch
 
 from ..errors import SpdInputError
-
-MODES = ("ar", "pp", "spd", "tree", "sd")
-
-
-@dataclass
-class DecodingSpec:
-    """A mode and the settings of its token source (the CLI's and the server's flags of the same names)."""
-
-    mode: str = "spd"
-    draft_model: str | None = None  # tree / sd: a small causal LM sharing the target's tokenizer
-    draft_revision: str | None = None
-    draft_steps: int = 4  # sd: m
-    tree_width: int | str = 4  # tree: W, or "auto"
-    tree_children: int = 4  # tree: K
-    tree_candidates: str = "auto"  # tree at T > 0: sampled (auto) or top-k
-    tree_max_width: int = 8  # tree with W = auto
-
-    @classmethod
-    def of(cls, settings, **overrides) -> DecodingSpec:
-        """From any object with these attribute names (the CLI's parsed flags, the server's PipelineSpec)."""
-        values = {f.name: getattr(settings, f.name) for f in fields(cls) if hasattr(settings, f.name)}
-        return cls(**{**values, **overrides})
+from .spec import MODES, DecodingSpec
 
 
 def build_engine(spec: DecodingSpec, staged, head, tokenizer, dtype: torch.dtype = torch.float32,

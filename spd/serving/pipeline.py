@@ -25,35 +25,15 @@ import torch
 
 from ..errors import SpdInputError, first_line
 from ..decoding.generation import GenerationOutput, OnToken
+from ..decoding.spec import DecodingSpec
 from .children import end_child, start_child
 
 
 @dataclass
-class PipelineSpec:
-    """What to serve: the same model flags as spd-generate."""
+class PipelineSpec(DecodingSpec):
+    """What to serve: the decoding settings (spd-generate's flags), and where the stages run."""
 
-    target: str
-    mode: str = "spd"  # spd, pp, tree, sd or ar
-    stages: int | None = None  # default: the head's n, else 1
-    boundaries: list[int] | None = None  # an explicit (uneven) cut; default: the head's cut, else an equal one
-    revision: str | None = None
-    tokenizer: str | None = None  # default: the target's
-    speculator: str | None = None
-    speculator_revision: str | None = None
-    draft_model: str | None = None
-    draft_revision: str | None = None
-    tree_width: int | str = 4  # or "auto"
-    tree_children: int = 4
-    tree_max_width: int = 8  # tree_width "auto": the largest width
-    tree_candidates: str = "auto"  # at T > 0: "sampled" (auto) or "top-k"
-    draft_steps: int = 4  # sd: tokens drafted per target forward, m
-    dtype: str = "float32"
-    device: str = "cpu"
-    runtime: str = "local"  # local or distributed
-    emulate_stage_ms: float = 0.0  # distributed: added compute per stage call (a token, a tree level, a batch)
-    emulate_token_ms: float = 0.0  # distributed: and per token of that call
-    emulate_link_ms: float = 0.0  # distributed: added latency per message
-    timeout_s: float = 60.0  # distributed: a stage silent this long (within a request) is lost
+    emulate_token_ms: float = 0.0  # distributed: and per token of a stage call
     local_stages: int | None = None  # distributed: stages run on this machine (default: all); the rest join
     stage_addr: str | None = None  # distributed: HOST[:PORT] on the stage network where the other machines join
     join_timeout_s: float = 600.0  # distributed: how long the stages may take to load and join
@@ -196,7 +176,7 @@ def open_pipeline(spec: PipelineSpec) -> Pipeline:
 
 
 def _engine(spec: PipelineSpec, staged, head, tokenizer, dtype, stages=None):
-    from ..decoding.factory import DecodingSpec, build_engine
+    from ..decoding.factory import build_engine
 
     return build_engine(DecodingSpec.of(spec), staged, head, tokenizer, dtype, spec.device, stages)
 

@@ -1,0 +1,197 @@
+"""The decoding settings, defined once: :class:`DecodingSpec`.
+
+Every field is one command-line flag of the same name (``tree_width`` is ``--tree-width``). From the dataclass come
+spd-generate's and spd-serve's flags (:meth:`DecodingSpec.add_flags`, with their parsers, defaults and help), their
+checks (:meth:`DecodingSpec.check`, one :class:`~spd.errors.SpdInputError` each), the distributed runtime's command
+line (:meth:`DecodingSpec.argv`) and the engine (:func:`spd.decoding.factory.build_engine`). The server's
+:class:`~spd.serving.pipeline.PipelineSpec` adds where the stages run.
+
+``--mode`` has one default everywhere, :func:`default_mode`: ``spd`` with a ``--speculator``, ``tree`` with only a
+``--draft-model``, else ``ar``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import MISSING, dataclass, field, fields
+
+from ..errors import SpdInputError
+from ..paths import default_testbed_dir
+
+MODES = ("ar", "pp", "spd", "tree", "sd")
+PIPELINED = ("spd", "pp", "tree")  # the modes with a pipeline of stages (and so a distributed runtime)
+
+
+def default_mode(speculator: str | None, draft_model: str | None) -> str:
+    """The mode when none is given: ``spd`` with a head, ``tree`` with only a draft model, else ``ar``."""
+    return "spd" if speculator is not None else "tree" if draft_model is not None else "ar"
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got '{text}'")
+    return value
+
+
+def tree_width_flag(text: str) -> int | str:
+    from .tree_width import parse_tree_width
+
+    try:
+        return parse_tree_width(text)
+    except SpdInputError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got '{text}'") from None
+
+
+def boundaries_flag(text: str) -> list[int]:
+    from ..target.staging import parse_boundaries
+
+    try:
+        return parse_boundaries(text)
+    except SpdInputError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--boundaries ")) from None
+
+
+def _flag(default, help: str, parse=None, choices=None, factory=None):
+    """A field that is also a flag: its default, help text, parser and choices."""
+    metadata = {"help": help, "parse": parse, "choices": choices}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class DecodingSpec:
+    """What to run and how: a mode, the target, its head or draft model, and the runtime (see the module docstring)."""
+
+    mode: str | None = _flag(None, f"decoding mode: one of {', '.join(MODES)} (default: spd with --speculator, tree "
+                                   "with only --draft-model, else ar)")
+    target: str = _flag(None, "target model: a local directory or a Hugging Face hub id (default: %(default)s)",
+                        factory=lambda: str(default_testbed_dir() / "target"))
+    revision: str | None = _flag(None, "hub revision (branch, tag or commit) of --target")
+    tokenizer: str | None = _flag(None, "tokenizer directory or hub id (default: the target's)")
+    stages: int | None = _flag(None, "pipeline stages the target is cut into (default: the speculator's n, else 1)",
+                               positive_int)
+    boundaries: list[int] | None = _flag(None, "cut the target at these layer indices instead of equally, e.g. 8,16,23 "
+                                               "for 30 layers in 4 stages of 8, 8, 7, 7 (default: the speculator's "
+                                               "cut, else an equal one)", boundaries_flag)
+    speculator: str | None = _flag(None, "speculation head for --mode spd or tree (a head trained for the pipeline), "
+                                         "or --mode sd (a head trained with variant=eagle): a directory or hub id")
+    speculator_revision: str | None = _flag(None, "hub revision of --speculator")
+    draft_model: str | None = _flag(None, "draft model for --mode tree or sd: a directory or hub id of a small "
+                                          "causal LM with the target's tokenizer")
+    draft_steps: int = _flag(4, "--mode sd: tokens drafted one after another per target forward, m "
+                                "(default: %(default)s)", positive_int)
+    draft_revision: str | None = _flag(None, "hub revision of --draft-model")
+    tree_width: int | str = _flag(4, "--mode tree: tree nodes kept per level, W, or 'auto' (follows the measured "
+                                     "acceptance, up to --tree-max-width) (default: %(default)s)", tree_width_flag)
+    tree_children: int = _flag(4, "--mode tree: candidate children per node, K (default: %(default)s)", positive_int)
+    tree_max_width: int = _flag(8, "--mode tree --tree-width auto: the largest width (default: %(default)s)",
+                                positive_int)
+    tree_candidates: str = _flag("auto", "--mode tree at T > 0: children drawn from the proposer's distribution "
+                                         "(sampled) or its top-K (top-k); auto = sampled (greedy always uses top-k) "
+                                         "(default: %(default)s)", choices=("auto", "sampled", "top-k"))
+    device: str = _flag("cpu", "torch device (cpu, cuda, cuda:1, ...)")
+    dtype: str = _flag("float32", "the weights' dtype (default: %(default)s)",
+                       choices=("float32", "bfloat16", "float16"))
+    runtime: str = _flag("local", "local: one process; distributed: one process per stage plus rank 0 on "
+                                  "torch.distributed (modes spd, pp and tree)", choices=("local", "distributed"))
+    emulate_stage_ms: float = _flag(0.0, "--runtime distributed: added compute time per stage call (a token, a tree "
+                                         "level, a batch)", float)
+    emulate_link_ms: float = _flag(0.0, "--runtime distributed: added latency per message", float)
+    timeout_s: float = _flag(60.0, "--runtime distributed: a rank silent this long counts as lost", float)
+
+    def __post_init__(self):
+        if self.mode is None:
+            self.mode = default_mode(self.speculator, self.draft_model)
+
+    # ------------------------------------------------------------------------------------ the flags
+    @classmethod
+    def add_flags(cls, parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+        """Add every field but ``exclude`` to ``parser`` as ``--name-with-dashes``."""
+        for f in fields(cls):
+            if f.name in exclude or "help" not in f.metadata:
+                continue
+            default = f.default_factory() if f.default is MISSING else f.default
+            kwargs = {"default": default, "help": f.metadata["help"]}
+            if f.metadata["parse"] is not None:
+                kwargs["type"] = f.metadata["parse"]
+            if f.metadata["choices"] is not None:
+                kwargs["choices"] = f.metadata["choices"]
+            parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+
+    @classmethod
+    def of(cls, settings, **overrides) -> "DecodingSpec":
+        """From any object with these attribute names (the CLIs' parsed flags, another spec)."""
+        values = {f.name: getattr(settings, f.name) for f in fields(cls) if hasattr(settings, f.name)}
+        return cls(**{**values, **overrides})
+
+    def argv(self, names: tuple[str, ...]) -> list[str]:
+        """The command line that gives another program (the distributed runtime's) these fields' values: ``--flag
+        value`` for each of ``names`` that is set."""
+        out = []
+        for name in names:
+            value = getattr(self, name)
+            if isinstance(value, list):
+                value = ",".join(map(str, value))
+            if value is not None:
+                out += ["--" + name.replace("_", "-"), str(value)]
+        return out
+
+    # ----------------------------------------------------------------------------------- the checks
+    def check_numbers(self) -> None:
+        """The runtime's numbers: finite, ``>= 0`` for the emulated delays, ``> 0`` for the timeout."""
+        check_runtime_numbers(self.timeout_s, emulate_stage_ms=self.emulate_stage_ms,
+                              emulate_link_ms=self.emulate_link_ms)
+
+    def check(self) -> None:
+        """The checks that need no model loaded (one SpdInputError each)."""
+        mode, speculator, draft = self.mode, self.speculator, self.draft_model
+        if mode not in MODES:
+            raise SpdInputError(f"unknown --mode '{mode}'; expected one of: {', '.join(MODES)}")
+        if mode == "spd" and speculator is None:
+            raise SpdInputError("--mode spd needs --speculator DIR_OR_ID (a head trained by train/distill.py)")
+        if mode not in ("spd", "tree", "sd") and speculator is not None:
+            raise SpdInputError(f"--speculator is only used by --mode spd, tree and sd, but --mode is '{mode}'")
+        if mode == "tree" and draft is None and speculator is None:
+            raise SpdInputError("--mode tree needs --draft-model DIR_OR_ID (a small causal LM with the target's "
+                                "tokenizer) or --speculator DIR_OR_ID (an SPD head)")
+        if mode == "tree" and draft is not None and speculator is not None:
+            raise SpdInputError("--mode tree takes one proposer: --draft-model or --speculator, not both")
+        if mode == "sd" and (draft is None) == (speculator is None):
+            raise SpdInputError("--mode sd takes one drafter: --draft-model DIR_OR_ID (a small causal LM with the "
+                                "target's tokenizer) or --speculator DIR_OR_ID (a head trained with variant=eagle)")
+        if mode == "sd" and self.stages not in (None, 1):
+            raise SpdInputError(f"--mode sd runs the whole target in one process (no pipeline), so --stages must be "
+                                f"1, got {self.stages}")
+        if mode not in ("tree", "sd") and draft is not None:
+            raise SpdInputError(f"--draft-model is only used by --mode tree and --mode sd, but --mode is '{mode}'")
+        if self.runtime == "distributed" and mode not in PIPELINED:
+            raise SpdInputError(f"--runtime distributed runs --mode spd, pp or tree, not '{mode}'")
+        if self.runtime == "local" and (self.emulate_stage_ms or self.emulate_link_ms):
+            raise SpdInputError("--emulate-stage-ms / --emulate-link-ms need --runtime distributed")
+        self.check_numbers()
+
+
+def check_runtime_numbers(timeout_s: float, **delays: float) -> None:
+    """``timeout_s`` finite and positive; each emulated delay (named by its field) finite and ``>= 0``."""
+    # nan passes every comparison and inf every lower bound: the numbers must be finite as well.
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise SpdInputError(f"--timeout-s must be a positive number of seconds, got {timeout_s}")
+    for flag, value in delays.items():
+        if not (math.isfinite(value) and value >= 0):
+            raise SpdInputError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
