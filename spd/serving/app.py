@@ -10,6 +10,10 @@ OpenAI's error JSON. Generation happens on the scheduler's thread; this side wai
 streams them as server-sent events (``data: {json}`` per chunk, ``data: [DONE]`` at the end, as OpenAI
 does) or assembles one response, and cancels the job when the client disconnects; if the engine dies
 meanwhile, the waiting request gets a 503 instead of waiting forever.
+
+The routes are module-level handlers on :data:`router`; what they share of one server (the scheduler, the
+metrics, the model's name and context, the prompt tokenizer) is one :class:`ServerState` on ``app.state.spd``,
+which each handler takes through the :func:`server_state` dependency. :func:`create_app` only assembles the app.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import json
 import threading
 import time
 from dataclasses import dataclass
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -108,142 +113,65 @@ def prompt_char_limit(tokenizer, max_model_len: int) -> int:
     return max_model_len * max(longest, 4) * 2
 
 
-def create_app(scheduler: Scheduler, metrics: ServerMetrics, model_name: str, limits: Limits | None = None) -> FastAPI:
-    """The server's routes around a started scheduler."""
-    limits = limits or Limits()
-    pipeline = scheduler.pipeline
-    tokenizer = pipeline.tokenizer
-    max_model_len = limits.max_model_len or pipeline.max_positions
-    max_chars = prompt_char_limit(tokenizer, max_model_len) if max_model_len else None
-    # Prompts are tokenized on worker threads with their own copy of the tokenizer, so that a long prompt never
-    # holds the lock the engine thread decodes the running request with.
-    try:
-        encoder = copy.deepcopy(tokenizer)
-    except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is shared, under the engine's lock
-        encoder = tokenizer
-    encode_lock = scheduler.tokenizer_lock if encoder is tokenizer else threading.Lock()
-    docs = {} if limits.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="spd-serve", summary="Speculative Pipeline Decoding, OpenAI-compatible", **docs)
-    app.add_middleware(Guard, max_body_bytes=limits.max_body_bytes, api_key=limits.api_key)
+@dataclass
+class ServerState:
+    """What the routes share, one per app (``app.state.spd``, reached through :func:`server_state`): the started
+    scheduler and its pipeline, the metrics, the served model's name and context, and the tokenizer's copy that
+    prompts are tokenized with."""
 
-    @app.exception_handler(HttpError)
-    async def _http_error(request: Request, exc: HttpError):
-        return _error_response(exc)
+    scheduler: Scheduler
+    metrics: ServerMetrics
+    model_name: str
+    max_model_len: int | None  # --max-model-len, else the model's context
+    max_chars: int | None  # the longest prompt text that could fit max_model_len (prompt_char_limit)
+    encoder: object  # the tokenizer prompts are tokenized with (a copy of the pipeline's, if it can be copied)
+    encode_lock: threading.Lock  # held while the encoder runs (the engine's own lock when it is not a copy)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _starlette_error(request: Request, exc: StarletteHTTPException):
-        # Unknown paths and wrong methods: OpenAI's error JSON too, not FastAPI's {"detail": ...}.
-        if exc.status_code == 404:
-            message = f"there is no route {request.url.path}; this server has {ROUTES}"
-        elif exc.status_code == 405:
-            allowed = (exc.headers or {}).get("Allow", "another method")
-            message = f"{request.method} is not allowed on {request.url.path}; expected {allowed}"
-        else:
-            message = str(exc.detail)
-        return _error_response(HttpError(exc.status_code, message, headers=exc.headers))
-
-    @app.get("/health")
-    async def health():
-        failure = scheduler.failure()
-        if failure is not None:
-            raise HttpError(503, failure)
-        return {"status": "ok", "model": model_name, "mode": pipeline.spec.mode, "stages": pipeline.n_stages,
-                "runtime": pipeline.spec.runtime, "queue_length": scheduler.queue.qsize()}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "spd", "max_model_len": max_model_len}]}
-
-    @app.get("/metrics")
-    async def prometheus():
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req = await _parse(request, CompletionRequest, "completions")
+    @classmethod
+    def build(cls, scheduler: Scheduler, metrics: ServerMetrics, model_name: str, limits: Limits) -> ServerState:
+        pipeline = scheduler.pipeline
+        tokenizer = pipeline.tokenizer
+        max_model_len = limits.max_model_len or pipeline.max_positions
+        max_chars = prompt_char_limit(tokenizer, max_model_len) if max_model_len else None
+        # Prompts are tokenized on worker threads with their own copy of the tokenizer, so that a long prompt never
+        # holds the lock the engine thread decodes the running request with.
         try:
-            if isinstance(req.prompt, str):
-                if not req.prompt:
-                    raise HttpError(400, "the prompt is empty; expected some text", "prompt")
-                _check_chars(len(req.prompt), "prompt")
-                prompt_ids = await run_in_threadpool(_encode, req.prompt, True)
-            else:
-                prompt_ids = req.prompt
-            return await _generate(request, req, prompt_ids, req.max_tokens, chat=False)
-        except HttpError as exc:
-            metrics.requests.labels("completions", "rejected" if exc.status == 503 else "invalid").inc()
-            raise
+            encoder = copy.deepcopy(tokenizer)
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is shared, under the engine's lock
+            encoder = tokenizer
+        encode_lock = scheduler.tokenizer_lock if encoder is tokenizer else threading.Lock()
+        return cls(scheduler, metrics, model_name, max_model_len, max_chars, encoder, encode_lock)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req = await _parse(request, ChatCompletionRequest, "chat")
-        try:
-            if not tokenizer.chat_template:
-                raise HttpError(400, f"the model '{model_name}' has no chat template; use /v1/completions")
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            _check_chars(sum(len(m["content"]) for m in messages), "messages")
-            try:
-                prompt_ids = await run_in_threadpool(_encode_chat, messages)
-            except Exception as exc:  # noqa: BLE001 - the template's own complaint (e.g. role order) is the message
-                raise HttpError(400, f"the chat template refused these messages: {exc}", "messages") from None
-            return await _generate(request, req, prompt_ids, req.budget(), chat=True)
-        except HttpError as exc:
-            metrics.requests.labels("chat", "rejected" if exc.status == 503 else "invalid").inc()
-            raise
+    @property
+    def pipeline(self):
+        return self.scheduler.pipeline
 
-    def _check_chars(chars: int, param: str) -> None:
+    def check_chars(self, chars: int, param: str) -> None:
         """Refuse text that cannot fit the context before tokenizing it (tokenizing costs memory and time)."""
-        if max_chars is not None and chars > max_chars:
-            raise HttpError(400, f"the {param} has {chars} characters, more than a context of {max_model_len} "
-                            f"tokens can hold (at most {max_chars}); expected a shorter {param}", param)
+        if self.max_chars is not None and chars > self.max_chars:
+            raise HttpError(400, f"the {param} has {chars} characters, more than a context of {self.max_model_len} "
+                            f"tokens can hold (at most {self.max_chars}); expected a shorter {param}", param)
 
-    def _encode(text: str, special: bool) -> list[int]:
-        with encode_lock:
-            return encoder(text, add_special_tokens=special)["input_ids"]
+    def encode(self, text: str, special: bool) -> list[int]:
+        with self.encode_lock:
+            return self.encoder(text, add_special_tokens=special)["input_ids"]
 
-    def _encode_chat(messages: list[dict]) -> list[int]:
-        with encode_lock:
-            text = encoder.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return _encode(text, False)
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        with self.encode_lock:
+            text = self.encoder.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.encode(text, False)
 
-    async def _parse(request: Request, model: type[BaseModel], endpoint: str):
-        media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-        if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
-            # A browser sends a cross-site text/plain or form POST without asking first: only JSON is parsed.
-            metrics.requests.labels(endpoint, "invalid").inc()
-            raise HttpError(415, f"the request body must be JSON sent with 'Content-Type: application/json', not "
-                            f"'{media or 'no content type'}'")
-        body = await request.body()
-        try:
-            req = model.model_validate_json(body)
-        except ValidationError as exc:
-            metrics.requests.labels(endpoint, "invalid").inc()
-            message, param = validation_message(exc.errors())
-            raise HttpError(400, message, param) from None
-        if req.model != model_name:
-            metrics.requests.labels(endpoint, "invalid").inc()
-            raise HttpError(404, f"the model '{req.model}' does not exist; this server serves '{model_name}'",
-                            "model")
-        unsupported = req.unsupported()
-        if unsupported is not None:
-            metrics.requests.labels(endpoint, "invalid").inc()
-            raise HttpError(400, unsupported)
-        return req
-
-    def _budget(prompt_ids: list[int], max_tokens: int | None) -> int:
+    def budget(self, prompt_ids: list[int], max_tokens: int | None) -> int:
         """max_tokens (default: the rest of the context), refused when prompt + max_tokens overflow it."""
+        max_model_len, vocab_size = self.max_model_len, self.pipeline.vocab_size
         if not prompt_ids:
             raise HttpError(400, "the prompt is empty; expected at least one token", "prompt")
         if max_model_len is not None and len(prompt_ids) >= max_model_len:
             raise HttpError(400, f"the prompt has {len(prompt_ids)} tokens but the server's context (max model len) "
                             f"is {max_model_len} tokens; expected a shorter prompt", "prompt")
-        bad = [t for t in prompt_ids if not 0 <= t < pipeline.vocab_size]
+        bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
         if bad:
-            raise HttpError(400, f"prompt token id {bad[0]} is outside the vocabulary (0..{pipeline.vocab_size - 1})",
-                            "prompt")
+            raise HttpError(400, f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", "prompt")
         limit = max_model_len
         if limit is None:
             return max_tokens or 4096
@@ -256,99 +184,236 @@ def create_app(scheduler: Scheduler, metrics: ServerMetrics, model_name: str, li
                             f"{limit - len(prompt_ids)}", "max_tokens")
         return max_tokens or limit - len(prompt_ids)
 
-    async def _generate(request: Request, req, prompt_ids: list[int], max_tokens: int | None, chat: bool):
-        endpoint = "chat" if chat else "completions"
-        sampling = req.sampling()
-        sampling["top_k"] = min(sampling["top_k"], pipeline.vocab_size)  # the same draw; no k beyond the vocabulary
-        job = Job(list(prompt_ids), _budget(prompt_ids, max_tokens), sampling, req.stop or [],
-                  asyncio.get_running_loop(), endpoint)
-        try:
-            scheduler.submit(job)
-        except QueueFull as exc:
-            raise HttpError(503, str(exc), headers={"Retry-After": str(exc.retry_after)}) from None
-        except EngineDown as exc:
-            raise HttpError(503, str(exc)) from None
-        rid = new_id("chatcmpl" if chat else "cmpl")
-        if req.stream:
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return StreamingResponse(_stream(job, rid, chat, include_usage), media_type="text/event-stream")
-        return await _respond(request, job, rid, chat)
 
-    async def _respond(request: Request, job: Job, rid: str, chat: bool):
-        pieces: list[str] = []
-        tokens = 0
-        checked = time.monotonic()
+async def server_state(request: Request) -> ServerState:
+    """The dependency every route takes its server by (async: it runs on the event loop, not a worker thread)."""
+    return request.app.state.spd
+
+
+Server = Annotated[ServerState, Depends(server_state)]
+
+
+def create_app(scheduler: Scheduler, metrics: ServerMetrics, model_name: str, limits: Limits | None = None) -> FastAPI:
+    """The server's routes around a started scheduler."""
+    limits = limits or Limits()
+    docs = {} if limits.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="spd-serve", summary="Speculative Pipeline Decoding, OpenAI-compatible", **docs)
+    app.state.spd = ServerState.build(scheduler, metrics, model_name, limits)
+    app.add_middleware(Guard, max_body_bytes=limits.max_body_bytes, api_key=limits.api_key)
+    app.add_exception_handler(HttpError, _http_error)
+    app.add_exception_handler(StarletteHTTPException, _starlette_error)
+    app.include_router(router)
+    return app
+
+
+async def _http_error(request: Request, exc: HttpError):
+    return _error_response(exc)
+
+
+async def _starlette_error(request: Request, exc: StarletteHTTPException):
+    # Unknown paths and wrong methods: OpenAI's error JSON too, not FastAPI's {"detail": ...}.
+    if exc.status_code == 404:
+        message = f"there is no route {request.url.path}; this server has {ROUTES}"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "another method")
+        message = f"{request.method} is not allowed on {request.url.path}; expected {allowed}"
+    else:
+        message = str(exc.detail)
+    return _error_response(HttpError(exc.status_code, message, headers=exc.headers))
+
+
+# ---------------------------------------------------------------------------------------------------- routes
+# (The handlers' names are the OpenAPI operation ids and summaries of /openapi.json: renaming one changes it.)
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(server: Server):
+    failure = server.scheduler.failure()
+    if failure is not None:
+        raise HttpError(503, failure)
+    pipeline = server.pipeline
+    return {"status": "ok", "model": server.model_name, "mode": pipeline.spec.mode, "stages": pipeline.n_stages,
+            "runtime": pipeline.spec.runtime, "queue_length": server.scheduler.queue.qsize()}
+
+
+@router.get("/v1/models")
+async def models(server: Server):
+    return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": int(time.time()),
+                                        "owned_by": "spd", "max_model_len": server.max_model_len}]}
+
+
+@router.get("/metrics")
+async def prometheus(server: Server):
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, server: Server):
+    req = await _parse(request, server, CompletionRequest, "completions")
+    try:
+        if isinstance(req.prompt, str):
+            if not req.prompt:
+                raise HttpError(400, "the prompt is empty; expected some text", "prompt")
+            server.check_chars(len(req.prompt), "prompt")
+            prompt_ids = await run_in_threadpool(server.encode, req.prompt, True)
+        else:
+            prompt_ids = req.prompt
+        return await _generate(request, server, req, prompt_ids, req.max_tokens, chat=False)
+    except HttpError as exc:
+        server.metrics.requests.labels("completions", "rejected" if exc.status == 503 else "invalid").inc()
+        raise
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, server: Server):
+    req = await _parse(request, server, ChatCompletionRequest, "chat")
+    try:
+        if not server.pipeline.tokenizer.chat_template:
+            raise HttpError(400, f"the model '{server.model_name}' has no chat template; use /v1/completions")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        server.check_chars(sum(len(m["content"]) for m in messages), "messages")
+        try:
+            prompt_ids = await run_in_threadpool(server.encode_chat, messages)
+        except Exception as exc:  # noqa: BLE001 - the template's own complaint (e.g. role order) is the message
+            raise HttpError(400, f"the chat template refused these messages: {exc}", "messages") from None
+        return await _generate(request, server, req, prompt_ids, req.budget(), chat=True)
+    except HttpError as exc:
+        server.metrics.requests.labels("chat", "rejected" if exc.status == 503 else "invalid").inc()
+        raise
+
+
+# ------------------------------------------------------------------------------------ what the routes share
+async def _parse(request: Request, server: ServerState, model: type[BaseModel], endpoint: str):
+    """The request's body as ``model``, checked: a JSON content type, a valid body, this server's model and no
+    setting it does not support."""
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        # A browser sends a cross-site text/plain or form POST without asking first: only JSON is parsed.
+        server.metrics.requests.labels(endpoint, "invalid").inc()
+        raise HttpError(415, f"the request body must be JSON sent with 'Content-Type: application/json', not "
+                        f"'{media or 'no content type'}'")
+    body = await request.body()
+    try:
+        req = model.model_validate_json(body)
+    except ValidationError as exc:
+        server.metrics.requests.labels(endpoint, "invalid").inc()
+        message, param = validation_message(exc.errors())
+        raise HttpError(400, message, param) from None
+    if req.model != server.model_name:
+        server.metrics.requests.labels(endpoint, "invalid").inc()
+        raise HttpError(404, f"the model '{req.model}' does not exist; this server serves '{server.model_name}'",
+                        "model")
+    unsupported = req.unsupported()
+    if unsupported is not None:
+        server.metrics.requests.labels(endpoint, "invalid").inc()
+        raise HttpError(400, unsupported)
+    return req
+
+
+async def _generate(request: Request, server: ServerState, req, prompt_ids: list[int], max_tokens: int | None,
+                    chat: bool):
+    """Queue the job; its response, streamed or whole."""
+    endpoint = "chat" if chat else "completions"
+    sampling = req.sampling()
+    sampling["top_k"] = min(sampling["top_k"], server.pipeline.vocab_size)  # the same draw; no k beyond the vocabulary
+    job = Job(list(prompt_ids), server.budget(prompt_ids, max_tokens), sampling, req.stop or [],
+              asyncio.get_running_loop(), endpoint)
+    try:
+        server.scheduler.submit(job)
+    except QueueFull as exc:
+        raise HttpError(503, str(exc), headers={"Retry-After": str(exc.retry_after)}) from None
+    except EngineDown as exc:
+        raise HttpError(503, str(exc)) from None
+    rid = new_id("chatcmpl" if chat else "cmpl")
+    if req.stream:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return StreamingResponse(_stream(server, job, rid, chat, include_usage), media_type="text/event-stream")
+    return await _respond(request, server, job, rid, chat)
+
+
+async def _respond(request: Request, server: ServerState, job: Job, rid: str, chat: bool):
+    """The whole response, once the job is done (a 499 when the client went away meanwhile)."""
+    pieces: list[str] = []
+    tokens = 0
+    checked = time.monotonic()
+    while True:
+        event = await _next_event(server.scheduler, job, 0.25)
+        if time.monotonic() - checked >= 0.25:  # tokens may arrive faster than the timeout: check by the clock
+            checked = time.monotonic()
+            if await request.is_disconnected():
+                job.cancel()
+                return Response(status_code=499)  # nobody reads it; the job stops at its next token
+        if event is None:
+            continue
+        if event[0] == "token":
+            pieces.append(event[1])
+            tokens += 1
+        elif event[0] == "done":
+            _, rest, finish, stats = event
+            text = "".join(pieces) + rest
+            return completion_body(rid, server.model_name, chat, text, finish, usage(len(job.prompt_ids), tokens),
+                                   stats)
+        elif event[0] == "error":
+            raise HttpError(event[1], event[2])
+        else:  # cancelled
+            return Response(status_code=499)
+
+
+async def _next_event(scheduler: Scheduler, job: Job, timeout: float | None):
+    """The job's next event (None after ``timeout``), or an error event once the engine is dead: its events
+    would never come."""
+    while True:
+        try:
+            return await asyncio.wait_for(job.events.get(), timeout=timeout or 0.5)
+        except asyncio.TimeoutError:
+            failure = scheduler.failure()
+            if failure is not None and job.events.empty():
+                return ("error", 503, failure)
+            if timeout is not None:
+                return None
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+async def _stream(server: ServerState, job: Job, rid: str, chat: bool, include_usage: bool):
+    """The job's events as server-sent events, then ``data: [DONE]``; the job is cancelled if the client goes."""
+    model_name = server.model_name
+    tokens = 0
+    try:
+        if chat:
+            yield _sse(chunk_body(rid, model_name, chat, None, role=True))
+        ids: list[int] = []
+        flags: list[bool] = []
         while True:
-            event = await _next_event(job, 0.25)
-            if time.monotonic() - checked >= 0.25:  # tokens may arrive faster than the timeout: check by the clock
-                checked = time.monotonic()
-                if await request.is_disconnected():
-                    job.cancel()
-                    return Response(status_code=499)  # nobody reads it; the job stops at its next token
-            if event is None:
-                continue
+            event = await _next_event(server.scheduler, job, None)
             if event[0] == "token":
-                pieces.append(event[1])
+                _, piece, token, accepted = event
                 tokens += 1
+                ids.append(token)
+                flags.append(accepted)
+                if piece:  # tokens whose text is held back go out with the next piece
+                    yield _sse(chunk_body(rid, model_name, chat, piece, spd={"token_ids": ids, "accepted": flags}))
+                    ids, flags = [], []
             elif event[0] == "done":
                 _, rest, finish, stats = event
-                text = "".join(pieces) + rest
-                return completion_body(rid, model_name, chat, text, finish, usage(len(job.prompt_ids), tokens), stats)
+                if rest or ids:
+                    yield _sse(chunk_body(rid, model_name, chat, rest, spd={"token_ids": ids, "accepted": flags}))
+                yield _sse(chunk_body(rid, model_name, chat, None, finish, spd=stats))
+                if include_usage:
+                    body = chunk_body(rid, model_name, chat, None)
+                    body["choices"], body["usage"] = [], usage(len(job.prompt_ids), tokens)
+                    yield _sse(body)
+                break
             elif event[0] == "error":
-                raise HttpError(event[1], event[2])
-            else:  # cancelled
-                return Response(status_code=499)
-
-    async def _next_event(job: Job, timeout: float | None):
-        """The job's next event (None after ``timeout``), or an error event once the engine is dead: its events
-        would never come."""
-        while True:
-            try:
-                return await asyncio.wait_for(job.events.get(), timeout=timeout or 0.5)
-            except asyncio.TimeoutError:
-                failure = scheduler.failure()
-                if failure is not None and job.events.empty():
-                    return ("error", 503, failure)
-                if timeout is not None:
-                    return None
-
-    async def _stream(job: Job, rid: str, chat: bool, include_usage: bool):
-        def sse(body: dict) -> str:
-            return f"data: {json.dumps(body)}\n\n"
-
-        tokens = 0
-        try:
-            if chat:
-                yield sse(chunk_body(rid, model_name, chat, None, role=True))
-            ids: list[int] = []
-            flags: list[bool] = []
-            while True:
-                event = await _next_event(job, None)
-                if event[0] == "token":
-                    _, piece, token, accepted = event
-                    tokens += 1
-                    ids.append(token)
-                    flags.append(accepted)
-                    if piece:  # tokens whose text is held back go out with the next piece
-                        yield sse(chunk_body(rid, model_name, chat, piece, spd={"token_ids": ids, "accepted": flags}))
-                        ids, flags = [], []
-                elif event[0] == "done":
-                    _, rest, finish, stats = event
-                    if rest or ids:
-                        yield sse(chunk_body(rid, model_name, chat, rest, spd={"token_ids": ids, "accepted": flags}))
-                    yield sse(chunk_body(rid, model_name, chat, None, finish, spd=stats))
-                    if include_usage:
-                        body = chunk_body(rid, model_name, chat, None)
-                        body["choices"], body["usage"] = [], usage(len(job.prompt_ids), tokens)
-                        yield sse(body)
-                    break
-                elif event[0] == "error":
-                    yield sse(HttpError(event[1], event[2]).body())
-                    break
-                else:
-                    break
-            yield "data: [DONE]\n\n"
-        finally:
-            job.cancel()  # a no-op when it finished; stops the generation when the client went away
-
-    return app
+                yield _sse(HttpError(event[1], event[2]).body())
+                break
+            else:
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel()  # a no-op when it finished; stops the generation when the client went away
