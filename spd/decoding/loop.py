@@ -302,7 +302,7 @@ class StepLoop:
         to a driver and returns the :class:`GenerationOutput`. :meth:`run` drives it alone (:func:`drive`); a batched
         driver runs the work of many requests together. ``stages`` and ``policy`` are the request's own (default:
         this loop's); every other call on ``stages`` (``configure``, ``launch_level``, ``prune``, ``flush``) is
-        made here, on the request's own back-end."""
+        made here, on the request's own back-end. The request's state and its step are :class:`_Request`."""
         staged = self.staged
         stages = self.stages if stages is None else stages
         policy = self.policy if policy is None else policy
@@ -320,8 +320,6 @@ class StepLoop:
         generator = None if sampling.greedy else sampling.generator(staged.device)
         capacity = end_position + n * policy.max_width + 1
         policy.reset()
-        schedule = source.schedule if source is not None else "none"
-        needs_embedding = source is not None and 0 in source.needed_anchors
         stages.configure(self.stage_anchors(source), paths=policy.max_width == 1)
 
         t0 = time.perf_counter()
@@ -333,132 +331,13 @@ class StepLoop:
         first = int(select_token(staged.logits(prefill.hidden_BTD[:, -1]), sampling, generator)[0])
         stats.prefill_time_s = time.perf_counter() - t0
         out, stop = first_output(first, stats, eos, budget, max_new_tokens, on_token)
-        context = list(prompt)  # committed tokens before the root (the rows every stage keeps)
-        tree = TokenTree(first)
-        levels = [self._enter(tree, 0, 1, rank=0, needs_embedding=needs_embedding)]
-        grown = 0  # levels added since the last (re)seed
-
-        def grow():
-            """Step 1: the proposer's next level (None: nothing proposed), not yet in flight (a generator: the
-            proposer's query goes to the driver)."""
-            nonlocal grown
-            if source is None or len(context) + tree.depth + 1 >= end_position:
-                return None
-            tick = time.perf_counter()
-            logprobs_LX = yield Propose(source, tree, context, levels)
-            width, children = policy.width, policy.children
-            if rule == "top-k":
-                new_N = grow_top_k(tree, logprobs_LX, source.ids, width, children)
-            else:
-                new_N = grow_sampled(tree, logprobs_LX, source.ids, width, children, sampling, generator,
-                                     staged.vocab_size)
-            stats.speculator_time_s += time.perf_counter() - tick
-            if tree_stats is not None:
-                tree_stats.width_total += width
-                tree_stats.expansions += 1
-            if not new_N.numel():
-                return None
-            grown += 1
-            stats.proposals += new_N.numel()
-            # While the seed (a root of rank 0) is in flight the pipeline is still refilling.
-            rank = min(grown, n) if levels[0].rank == 0 else n
-            return self._enter(tree, int(new_N[0]), len(tree), rank=rank, needs_embedding=needs_embedding)
-
-        def advance(moving: list[Level], committed: int, after_verify: bool = False, meanwhile=None, then=()):
-            """Step 2 for ``moving``, handed to the driver (``then``: see :class:`Advance`); ``meanwhile()`` (step 1)
-            runs before the outputs are collected, while a driver's stages compute; then the proposer sees their
-            new state. Returns what ``meanwhile`` returned."""
-            tick = time.perf_counter()
-            yield Advance(moving, tree, committed, after_verify, list(then))
-            started = time.perf_counter()
-            result = (yield from meanwhile()) if meanwhile is not None else None
-            busy = time.perf_counter() - started  # step 1's time, not the stages'
-            yield COLLECT
-            stats.stage_time_s += time.perf_counter() - tick - busy
-            if source is not None:
-                source.advanced(moving, tree, committed)
-            return result
-
-        while not stop:
-            stats.steps += 1
-            committed = len(context)
-            if levels[-1].depth == 0:
-                stages.launch_level(levels[-1], tree, committed)
-            exits = levels[0].depth == n - 1  # the root's level leaves stage n this step and is verified
-
-            def step_one(committed=committed, exits=exits):
-                """1. The proposer's next level (it reads the state before this step's stage work)."""
-                new_level = (yield from grow()) if schedule != "output" else None
-                if new_level is not None:
-                    # Remote stages may start on it before this step's verification (a prune or miss reaches it
-                    # through the epoch); the single-process back-end runs it next step.
-                    stages.launch_level(new_level, tree, committed, early=exits)
-                if tree_stats is not None:
-                    tree_stats.tree_nodes_total += len(tree)
-                    tree_stats.max_tree_size = max(tree_stats.max_tree_size, len(tree))
-                    tree_stats.stage_nodes += sum(level.size for level in levels)
-                return new_level
-
-            # 2. Every stage advances the level it holds. The root's level, leaving stage n, is taken first, so
-            #    that its verification (3) releases stage 1's next level before the other reports are read. The
-            #    new level does not move this step, so 1 runs while the stages compute.
-            new_level = yield from advance(levels[:1] if exits else levels, committed, meanwhile=step_one,
-                                           then=levels[1:] if exits else ())
-            if exits:
-                # 3. The root left stage n: the target's p for the next position decides among its children.
-                tick = time.perf_counter()
-                root = levels.pop(0)
-                rest = list(levels)  # their stages ran this step too; taken below, after the prune
-                if new_level is not None:
-                    levels.append(new_level)
-                    new_level = None
-                logits_1V = yield TargetLogits(staged, root.hidden_1TD[:, -1])
-                token, child = self._verify(logits_1V, tree, levels, sampling, generator, stats, rule, policy)
-                proposed = len(tree) > 1
-                context.append(tree.token(0))
-                out.append(token)
-                stats.token_acceptance.append(child is not None)  # a hit: the token is a tree node
-                stop = stop_reason(token, out, eos, budget, max_new_tokens)
-                if child is not None:
-                    kept = tree.prune_to_child(child)
-                    stages.prune(committed, kept)
-                    kept_list = kept.tolist()
-                    levels = [lv for lv in (self._prune_level(lv, kept, kept_list) for lv in levels) if lv is not None]
-                    rest = [lv for lv in levels if any(lv is r for r in rest)]
-                else:
-                    # Miss: reseed from the committed token (nothing proposed: it is simply the next root).
-                    tree.reset(token)
-                    if proposed:
-                        stages.flush(committed + 1)
-                    levels = [self._enter(tree, 0, 1, rank=0, needs_embedding=needs_embedding)]
-                    grown = 0
-                    rest = []  # discarded with the flush
-                if not stop and levels[-1].depth == 0:
-                    stages.launch_level(levels[-1], tree, len(context))  # stage 1's next level, as soon as decided
-                # The proposer's own bookkeeping comes after that release (not on the stages' critical path).
-                if source is not None:
-                    source.commit_root(root)
-                    if child is not None:
-                        source.prune(committed, kept)
-                    else:
-                        source.reset(committed + 1)
-                stats.verify_time_s += time.perf_counter() - tick
-                if on_token is not None and on_token(token, child is not None) and not stop:
-                    stop = "stopped"  # the caller ended the request (levels still in flight are discarded)
-                if stop:
-                    break
-                if rest:
-                    yield from advance(rest, len(context), after_verify=True)
-            if new_level is not None:
-                levels.append(new_level)
-            # Output-state proposers read the state after the stages ran (serial with them).
-            if schedule == "output" and levels[-1].depth >= 1:
-                new_level = yield from grow()
-                if new_level is not None:
-                    levels.append(new_level)
-
+        request = _Request(self, source, stages, policy, sampling, generator, stats, tree_stats, rule, end_position,
+                           eos, budget, max_new_tokens, on_token, list(prompt), TokenTree(first), out, stop)
+        request.levels = [request.enter_root()]
+        while not request.stop:
+            yield from request.step()
         stats.wall_time_s = time.perf_counter() - t0
-        stats.stop_reason = stop
+        stats.stop_reason = request.stop
         stats.new_tokens = len(out)
         stats.decode_tokens = len(out) - 1
         return GenerationOutput(out, stats, prompt)
@@ -522,3 +401,172 @@ class StepLoop:
         if isinstance(stats, TreeStats):
             stats.accepted_by_sibling[index] += 1
         return token, int(children_C[index])
+
+
+@dataclass
+class _Request:
+    """One request's state in :meth:`StepLoop.steps`, and its step (docs/method.md §5-6): ``context`` the committed
+    tokens before the root (the rows every stage keeps), ``tree`` the token tree, ``levels`` its levels in flight
+    (root level first), ``out`` the committed new tokens, ``stop`` the stop reason once there is one, ``grown`` the
+    levels added since the last (re)seed. The generator methods hand their work to the driver as ``steps`` does."""
+
+    loop: StepLoop
+    source: Proposer | None
+    stages: object
+    policy: FixedWidth | AdaptiveWidth
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    stats: PipelineStats
+    tree_stats: TreeStats | None
+    rule: str
+    end_position: int
+    eos: frozenset[int]
+    budget: int
+    max_new_tokens: int
+    on_token: OnToken | None
+    context: list[int]
+    tree: TokenTree
+    out: list[int]
+    stop: str | None
+    levels: list[Level] = field(default_factory=list)
+    grown: int = 0
+
+    @property
+    def schedule(self) -> str:
+        return self.source.schedule if self.source is not None else "none"
+
+    def enter_root(self) -> Level:
+        """The root alone, about to enter stage 1 (a seed: its rank is 0 while the pipeline refills)."""
+        needs_embedding = self.source is not None and 0 in self.source.needed_anchors
+        return self.loop._enter(self.tree, 0, 1, rank=0, needs_embedding=needs_embedding)
+
+    def grow(self):
+        """Step 1: the proposer's next level (None: nothing proposed), not yet in flight (a generator: the
+        proposer's query goes to the driver)."""
+        source, tree, policy, stats = self.source, self.tree, self.policy, self.stats
+        if source is None or len(self.context) + tree.depth + 1 >= self.end_position:
+            return None
+        tick = time.perf_counter()
+        logprobs_LX = yield Propose(source, tree, self.context, self.levels)
+        width, children = policy.width, policy.children
+        if self.rule == "top-k":
+            new_N = grow_top_k(tree, logprobs_LX, source.ids, width, children)
+        else:
+            new_N = grow_sampled(tree, logprobs_LX, source.ids, width, children, self.sampling, self.generator,
+                                 self.loop.staged.vocab_size)
+        stats.speculator_time_s += time.perf_counter() - tick
+        if self.tree_stats is not None:
+            self.tree_stats.width_total += width
+            self.tree_stats.expansions += 1
+        if not new_N.numel():
+            return None
+        self.grown += 1
+        stats.proposals += new_N.numel()
+        # While the seed (a root of rank 0) is in flight the pipeline is still refilling.
+        n = self.loop.staged.n_stages
+        rank = min(self.grown, n) if self.levels[0].rank == 0 else n
+        return self.loop._enter(tree, int(new_N[0]), len(tree), rank=rank, needs_embedding=0 in source.needed_anchors)
+
+    def advance(self, moving: list[Level], committed: int, after_verify: bool = False, meanwhile=None, then=()):
+        """Step 2 for ``moving``, handed to the driver (``then``: see :class:`Advance`); ``meanwhile()`` (step 1)
+        runs before the outputs are collected, while a driver's stages compute; then the proposer sees their
+        new state. Returns what ``meanwhile`` returned."""
+        tick = time.perf_counter()
+        yield Advance(moving, self.tree, committed, after_verify, list(then))
+        started = time.perf_counter()
+        result = (yield from meanwhile()) if meanwhile is not None else None
+        busy = time.perf_counter() - started  # step 1's time, not the stages'
+        yield COLLECT
+        self.stats.stage_time_s += time.perf_counter() - tick - busy
+        if self.source is not None:
+            self.source.advanced(moving, self.tree, committed)
+        return result
+
+    def propose(self, committed: int, exits: bool):
+        """1. The proposer's next level (it reads the state before this step's stage work)."""
+        new_level = (yield from self.grow()) if self.schedule != "output" else None
+        if new_level is not None:
+            # Remote stages may start on it before this step's verification (a prune or miss reaches it
+            # through the epoch); the single-process back-end runs it next step.
+            self.stages.launch_level(new_level, self.tree, committed, early=exits)
+        if self.tree_stats is not None:
+            self.tree_stats.tree_nodes_total += len(self.tree)
+            self.tree_stats.max_tree_size = max(self.tree_stats.max_tree_size, len(self.tree))
+            self.tree_stats.stage_nodes += sum(level.size for level in self.levels)
+        return new_level
+
+    def step(self):
+        """One pipeline step: propose, advance, verify the root leaving stage n (a generator, as ``steps``)."""
+        self.stats.steps += 1
+        committed = len(self.context)
+        levels = self.levels
+        if levels[-1].depth == 0:
+            self.stages.launch_level(levels[-1], self.tree, committed)
+        exits = levels[0].depth == self.loop.staged.n_stages - 1  # the root's level leaves stage n this step
+        # 2. Every stage advances the level it holds. The root's level, leaving stage n, is taken first, so that its
+        #    verification (3) releases stage 1's next level before the other reports are read. The new level does
+        #    not move this step, so 1 runs while the stages compute.
+        new_level = yield from self.advance(levels[:1] if exits else levels, committed,
+                                            meanwhile=lambda: self.propose(committed, exits),
+                                            then=levels[1:] if exits else ())
+        if exits:
+            rest = yield from self.verify(committed, new_level)
+            new_level = None  # verify put it in flight
+            if self.stop:
+                return
+            if rest:
+                yield from self.advance(rest, len(self.context), after_verify=True)
+        if new_level is not None:
+            self.levels.append(new_level)
+        # Output-state proposers read the state after the stages ran (serial with them).
+        if self.schedule == "output" and self.levels[-1].depth >= 1:
+            new_level = yield from self.grow()
+            if new_level is not None:
+                self.levels.append(new_level)
+
+    def verify(self, committed: int, new_level: Level | None):
+        """3. The root left stage n: the target's p for the next position decides among its children. Commits the
+        token, prunes the tree (a hit) or reseeds it (a miss); returns the levels whose stages ran this step too and
+        are still to be taken (a generator, as ``steps``)."""
+        tick = time.perf_counter()
+        tree, stats, stages, source = self.tree, self.stats, self.stages, self.source
+        root = self.levels.pop(0)
+        rest = list(self.levels)  # their stages ran this step too; taken after the prune
+        if new_level is not None:
+            self.levels.append(new_level)
+        logits_1V = yield TargetLogits(self.loop.staged, root.hidden_1TD[:, -1])
+        token, child = self.loop._verify(logits_1V, tree, self.levels, self.sampling, self.generator, stats,
+                                         self.rule, self.policy)
+        proposed = len(tree) > 1
+        self.context.append(tree.token(0))
+        self.out.append(token)
+        stats.token_acceptance.append(child is not None)  # a hit: the token is a tree node
+        self.stop = stop_reason(token, self.out, self.eos, self.budget, self.max_new_tokens)
+        if child is not None:
+            kept = tree.prune_to_child(child)
+            stages.prune(committed, kept)
+            kept_list = kept.tolist()
+            self.levels = [lv for lv in (self.loop._prune_level(lv, kept, kept_list) for lv in self.levels)
+                           if lv is not None]
+            rest = [lv for lv in self.levels if any(lv is r for r in rest)]
+        else:
+            # Miss: reseed from the committed token (nothing proposed: it is simply the next root).
+            tree.reset(token)
+            if proposed:
+                stages.flush(committed + 1)
+            self.levels = [self.enter_root()]
+            self.grown = 0
+            rest = []  # discarded with the flush
+        if not self.stop and self.levels[-1].depth == 0:
+            stages.launch_level(self.levels[-1], tree, len(self.context))  # stage 1's next level, as soon as decided
+        # The proposer's own bookkeeping comes after that release (not on the stages' critical path).
+        if source is not None:
+            source.commit_root(root)
+            if child is not None:
+                source.prune(committed, kept)
+            else:
+                source.reset(committed + 1)
+        stats.verify_time_s += time.perf_counter() - tick
+        if self.on_token is not None and self.on_token(token, child is not None) and not self.stop:
+            self.stop = "stopped"  # the caller ended the request (levels still in flight are discarded)
+        return rest

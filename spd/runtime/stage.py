@@ -71,139 +71,171 @@ class EpochLog:
 
 def stage_worker(staged: StagedModel, stage: int, config: RuntimeConfig, control_group, device: torch.device) -> None:
     """The loop of rank ``stage + 1``: run this stage on every token or tree level that reaches it, until STOP."""
-    rank, n = stage + 1, staged.n_stages
-    prev, nxt = rank - 1, (rank + 1) % (n + 1)
-    layers = list(staged.stage_layers(stage))
-    first, last = staged.boundaries[stage], staged.boundaries[stage + 1]
-    dtype = next(staged.layers[layers[0]].parameters()).dtype
-    link = Link(rank, config, dtype, device, staged.config.hidden_size, staged.max_positions,
-                staged.num_layers + 2)
-    # A stage may have run up to n tokens past the committed prefix when a flush notice reaches it (n in flight,
-    # plus a proposal launched before its step was verified): linear-attention layers keep n + 2 states.
-    cache = staged.new_stage_cache(stage, 1, 256, ring_depth=n + 2, dtype=dtype, device=device)
-    epoch = 0
-    log = EpochLog()
-    notices = 0  # control notices received
-    token_anchors: list[int] = []
-    control = Notices(rank, control_group, config.timeout_s)
-    clock = StageClock(link)
-    pools: dict = {}  # the batch mode's KV pool, kept between its busy periods
+    StageRank(staged, stage, config, control_group, device).serve()
 
-    def take_notice(block: bool = True) -> bool:
+
+class StageRank:
+    """One stage's rank (see :func:`stage_worker`): its link, KV cache, epoch and the notices it has applied."""
+
+    def __init__(self, staged: StagedModel, stage: int, config: RuntimeConfig, control_group, device: torch.device):
+        self.staged, self.stage, self.config, self.device = staged, stage, config, device
+        n = staged.n_stages
+        self.rank = stage + 1
+        self.prev, self.nxt = self.rank - 1, (self.rank + 1) % (n + 1)
+        layers = list(staged.stage_layers(stage))
+        self.first, self.last = staged.boundaries[stage], staged.boundaries[stage + 1]
+        dtype = next(staged.layers[layers[0]].parameters()).dtype
+        self.link = Link(self.rank, config, dtype, device, staged.config.hidden_size, staged.max_positions,
+                         staged.num_layers + 2)
+        # A stage may have run up to n tokens past the committed prefix when a flush notice reaches it (n in flight,
+        # plus a proposal launched before its step was verified): linear-attention layers keep n + 2 states.
+        self.cache = staged.new_stage_cache(stage, 1, 256, ring_depth=n + 2, dtype=dtype, device=device)
+        self.epoch = 0
+        self.log = EpochLog()
+        self.notices = 0  # control notices received
+        self.token_anchors: list[int] = []
+        self.control = Notices(self.rank, control_group, config.timeout_s)
+        self.clock = StageClock(self.link)
+        self.pools: dict = {}  # the batch mode's KV pool, kept between its busy periods
+
+    # ------------------------------------------------------------------------------------ notices
+    def take_notice(self, block: bool = True) -> bool:
         """Apply the next notice (waiting for it if ``block``); False when none has arrived."""
-        nonlocal epoch, notices
-        notice = control.take(block)
+        notice = self.control.take(block)
         if notice is None:
             return False
-        notices += 1
+        self.notices += 1
         new_epoch, length, kind, kept = notice
-        if kind != CLOSE and new_epoch > epoch:  # notices of a finished request are ignored
-            epoch = new_epoch
-            log.record(new_epoch, kept)
+        if kind != CLOSE and new_epoch > self.epoch:  # notices of a finished request are ignored
+            self.epoch = new_epoch
+            self.log.record(new_epoch, kept)
             if kind == PRUNE:
-                held = cache.length - length  # tree nodes this stage has run, the root first
-                cache.keep(length + 1, kept[kept < held] - 1)
+                held = self.cache.length - length  # tree nodes this stage has run, the root first
+                self.cache.keep(length + 1, kept[kept < held] - 1)
             else:
-                cache.truncate(length)
+                self.cache.truncate(length)
         return True
 
-    def catch_up(until_epoch: int | None) -> None:
+    def catch_up(self, until_epoch: int | None) -> None:
         """Apply arrived notices; with ``until_epoch``, block until that epoch's notice is applied."""
         tick = time.perf_counter()
-        while until_epoch is None or epoch < until_epoch:
-            if not take_notice(block=until_epoch is not None):
+        while until_epoch is None or self.epoch < until_epoch:
+            if not self.take_notice(block=until_epoch is not None):
                 break
-        clock.seconds["notices"] += time.perf_counter() - tick
+        self.clock.seconds["notices"] += time.perf_counter() - tick
 
-    def timed(compute, tokens: int):
+    # -------------------------------------------------------------------------------- stage calls
+    def timed(self, compute, tokens: int):
         """One stage call (``compute()``) over ``tokens`` tokens, then its emulated compute time, on the clock."""
         tick = time.perf_counter()
         out = compute()
-        clock.seconds["compute"] += time.perf_counter() - tick
-        clock.seconds["emulated_compute"] += _emulate(config, tokens)
-        clock.items += 1
+        self.clock.seconds["compute"] += time.perf_counter() - tick
+        self.clock.seconds["emulated_compute"] += _emulate(self.config, tokens)
+        self.clock.items += 1
         return out
 
-    def run(hidden_1TD, *args, **kwargs) -> StageOutput:
+    def run(self, hidden_1TD, *args, **kwargs) -> StageOutput:
         """The stage's layers on a token, level or prompt."""
-        return timed(lambda: staged.run_stage(stage, hidden_1TD, *args, **kwargs), hidden_1TD.shape[1])
+        return self.timed(lambda: self.staged.run_stage(self.stage, hidden_1TD, *args, **kwargs), hidden_1TD.shape[1])
 
-    def run_batch(pool, segments) -> list[StageOutput]:
+    def run_batch(self, pool, segments) -> list[StageOutput]:
         """The batch mode's ragged call over ``segments`` (one emulated call for all of them)."""
-        return timed(lambda: run_ragged(pool, stage, segments), sum(seg.size for seg in segments))
+        return self.timed(lambda: run_ragged(pool, self.stage, segments), sum(seg.size for seg in segments))
 
-    with torch.inference_mode():
-        while True:
-            header, extra, payload = link.recv(prev, DATA_TAG)
-            kind, msg_epoch, position = int(header[0]), int(header[1]), int(header[2])
-            if kind == CLOCKS:
-                # Rank 0 asks (between runs) where this stage's time went: the reply, then the request onward.
-                link.send(0, DATA_TAG if nxt == 0 else REPORT_TAG, CLOCKS, msg_epoch, 0, stage=rank,
-                          extra=clock.take())
-                if nxt != 0:
-                    link.send(nxt, DATA_TAG, CLOCKS, msg_epoch, 0)
-                continue
-            if kind == PING:
-                # A serving driver keeps idle stages alive: every wait has a timeout, requests may be far apart.
-                if nxt != 0:
-                    link.send(nxt, DATA_TAG, PING, msg_epoch, 0)
-                continue
-            if kind == BATCH_START:
-                # Many requests at once (spd.runtime.batch) until rank 0 ends it: position = the pool's rows.
-                if nxt != 0:
-                    link.send(nxt, DATA_TAG, BATCH_START, msg_epoch, position)
-                batch_loop(staged, stage, link, position, msg_epoch, run_batch, pools)
-                continue
-            if kind == STOP:
-                while notices < position:  # STOP carries the number of notices sent (CLOSE last): take them all
-                    take_notice()
-                control.close()
-                link.send(nxt, DATA_TAG, STOP, msg_epoch, 0)
-                if nxt != 0:
-                    link.send(0, REPORT_TAG, STOP, msg_epoch, 0, stage=rank)
-                break
-            catch_up(None)
-            if kind == PREFILL:
-                # extra = per-layer flags for this request: bit 0 = report per token, bit 1 = report at prefill.
-                epoch = msg_epoch
-                log.forget_before(epoch)
-                cache.truncate(0)
-                flags = extra.tolist() if extra is not None else []
-                if len(flags) != staged.num_layers + 1:
-                    raise PipelineLost(f"rank {rank}: a prefill from rank {prev} carries {len(flags)} layer flags, "
-                                       f"expected {staged.num_layers + 1}")
-                token_anchors = [l for l in range(first + 1, last + 1) if flags[l] & 1]
-                prefill_anchors = [l for l in range(first + 1, last + 1) if flags[l] & 2]
-                out = run(payload[:, 0][None], cache, anchors=prefill_anchors)
-                _forward(link, nxt, rank, PREFILL, epoch, position, out, prefill_anchors, extra)
-                catch_up(None)
-                continue
-            if msg_epoch > epoch:
-                catch_up(msg_epoch)
-            if kind == LEVEL:
-                level = _level_now(extra, payload, msg_epoch, epoch, position, log)
-                if level is None:
-                    continue  # flushed, or every node pruned: drop it without computing
-                committed, start, positions_T, mask_TN, hidden_T1D = level
-                if cache.length != committed + start:
-                    raise RuntimeError(f"stage {stage}: a tree level starting at node {start} after {committed} "
-                                       f"committed rows, but the cache holds {cache.length}")
-                out = run(hidden_T1D[:, 0][None], cache, positions_T[None].to(device), anchors=token_anchors,
-                          tree_mask_TN=mask_TN)
-                # Unless prunes remapped it, the level goes on as it came.
-                level_extra = extra if msg_epoch == epoch else pack_level(start, positions_T, mask_TN)
-                _forward(link, nxt, rank, LEVEL, epoch, committed, out, token_anchors, level_extra,
-                         level_extra[:3])
-                catch_up(None)  # this step's prune has usually arrived: apply it while the next input is on its way
-                continue
-            if msg_epoch < epoch:
-                continue  # a token of a flushed epoch: drop it without computing
-            if cache.length != position:
-                raise RuntimeError(f"stage {stage}: token at position {position} but the cache holds {cache.length}")
-            out = run(payload[:, 0][None], cache, anchors=token_anchors)
-            _forward(link, nxt, rank, TOKEN, epoch, position, out, token_anchors, None)
-            catch_up(None)
-    link.drain_sends()
+    # ------------------------------------------------------------------------------------ the loop
+    def serve(self) -> None:
+        """Take messages from the previous rank until STOP."""
+        with torch.inference_mode():
+            while True:
+                header, extra, payload = self.link.recv(self.prev, DATA_TAG)
+                kind, msg_epoch, position = int(header[0]), int(header[1]), int(header[2])
+                if kind in (CLOCKS, PING, BATCH_START, STOP):
+                    if self.between_requests(kind, msg_epoch, position):
+                        break
+                    continue
+                self.catch_up(None)
+                if kind == PREFILL:
+                    self.prefill(msg_epoch, position, extra, payload)
+                    continue
+                if msg_epoch > self.epoch:
+                    self.catch_up(msg_epoch)
+                if kind == LEVEL:
+                    self.level(msg_epoch, position, extra, payload)
+                elif msg_epoch >= self.epoch:  # a token of a flushed epoch is dropped without computing
+                    self.token(position, payload)
+        self.link.drain_sends()
+
+    def between_requests(self, kind: int, msg_epoch: int, position: int) -> bool:
+        """CLOCKS, PING, BATCH_START or STOP (True: stop serving)."""
+        link, nxt, rank = self.link, self.nxt, self.rank
+        if kind == CLOCKS:
+            # Rank 0 asks (between runs) where this stage's time went: the reply, then the request onward.
+            link.send(0, DATA_TAG if nxt == 0 else REPORT_TAG, CLOCKS, msg_epoch, 0, stage=rank,
+                      extra=self.clock.take())
+            if nxt != 0:
+                link.send(nxt, DATA_TAG, CLOCKS, msg_epoch, 0)
+            return False
+        if kind == PING:
+            # A serving driver keeps idle stages alive: every wait has a timeout, requests may be far apart.
+            if nxt != 0:
+                link.send(nxt, DATA_TAG, PING, msg_epoch, 0)
+            return False
+        if kind == BATCH_START:
+            # Many requests at once (spd.runtime.batch) until rank 0 ends it: position = the pool's rows.
+            if nxt != 0:
+                link.send(nxt, DATA_TAG, BATCH_START, msg_epoch, position)
+            batch_loop(self.staged, self.stage, link, position, msg_epoch, self.run_batch, self.pools)
+            return False
+        while self.notices < position:  # STOP carries the number of notices sent (CLOSE last): take them all
+            self.take_notice()
+        self.control.close()
+        link.send(nxt, DATA_TAG, STOP, msg_epoch, 0)
+        if nxt != 0:
+            link.send(0, REPORT_TAG, STOP, msg_epoch, 0, stage=rank)
+        return True
+
+    def prefill(self, msg_epoch: int, position: int, extra, payload) -> None:
+        """A request's prompt: a new epoch, an empty cache, and the layers whose states this request reports."""
+        # extra = per-layer flags for this request: bit 0 = report per token, bit 1 = report at prefill.
+        self.epoch = msg_epoch
+        self.log.forget_before(msg_epoch)
+        self.cache.truncate(0)
+        flags = extra.tolist() if extra is not None else []
+        if len(flags) != self.staged.num_layers + 1:
+            raise PipelineLost(f"rank {self.rank}: a prefill from rank {self.prev} carries {len(flags)} layer flags, "
+                               f"expected {self.staged.num_layers + 1}")
+        layers = range(self.first + 1, self.last + 1)
+        self.token_anchors = [layer for layer in layers if flags[layer] & 1]
+        prefill_anchors = [layer for layer in layers if flags[layer] & 2]
+        out = self.run(payload[:, 0][None], self.cache, anchors=prefill_anchors)
+        _forward(self.link, self.nxt, self.rank, PREFILL, msg_epoch, position, out, prefill_anchors, extra)
+        self.catch_up(None)
+
+    def level(self, msg_epoch: int, position: int, extra, payload) -> None:
+        """A tree level (remapped by the prunes since it was sent; dropped when flushed or pruned away)."""
+        level = _level_now(extra, payload, msg_epoch, self.epoch, position, self.log)
+        if level is None:
+            return  # flushed, or every node pruned: drop it without computing
+        committed, start, positions_T, mask_TN, hidden_T1D = level
+        if self.cache.length != committed + start:
+            raise RuntimeError(f"stage {self.stage}: a tree level starting at node {start} after {committed} "
+                               f"committed rows, but the cache holds {self.cache.length}")
+        out = self.run(hidden_T1D[:, 0][None], self.cache, positions_T[None].to(self.device),
+                       anchors=self.token_anchors, tree_mask_TN=mask_TN)
+        # Unless prunes remapped it, the level goes on as it came.
+        level_extra = extra if msg_epoch == self.epoch else pack_level(start, positions_T, mask_TN)
+        _forward(self.link, self.nxt, self.rank, LEVEL, self.epoch, committed, out, self.token_anchors, level_extra,
+                 level_extra[:3])
+        self.catch_up(None)  # this step's prune has usually arrived: apply it while the next input is on its way
+
+    def token(self, position: int, payload) -> None:
+        """A chain's token at ``position``."""
+        if self.cache.length != position:
+            raise RuntimeError(f"stage {self.stage}: token at position {position} but the cache holds "
+                               f"{self.cache.length}")
+        out = self.run(payload[:, 0][None], self.cache, anchors=self.token_anchors)
+        _forward(self.link, self.nxt, self.rank, TOKEN, self.epoch, position, out, self.token_anchors, None)
+        self.catch_up(None)
 
 
 def pack_level(start: int, positions_T: torch.Tensor, mask_TN: torch.Tensor) -> torch.Tensor:

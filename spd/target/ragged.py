@@ -273,26 +273,29 @@ def _lone_mask(seg: Segment, q_pos_S: torch.Tensor, key_pos_W: torch.Tensor, win
     return attention_mask(q_pos_S, key_pos_W.shape[0], window, impl, dtype, contiguous=seg.positions_T is None)
 
 
+def _checked_size(seg: Segment) -> int:
+    """The segment's token count, once its pooled cache can take them and its tree mask fits."""
+    cache, t = seg.cache, seg.size
+    if cache.base is None:
+        raise RuntimeError("run_ragged needs caches from a KVPool")
+    kv_len = cache.length + t
+    if kv_len > cache.capacity:
+        raise RuntimeError(f"a pooled KV cache of {cache.capacity} rows cannot hold {kv_len}")
+    tree_TN = seg.tree_mask_TN
+    if tree_TN is not None and (tree_TN.dtype != torch.bool or tree_TN.shape[0] != t or
+                                not t <= tree_TN.shape[1] <= kv_len):
+        raise SpdInputError(f"run_ragged: a tree mask must be a bool (T, N) tensor with T = {t} and "
+                            f"{t} <= N <= {kv_len}, got {tree_TN.dtype} {tuple(tree_TN.shape)}")
+    return t
+
+
 def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageOutput]:
     """Run ``stage`` once over every segment (each cache a region of ``pool``); one output per segment, as
     :meth:`spd.target.staging.StagedModel.run_stage` would give for it alone."""
     staged = pool.staged
     first, last = staged.boundaries[stage], staged.boundaries[stage + 1]
     device = pool.positions_C[stage].device  # (a stage rank's model has no LM head to tell it)
-    sizes = []
-    for seg in segments:
-        cache, t = seg.cache, seg.size
-        if cache.base is None:
-            raise RuntimeError("run_ragged needs caches from a KVPool")
-        kv_len = cache.length + t
-        if kv_len > cache.capacity:
-            raise RuntimeError(f"a pooled KV cache of {cache.capacity} rows cannot hold {kv_len}")
-        tree_TN = seg.tree_mask_TN
-        if tree_TN is not None and (tree_TN.dtype != torch.bool or tree_TN.shape[0] != t or
-                                    not t <= tree_TN.shape[1] <= kv_len):
-            raise SpdInputError(f"run_ragged: a tree mask must be a bool (T, N) tensor with T = {t} and "
-                                f"{t} <= N <= {kv_len}, got {tree_TN.dtype} {tuple(tree_TN.shape)}")
-        sizes.append(t)
+    sizes = [_checked_size(seg) for seg in segments]
     # Every segment's rows of the pool and position ids at once: a segment's tokens take its request's next rows,
     # at the next positions unless it gives its own (tree nodes sit at committed length + depth).
     sizes_B = torch.tensor(sizes)
