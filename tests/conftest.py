@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import os
 import subprocess
@@ -135,6 +137,54 @@ def tiny_testbed(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("testbed")
     run_script("data/build_testbed.py", "--out", str(out), "--tiny", "--quiet")
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_heads(tiny_testbed, tmp_path_factory) -> dict[int, Path]:
+    """Untrained heads for the miniature testbed at n = 2 and 4, saved as from_pretrained directories."""
+    import torch
+
+    from spd.training.distill import DistillConfig, new_head
+    from spd.target.staging import StagedModel
+
+    root = tmp_path_factory.mktemp("heads")
+    heads = {}
+    for n in (2, 4):
+        staged = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=n)
+        torch.manual_seed(n)
+        new_head(staged, DistillConfig(n_stages=n, target=str(tiny_testbed / "target"))).save_pretrained(root / f"n{n}")
+        heads[n] = root / f"n{n}"
+    return heads
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_testbed, tmp_path_factory) -> dict[int, Path]:
+    """Untrained heads for the miniature testbed at n = 2, 4 and 8 (the runtime tests' own seeds)."""
+    from spd.target.staging import StagedModel
+    from spd.training.distill import DistillConfig, new_head
+
+    root = tmp_path_factory.mktemp("runtime-heads")
+    out = {}
+    for n in (2, 4, 8):
+        staged = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=n)
+        torch.manual_seed(10 + n)
+        head = new_head(staged, DistillConfig(n_stages=n, target=str(tiny_testbed / "target")))
+        head.save_pretrained(root / f"n{n}")
+        out[n] = root / f"n{n}"
+    return out
+
+
+def run_main(main: Callable[[list[str]], int], *args: str) -> subprocess.CompletedProcess:
+    """A program's ``main(argv)`` called in this process, reported as its finished process would be: the exit code
+    (argparse's SystemExit included) and what it printed. For wrong-input cases, where a fresh interpreter proves
+    nothing more; each program keeps end-to-end tests that start it as a user does."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's errors: exit(2, message)
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return subprocess.CompletedProcess(["main", *args], code, out.getvalue(), err.getvalue())
 
 
 def two_at_a_time(run: Callable, cases: Iterable) -> list:

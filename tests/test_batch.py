@@ -24,7 +24,6 @@ from spd.target import ragged
 from spd.target.ragged import Segment, run_ragged
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, new_head
-from test_cli import tiny_heads  # noqa: F401  (a fixture)
 from test_engine import _chi_square_p_value, _ScriptedProposer, _sequence_probs
 from test_tree_engine import _noisy_copy
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_main
 
 
 def _cli() -> list[str]:
@@ -23,6 +23,13 @@ def _cli() -> list[str]:
 
 def spd_generate(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*_cli(), *args], capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+def spd_generate_main(*args: str) -> subprocess.CompletedProcess:
+    """spd-generate's main in this process (wrong-input cases: no fresh interpreter needed to see the error line)."""
+    from spd.cli.generate import main
+
+    return run_main(main, *args)
 
 
 def test_json_output(tiny_testbed):
@@ -88,7 +95,7 @@ def test_chat_prompt(tiny_testbed):
 def test_bad_input_is_one_clear_line_and_exit_2(tiny_testbed, args, expected):
     if "--target" not in args:
         args = ["--target", str(tiny_testbed / "target"), *args]
-    proc = spd_generate(*args)
+    proc = spd_generate_main(*args)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -165,24 +172,6 @@ def test_hub_id_with_revision_resolves_through_the_hub_cache(tiny_testbed, tmp_p
 # ----------------------------------------------------------------------------------- spd and pp modes
 
 
-@pytest.fixture(scope="module")
-def tiny_heads(tiny_testbed, tmp_path_factory) -> dict[int, Path]:
-    """Untrained heads for the miniature testbed at n = 2 and 4, saved as from_pretrained directories."""
-    import torch
-
-    from spd.training.distill import DistillConfig, new_head
-    from spd.target.staging import StagedModel
-
-    root = tmp_path_factory.mktemp("heads")
-    heads = {}
-    for n in (2, 4):
-        staged = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=n)
-        torch.manual_seed(n)
-        new_head(staged, DistillConfig(n_stages=n, target=str(tiny_testbed / "target"))).save_pretrained(root / f"n{n}")
-        heads[n] = root / f"n{n}"
-    return heads
-
-
 def test_spd_mode_is_lossless_and_reports_pipeline_stats(tiny_testbed, tiny_heads):
     common = ["--target", str(tiny_testbed / "target"), "--prompt", "def main(argv):\n", "--max-new-tokens", "24",
               "--json"]
@@ -220,7 +209,7 @@ def test_spd_mode_streams_text(tiny_testbed, tiny_heads):
 def test_bad_speculator_input_is_one_clear_line_and_exit_2(tiny_testbed, tiny_heads, args, expected):
     subs = {"HEAD4": str(tiny_heads[4]), "TARGET": str(tiny_testbed / "target")}
     args = [subs.get(a, a) for a in args]
-    proc = spd_generate("--target", str(tiny_testbed / "target"), "--prompt", "x", *args)
+    proc = spd_generate_main("--target", str(tiny_testbed / "target"), "--prompt", "x", *args)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and expected in lines[0], proc.stderr

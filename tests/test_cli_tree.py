@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from conftest import run_script
-from test_cli import spd_generate, tiny_heads  # noqa: F401  (tiny_heads is a fixture)
+from test_cli import spd_generate, spd_generate_main
 
 
 def _ids(proc) -> list[int]:
@@ -98,7 +98,7 @@ def test_bad_tree_input_is_one_clear_line_and_exit_2(tiny_testbed, tiny_heads, m
     subs = {"DRAFT": str(tiny_testbed / "draft"), "HEAD4": str(tiny_heads[4]),
             "SMALL_VOCAB": str(mismatched_drafts / "small_vocab"),
             "OTHER_TOKENIZER": str(mismatched_drafts / "other_tokenizer")}
-    proc = spd_generate("--target", str(tiny_testbed / "target"), "--prompt", "x", *[subs.get(a, a) for a in args])
+    proc = spd_generate_main("--target", str(tiny_testbed / "target"), "--prompt", "x", *[subs.get(a, a) for a in args])
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and expected in lines[0], proc.stderr

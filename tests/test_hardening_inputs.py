@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, run_main
 from spd.training.distill import load_config
 from spd.errors import SpdInputError
 from spd.runtime.link import Link
@@ -52,8 +52,9 @@ def test_distill_cli_nan_is_one_error_line(tmp_path):
     (["--max-batch", "2", "--tree-nodes", "4"], "--tree-nodes narrows token trees; it needs --mode tree"),
 ])
 def test_run_pipeline_bad_numbers_are_one_error_line(args, message):
-    proc = subprocess.run([sys.executable, "-m", "spd.cli.run_pipeline", "--prompt", "x", *args], capture_output=True,
-                          text=True, timeout=300, cwd=REPO)
+    from spd.cli.run_pipeline import main
+
+    proc = run_main(main, "--prompt", "x", *args)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"error: {message}"], proc.stderr
 
 

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import REPO
 from infer.netns import Lan, torchrun_command, unavailable
-from test_runtime import PROMPTS, _reference, heads  # noqa: F401  (heads: a fixture)
+from test_runtime import PROMPTS, _reference
 
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))

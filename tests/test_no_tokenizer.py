@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import tiny_model, two_at_a_time
 from spd.decoding.engine import Engine
 from spd.errors import SpdInputError
 from spd.decoding.generation import default_eos, generate_ar
 from spd.target.staging import StagedModel
-from test_cli import spd_generate
+from test_cli import spd_generate, spd_generate_main
 
 PROMPT = [5, 17, 3, 99, 42, 8, 11, 12]
 MAX_NEW = 32
@@ -129,7 +129,27 @@ def test_cli_streams_token_ids_and_colours_exactly_the_accepted_ones(model_only)
     (["--prompt", "x"], "--tokenizer"),
 ])
 def test_bad_prompt_ids_are_one_clear_line_and_exit_2(model_only, args, expected):
-    proc = spd_generate("--target", str(model_only.target), *args)
+    proc = spd_generate_main("--target", str(model_only.target), *args)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and expected in lines[0], proc.stderr
+
+
+def test_spd_generate_distributed_with_prompt_ids_and_no_tokenizer(model_only):
+    """A target without a tokenizer across processes: token-id prompt, the generation config's EOS (rank 0 loads
+    only its part of the model, generation_config.json included), acceptance flags in JSON and in colour."""
+    from test_cli import spd_generate
+
+    common = ["--target", str(model_only.target), "--mode", "tree", "--draft-model", str(model_only.draft),
+              "--stages", "2", "--tree-width", "2", "--prompt-ids", ",".join(map(str, PROMPT)),
+              "--max-new-tokens", "32", "--runtime", "distributed"]
+    proc, coloured = two_at_a_time(lambda flag: spd_generate(*common, flag), ["--json", "--show-acceptance"])
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["text"] is None and out["token_ids"] == model_only.expected
+    assert out["stats"]["stop_reason"] == "eos"
+    flags = out["stats"]["token_acceptance"]
+    assert len(flags) == len(model_only.expected) and sum(flags) == out["stats"]["accepted"]
+    assert coloured.returncode == 0, coloured.stderr
+    expected = " ".join(f"\x1b[32m{t}\x1b[0m" if a else str(t) for t, a in zip(model_only.expected, flags))
+    assert coloured.stdout == expected + "\n"

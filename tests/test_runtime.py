@@ -23,27 +23,12 @@ from spd.heads.loading import load_speculator
 from spd.target.staging import StagedModel, load_tokenizer
 from spd.decoding.tree import TokenTree
 from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
-from test_no_tokenizer import PROMPT as NO_TOKENIZER_PROMPT
-from test_no_tokenizer import model_only  # noqa: F401  (a fixture)
 
 PROMPTS = ["def main(argv):\n    ", "import os\n", "class A:\n    def __init__(self):",
            # long enough that the prefill's activations do not fit one message slot (the spilled path)
            "import sys\nimport os\n\n\ndef parse(argv):\n    options = {}\n    for arg in argv[1:]:\n"
            "        key, _, value = arg.partition('=')\n        options[key.lstrip('-')] = value\n"
            "    return options\n\n\nclass Runner:\n    def __init__(self, options):\n        self."]
-
-
-@pytest.fixture(scope="module")
-def heads(tiny_testbed, tmp_path_factory) -> dict[int, Path]:
-    root = tmp_path_factory.mktemp("runtime-heads")
-    out = {}
-    for n in (2, 4, 8):
-        staged = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=n)
-        torch.manual_seed(10 + n)
-        head = new_head(staged, DistillConfig(n_stages=n, target=str(tiny_testbed / "target")))
-        head.save_pretrained(root / f"n{n}")
-        out[n] = root / f"n{n}"
-    return out
 
 
 def _torchrun(n: int, *args: str, timeout: int = 400, **popen) -> subprocess.CompletedProcess:
@@ -500,23 +485,3 @@ def test_spd_generate_runtime_distributed_matches_local(tiny_testbed, heads):
     assert a["token_ids"] == b["token_ids"] and a["stats"]["steps"] == b["stats"]["steps"]
     assert bad.returncode == 2 and bad.stderr.startswith("error: the speculator does not fit"), bad.stderr
     assert ar.returncode == 2 and "--runtime distributed runs --mode spd, pp or tree" in ar.stderr
-
-
-def test_spd_generate_distributed_with_prompt_ids_and_no_tokenizer(model_only):
-    """A target without a tokenizer across processes: token-id prompt, the generation config's EOS (rank 0 loads
-    only its part of the model, generation_config.json included), acceptance flags in JSON and in colour."""
-    from test_cli import spd_generate
-
-    common = ["--target", str(model_only.target), "--mode", "tree", "--draft-model", str(model_only.draft),
-              "--stages", "2", "--tree-width", "2", "--prompt-ids", ",".join(map(str, NO_TOKENIZER_PROMPT)),
-              "--max-new-tokens", "32", "--runtime", "distributed"]
-    proc, coloured = two_at_a_time(lambda flag: spd_generate(*common, flag), ["--json", "--show-acceptance"])
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
-    assert out["text"] is None and out["token_ids"] == model_only.expected
-    assert out["stats"]["stop_reason"] == "eos"
-    flags = out["stats"]["token_acceptance"]
-    assert len(flags) == len(model_only.expected) and sum(flags) == out["stats"]["accepted"]
-    assert coloured.returncode == 0, coloured.stderr
-    expected = " ".join(f"\x1b[32m{t}\x1b[0m" if a else str(t) for t, a in zip(model_only.expected, flags))
-    assert coloured.stdout == expected + "\n"

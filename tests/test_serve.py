@@ -18,7 +18,7 @@ import pytest
 
 from conftest import REPO, two_at_a_time
 from infer.bench_serve import ServerProcess
-from test_cli import spd_generate, tiny_heads  # noqa: F401  (tiny_heads is a fixture)
+from test_cli import spd_generate
 
 openai = pytest.importorskip("openai")
 

@@ -70,7 +70,9 @@ class OneModeEngine:
 def _as_callback(streamer, on_token: OnToken | None = None) -> tuple[OnToken | None, Callable[[], None]]:
     """The run loops' callback ``(token, accepted)`` and a finisher, from a streamer (a callable taking a token
     id or a ``put``/``end`` object, which never sees the flag) and ``on_token``."""
-    end: Callable[[], None] = lambda: None
+    def end() -> None:
+        return None
+
     if streamer is None:
         put = None
     elif hasattr(streamer, "put") and hasattr(streamer, "end"):

@@ -466,8 +466,8 @@ class StagedModel(TargetShape, nn.Module):
         """``stage``'s layers that keep keys and values (attention), and those that keep a recurrent state (linear
         attention, on hybrid targets)."""
         layers = self.stage_layers(stage)
-        return ([l for l in layers if self.layer_types[l] != LINEAR_LAYER_TYPE],
-                [l for l in layers if self.layer_types[l] == LINEAR_LAYER_TYPE])
+        return ([layer for layer in layers if self.layer_types[layer] != LINEAR_LAYER_TYPE],
+                [layer for layer in layers if self.layer_types[layer] == LINEAR_LAYER_TYPE])
 
     # -------------------------------------------------------------------------------------- caches
     def new_caches(self, batch_size: int = 1, capacity: int = 256, rollback: int | None = None) -> list[StageKVCache]:
