@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -21,3 +22,10 @@ def fsync_tree(root: str | os.PathLike) -> None:
         for name in filenames:
             fsync_path(Path(dirpath) / name)
         fsync_path(dirpath)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to a temporary file and rename it over ``path``: a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)

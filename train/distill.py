@@ -144,7 +144,7 @@ def train(cfg, resume: bool) -> dict:
     from spd.training.kd import sample_fills
     from spd.heads.config import check_compatible
     from spd.heads.speculator import Speculator
-    from spd.paths import write_json_atomic
+    from spd.files import write_json_atomic
 
     on_gpu = torch.cuda.is_available()
     mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if on_gpu else "no")

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..errors import SpdInputError, first_line
-from ..paths import write_json_atomic
+from ..files import write_json_atomic
 from ..target.staging import TargetShape
 
 MANIFEST = "capture.json"
