@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 
@@ -29,3 +30,21 @@ def write_json_atomic(path: Path, obj) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2) + "\n")
     os.replace(tmp, path)
+
+
+def replace_dir(tmp: Path, final: Path, tag: str) -> None:
+    """Put the complete directory ``tmp`` in place as ``final``: fsynced, renamed, the old ``final`` removed last.
+
+    A directory cannot be renamed over a non-empty one, so an existing ``final`` is first renamed aside to
+    ``<final>.<tag>.old`` (still whole: :func:`spd.training.distill.list_checkpoints` falls back to it if the
+    process dies before the new one is in), and removed only once the new one is in place and its parent directory
+    synced.
+    """
+    fsync_tree(tmp)
+    aside = final.with_name(f"{final.name}.{tag}.old")
+    if final.exists():
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    fsync_path(final.parent)
+    if aside.exists():
+        shutil.rmtree(aside)

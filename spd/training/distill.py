@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import SpdInputError, first_line
-from ..files import fsync_path, fsync_tree
+from ..files import replace_dir
 from ..paths import default_cache_dir, default_testbed_dir
 from ..heads.config import SpeculatorConfig, default_anchors
 from ..heads.speculator import Speculator
@@ -471,23 +471,6 @@ def evaluate(head: Speculator, staged: StagedModel, batches: list[dict], tau: fl
 
 
 # ----------------------------------------------------------------------------------------- checkpoints
-
-
-def replace_dir(tmp: Path, final: Path, tag: str) -> None:
-    """Put the complete directory ``tmp`` in place as ``final``: fsynced, renamed, the old ``final`` removed last.
-
-    A directory cannot be renamed over a non-empty one, so an existing ``final`` is first renamed aside to
-    ``<final>.<tag>.old`` (still whole: :func:`list_checkpoints` falls back to it if the process dies before the
-    new one is in), and removed only once the new one is in place and its parent directory synced.
-    """
-    fsync_tree(tmp)
-    aside = final.with_name(f"{final.name}.{tag}.old")
-    if final.exists():
-        os.rename(final, aside)
-    os.rename(tmp, final)
-    fsync_path(final.parent)
-    if aside.exists():
-        shutil.rmtree(aside)
 
 
 def save_head_atomic(head: Speculator, out_dir: str | Path) -> None:
