@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,75 @@ def _cli(*args, cwd=REPO) -> subprocess.CompletedProcess:
 
 def _listing(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------------------- spd.files primitives
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_atomic_file_replaces_the_file_and_a_failed_write_leaves_the_old_one(tmp_path):
+    from spd.files import atomic_file, write_text_atomic
+
+    path = tmp_path / "state.json"
+    write_text_atomic(path, "old\n")
+    for fail_inside in (True, False):
+        with pytest.raises((RuntimeError, TypeError)):
+            with atomic_file(path) as f:
+                f.write("half of a new")
+                if fail_inside:
+                    raise RuntimeError("disk full")
+                f.write(b"bytes")  # the writer itself fails
+        assert path.read_text() == "old\n"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]  # no temporary left
+    with atomic_file(path, "wb") as f:
+        f.write(b"new\n")
+        assert path.read_text() == "old\n"  # not in place until the block ends
+    assert path.read_bytes() == b"new\n"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~_umask()  # as open() makes a file, not mkstemp's 0600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+    with pytest.raises(ValueError, match="expected a mode 'w' or 'wb'"):
+        with atomic_file(path, "a"):
+            pass
+
+
+def test_atomic_path_is_for_writers_that_take_a_name(tmp_path):
+    from spd.files import atomic_path, temp_pattern
+
+    path = tmp_path / "shard-00000.safetensors"
+    path.write_bytes(b"old")
+    with pytest.raises(OSError):
+        with atomic_path(path) as tmp:
+            assert tmp.parent == tmp_path and temp_pattern(r"shard-\d{5}\.safetensors").fullmatch(tmp.name)
+            assert tmp.read_bytes() == b""  # created, empty: the name is ours
+            tmp.write_bytes(b"half")
+            raise OSError("no space left on device")
+    assert path.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(b"new")
+    assert path.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    # The pattern is of whole names: another file's temporaries do not match it.
+    assert not temp_pattern("shard").fullmatch(".shard-00000.safetensors.abcd1234.tmp")
+
+
+def test_temp_dir_beside_and_rename_dir_put_a_new_directory_in_place(tmp_path):
+    from spd.files import rename_dir, temp_dir_beside, temp_pattern
+
+    final = tmp_path / "head"
+    tmp = temp_dir_beside(final)
+    assert tmp.parent == tmp_path and temp_pattern("head").fullmatch(tmp.name)
+    (tmp / "config.json").write_text("{}")
+    rename_dir(tmp, final)
+    assert _listing(tmp_path) == {"head/config.json": b"{}"} and not tmp.exists()
+    other = temp_dir_beside(final)
+    (other / "config.json").write_text("[]")
+    with pytest.raises(OSError):  # not over a directory that has files
+        rename_dir(other, final)
+    assert (final / "config.json").read_text() == "{}" and (other / "config.json").read_text() == "[]"
 
 
 # ------------------------------------------------------------------------------------------- spd-convert
