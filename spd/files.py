@@ -105,11 +105,9 @@ def write_text_atomic(path: str | os.PathLike, text: str, encoding: str | None =
         f.write(text)
 
 
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to a temporary file and rename it over ``path``: a reader never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+def write_json_atomic(path: str | os.PathLike, obj, indent: int = 2) -> None:
+    """Write ``obj`` as indented JSON (and a final newline) to ``path`` atomically: a reader never sees half a file."""
+    write_text_atomic(path, json.dumps(obj, indent=indent) + "\n")
 
 
 # ------------------------------------------------------------------------------------------ directories

@@ -37,7 +37,7 @@ def _umask() -> int:
 
 
 def test_atomic_file_replaces_the_file_and_a_failed_write_leaves_the_old_one(tmp_path):
-    from spd.files import atomic_file, write_text_atomic
+    from spd.files import atomic_file, write_json_atomic, write_text_atomic
 
     path = tmp_path / "state.json"
     write_text_atomic(path, "old\n")
@@ -54,6 +54,10 @@ def test_atomic_file_replaces_the_file_and_a_failed_write_leaves_the_old_one(tmp
         f.write(b"new\n")
         assert path.read_text() == "old\n"  # not in place until the block ends
     assert path.read_bytes() == b"new\n"
+    write_json_atomic(path, {"a": [1]})
+    assert path.read_text() == '{\n  "a": [\n    1\n  ]\n}\n'
+    write_json_atomic(path, {"a": 1}, indent=1)
+    assert path.read_text() == '{\n "a": 1\n}\n'
     assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~_umask()  # as open() makes a file, not mkstemp's 0600
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
     with pytest.raises(ValueError, match="expected a mode 'w' or 'wb'"):
