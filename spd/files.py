@@ -21,7 +21,7 @@ import re
 import secrets
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
@@ -131,19 +131,28 @@ def rename_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
     fsync_path(Path(final).parent)
 
 
-def replace_dir(tmp: Path, final: Path, tag: str) -> None:
-    """Put the complete directory ``tmp`` in place as ``final``: fsynced, renamed, the old ``final`` removed last.
+def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike, aside: str | os.PathLike | None = None,
+                discard: Callable[[Path], object] = shutil.rmtree) -> None:
+    """Put the complete directory ``tmp`` in place as ``final``, replacing the one there: fsynced, renamed, the old
+    ``final`` removed last.
 
-    A directory cannot be renamed over a non-empty one, so an existing ``final`` is first renamed aside to
-    ``<final>.<tag>.old`` (still whole: :func:`spd.training.distill.list_checkpoints` falls back to it if the
-    process dies before the new one is in), and removed only once the new one is in place and its parent directory
-    synced.
+    A directory cannot be renamed over a non-empty one, so an existing ``final`` is first renamed to ``aside``
+    (default ``<tmp>.old``, beside it) and handed to ``discard`` only once the new one is in place and its parent
+    directory synced. Killed at any point, a complete directory is at ``final`` (the old or the new one) or, between
+    the two renames, the old one is at ``aside``; a rename that fails puts the old one back.
     """
+    tmp, final = Path(tmp), Path(final)
+    aside = Path(aside) if aside is not None else tmp.with_name(tmp.name + ".old")
     fsync_tree(tmp)
-    aside = final.with_name(f"{final.name}.{tag}.old")
-    if final.exists():
+    moved = final.exists()
+    if moved:
         os.rename(final, aside)
-    os.rename(tmp, final)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        if moved:
+            os.rename(aside, final)
+        raise
     fsync_path(final.parent)
-    if aside.exists():
-        shutil.rmtree(aside)
+    if moved:
+        discard(aside)

@@ -100,6 +100,68 @@ def test_temp_dir_beside_and_rename_dir_put_a_new_directory_in_place(tmp_path):
     assert (final / "config.json").read_text() == "{}" and (other / "config.json").read_text() == "[]"
 
 
+def _whole(path: Path, value: str) -> bool:
+    return _listing(path) == {"a.txt": value.encode(), "b.txt": value.encode()}
+
+
+def _two_files(path: Path, value: str) -> Path:
+    path.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (path / name).write_text(value)
+    return path
+
+
+def test_replace_dir_leaves_exactly_one_complete_directory(tmp_path):
+    from spd.files import replace_dir
+
+    final = _two_files(tmp_path / "final", "old")
+    replace_dir(_two_files(tmp_path / ".final.1.tmp", "new"), final)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"] and _whole(final, "new")
+    replace_dir(_two_files(tmp_path / ".fresh.tmp", "new"), tmp_path / "fresh")  # nothing there before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "fresh"] and _whole(tmp_path / "fresh", "new")
+    # discard decides what happens to the old one (here: kept, to look at it)
+    kept = []
+    replace_dir(_two_files(tmp_path / ".final.2.tmp", "newer"), final, tmp_path / "final.x.old", kept.append)
+    assert kept == [tmp_path / "final.x.old"] and _whole(final, "newer") and _whole(kept[0], "new")
+
+
+def test_replace_dir_puts_the_old_directory_back_when_the_rename_fails(tmp_path, monkeypatch):
+    from spd import files
+
+    final = _two_files(tmp_path / "final", "old")
+    tmp = _two_files(tmp_path / ".final.1.tmp", "new")
+    real = os.rename
+
+    def rename(src, dst):
+        if Path(src) == tmp:
+            raise OSError("the disk went away")
+        real(src, dst)
+
+    monkeypatch.setattr(files.os, "rename", rename)
+    with pytest.raises(OSError, match="the disk went away"):
+        files.replace_dir(tmp, final)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".final.1.tmp", "final"] and _whole(final, "old")
+
+
+@pytest.mark.parametrize("killed_after", [1, 2])
+def test_replace_dir_killed_at_either_rename_leaves_a_complete_directory(tmp_path, killed_after):
+    """A process killed (no cleanup at all) after the first or second rename: the old directory is whole beside
+    the new one, and the new one is whole once it has its name."""
+    final = _two_files(tmp_path / "final", "old")
+    _two_files(tmp_path / ".final.1.tmp", "new")
+    script = (f"import os, sys\nfrom spd import files\nreal, n = os.rename, [0]\n"
+              f"def rename(a, b):\n    real(a, b)\n    n[0] += 1\n    if n[0] == {killed_after}: os._exit(9)\n"
+              f"files.os.rename = rename\nfiles.replace_dir(sys.argv[1], sys.argv[2])\n")
+    proc = _cli("-c", script, str(tmp_path / ".final.1.tmp"), str(final))
+    assert proc.returncode == 9, proc.stderr
+    aside = tmp_path / ".final.1.tmp.old"
+    assert _whole(aside, "old")
+    if killed_after == 1:
+        assert not final.exists() and _whole(tmp_path / ".final.1.tmp", "new")
+    else:
+        assert _whole(final, "new") and not (tmp_path / ".final.1.tmp").exists()
+
+
 # ------------------------------------------------------------------------------------------- spd-convert
 
 

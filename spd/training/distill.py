@@ -473,8 +473,15 @@ def evaluate(head: Speculator, staged: StagedModel, batches: list[dict], tau: fl
 # ----------------------------------------------------------------------------------------- checkpoints
 
 
+def _aside(final: Path, tag: str) -> Path:
+    """Where :func:`spd.files.replace_dir` moves an older ``final`` while the new one is renamed in: still whole
+    there, :func:`list_checkpoints` falls back to it if the process dies before the new one is in."""
+    return final.with_name(f"{final.name}.{tag}.old")
+
+
 def save_head_atomic(head: Speculator, out_dir: str | Path) -> None:
-    """``save_pretrained`` into a unique temporary directory, then :func:`replace_dir`: never half a head."""
+    """``save_pretrained`` into a unique temporary directory, then :func:`spd.files.replace_dir`: never half a
+    head."""
     import tempfile
 
     out_dir = Path(out_dir)
@@ -482,7 +489,7 @@ def save_head_atomic(head: Speculator, out_dir: str | Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
         head.save_pretrained(tmp, safe_serialization=True)
-        replace_dir(tmp, out_dir, tmp.name.split(".")[-2])
+        replace_dir(tmp, out_dir, _aside(out_dir, tmp.name.split(".")[-2]))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -524,9 +531,10 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def commit_checkpoint(tmp: Path, final: Path, keep: int, tag: str) -> None:
-    """Put a complete checkpoint ``tmp`` in place as ``final`` (:func:`replace_dir`), then drop all but the newest
-    ``keep`` (each renamed first, so a half-deleted one is never taken for a checkpoint)."""
-    replace_dir(tmp, final, tag)
+    """Put a complete checkpoint ``tmp`` in place as ``final`` (:func:`spd.files.replace_dir`, an older ``final``
+    moved aside to ``<final>.<tag>.old`` meanwhile), then drop all but the newest ``keep`` (each renamed first, so a
+    half-deleted one is never taken for a checkpoint)."""
+    replace_dir(tmp, final, _aside(final, tag))
     for old in list_checkpoints(final.parent.parent)[:-keep]:
         gone = old.with_name(f"{old.name.split('.')[0]}.{tag}.del.tmp")
         os.rename(old, gone)
