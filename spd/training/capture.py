@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..errors import SpdInputError, first_line
-from ..files import write_json_atomic
+from ..files import atomic_path, temp_pattern, write_json_atomic
 from ..target.staging import TargetShape
 
 MANIFEST = "capture.json"
@@ -162,12 +162,14 @@ def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettin
             report(f"[capture] {out} is complete: {manifest['rows']} rows, {manifest['tokens']} tokens")
             return manifest
         report(f"[capture] resuming {out}: {len(manifest['shards'])} of {len(shards)} shards done")
+        _remove_leftovers(out)
         # What the remaining shards take must fit too (the disk may have filled since the capture began).
         done = sum(s.get("tokens", 0) for s in manifest["shards"] if isinstance(s, dict))
         _check_free(out, max(0, total_tokens - done) * bytes_per_token(settings, hidden_size, num_layers),
                     "the rest of the capture")
     else:
         out.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(out)
         free = shutil.disk_usage(out).free
         report(f"[capture] {len(lengths)} rows, {total_tokens} tokens, {len(shards)} shards, states {states} in "
                f"{settings.dtype}, teacher {settings.teacher}: needs {need / 2**30:.2f} GiB on disk "
@@ -175,8 +177,8 @@ def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettin
         _check_free(out, need, "the capture")
         teacher = {"norm_scale": staged.norm_scale().to(dtype).contiguous(),
                    "lm_head": staged.lm_head.weight.detach().to(dtype).contiguous()}
-        save_file(teacher, str(out / (TEACHER_FILE + ".tmp")))
-        os.replace(out / (TEACHER_FILE + ".tmp"), out / TEACHER_FILE)
+        with atomic_path(out / TEACHER_FILE) as tmp:
+            save_file(teacher, str(tmp))
         if tokens is not None:
             write_json_atomic(out / TOKENS_FILE, tokens)
         config = staged.config.to_dict()
@@ -215,8 +217,8 @@ def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettin
         shard["loss_mask"] = torch.tensor([m for row in mask_all for m in row], dtype=torch.uint8)
         shard["offsets"] = torch.tensor([0, *accumulate(lens)], dtype=torch.int64)
         name = f"shard-{index:05d}.safetensors"
-        save_file(shard, str(out / (name + ".tmp")))
-        os.replace(out / (name + ".tmp"), out / name)  # a shard exists only once it is whole
+        with atomic_path(out / name) as tmp:  # a shard exists only once it is whole
+            save_file(shard, str(tmp))
         manifest["shards"].append({"file": name, "rows": end - start, "tokens": sum(lens)})
         write_json_atomic(manifest_path, manifest)
         report(f"[capture] shard {index + 1}/{len(shards)}: rows {start}..{end - 1}")
@@ -224,6 +226,18 @@ def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettin
     write_json_atomic(manifest_path, manifest)
     report(f"[capture] done: {out} ({sum(p.stat().st_size for p in out.iterdir()) / 2**30:.2f} GiB)")
     return manifest
+
+
+# The capture's own files; what a killed capture left of them is removed when it resumes: atomic_path's
+# temporaries, and the fixed <name>.tmp names earlier versions wrote to.
+_OWN_FILES = r"shard-\d{5}\.safetensors|teacher\.safetensors|tokens\.json|capture\.json"
+_LEFTOVERS = (temp_pattern(_OWN_FILES), re.compile(rf"(?:{_OWN_FILES})\.tmp"))
+
+
+def _remove_leftovers(out: Path) -> None:
+    for path in out.iterdir():
+        if any(p.fullmatch(path.name) for p in _LEFTOVERS) and path.is_file() and not path.is_symlink():
+            path.unlink(missing_ok=True)
 
 
 def _check_free(out: Path, need: int, what: str) -> None:
