@@ -43,7 +43,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -51,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spd.errors import SpdInputError
+from spd.files import write_json_atomic
 from spd.journal import Journal
 from spd.paths import default_testbed_dir
 
@@ -340,9 +340,7 @@ def _bench(args, runs: list[RunSpec]) -> int:
               "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "top_k": args.top_k,
               "top_p": args.top_p, "seed": args.seed, "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(f"{args.out}.tmp")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    os.replace(tmp, args.out)
+    write_json_atomic(args.out, report, indent=1)
     journal.remove()
     print(render_table(results))
     print(f"\nJSON: {args.out}")

@@ -11,7 +11,6 @@ card, README.md) are left as they are. A wrong input prints one ``error:`` line 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -25,7 +24,7 @@ def publish(source: str, out: Path, dtype: str) -> list[Path]:
     """Write ``source``'s head into ``out`` in ``dtype``; return the files written."""
     import torch
 
-    from spd.files import fsync_path
+    from spd.files import replace_file
     from spd.heads.loading import load_speculator
 
     head = load_speculator(source, dtype=getattr(torch, dtype))
@@ -37,9 +36,7 @@ def publish(source: str, out: Path, dtype: str) -> list[Path]:
         if written != sorted(FILES):
             raise RuntimeError(f"save_pretrained wrote {written}, expected {list(FILES)}")
         for name in FILES:
-            fsync_path(tmp / name)
-            os.replace(tmp / name, out / name)
-        fsync_path(out)
+            replace_file(tmp / name, out / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return [out / name for name in FILES]
