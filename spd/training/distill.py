@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import SpdInputError, first_line
-from ..files import replace_dir
+from ..files import replace_dir, temp_dir_beside
 from ..paths import default_cache_dir, default_testbed_dir
 from ..heads.config import SpeculatorConfig, default_anchors
 from ..heads.speculator import Speculator
@@ -482,11 +482,9 @@ def _aside(final: Path, tag: str) -> Path:
 def save_head_atomic(head: Speculator, out_dir: str | Path) -> None:
     """``save_pretrained`` into a unique temporary directory, then :func:`spd.files.replace_dir`: never half a
     head."""
-    import tempfile
-
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    tmp = temp_dir_beside(out_dir)
     try:
         head.save_pretrained(tmp, safe_serialization=True)
         replace_dir(tmp, out_dir, _aside(out_dir, tmp.name.split(".")[-2]))
