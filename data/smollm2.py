@@ -142,7 +142,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from spd.errors import SpdInputError
+    from spd.errors import SpdInputError, cli_error
     from spd.target.gguf import file_sha256, is_materialized, materialize_gguf
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -169,8 +169,7 @@ def main(argv=None) -> int:
         if not args.no_data:
             prepare_data(args, target, manifest, lambda: manifest_path.write_text(json.dumps(manifest, indent=2) + "\n"))
     except SpdInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return cli_error(exc)
     finally:
         manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
     log(f"done: {args.out} (timings in {manifest_path})")

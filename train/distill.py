@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from spd.errors import SpdInputError, first_line
+from spd.errors import SpdInputError, first_line, run_cli
 
 
 class _Parser(argparse.ArgumentParser):
@@ -334,14 +334,13 @@ def train(cfg, resume: bool) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    return run_cli(_configure_and_train, args)
+
+
+def _configure_and_train(args) -> int:
     from spd.training.distill import load_config
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-        train(cfg, args.resume)
-    except SpdInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    train(load_config(args.config, args.overrides), args.resume)
     return 0
 
 

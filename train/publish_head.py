@@ -48,13 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", type=Path, help="the directory to publish it in (e.g. heads/NAME)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="storage dtype (default: bfloat16)")
     args = p.parse_args(argv)
-    from spd.errors import SpdInputError
+    from spd.errors import run_cli
 
-    try:
-        files = publish(args.source, args.out, args.dtype)
-    except SpdInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_cli(_publish_and_report, args)
+
+
+def _publish_and_report(args) -> int:
+    files = publish(args.source, args.out, args.dtype)
     total = sum(f.stat().st_size for f in files)
     print(f"wrote {args.out} ({', '.join(f.name for f in files)}: {total / 2**20:.1f} MiB in {args.dtype})")
     return 0
