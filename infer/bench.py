@@ -49,7 +49,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from spd.errors import SpdInputError
+from spd.errors import SpdInputError, run_cli
 from spd.files import write_json_atomic
 from spd.journal import Journal
 from spd.paths import default_testbed_dir
@@ -212,14 +212,15 @@ def summarize(records: list[dict], stages: int) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        runs = [parse_run(r) for r in (args.run or ["ar", "pp:4"])]
-        if args.batch < 1:
-            raise SpdInputError(f"--batch must be a positive number of prompts in flight, got {args.batch}")
-        return _bench(args, runs)
-    except SpdInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_cli(lambda: _bench(args, _runs(args)))
+
+
+def _runs(args) -> list[RunSpec]:
+    """The runs --run names (default: ar and pp:4), once --batch is checked."""
+    runs = [parse_run(r) for r in (args.run or ["ar", "pp:4"])]
+    if args.batch < 1:
+        raise SpdInputError(f"--batch must be a positive number of prompts in flight, got {args.batch}")
+    return runs
 
 
 def _bench(args, runs: list[RunSpec]) -> int:
