@@ -138,13 +138,7 @@ def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettin
 
     out = Path(out_dir).expanduser()
     num_layers, hidden_size = staged.num_layers, staged.config.hidden_size
-    bad = [a for a in settings.anchors if not 0 <= a <= num_layers]
-    if bad:
-        raise SpdInputError(f"anchors {bad} are not hidden-state indices of a {num_layers}-layer target (0..{num_layers})")
-    if settings.teacher not in TEACHERS:
-        raise SpdInputError(f"teacher must be one of {', '.join(TEACHERS)}, got '{settings.teacher}'")
-    if settings.teacher == "topk" and not 1 <= settings.topk < staged.vocab_size:
-        raise SpdInputError(f"topk must be in 1..{staged.vocab_size - 1} for the top-k teacher, got {settings.topk}")
+    _check_settings(settings, num_layers, staged.vocab_size)
     dtype = _DTYPES[settings.dtype]
     lengths = row_lengths(dataset)
     shards = plan_shards(lengths, settings.shard_tokens)
@@ -191,41 +185,59 @@ def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettin
 
     for index in range(len(manifest["shards"]), len(shards)):
         start, end = shards[index]
-        part = dataset.select(range(start, end))  # one shard's rows in Python at a time
-        ids_all, mask_all = part["input_ids"], part["loss_mask"]
-        tensors: dict[str, list[torch.Tensor]] = {}
-        for lo, hi in _batches(lengths, start, end, settings.batch_tokens):
-            rows = ids_all[lo - start:hi - start]
-            width = max(lengths[lo:hi])
-            ids_BN = torch.full((hi - lo, width), pad_id, dtype=torch.long)
-            for b, row in enumerate(rows):
-                ids_BN[b, :len(row)] = torch.tensor(row)
-            hidden = staged.hidden_states(ids_BN.to(staged.device), states)
-            if settings.teacher == "topk":
-                logp_BNV = torch.log_softmax(staged.logits(hidden[num_layers]).float(), dim=-1)
-                top = logp_BNV.topk(settings.topk, dim=-1)
-            for b, row in enumerate(rows):
-                n = len(row)
-                for a in states:
-                    tensors.setdefault(f"hidden.{a}", []).append(hidden[a][b, :n].to("cpu", dtype))
-                if settings.teacher == "topk":
-                    tensors.setdefault("topk_ids", []).append(top.indices[b, :n].to("cpu", torch.int32))
-                    tensors.setdefault("topk_logprobs", []).append(top.values[b, :n].cpu())
-        lens = lengths[start:end]
-        shard = {name: torch.cat(parts).contiguous() for name, parts in tensors.items()}
-        shard["input_ids"] = torch.tensor([t for row in ids_all for t in row], dtype=torch.int32)
-        shard["loss_mask"] = torch.tensor([m for row in mask_all for m in row], dtype=torch.uint8)
-        shard["offsets"] = torch.tensor([0, *accumulate(lens)], dtype=torch.int64)
+        shard = _shard_tensors(staged, dataset.select(range(start, end)), lengths, start, end, settings, states,
+                               pad_id, dtype)
         name = f"shard-{index:05d}.safetensors"
         with atomic_path(out / name) as tmp:  # a shard exists only once it is whole
             save_file(shard, str(tmp))
-        manifest["shards"].append({"file": name, "rows": end - start, "tokens": sum(lens)})
+        manifest["shards"].append({"file": name, "rows": end - start, "tokens": sum(lengths[start:end])})
         write_json_atomic(manifest_path, manifest)
         report(f"[capture] shard {index + 1}/{len(shards)}: rows {start}..{end - 1}")
     manifest["complete"] = True
     write_json_atomic(manifest_path, manifest)
     report(f"[capture] done: {out} ({sum(p.stat().st_size for p in out.iterdir()) / 2**30:.2f} GiB)")
     return manifest
+
+
+def _check_settings(settings: CaptureSettings, num_layers: int, vocab_size: int) -> None:
+    """Refuse (one sentence) anchors, a teacher or a k the target cannot give."""
+    bad = [a for a in settings.anchors if not 0 <= a <= num_layers]
+    if bad:
+        raise SpdInputError(f"anchors {bad} are not hidden-state indices of a {num_layers}-layer target (0..{num_layers})")
+    if settings.teacher not in TEACHERS:
+        raise SpdInputError(f"teacher must be one of {', '.join(TEACHERS)}, got '{settings.teacher}'")
+    if settings.teacher == "topk" and not 1 <= settings.topk < vocab_size:
+        raise SpdInputError(f"topk must be in 1..{vocab_size - 1} for the top-k teacher, got {settings.topk}")
+
+
+def _shard_tensors(staged, part, lengths: list[int], start: int, end: int, settings: CaptureSettings,
+                   states: list[int], pad_id: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors of the shard of rows ``[start, end)`` (``part``, those rows of the dataset): the target run over
+    them in batches that never cross the shard, its states (and top-k teacher) concatenated row after row."""
+    ids_all, mask_all = part["input_ids"], part["loss_mask"]  # one shard's rows in Python at a time
+    tensors: dict[str, list[torch.Tensor]] = {}
+    for lo, hi in _batches(lengths, start, end, settings.batch_tokens):
+        rows = ids_all[lo - start:hi - start]
+        width = max(lengths[lo:hi])
+        ids_BN = torch.full((hi - lo, width), pad_id, dtype=torch.long)
+        for b, row in enumerate(rows):
+            ids_BN[b, :len(row)] = torch.tensor(row)
+        hidden = staged.hidden_states(ids_BN.to(staged.device), states)
+        if settings.teacher == "topk":
+            logp_BNV = torch.log_softmax(staged.logits(hidden[staged.num_layers]).float(), dim=-1)
+            top = logp_BNV.topk(settings.topk, dim=-1)
+        for b, row in enumerate(rows):
+            n = len(row)
+            for a in states:
+                tensors.setdefault(f"hidden.{a}", []).append(hidden[a][b, :n].to("cpu", dtype))
+            if settings.teacher == "topk":
+                tensors.setdefault("topk_ids", []).append(top.indices[b, :n].to("cpu", torch.int32))
+                tensors.setdefault("topk_logprobs", []).append(top.values[b, :n].cpu())
+    shard = {name: torch.cat(parts).contiguous() for name, parts in tensors.items()}
+    shard["input_ids"] = torch.tensor([t for row in ids_all for t in row], dtype=torch.int32)
+    shard["loss_mask"] = torch.tensor([m for row in mask_all for m in row], dtype=torch.uint8)
+    shard["offsets"] = torch.tensor([0, *accumulate(lengths[start:end])], dtype=torch.int64)
+    return shard
 
 
 # The capture's own files; what a killed capture left of them is removed when it resumes: atomic_path's
