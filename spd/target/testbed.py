@@ -478,17 +478,8 @@ def _build(out, cfg: TestbedConfig | None, progress: bool, force: bool) -> dict:
     from transformers import AutoTokenizer
 
     # Each component is keyed by the settings it depends on, so a changed model spec reuses the corpus.
-    corpus_key = _key([settings["val_fraction"], settings["max_files"], str(stdlib_dir())])
     corpus_dir = out / "corpus"
-    corpus_meta = _read_json(corpus_dir / CORPUS_MARKER)
-    if not isinstance(corpus_meta, dict) or corpus_meta.get("key") != corpus_key:
-        corpus_dir.mkdir(exist_ok=True)
-        # Marked as ours before anything is written into it, so a killed build is resumed, not refused.
-        write_json_atomic(corpus_dir / CORPUS_MARKER, {"key": None})
-        corpus_meta = {"key": corpus_key, **build_corpus(corpus_dir, cfg)}
-        write_json_atomic(corpus_dir / CORPUS_MARKER, corpus_meta)
-        _remove_streams(corpus_dir)
-
+    corpus_meta = _corpus(corpus_dir, cfg)
     tok_key = _key([corpus_meta["sha256"], cfg.vocab_size])
     tok_dir = out / "tokenizer"
     tok_meta = _read_json(tok_dir / MARKER)
@@ -496,37 +487,9 @@ def _build(out, cfg: TestbedConfig | None, progress: bool, force: bool) -> dict:
         train_tokenizer(corpus_dir, tok_dir, cfg.vocab_size, 4 * cfg.target.seq_len, tok_key)
         _remove_streams(corpus_dir)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-
-    streams = {}
-    for split in ("train", "validation"):
-        path = corpus_dir / f"{split}.{tok_key}.npy"
-        if not path.exists():
-            arr = tokenize_split(corpus_dir, split, tokenizer)
-            with atomic_file(path, "wb") as f:
-                np.save(f, arr)
-        streams[split] = np.load(path)
-
-    models = {}
-    for name in ("target", "draft"):
-        spec: ModelSpec = getattr(cfg, name)
-        model_key = _key([tok_key, dataclasses.asdict(spec), cfg.seed, cfg.eval_tokens])
-        model_dir = out / name
-        meta = _read_json(model_dir / MARKER)
-        if not isinstance(meta, dict) or meta.get("key") != model_key:
-            model, record = train_model(name, spec, tokenizer, streams["train"], cfg.seed, progress=progress)
-            val_loss = evaluate_loss(model, streams["validation"], spec.seq_len, cfg.eval_tokens)
-            meta = {
-                "key": model_key,
-                "architecture": "LlamaForCausalLM",
-                "spec": dataclasses.asdict(spec),
-                "parameters": sum(p.numel() for p in model.parameters()),
-                **record,
-                "validation_loss": round(val_loss, 4),
-                "validation_perplexity": round(math.exp(val_loss), 2),
-                "validation_tokens": min(len(streams["validation"]) - 1, cfg.eval_tokens) // spec.seq_len * spec.seq_len,
-            }
-            _save_model_dir(model, tokenizer, model_dir, meta)
-        models[name] = {k: v for k, v in meta.items() if k not in ("key", "files")}
+    streams = _token_streams(corpus_dir, tok_key, tokenizer)
+    models = {name: _model(out / name, name, cfg, tok_key, tokenizer, streams, progress)
+              for name in ("target", "draft")}
 
     prompts = make_prompts(corpus_dir, 100, cfg.seed)
     write_text_atomic(out / "prompts.jsonl", "".join(json.dumps(p) + "\n" for p in prompts))
@@ -543,6 +506,57 @@ def _build(out, cfg: TestbedConfig | None, progress: bool, force: bool) -> dict:
     }
     write_json_atomic(out / "testbed.json", result)
     return result
+
+
+def _corpus(corpus_dir: Path, cfg: TestbedConfig) -> dict:
+    """The corpus marker's contents, the corpus built first unless it is there for these settings."""
+    corpus_key = _key([cfg.val_fraction, cfg.max_files, str(stdlib_dir())])
+    corpus_meta = _read_json(corpus_dir / CORPUS_MARKER)
+    if not isinstance(corpus_meta, dict) or corpus_meta.get("key") != corpus_key:
+        corpus_dir.mkdir(exist_ok=True)
+        # Marked as ours before anything is written into it, so a killed build is resumed, not refused.
+        write_json_atomic(corpus_dir / CORPUS_MARKER, {"key": None})
+        corpus_meta = {"key": corpus_key, **build_corpus(corpus_dir, cfg)}
+        write_json_atomic(corpus_dir / CORPUS_MARKER, corpus_meta)
+        _remove_streams(corpus_dir)
+    return corpus_meta
+
+
+def _token_streams(corpus_dir: Path, tok_key: str, tokenizer) -> dict[str, np.ndarray]:
+    """Both splits as token streams, tokenized once per tokenizer and cached in the corpus directory."""
+    streams = {}
+    for split in ("train", "validation"):
+        path = corpus_dir / f"{split}.{tok_key}.npy"
+        if not path.exists():
+            arr = tokenize_split(corpus_dir, split, tokenizer)
+            with atomic_file(path, "wb") as f:
+                np.save(f, arr)
+        streams[split] = np.load(path)
+    return streams
+
+
+def _model(model_dir: Path, name: str, cfg: TestbedConfig, tok_key: str, tokenizer, streams: dict,
+           progress: bool) -> dict:
+    """The record of the target or the draft (``name``) in ``testbed.json``, the model trained, evaluated and saved
+    first unless ``model_dir`` holds it for these settings."""
+    spec: ModelSpec = getattr(cfg, name)
+    model_key = _key([tok_key, dataclasses.asdict(spec), cfg.seed, cfg.eval_tokens])
+    meta = _read_json(model_dir / MARKER)
+    if not isinstance(meta, dict) or meta.get("key") != model_key:
+        model, record = train_model(name, spec, tokenizer, streams["train"], cfg.seed, progress=progress)
+        val_loss = evaluate_loss(model, streams["validation"], spec.seq_len, cfg.eval_tokens)
+        meta = {
+            "key": model_key,
+            "architecture": "LlamaForCausalLM",
+            "spec": dataclasses.asdict(spec),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            **record,
+            "validation_loss": round(val_loss, 4),
+            "validation_perplexity": round(math.exp(val_loss), 2),
+            "validation_tokens": min(len(streams["validation"]) - 1, cfg.eval_tokens) // spec.seq_len * spec.seq_len,
+        }
+        _save_model_dir(model, tokenizer, model_dir, meta)
+    return {k: v for k, v in meta.items() if k not in ("key", "files")}
 
 
 def _remove_streams(corpus_dir: Path) -> None:
