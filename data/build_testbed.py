@@ -21,6 +21,7 @@ import dataclasses
 import json
 import sys
 
+from spd.errors import cli_error, run_cli
 from spd.paths import default_testbed_dir
 
 
@@ -92,17 +93,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     for name in ("minutes", "draft_minutes", "target_steps", "draft_steps"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
-            print(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}", file=sys.stderr)
-            return 2
-    from spd.errors import SpdInputError
+            return cli_error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    return run_cli(_build, args, output_dir(args))
+
+
+def _build(args, out: str) -> int:
     from spd.target.testbed import build_testbed
 
-    out = output_dir(args)
-    try:
-        result = build_testbed(out, config_from_args(args), progress=not args.quiet, force=args.force)
-    except SpdInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    result = build_testbed(out, config_from_args(args), progress=not args.quiet, force=args.force)
     summary = {name: {k: result[name][k] for k in ("parameters", "steps", "train_tokens", "validation_perplexity")}
                for name in ("target", "draft")}
     print(json.dumps({"testbed": out, **summary}, indent=2))

@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from spd.errors import SpdInputError
+from spd.errors import SpdInputError, run_cli
 from spd.paths import default_cache_dir
 
 
@@ -108,12 +108,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except SpdInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_cli(run, parse_args(argv))
 
 
 if __name__ == "__main__":

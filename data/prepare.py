@@ -9,7 +9,7 @@ Training (train/distill.py) calls the same code with the same cache, so a prepar
 import argparse
 import sys
 
-from spd.errors import SpdInputError
+from spd.errors import run_cli
 from spd.paths import default_cache_dir
 
 
@@ -24,17 +24,17 @@ def main(argv=None) -> int:
     p.add_argument("--overflow", default="auto", choices=("auto", "drop", "truncate", "split"))
     p.add_argument("--cache-dir", default=default_cache_dir())
     args = p.parse_args(argv)
+    return run_cli(_prepare, args)
+
+
+def _prepare(args) -> int:
     from spd.data.prepare import DataConfig, prepare_dataset
     from spd.target.staging import load_tokenizer
 
-    try:
-        tokenizer = load_tokenizer(args.target, revision=args.revision)
-        cfg = DataConfig(max_length=args.max_length, overflow=args.overflow, split=args.split,
-                         revision=args.data_revision)
-        ds = prepare_dataset(args.data, tokenizer, cfg, args.cache_dir)
-    except SpdInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    tokenizer = load_tokenizer(args.target, revision=args.revision)
+    cfg = DataConfig(max_length=args.max_length, overflow=args.overflow, split=args.split,
+                     revision=args.data_revision)
+    ds = prepare_dataset(args.data, tokenizer, cfg, args.cache_dir)
     print(f"{len(ds)} rows ready (cache: {args.cache_dir})")
     return 0
 

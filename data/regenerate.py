@@ -124,28 +124,30 @@ def main(argv=None) -> int:
     if not 0 <= args.temperature < float("inf"):
         p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
 
+    from spd.errors import run_cli
+
+    return run_cli(_answer, args)
+
+
+def _answer(args) -> int:
+    """Answer the prompts (or continue the texts) that ``args.out`` lacks; print how many and how fast."""
+    import torch
+
+    from spd.data.regenerate import regenerate
     from spd.errors import SpdInputError
+    from spd.target.staging import load_causal_lm, load_tokenizer
 
-    try:
-        import torch
-
-        from spd.data.regenerate import regenerate
-        from spd.target.staging import load_causal_lm, load_tokenizer
-
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        prompts = (read_prompts(args.prompts) if args.texts is None
-                   else read_texts(args.texts, args.seed, args.prefix_chars))[args.skip:]
-        if not prompts:
-            raise SpdInputError(f"--skip {args.skip} leaves no prompts to answer")
-        model = load_causal_lm(args.target, revision=args.revision, dtype=getattr(torch, args.dtype)).eval()
-        tokenizer = load_tokenizer(args.target, args.revision)
-        stats = regenerate(model, tokenizer, prompts, args.out, batch_size=args.batch_size,
-                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                           chat=args.texts is None)
-    except SpdInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = (read_prompts(args.prompts) if args.texts is None
+               else read_texts(args.texts, args.seed, args.prefix_chars))[args.skip:]
+    if not prompts:
+        raise SpdInputError(f"--skip {args.skip} leaves no prompts to answer")
+    model = load_causal_lm(args.target, revision=args.revision, dtype=getattr(torch, args.dtype)).eval()
+    tokenizer = load_tokenizer(args.target, args.revision)
+    stats = regenerate(model, tokenizer, prompts, args.out, batch_size=args.batch_size,
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                       chat=args.texts is None)
     print(f"{args.out}: {stats['generated']} answered now, {stats['skipped_done']} already there; "
           f"{stats['new_tokens']} tokens in {stats['seconds']} s ({stats['tokens_per_s']} tokens/s)")
     return 0

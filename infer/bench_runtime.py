@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from spd.errors import SpdInputError
+from spd.errors import SpdInputError, run_cli
 from spd.paths import default_testbed_dir
 
 
@@ -185,31 +185,37 @@ def breakdown(report: dict, mode: str) -> dict | None:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    return run_cli(_bench, parse_args(argv))
+
+
+def measure(args, mode: str) -> list[dict]:
+    """One row per world (head or source, and n): the mode against pp (and ar), tokens per second and where the
+    time of a step goes."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        args.prompts_file, args.chat = prompt_file(args.prompts, Path(tmp) / "prompts.jsonl")
+        for i, (label, source, n) in enumerate(worlds(args)):
+            report = run_world(args, source, mode, n, Path(tmp) / f"world{i}.json")
+            spec, pp = report["summary"][mode], report["summary"]["pp"]
+            ar = None if args.no_ar else run_ar(args, n)
+            speedup = spec["decode_tokens_per_s"] / pp["decode_tokens_per_s"]
+            row = {"head": label, "stages": n, mode: spec, "pp": pp, "ar": ar,
+                   "speedup_vs_pp": speedup, "L_acc": spec["L_acc"], "efficiency": speedup / spec["L_acc"],
+                   "speedup_vs_ar": spec["decode_tokens_per_s"] / ar["decode_tokens_per_s"] if ar else None,
+                   f"identical_tokens_{mode}_pp": sum(a["token_ids"] == b["token_ids"] for a, b in
+                                                      zip(report["results"][mode], report["results"]["pp"])),
+                   "step_ms": step_ms(report["results"][mode]),
+                   "breakdown_ms_per_step": {m: breakdown(report, m) for m in (mode, "pp")}}
+            if mode == "tree":
+                row.update(width=args.tree_width, children=args.tree_children)
+            rows.append(row)
+    return rows
+
+
+def _bench(args) -> int:
     mode = "spd" if args.tree_width is None else "tree"
     load_before = os.getloadavg()  # other work on the machine's cores slows the stages: recorded with the result
-    try:
-        rows = []
-        with tempfile.TemporaryDirectory() as tmp:
-            args.prompts_file, args.chat = prompt_file(args.prompts, Path(tmp) / "prompts.jsonl")
-            for i, (label, source, n) in enumerate(worlds(args)):
-                report = run_world(args, source, mode, n, Path(tmp) / f"world{i}.json")
-                spec, pp = report["summary"][mode], report["summary"]["pp"]
-                ar = None if args.no_ar else run_ar(args, n)
-                speedup = spec["decode_tokens_per_s"] / pp["decode_tokens_per_s"]
-                row = {"head": label, "stages": n, mode: spec, "pp": pp, "ar": ar,
-                       "speedup_vs_pp": speedup, "L_acc": spec["L_acc"], "efficiency": speedup / spec["L_acc"],
-                       "speedup_vs_ar": spec["decode_tokens_per_s"] / ar["decode_tokens_per_s"] if ar else None,
-                       f"identical_tokens_{mode}_pp": sum(a["token_ids"] == b["token_ids"] for a, b in
-                                                          zip(report["results"][mode], report["results"]["pp"])),
-                       "step_ms": step_ms(report["results"][mode]),
-                       "breakdown_ms_per_step": {m: breakdown(report, m) for m in (mode, "pp")}}
-                if mode == "tree":
-                    row.update(width=args.tree_width, children=args.tree_children)
-                rows.append(row)
-    except SpdInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    rows = measure(args, mode)
     launch = "early" if args.early_launch else "after verification"
     tree = f", tree W = {args.tree_width}, K = {args.tree_children}" if mode == "tree" else ""
     print(f"emulated stage time {args.emulate_stage_ms:g} ms, link {args.emulate_link_ms:g} ms, "

@@ -45,7 +45,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from spd.errors import SpdInputError  # noqa: E402
+from spd.errors import SpdInputError, run_cli  # noqa: E402
 from spd.paths import default_testbed_dir  # noqa: E402
 
 
@@ -216,31 +216,31 @@ def plot(rows: list[dict], temperatures: list[str], path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        testbed = Path(args.testbed)
-        config = json.loads((testbed / "target" / "config.json").read_text()) if (
-            testbed / "target" / "config.json").is_file() else None
-        text = training_text(testbed)
-        if config is None or text is None:
-            raise SpdInputError(f"'{testbed}' is neither a testbed nor a prepared target (expected target/config.json "
-                                "and corpus/ or data/ with train.jsonl and validation.jsonl; build one with "
-                                "data/build_testbed.py or data/smollm2.py)")
-        num_layers = config["num_hidden_layers"]
-        stages = args.stages or [n for n in (4, 8, 16) if n <= num_layers]
-        bad = [n for n in stages if not 1 <= n <= num_layers]
-        if bad or not stages:
-            raise SpdInputError(f"--stages {bad or stages} must be between 1 and the target's {num_layers} layers")
-        if min(args.draft_steps) < 1 or min(args.layers) < 1 or args.steps < 1 or args.max_length < 2 or args.batch < 1:
-            raise SpdInputError("--draft-steps, --layers, --steps, --max-length and --batch must be positive")
-        runs = Path(args.runs or REPO / "runs" / f"reproduce-{testbed.resolve().name}")
-        data, eval_data = capture(args, testbed, runs, stages, text)
-        finals = {h.name: train(args, testbed, runs, h, data, eval_data, num_layers)
-                  for h in plan_heads(stages, args.layers)}
-        report = bench(args, testbed, runs, finals, stages)
-    except SpdInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_cli(_reproduce, parse_args(argv))
+
+
+def _reproduce(args) -> int:
+    """Capture, train every head, benchmark them, and write the table (markdown, JSON and a plot)."""
+    testbed = Path(args.testbed)
+    config = json.loads((testbed / "target" / "config.json").read_text()) if (
+        testbed / "target" / "config.json").is_file() else None
+    text = training_text(testbed)
+    if config is None or text is None:
+        raise SpdInputError(f"'{testbed}' is neither a testbed nor a prepared target (expected target/config.json "
+                            "and corpus/ or data/ with train.jsonl and validation.jsonl; build one with "
+                            "data/build_testbed.py or data/smollm2.py)")
+    num_layers = config["num_hidden_layers"]
+    stages = args.stages or [n for n in (4, 8, 16) if n <= num_layers]
+    bad = [n for n in stages if not 1 <= n <= num_layers]
+    if bad or not stages:
+        raise SpdInputError(f"--stages {bad or stages} must be between 1 and the target's {num_layers} layers")
+    if min(args.draft_steps) < 1 or min(args.layers) < 1 or args.steps < 1 or args.max_length < 2 or args.batch < 1:
+        raise SpdInputError("--draft-steps, --layers, --steps, --max-length and --batch must be positive")
+    runs = Path(args.runs or REPO / "runs" / f"reproduce-{testbed.resolve().name}")
+    data, eval_data = capture(args, testbed, runs, stages, text)
+    finals = {h.name: train(args, testbed, runs, h, data, eval_data, num_layers)
+              for h in plan_heads(stages, args.layers)}
+    report = bench(args, testbed, runs, finals, stages)
     rows = table(report)
     temperatures = list(report["results"])
     out = Path(args.out)

@@ -1,9 +1,30 @@
-"""Durable writes: what an atomic rename needs first (its contents and their directory entries on disk)."""
+"""Durable writes: the one place for "write beside, sync, then rename".
+
+A file is written under a temporary name beside its final one (same directory, so the rename is atomic),
+fsynced, renamed over the final name, and the directory fsynced: a reader, or a machine that loses power, sees
+the old file or the new one, never half of one. A failed write removes its temporary file and leaves the old
+file as it was. Directories are put in place the same way, whole (:func:`rename_dir`, :func:`replace_dir`).
+
+- :func:`atomic_file`: ``open`` for writing, committed on a normal exit; :func:`atomic_path` for writers that
+  take a file name (safetensors, ``save_pretrained``); :func:`write_text_atomic`, :func:`write_json_atomic`.
+- :func:`replace_file`: rename a complete file over another, durably.
+- :func:`temp_dir_beside`, :func:`rename_dir`, :func:`replace_dir`: a new directory written aside, then put in
+  place as a new one or swapped for an existing one.
+- :func:`temp_pattern`: the names those temporaries have, for removing what a killed writer left.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import secrets
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -21,3 +42,117 @@ def fsync_tree(root: str | os.PathLike) -> None:
         for name in filenames:
             fsync_path(Path(dirpath) / name)
         fsync_path(dirpath)
+
+
+# ------------------------------------------------------------------------------------------------ files
+
+
+def temp_pattern(names: str) -> re.Pattern[str]:
+    """The names :func:`atomic_path` and :func:`temp_dir_beside` give the temporaries of files or directories
+    whose names match the regular expression ``names`` (``.<name>.XXXXXXXX.tmp``): what a killed writer leaves."""
+    return re.compile(rf"\.(?:{names})\.[a-z0-9_]{{8}}\.tmp")
+
+
+def _new_temp_file(path: Path) -> Path:
+    """A new empty file beside ``path`` with a name no one else has (created exclusively, so a file that happens
+    to have the name is never touched), with the permissions ``open`` gives a new file (the umask's)."""
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        return tmp
+    raise FileExistsError(f"no free temporary name beside '{path}'")
+
+
+def replace_file(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Rename the complete file ``tmp`` over ``path``, durably: ``tmp`` fsynced first, ``path``'s directory after."""
+    fsync_path(tmp)
+    os.replace(tmp, path)
+    fsync_path(Path(path).parent)
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A new empty temporary file beside ``path``, for a writer that takes a file name: on a normal exit it is
+    fsynced and renamed over ``path`` (:func:`replace_file`), on an exception removed (``path`` left as it was)."""
+    path = Path(path)
+    tmp = _new_temp_file(path)
+    try:
+        yield tmp
+        replace_file(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "w", **open_kwargs) -> Iterator[IO]:
+    """``open(path, mode)`` for writing (``"w"``, ``"wb"``), committed atomically: the file object writes to a
+    temporary file beside ``path``, which a normal exit closes, fsyncs and renames over ``path``, and an exception
+    removes."""
+    if not mode.startswith("w"):
+        raise ValueError(f"atomic_file writes a new file; expected a mode 'w' or 'wb', got '{mode}'")
+    with atomic_path(path) as tmp, open(tmp, mode, **open_kwargs) as f:
+        yield f
+
+
+def write_text_atomic(path: str | os.PathLike, text: str, encoding: str | None = None) -> None:
+    """Write ``text`` to ``path`` atomically (:func:`atomic_file`)."""
+    with atomic_file(path, "w", encoding=encoding) as f:
+        f.write(text)
+
+
+def write_json_atomic(path: str | os.PathLike, obj, indent: int = 2) -> None:
+    """Write ``obj`` as indented JSON (and a final newline) to ``path`` atomically: a reader never sees half a file."""
+    write_text_atomic(path, json.dumps(obj, indent=indent) + "\n")
+
+
+# ------------------------------------------------------------------------------------------ directories
+
+
+def temp_dir_beside(path: str | os.PathLike) -> Path:
+    """A new, uniquely named directory beside ``path`` (``.<name>.XXXXXXXX.tmp`` in its parent: on the same file
+    system, so putting it in place is a rename)."""
+    path = Path(path)
+    return Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+
+
+def rename_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Put the complete directory ``tmp`` in place as a new ``final``: fsynced, renamed, the parent fsynced.
+
+    The rename fails (OSError) if ``final`` is a file or a directory that is not empty, so nothing is replaced;
+    an empty directory there is replaced, as ``rename`` does.
+    """
+    fsync_tree(tmp)
+    os.rename(tmp, final)
+    fsync_path(Path(final).parent)
+
+
+def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike, aside: str | os.PathLike | None = None,
+                discard: Callable[[Path], object] = shutil.rmtree) -> None:
+    """Put the complete directory ``tmp`` in place as ``final``, replacing the one there: fsynced, renamed, the old
+    ``final`` removed last.
+
+    A directory cannot be renamed over a non-empty one, so an existing ``final`` is first renamed to ``aside``
+    (default ``<tmp>.old``, beside it) and handed to ``discard`` only once the new one is in place and its parent
+    directory synced. Killed at any point, a complete directory is at ``final`` (the old or the new one) or, between
+    the two renames, the old one is at ``aside``; a rename that fails puts the old one back.
+    """
+    tmp, final = Path(tmp), Path(final)
+    aside = Path(aside) if aside is not None else tmp.with_name(tmp.name + ".old")
+    fsync_tree(tmp)
+    moved = final.exists()
+    if moved:
+        os.rename(final, aside)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        if moved:
+            os.rename(aside, final)
+        raise
+    fsync_path(final.parent)
+    if moved:
+        discard(aside)

@@ -1,6 +1,5 @@
 """Default locations (importing this module is cheap: no torch)."""
 
-import json
 import os
 from pathlib import Path
 
@@ -15,13 +14,6 @@ def default_testbed_dir() -> Path:
 def default_cache_dir() -> str:
     """Where prepared datasets are cached: ``$SPD_CACHE`` or ``~/.cache/spd``."""
     return os.environ.get("SPD_CACHE", str(Path.home() / ".cache" / "spd"))
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to a temporary file and rename it over ``path``: a reader never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def check_model_source(source: str, what: str) -> None:

@@ -148,9 +148,13 @@ def test_killed_capture_resumes_to_the_same_files(tiny_testbed, subset, tmp_path
     assert not manifest["complete"], "the capture finished before it could be killed"
     with pytest.raises(SpdInputError, match="incomplete"):
         CapturedDataset(out)
+    # What a kill in the middle of a write leaves (and what an earlier version's writer left) goes on resume.
+    (out / ".shard-00001.safetensors.k1ll3d0k.tmp").write_bytes(b"half")
+    (out / "shard-00002.safetensors.tmp").write_bytes(b"half")
+    (out / "notes.txt").write_text("mine")
     rerun = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=600)
     assert rerun.returncode == 0 and "resuming" in rerun.stdout, rerun.stderr
-    assert not list(out.glob("*.tmp"))
+    assert not list(out.glob("*.tmp")) and (out / "notes.txt").read_text() == "mine"
     for shard in json.loads((captured / "capture.json").read_text())["shards"]:
         want, got = load_file(captured / shard["file"]), load_file(out / shard["file"])
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

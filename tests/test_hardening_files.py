@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,141 @@ def _cli(*args, cwd=REPO) -> subprocess.CompletedProcess:
 
 def _listing(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------------------- spd.files primitives
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_atomic_file_replaces_the_file_and_a_failed_write_leaves_the_old_one(tmp_path):
+    from spd.files import atomic_file, write_json_atomic, write_text_atomic
+
+    path = tmp_path / "state.json"
+    write_text_atomic(path, "old\n")
+    for fail_inside in (True, False):
+        with pytest.raises((RuntimeError, TypeError)):
+            with atomic_file(path) as f:
+                f.write("half of a new")
+                if fail_inside:
+                    raise RuntimeError("disk full")
+                f.write(b"bytes")  # the writer itself fails
+        assert path.read_text() == "old\n"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]  # no temporary left
+    with atomic_file(path, "wb") as f:
+        f.write(b"new\n")
+        assert path.read_text() == "old\n"  # not in place until the block ends
+    assert path.read_bytes() == b"new\n"
+    write_json_atomic(path, {"a": [1]})
+    assert path.read_text() == '{\n  "a": [\n    1\n  ]\n}\n'
+    write_json_atomic(path, {"a": 1}, indent=1)
+    assert path.read_text() == '{\n "a": 1\n}\n'
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~_umask()  # as open() makes a file, not mkstemp's 0600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+    with pytest.raises(ValueError, match="expected a mode 'w' or 'wb'"):
+        with atomic_file(path, "a"):
+            pass
+
+
+def test_atomic_path_is_for_writers_that_take_a_name(tmp_path):
+    from spd.files import atomic_path, temp_pattern
+
+    path = tmp_path / "shard-00000.safetensors"
+    path.write_bytes(b"old")
+    with pytest.raises(OSError):
+        with atomic_path(path) as tmp:
+            assert tmp.parent == tmp_path and temp_pattern(r"shard-\d{5}\.safetensors").fullmatch(tmp.name)
+            assert tmp.read_bytes() == b""  # created, empty: the name is ours
+            tmp.write_bytes(b"half")
+            raise OSError("no space left on device")
+    assert path.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(b"new")
+    assert path.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    # The pattern is of whole names: another file's temporaries do not match it.
+    assert not temp_pattern("shard").fullmatch(".shard-00000.safetensors.abcd1234.tmp")
+
+
+def test_temp_dir_beside_and_rename_dir_put_a_new_directory_in_place(tmp_path):
+    from spd.files import rename_dir, temp_dir_beside, temp_pattern
+
+    final = tmp_path / "head"
+    tmp = temp_dir_beside(final)
+    assert tmp.parent == tmp_path and temp_pattern("head").fullmatch(tmp.name)
+    (tmp / "config.json").write_text("{}")
+    rename_dir(tmp, final)
+    assert _listing(tmp_path) == {"head/config.json": b"{}"} and not tmp.exists()
+    other = temp_dir_beside(final)
+    (other / "config.json").write_text("[]")
+    with pytest.raises(OSError):  # not over a directory that has files
+        rename_dir(other, final)
+    assert (final / "config.json").read_text() == "{}" and (other / "config.json").read_text() == "[]"
+
+
+def _whole(path: Path, value: str) -> bool:
+    return _listing(path) == {"a.txt": value.encode(), "b.txt": value.encode()}
+
+
+def _two_files(path: Path, value: str) -> Path:
+    path.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (path / name).write_text(value)
+    return path
+
+
+def test_replace_dir_leaves_exactly_one_complete_directory(tmp_path):
+    from spd.files import replace_dir
+
+    final = _two_files(tmp_path / "final", "old")
+    replace_dir(_two_files(tmp_path / ".final.1.tmp", "new"), final)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"] and _whole(final, "new")
+    replace_dir(_two_files(tmp_path / ".fresh.tmp", "new"), tmp_path / "fresh")  # nothing there before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "fresh"] and _whole(tmp_path / "fresh", "new")
+    # discard decides what happens to the old one (here: kept, to look at it)
+    kept = []
+    replace_dir(_two_files(tmp_path / ".final.2.tmp", "newer"), final, tmp_path / "final.x.old", kept.append)
+    assert kept == [tmp_path / "final.x.old"] and _whole(final, "newer") and _whole(kept[0], "new")
+
+
+def test_replace_dir_puts_the_old_directory_back_when_the_rename_fails(tmp_path, monkeypatch):
+    from spd import files
+
+    final = _two_files(tmp_path / "final", "old")
+    tmp = _two_files(tmp_path / ".final.1.tmp", "new")
+    real = os.rename
+
+    def rename(src, dst):
+        if Path(src) == tmp:
+            raise OSError("the disk went away")
+        real(src, dst)
+
+    monkeypatch.setattr(files.os, "rename", rename)
+    with pytest.raises(OSError, match="the disk went away"):
+        files.replace_dir(tmp, final)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".final.1.tmp", "final"] and _whole(final, "old")
+
+
+@pytest.mark.parametrize("killed_after", [1, 2])
+def test_replace_dir_killed_at_either_rename_leaves_a_complete_directory(tmp_path, killed_after):
+    """A process killed (no cleanup at all) after the first or second rename: the old directory is whole beside
+    the new one, and the new one is whole once it has its name."""
+    final = _two_files(tmp_path / "final", "old")
+    _two_files(tmp_path / ".final.1.tmp", "new")
+    script = (f"import os, sys\nfrom spd import files\nreal, n = os.rename, [0]\n"
+              f"def rename(a, b):\n    real(a, b)\n    n[0] += 1\n    if n[0] == {killed_after}: os._exit(9)\n"
+              f"files.os.rename = rename\nfiles.replace_dir(sys.argv[1], sys.argv[2])\n")
+    proc = _cli("-c", script, str(tmp_path / ".final.1.tmp"), str(final))
+    assert proc.returncode == 9, proc.stderr
+    aside = tmp_path / ".final.1.tmp.old"
+    assert _whole(aside, "old")
+    if killed_after == 1:
+        assert not final.exists() and _whole(tmp_path / ".final.1.tmp", "new")
+    else:
+        assert _whole(final, "new") and not (tmp_path / ".final.1.tmp").exists()
 
 
 # ------------------------------------------------------------------------------------------- spd-convert

@@ -33,6 +33,29 @@ def test_distill_refuses_non_finite_and_negative_numbers(override, message):
         load_config(None, [override])
 
 
+def test_run_cli_turns_a_wrong_input_into_one_error_line_and_status_2(capsys):
+    from spd.errors import cli_error, run_cli
+
+    def body(value):
+        if value < 0:
+            raise SpdInputError(f"--value must be 0 or more, got {value}")
+        if value == 1:
+            raise KeyboardInterrupt
+        if value == 2:
+            raise RuntimeError("a bug")
+        return 0
+
+    assert run_cli(body, 0) == 0 and capsys.readouterr().err == ""
+    assert run_cli(body, -3) == 2 and capsys.readouterr().err == "error: --value must be 0 or more, got -3\n"
+    assert run_cli(body, -3, flush=True) == 2 and capsys.readouterr().err.count("\n") == 1
+    assert run_cli(body, 1, interrupted=130) == 130 and capsys.readouterr().err == ""
+    with pytest.raises(KeyboardInterrupt):  # only a program that says how it ends on Ctrl-C ends quietly
+        run_cli(body, 1)
+    with pytest.raises(RuntimeError, match="a bug"):  # anything else is not an input error: a traceback
+        run_cli(body, 2)
+    assert cli_error("no such file") == 2 and capsys.readouterr().err == "error: no such file\n"
+
+
 def test_distill_cli_nan_is_one_error_line(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "train" / "distill.py"), "lr=nan", f"output_dir={tmp_path}"],
                           capture_output=True, text=True, timeout=300, cwd=REPO)

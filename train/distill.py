@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from spd.errors import SpdInputError, first_line
+from spd.errors import SpdInputError, first_line, run_cli
 
 
 class _Parser(argparse.ArgumentParser):
@@ -144,7 +144,7 @@ def train(cfg, resume: bool) -> dict:
     from spd.training.kd import sample_fills
     from spd.heads.config import check_compatible
     from spd.heads.speculator import Speculator
-    from spd.paths import write_json_atomic
+    from spd.files import write_json_atomic
 
     on_gpu = torch.cuda.is_available()
     mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if on_gpu else "no")
@@ -334,14 +334,13 @@ def train(cfg, resume: bool) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    return run_cli(_configure_and_train, args)
+
+
+def _configure_and_train(args) -> int:
     from spd.training.distill import load_config
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-        train(cfg, args.resume)
-    except SpdInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    train(load_config(args.config, args.overrides), args.resume)
     return 0
 
 

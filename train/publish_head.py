@@ -11,7 +11,6 @@ card, README.md) are left as they are. A wrong input prints one ``error:`` line 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -25,7 +24,7 @@ def publish(source: str, out: Path, dtype: str) -> list[Path]:
     """Write ``source``'s head into ``out`` in ``dtype``; return the files written."""
     import torch
 
-    from spd.files import fsync_path
+    from spd.files import replace_file
     from spd.heads.loading import load_speculator
 
     head = load_speculator(source, dtype=getattr(torch, dtype))
@@ -37,9 +36,7 @@ def publish(source: str, out: Path, dtype: str) -> list[Path]:
         if written != sorted(FILES):
             raise RuntimeError(f"save_pretrained wrote {written}, expected {list(FILES)}")
         for name in FILES:
-            fsync_path(tmp / name)
-            os.replace(tmp / name, out / name)
-        fsync_path(out)
+            replace_file(tmp / name, out / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return [out / name for name in FILES]
@@ -51,13 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", type=Path, help="the directory to publish it in (e.g. heads/NAME)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="storage dtype (default: bfloat16)")
     args = p.parse_args(argv)
-    from spd.errors import SpdInputError
+    from spd.errors import run_cli
 
-    try:
-        files = publish(args.source, args.out, args.dtype)
-    except SpdInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_cli(_publish_and_report, args)
+
+
+def _publish_and_report(args) -> int:
+    files = publish(args.source, args.out, args.dtype)
     total = sum(f.stat().st_size for f in files)
     print(f"wrote {args.out} ({', '.join(f.name for f in files)}: {total / 2**20:.1f} MiB in {args.dtype})")
     return 0

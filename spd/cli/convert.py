@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from spd.errors import SpdInputError
+from spd.errors import run_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,27 +35,28 @@ def main(argv: list[str] | None = None) -> int:
                         "replaced; nothing else is removed)")
     args = p.parse_args(argv)
     from spd.cli.generate import _quiet_libraries
+
+    _quiet_libraries()
+    return run_cli(_convert, args)
+
+
+def _convert(args) -> int:
+    """Convert ``args.source`` the way its kind says (our head with --target, our directory, or their file)."""
     from spd.heads.published.convert import (check_output_file, head_to_authors_file, to_authors_file,
                                        to_directory)
 
-    _quiet_libraries()
+    if args.target is not None:
+        from spd.heads.loading import load_speculator_config
+        from spd.target.staging import StagedModel
 
-    try:
-        if args.target is not None:
-            from spd.heads.loading import load_speculator_config
-            from spd.target.staging import StagedModel
-
-            check_output_file(args.out, args.force)  # before the target is loaded
-            n = load_speculator_config(args.source).n_stages
-            out = head_to_authors_file(args.source, StagedModel.from_pretrained(args.target, n_stages=n), args.out,
-                                       args.force)
-        elif Path(args.source).expanduser().is_dir():
-            out = to_authors_file(args.source, args.out, args.force)
-        else:
-            out = to_directory(args.source, args.out, args.revision, args.force)
-    except SpdInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        check_output_file(args.out, args.force)  # before the target is loaded
+        n = load_speculator_config(args.source).n_stages
+        out = head_to_authors_file(args.source, StagedModel.from_pretrained(args.target, n_stages=n), args.out,
+                                   args.force)
+    elif Path(args.source).expanduser().is_dir():
+        out = to_authors_file(args.source, args.out, args.force)
+    else:
+        out = to_directory(args.source, args.out, args.revision, args.force)
     print(f"wrote {out}")
     return 0
 

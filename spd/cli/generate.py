@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from spd.decoding.spec import DecodingSpec, finite_float, positive_int
-from spd.errors import SpdInputError
+from spd.errors import SpdInputError, run_cli
 from spd.paths import check_model_source
 from spd.heads.published.authors_file import is_authors_file
 
@@ -61,11 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show-acceptance", action="store_true",
                    help="colour the streamed tokens that were accepted speculations (ANSI green)")
     return p
-
-
-def _fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
 
 
 def _read_prompt(args) -> str | list[int]:
@@ -375,12 +370,7 @@ def _quiet_libraries() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except SpdInputError as exc:
-        return _fail(str(exc))
-    except KeyboardInterrupt:
-        return 130
+    return run_cli(run, args, interrupted=130)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from spd.decoding.spec import DecodingSpec, check_runtime_numbers, default_mode
-from spd.errors import SpdInputError
+from spd.errors import SpdInputError, cli_error, run_cli
 from spd.cli.batch_flags import add_prefill_flags, check_prefill_flags
 
 
@@ -81,20 +81,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_numbers(args)
     except SpdInputError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return cli_error(exc, flush=True)
     import torch
-    import torch.distributed as dist
 
-    from spd.runtime.protocol import PipelineLost, RuntimeConfig
-    from spd.runtime.world import check_world_address, init_distributed, local_rank_device
+    from spd.runtime.protocol import RuntimeConfig
 
     torch.set_num_threads(args.threads)
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     config = RuntimeConfig(backend=backend, timeout_s=args.timeout_s, emulate_stage_ms=args.emulate_stage_ms,
                            emulate_token_ms=args.emulate_token_ms,
                            emulate_link_ms=args.emulate_link_ms, early_launch=args.early_launch)
-    rank = -1
+    return run_cli(_run_world, args, config, flush=True, interrupted=130)
+
+
+def _run_world(args, config) -> int:
+    """This process's part of the world: rank 0 drives the pipeline, every other rank runs its stage. A lost rank
+    is one ``error:`` line and exit status 1."""
+    import torch
+    import torch.distributed as dist
+
+    from spd.runtime.protocol import PipelineLost
+    from spd.runtime.world import check_world_address, init_distributed, local_rank_device
+
+    backend = config.backend
     try:
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         n = world - 1
@@ -121,14 +130,9 @@ def main(argv: list[str] | None = None) -> int:
             stage_worker(staged, rank - 1, config, control, device)
         dist.destroy_process_group()
         return 0
-    except SpdInputError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
     except PipelineLost as exc:
         print(f"error: {exc}; stopping", file=sys.stderr, flush=True)
         return 1
-    except KeyboardInterrupt:
-        return 130
 
 
 def _boundaries(args, n: int) -> list[int] | None:

@@ -22,7 +22,7 @@ import signal
 import sys
 from pathlib import Path
 
-from spd.errors import SpdInputError
+from spd.errors import SpdInputError, run_cli
 from spd.cli.generate import _Parser, _quiet_libraries
 from spd.decoding.spec import DecodingSpec, finite_float, positive_int
 from spd.cli.batch_flags import add_prefill_flags, check_prefill_flags, prefill_options
@@ -89,13 +89,7 @@ def _positive_seconds(text: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return serve(args)
-    except SpdInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_cli(serve, args, interrupted=130)
 
 
 def serve(args) -> int:

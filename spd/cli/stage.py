@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from spd.errors import SpdInputError
+from spd.errors import SpdInputError, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,13 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except SpdInputError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_cli(run, args, flush=True, interrupted=130)
 
 
 def _hold(text: str | None) -> list[int] | None:

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import SpdInputError, first_line
+from ..files import rename_dir
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
@@ -212,7 +213,7 @@ def prepare_dataset(source: str, tokenizer, cfg: DataConfig | None = None, cache
         shutil.rmtree(tmp, ignore_errors=True)
         ds.save_to_disk(str(tmp))
         try:
-            tmp.rename(cached)
+            rename_dir(tmp, cached)  # synced first: a cache on disk is whole, also after a power cut
         except OSError:
             if not (cached / "dataset_info.json").exists():
                 raise

@@ -6,8 +6,8 @@ quantisation entry). :func:`materialize_gguf` builds the same architecture from 
 entry, loads the dequantised weights into it, and saves model, tokenizer (with its chat template) and
 generation config as a plain directory that every part of the toolkit loads like any hub model.
 
-The directory is written under a temporary name beside ``out`` and renamed into place, so a killed run
-leaves no half-written model; ``materialize.json`` inside it records the source file's digest, which makes a
+The directory is written under a temporary name beside ``out``, fsynced and renamed into place (an earlier
+one swapped out and removed last: :func:`spd.files.replace_dir`), so a killed run leaves no half-written model; ``materialize.json`` inside it records the source file's digest, which makes a
 second call a no-op.
 """
 
@@ -17,10 +17,10 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from ..errors import SpdInputError
+from ..files import replace_dir, temp_dir_beside
 
 MARKER = "materialize.json"
 
@@ -95,15 +95,15 @@ def materialize_gguf(gguf_path: str | os.PathLike, out: str | os.PathLike, sha25
                                                pad_token_id=config.pad_token_id)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = temp_dir_beside(out)
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / MARKER).write_text(json.dumps({"gguf_file": gguf_path.name, "gguf_sha256": sha256,
                                               "source": source or {}}, indent=2) + "\n")
-        if out.exists():  # an earlier materialisation of another file (checked above): ours to replace
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        # An earlier materialisation of another file (checked above) is ours to replace: swapped for the new
+        # one, and removed only once the new one is in place.
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -31,16 +31,18 @@ import re
 import shutil
 import sys
 import sysconfig
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from ..errors import SpdInputError
+from ..files import (atomic_file, rename_dir, replace_file, temp_dir_beside, temp_pattern, write_json_atomic,
+                     write_text_atomic)
 from ..paths import default_testbed_dir
 
 # Directories under the standard library that are not part of its own source code.
@@ -129,39 +131,33 @@ def build_corpus(out_dir: Path, cfg: TestbedConfig) -> dict:
     counts = {"train": 0, "validation": 0}
     chars = {"train": 0, "validation": 0}
     digest = hashlib.sha256()
-    tmp = {split: _temp_file(out_dir, f"{split}.jsonl") for split in counts}
-    try:
-        _write_corpus(files, root, cfg, tmp, counts, chars, digest)
+    # Both splits are written beside their files and put in place only once both are whole and non-empty.
+    with atomic_file(out_dir / "train.jsonl") as f_train, atomic_file(out_dir / "validation.jsonl") as f_val:
+        _write_corpus(files, root, cfg, {"train": f_train, "validation": f_val}, counts, chars, digest)
         if counts["train"] == 0 or counts["validation"] == 0:
             raise RuntimeError(
                 f"the corpus split is empty ({counts}); use more files (max_files) or another val_fraction"
             )
-        for split, p in tmp.items():
-            os.replace(p, out_dir / f"{split}.jsonl")
-    finally:
-        for p in tmp.values():
-            p.unlink(missing_ok=True)
     return {"source": str(root), "python": platform.python_version(), "files": counts, "chars": chars,
             "sha256": digest.hexdigest()}
 
 
-def _write_corpus(files: list[Path], root: Path, cfg: TestbedConfig, tmp: dict[str, Path], counts: dict,
+def _write_corpus(files: list[Path], root: Path, cfg: TestbedConfig, out: dict[str, IO], counts: dict,
                   chars: dict, digest) -> None:
-    """One JSON row per readable, non-empty file, into the temporary file of its split."""
-    with open(tmp["train"], "w") as f_train, open(tmp["validation"], "w") as f_val:
-        for path in tqdm(files, desc="corpus", unit="file"):
-            rel = path.relative_to(root).as_posix()
-            try:
-                text = path.read_text(encoding="utf-8")
-            except (UnicodeDecodeError, OSError):
-                continue
-            if not text.strip():
-                continue
-            split = "validation" if _is_validation(rel, cfg.val_fraction) else "train"
-            (f_val if split == "validation" else f_train).write(json.dumps({"path": rel, "text": text}) + "\n")
-            counts[split] += 1
-            chars[split] += len(text)
-            digest.update(rel.encode() + b"\0" + text.encode() + b"\0")
+    """One JSON row per readable, non-empty file, into the (temporary) file of its split."""
+    for path in tqdm(files, desc="corpus", unit="file"):
+        rel = path.relative_to(root).as_posix()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if not text.strip():
+            continue
+        split = "validation" if _is_validation(rel, cfg.val_fraction) else "train"
+        out[split].write(json.dumps({"path": rel, "text": text}) + "\n")
+        counts[split] += 1
+        chars[split] += len(text)
+        digest.update(rel.encode() + b"\0" + text.encode() + b"\0")
 
 
 def make_prompts(corpus_dir: Path, count: int, seed: int, max_chars: int = 400) -> list[dict]:
@@ -371,28 +367,7 @@ MARKER = "testbed_build.json"  # in tokenizer/, target/, draft/: the component's
 CORPUS_MARKER = "corpus.json"
 COMPONENT_DIRS = {"corpus": CORPUS_MARKER, "tokenizer": MARKER, "target": MARKER, "draft": MARKER}
 _STREAM = re.compile(r"(train|validation)\.[0-9a-f]{16}\.npy")  # token streams the builder caches in corpus/
-_TEMP_DIR = re.compile(r"\.(tokenizer|target|draft)\.[a-z0-9_]{8}\.tmp")  # _install_dir's, left by a killed build
-
-
-def _temp_file(directory: Path, name: str) -> Path:
-    """A new, uniquely named empty file in ``directory`` (a fixed temporary name could be someone's file)."""
-    fd, path = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
-    os.close(fd)
-    return Path(path)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a unique temporary file beside ``path`` and rename it over ``path``."""
-    tmp = _temp_file(path.parent, path.name)
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _write_json(path: Path, obj) -> None:
-    _write_atomic(path, json.dumps(obj, indent=2) + "\n")
+_TEMP_DIR = temp_pattern("tokenizer|target|draft")  # _install_dir's temporary directories, left by a killed build
 
 
 def _install_dir(out_dir: Path, save, meta: dict) -> None:
@@ -401,24 +376,24 @@ def _install_dir(out_dir: Path, save, meta: dict) -> None:
     A new ``out_dir`` is the temporary directory renamed. An existing one (ours, empty, or forced) gets the new
     files over their namesakes; of the rest, only files the previous build's marker lists are removed.
     """
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    tmp = temp_dir_beside(out_dir)
     try:
         save(tmp)
         files = sorted(p.name for p in tmp.iterdir() if p.name != MARKER)
         if not out_dir.exists():
-            _write_json(tmp / MARKER, {**meta, "files": files})
-            os.rename(tmp, out_dir)
+            write_json_atomic(tmp / MARKER, {**meta, "files": files})
+            rename_dir(tmp, out_dir)
             return
         old = _read_json(out_dir / MARKER)
         old_files = old.get("files", []) if isinstance(old, dict) and isinstance(old.get("files"), list) else []
         old_files = [f for f in old_files if isinstance(f, str) and "/" not in f and f not in ("", ".", "..")]
         # Killed from here on, the directory is still recognised as ours, and its key forces a rebuild.
-        _write_json(out_dir / MARKER, {"key": None, "files": sorted(set(old_files) | set(files))})
+        write_json_atomic(out_dir / MARKER, {"key": None, "files": sorted(set(old_files) | set(files))})
         for name in files:
-            os.replace(tmp / name, out_dir / name)
+            replace_file(tmp / name, out_dir / name)
         for name in set(old_files) - set(files):
             (out_dir / name).unlink(missing_ok=True)
-        _write_json(out_dir / MARKER, {**meta, "files": files})
+        write_json_atomic(out_dir / MARKER, {**meta, "files": files})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -503,17 +478,8 @@ def _build(out, cfg: TestbedConfig | None, progress: bool, force: bool) -> dict:
     from transformers import AutoTokenizer
 
     # Each component is keyed by the settings it depends on, so a changed model spec reuses the corpus.
-    corpus_key = _key([settings["val_fraction"], settings["max_files"], str(stdlib_dir())])
     corpus_dir = out / "corpus"
-    corpus_meta = _read_json(corpus_dir / CORPUS_MARKER)
-    if not isinstance(corpus_meta, dict) or corpus_meta.get("key") != corpus_key:
-        corpus_dir.mkdir(exist_ok=True)
-        # Marked as ours before anything is written into it, so a killed build is resumed, not refused.
-        _write_json(corpus_dir / CORPUS_MARKER, {"key": None})
-        corpus_meta = {"key": corpus_key, **build_corpus(corpus_dir, cfg)}
-        _write_json(corpus_dir / CORPUS_MARKER, corpus_meta)
-        _remove_streams(corpus_dir)
-
+    corpus_meta = _corpus(corpus_dir, cfg)
     tok_key = _key([corpus_meta["sha256"], cfg.vocab_size])
     tok_dir = out / "tokenizer"
     tok_meta = _read_json(tok_dir / MARKER)
@@ -521,45 +487,12 @@ def _build(out, cfg: TestbedConfig | None, progress: bool, force: bool) -> dict:
         train_tokenizer(corpus_dir, tok_dir, cfg.vocab_size, 4 * cfg.target.seq_len, tok_key)
         _remove_streams(corpus_dir)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-
-    streams = {}
-    for split in ("train", "validation"):
-        path = corpus_dir / f"{split}.{tok_key}.npy"
-        if not path.exists():
-            arr = tokenize_split(corpus_dir, split, tokenizer)
-            tmp = _temp_file(corpus_dir, path.name)
-            try:
-                with open(tmp, "wb") as f:
-                    np.save(f, arr)
-                os.replace(tmp, path)
-            finally:
-                tmp.unlink(missing_ok=True)
-        streams[split] = np.load(path)
-
-    models = {}
-    for name in ("target", "draft"):
-        spec: ModelSpec = getattr(cfg, name)
-        model_key = _key([tok_key, dataclasses.asdict(spec), cfg.seed, cfg.eval_tokens])
-        model_dir = out / name
-        meta = _read_json(model_dir / MARKER)
-        if not isinstance(meta, dict) or meta.get("key") != model_key:
-            model, record = train_model(name, spec, tokenizer, streams["train"], cfg.seed, progress=progress)
-            val_loss = evaluate_loss(model, streams["validation"], spec.seq_len, cfg.eval_tokens)
-            meta = {
-                "key": model_key,
-                "architecture": "LlamaForCausalLM",
-                "spec": dataclasses.asdict(spec),
-                "parameters": sum(p.numel() for p in model.parameters()),
-                **record,
-                "validation_loss": round(val_loss, 4),
-                "validation_perplexity": round(math.exp(val_loss), 2),
-                "validation_tokens": min(len(streams["validation"]) - 1, cfg.eval_tokens) // spec.seq_len * spec.seq_len,
-            }
-            _save_model_dir(model, tokenizer, model_dir, meta)
-        models[name] = {k: v for k, v in meta.items() if k not in ("key", "files")}
+    streams = _token_streams(corpus_dir, tok_key, tokenizer)
+    models = {name: _model(out / name, name, cfg, tok_key, tokenizer, streams, progress)
+              for name in ("target", "draft")}
 
     prompts = make_prompts(corpus_dir, 100, cfg.seed)
-    _write_atomic(out / "prompts.jsonl", "".join(json.dumps(p) + "\n" for p in prompts))
+    write_text_atomic(out / "prompts.jsonl", "".join(json.dumps(p) + "\n" for p in prompts))
 
     result = {
         "settings": settings,
@@ -571,8 +504,59 @@ def _build(out, cfg: TestbedConfig | None, progress: bool, force: bool) -> dict:
         "torch": torch.__version__,
         "python": sys.version.split()[0],
     }
-    _write_json(out / "testbed.json", result)
+    write_json_atomic(out / "testbed.json", result)
     return result
+
+
+def _corpus(corpus_dir: Path, cfg: TestbedConfig) -> dict:
+    """The corpus marker's contents, the corpus built first unless it is there for these settings."""
+    corpus_key = _key([cfg.val_fraction, cfg.max_files, str(stdlib_dir())])
+    corpus_meta = _read_json(corpus_dir / CORPUS_MARKER)
+    if not isinstance(corpus_meta, dict) or corpus_meta.get("key") != corpus_key:
+        corpus_dir.mkdir(exist_ok=True)
+        # Marked as ours before anything is written into it, so a killed build is resumed, not refused.
+        write_json_atomic(corpus_dir / CORPUS_MARKER, {"key": None})
+        corpus_meta = {"key": corpus_key, **build_corpus(corpus_dir, cfg)}
+        write_json_atomic(corpus_dir / CORPUS_MARKER, corpus_meta)
+        _remove_streams(corpus_dir)
+    return corpus_meta
+
+
+def _token_streams(corpus_dir: Path, tok_key: str, tokenizer) -> dict[str, np.ndarray]:
+    """Both splits as token streams, tokenized once per tokenizer and cached in the corpus directory."""
+    streams = {}
+    for split in ("train", "validation"):
+        path = corpus_dir / f"{split}.{tok_key}.npy"
+        if not path.exists():
+            arr = tokenize_split(corpus_dir, split, tokenizer)
+            with atomic_file(path, "wb") as f:
+                np.save(f, arr)
+        streams[split] = np.load(path)
+    return streams
+
+
+def _model(model_dir: Path, name: str, cfg: TestbedConfig, tok_key: str, tokenizer, streams: dict,
+           progress: bool) -> dict:
+    """The record of the target or the draft (``name``) in ``testbed.json``, the model trained, evaluated and saved
+    first unless ``model_dir`` holds it for these settings."""
+    spec: ModelSpec = getattr(cfg, name)
+    model_key = _key([tok_key, dataclasses.asdict(spec), cfg.seed, cfg.eval_tokens])
+    meta = _read_json(model_dir / MARKER)
+    if not isinstance(meta, dict) or meta.get("key") != model_key:
+        model, record = train_model(name, spec, tokenizer, streams["train"], cfg.seed, progress=progress)
+        val_loss = evaluate_loss(model, streams["validation"], spec.seq_len, cfg.eval_tokens)
+        meta = {
+            "key": model_key,
+            "architecture": "LlamaForCausalLM",
+            "spec": dataclasses.asdict(spec),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            **record,
+            "validation_loss": round(val_loss, 4),
+            "validation_perplexity": round(math.exp(val_loss), 2),
+            "validation_tokens": min(len(streams["validation"]) - 1, cfg.eval_tokens) // spec.seq_len * spec.seq_len,
+        }
+        _save_model_dir(model, tokenizer, model_dir, meta)
+    return {k: v for k, v in meta.items() if k not in ("key", "files")}
 
 
 def _remove_streams(corpus_dir: Path) -> None:

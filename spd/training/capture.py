@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..errors import SpdInputError, first_line
-from ..paths import write_json_atomic
+from ..files import atomic_path, temp_pattern, write_json_atomic
 from ..target.staging import TargetShape
 
 MANIFEST = "capture.json"
@@ -138,13 +138,7 @@ def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettin
 
     out = Path(out_dir).expanduser()
     num_layers, hidden_size = staged.num_layers, staged.config.hidden_size
-    bad = [a for a in settings.anchors if not 0 <= a <= num_layers]
-    if bad:
-        raise SpdInputError(f"anchors {bad} are not hidden-state indices of a {num_layers}-layer target (0..{num_layers})")
-    if settings.teacher not in TEACHERS:
-        raise SpdInputError(f"teacher must be one of {', '.join(TEACHERS)}, got '{settings.teacher}'")
-    if settings.teacher == "topk" and not 1 <= settings.topk < staged.vocab_size:
-        raise SpdInputError(f"topk must be in 1..{staged.vocab_size - 1} for the top-k teacher, got {settings.topk}")
+    _check_settings(settings, num_layers, staged.vocab_size)
     dtype = _DTYPES[settings.dtype]
     lengths = row_lengths(dataset)
     shards = plan_shards(lengths, settings.shard_tokens)
@@ -162,12 +156,14 @@ def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettin
             report(f"[capture] {out} is complete: {manifest['rows']} rows, {manifest['tokens']} tokens")
             return manifest
         report(f"[capture] resuming {out}: {len(manifest['shards'])} of {len(shards)} shards done")
+        _remove_leftovers(out)
         # What the remaining shards take must fit too (the disk may have filled since the capture began).
         done = sum(s.get("tokens", 0) for s in manifest["shards"] if isinstance(s, dict))
         _check_free(out, max(0, total_tokens - done) * bytes_per_token(settings, hidden_size, num_layers),
                     "the rest of the capture")
     else:
         out.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(out)
         free = shutil.disk_usage(out).free
         report(f"[capture] {len(lengths)} rows, {total_tokens} tokens, {len(shards)} shards, states {states} in "
                f"{settings.dtype}, teacher {settings.teacher}: needs {need / 2**30:.2f} GiB on disk "
@@ -175,8 +171,8 @@ def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettin
         _check_free(out, need, "the capture")
         teacher = {"norm_scale": staged.norm_scale().to(dtype).contiguous(),
                    "lm_head": staged.lm_head.weight.detach().to(dtype).contiguous()}
-        save_file(teacher, str(out / (TEACHER_FILE + ".tmp")))
-        os.replace(out / (TEACHER_FILE + ".tmp"), out / TEACHER_FILE)
+        with atomic_path(out / TEACHER_FILE) as tmp:
+            save_file(teacher, str(tmp))
         if tokens is not None:
             write_json_atomic(out / TOKENS_FILE, tokens)
         config = staged.config.to_dict()
@@ -189,41 +185,71 @@ def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettin
 
     for index in range(len(manifest["shards"]), len(shards)):
         start, end = shards[index]
-        part = dataset.select(range(start, end))  # one shard's rows in Python at a time
-        ids_all, mask_all = part["input_ids"], part["loss_mask"]
-        tensors: dict[str, list[torch.Tensor]] = {}
-        for lo, hi in _batches(lengths, start, end, settings.batch_tokens):
-            rows = ids_all[lo - start:hi - start]
-            width = max(lengths[lo:hi])
-            ids_BN = torch.full((hi - lo, width), pad_id, dtype=torch.long)
-            for b, row in enumerate(rows):
-                ids_BN[b, :len(row)] = torch.tensor(row)
-            hidden = staged.hidden_states(ids_BN.to(staged.device), states)
-            if settings.teacher == "topk":
-                logp_BNV = torch.log_softmax(staged.logits(hidden[num_layers]).float(), dim=-1)
-                top = logp_BNV.topk(settings.topk, dim=-1)
-            for b, row in enumerate(rows):
-                n = len(row)
-                for a in states:
-                    tensors.setdefault(f"hidden.{a}", []).append(hidden[a][b, :n].to("cpu", dtype))
-                if settings.teacher == "topk":
-                    tensors.setdefault("topk_ids", []).append(top.indices[b, :n].to("cpu", torch.int32))
-                    tensors.setdefault("topk_logprobs", []).append(top.values[b, :n].cpu())
-        lens = lengths[start:end]
-        shard = {name: torch.cat(parts).contiguous() for name, parts in tensors.items()}
-        shard["input_ids"] = torch.tensor([t for row in ids_all for t in row], dtype=torch.int32)
-        shard["loss_mask"] = torch.tensor([m for row in mask_all for m in row], dtype=torch.uint8)
-        shard["offsets"] = torch.tensor([0, *accumulate(lens)], dtype=torch.int64)
+        shard = _shard_tensors(staged, dataset.select(range(start, end)), lengths, start, end, settings, states,
+                               pad_id, dtype)
         name = f"shard-{index:05d}.safetensors"
-        save_file(shard, str(out / (name + ".tmp")))
-        os.replace(out / (name + ".tmp"), out / name)  # a shard exists only once it is whole
-        manifest["shards"].append({"file": name, "rows": end - start, "tokens": sum(lens)})
+        with atomic_path(out / name) as tmp:  # a shard exists only once it is whole
+            save_file(shard, str(tmp))
+        manifest["shards"].append({"file": name, "rows": end - start, "tokens": sum(lengths[start:end])})
         write_json_atomic(manifest_path, manifest)
         report(f"[capture] shard {index + 1}/{len(shards)}: rows {start}..{end - 1}")
     manifest["complete"] = True
     write_json_atomic(manifest_path, manifest)
     report(f"[capture] done: {out} ({sum(p.stat().st_size for p in out.iterdir()) / 2**30:.2f} GiB)")
     return manifest
+
+
+def _check_settings(settings: CaptureSettings, num_layers: int, vocab_size: int) -> None:
+    """Refuse (one sentence) anchors, a teacher or a k the target cannot give."""
+    bad = [a for a in settings.anchors if not 0 <= a <= num_layers]
+    if bad:
+        raise SpdInputError(f"anchors {bad} are not hidden-state indices of a {num_layers}-layer target (0..{num_layers})")
+    if settings.teacher not in TEACHERS:
+        raise SpdInputError(f"teacher must be one of {', '.join(TEACHERS)}, got '{settings.teacher}'")
+    if settings.teacher == "topk" and not 1 <= settings.topk < vocab_size:
+        raise SpdInputError(f"topk must be in 1..{vocab_size - 1} for the top-k teacher, got {settings.topk}")
+
+
+def _shard_tensors(staged, part, lengths: list[int], start: int, end: int, settings: CaptureSettings,
+                   states: list[int], pad_id: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors of the shard of rows ``[start, end)`` (``part``, those rows of the dataset): the target run over
+    them in batches that never cross the shard, its states (and top-k teacher) concatenated row after row."""
+    ids_all, mask_all = part["input_ids"], part["loss_mask"]  # one shard's rows in Python at a time
+    tensors: dict[str, list[torch.Tensor]] = {}
+    for lo, hi in _batches(lengths, start, end, settings.batch_tokens):
+        rows = ids_all[lo - start:hi - start]
+        width = max(lengths[lo:hi])
+        ids_BN = torch.full((hi - lo, width), pad_id, dtype=torch.long)
+        for b, row in enumerate(rows):
+            ids_BN[b, :len(row)] = torch.tensor(row)
+        hidden = staged.hidden_states(ids_BN.to(staged.device), states)
+        if settings.teacher == "topk":
+            logp_BNV = torch.log_softmax(staged.logits(hidden[staged.num_layers]).float(), dim=-1)
+            top = logp_BNV.topk(settings.topk, dim=-1)
+        for b, row in enumerate(rows):
+            n = len(row)
+            for a in states:
+                tensors.setdefault(f"hidden.{a}", []).append(hidden[a][b, :n].to("cpu", dtype))
+            if settings.teacher == "topk":
+                tensors.setdefault("topk_ids", []).append(top.indices[b, :n].to("cpu", torch.int32))
+                tensors.setdefault("topk_logprobs", []).append(top.values[b, :n].cpu())
+    shard = {name: torch.cat(parts).contiguous() for name, parts in tensors.items()}
+    shard["input_ids"] = torch.tensor([t for row in ids_all for t in row], dtype=torch.int32)
+    shard["loss_mask"] = torch.tensor([m for row in mask_all for m in row], dtype=torch.uint8)
+    shard["offsets"] = torch.tensor([0, *accumulate(lengths[start:end])], dtype=torch.int64)
+    return shard
+
+
+# The capture's own files; what a killed capture left of them is removed when it resumes: atomic_path's
+# temporaries, and the fixed <name>.tmp names earlier versions wrote to.
+_OWN_FILES = r"shard-\d{5}\.safetensors|teacher\.safetensors|tokens\.json|capture\.json"
+_LEFTOVERS = (temp_pattern(_OWN_FILES), re.compile(rf"(?:{_OWN_FILES})\.tmp"))
+
+
+def _remove_leftovers(out: Path) -> None:
+    for path in out.iterdir():
+        if any(p.fullmatch(path.name) for p in _LEFTOVERS) and path.is_file() and not path.is_symlink():
+            path.unlink(missing_ok=True)
 
 
 def _check_free(out: Path, need: int, what: str) -> None:

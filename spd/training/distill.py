@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import SpdInputError, first_line
-from ..files import fsync_path, fsync_tree
+from ..files import replace_dir, temp_dir_beside
 from ..paths import default_cache_dir, default_testbed_dir
 from ..heads.config import SpeculatorConfig, default_anchors
 from ..heads.speculator import Speculator
@@ -473,33 +473,21 @@ def evaluate(head: Speculator, staged: StagedModel, batches: list[dict], tau: fl
 # ----------------------------------------------------------------------------------------- checkpoints
 
 
-def replace_dir(tmp: Path, final: Path, tag: str) -> None:
-    """Put the complete directory ``tmp`` in place as ``final``: fsynced, renamed, the old ``final`` removed last.
-
-    A directory cannot be renamed over a non-empty one, so an existing ``final`` is first renamed aside to
-    ``<final>.<tag>.old`` (still whole: :func:`list_checkpoints` falls back to it if the process dies before the
-    new one is in), and removed only once the new one is in place and its parent directory synced.
-    """
-    fsync_tree(tmp)
-    aside = final.with_name(f"{final.name}.{tag}.old")
-    if final.exists():
-        os.rename(final, aside)
-    os.rename(tmp, final)
-    fsync_path(final.parent)
-    if aside.exists():
-        shutil.rmtree(aside)
+def _aside(final: Path, tag: str) -> Path:
+    """Where :func:`spd.files.replace_dir` moves an older ``final`` while the new one is renamed in: still whole
+    there, :func:`list_checkpoints` falls back to it if the process dies before the new one is in."""
+    return final.with_name(f"{final.name}.{tag}.old")
 
 
 def save_head_atomic(head: Speculator, out_dir: str | Path) -> None:
-    """``save_pretrained`` into a unique temporary directory, then :func:`replace_dir`: never half a head."""
-    import tempfile
-
+    """``save_pretrained`` into a unique temporary directory, then :func:`spd.files.replace_dir`: never half a
+    head."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    tmp = temp_dir_beside(out_dir)
     try:
         head.save_pretrained(tmp, safe_serialization=True)
-        replace_dir(tmp, out_dir, tmp.name.split(".")[-2])
+        replace_dir(tmp, out_dir, _aside(out_dir, tmp.name.split(".")[-2]))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -541,9 +529,10 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def commit_checkpoint(tmp: Path, final: Path, keep: int, tag: str) -> None:
-    """Put a complete checkpoint ``tmp`` in place as ``final`` (:func:`replace_dir`), then drop all but the newest
-    ``keep`` (each renamed first, so a half-deleted one is never taken for a checkpoint)."""
-    replace_dir(tmp, final, tag)
+    """Put a complete checkpoint ``tmp`` in place as ``final`` (:func:`spd.files.replace_dir`, an older ``final``
+    moved aside to ``<final>.<tag>.old`` meanwhile), then drop all but the newest ``keep`` (each renamed first, so a
+    half-deleted one is never taken for a checkpoint)."""
+    replace_dir(tmp, final, _aside(final, tag))
     for old in list_checkpoints(final.parent.parent)[:-keep]:
         gone = old.with_name(f"{old.name.split('.')[0]}.{tag}.del.tmp")
         os.rename(old, gone)

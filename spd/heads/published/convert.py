@@ -19,11 +19,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from ...errors import SpdInputError, first_line
-from ...files import fsync_path
+from ...files import atomic_file, fsync_path, rename_dir, replace_dir, replace_file, temp_dir_beside
 from .authors_file import DIR_MODEL_TYPE, load_authors_file, read_directory
 
 DIR_FILES = ("config.json", "model.safetensors")  # everything to_directory writes, and all a directory of ours holds
@@ -69,12 +68,19 @@ def check_output_file(out_file: str | Path, force: bool = False) -> None:
 
 def _temp_dir_beside(out: Path) -> Path:
     """A new, uniquely named directory in ``out``'s parent (same file system: the final renames are atomic)."""
-    parent = out.resolve().parent
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{out.resolve().name}.", suffix=".tmp", dir=parent))
+        out.resolve().parent.mkdir(parents=True, exist_ok=True)
+        return temp_dir_beside(out.resolve())
     except OSError as exc:
         raise SpdInputError(f"cannot write beside '{out}' ({first_line(exc)})") from None
+
+
+def _remove_converted(old: Path) -> None:
+    """Remove a directory :func:`to_directory` wrote: its two files, then the directory (an OSError if it holds
+    anything else by now)."""
+    for name in DIR_FILES:
+        (old / name).unlink(missing_ok=True)
+    old.rmdir()
 
 
 def to_directory(source: str, out_dir: str | Path, revision: str | None = None, force: bool = False) -> Path:
@@ -85,7 +91,6 @@ def to_directory(source: str, out_dir: str | Path, revision: str | None = None, 
     checkpoint = load_authors_file(source, revision)
     out = Path(out_dir).expanduser()
     tmp = _temp_dir_beside(out)
-    aside = tmp.with_name(tmp.name + ".old")
     try:
         tensors = {k: v.contiguous() for k, v in checkpoint.state_dict.items()}
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
@@ -97,55 +102,43 @@ def to_directory(source: str, out_dir: str | Path, revision: str | None = None, 
         # Checked again now that the (slow) work is done: what was there then may have changed.
         how = check_output_directory(out_dir, force)
         if how == "new":
-            os.rename(tmp, out)  # fails rather than replaces if something appeared at out meanwhile
+            rename_dir(tmp, out)  # fails rather than replaces if something appeared at out meanwhile
         elif how == "ours" and not out.is_symlink():
             # Swap whole directories, so a reader sees the old head or the new one, never a mix; the old one
-            # held only our two files (checked above).
-            os.rename(out, aside)
-            os.rename(tmp, out)
-            for name in DIR_FILES:
-                (aside / name).unlink(missing_ok=True)
-            aside.rmdir()
+            # held only our two files (checked above), and goes back in place if the swap fails.
+            replace_dir(tmp, out, discard=_remove_converted)
         else:  # an empty directory, or --force: our files replace their namesakes, nothing else is removed
             for name in DIR_FILES:
-                os.replace(tmp / name, out / name)
+                replace_file(tmp / name, out / name)
             tmp.rmdir()
-        fsync_path(out.resolve().parent)
     except OSError as exc:
         raise SpdInputError(f"could not write '{out_dir}' ({first_line(exc)})") from None
     finally:
-        if aside.is_dir() and not out.exists():  # failed mid-swap: the old head goes back where it was
-            os.rename(aside, out)
         if tmp.exists():  # a failure on the way: the temporary directory is ours alone
             shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
 def _save_file_atomic(obj, out_file: str | Path, force: bool) -> Path:
-    """``torch.save`` to a unique temporary file beside ``out_file``, fsync, rename over it; cleaned up on failure."""
+    """``torch.save`` to a unique temporary file beside ``out_file``, fsync, rename over it
+    (:func:`spd.files.atomic_file`); cleaned up on failure."""
     import torch
 
     check_output_file(out_file, force)
     out = Path(out_file).expanduser()
-    parent = out.resolve().parent
+    writing = False
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=parent)
-    except OSError as exc:
-        raise SpdInputError(f"cannot write beside '{out_file}' ({first_line(exc)})") from None
-    tmp = Path(name)
-    try:
-        with os.fdopen(fd, "wb") as f:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(out, "wb") as f:
+            writing = True
             torch.save(obj, f)
             f.flush()
-            os.fsync(f.fileno())
-        check_output_file(out_file, force)
-        os.replace(tmp, out)
-        fsync_path(parent)
+            os.fsync(f.fileno())  # the slow part done before the check, not between the check and the rename
+            check_output_file(out_file, force)
     except OSError as exc:
+        if not writing:
+            raise SpdInputError(f"cannot write beside '{out_file}' ({first_line(exc)})") from None
         raise SpdInputError(f"could not write '{out_file}' ({first_line(exc)})") from None
-    finally:
-        tmp.unlink(missing_ok=True)
     return out
 
 
