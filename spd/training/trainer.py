@@ -1,0 +1,390 @@
+"""The distillation trainer: a head learns from a frozen target under ``accelerate`` (DDP, DeepSpeed ZeRO-2 or FSDP2,
+on GPUs or CPU), online (the target runs inside each step) or from an offline capture (docs/training.md).
+
+:func:`train` runs one :class:`DistillConfig` to its end: checkpoints in ``<output_dir>/checkpoints/step-N`` (written
+under a temporary name, synced and renamed into place; ``resume`` continues the newest one exactly: weights,
+optimizer, scheduler, data position, RNG), the head in ``<output_dir>/final`` and ``summary.json``. The program is
+:mod:`spd.cli.distill` (``accelerate launch train/distill.py`` or ``accelerate launch -m spd.cli.distill``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import math
+import pickle
+import time
+import uuid
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from ..errors import SpdInputError, first_line
+from .distill import (DistillConfig, clean_checkpoints, commit_checkpoint, distill_step, evaluate, latest_checkpoint,
+                      new_head, save_head_atomic, scale_fc_init, teacher_anchors, teacher_pass, to_device,
+                      training_fills)
+
+
+def lr_lambda(step: int, warmup: int, total: int) -> float:
+    """Linear warmup, then linear decay to zero at ``total`` (the paper's schedule)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def _import_any(*modules: str) -> bool:
+    for name in modules:
+        try:
+            importlib.import_module(name)
+            return True
+        except ImportError:
+            pass
+    return False
+
+
+def check_trackers(cfg) -> list[str]:
+    """The accelerate trackers ``cfg`` asks for, after checking that their packages import (one clear error if not)."""
+    if cfg.wandb and cfg.wandb_mode not in ("offline", "online", "disabled"):
+        raise SpdInputError(f"wandb_mode must be offline, online or disabled, got '{cfg.wandb_mode}'")
+    if cfg.wandb and not _import_any("wandb"):
+        raise SpdInputError("wandb=true needs the wandb package (pip install wandb, or pip install 'spd[train]')")
+    # accelerate's TensorBoard tracker writes with torch.utils.tensorboard (needs tensorboard) or tensorboardX
+    if cfg.tensorboard and not _import_any("torch.utils.tensorboard", "tensorboardX"):
+        raise SpdInputError("tensorboard=true needs the tensorboard package (pip install tensorboard)")
+    return [name for name, on in (("wandb", cfg.wandb), ("tensorboard", cfg.tensorboard)) if on]
+
+
+def load_target_and_data(cfg, accelerator):
+    """The frozen target and the rows: (target, train rows, eval rows or None, collate_fn, token_strings).
+
+    ``token_strings(ids)`` gives the target tokenizer's strings of ``ids`` (None if unknown), read only when
+    a draft vocabulary needs them.
+
+    Online: the target (bf16 on GPU, fp32 on CPU; only its forward runs, under no_grad) and prepared datasets.
+    Offline (``data`` is a capture, data/capture.py): the capture's rows and a stand-in for the target
+    holding its config, final norm and LM head; no target layers are loaded.
+    """
+    from datasets import concatenate_datasets
+
+    from ..data.prepare import DataConfig, prepare_dataset
+    from ..target.staging import StagedModel, load_tokenizer
+    from .capture import CapturedDataset, CapturedTarget, collate_captured, is_capture
+    from .distill import collate
+
+    stages = {"n_stages": None if cfg.boundaries else cfg.n_stages, "boundaries": cfg.boundaries}
+    sources = cfg.data if isinstance(cfg.data, list) else [cfg.data]
+    if len(sources) > 1 and any(is_capture(s) for s in sources):
+        raise SpdInputError(f"a mixture of datasets is prepared online; a capture cannot be one of them, got {sources}")
+    if len(sources) == 1 and is_capture(sources[0]):
+        target = CapturedTarget(sources[0], device=accelerator.device, **stages)
+        train_ds = CapturedDataset(sources[0])
+        eval_ds = None
+        if cfg.eval_data:
+            if not is_capture(cfg.eval_data):
+                raise SpdInputError(f"data is a capture, so eval_data must be one too (data/capture.py over the "
+                                    f"held-out rows), got '{cfg.eval_data}'; or pass eval_data=none")
+            eval_ds = CapturedDataset(cfg.eval_data)
+            if eval_ds.manifest["target_config"] != train_ds.manifest["target_config"]:
+                raise SpdInputError(f"the captures '{cfg.data}' and '{cfg.eval_data}' come from different targets")
+        if train_ds.teacher == "topk" and cfg.tau != 1:
+            raise SpdInputError(f"a top-k capture holds the teacher at temperature 1; train it with tau=1, got {cfg.tau}")
+        if train_ds.teacher == "topk" and cfg.draft_vocab_size:
+            raise SpdInputError("draft_vocab_size needs the full teacher (the target's distribution restricted to the "
+                                "draft tokens); capture with --teacher full")
+        pad_id = train_ds.manifest["pad_id"]
+        return target, train_ds, eval_ds, partial(collate_captured, pad_id=pad_id), target.token_strings
+    on_gpu = torch.cuda.is_available()
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.target_dtype,
+                                                                     torch.bfloat16 if on_gpu else torch.float32)
+    staged = StagedModel.from_pretrained(cfg.target, revision=cfg.target_revision, device=accelerator.device,
+                                         dtype=dtype, **stages)
+    staged.requires_grad_(False)
+    tokenizer = load_tokenizer(cfg.target, revision=cfg.target_revision)
+    data_cfg = DataConfig(max_length=cfg.max_length, overflow=cfg.overflow, revision=cfg.data_revision)
+    with accelerator.main_process_first():
+        parts = [prepare_dataset(source, tokenizer, data_cfg, cfg.cache_dir, report=accelerator.print)
+                 for source in sources]
+        train_ds = parts[0] if len(parts) == 1 else concatenate_datasets(parts)  # shuffled by the loader
+        eval_ds = (prepare_dataset(cfg.eval_data, tokenizer, data_cfg, cfg.cache_dir, report=accelerator.print)
+                   if cfg.eval_data else None)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return staged, train_ds, eval_ds, partial(collate, pad_id=pad_id), tokenizer.convert_ids_to_tokens
+
+
+def train(cfg: DistillConfig, resume: bool) -> dict:
+    """Distil a head as ``cfg`` says (``resume``: from the newest checkpoint); returns the last evaluation."""
+    log_with = check_trackers(cfg)  # before anything slow is loaded
+    return Trainer(cfg, resume, log_with).run()
+
+
+class Trainer:
+    """One training run (see :func:`train`): the accelerator, the target and data, the head and its optimizer, and
+    the position the run has reached (step, batches done, minutes before a resume)."""
+
+    def __init__(self, cfg: DistillConfig, resume: bool, log_with: list[str]):
+        from accelerate.utils import broadcast_object_list, set_seed
+
+        self.accelerator = self._accelerator(cfg, log_with)
+        self.main = self.accelerator.is_main_process
+        self.say = self.accelerator.print
+        set_seed(cfg.seed)
+        self.out = Path(cfg.output_dir)
+        if self.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+        # This run's temporary checkpoint names (one per run, the same on every process): never a name that a killed
+        # run, or another run in the same directory, may still hold.
+        self.tag = broadcast_object_list([uuid.uuid4().hex[:12] if self.main else None])[0]
+        self.cfg = self._load(cfg)
+        self._prepare()
+        self.step, self.batches_done, self.elapsed_before, self.t0 = 0, 0, 0.0, time.time()
+        self._resume(resume)
+        if log_with:
+            self._init_trackers()
+
+    @staticmethod
+    def _accelerator(cfg: DistillConfig, log_with: list[str]):
+        from accelerate import DataLoaderConfiguration
+        from accelerate.utils import ProjectConfiguration
+
+        from .backends import make_accelerator
+
+        on_gpu = torch.cuda.is_available()
+        mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if on_gpu else "no")
+        # DDP, DeepSpeed ZeRO-2 or FSDP2 as `accelerate launch` asked, on GPUs or CPU (spd/training/backends.py)
+        project = ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir) / "logs"))
+        return make_accelerator(cfg.max_grad_norm, gradient_accumulation_steps=cfg.grad_accum,
+                                mixed_precision=mixed, log_with=log_with or None, project_config=project,
+                                dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+
+    def _load(self, cfg: DistillConfig) -> DistillConfig:
+        """The target, the data and a head (new, or ``init_from``); returns the config with an offline capture's
+        target filled in."""
+        from .capture import CapturedDataset
+
+        self.staged, self.train_ds, eval_ds, self.collate_fn, token_strings = \
+            load_target_and_data(cfg, self.accelerator)
+        self.offline = isinstance(self.train_ds, CapturedDataset)
+        if self.offline:
+            cfg = dataclasses.replace(cfg, target=self.staged.settings["target"],
+                                      target_revision=self.staged.settings["target_revision"])
+        self.head = self._new_head(cfg, token_strings)
+        self.anchors = teacher_anchors(self.head, self.staged)
+        if self.offline:
+            missing = sorted(set(self.head.needed_anchors()) - set(self.train_ds.states))
+            if missing:
+                raise SpdInputError(f"the capture '{cfg.data}' stores hidden states {self.train_ds.states} but this "
+                                    f"head needs {missing} as well; capture with --stages {self.staged.n_stages} "
+                                    "(or --anchors)")
+        self.eval_batches = []
+        if eval_ds is not None:
+            rows = [eval_ds[i] for i in range(min(cfg.eval_rows, len(eval_ds)))]
+            self.eval_batches = [to_device(self.collate_fn(rows[i:i + cfg.batch_size]), self.accelerator.device)
+                                 for i in range(0, len(rows), cfg.batch_size)]
+        return cfg
+
+    def _new_head(self, cfg: DistillConfig, token_strings):
+        """``init_from``'s head, or a new one (over a draft vocabulary of the data's most frequent tokens if asked)."""
+        from ..heads.config import check_compatible
+        from ..heads.draft_vocab import check_draft_vocab, select_draft_vocab, token_counts, tokens_sha256
+        from ..heads.speculator import Speculator
+
+        staged, train_ds = self.staged, self.train_ds
+        if cfg.init_from:
+            head = Speculator.from_pretrained(cfg.init_from, dtype=torch.float32).to(self.accelerator.device)
+            check_compatible(head.config, staged)
+            check_draft_vocab(head, staged.vocab_size)
+            return head
+        if not cfg.draft_vocab_size:
+            return new_head(staged, cfg).float()
+        rows = (train_ds.row_tokens() if self.offline else
+                (pair for batch in train_ds.iter(batch_size=4096) for pair in zip(batch["input_ids"], batch["loss_mask"])))
+        draft_ids = select_draft_vocab(token_counts(rows, staged.vocab_size), cfg.draft_vocab_size)
+        strings = token_strings(draft_ids.tolist())
+        sha = tokens_sha256(strings) if strings is not None and None not in strings else None
+        return new_head(staged, cfg, draft_ids, sha).float()
+
+    def _prepare(self) -> None:
+        """The FC scaling (``fc_init=scaled``), the loader, the optimizer and the schedule, under the accelerator."""
+        from torch.utils.data import DataLoader
+
+
+        cfg, accelerator = self.cfg, self.accelerator
+        loader = DataLoader(self.train_ds, batch_size=cfg.batch_size, shuffle=True, collate_fn=self.collate_fn,
+                            generator=torch.Generator().manual_seed(cfg.seed))
+        if cfg.fc_init == "scaled" and not cfg.init_from:
+            # Statistics from the first rows of the training set (the same on every process).
+            rows = [self.train_ds[i] for i in range(min(cfg.batch_size, len(self.train_ds)))]
+            first = to_device(self.collate_fn(rows), accelerator.device)
+            hidden = teacher_pass(self.staged, self.head.needed_anchors(), first)
+            scale_fc_init(self.head, {a: float(h[first["valid"]].float().pow(2).mean().sqrt())
+                                      for a, h in hidden.items()})
+        optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.head, self.optimizer, self.loader = accelerator.prepare(self.head, optimizer, loader)
+        self.batches_per_epoch = len(self.loader)
+        steps_per_epoch = max(1, self.batches_per_epoch // cfg.grad_accum)
+        self.total_steps = cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, partial(lr_lambda, warmup=cfg.warmup_steps, total=self.total_steps))
+        accelerator.register_for_checkpointing(self.scheduler)
+        # Fills are drawn from a generator of their own (per process), saved with every checkpoint.
+        self.fill_gen = torch.Generator().manual_seed(cfg.seed * 1000 + accelerator.process_index)
+
+    def _resume(self, resume: bool) -> None:
+        """Continue the newest checkpoint exactly (``resume``), after removing what a killed run left."""
+
+        accelerator, out = self.accelerator, self.out
+        ckpt = latest_checkpoint(out) if resume else None
+        if self.main:
+            clean_checkpoints(out)  # what a killed run left (a step-N.T.old copy that is the newest checkpoint stays)
+        accelerator.wait_for_everyone()
+        if resume and ckpt is None:
+            self.say(f"[resume] no checkpoint in {out / 'checkpoints'}; starting from scratch")
+        if ckpt is None:
+            return
+        try:
+            accelerator.load_state(str(ckpt))
+            state = json.loads((ckpt / "trainer_state.json").read_text())
+            self.step, self.batches_done, self.elapsed_before = state["step"], state["batches_done"], state["elapsed_s"]
+            # weights_only: the RNG state is a tensor; a file holding anything else must not run code.
+            self.fill_gen.set_state(torch.load(ckpt / f"fill_rng_{accelerator.process_index}.pt", weights_only=True))
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+            raise SpdInputError(f"the checkpoint '{ckpt}' cannot be resumed ({type(exc).__name__}: "
+                                f"{first_line(exc)}); remove it to resume from the one before") from None
+        self.say(f"[resume] {ckpt.name}: step {self.step}, {self.batches_done} batches done")
+
+    def _init_trackers(self) -> None:
+        # TensorBoard writes to <output_dir>/logs/<wandb_project>, wandb to <output_dir>/wandb/<run>. TensorBoard's
+        # hparams take only scalars and strings, so lists (boundaries, anchors) go in as JSON.
+        cfg = self.cfg
+        hparams = {k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in dataclasses.asdict(cfg).items()}
+        init_kwargs = {"wandb": {"mode": cfg.wandb_mode, "dir": str(self.out)}} if cfg.wandb else {}
+        self.accelerator.init_trackers(cfg.wandb_project, config=hparams, init_kwargs=init_kwargs)
+
+    def elapsed_s(self) -> float:
+        """Training seconds so far, over every resume."""
+        return self.elapsed_before + time.time() - self.t0
+
+    # ---------------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> None:
+        from ..files import write_json_atomic
+        from .backends import plain_head
+
+        accelerator = self.accelerator
+        final = self.out / "checkpoints" / f"step-{self.step}"
+        tmp = final.with_name(f"{final.name}.{self.tag}.tmp")
+        accelerator.save_state(str(tmp))
+        torch.save(self.fill_gen.get_state(), tmp / f"fill_rng_{accelerator.process_index}.pt")
+        accelerator.wait_for_everyone()
+        whole = plain_head(accelerator, self.head)  # every process: under FSDP this gathers the shards
+        if self.main:
+            save_head_atomic(whole, tmp / "head")
+            write_json_atomic(tmp / "trainer_state.json",
+                              {"step": self.step, "batches_done": self.batches_done, "elapsed_s": self.elapsed_s()})
+            # Synced, then renamed over an older step-N (moved aside first, removed last): a checkpoint exists only
+            # once it is complete, and a kill at any point leaves the newest complete one loadable.
+            commit_checkpoint(tmp, final, self.cfg.keep_checkpoints, self.tag)
+        accelerator.wait_for_everyone()
+
+    def run_eval(self) -> dict:
+        cfg = self.cfg
+        metrics = evaluate(self.accelerator.unwrap_model(self.head), self.staged, self.eval_batches, cfg.tau,
+                           cfg.kd_chunk)
+        full, length = ("first draft", "L_acc (sd)") if cfg.variant == "eagle" else ("full pipeline", "L'_acc")
+        self.say(f"[eval] step {self.step}: kd_loss {metrics['kd_loss']:.4f}, top-1 ({full}) "
+                 f"{metrics['top1_full']:.4f}, by fill {metrics['top1_by_fill']}, {length} est "
+                 f"{metrics['L_acc_est']:.3f}")
+        logs = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, float)}
+        logs.update({f"eval/top1_fill{fill}": v for fill, v in metrics["top1_by_fill"].items()})
+        self.accelerator.log(logs, step=self.step)
+        return metrics
+
+    # ------------------------------------------------------------------------------------ the loop
+    def run(self) -> dict:
+        """Train to ``total_steps`` (or ``max_minutes``), then save, evaluate and write the head and summary."""
+        from tqdm.auto import tqdm
+
+        self.t0 = time.time()
+        self.head.train()
+        self.bar = tqdm(total=self.total_steps, initial=self.step, desc="distill", unit="step", disable=not self.main)
+        self.window = [0.0, 0, 0]  # KD loss, agreeing positions, positions since the last log line
+        stop = self.step >= self.total_steps
+        while not stop:
+            stop = self.epoch()
+        self.bar.close()
+        return self.finish((self.elapsed_s()) / 60)  # training steps only (no final save, no final eval)
+
+    def epoch(self) -> bool:
+        """The rest of the current epoch (from the batch a resume stopped at); True when the run is done."""
+        from .kd import sample_fills
+
+        cfg, accelerator, head = self.cfg, self.accelerator, self.head
+        max_fill, p_full = training_fills(cfg)
+        epoch, skip = divmod(self.batches_done, self.batches_per_epoch)
+        self.loader.set_epoch(epoch)
+        active = accelerator.skip_first_batches(self.loader, skip) if skip else self.loader
+        for batch in active:
+            with accelerator.accumulate(head):
+                hidden = teacher_pass(self.staged, self.anchors, batch)
+                fill_B = sample_fills(batch["input_ids"].shape[0], max_fill, self.fill_gen, p_full)
+                loss, result = distill_step(head, self.staged, hidden, batch, fill_B.to(accelerator.device),
+                                            cfg.tau, cfg.kd_chunk)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(head.parameters(), cfg.max_grad_norm)
+                self.optimizer.step()  # a no-op on accumulation micro-steps (accelerate's optimizer wrapper)
+                if accelerator.sync_gradients:
+                    self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            self.batches_done += 1
+            self.window[0] += float(result.loss_sum.detach())
+            self.window[1] += result.agree
+            self.window[2] += result.count
+            if accelerator.sync_gradients and self.after_step():
+                return True
+        return False
+
+    def after_step(self) -> bool:
+        """An optimizer step is done: log, evaluate and checkpoint as configured; True when the run is done."""
+        cfg = self.cfg
+        self.step += 1
+        self.bar.update(1)
+        loss, agree, count = self.window
+        if self.step % cfg.log_every == 0 and count:
+            logs = {"train/kd_loss": loss / count, "train/top1": agree / count,
+                    "train/lr": self.scheduler.get_last_lr()[0]}
+            self.bar.set_postfix(loss=f"{logs['train/kd_loss']:.3f}", top1=f"{logs['train/top1']:.3f}")
+            self.accelerator.log(logs, step=self.step)
+            self.window = [0.0, 0, 0]
+        if self.eval_batches and cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total_steps:
+            self.run_eval()
+        timed_out = cfg.max_minutes is not None and self.elapsed_s() > cfg.max_minutes * 60
+        if self.step >= self.total_steps or timed_out:
+            return True
+        if cfg.save_every and self.step % cfg.save_every == 0:
+            self.save_checkpoint()
+        return False
+
+    def finish(self, loop_minutes: float) -> dict:
+        """The last checkpoint, the final evaluation, the head in ``final`` and ``summary.json``."""
+        from ..files import write_json_atomic
+        from .backends import plain_head
+
+        accelerator, out = self.accelerator, self.out
+        self.save_checkpoint()
+        metrics = self.run_eval() if self.eval_batches else {}
+        whole = plain_head(accelerator, self.head)
+        if self.main:
+            save_head_atomic(whole, out / "final")
+            summary = {"step": self.step, "total_steps": self.total_steps, "train_minutes": self.elapsed_s() / 60,
+                       "loop_minutes": loop_minutes, "processes": accelerator.num_processes,
+                       "config": dataclasses.asdict(self.cfg), "eval": metrics}
+            write_json_atomic(out / "summary.json", summary)
+            self.say(f"[done] head written to {out / 'final'}")
+        # No process tears down the process group (end_training) while another still works in it: under gloo a peer
+        # that closes its connections early can abort one still in (or entering) a collective.
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
+        return metrics
+
