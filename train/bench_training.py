@@ -8,7 +8,7 @@ then trains one head per setting from the same seed and measures
 
 - head-training throughput (training-loop tokens/s, from the trainer's own timing: the target forward is
   inside the loop online, absent offline),
-- L'_acc of every head, measured by decoding ``--num-prompts`` testbed prompts at T = 0 (infer/bench.py, all
+- L'_acc of every head, measured by decoding ``--num-prompts`` testbed prompts at T = 0 (bench/bench.py, all
   heads side by side, each checked token for token against ar),
 
 and, separately, the LM head's cost at a Qwen-sized vocabulary: KD forward + backward over a chunk of
@@ -113,7 +113,7 @@ def train_runs(args, work: Path) -> dict:
                          "tokens_per_s": rows_seen * tokens / rows / seconds,  # mean row length x rows / time
                          "L_acc_est": summary["eval"].get("L_acc_est"), "top1_full": summary["eval"].get("top1_full")}
     bench_out = work / "bench.json"
-    _run("infer/bench.py", "--target", str(tb / "target"), "--prompts", str(tb / "prompts.jsonl"),
+    _run("bench/bench.py", "--target", str(tb / "target"), "--prompts", str(tb / "prompts.jsonl"),
          "--num-prompts", str(args.num_prompts), "--run", "ar",
          *[x for name in runs for x in ("--run", f"{name}=spd:{results[name]['head']}")], "--out", str(bench_out))
     measured = json.loads(bench_out.read_text())["results"]["T=0"]

@@ -1,6 +1,6 @@
 """Benchmark the staged AR decoder against Hugging Face ``model.generate`` (greedy), side by side.
 
-    python infer/bench_ar.py --target testbed/target --prompts testbed/prompts.jsonl --num-prompts 20
+    python bench/bench_ar.py --target testbed/target --prompts testbed/prompts.jsonl --num-prompts 20
 
 Both decoders run on every prompt in alternating order (so machine noise hits both alike); the table
 shows tokens/s of each, the speed ratio, and whether the tokens are identical. JSON goes to --out.

@@ -20,9 +20,9 @@ with a hit every step (prune to the first child of the root, a new level of ``W`
 reports per level the stage's time, the part spent gathering and storing node states (the linear-state calls,
 timed inside), and the state memory per node and for a full tree of ``n W + 1`` nodes.
 
-    python infer/bench_linear_state.py                      # Qwen3.5-4B widths
-    python infer/bench_linear_state.py --hidden 1024 --rounds 7
-    python infer/bench_linear_state.py --tree-widths 1 4 8  # per-node state in token trees
+    python bench/bench_linear_state.py                      # Qwen3.5-4B widths
+    python bench/bench_linear_state.py --hidden 1024 --rounds 7
+    python bench/bench_linear_state.py --tree-widths 1 4 8  # per-node state in token trees
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Load benchmark of spd-serve: N requests from C concurrent clients, per configuration, side by side.
 
-    python infer/bench_serve.py --run spd:runs/quickstart-n4/final --run pp:4 --requests 50 --concurrency 8 \\
+    python bench/bench_serve.py --run spd:runs/quickstart-n4/final --run pp:4 --requests 50 --concurrency 8 \\
         --runtime distributed --emulate-stage-ms 20 --emulate-link-ms 1 --out docs/results/serve-load.json
 
 Each ``--run`` starts its own server (``spd:HEAD_DIR``: SPD with that head, n from the head; ``pp:N``: the

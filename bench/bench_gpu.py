@@ -1,8 +1,8 @@
 """Measure the decode step on a GPU at real sizes: where a step's time goes, and tree attention at long context.
 
-    python infer/bench_gpu.py --out gpu.json                       # a Qwen3-4B-shaped target, bf16, on cuda
-    python infer/bench_gpu.py --size tiny --device cpu --out t.json  # the same code on a small model (a check)
-    python infer/bench_gpu.py --target smollm2/target --speculator runs/smollm2-n4/final --parts decode \
+    python bench/bench_gpu.py --out gpu.json                       # a Qwen3-4B-shaped target, bf16, on cuda
+    python bench/bench_gpu.py --size tiny --device cpu --out t.json  # the same code on a small model (a check)
+    python bench/bench_gpu.py --target smollm2/target --speculator runs/smollm2-n4/final --parts decode \
         --prompt "Write a Python function that reverses a string." --out smollm2_gpu.json   # a real target
 
 The target is a Qwen3-4B-shaped model (the real transformers class: 36 layers, hidden 2560, 32 query and 8 KV

@@ -13,9 +13,9 @@ the table gives L'_acc = n N / K (the theoretical speedup) per run, and whether 
 Qwen3.5 / MoE targets, n = 4 and 8) as the token source of the chain (their schedule, ``--mode spd``) and of our
 tree at W = 1 and W = 4 (K = 4), on the fixtures' prompts (greedy continuations of the target), T = 0 and 1.
 
-    python infer/bench_hybrid_tree.py --out docs/results/hybrid-tree-vs-chain.json
-    python infer/bench_hybrid_tree.py --authors --out docs/results/authors-heads-tree.json
-    python infer/bench_hybrid_tree.py --target qwen3 --out docs/results/dense-tree-vs-chain.json   # the dense twin
+    python bench/bench_hybrid_tree.py --out docs/results/hybrid-tree-vs-chain.json
+    python bench/bench_hybrid_tree.py --authors --out docs/results/authors-heads-tree.json
+    python bench/bench_hybrid_tree.py --target qwen3 --out docs/results/dense-tree-vs-chain.json   # the dense twin
 """
 
 from __future__ import annotations

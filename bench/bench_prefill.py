@@ -1,6 +1,6 @@
-"""Prefill time against link bandwidth, across machines emulated on this one (root; infer/netns.py).
+"""Prefill time against link bandwidth, across machines emulated on this one (root; bench/netns.py).
 
-    sudo .venv/bin/python infer/bench_prefill.py --target testbed/target --lengths 256 1024 2048 \\
+    sudo .venv/bin/python bench/bench_prefill.py --target testbed/target --lengths 256 1024 2048 \\
         --rates none 1gbit 100mbit --out docs/results/bench_prefill_links.json
 
 Two hosts on one bridge: host 0 runs rank 0 and stage 1, host 1 the other stages (one ``torchrun`` each, as
@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from infer.netns import Lan, rate_bits, torchrun_command, unavailable  # noqa: E402
+from bench.netns import Lan, rate_bits, torchrun_command, unavailable  # noqa: E402
 from spd.paths import default_testbed_dir  # noqa: E402
 
 

@@ -1,10 +1,10 @@
 """Benchmark the distributed runtime: tokens/s of spd (or tree) vs pp (and ar on one process), measured vs theoretical.
 
-    python infer/bench_runtime.py --heads runs/testbed-n4/final runs/testbed-n8/final \\
+    python bench/bench_runtime.py --heads runs/testbed-n4/final runs/testbed-n8/final \\
         --emulate-stage-ms 20 --emulate-link-ms 1 --num-prompts 10 --out bench_runtime.json
-    python infer/bench_runtime.py --tree-width 4 --heads runs/testbed-n4/final \\
+    python bench/bench_runtime.py --tree-width 4 --heads runs/testbed-n4/final \\
         --emulate-stage-ms 20 --emulate-link-ms 1 --out bench_runtime_tree.json
-    python infer/bench_runtime.py --tree-width 4 --draft-model testbed/draft --stages 4 8 \\
+    python bench/bench_runtime.py --tree-width 4 --draft-model testbed/draft --stages 4 8 \\
         --emulate-stage-ms 20 --emulate-link-ms 1 --out bench_runtime_tree_draft.json
 
 For every head (its n sets the pipeline) one ``torchrun`` world of n + 1 processes runs the prompts in
@@ -40,7 +40,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=str(tb / "target"))
     p.add_argument("--prompts", default=str(tb / "prompts.jsonl"),
-                   help="a jsonl of prompts or a named set (humaneval-chat, ...: infer/bench.py --prompts); sets of "
+                   help="a jsonl of prompts or a named set (humaneval-chat, ...: bench/bench.py --prompts); sets of "
                         "user messages are rendered with the chat template")
     p.add_argument("--heads", nargs="+", default=[], help="speculation heads (one pipeline per head)")
     p.add_argument("--tree-width", type=int, default=None,
