@@ -1,7 +1,7 @@
 """Training-layout benchmark: the efficient path vs the dense (n+1)x reference, forward + backward of the head.
 
-    python train/bench_layout.py --threads 1 --out docs/results/bench_layout.json        # testbed size
-    python train/bench_layout.py --hidden 2048 --heads 16 --seq-lens 2048 --stages 8 --iters 2 \\
+    python bench/bench_layout.py --threads 1 --out docs/results/bench_layout.json        # testbed size
+    python bench/bench_layout.py --hidden 2048 --heads 16 --seq-lens 2048 --stages 8 --iters 2 \\
         --threads 1 --out docs/results/bench_layout_d2048.json                         # a real target's size
 
 Defaults are the testbed's dimensions (D=128, 4 heads, L_s=1, 8 target layers). For every sequence length

@@ -1,6 +1,6 @@
 """Training-at-scale benchmark: online vs offline head training, full vs top-k teacher, full vs draft vocabulary.
 
-    python train/bench_training.py --out docs/results/bench_training.json
+    python bench/bench_training.py --out docs/results/bench_training.json
 
 On the testbed, with one preset (default configs/quickstart-n4.yaml) and the same rows for every run (the
 first corpus files, enough for ``--steps`` batches): captures the rows once (full teacher, and top-k),
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    report = {"command": " ".join(["python", "train/bench_training.py", *(argv or sys.argv[1:])]),
+    report = {"command": " ".join(["python", "bench/bench_training.py", *(argv or sys.argv[1:])]),
               "threads": torch.get_num_threads()}
     if not args.skip_training:
         report["training"] = train_runs(args, work)
