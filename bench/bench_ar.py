@@ -17,6 +17,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.report (the scripts are not installed)
+from bench.report import write_result  # noqa: E402
+
 
 def parse_args(argv=None):
     from spd.target.testbed import default_testbed_dir
@@ -102,7 +105,7 @@ def main(argv=None) -> int:
     print(f"{'all':>6} {new_tokens:>6} {summary['generate_tokens_per_s']:>15.1f} "
           f"{summary['spd_ar_tokens_per_s']:>13.1f} {summary['speedup_vs_generate']:>6.2f} "
           f"{summary['identical_outputs']}/{len(rows)}")
-    Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=2) + "\n")
+    write_result(args.out, {"summary": summary, "rows": rows}, indent=2)
     return 0 if summary["identical_outputs"] == len(rows) else 1
 
 

@@ -71,7 +71,6 @@ The systems run one after another on the same machine; the table prints ratios t
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -83,6 +82,7 @@ sys.path.insert(0, str(REPO))  # bench/bench.py's prompt loading (the scripts ar
 from spd.errors import SpdInputError, run_cli  # noqa: E402
 from spd.decoding.tree_width import parse_tree_width  # noqa: E402
 from spd.paths import default_testbed_dir  # noqa: E402
+from bench.report import write_result  # noqa: E402
 
 SYSTEMS = ("spd batched", "pp batched", "spd 1-at-a-time")
 TREE_SYSTEMS = ("tree batched", "pp batched", "tree 1-at-a-time")  # --draft-model or --tree-width
@@ -556,7 +556,7 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
                   f"L'acc {row['accept_length']}", file=sys.stderr, flush=True)
     print(render(results))
     print("identical outputs across the systems:", all(row["identical_outputs"] for row in results["rows"]))
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    write_result(args.out, results)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -29,7 +29,6 @@ Prints tables and writes JSON (``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -46,6 +45,7 @@ from spd.decoding.sampling import SamplingParams  # noqa: E402
 from spd.target import sdpa  # noqa: E402
 from spd.target.staging import StagedModel, balanced_boundaries  # noqa: E402
 from spd.training.distill import DistillConfig, new_head  # noqa: E402
+from bench.report import write_result  # noqa: E402
 
 SIZES = {
     # Qwen3-4B's shape (its config.json), random weights.
@@ -340,7 +340,7 @@ def main(argv=None) -> int:
         if part in args.parts:
             with torch.inference_mode():
                 results[part] = run()
-            Path(args.out).write_text(json.dumps(results, indent=1))  # each part kept as soon as it ends
+            write_result(args.out, results)  # each part kept as soon as it ends
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -29,6 +29,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.report (the scripts are not installed)
+from bench.report import write_result  # noqa: E402
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -169,8 +172,8 @@ def main(argv=None) -> int:
                   f"{r['param_grad_mb']:.0f} MB", flush=True)
     settings = {k: v for k, v in vars(args).items() if k != "one"}
     settings["torch_threads"] = args.threads or torch.get_num_threads()
-    Path(args.out).write_text(json.dumps({"device": args.device, "torch": torch.__version__, "settings": settings,
-                                          "rows": rows}, indent=2) + "\n")
+    write_result(args.out, {"device": args.device, "torch": torch.__version__, "settings": settings, "rows": rows},
+                 indent=2)
     return 0
 
 

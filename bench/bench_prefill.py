@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.netns import Lan, rate_bits, torchrun_command, unavailable  # noqa: E402
 from spd.paths import default_testbed_dir  # noqa: E402
+from bench.report import write_result  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -125,8 +126,7 @@ def main(argv=None) -> int:
               f"{'-' if ratio is None else f'{ratio:.2f}x'} | {r['link_bytes'] / 1e6:.2f} | {wire} |")
     report = {"command": " ".join(sys.argv), "target": args.target, "stages": args.stages, "hidden": hidden,
               "dtype": args.dtype, "repeats": args.repeats, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_result(args.out, report)
     print(f"wrote {args.out}")
     return 0
 

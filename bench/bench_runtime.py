@@ -34,6 +34,9 @@ from pathlib import Path
 from spd.errors import SpdInputError, run_cli
 from spd.paths import default_testbed_dir
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.report (the scripts are not installed)
+from bench.report import write_result  # noqa: E402
+
 
 def parse_args(argv=None):
     tb = default_testbed_dir()
@@ -243,11 +246,9 @@ def _bench(args) -> int:
             cells += [b["stages"][k] for k in ("compute", "emulated_compute", "notices", "send", "receive_work",
                                                "link_delay", "wait", "other")]
             print(f"| {r['stages']} | {m} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "emulate_stage_ms": args.emulate_stage_ms,
-                                          "emulate_link_ms": args.emulate_link_ms, "launch": launch, "mode": mode,
-                                          "load_average_before": load_before, "load_average_after": os.getloadavg(),
-                                          "rows": rows}, indent=1) + "\n")
+    write_result(args.out, {"command": " ".join(sys.argv), "emulate_stage_ms": args.emulate_stage_ms,
+                            "emulate_link_ms": args.emulate_link_ms, "launch": launch, "mode": mode,
+                            "load_average_before": load_before, "load_average_after": os.getloadavg(), "rows": rows})
     print(f"\nJSON: {args.out}")
     return 0
 

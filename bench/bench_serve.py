@@ -27,6 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # bench.report (the scripts are not installed)
+
+from bench.report import write_result  # noqa: E402
 
 
 class ServerProcess:
@@ -173,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                   "emulate_link_ms": args.emulate_link_ms, "runs": [{k: v for k, v in r.items() if k != "texts"}
                                                                     for r in runs],
                   "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        write_result(args.out, report)
     return 0 if same else 1
 
 

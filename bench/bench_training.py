@@ -28,6 +28,9 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # bench.report (the scripts are not installed)
+
+from bench.report import write_result  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -168,8 +171,7 @@ def main(argv=None) -> int:
     print(f"\nLM head + KD, forward + backward, {lm['positions']} positions, D = {lm['hidden']}: "
           f"V = {lm['vocab']}: {lm['full_ms']:.0f} ms, K = {lm['draft']}: {lm['draft_ms']:.0f} ms "
           f"({lm['ratio']:.2f}x)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.out, report, indent=2)
     print(f"JSON: {args.out}")
     return 0
 

@@ -47,6 +47,7 @@ sys.path.insert(0, str(REPO))
 
 from spd.errors import SpdInputError, run_cli  # noqa: E402
 from spd.paths import default_testbed_dir  # noqa: E402
+from bench.report import write_result  # noqa: E402
 
 
 CHECKPOINT_EVERY = 40  # optimizer steps: a head whose training is killed resumes from its last checkpoint
@@ -246,9 +247,9 @@ def _reproduce(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(markdown(rows, temperatures, report))
-    (out / "table.json").write_text(json.dumps({"command": " ".join(sys.argv), "bench_command": report["command"],
-                                                "dataset": report["dataset"], "testbed": str(testbed),
-                                                "steps_per_head": args.steps, "rows": rows}, indent=1) + "\n")
+    write_result(out / "table.json", {"command": " ".join(sys.argv), "bench_command": report["command"],
+                                      "dataset": report["dataset"], "testbed": str(testbed),
+                                      "steps_per_head": args.steps, "rows": rows})
     plot(rows, temperatures, out / "table.png")
     print((out / "table.md").read_text())
     print(f"written: {out / 'table.md'}, {out / 'table.json'}, {out / 'table.png'}")
