@@ -35,7 +35,7 @@ from spd.errors import SpdInputError, run_cli
 from spd.paths import default_testbed_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.report (the scripts are not installed)
-from bench.report import write_result  # noqa: E402
+from bench.report import markdown_table, write_result  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -224,20 +224,17 @@ def _bench(args) -> int:
     print(f"emulated stage time {args.emulate_stage_ms:g} ms, link {args.emulate_link_ms:g} ms, "
           f"{args.num_prompts} prompts x {args.max_new_tokens} new tokens, proposals launched {launch}{tree}")
     source = "head" if mode == "spd" else "source"
-    print(f"| n | {source} | {mode} tok/s | pp tok/s | ar tok/s | speedup vs pp | L'_acc | efficiency | "
-          f"{mode} == pp tokens |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        ar = f"{r['ar']['decode_tokens_per_s']:.2f}" if r["ar"] else "-"
-        print(f"| {r['stages']} | {r['head']} | {r[mode]['decode_tokens_per_s']:.2f} | "
-              f"{r['pp']['decode_tokens_per_s']:.2f} | {ar} | {r['speedup_vs_pp']:.3f} | {r['L_acc']:.3f} | "
-              f"{r['efficiency']:.3f} | {r[f'identical_tokens_{mode}_pp']}/{args.num_prompts} |")
+    print(markdown_table(
+        ["n", source, f"{mode} tok/s", "pp tok/s", "ar tok/s", "speedup vs pp", "L'_acc", "efficiency",
+         f"{mode} == pp tokens"],
+        [[r["stages"], r["head"], f"{r[mode]['decode_tokens_per_s']:.2f}", f"{r['pp']['decode_tokens_per_s']:.2f}",
+          f"{r['ar']['decode_tokens_per_s']:.2f}" if r["ar"] else "-", f"{r['speedup_vs_pp']:.3f}",
+          f"{r['L_acc']:.3f}", f"{r['efficiency']:.3f}", f"{r[f'identical_tokens_{mode}_pp']}/{args.num_prompts}"]
+         for r in rows]))
     print("\nms per step (whole run, prefills included): rank 0 = source + verify + send + receive work + link delay "
           "+ wait + other (verify holds one send); a stage (mean) = compute + emulated + notices + send + receive work "
           "+ link delay + wait for input + other")
-    print("| n | mode | rank 0: source | verify | send | recv work | link delay | wait | other | stage: compute | "
-          "emulated | notices | send | recv work | link delay | wait | other |")
-    print("|---|---|" + "---|" * 15)
+    breakdown = []
     for r in rows:
         for m, b in r["breakdown_ms_per_step"].items():
             if b is None:
@@ -245,7 +242,10 @@ def _bench(args) -> int:
             cells = [b["rank0"][k] for k in ("source", "verify", "send", "receive_work", "link_delay", "wait", "other")]
             cells += [b["stages"][k] for k in ("compute", "emulated_compute", "notices", "send", "receive_work",
                                                "link_delay", "wait", "other")]
-            print(f"| {r['stages']} | {m} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
+            breakdown.append([r["stages"], m, *(f"{c:.2f}" for c in cells)])
+    print(markdown_table(["n", "mode", "rank 0: source", "verify", "send", "recv work", "link delay", "wait", "other",
+                          "stage: compute", "emulated", "notices", "send", "recv work", "link delay", "wait", "other"],
+                         breakdown))
     write_result(args.out, {"command": " ".join(sys.argv), "emulate_stage_ms": args.emulate_stage_ms,
                             "emulate_link_ms": args.emulate_link_ms, "launch": launch, "mode": mode,
                             "load_average_before": load_before, "load_average_after": os.getloadavg(), "rows": rows})

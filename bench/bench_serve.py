@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # bench.report (the scripts are not installed)
 
-from bench.report import write_result  # noqa: E402
+from bench.report import markdown_table, write_result  # noqa: E402
 
 
 class ServerProcess:
@@ -162,13 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{args.requests} requests x {args.max_tokens} tokens, {args.concurrency} concurrent clients, runtime "
           f"{args.runtime}" + (f", emulated stage {args.emulate_stage_ms} ms, link {args.emulate_link_ms} ms"
                                if args.runtime == "distributed" else "") + f"; identical outputs: {same}")
-    print("| run | tokens/s | latency p50 / p95 (s) | TTFT p50 / p95 (s) | pipeline time per request p50 / p95 (s) "
-          "| mean L'_acc |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for r in runs:
-        print(f"| {r['name']} | {r['tokens_per_s']:.2f} | {r['latency_s']['p50']:.2f} / {r['latency_s']['p95']:.2f} | "
-              f"{r['ttft_s']['p50']:.2f} / {r['ttft_s']['p95']:.2f} | {r['pipeline_s']['p50']:.2f} / "
-              f"{r['pipeline_s']['p95']:.2f} | {r['mean_L_acc'] if r['mean_L_acc'] is not None else '-'} |")
+    print(markdown_table(
+        ["run", "tokens/s", "latency p50 / p95 (s)", "TTFT p50 / p95 (s)", "pipeline time per request p50 / p95 (s)",
+         "mean L'_acc"],
+        [[r["name"], f"{r['tokens_per_s']:.2f}", f"{r['latency_s']['p50']:.2f} / {r['latency_s']['p95']:.2f}",
+          f"{r['ttft_s']['p50']:.2f} / {r['ttft_s']['p95']:.2f}",
+          f"{r['pipeline_s']['p50']:.2f} / {r['pipeline_s']['p95']:.2f}",
+          r["mean_L_acc"] if r["mean_L_acc"] is not None else "-"] for r in runs], rule=" --- "))
     if args.out:
         report = {"command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "identical_outputs": same,
                   "requests": args.requests, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
