@@ -612,7 +612,7 @@ def test_bad_settings_and_requests_are_refused_in_one_line(target_model):
 
 # --------------------------------------------------------------------------------------- the benchmark
 def test_the_batch_benchmark_over_the_runtime_reports_each_stage(tiny_testbed, tiny_heads, tmp_path):
-    """infer/bench_batch.py over the distributed runtime (2 stage processes, each call sleeping 1 ms): the same
+    """bench/bench_batch.py over the distributed runtime (2 stage processes, each call sleeping 1 ms): the same
     tokens from both systems, and per step the CPU of each stage process and each stage's clock (its ragged calls,
     its emulated sleep, its waits)."""
     import json
@@ -620,7 +620,7 @@ def test_the_batch_benchmark_over_the_runtime_reports_each_stage(tiny_testbed, t
     from conftest import run_script
 
     out = tmp_path / "runtime.json"
-    proc = run_script("infer/bench_batch.py", "--target", str(tiny_testbed / "target"), "--speculator",
+    proc = run_script("bench/bench_batch.py", "--target", str(tiny_testbed / "target"), "--speculator",
                       str(tiny_heads[2]), "--prompts", str(tiny_testbed / "prompts.jsonl"), "--runtime",
                       "distributed", "--emulate-stage-ms", "1", "--clients", "2", "--requests-per-client", "1",
                       "--max-new-tokens", "6", "--threads", "1", "--batched-only", "--out", str(out))
@@ -640,12 +640,12 @@ def test_the_batch_benchmark_over_the_runtime_reports_each_stage(tiny_testbed, t
 
 
 def test_the_batch_benchmark_gives_time_between_tokens_per_gap_and_per_request():
-    """infer/bench_batch.py's time between tokens, from recorded steps and times: per gap (every gap of every
+    """bench/bench_batch.py's time between tokens, from recorded steps and times: per gap (every gap of every
     request) and per request (each request's own mean gap, then their mean and percentiles); a request of one token
     has no gap."""
     from types import SimpleNamespace
 
-    from infer.bench_batch import summarize
+    from bench.bench_batch import summarize
 
     # Two stages, every step costs a = 1 ms on the model clock; the real clock records the same times.
     steps = {"spec": [1, 2, 3, 5, 6, 7, 9, 10], "pipe": [2, 4, 6, 8, 10], "one": [3]}
@@ -671,13 +671,13 @@ def test_the_batch_benchmark_gives_time_between_tokens_per_gap_and_per_request()
 
 
 def test_the_batch_benchmark_counts_the_cpu_of_its_stage_processes():
-    """infer/bench_batch.py's CPU count covers this process and each child process (the stage ranks over the
+    """bench/bench_batch.py's CPU count covers this process and each child process (the stage ranks over the
     runtime): a child that burns half a second of CPU shows it."""
     import subprocess
     import sys
     import time
 
-    from infer.bench_batch import cpu_seconds, cpu_used
+    from bench.bench_batch import cpu_seconds, cpu_used
 
     child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
                               "while time.process_time() - t < 0.5: pass\ntime.sleep(60)"])
@@ -696,7 +696,7 @@ def test_the_batch_benchmark_counts_the_cpu_of_its_stage_processes():
 
 
 def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_heads, tmp_path):
-    """infer/bench_batch.py on the miniature testbed: every system serves the same requests (the same tokens),
+    """bench/bench_batch.py on the miniature testbed: every system serves the same requests (the same tokens),
     the table and the JSON carry both clocks, and the model clock follows a + b * tokens; with a draft model's
     tree instead of the head, too."""
     import json
@@ -708,7 +708,7 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
               "--clients", "1", "3", "--requests-per-client", "2", "--max-new-tokens", "6", "--stage-ms", "2",
               "--token-ms", "0.1", "--threads", "1"]
     # The third: the head's own trees (--tree-width with --speculator), adaptive and under a node budget.
-    proc, tree, head_tree = two_at_a_time(lambda args: run_script("infer/bench_batch.py", *common, *args), [
+    proc, tree, head_tree = two_at_a_time(lambda args: run_script("bench/bench_batch.py", *common, *args), [
         ["--speculator", str(tiny_heads[4]), "--rates", "0.001", "1000", "--requests", "3", "--out", str(out)],
         ["--draft-model", str(tiny_testbed / "draft"), "--stages", "2", "--tree-width", "2", "--new-tokens-jitter", "2",
          "--batched-only", "--out", str(tree_out)],
@@ -775,5 +775,5 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
                  ["--speculator", str(tiny_heads[4]), "--new-tokens-jitter", "48"],
                  ["--speculator", str(tiny_heads[4]), "--tree-width", "0"],
                  ["--speculator", str(tiny_heads[4]), "--tree-nodes", "8"]):
-        bad = run_script("infer/bench_batch.py", *args, check=False)
+        bad = run_script("bench/bench_batch.py", *args, check=False)
         assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error:"), bad.stderr

@@ -236,7 +236,7 @@ def test_bench_runs_modes_and_heads(tiny_testbed, tiny_heads, tmp_path):
     args = ["--target", str(tiny_testbed / "target"), "--prompts", str(prompts), "--run", "pp:2",
             "--run", f"h2=spd:{tiny_heads[2]}", "--run", f"spd:{tiny_heads[4]}", "--run", f"t2=tree:{tiny_heads[2]}:2:2:2",
             "--temperatures", "0", "1", "--max-new-tokens", "12"]
-    proc, _ = two_at_a_time(lambda extra: run_script("infer/bench.py", *args, *extra),
+    proc, _ = two_at_a_time(lambda extra: run_script("bench/bench.py", *args, *extra),
                             [["--out", str(out), "--plot", str(png)], ["--out", str(batched), "--batch", "2"]])
     assert "| 0 | h2 | spd-input | 2 |" in proc.stdout
     report = json.loads(out.read_text())
@@ -259,9 +259,9 @@ def test_bench_runs_modes_and_heads(tiny_testbed, tiny_heads, tmp_path):
         for name in ("pp n=2", "h2", "t2"):
             assert together[t][name]["summary"]["batch"] == 2 and together[t][name]["summary"]["mean_batch_size"] > 1
         assert "batch" not in together[t]["ar"]["summary"]  # the reference runs alone
-    bad = run_script("infer/bench.py", "--run", "spd", "--prompts", str(prompts), check=False)
+    bad = run_script("bench/bench.py", "--run", "spd", "--prompts", str(prompts), check=False)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --run 'spd' is not a run")
-    bad = run_script("infer/bench.py", *args, "--batch", "0", check=False)
+    bad = run_script("bench/bench.py", *args, "--batch", "0", check=False)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --batch must be a positive number"), bad.stderr
 
 
@@ -274,10 +274,10 @@ def test_killed_bench_resumes_to_the_same_numbers(tiny_testbed, tiny_heads, tmp_
     args = ["--target", str(tiny_testbed / "target"), "--prompts", str(prompts), "--run", f"h2=spd:{tiny_heads[2]}",
             "--run", f"t2=tree:{tiny_heads[2]}:2:2:2", "--temperatures", "0", "1", "--max-new-tokens", "12"]
     whole = tmp_path / "whole.json"
-    run_script("infer/bench.py", *args, "--out", str(whole))
+    run_script("bench/bench.py", *args, "--out", str(whole))
     out = tmp_path / "broken.json"
     journal = tmp_path / "broken.json.progress.jsonl"
-    proc = subprocess.Popen([sys.executable, str(REPO / "infer" / "bench.py"), *args, "--out", str(out)], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "bench.py"), *args, "--out", str(out)], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while time.time() < deadline and (not journal.exists() or journal.read_text().count("\n") < 4):
@@ -287,9 +287,9 @@ def test_killed_bench_resumes_to_the_same_numbers(tiny_testbed, tiny_heads, tmp_
     assert not out.exists() and journal.exists(), "the benchmark finished before it could be killed"
     with open(journal, "a") as f:
         f.write('{"T": "T=0", "prom')  # a line the kill cut short
-    other = run_script("infer/bench.py", *args, "--out", str(out), "--seed", "7", check=False)
+    other = run_script("bench/bench.py", *args, "--out", str(out), "--seed", "7", check=False)
     assert other.returncode == 2 and "other settings (seed: 0 there, 7 now)" in other.stderr, other.stderr
-    resumed = run_script("infer/bench.py", *args, "--out", str(out))
+    resumed = run_script("bench/bench.py", *args, "--out", str(out))
     assert "[bench] resuming" in resumed.stderr and not journal.exists()
 
     def timing(key):  # the machine's, not the method's

@@ -110,7 +110,7 @@ def test_bench_compares_tree_runs_with_the_pipeline(tiny_testbed, tiny_heads, tm
     prompts.write_text(json.dumps({"prompt": "import os\n"}) + "\n" + json.dumps({"prompt": "def f(x):\n"}) + "\n")
     out = tmp_path / "bench.json"
     draft = tiny_testbed / "draft"
-    proc = run_script("infer/bench.py", "--target", str(tiny_testbed / "target"), "--prompts", str(prompts),
+    proc = run_script("bench/bench.py", "--target", str(tiny_testbed / "target"), "--prompts", str(prompts),
                       "--run", "pp:4", "--run", f"w4=tree:{draft}:4:4:2", "--run", f"head=tree:{tiny_heads[4]}:4:4:4",
                       "--run", f"auto=tree:{draft}:4:auto:4", "--run", f"topk=tree:{tiny_heads[4]}:4:2:2:top-k",
                       "--temperatures", "0", "1", "--max-new-tokens", "12", "--out", str(out))
@@ -124,5 +124,5 @@ def test_bench_compares_tree_runs_with_the_pipeline(tiny_testbed, tiny_heads, tm
     assert 1 <= results["T=1"]["auto"]["summary"]["mean_width"] <= 8
     assert greedy["pp n=4"]["summary"]["steps_per_token"] == 4.0
     assert 1.0 <= greedy["w4"]["summary"]["mean_tree_size"] <= 1 + 4 * 4
-    bad = run_script("infer/bench.py", "--run", f"tree:{draft}:4:4", "--prompts", str(prompts), check=False)
+    bad = run_script("bench/bench.py", "--run", f"tree:{draft}:4:4", "--prompts", str(prompts), check=False)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --run") and "tree:SOURCE:N:W:K" in bad.stderr

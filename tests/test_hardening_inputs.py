@@ -225,13 +225,13 @@ def test_a_device_that_cannot_be_had_is_one_sentence():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
 def test_cuda_on_a_cpu_machine_is_one_error_line_in_the_clis(tiny_testbed):
-    """spd-generate, spd-serve over the distributed runtime and infer/bench.py with --device cuda here: exit 2 and one
+    """spd-generate, spd-serve over the distributed runtime and bench/bench.py with --device cuda here: exit 2 and one
     line, before any model loads."""
     target = str(tiny_testbed / "target")
     cmds = [[sys.executable, "-m", "spd.cli.generate", "--target", target, "--prompt", "x", "--device", "cuda"],
             [sys.executable, "-m", "spd.cli.serve", "--target", target, "--mode", "pp", "--stages", "2", "--runtime",
              "distributed", "--device", "cuda", "--port", "0"],
-            [sys.executable, str(REPO / "infer" / "bench.py"), "--target", target, "--prompts",
+            [sys.executable, str(REPO / "bench" / "bench.py"), "--target", target, "--prompts",
              str(tiny_testbed / "prompts.jsonl"), "--device", "cuda"]]
     for cmd in cmds:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)

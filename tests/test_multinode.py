@@ -1,5 +1,5 @@
 """The runtime across machines, on one machine: each "host" is a Linux network namespace with its own network
-stack, joined to the others by veth links to a bridge on a private subnet (infer/netns.py); one torchrun per host
+stack, joined to the others by veth links to a bridge on a private subnet (bench/netns.py); one torchrun per host
 (c10d rendezvous) starts the ranks of its stages. The hosts share this machine's host name, which resolves to a loopback address: the
 trap that left every rank waiting silently for the whole join timeout.
 
@@ -20,7 +20,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO
-from infer.netns import Lan, torchrun_command, unavailable
+from bench.netns import Lan, torchrun_command, unavailable
 from test_runtime import PROMPTS, _reference
 
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailabl
 
 @pytest.fixture(scope="module")
 def lan():
-    """Three hosts at 10.231.0.1-3 on one bridge (infer/netns.py)."""
+    """Three hosts at 10.231.0.1-3 on one bridge (bench/netns.py)."""
     with Lan(3) as network:
         yield network
 
@@ -232,14 +232,14 @@ def test_a_host_with_other_weights_is_refused_at_start_on_every_host(tiny_testbe
 
 def test_the_prefill_benchmark_measures_capped_links(tiny_testbed, tmp_path):
     out = tmp_path / "prefill.json"
-    proc = subprocess.run([sys.executable, str(REPO / "infer" / "bench_prefill.py"), "--target",
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_prefill.py"), "--target",
                            str(tiny_testbed / "target"), "--lengths", "16", "48", "--rates", "none", "100mbit",
                            "--repeats", "1", "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["rate"], r["prompt_tokens"] > 0) for r in rows] == [("none", True)] * 2 + [("100mbit", True)] * 2
     assert all(r["prefill_ms"] > 0 for r in rows) and "| 100mbit |" in proc.stdout
-    bad = subprocess.run([sys.executable, str(REPO / "infer" / "bench_prefill.py"), "--rates", "fast"],
+    bad = subprocess.run([sys.executable, str(REPO / "bench" / "bench_prefill.py"), "--rates", "fast"],
                          capture_output=True, text=True, timeout=60, cwd=REPO)
     assert bad.returncode == 2 and bad.stderr.startswith("error: rate 'fast'"), bad.stderr
 

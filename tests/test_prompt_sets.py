@@ -66,7 +66,7 @@ def test_bench_runs_humaneval_and_names_it(tiny_testbed, tmp_path):
     config = json.loads((target / "config.json").read_text())
     (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
     out = tmp_path / "bench.json"
-    proc = run_script("infer/bench.py", "--target", str(target), "--prompts", "humaneval",
+    proc = run_script("bench/bench.py", "--target", str(target), "--prompts", "humaneval",
                       "--num-prompts", "2", "--run", "pp:2", "--max-new-tokens", "8", "--out", str(out))
     report = json.loads(out.read_text())
     assert report["dataset"] == "humaneval" and report["num_prompts"] == 2, proc.stdout

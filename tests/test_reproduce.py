@@ -1,4 +1,4 @@
-"""infer/reproduce.py as a user runs it, in miniature: one capture, every missing head trained from it, one
+"""bench/reproduce.py as a user runs it, in miniature: one capture, every missing head trained from it, one
 benchmark, the Table-1-shaped markdown / JSON / plot; a second run reuses what exists; bad input is one line."""
 
 import json
@@ -7,7 +7,7 @@ from conftest import run_script
 
 
 def _reproduce(tiny_testbed, tmp_path, *extra, check=True):
-    return run_script("infer/reproduce.py", "--testbed", str(tiny_testbed), "--stages", "2", "3", "--layers", "1",
+    return run_script("bench/reproduce.py", "--testbed", str(tiny_testbed), "--stages", "2", "3", "--layers", "1",
                       "--draft-steps", "2", "--steps", "2", "--prompts", str(tiny_testbed / "prompts.jsonl"),
                       "--num-prompts", "2", "--max-new-tokens", "6", "--capture-tokens", "3000",
                       "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), *extra, check=check)
@@ -45,7 +45,7 @@ def test_reproduce_trains_what_is_missing_and_writes_the_table(tiny_testbed, tmp
 
 def test_a_prepared_target_s_conversations_are_its_training_text(tmp_path):
     """A directory written by data/smollm2.py (target/ and data/{train,validation}.jsonl) is a valid --testbed."""
-    from infer.reproduce import training_text
+    from bench.reproduce import training_text
 
     assert training_text(tmp_path) is None
     (tmp_path / "data").mkdir()
@@ -60,7 +60,7 @@ def test_a_prepared_target_s_conversations_are_its_training_text(tmp_path):
 
 def test_heads_checkpoint_every_40_steps_so_a_killed_run_resumes():
     """A long head saves every 40 steps (and a short one at its end), not only once it is done."""
-    from infer.reproduce import Head
+    from bench.reproduce import Head
 
     assert "save_every=40" in Head("spd-n8-ls1", "spd", 8, 1).overrides(240, 7, 30)
     assert "save_every=40" in Head("eagle", "eagle", 1, 1).overrides(800, 15, 8)

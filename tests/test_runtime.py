@@ -272,11 +272,11 @@ def test_distributed_draft_tree_equals_single_process_engine(tiny_testbed, tmp_p
 
 
 def test_bench_runtime_compares_the_tree_with_pp_in_one_world(tiny_testbed, tmp_path):
-    """infer/bench_runtime.py --tree-width: one world per n runs tree then pp; its row compares them."""
+    """bench/bench_runtime.py --tree-width: one world per n runs tree then pp; its row compares them."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "bench.json"
-    bench = [sys.executable, str(REPO / "infer" / "bench_runtime.py"), "--target", str(tiny_testbed / "target"),
+    bench = [sys.executable, str(REPO / "bench" / "bench_runtime.py"), "--target", str(tiny_testbed / "target"),
              "--prompts", str(prompts), "--draft-model", str(tiny_testbed / "draft"), "--stages", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(bench + ["--tree-width", "2", "--num-prompts", "2", "--max-new-tokens", "8", "--no-ar",

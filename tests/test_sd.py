@@ -221,7 +221,7 @@ def test_cli_and_bench(tiny_testbed, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "import os\n"}) + "\n" + json.dumps({"prompt": "def f(x):\n"}) + "\n")
     out = tmp_path / "bench.json"
-    run_script("infer/bench.py", "--target", str(tiny_testbed / "target"), "--prompts", str(prompts), "--run",
+    run_script("bench/bench.py", "--target", str(tiny_testbed / "target"), "--prompts", str(prompts), "--run",
                f"sd3=sd:{tiny_testbed / 'draft'}:3", "--temperatures", "0", "1", "--max-new-tokens", "12",
                "--out", str(out))
     results = json.loads(out.read_text())["results"]
@@ -259,7 +259,7 @@ def test_eagle_variant_trains_loads_and_drafts(tiny_testbed, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "import os\n"}) + "\n")
     bench = tmp_path / "bench.json"
-    run_script("infer/bench.py", "--target", str(tiny_testbed / "target"), "--prompts", str(prompts), "--run",
+    run_script("bench/bench.py", "--target", str(tiny_testbed / "target"), "--prompts", str(prompts), "--run",
                f"eagle=sd:{out / 'final'}:3", "--max-new-tokens", "12", "--out", str(bench))
     report = json.loads(bench.read_text())
     assert report["results"]["T=0"]["eagle"]["summary"]["identical_to_ar"] == 1

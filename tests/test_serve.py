@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from conftest import REPO, two_at_a_time
-from infer.bench_serve import ServerProcess
+from bench.bench_serve import ServerProcess
 from test_cli import spd_generate
 
 openai = pytest.importorskip("openai")
@@ -623,7 +623,7 @@ def test_text_tracker_is_linear_in_stop_string_length(tiny_testbed):
 
 def test_load_benchmark_runs_side_by_side(tiny_testbed, tiny_heads, tmp_path):
     out = tmp_path / "load.json"
-    proc = subprocess.run([sys.executable, "infer/bench_serve.py", "--target", str(tiny_testbed / "target"),
+    proc = subprocess.run([sys.executable, "bench/bench_serve.py", "--target", str(tiny_testbed / "target"),
                            "--prompts", str(tiny_testbed / "prompts.jsonl"), "--run", f"spd:{tiny_heads[4]}",
                            "--run", "pp:4", "--requests", "6", "--concurrency", "3", "--max-tokens", "8",
                            "--out", str(out)], capture_output=True, text=True, cwd=REPO, timeout=600)

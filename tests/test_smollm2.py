@@ -138,8 +138,8 @@ def test_trained_head_every_mode_equals_ar(smollm2, target, tmp_path):
         assert engine.run(ids, 20, SamplingParams(), use_head=False).token_ids == ar
         assert tree.run(ids, 20, SamplingParams()).token_ids == ar
         assert sd.run(ids, 20, SamplingParams()).token_ids == ar
-    # infer/bench_gpu.py on the real target with this head (the GPU benchmark's --target path, here on the CPU)
-    from infer import bench_gpu
+    # bench/bench_gpu.py on the real target with this head (the GPU benchmark's --target path, here on the CPU)
+    from bench import bench_gpu
 
     out = tmp_path / "bench.json"
     assert bench_gpu.main(["--target", str(smollm2 / "target"), "--speculator", str(run / "final"), "--parts",

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import REPO, run_script, tiny_model
+from conftest import run_script, tiny_model
 from spd.training.distill import DistillConfig, new_head
 from spd.decoding.engine import Engine
 from spd.errors import SpdInputError
@@ -88,7 +88,7 @@ def test_cli_and_bench_take_boundaries(tmp_path):
 def test_bench_uneven_pp(tiny_testbed, tmp_path):
     """bench pp:B1,B2 runs the standard pipeline over an uneven cut and matches ar."""
     out = tmp_path / "bench.json"
-    run_script("infer/bench.py", "--target", str(tiny_testbed / "target"), "--prompts",
+    run_script("bench/bench.py", "--target", str(tiny_testbed / "target"), "--prompts",
                str(tiny_testbed / "prompts.jsonl"), "--num-prompts", "2", "--max-new-tokens", "8",
                "--run", "ar", "--run", "pp:3,5", "--out", str(out))
     row = json.loads(out.read_text())["results"]["T=0"]["pp b=3,5"]
@@ -122,10 +122,7 @@ def test_distributed_runtime_takes_boundaries(tiny_testbed):
 
 def test_bench_run_specs():
     """Every run kind keeps its fields (the cut is the last field of a run)."""
-    import sys
-
-    sys.path.insert(0, str(REPO / "infer"))
-    from bench import parse_run
+    from bench.bench import parse_run
 
     tree = parse_run("t=tree:runs/h:4:3:2")
     assert (tree.source, tree.stages, tree.width, tree.children, tree.boundaries) == ("runs/h", 4, 3, 2, None)

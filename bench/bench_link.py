@@ -1,6 +1,6 @@
 """Round-trip time of one runtime message between two processes (spd.runtime.link.Link over gloo).
 
-    torchrun --nproc-per-node 2 -m infer.bench_link [--rounds 2000] [--hidden 128] [--rows 1]
+    torchrun --nproc-per-node 2 -m bench.bench_link [--rounds 2000] [--hidden 128] [--rows 1]
 
 Rank 0 sends a token-sized message (header + (rows, 1, hidden) payload) to rank 1, which sends it back;
 rank 0 prints the mean round trip and the time spent inside ``send`` and ``recv`` per message.

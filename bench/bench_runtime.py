@@ -1,10 +1,10 @@
 """Benchmark the distributed runtime: tokens/s of spd (or tree) vs pp (and ar on one process), measured vs theoretical.
 
-    python infer/bench_runtime.py --heads runs/testbed-n4/final runs/testbed-n8/final \\
+    python bench/bench_runtime.py --heads runs/testbed-n4/final runs/testbed-n8/final \\
         --emulate-stage-ms 20 --emulate-link-ms 1 --num-prompts 10 --out bench_runtime.json
-    python infer/bench_runtime.py --tree-width 4 --heads runs/testbed-n4/final \\
+    python bench/bench_runtime.py --tree-width 4 --heads runs/testbed-n4/final \\
         --emulate-stage-ms 20 --emulate-link-ms 1 --out bench_runtime_tree.json
-    python infer/bench_runtime.py --tree-width 4 --draft-model testbed/draft --stages 4 8 \\
+    python bench/bench_runtime.py --tree-width 4 --draft-model testbed/draft --stages 4 8 \\
         --emulate-stage-ms 20 --emulate-link-ms 1 --out bench_runtime_tree_draft.json
 
 For every head (its n sets the pipeline) one ``torchrun`` world of n + 1 processes runs the prompts in
@@ -34,13 +34,16 @@ from pathlib import Path
 from spd.errors import SpdInputError, run_cli
 from spd.paths import default_testbed_dir
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.report (the scripts are not installed)
+from bench.report import markdown_table, write_result  # noqa: E402
+
 
 def parse_args(argv=None):
     tb = default_testbed_dir()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=str(tb / "target"))
     p.add_argument("--prompts", default=str(tb / "prompts.jsonl"),
-                   help="a jsonl of prompts or a named set (humaneval-chat, ...: infer/bench.py --prompts); sets of "
+                   help="a jsonl of prompts or a named set (humaneval-chat, ...: bench/bench.py --prompts); sets of "
                         "user messages are rendered with the chat template")
     p.add_argument("--heads", nargs="+", default=[], help="speculation heads (one pipeline per head)")
     p.add_argument("--tree-width", type=int, default=None,
@@ -221,20 +224,17 @@ def _bench(args) -> int:
     print(f"emulated stage time {args.emulate_stage_ms:g} ms, link {args.emulate_link_ms:g} ms, "
           f"{args.num_prompts} prompts x {args.max_new_tokens} new tokens, proposals launched {launch}{tree}")
     source = "head" if mode == "spd" else "source"
-    print(f"| n | {source} | {mode} tok/s | pp tok/s | ar tok/s | speedup vs pp | L'_acc | efficiency | "
-          f"{mode} == pp tokens |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        ar = f"{r['ar']['decode_tokens_per_s']:.2f}" if r["ar"] else "-"
-        print(f"| {r['stages']} | {r['head']} | {r[mode]['decode_tokens_per_s']:.2f} | "
-              f"{r['pp']['decode_tokens_per_s']:.2f} | {ar} | {r['speedup_vs_pp']:.3f} | {r['L_acc']:.3f} | "
-              f"{r['efficiency']:.3f} | {r[f'identical_tokens_{mode}_pp']}/{args.num_prompts} |")
+    print(markdown_table(
+        ["n", source, f"{mode} tok/s", "pp tok/s", "ar tok/s", "speedup vs pp", "L'_acc", "efficiency",
+         f"{mode} == pp tokens"],
+        [[r["stages"], r["head"], f"{r[mode]['decode_tokens_per_s']:.2f}", f"{r['pp']['decode_tokens_per_s']:.2f}",
+          f"{r['ar']['decode_tokens_per_s']:.2f}" if r["ar"] else "-", f"{r['speedup_vs_pp']:.3f}",
+          f"{r['L_acc']:.3f}", f"{r['efficiency']:.3f}", f"{r[f'identical_tokens_{mode}_pp']}/{args.num_prompts}"]
+         for r in rows]))
     print("\nms per step (whole run, prefills included): rank 0 = source + verify + send + receive work + link delay "
           "+ wait + other (verify holds one send); a stage (mean) = compute + emulated + notices + send + receive work "
           "+ link delay + wait for input + other")
-    print("| n | mode | rank 0: source | verify | send | recv work | link delay | wait | other | stage: compute | "
-          "emulated | notices | send | recv work | link delay | wait | other |")
-    print("|---|---|" + "---|" * 15)
+    breakdown = []
     for r in rows:
         for m, b in r["breakdown_ms_per_step"].items():
             if b is None:
@@ -242,12 +242,13 @@ def _bench(args) -> int:
             cells = [b["rank0"][k] for k in ("source", "verify", "send", "receive_work", "link_delay", "wait", "other")]
             cells += [b["stages"][k] for k in ("compute", "emulated_compute", "notices", "send", "receive_work",
                                                "link_delay", "wait", "other")]
-            print(f"| {r['stages']} | {m} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "emulate_stage_ms": args.emulate_stage_ms,
-                                          "emulate_link_ms": args.emulate_link_ms, "launch": launch, "mode": mode,
-                                          "load_average_before": load_before, "load_average_after": os.getloadavg(),
-                                          "rows": rows}, indent=1) + "\n")
+            breakdown.append([r["stages"], m, *(f"{c:.2f}" for c in cells)])
+    print(markdown_table(["n", "mode", "rank 0: source", "verify", "send", "recv work", "link delay", "wait", "other",
+                          "stage: compute", "emulated", "notices", "send", "recv work", "link delay", "wait", "other"],
+                         breakdown))
+    write_result(args.out, {"command": " ".join(sys.argv), "emulate_stage_ms": args.emulate_stage_ms,
+                            "emulate_link_ms": args.emulate_link_ms, "launch": launch, "mode": mode,
+                            "load_average_before": load_before, "load_average_after": os.getloadavg(), "rows": rows})
     print(f"\nJSON: {args.out}")
     return 0
 

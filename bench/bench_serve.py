@@ -1,6 +1,6 @@
 """Load benchmark of spd-serve: N requests from C concurrent clients, per configuration, side by side.
 
-    python infer/bench_serve.py --run spd:runs/quickstart-n4/final --run pp:4 --requests 50 --concurrency 8 \\
+    python bench/bench_serve.py --run spd:runs/quickstart-n4/final --run pp:4 --requests 50 --concurrency 8 \\
         --runtime distributed --emulate-stage-ms 20 --emulate-link-ms 1 --out docs/results/serve-load.json
 
 Each ``--run`` starts its own server (``spd:HEAD_DIR``: SPD with that head, n from the head; ``pp:N``: the
@@ -27,6 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # bench.report (the scripts are not installed)
+
+from bench.report import markdown_table, write_result  # noqa: E402
 
 
 class ServerProcess:
@@ -159,13 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{args.requests} requests x {args.max_tokens} tokens, {args.concurrency} concurrent clients, runtime "
           f"{args.runtime}" + (f", emulated stage {args.emulate_stage_ms} ms, link {args.emulate_link_ms} ms"
                                if args.runtime == "distributed" else "") + f"; identical outputs: {same}")
-    print("| run | tokens/s | latency p50 / p95 (s) | TTFT p50 / p95 (s) | pipeline time per request p50 / p95 (s) "
-          "| mean L'_acc |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for r in runs:
-        print(f"| {r['name']} | {r['tokens_per_s']:.2f} | {r['latency_s']['p50']:.2f} / {r['latency_s']['p95']:.2f} | "
-              f"{r['ttft_s']['p50']:.2f} / {r['ttft_s']['p95']:.2f} | {r['pipeline_s']['p50']:.2f} / "
-              f"{r['pipeline_s']['p95']:.2f} | {r['mean_L_acc'] if r['mean_L_acc'] is not None else '-'} |")
+    print(markdown_table(
+        ["run", "tokens/s", "latency p50 / p95 (s)", "TTFT p50 / p95 (s)", "pipeline time per request p50 / p95 (s)",
+         "mean L'_acc"],
+        [[r["name"], f"{r['tokens_per_s']:.2f}", f"{r['latency_s']['p50']:.2f} / {r['latency_s']['p95']:.2f}",
+          f"{r['ttft_s']['p50']:.2f} / {r['ttft_s']['p95']:.2f}",
+          f"{r['pipeline_s']['p50']:.2f} / {r['pipeline_s']['p95']:.2f}",
+          r["mean_L_acc"] if r["mean_L_acc"] is not None else "-"] for r in runs], rule=" --- "))
     if args.out:
         report = {"command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "identical_outputs": same,
                   "requests": args.requests, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
@@ -173,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                   "emulate_link_ms": args.emulate_link_ms, "runs": [{k: v for k, v in r.items() if k != "texts"}
                                                                     for r in runs],
                   "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        write_result(args.out, report)
     return 0 if same else 1
 
 

@@ -1,6 +1,6 @@
 """Benchmark the staged AR decoder against Hugging Face ``model.generate`` (greedy), side by side.
 
-    python infer/bench_ar.py --target testbed/target --prompts testbed/prompts.jsonl --num-prompts 20
+    python bench/bench_ar.py --target testbed/target --prompts testbed/prompts.jsonl --num-prompts 20
 
 Both decoders run on every prompt in alternating order (so machine noise hits both alike); the table
 shows tokens/s of each, the speed ratio, and whether the tokens are identical. JSON goes to --out.
@@ -16,6 +16,9 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.report (the scripts are not installed)
+from bench.report import write_result  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -102,7 +105,7 @@ def main(argv=None) -> int:
     print(f"{'all':>6} {new_tokens:>6} {summary['generate_tokens_per_s']:>15.1f} "
           f"{summary['spd_ar_tokens_per_s']:>13.1f} {summary['speedup_vs_generate']:>6.2f} "
           f"{summary['identical_outputs']}/{len(rows)}")
-    Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=2) + "\n")
+    write_result(args.out, {"summary": summary, "rows": rows}, indent=2)
     return 0 if summary["identical_outputs"] == len(rows) else 1
 
 

@@ -1,8 +1,8 @@
 """Measure the decode step on a GPU at real sizes: where a step's time goes, and tree attention at long context.
 
-    python infer/bench_gpu.py --out gpu.json                       # a Qwen3-4B-shaped target, bf16, on cuda
-    python infer/bench_gpu.py --size tiny --device cpu --out t.json  # the same code on a small model (a check)
-    python infer/bench_gpu.py --target smollm2/target --speculator runs/smollm2-n4/final --parts decode \
+    python bench/bench_gpu.py --out gpu.json                       # a Qwen3-4B-shaped target, bf16, on cuda
+    python bench/bench_gpu.py --size tiny --device cpu --out t.json  # the same code on a small model (a check)
+    python bench/bench_gpu.py --target smollm2/target --speculator runs/smollm2-n4/final --parts decode \
         --prompt "Write a Python function that reverses a string." --out smollm2_gpu.json   # a real target
 
 The target is a Qwen3-4B-shaped model (the real transformers class: 36 layers, hidden 2560, 32 query and 8 KV
@@ -29,7 +29,6 @@ Prints tables and writes JSON (``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -46,6 +45,7 @@ from spd.decoding.sampling import SamplingParams  # noqa: E402
 from spd.target import sdpa  # noqa: E402
 from spd.target.staging import StagedModel, balanced_boundaries  # noqa: E402
 from spd.training.distill import DistillConfig, new_head  # noqa: E402
+from bench.report import write_result  # noqa: E402
 
 SIZES = {
     # Qwen3-4B's shape (its config.json), random weights.
@@ -340,7 +340,7 @@ def main(argv=None) -> int:
         if part in args.parts:
             with torch.inference_mode():
                 results[part] = run()
-            Path(args.out).write_text(json.dumps(results, indent=1))  # each part kept as soon as it ends
+            write_result(args.out, results)  # each part kept as soon as it ends
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -1,6 +1,6 @@
-"""Prefill time against link bandwidth, across machines emulated on this one (root; infer/netns.py).
+"""Prefill time against link bandwidth, across machines emulated on this one (root; bench/netns.py).
 
-    sudo .venv/bin/python infer/bench_prefill.py --target testbed/target --lengths 256 1024 2048 \\
+    sudo .venv/bin/python bench/bench_prefill.py --target testbed/target --lengths 256 1024 2048 \\
         --rates none 1gbit 100mbit --out docs/results/bench_prefill_links.json
 
 Two hosts on one bridge: host 0 runs rank 0 and stage 1, host 1 the other stages (one ``torchrun`` each, as
@@ -26,8 +26,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from infer.netns import Lan, rate_bits, torchrun_command, unavailable  # noqa: E402
+from bench.netns import Lan, rate_bits, torchrun_command, unavailable  # noqa: E402
 from spd.paths import default_testbed_dir  # noqa: E402
+from bench.report import markdown_table, write_result  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -114,19 +115,18 @@ def main(argv=None) -> int:
                              "prefill_ms_all": [t * 1000 for t in times], "link_bytes": link_bytes,
                              "wire_ms_at_rate": wire_ms})
     base = {r["prompt_tokens"]: r["prefill_ms"] for r in rows if r["rate"] == "none"}
-    print(f"| rate | prompt tokens | prefill ms (median of {args.repeats}) | vs uncapped | MB over the link | "
-          "wire time at the rate (ms) |")
-    print("|---|---|---|---|---|---|")
+    cells = []
     for r in rows:
         ratio = r["prefill_ms"] / base[r["prompt_tokens"]] if r["prompt_tokens"] in base else None
         r["vs_uncapped"] = ratio
         wire = "-" if r["wire_ms_at_rate"] is None else f"{r['wire_ms_at_rate']:.0f}"
-        print(f"| {r['rate']} | {r['prompt_tokens']} | {r['prefill_ms']:.0f} | "
-              f"{'-' if ratio is None else f'{ratio:.2f}x'} | {r['link_bytes'] / 1e6:.2f} | {wire} |")
+        cells.append([r["rate"], r["prompt_tokens"], f"{r['prefill_ms']:.0f}", "-" if ratio is None else f"{ratio:.2f}x",
+                      f"{r['link_bytes'] / 1e6:.2f}", wire])
+    print(markdown_table(["rate", "prompt tokens", f"prefill ms (median of {args.repeats})", "vs uncapped",
+                          "MB over the link", "wire time at the rate (ms)"], cells))
     report = {"command": " ".join(sys.argv), "target": args.target, "stages": args.stages, "hidden": hidden,
               "dtype": args.dtype, "repeats": args.repeats, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_result(args.out, report)
     print(f"wrote {args.out}")
     return 0
 

@@ -20,22 +20,26 @@ with a hit every step (prune to the first child of the root, a new level of ``W`
 reports per level the stage's time, the part spent gathering and storing node states (the linear-state calls,
 timed inside), and the state memory per node and for a full tree of ``n W + 1`` nodes.
 
-    python infer/bench_linear_state.py                      # Qwen3.5-4B widths
-    python infer/bench_linear_state.py --hidden 1024 --rounds 7
-    python infer/bench_linear_state.py --tree-widths 1 4 8  # per-node state in token trees
+    python bench/bench_linear_state.py                      # Qwen3.5-4B widths
+    python bench/bench_linear_state.py --hidden 1024 --rounds 7
+    python bench/bench_linear_state.py --tree-widths 1 4 8  # per-node state in token trees
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from spd.target.linear_state import LinearStateRing
 from spd.target.staging import StagedModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.report (the scripts are not installed)
+from bench.report import write_result  # noqa: E402
 
 
 class SnapshotRing(LinearStateRing):
@@ -199,9 +203,8 @@ def tree_main(staged: StagedModel, args) -> None:
         print(f"{w:>3} {level:>9.2f} {level / chain_ms:>9.2f} {state:>14.3f} {state / level:>6.1%} "
               f"{per_node / 2**20:>15.2f} {full / 2**20:>30.1f}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "chain_ms_per_token_median": round(chain_ms, 3), "chain_ms": chain,
-                       "tree_rows": rows, "device": str(staged.device)}, f, indent=2)
+        write_result(args.out, {"args": vars(args), "chain_ms_per_token_median": round(chain_ms, 3), "chain_ms": chain,
+                                "tree_rows": rows, "device": str(staged.device)}, indent=2)
 
 
 def _sync(staged: StagedModel) -> None:
@@ -256,9 +259,8 @@ def main() -> None:
     print(f"linear state per stage: {per_slot / 2**20:.2f} MiB per length; ring of {args.stages + 1}: "
           f"{state_bytes / 2**20:.1f} MiB")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "rows": rows, "state_bytes_per_length": per_slot,
-                       "ring_bytes": state_bytes, "device": str(staged.device)}, f, indent=2)
+        write_result(args.out, {"args": vars(args), "rows": rows, "state_bytes_per_length": per_slot,
+                                "ring_bytes": state_bytes, "device": str(staged.device)}, indent=2)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ the table gives L'_acc = n N / K (the theoretical speedup) per run, and whether 
 Qwen3.5 / MoE targets, n = 4 and 8) as the token source of the chain (their schedule, ``--mode spd``) and of our
 tree at W = 1 and W = 4 (K = 4), on the fixtures' prompts (greedy continuations of the target), T = 0 and 1.
 
-    python infer/bench_hybrid_tree.py --out docs/results/hybrid-tree-vs-chain.json
-    python infer/bench_hybrid_tree.py --authors --out docs/results/authors-heads-tree.json
-    python infer/bench_hybrid_tree.py --target qwen3 --out docs/results/dense-tree-vs-chain.json   # the dense twin
+    python bench/bench_hybrid_tree.py --out docs/results/hybrid-tree-vs-chain.json
+    python bench/bench_hybrid_tree.py --authors --out docs/results/authors-heads-tree.json
+    python bench/bench_hybrid_tree.py --target qwen3 --out docs/results/dense-tree-vs-chain.json   # the dense twin
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -35,6 +36,9 @@ from spd.decoding.proposers import SpdHeadProposer
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, distill_step, new_head, teacher_anchors
 from spd.training.kd import sample_fills
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.report (the scripts are not installed)
+from bench.report import write_result  # noqa: E402
 
 TARGETS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "authors" / "targets"
 
@@ -105,7 +109,7 @@ def authors_main(args) -> None:
                 print(f"{name:<26} T = {temperature:g} {run:<11} L'_acc {row['l_acc_mean']:.2f}"
                       + (f", identical {same}/{len(runs)}" if not temperature else ""))
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2) + "\n")
+        write_result(args.out, {"args": vars(args), "rows": rows}, indent=2)
 
 
 def main() -> None:
@@ -154,8 +158,7 @@ def main() -> None:
                 print(f"  T = {temperature:g} {name:<11} L'_acc {row['l_acc_mean']:.2f} (alpha {row['alpha']:.2f}), "
                       f"{steps} steps" + (f", identical to ar {same}/{len(prompts)}" if not temperature else ""))
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows},
-                                             indent=2) + "\n")
+        write_result(args.out, {"args": vars(args), "rows": rows}, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Benchmark many concurrent clients on one pipeline: batched spd vs batched pp vs one-at-a-time spd.
 
-    python infer/bench_batch.py --speculator runs/testbed-n4/final --clients 1 2 4 8 16 32 \\
+    python bench/bench_batch.py --speculator runs/testbed-n4/final --clients 1 2 4 8 16 32 \\
         --requests-per-client 3 --max-new-tokens 48 --out bench_batch.json
     # the same over the distributed runtime: n stage processes, each call sleeping a + b * tokens
-    python infer/bench_batch.py --speculator runs/testbed-n4/final --runtime distributed \\
+    python bench/bench_batch.py --speculator runs/testbed-n4/final --runtime distributed \\
         --emulate-stage-ms 10 --emulate-token-ms 0.1 --out bench_batch_runtime.json
 
 ``C`` closed-loop clients (each sends its next request as soon as its last one ends, no think time) share one
@@ -71,18 +71,18 @@ The systems run one after another on the same machine; the table prints ratios t
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # infer/bench.py's prompt loading (the scripts are not installed)
+sys.path.insert(0, str(REPO))  # bench/bench.py's prompt loading (the scripts are not installed)
 
 from spd.errors import SpdInputError, run_cli  # noqa: E402
 from spd.decoding.tree_width import parse_tree_width  # noqa: E402
 from spd.paths import default_testbed_dir  # noqa: E402
+from bench.report import write_result  # noqa: E402
 
 SYSTEMS = ("spd batched", "pp batched", "spd 1-at-a-time")
 TREE_SYSTEMS = ("tree batched", "pp batched", "tree 1-at-a-time")  # --draft-model or --tree-width
@@ -103,7 +103,7 @@ def parse_args(argv=None):
                         "proposes trees of this width instead of chains)")
     p.add_argument("--tree-children", type=int, default=4, help="with a tree: candidates per node")
     p.add_argument("--tree-max-width", type=int, default=8, help="with --tree-width auto: the largest width")
-    p.add_argument("--prompts", default=str(tb / "prompts.jsonl"), help="as infer/bench.py --prompts")
+    p.add_argument("--prompts", default=str(tb / "prompts.jsonl"), help="as bench/bench.py --prompts")
     p.add_argument("--clients", type=int, nargs="+", default=None,
                    help="closed-loop clients, one row each (default 1 2 4 8 16 32 unless --rates is given)")
     p.add_argument("--requests-per-client", type=int, default=3)
@@ -453,7 +453,7 @@ def _bench(args) -> int:
     from spd.decoding.spec import DecodingSpec
     from spd.heads.loading import load_speculator, pipeline_cut
     from spd.target.staging import StagedModel, load_tokenizer
-    from infer.bench import load_prompts
+    from bench.bench import load_prompts
 
     transformers.utils.logging.set_verbosity_error()
     if args.threads:
@@ -556,7 +556,7 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
                   f"L'acc {row['accept_length']}", file=sys.stderr, flush=True)
     print(render(results))
     print("identical outputs across the systems:", all(row["identical_outputs"] for row in results["rows"]))
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    write_result(args.out, results)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

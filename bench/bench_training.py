@@ -1,6 +1,6 @@
 """Training-at-scale benchmark: online vs offline head training, full vs top-k teacher, full vs draft vocabulary.
 
-    python train/bench_training.py --out docs/results/bench_training.json
+    python bench/bench_training.py --out docs/results/bench_training.json
 
 On the testbed, with one preset (default configs/quickstart-n4.yaml) and the same rows for every run (the
 first corpus files, enough for ``--steps`` batches): captures the rows once (full teacher, and top-k),
@@ -8,7 +8,7 @@ then trains one head per setting from the same seed and measures
 
 - head-training throughput (training-loop tokens/s, from the trainer's own timing: the target forward is
   inside the loop online, absent offline),
-- L'_acc of every head, measured by decoding ``--num-prompts`` testbed prompts at T = 0 (infer/bench.py, all
+- L'_acc of every head, measured by decoding ``--num-prompts`` testbed prompts at T = 0 (bench/bench.py, all
   heads side by side, each checked token for token against ar),
 
 and, separately, the LM head's cost at a Qwen-sized vocabulary: KD forward + backward over a chunk of
@@ -28,6 +28,9 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # bench.report (the scripts are not installed)
+
+from bench.report import write_result  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -113,7 +116,7 @@ def train_runs(args, work: Path) -> dict:
                          "tokens_per_s": rows_seen * tokens / rows / seconds,  # mean row length x rows / time
                          "L_acc_est": summary["eval"].get("L_acc_est"), "top1_full": summary["eval"].get("top1_full")}
     bench_out = work / "bench.json"
-    _run("infer/bench.py", "--target", str(tb / "target"), "--prompts", str(tb / "prompts.jsonl"),
+    _run("bench/bench.py", "--target", str(tb / "target"), "--prompts", str(tb / "prompts.jsonl"),
          "--num-prompts", str(args.num_prompts), "--run", "ar",
          *[x for name in runs for x in ("--run", f"{name}=spd:{results[name]['head']}")], "--out", str(bench_out))
     measured = json.loads(bench_out.read_text())["results"]["T=0"]
@@ -152,7 +155,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    report = {"command": " ".join(["python", "train/bench_training.py", *(argv or sys.argv[1:])]),
+    report = {"command": " ".join(["python", "bench/bench_training.py", *(argv or sys.argv[1:])]),
               "threads": torch.get_num_threads()}
     if not args.skip_training:
         report["training"] = train_runs(args, work)
@@ -168,8 +171,7 @@ def main(argv=None) -> int:
     print(f"\nLM head + KD, forward + backward, {lm['positions']} positions, D = {lm['hidden']}: "
           f"V = {lm['vocab']}: {lm['full_ms']:.0f} ms, K = {lm['draft']}: {lm['draft_ms']:.0f} ms "
           f"({lm['ratio']:.2f}x)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.out, report, indent=2)
     print(f"JSON: {args.out}")
     return 0
 

@@ -1,8 +1,8 @@
 """The paper's comparison (its Table 1) on a target, in one command: what is missing is trained, then measured.
 
-    python infer/reproduce.py --testbed testbed --out docs/results/reproduction
-    python infer/reproduce.py --testbed testbed-deep --stages 4 8 16 --out docs/results/reproduction-deep
-    python infer/reproduce.py --testbed smollm2 --config configs/smollm2-n4.yaml --prompts humaneval-chat \
+    python bench/reproduce.py --testbed testbed --out docs/results/reproduction
+    python bench/reproduce.py --testbed testbed-deep --stages 4 8 16 --out docs/results/reproduction-deep
+    python bench/reproduce.py --testbed smollm2 --config configs/smollm2-n4.yaml --prompts humaneval-chat \
         --stages 4 8 --draft-steps 3 7 --max-length 512 --steps 240 --num-prompts 30 --max-new-tokens 96 \
         --batch 20 --out docs/results/reproduction-smollm2
 
@@ -18,7 +18,7 @@ divide the target's layers takes the balanced cut (``spd.target.staging.balanced
    (``variant=output_state``, the first L_s of ``--layers``) and PPSD (``variant=ppsd``, L_s 1) for every n;
    and the EAGLE-style serial drafter (``variant=eagle``, trained for up to max(--draft-steps)). A head is
    checkpointed every 40 steps, so a killed run resumes where its heads stood.
-3. One ``infer/bench.py`` run on ``--prompts`` (default: HumanEval's 164 problems, the first
+3. One ``bench/bench.py`` run on ``--prompts`` (default: HumanEval's 164 problems, the first
    ``--num-prompts``) at every temperature of ``--temperatures``: EAGLE-style ``sd`` for every m, SPD,
    output-state and PPSD chains, and the SPD head's token tree of width 4 (sampled candidates at T > 0).
    It journals every finished prompt and resumes; ``--batch B`` runs the pipeline rows B prompts at a time
@@ -47,6 +47,7 @@ sys.path.insert(0, str(REPO))
 
 from spd.errors import SpdInputError, run_cli  # noqa: E402
 from spd.paths import default_testbed_dir  # noqa: E402
+from bench.report import write_result  # noqa: E402
 
 
 CHECKPOINT_EVERY = 40  # optimizer steps: a head whose training is killed resumes from its last checkpoint
@@ -84,12 +85,12 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=800, help="optimizer steps per head (default: %(default)s)")
     p.add_argument("--config", default=str(REPO / "configs" / "testbed-n4.yaml"),
                    help="trainer preset the heads start from (default: %(default)s)")
-    p.add_argument("--prompts", default="humaneval", help="infer/bench.py --prompts (default: %(default)s)")
+    p.add_argument("--prompts", default="humaneval", help="bench/bench.py --prompts (default: %(default)s)")
     p.add_argument("--num-prompts", type=int, default=50)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--batch", type=int, default=1,
-                   help="infer/bench.py --batch: the pipeline rows run this many prompts at a time through the batched "
+                   help="bench/bench.py --batch: the pipeline rows run this many prompts at a time through the batched "
                         "pipeline (default: 1, one at a time); the serial rows stay one at a time")
     p.add_argument("--max-length", type=int, default=256, help="tokens per captured row (default: %(default)s)")
     p.add_argument("--capture-tokens", type=int, default=None,
@@ -162,7 +163,7 @@ def bench(args, testbed: Path, runs: Path, finals: dict[str, Path], stages: list
         spec += [f"ppsd n={n}=spd:{finals[f'ppsd-n{n}']}"]
         spec += [f"spd n={n} Ls={args.layers[0]} W=4=tree:{finals[f'spd-n{n}-ls{args.layers[0]}']}:{n}:4:4"]
     out = runs / "bench.json"
-    cmd = [sys.executable, str(REPO / "infer" / "bench.py"), "--target", str(testbed / "target"),
+    cmd = [sys.executable, str(REPO / "bench" / "bench.py"), "--target", str(testbed / "target"),
            "--prompts", args.prompts, "--num-prompts", str(args.num_prompts), "--max-new-tokens",
            str(args.max_new_tokens), "--temperatures", *map(str, args.temperatures), "--out", str(out)]
     cmd += ["--batch", str(args.batch)] if args.batch > 1 else []
@@ -246,9 +247,9 @@ def _reproduce(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(markdown(rows, temperatures, report))
-    (out / "table.json").write_text(json.dumps({"command": " ".join(sys.argv), "bench_command": report["command"],
-                                                "dataset": report["dataset"], "testbed": str(testbed),
-                                                "steps_per_head": args.steps, "rows": rows}, indent=1) + "\n")
+    write_result(out / "table.json", {"command": " ".join(sys.argv), "bench_command": report["command"],
+                                      "dataset": report["dataset"], "testbed": str(testbed),
+                                      "steps_per_head": args.steps, "rows": rows})
     plot(rows, temperatures, out / "table.png")
     print((out / "table.md").read_text())
     print(f"written: {out / 'table.md'}, {out / 'table.json'}, {out / 'table.png'}")

@@ -1,7 +1,7 @@
 """Training-layout benchmark: the efficient path vs the dense (n+1)x reference, forward + backward of the head.
 
-    python train/bench_layout.py --threads 1 --out docs/results/bench_layout.json        # testbed size
-    python train/bench_layout.py --hidden 2048 --heads 16 --seq-lens 2048 --stages 8 --iters 2 \\
+    python bench/bench_layout.py --threads 1 --out docs/results/bench_layout.json        # testbed size
+    python bench/bench_layout.py --hidden 2048 --heads 16 --seq-lens 2048 --stages 8 --iters 2 \\
         --threads 1 --out docs/results/bench_layout_d2048.json                         # a real target's size
 
 Defaults are the testbed's dimensions (D=128, 4 heads, L_s=1, 8 target layers). For every sequence length
@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.report (the scripts are not installed)
+from bench.report import write_result  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -169,8 +172,8 @@ def main(argv=None) -> int:
                   f"{r['param_grad_mb']:.0f} MB", flush=True)
     settings = {k: v for k, v in vars(args).items() if k != "one"}
     settings["torch_threads"] = args.threads or torch.get_num_threads()
-    Path(args.out).write_text(json.dumps({"device": args.device, "torch": torch.__version__, "settings": settings,
-                                          "rows": rows}, indent=2) + "\n")
+    write_result(args.out, {"device": args.device, "torch": torch.__version__, "settings": settings, "rows": rows},
+                 indent=2)
     return 0
 
 

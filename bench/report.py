@@ -1,0 +1,37 @@
+"""What the benchmarks share for their output: the JSON result, written atomically, and markdown tables.
+
+A script run as ``python bench/<name>.py`` has ``bench/`` first on ``sys.path``, where ``bench`` is the module
+``bench/bench.py``; to import this one as ``bench.report`` it puts the repository's root before it::
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.report import write_result  # noqa: E402
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from spd.files import write_json_atomic
+
+
+def write_result(path: str | os.PathLike, result, indent: int = 1) -> Path:
+    """Write a benchmark's ``result`` as JSON (and a final newline) to ``path``, its folder made first if missing;
+    atomically (:func:`spd.files.write_json_atomic`): a run killed while writing leaves the previous file whole."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, result, indent=indent)
+    return path
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], rule: str = "---") -> str:
+    """A markdown table: ``| a | b |``, the rule line (``|---|---|``, or ``| --- | --- |`` with ``rule=" --- "``),
+    then one line per row, each cell written with ``str`` (format numbers before)."""
+    lines = [_line(header), "|" + f"{rule}|" * len(header)]
+    lines += [_line(row) for row in rows]
+    return "\n".join(lines)
+
+
+def _line(cells: Sequence[object]) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
