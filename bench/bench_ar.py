@@ -62,9 +62,15 @@ def main(argv=None) -> int:
 
     def run_hf(ids):
         with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=False,
-                                 num_beams=1, eos_token_id=eos, pad_token_id=tok.pad_token_id)
-        return out[0, len(ids):].tolist()
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=args.max_new_tokens,
+                do_sample=False,
+                num_beams=1,
+                eos_token_id=eos,
+                pad_token_id=tok.pad_token_id,
+            )
+        return out[0, len(ids) :].tolist()
 
     def run_ar(ids):
         return generate_ar(staged, ids, args.max_new_tokens, eos_token_id=eos).token_ids
@@ -83,28 +89,44 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             tokens[name] = runners[name](ids)
             times[name] = time.perf_counter() - t0
-        rows.append({"prompt": i, "prompt_tokens": len(ids), "new_tokens": len(tokens["spd_ar"]),
-                     "generate_s": times["generate"], "spd_ar_s": times["spd_ar"],
-                     "identical": tokens["generate"] == tokens["spd_ar"]})
+        rows.append(
+            {
+                "prompt": i,
+                "prompt_tokens": len(ids),
+                "new_tokens": len(tokens["spd_ar"]),
+                "generate_s": times["generate"],
+                "spd_ar_s": times["spd_ar"],
+                "identical": tokens["generate"] == tokens["spd_ar"],
+            }
+        )
 
     total = {name: sum(r[f"{name}_s"] for r in rows) for name in runners}
     new_tokens = sum(r["new_tokens"] for r in rows)
     summary = {
-        "target": args.target, "stages": args.stages, "prompts": len(rows), "max_new_tokens": args.max_new_tokens,
-        "threads": torch.get_num_threads(), "new_tokens": new_tokens,
-        "generate_tokens_per_s": new_tokens / total["generate"], "spd_ar_tokens_per_s": new_tokens / total["spd_ar"],
+        "target": args.target,
+        "stages": args.stages,
+        "prompts": len(rows),
+        "max_new_tokens": args.max_new_tokens,
+        "threads": torch.get_num_threads(),
+        "new_tokens": new_tokens,
+        "generate_tokens_per_s": new_tokens / total["generate"],
+        "spd_ar_tokens_per_s": new_tokens / total["spd_ar"],
         "speedup_vs_generate": total["generate"] / total["spd_ar"],
         "median_per_prompt_speedup": statistics.median(r["generate_s"] / r["spd_ar_s"] for r in rows),
         "identical_outputs": sum(r["identical"] for r in rows),
     }
     print(f"{'prompt':>6} {'tokens':>6} {'generate tok/s':>15} {'spd ar tok/s':>13} {'ratio':>6} {'same':>5}")
     for r in rows:
-        print(f"{r['prompt']:>6} {r['new_tokens']:>6} {r['new_tokens'] / r['generate_s']:>15.1f} "
-              f"{r['new_tokens'] / r['spd_ar_s']:>13.1f} {r['generate_s'] / r['spd_ar_s']:>6.2f} "
-              f"{'yes' if r['identical'] else 'NO':>5}")
-    print(f"{'all':>6} {new_tokens:>6} {summary['generate_tokens_per_s']:>15.1f} "
-          f"{summary['spd_ar_tokens_per_s']:>13.1f} {summary['speedup_vs_generate']:>6.2f} "
-          f"{summary['identical_outputs']}/{len(rows)}")
+        print(
+            f"{r['prompt']:>6} {r['new_tokens']:>6} {r['new_tokens'] / r['generate_s']:>15.1f} "
+            f"{r['new_tokens'] / r['spd_ar_s']:>13.1f} {r['generate_s'] / r['spd_ar_s']:>6.2f} "
+            f"{'yes' if r['identical'] else 'NO':>5}"
+        )
+    print(
+        f"{'all':>6} {new_tokens:>6} {summary['generate_tokens_per_s']:>15.1f} "
+        f"{summary['spd_ar_tokens_per_s']:>13.1f} {summary['speedup_vs_generate']:>6.2f} "
+        f"{summary['identical_outputs']}/{len(rows)}"
+    )
     write_result(args.out, {"summary": summary, "rows": rows}, indent=2)
     return 0 if summary["identical_outputs"] == len(rows) else 1
 

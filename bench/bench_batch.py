@@ -98,41 +98,80 @@ def parse_args(argv=None):
     source.add_argument("--speculator", help="the SPD head (its n cuts the pipeline)")
     source.add_argument("--draft-model", help="a draft model proposing a token tree (mode tree; needs --stages)")
     p.add_argument("--stages", type=int, default=None, help="with --draft-model: the number of pipeline stages, n")
-    p.add_argument("--tree-width", default=None,
-                   help="the tree's width W, or 'auto' (default 4 with --draft-model; with --speculator: the head "
-                        "proposes trees of this width instead of chains)")
+    p.add_argument(
+        "--tree-width",
+        default=None,
+        help="the tree's width W, or 'auto' (default 4 with --draft-model; with --speculator: the head "
+        "proposes trees of this width instead of chains)",
+    )
     p.add_argument("--tree-children", type=int, default=4, help="with a tree: candidates per node")
     p.add_argument("--tree-max-width", type=int, default=8, help="with --tree-width auto: the largest width")
     p.add_argument("--prompts", default=str(tb / "prompts.jsonl"), help="as bench/bench.py --prompts")
-    p.add_argument("--clients", type=int, nargs="+", default=None,
-                   help="closed-loop clients, one row each (default 1 2 4 8 16 32 unless --rates is given)")
+    p.add_argument(
+        "--clients",
+        type=int,
+        nargs="+",
+        default=None,
+        help="closed-loop clients, one row each (default 1 2 4 8 16 32 unless --rates is given)",
+    )
     p.add_argument("--requests-per-client", type=int, default=3)
-    p.add_argument("--rates", type=float, nargs="+", default=None,
-                   help="open-loop: requests per second arriving at random (Poisson), one row each")
+    p.add_argument(
+        "--rates",
+        type=float,
+        nargs="+",
+        default=None,
+        help="open-loop: requests per second arriving at random (Poisson), one row each",
+    )
     p.add_argument("--requests", type=int, default=64, help="open-loop: requests per rate")
     p.add_argument("--max-batch", type=int, default=32, help="open-loop: requests in flight at most, batched")
     p.add_argument("--seed", type=int, default=0, help="open-loop: the arrival times' seed")
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--new-tokens-jitter", type=int, default=0,
-                   help="request i's budget is --max-new-tokens + a whole number from -J to J, drawn with seed i (the "
-                        "same for every system); 0: every request gets --max-new-tokens")
-    p.add_argument("--prefill-chunk", type=int, default=64,
-                   help="prompt tokens that enter the pipeline per step, all newcomers together")
-    p.add_argument("--step-tokens", type=int, default=None,
-                   help="a stage call's token budget: prompts enter with what the levels in flight leave of it")
-    p.add_argument("--spread-prefill", action="store_true",
-                   help="each prompt enters in n equal chunks, 1/n of it in each stage call")
-    p.add_argument("--tree-nodes", type=int, default=None,
-                   help="with a tree: a node budget per level across the batch (the trees narrow as it grows)")
+    p.add_argument(
+        "--new-tokens-jitter",
+        type=int,
+        default=0,
+        help="request i's budget is --max-new-tokens + a whole number from -J to J, drawn with seed i (the "
+        "same for every system); 0: every request gets --max-new-tokens",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=64,
+        help="prompt tokens that enter the pipeline per step, all newcomers together",
+    )
+    p.add_argument(
+        "--step-tokens",
+        type=int,
+        default=None,
+        help="a stage call's token budget: prompts enter with what the levels in flight leave of it",
+    )
+    p.add_argument(
+        "--spread-prefill",
+        action="store_true",
+        help="each prompt enters in n equal chunks, 1/n of it in each stage call",
+    )
+    p.add_argument(
+        "--tree-nodes",
+        type=int,
+        default=None,
+        help="with a tree: a node budget per level across the batch (the trees narrow as it grows)",
+    )
     p.add_argument("--stage-ms", type=float, default=None, help="the model clock's fixed cost per stage call, a")
     p.add_argument("--token-ms", type=float, default=None, help="the model clock's cost per token, b")
-    p.add_argument("--runtime", default="local", choices=("local", "distributed"),
-                   help="the stages in this process, or in their own processes (the distributed runtime)")
+    p.add_argument(
+        "--runtime",
+        default="local",
+        choices=("local", "distributed"),
+        help="the stages in this process, or in their own processes (the distributed runtime)",
+    )
     p.add_argument("--emulate-stage-ms", type=float, default=0.0, help="distributed: sleep per stage call, a")
     p.add_argument("--emulate-token-ms", type=float, default=0.0, help="distributed: and per token of the call, b")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--batched-only", action="store_true",
-                   help="run the two batched systems only, not the one-at-a-time baseline (the slowest to run)")
+    p.add_argument(
+        "--batched-only",
+        action="store_true",
+        help="run the two batched systems only, not the one-at-a-time baseline (the slowest to run)",
+    )
     p.add_argument("--out", default="bench_batch.json")
     args = p.parse_args(argv)
     if (args.stage_ms is None) != (args.token_ms is None):
@@ -146,8 +185,10 @@ def parse_args(argv=None):
     if min(args.clients, default=1) < 1 or args.requests_per_client < 1 or args.max_new_tokens < 1:
         raise SpdInputError("--clients, --requests-per-client and --max-new-tokens must be positive")
     if not 0 <= args.new_tokens_jitter < args.max_new_tokens:
-        raise SpdInputError(f"--new-tokens-jitter must be from 0 to --max-new-tokens - 1 ({args.max_new_tokens - 1}), "
-                            f"got {args.new_tokens_jitter}")
+        raise SpdInputError(
+            f"--new-tokens-jitter must be from 0 to --max-new-tokens - 1 ({args.max_new_tokens - 1}), "
+            f"got {args.new_tokens_jitter}"
+        )
     if min(args.rates or [1.0]) <= 0 or args.requests < 1 or args.max_batch < 1:
         raise SpdInputError("--rates, --requests and --max-batch must be positive")
     if args.tree_width is None and args.draft_model is not None:
@@ -214,30 +255,58 @@ def cpu_used(before: dict[int, float], after: dict[int, float]) -> dict:
     """The CPU seconds between two :func:`cpu_seconds`: ``driver`` (this process) and ``stages`` (each child process
     alive at both, in process-id order)."""
     driver = next(iter(before))
-    return {"driver": after[driver] - before[driver],
-            "stages": [after[pid] - before[pid] for pid in sorted(before) if pid != driver and pid in after]}
+    return {
+        "driver": after[driver] - before[driver],
+        "stages": [after[pid] - before[pid] for pid in sorted(before) if pid != driver and pid in after],
+    }
 
 
-def run_system(engines: dict, system: str, prompts: list[list[int]], clients: int, per_client: int,
-               max_new_tokens: int, prefill_chunk: int, step_tokens: int | None = None, spread_prefill: bool = False,
-               tree_nodes: int | None = None, jitter: int = 0) -> dict:
+def run_system(
+    engines: dict,
+    system: str,
+    prompts: list[list[int]],
+    clients: int,
+    per_client: int,
+    max_new_tokens: int,
+    prefill_chunk: int,
+    step_tokens: int | None = None,
+    spread_prefill: bool = False,
+    tree_nodes: int | None = None,
+    jitter: int = 0,
+) -> dict:
     """C closed-loop clients on one batched pipeline; per request its token steps and wall times. ``engines``: the
     engine of each mode (spd and pp share one; a draft model's tree has its own)."""
     from spd.decoding.sampling import SamplingParams
 
-    mode, batched = _pipeline(engines, system, prompts, clients, max_new_tokens + jitter, prefill_chunk, step_tokens,
-                              spread_prefill, tree_nodes)
+    mode, batched = _pipeline(
+        engines,
+        system,
+        prompts,
+        clients,
+        max_new_tokens + jitter,
+        prefill_chunk,
+        step_tokens,
+        spread_prefill,
+        tree_nodes,
+    )
     # Over the distributed runtime the stages keep clocks (their layers, the emulated sleep, their sends and
     # receives): asked now, they start anew for this run (the batch mode is entered at the first step).
     stage_clocks = getattr(engines[mode].stages, "clocks", None)
     if stage_clocks is not None:
         stage_clocks()
-    records, next_prompt = [], iter(range(10 ** 9))
+    records, next_prompt = [], iter(range(10**9))
 
     def send(client: int, left: int) -> None:
         index = next(next_prompt)
-        record = {"client": client, "prompt": index % len(prompts), "submit_step": batched.steps,
-                  "submit_s": time.perf_counter(), "steps": [], "times": [], "tokens": []}
+        record = {
+            "client": client,
+            "prompt": index % len(prompts),
+            "submit_step": batched.steps,
+            "submit_s": time.perf_counter(),
+            "steps": [],
+            "times": [],
+            "tokens": [],
+        }
 
         def on_token(token: int, accepted: bool) -> None:
             record["tokens"].append(token)
@@ -252,8 +321,15 @@ def run_system(engines: dict, system: str, prompts: list[list[int]], clients: in
                 send(client, left - 1)
 
         records.append(record)
-        batched.submit(prompts[index % len(prompts)], new_tokens(index, max_new_tokens, jitter), SamplingParams(), [],
-                       on_token, mode, on_done)
+        batched.submit(
+            prompts[index % len(prompts)],
+            new_tokens(index, max_new_tokens, jitter),
+            SamplingParams(),
+            [],
+            on_token,
+            mode,
+            on_done,
+        )
 
     cpu_before = cpu_seconds()
     start = time.perf_counter()
@@ -263,13 +339,30 @@ def run_system(engines: dict, system: str, prompts: list[list[int]], clients: in
         batched.step()
     wall_s = time.perf_counter() - start
     cpu_s = cpu_used(cpu_before, cpu_seconds())
-    return {"records": records, "stage_tokens": batched.stage_tokens, "batch_sizes": batched.batch_sizes,
-            "start_s": start, "wall_s": wall_s, "stage_s": batched.stage_s, "overlap_s": batched.overlap_s,
-            "cpu_s": cpu_s, "stage_clocks": stage_clocks()["stages"] if stage_clocks is not None else None}
+    return {
+        "records": records,
+        "stage_tokens": batched.stage_tokens,
+        "batch_sizes": batched.batch_sizes,
+        "start_s": start,
+        "wall_s": wall_s,
+        "stage_s": batched.stage_s,
+        "overlap_s": batched.overlap_s,
+        "cpu_s": cpu_s,
+        "stage_clocks": stage_clocks()["stages"] if stage_clocks is not None else None,
+    }
 
 
-def _pipeline(engines: dict, system: str, prompts: list[list[int]], max_batch: int, max_new_tokens: int,
-              prefill_chunk: int, step_tokens: int | None, spread_prefill: bool, tree_nodes: int | None = None):
+def _pipeline(
+    engines: dict,
+    system: str,
+    prompts: list[list[int]],
+    max_batch: int,
+    max_new_tokens: int,
+    prefill_chunk: int,
+    step_tokens: int | None,
+    spread_prefill: bool,
+    tree_nodes: int | None = None,
+):
     """The mode ``system`` runs and its batched pipeline, with KV rows for ``max_batch`` requests (a tree's node
     budget for the tree systems only)."""
     from spd.decoding.batch import BatchedPipeline
@@ -278,10 +371,15 @@ def _pipeline(engines: dict, system: str, prompts: list[list[int]], max_batch: i
     engine = engines[mode]
     # The tree (or chain) in flight at its policy's widest, with room to spare.
     in_flight = engine.staged.n_stages * engine.loop.policy.max_width + 8
-    batched = BatchedPipeline(engine, max_batch=1 if system.endswith("1-at-a-time") else max_batch,
-                              kv_rows=max_batch * (max(map(len, prompts)) + max_new_tokens + in_flight),
-                              prefill_chunk=prefill_chunk, step_tokens=step_tokens, spread_prefill=spread_prefill,
-                              tree_nodes=tree_nodes if mode == "tree" and not system.endswith("1-at-a-time") else None)
+    batched = BatchedPipeline(
+        engine,
+        max_batch=1 if system.endswith("1-at-a-time") else max_batch,
+        kv_rows=max_batch * (max(map(len, prompts)) + max_new_tokens + in_flight),
+        prefill_chunk=prefill_chunk,
+        step_tokens=step_tokens,
+        spread_prefill=spread_prefill,
+        tree_nodes=tree_nodes if mode == "tree" and not system.endswith("1-at-a-time") else None,
+    )
     return mode, batched
 
 
@@ -296,22 +394,42 @@ def poisson_arrivals(rate: float, count: int, seed: int) -> list[float]:
     return times
 
 
-def run_open(engines: dict, system: str, prompts: list[list[int]], arrivals: list[float], max_batch: int,
-             max_new_tokens: int, prefill_chunk: int, step_tokens: int | None, spread_prefill: bool,
-             clock: str, a_ms: float = 0.0, b_ms: float = 0.0, tree_nodes: int | None = None,
-             jitter: int = 0) -> dict:
+def run_open(
+    engines: dict,
+    system: str,
+    prompts: list[list[int]],
+    arrivals: list[float],
+    max_batch: int,
+    max_new_tokens: int,
+    prefill_chunk: int,
+    step_tokens: int | None,
+    spread_prefill: bool,
+    clock: str,
+    a_ms: float = 0.0,
+    b_ms: float = 0.0,
+    tree_nodes: int | None = None,
+    jitter: int = 0,
+) -> dict:
     """Open-loop load: request ``i`` (prompt ``i``) arrives at ``arrivals[i]`` seconds of ``clock`` ("model": the
     emulated deployment's clock, a step costing its busiest stage's ``a + b * tokens``; "real": the wall clock) and is
     submitted at the first step boundary after it; per request its token steps and times on that clock."""
     from spd.decoding.sampling import SamplingParams
 
-    mode, batched = _pipeline(engines, system, prompts, max_batch, max_new_tokens + jitter, prefill_chunk, step_tokens,
-                              spread_prefill, tree_nodes)
+    mode, batched = _pipeline(
+        engines,
+        system,
+        prompts,
+        max_batch,
+        max_new_tokens + jitter,
+        prefill_chunk,
+        step_tokens,
+        spread_prefill,
+        tree_nodes,
+    )
     records, ends, clock_s = [], [0.0], 0.0  # ends[k]: the model clock (s) when step k ends; clock_s: now
 
     def submit(index: int) -> None:
-        record = {"prompt": index % len(prompts), "arrival_s": arrivals[index], "steps": [], "times": [],
-                  "tokens": []}
+        record = {"prompt": index % len(prompts), "arrival_s": arrivals[index], "steps": [], "times": [], "tokens": []}
 
         def on_token(token: int, accepted: bool) -> None:
             record["tokens"].append(token)
@@ -324,8 +442,15 @@ def run_open(engines: dict, system: str, prompts: list[list[int]], arrivals: lis
             record["stats"] = request.output.stats
 
         records.append(record)
-        batched.submit(prompts[index % len(prompts)], new_tokens(index, max_new_tokens, jitter), SamplingParams(), [],
-                       on_token, mode, on_done)
+        batched.submit(
+            prompts[index % len(prompts)],
+            new_tokens(index, max_new_tokens, jitter),
+            SamplingParams(),
+            [],
+            on_token,
+            mode,
+            on_done,
+        )
 
     start, waiting = time.perf_counter(), 0
     while waiting < len(arrivals) or batched.busy:
@@ -346,8 +471,13 @@ def run_open(engines: dict, system: str, prompts: list[list[int]], arrivals: lis
     if clock == "model":
         for record in records:
             record["times"] = [ends[s] for s in record["steps"]]
-    return {"records": records, "stage_tokens": batched.stage_tokens, "batch_sizes": batched.batch_sizes,
-            "clock": clock, "total_s": clock_s if clock == "model" else wall_s}
+    return {
+        "records": records,
+        "stage_tokens": batched.stage_tokens,
+        "batch_sizes": batched.batch_sizes,
+        "clock": clock,
+        "total_s": clock_s if clock == "model" else wall_s,
+    }
 
 
 def summarize(run: dict, n: int, a_ms: float, b_ms: float) -> dict:
@@ -358,51 +488,84 @@ def summarize(run: dict, n: int, a_ms: float, b_ms: float) -> dict:
         clock += max((a_ms + b_ms * t for t in tokens if t), default=0.0)
         ends_ms.append(clock)
     tokens = sum(len(r["steps"]) for r in run["records"])
-    out = {"requests": len(run["records"]), "tokens": tokens, "steps": len(run["stage_tokens"]),
-           "mean_batch": round(statistics.fmean(run["batch_sizes"]), 2)}
+    out = {
+        "requests": len(run["records"]),
+        "tokens": tokens,
+        "steps": len(run["stage_tokens"]),
+        "mean_batch": round(statistics.fmean(run["batch_sizes"]), 2),
+    }
     if "stage_s" in run and out["steps"]:  # closed loop: a step's wall time, in the stage back-end and the rest
         out["stage_ms_per_step"] = round(1000 * run["stage_s"] / out["steps"], 3)
         out["own_ms_per_step"] = round(1000 * (run["wall_s"] - run["stage_s"]) / out["steps"], 3)
         out["overlap_ms_per_step"] = round(1000 * run["overlap_s"] / out["steps"], 3)
         cpu = run["cpu_s"]
-        out["cpu_ms_per_step"] = {"driver": round(1000 * cpu["driver"] / out["steps"], 3),
-                                  "stages": [round(1000 * s / out["steps"], 3) for s in cpu["stages"]]}
+        out["cpu_ms_per_step"] = {
+            "driver": round(1000 * cpu["driver"] / out["steps"], 3),
+            "stages": [round(1000 * s / out["steps"], 3) for s in cpu["stages"]],
+        }
         out["cores_busy"] = round((cpu["driver"] + sum(cpu["stages"])) / run["wall_s"], 3)
         if run.get("stage_clocks"):  # each stage's wall time per step: its layers, its sleep, its waits and sends
-            out["stage_clock_ms_per_step"] = [{name: round(1000 * clock[name] / out["steps"], 3)
-                                               for name in STAGE_CLOCKS} for clock in run["stage_clocks"]]
+            out["stage_clock_ms_per_step"] = [
+                {name: round(1000 * clock[name] / out["steps"], 3) for name in STAGE_CLOCKS}
+                for clock in run["stage_clocks"]
+            ]
     decode = sum(r["stats"].decode_tokens for r in run["records"])
     steps = sum(r["stats"].steps for r in run["records"])
     out["accept_length"] = round(n * decode / steps, 3) if steps else 0.0
     if "clock" in run:  # open-loop: the one clock its arrivals followed
-        clocks = {run["clock"]: ([r["times"] for r in run["records"]], [r["arrival_s"] for r in run["records"]],
-                                 run["total_s"])}
+        clocks = {
+            run["clock"]: (
+                [r["times"] for r in run["records"]],
+                [r["arrival_s"] for r in run["records"]],
+                run["total_s"],
+            )
+        }
     else:
-        clocks = {"model": ([[ends_ms[s] / 1000 for s in r["steps"]] for r in run["records"]],
-                            [ends_ms[r["submit_step"]] / 1000 for r in run["records"]], ends_ms[-1] / 1000),
-                  "real": ([[t - run["start_s"] for t in r["times"]] for r in run["records"]],
-                           [r["submit_s"] - run["start_s"] for r in run["records"]], run["wall_s"])}
+        clocks = {
+            "model": (
+                [[ends_ms[s] / 1000 for s in r["steps"]] for r in run["records"]],
+                [ends_ms[r["submit_step"]] / 1000 for r in run["records"]],
+                ends_ms[-1] / 1000,
+            ),
+            "real": (
+                [[t - run["start_s"] for t in r["times"]] for r in run["records"]],
+                [r["submit_s"] - run["start_s"] for r in run["records"]],
+                run["wall_s"],
+            ),
+        }
     # Each request's own figures (the tail of the per-request time between tokens is a few requests: which ones, and
     # how many steps per token the head gave them); the clocks' time between tokens is added below.
-    out["per_request"] = [{"prompt": r.get("prompt"), "tokens": len(r["steps"]),
-                           "steps_per_token": round((r["steps"][-1] - r["steps"][0]) / (len(r["steps"]) - 1), 3)
-                           if len(r["steps"]) > 1 else None,
-                           "acceptance": round(r["stats"].accepted / r["stats"].verified, 3)
-                           if getattr(r["stats"], "verified", 0) else None, "tbt_ms": {}} for r in run["records"]]
+    out["per_request"] = [
+        {
+            "prompt": r.get("prompt"),
+            "tokens": len(r["steps"]),
+            "steps_per_token": round((r["steps"][-1] - r["steps"][0]) / (len(r["steps"]) - 1), 3)
+            if len(r["steps"]) > 1
+            else None,
+            "acceptance": round(r["stats"].accepted / r["stats"].verified, 3)
+            if getattr(r["stats"], "verified", 0)
+            else None,
+            "tbt_ms": {},
+        }
+        for r in run["records"]
+    ]
     for name, (times, submits, total_s) in clocks.items():
         gaps = sorted(b - a for ts in times for a, b in zip(ts, ts[1:]))
         for row, ts in zip(out["per_request"], times):
             row["tbt_ms"][name] = round(1000 * (ts[-1] - ts[0]) / (len(ts) - 1), 2) if len(ts) > 1 else None
         per_request = sorted((ts[-1] - ts[0]) / (len(ts) - 1) for ts in times if len(ts) > 1)
         first = sorted(ts[0] - s for ts, s in zip(times, submits) if ts)
-        out[name] = {"tokens_per_s": round(tokens / total_s, 2) if total_s else 0.0,
-                     "tbt_mean_ms": round(1000 * statistics.fmean(gaps), 2) if gaps else 0.0,
-                     "tbt_p50_ms": round(1000 * _percentile(gaps, 50), 2),
-                     "tbt_p99_ms": round(1000 * _percentile(gaps, 99), 2),
-                     "tbt_request_mean_ms": round(1000 * statistics.fmean(per_request), 2) if per_request else 0.0,
-                     "tbt_request_p50_ms": round(1000 * _percentile(per_request, 50), 2),
-                     "tbt_request_p99_ms": round(1000 * _percentile(per_request, 99), 2),
-                     "ttft_p50_ms": round(1000 * _percentile(first, 50), 2), "total_s": round(total_s, 3)}
+        out[name] = {
+            "tokens_per_s": round(tokens / total_s, 2) if total_s else 0.0,
+            "tbt_mean_ms": round(1000 * statistics.fmean(gaps), 2) if gaps else 0.0,
+            "tbt_p50_ms": round(1000 * _percentile(gaps, 50), 2),
+            "tbt_p99_ms": round(1000 * _percentile(gaps, 99), 2),
+            "tbt_request_mean_ms": round(1000 * statistics.fmean(per_request), 2) if per_request else 0.0,
+            "tbt_request_p50_ms": round(1000 * _percentile(per_request, 50), 2),
+            "tbt_request_p99_ms": round(1000 * _percentile(per_request, 99), 2),
+            "ttft_p50_ms": round(1000 * _percentile(first, 50), 2),
+            "total_s": round(total_s, 3),
+        }
     return out
 
 
@@ -415,16 +578,21 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def render(results: dict) -> str:
-    lines = [f"model clock: a = {results['stage_ms']:.3f} ms + b = {results['token_ms']:.4f} ms/token per stage call "
-             f"({results['clock_source']}); n = {results['stages']}",
-             f"real clock: {results.get('real_clock', 'one process, the stages in turn')}",
-             f"{'load':>7} {'system':<16} {'clock':<5} {'tok/s':>9} {'x pp':>6} {'TBT mean':>9} {'TBT p50':>9} "
-             f"{'TBT p99':>9} {'req p50':>8} {'req p99':>8} "
-             f"{'TTFT p50':>10} {'batch':>6} {'Lacc':>5} {'own/step':>8} {'cpu/step':>11}"]
+    lines = [
+        f"model clock: a = {results['stage_ms']:.3f} ms + b = {results['token_ms']:.4f} ms/token per stage call "
+        f"({results['clock_source']}); n = {results['stages']}",
+        f"real clock: {results.get('real_clock', 'one process, the stages in turn')}",
+        f"{'load':>7} {'system':<16} {'clock':<5} {'tok/s':>9} {'x pp':>6} {'TBT mean':>9} {'TBT p50':>9} "
+        f"{'TBT p99':>9} {'req p50':>8} {'req p99':>8} "
+        f"{'TTFT p50':>10} {'batch':>6} {'Lacc':>5} {'own/step':>8} {'cpu/step':>11}",
+    ]
     for row in results["rows"]:
         load = f"C={row['clients']}" if row.get("rate") is None else f"{row['rate']:g}/s"
-        pp = next(r for r in results["rows"] if r["clients"] == row["clients"] and r.get("rate") == row.get("rate")
-                  and r["system"] == "pp batched")
+        pp = next(
+            r
+            for r in results["rows"]
+            if r["clients"] == row["clients"] and r.get("rate") == row.get("rate") and r["system"] == "pp batched"
+        )
         own = f"{row['own_ms_per_step']:.2f}" if "own_ms_per_step" in row else ""
         cpu = row.get("cpu_ms_per_step")
         cpu = f"{cpu['driver']:.1f}+{sum(cpu['stages']):.1f}" if cpu else ""
@@ -432,12 +600,14 @@ def render(results: dict) -> str:
             if clock not in row:  # an open-loop row has the clock its arrivals followed
                 continue
             ratio = row[clock]["tokens_per_s"] / pp[clock]["tokens_per_s"] if pp[clock]["tokens_per_s"] else 0.0
-            lines.append(f"{load:>7} {row['system']:<16} {clock:<5} {row[clock]['tokens_per_s']:>9.1f} "
-                         f"{ratio:>6.2f} {row[clock]['tbt_mean_ms']:>9.2f} {row[clock]['tbt_p50_ms']:>9.2f} "
-                         f"{row[clock]['tbt_p99_ms']:>9.2f} {row[clock]['tbt_request_p50_ms']:>8.2f} "
-                         f"{row[clock]['tbt_request_p99_ms']:>8.2f} "
-                         f"{row[clock]['ttft_p50_ms']:>10.1f} {row['mean_batch']:>6.2f} {row['accept_length']:>5.2f} "
-                         f"{own if clock == 'real' else '':>8} {cpu if clock == 'real' else '':>11}")
+            lines.append(
+                f"{load:>7} {row['system']:<16} {clock:<5} {row[clock]['tokens_per_s']:>9.1f} "
+                f"{ratio:>6.2f} {row[clock]['tbt_mean_ms']:>9.2f} {row[clock]['tbt_p50_ms']:>9.2f} "
+                f"{row[clock]['tbt_p99_ms']:>9.2f} {row[clock]['tbt_request_p50_ms']:>8.2f} "
+                f"{row[clock]['tbt_request_p99_ms']:>8.2f} "
+                f"{row[clock]['ttft_p50_ms']:>10.1f} {row['mean_batch']:>6.2f} {row['accept_length']:>5.2f} "
+                f"{own if clock == 'real' else '':>8} {cpu if clock == 'real' else '':>11}"
+            )
     return "\n".join(lines)
 
 
@@ -465,16 +635,29 @@ def _bench(args) -> int:
     wanted = max(max(args.clients, default=0) * args.requests_per_client, args.requests if args.rates else 0)
     dataset, prompts = load_prompts(args.prompts, tokenizer, wanted)
     mode = "tree" if tree else "spd"
-    decoding = DecodingSpec(mode, draft_model=args.draft_model, tree_width=args.tree_width or 4,
-                            tree_children=args.tree_children, tree_max_width=args.tree_max_width)
+    decoding = DecodingSpec(
+        mode,
+        draft_model=args.draft_model,
+        tree_width=args.tree_width or 4,
+        tree_children=args.tree_children,
+        tree_max_width=args.tree_max_width,
+    )
     pipeline = None
     if args.runtime == "distributed":
         from spd.serving.pipeline import PipelineSpec, open_pipeline
 
-        pipeline = open_pipeline(PipelineSpec.of(decoding, target=args.target, stages=args.stages,
-                                                 speculator=args.speculator, runtime="distributed",
-                                                 emulate_stage_ms=args.emulate_stage_ms,
-                                                 emulate_token_ms=args.emulate_token_ms, timeout_s=300))
+        pipeline = open_pipeline(
+            PipelineSpec.of(
+                decoding,
+                target=args.target,
+                stages=args.stages,
+                speculator=args.speculator,
+                runtime="distributed",
+                emulate_stage_ms=args.emulate_stage_ms,
+                emulate_token_ms=args.emulate_token_ms,
+                timeout_s=300,
+            )
+        )
         engine, staged = pipeline.engine, pipeline.staged
         if args.stage_ms is None:
             args.stage_ms, args.token_ms = args.emulate_stage_ms, args.emulate_token_ms
@@ -509,51 +692,99 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
     else:
         a_ms, b_ms = args.stage_ms, args.token_ms
         source = "given" if args.runtime == "local" else "given: the runtime's emulated stage time"
-    wall = ("the distributed runtime: stage processes, each call sleeping "
-            f"{args.emulate_stage_ms:g} ms + {args.emulate_token_ms:g} ms/token" if args.runtime == "distributed"
-            else "one process, the stages in turn")
-    results = {"target": args.target, "speculator": args.speculator, "draft_model": args.draft_model,
-               "tree_width": args.tree_width, "tree_children": args.tree_children if args.tree_width else None,
-               "tree_max_width": args.tree_max_width if args.tree_width == "auto" else None, "prompts": dataset,
-               "stages": staged.n_stages,
-               "max_new_tokens": args.max_new_tokens, "new_tokens_jitter": args.new_tokens_jitter,
-               "requests_per_client": args.requests_per_client,
-               "rates": args.rates, "requests": args.requests if args.rates else None,
-               "max_batch": args.max_batch if args.rates else None, "seed": args.seed if args.rates else None,
-               "prefill_chunk": args.prefill_chunk, "step_tokens": args.step_tokens,
-               "spread_prefill": args.spread_prefill, "tree_nodes": args.tree_nodes, "stage_ms": a_ms,
-               "token_ms": b_ms,
-               "clock_source": source,
-               "runtime": args.runtime, "real_clock": wall,
-               "threads": torch.get_num_threads(), "systems": list(_systems(args)), "command": " ".join(sys.argv),
-               "rows": []}
+    wall = (
+        "the distributed runtime: stage processes, each call sleeping "
+        f"{args.emulate_stage_ms:g} ms + {args.emulate_token_ms:g} ms/token"
+        if args.runtime == "distributed"
+        else "one process, the stages in turn"
+    )
+    results = {
+        "target": args.target,
+        "speculator": args.speculator,
+        "draft_model": args.draft_model,
+        "tree_width": args.tree_width,
+        "tree_children": args.tree_children if args.tree_width else None,
+        "tree_max_width": args.tree_max_width if args.tree_width == "auto" else None,
+        "prompts": dataset,
+        "stages": staged.n_stages,
+        "max_new_tokens": args.max_new_tokens,
+        "new_tokens_jitter": args.new_tokens_jitter,
+        "requests_per_client": args.requests_per_client,
+        "rates": args.rates,
+        "requests": args.requests if args.rates else None,
+        "max_batch": args.max_batch if args.rates else None,
+        "seed": args.seed if args.rates else None,
+        "prefill_chunk": args.prefill_chunk,
+        "step_tokens": args.step_tokens,
+        "spread_prefill": args.spread_prefill,
+        "tree_nodes": args.tree_nodes,
+        "stage_ms": a_ms,
+        "token_ms": b_ms,
+        "clock_source": source,
+        "runtime": args.runtime,
+        "real_clock": wall,
+        "threads": torch.get_num_threads(),
+        "systems": list(_systems(args)),
+        "command": " ".join(sys.argv),
+        "rows": [],
+    }
     for clients in args.clients:
         outputs = []
         for system in _systems(args):
-            run = run_system(engines, system, prompts, clients, args.requests_per_client, args.max_new_tokens,
-                             args.prefill_chunk, args.step_tokens, args.spread_prefill, args.tree_nodes,
-                             args.new_tokens_jitter)
+            run = run_system(
+                engines,
+                system,
+                prompts,
+                clients,
+                args.requests_per_client,
+                args.max_new_tokens,
+                args.prefill_chunk,
+                args.step_tokens,
+                args.spread_prefill,
+                args.tree_nodes,
+                args.new_tokens_jitter,
+            )
             outputs.append(sorted((r["prompt"], r["tokens"]) for r in run["records"]))
             row = {"clients": clients, "system": system, **summarize(run, staged.n_stages, a_ms, b_ms)}
             results["rows"].append(row)
             row["identical_outputs"] = outputs[-1] == outputs[0]  # the same tokens for every prompt as the first
-            print(f"C={clients:<3} {system:<16} model {row['model']['tokens_per_s']:>8.1f} tok/s, real "
-                  f"{row['real']['tokens_per_s']:>8.1f} tok/s, L'acc {row['accept_length']}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"C={clients:<3} {system:<16} model {row['model']['tokens_per_s']:>8.1f} tok/s, real "
+                f"{row['real']['tokens_per_s']:>8.1f} tok/s, L'acc {row['accept_length']}",
+                file=sys.stderr,
+                flush=True,
+            )
     clock = "model" if args.runtime == "local" else "real"
     for rate in args.rates or []:
         arrivals, outputs = poisson_arrivals(rate, args.requests, args.seed), []
         for system in _systems(args):
-            run = run_open(engines, system, prompts, arrivals, args.max_batch, args.max_new_tokens,
-                           args.prefill_chunk, args.step_tokens, args.spread_prefill, clock, a_ms, b_ms,
-                           args.tree_nodes, args.new_tokens_jitter)
+            run = run_open(
+                engines,
+                system,
+                prompts,
+                arrivals,
+                args.max_batch,
+                args.max_new_tokens,
+                args.prefill_chunk,
+                args.step_tokens,
+                args.spread_prefill,
+                clock,
+                a_ms,
+                b_ms,
+                args.tree_nodes,
+                args.new_tokens_jitter,
+            )
             outputs.append(sorted((r["prompt"], r["tokens"]) for r in run["records"]))
             row = {"clients": None, "rate": rate, "system": system, **summarize(run, staged.n_stages, a_ms, b_ms)}
             results["rows"].append(row)
             row["identical_outputs"] = outputs[-1] == outputs[0]
-            print(f"{rate:g}/s {system:<16} {clock} {row[clock]['tokens_per_s']:>8.1f} tok/s, "
-                  f"TBT p99 {row[clock]['tbt_p99_ms']} ms (per request {row[clock]['tbt_request_p99_ms']}), "
-                  f"L'acc {row['accept_length']}", file=sys.stderr, flush=True)
+            print(
+                f"{rate:g}/s {system:<16} {clock} {row[clock]['tokens_per_s']:>8.1f} tok/s, "
+                f"TBT p99 {row[clock]['tbt_p99_ms']} ms (per request {row[clock]['tbt_request_p99_ms']}), "
+                f"L'acc {row['accept_length']}",
+                file=sys.stderr,
+                flush=True,
+            )
     print(render(results))
     print("identical outputs across the systems:", all(row["identical_outputs"] for row in results["rows"]))
     write_result(args.out, results)

@@ -49,11 +49,27 @@ from bench.report import write_result  # noqa: E402
 
 SIZES = {
     # Qwen3-4B's shape (its config.json), random weights.
-    "4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-               num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "4b": dict(
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
     # The same structure, small enough for a CPU (checks the script).
-    "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),
+    "tiny": dict(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -61,10 +77,17 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=list(SIZES), default="4b")
     p.add_argument("--target", default=None, help="a real target (model directory) instead of the random --size one")
-    p.add_argument("--speculator", nargs="+", default=None,
-                   help="trained heads for --target, one per cut (each gives its n and boundaries)")
-    p.add_argument("--prompt", default="Write a Python function that reverses a string.",
-                   help="the prompt for --target (chat-rendered when its tokenizer has a chat template)")
+    p.add_argument(
+        "--speculator",
+        nargs="+",
+        default=None,
+        help="trained heads for --target, one per cut (each gives its n and boundaries)",
+    )
+    p.add_argument(
+        "--prompt",
+        default="Write a Python function that reverses a string.",
+        help="the prompt for --target (chat-rendered when its tokenizer has a chat template)",
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--stages", type=int, nargs="+", default=[4, 8])
@@ -74,10 +97,16 @@ def parse_args(argv=None):
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
     p.add_argument("--nodes", type=int, nargs="+", default=[16, 64])
     p.add_argument("--repeats", type=int, default=20, help="timed calls per tree-attention shape")
-    p.add_argument("--cudnn-attention", action="store_true",
-                   help="let PyTorch pick cuDNN's attention kernel too (spd.target.sdpa; the baseline of its choice)")
-    p.add_argument("--profile", action="store_true",
-                   help="also print torch.profiler's top operations of a few ar, pp and spd steps at the first n")
+    p.add_argument(
+        "--cudnn-attention",
+        action="store_true",
+        help="let PyTorch pick cuDNN's attention kernel too (spd.target.sdpa; the baseline of its choice)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print torch.profiler's top operations of a few ar, pp and spd steps at the first n",
+    )
     p.add_argument("--out", default="bench_gpu.json")
     args = p.parse_args(argv)
     if (args.target is None) != (args.speculator is None):
@@ -90,8 +119,12 @@ def parse_args(argv=None):
 def build_target(size: str, device: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    config = Qwen3Config(**SIZES[size], max_position_embeddings=40960, rms_norm_eps=1e-6,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    config = Qwen3Config(
+        **SIZES[size],
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
@@ -106,8 +139,9 @@ def load_real(args, device: str, dtype: torch.dtype):
     tokenizer = load_tokenizer(args.target)
     text = args.prompt
     if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
     return model, tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -152,6 +186,7 @@ class Timers:
             name = name_of(args)
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
             return result
+
         return timed
 
     def snapshot(self) -> dict:
@@ -180,8 +215,9 @@ def _timed_run(run, timers: Timers, device) -> tuple[float, dict, object]:
 def decode_part(model, args, device, prompt: list[int] | None = None) -> list[dict]:
     rows = []
     if prompt is None:
-        prompt = torch.randint(0, model.config.vocab_size, (args.prompt_tokens,),
-                               generator=torch.Generator().manual_seed(1)).tolist()
+        prompt = torch.randint(
+            0, model.config.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1)
+        ).tolist()
     greedy = SamplingParams()
     for i, (staged, head) in enumerate(cuts(model, args, device)):
         n = staged.n_stages
@@ -206,12 +242,22 @@ def decode_part(model, args, device, prompt: list[int] | None = None) -> list[di
             per_stage = [parts.get(f"stage {s}", 0.0) / steps * 1e3 for s in range(n)]
             head_s, lm_s = parts.get("head", 0.0), parts.get("target LM head", 0.0)
             other_s = seconds - stage_s - head_s - lm_s
-            row = {"n": n, "mode": mode, "decode_tokens": tokens, "steps": steps, "seconds": seconds,
-                   "tokens_per_s": tokens / seconds, "step_ms": seconds / steps * 1e3,
-                   "stage_ms_per_step": per_stage, "all_stages_ms_per_step": stage_s / steps * 1e3,
-                   "max_stage_ms_per_step": max(per_stage), "head_ms_per_step": head_s / steps * 1e3,
-                   "lm_head_ms_per_step": lm_s / steps * 1e3, "engine_ms_per_step": other_s / steps * 1e3,
-                   "accepted": getattr(on.stats, "accepted", None)}
+            row = {
+                "n": n,
+                "mode": mode,
+                "decode_tokens": tokens,
+                "steps": steps,
+                "seconds": seconds,
+                "tokens_per_s": tokens / seconds,
+                "step_ms": seconds / steps * 1e3,
+                "stage_ms_per_step": per_stage,
+                "all_stages_ms_per_step": stage_s / steps * 1e3,
+                "max_stage_ms_per_step": max(per_stage),
+                "head_ms_per_step": head_s / steps * 1e3,
+                "lm_head_ms_per_step": lm_s / steps * 1e3,
+                "engine_ms_per_step": other_s / steps * 1e3,
+                "accepted": getattr(on.stats, "accepted", None),
+            }
             if mode != "ar":
                 # Rank 0's own work per step against one stage's compute (a deployment's critical path).
                 row["engine_over_stage"] = (other_s + lm_s) / steps * 1e3 / row["max_stage_ms_per_step"]
@@ -220,11 +266,13 @@ def decode_part(model, args, device, prompt: list[int] | None = None) -> list[di
             row["tokens_equal_ar"] = outputs[mode] == outputs["ar"]  # greedy: expected True (bf16: up to near-ties)
             rows.append(row)
             l_acc = f" L'_acc {row['l_acc']:.2f}" if "l_acc" in row else ""
-            print(f"n={n} {mode:<3} {row['tokens_per_s']:8.1f} tok/s{l_acc}  step {row['step_ms']:7.3f} ms = stages "
-                  f"{row['all_stages_ms_per_step']:7.3f} (max one {row['max_stage_ms_per_step']:6.3f}) + LM head "
-                  f"{row['lm_head_ms_per_step']:6.3f} + head {row['head_ms_per_step']:6.3f} + engine "
-                  f"{row['engine_ms_per_step']:6.3f}; per stage " + " ".join(f"{x:.2f}" for x in per_stage),
-                  flush=True)
+            print(
+                f"n={n} {mode:<3} {row['tokens_per_s']:8.1f} tok/s{l_acc}  step {row['step_ms']:7.3f} ms = stages "
+                f"{row['all_stages_ms_per_step']:7.3f} (max one {row['max_stage_ms_per_step']:6.3f}) + LM head "
+                f"{row['lm_head_ms_per_step']:6.3f} + head {row['head_ms_per_step']:6.3f} + engine "
+                f"{row['engine_ms_per_step']:6.3f}; per stage " + " ".join(f"{x:.2f}" for x in per_stage),
+                flush=True,
+            )
         if args.profile and i == 0:
             profile(runs)
     return rows
@@ -288,9 +336,15 @@ def tree_part(model, args, device) -> list[dict]:
                 tree_TT = _random_tree_mask(t, gen)
                 depth_T = tree_TT.sum(1) - 1
                 tree = dict(position_ids_BT=(context + depth_T)[None].to(device), tree_mask_TN=tree_TT)
-                timings = {kind: median_ms(lambda call=call: staged.run_stage(0, hidden_1TD, cache, **call),
-                                           args.repeats, device, after=lambda: cache.truncate(context))
-                           for kind, call in (("tree", tree), ("chain", {}))}
+                timings = {
+                    kind: median_ms(
+                        lambda call=call: staged.run_stage(0, hidden_1TD, cache, **call),
+                        args.repeats,
+                        device,
+                        after=lambda: cache.truncate(context),
+                    )
+                    for kind, call in (("tree", tree), ("chain", {}))
+                }
                 # The attention operation alone, as the stages run it: T queries over C + T keys under the mask.
                 h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
                 q = torch.randn(1, h, t, d, device=device, dtype=model.dtype)
@@ -303,13 +357,21 @@ def tree_part(model, args, device) -> list[dict]:
                         F.scaled_dot_product_attention(q, k, v, attn_mask=mask_TK, enable_gqa=True)
 
                 op_ms = median_ms(attention, args.repeats, device)
-                row = {"n": n, "stage_layers": layers, "context": context, "nodes": t,
-                       "stage_tree_ms": timings["tree"], "stage_chain_ms": timings["chain"],
-                       "sdpa_masked_op_ms": op_ms}
+                row = {
+                    "n": n,
+                    "stage_layers": layers,
+                    "context": context,
+                    "nodes": t,
+                    "stage_tree_ms": timings["tree"],
+                    "stage_chain_ms": timings["chain"],
+                    "sdpa_masked_op_ms": op_ms,
+                }
                 rows.append(row)
-                print(f"n={n} ({layers} layers) C={context:<5} T={t:<3} stage: tree {row['stage_tree_ms']:7.3f} ms, "
-                      f"chain {row['stage_chain_ms']:7.3f} ms; masked SDPA op {row['sdpa_masked_op_ms']:.3f} ms",
-                      flush=True)
+                print(
+                    f"n={n} ({layers} layers) C={context:<5} T={t:<3} stage: tree {row['stage_tree_ms']:7.3f} ms, "
+                    f"chain {row['stage_chain_ms']:7.3f} ms; masked SDPA op {row['sdpa_masked_op_ms']:.3f} ms",
+                    flush=True,
+                )
     return rows
 
 
@@ -325,18 +387,30 @@ def main(argv=None) -> int:
     else:
         (model, prompt), name = load_real(args, args.device, dtype), args.target
     params = sum(p.numel() for p in model.parameters())
-    print(f"target: {name}, {params / 1e9:.2f} B parameters, {args.dtype} on {device} "
-          f"(loaded in {time.perf_counter() - start:.1f} s)", flush=True)
-    results = {"target": args.target, "speculators": args.speculator, "prompt": args.prompt if prompt else None,
-               "size": None if prompt else args.size,
-               "config": model.config.to_diff_dict() if prompt else SIZES[args.size],
-               "parameters": params, "dtype": args.dtype,
-               "device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
-               else platform.processor(), "torch": torch.__version__,
-               "prompt_tokens": len(prompt) if prompt else args.prompt_tokens,
-               "new_tokens": args.new_tokens, "cudnn_attention": args.cudnn_attention}
-    for part, run in (("decode", lambda: decode_part(model, args, device, prompt)),
-                      ("tree", lambda: tree_part(model, args, device))):
+    print(
+        f"target: {name}, {params / 1e9:.2f} B parameters, {args.dtype} on {device} "
+        f"(loaded in {time.perf_counter() - start:.1f} s)",
+        flush=True,
+    )
+    results = {
+        "target": args.target,
+        "speculators": args.speculator,
+        "prompt": args.prompt if prompt else None,
+        "size": None if prompt else args.size,
+        "config": model.config.to_diff_dict() if prompt else SIZES[args.size],
+        "parameters": params,
+        "dtype": args.dtype,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+        "torch": torch.__version__,
+        "prompt_tokens": len(prompt) if prompt else args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "cudnn_attention": args.cudnn_attention,
+    }
+    for part, run in (
+        ("decode", lambda: decode_part(model, args, device, prompt)),
+        ("tree", lambda: tree_part(model, args, device)),
+    ):
         if part in args.parts:
             with torch.inference_mode():
                 results[part] = run()

@@ -64,8 +64,11 @@ def train_head(staged: StagedModel, n: int, data_BT: torch.Tensor, steps: int, s
     for _ in range(steps):
         idx = torch.randint(0, data_BT.shape[0], (8,), generator=gen)
         ids = data_BT[idx]
-        batch = {"input_ids": ids, "valid": torch.ones_like(ids, dtype=torch.bool),
-                 "supervised": torch.ones_like(ids, dtype=torch.bool)}
+        batch = {
+            "input_ids": ids,
+            "valid": torch.ones_like(ids, dtype=torch.bool),
+            "supervised": torch.ones_like(ids, dtype=torch.bool),
+        }
         with torch.no_grad():
             hidden = staged.hidden_states(ids, anchors)
         loss, _ = distill_step(head, staged, hidden, batch, sample_fills(8, n, gen), 1.0, 512)
@@ -87,8 +90,9 @@ def authors_main(args) -> None:
     rows = []
     for name, info in sorted(expected["heads"].items()):
         target = expected["targets"][info["target"]]
-        staged = StagedModel.from_pretrained(fixtures / target["path"], n_stages=info["num_stages"],
-                                             dtype=torch.float32)
+        staged = StagedModel.from_pretrained(
+            fixtures / target["path"], n_stages=info["num_stages"], dtype=torch.float32
+        )
         head = load_authors_head(str(fixtures / info["path"]), staged)
         runs = [r for r in expected["generate"] if r["head"] == name and r["use_deepest_arg"] is None]
         engines = [("chain", Engine.chain(staged, head))]
@@ -98,16 +102,26 @@ def authors_main(args) -> None:
                 l_acc, same = [], 0
                 for i, rec in enumerate(runs):
                     sampling = SamplingParams(temperature=temperature, seed=i if temperature else None)
-                    out = engine.run(rec["prompt_ids"], rec["max_new_tokens"], sampling,
-                                     eos_token_id=target["eos_token_id"])
+                    out = engine.run(
+                        rec["prompt_ids"], rec["max_new_tokens"], sampling, eos_token_id=target["eos_token_id"]
+                    )
                     l_acc.append(out.stats.equivalent_accept_length)
                     same += out.token_ids == rec["target_greedy_ids"]
-                row = {"head": name, "target": info["target"], "n": info["num_stages"], "T": temperature, "run": run,
-                       "prompts": len(runs), "l_acc_mean": round(statistics.mean(l_acc), 3),
-                       "identical_to_target_greedy": same if not temperature else None}
+                row = {
+                    "head": name,
+                    "target": info["target"],
+                    "n": info["num_stages"],
+                    "T": temperature,
+                    "run": run,
+                    "prompts": len(runs),
+                    "l_acc_mean": round(statistics.mean(l_acc), 3),
+                    "identical_to_target_greedy": same if not temperature else None,
+                }
                 rows.append(row)
-                print(f"{name:<26} T = {temperature:g} {run:<11} L'_acc {row['l_acc_mean']:.2f}"
-                      + (f", identical {same}/{len(runs)}" if not temperature else ""))
+                print(
+                    f"{name:<26} T = {temperature:g} {run:<11} L'_acc {row['l_acc_mean']:.2f}"
+                    + (f", identical {same}/{len(runs)}" if not temperature else "")
+                )
     if args.out:
         write_result(args.out, {"args": vars(args), "rows": rows}, indent=2)
 
@@ -151,12 +165,21 @@ def main() -> None:
                     steps += out.stats.steps
                     if not temperature:
                         same += out.token_ids == generate_ar(staged, prompt, args.max_new_tokens).token_ids
-                row = {"n": n, "T": temperature, "run": name, "prompts": len(prompts),
-                       "l_acc_mean": round(statistics.mean(l_acc), 3), "alpha": round(statistics.mean(l_acc) / n, 3),
-                       "steps": steps, "identical_to_ar": same if not temperature else None}
+                row = {
+                    "n": n,
+                    "T": temperature,
+                    "run": name,
+                    "prompts": len(prompts),
+                    "l_acc_mean": round(statistics.mean(l_acc), 3),
+                    "alpha": round(statistics.mean(l_acc) / n, 3),
+                    "steps": steps,
+                    "identical_to_ar": same if not temperature else None,
+                }
                 rows.append(row)
-                print(f"  T = {temperature:g} {name:<11} L'_acc {row['l_acc_mean']:.2f} (alpha {row['alpha']:.2f}), "
-                      f"{steps} steps" + (f", identical to ar {same}/{len(prompts)}" if not temperature else ""))
+                print(
+                    f"  T = {temperature:g} {name:<11} L'_acc {row['l_acc_mean']:.2f} (alpha {row['alpha']:.2f}), "
+                    f"{steps} steps" + (f", identical to ar {same}/{len(prompts)}" if not temperature else "")
+                )
     if args.out:
         write_result(args.out, {"args": vars(args), "rows": rows}, indent=2)
 

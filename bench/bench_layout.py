@@ -89,8 +89,14 @@ def measure_one(args, path: str, n: int, seq_len: int, what: str) -> dict:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dev = torch.device(args.device)
-    cfg = SpeculatorConfig(hidden_size=args.hidden, vocab_size=64, n_stages=n, target_num_layers=args.target_layers,
-                           num_layers=args.layers, num_attention_heads=args.heads)
+    cfg = SpeculatorConfig(
+        hidden_size=args.hidden,
+        vocab_size=64,
+        n_stages=n,
+        target_num_layers=args.target_layers,
+        num_layers=args.layers,
+        num_attention_heads=args.heads,
+    )
     head = Speculator(cfg).to(dev)
     hidden = {a: torch.randn(args.batch, seq_len, args.hidden, device=dev) for a in range(args.target_layers + 1)}
     fill = torch.full((args.batch,), n, dtype=torch.long, device=dev)
@@ -108,9 +114,14 @@ def measure_one(args, path: str, n: int, seq_len: int, what: str) -> dict:
         head.zero_grad(set_to_none=False)  # the gradients stay allocated
         peak.start()
         step()
-        return {"peak_mem_mb": first, "activation_peak_mb": peak.stop(),
-                "param_grad_mb": sum(p.grad.numel() * p.grad.element_size() for p in head.parameters()
-                                     if p.grad is not None) / 2**20}
+        return {
+            "peak_mem_mb": first,
+            "activation_peak_mb": peak.stop(),
+            "param_grad_mb": sum(
+                p.grad.numel() * p.grad.element_size() for p in head.parameters() if p.grad is not None
+            )
+            / 2**20,
+        }
     step()  # warm-up (allocator, kernels)
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -124,8 +135,9 @@ def measure_one(args, path: str, n: int, seq_len: int, what: str) -> dict:
 
 
 def _run_child(args, passthrough: list[str], spec: str, env: dict) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--one", spec, *passthrough], capture_output=True, text=True,
-                          env=env)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--one", spec, *passthrough], capture_output=True, text=True, env=env
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{spec} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -138,9 +150,22 @@ def main(argv=None) -> int:
         print(json.dumps(measure_one(args, path, int(n), int(seq_len), what)))
         return 0
     rows = []
-    passthrough = ["--hidden", str(args.hidden), "--heads", str(args.heads), "--layers", str(args.layers),
-                   "--target-layers", str(args.target_layers), "--batch", str(args.batch), "--iters", str(args.iters),
-                   "--device", args.device] + (["--threads", str(args.threads)] if args.threads else [])
+    passthrough = [
+        "--hidden",
+        str(args.hidden),
+        "--heads",
+        str(args.heads),
+        "--layers",
+        str(args.layers),
+        "--target-layers",
+        str(args.target_layers),
+        "--batch",
+        str(args.batch),
+        "--iters",
+        str(args.iters),
+        "--device",
+        args.device,
+    ] + (["--threads", str(args.threads)] if args.threads else [])
     # Freed blocks go back to the system at once, so that the resident high-water mark is the peak of
     # live memory (glibc would otherwise keep blocks up to 32 MB and reuse them unseen). Memory runs only:
     # it costs time.
@@ -150,30 +175,44 @@ def main(argv=None) -> int:
             pair = {}
             for path in ("efficient", "dense"):
                 try:
-                    pair[path] = {**_run_child(args, passthrough, f"{path},{n},{seq_len},time", dict(os.environ)),
-                                  **_run_child(args, passthrough, f"{path},{n},{seq_len},memory", memory_env)}
+                    pair[path] = {
+                        **_run_child(args, passthrough, f"{path},{n},{seq_len},time", dict(os.environ)),
+                        **_run_child(args, passthrough, f"{path},{n},{seq_len},memory", memory_env),
+                    }
                 except RuntimeError as exc:
                     print(f"error: n={n} N={seq_len}: {exc}", file=sys.stderr)
                     return 1
             eff, dense = pair["efficient"], pair["dense"]
-            rows.append({"n": n, "seq_len": seq_len,
-                         **{f"{p}_{k}": v[k] for p, v in pair.items()
-                            for k in ("tokens_per_s", "step_s", "peak_mem_mb", "activation_peak_mb")},
-                         "param_grad_mb": eff["param_grad_mb"],
-                         "speedup": dense["step_s"] / eff["step_s"],
-                         "memory_ratio": dense["peak_mem_mb"] / max(eff["peak_mem_mb"], 1e-9),
-                         "activation_memory_ratio": dense["activation_peak_mb"] / max(eff["activation_peak_mb"], 1e-9)})
+            rows.append(
+                {
+                    "n": n,
+                    "seq_len": seq_len,
+                    **{
+                        f"{p}_{k}": v[k]
+                        for p, v in pair.items()
+                        for k in ("tokens_per_s", "step_s", "peak_mem_mb", "activation_peak_mb")
+                    },
+                    "param_grad_mb": eff["param_grad_mb"],
+                    "speedup": dense["step_s"] / eff["step_s"],
+                    "memory_ratio": dense["peak_mem_mb"] / max(eff["peak_mem_mb"], 1e-9),
+                    "activation_memory_ratio": dense["activation_peak_mb"] / max(eff["activation_peak_mb"], 1e-9),
+                }
+            )
             r = rows[-1]
-            print(f"n={n:<2} N={seq_len:<5} efficient {r['efficient_tokens_per_s']:>9.1f} tok/s "
-                  f"{r['efficient_peak_mem_mb']:>7.0f} MB ({r['efficient_activation_peak_mb']:.0f}) | "
-                  f"dense {r['dense_tokens_per_s']:>9.1f} tok/s {r['dense_peak_mem_mb']:>7.0f} MB "
-                  f"({r['dense_activation_peak_mb']:.0f}) | speedup {r['speedup']:.2f}x, memory "
-                  f"{r['memory_ratio']:.2f}x ({r['activation_memory_ratio']:.2f}x); parameter gradients "
-                  f"{r['param_grad_mb']:.0f} MB", flush=True)
+            print(
+                f"n={n:<2} N={seq_len:<5} efficient {r['efficient_tokens_per_s']:>9.1f} tok/s "
+                f"{r['efficient_peak_mem_mb']:>7.0f} MB ({r['efficient_activation_peak_mb']:.0f}) | "
+                f"dense {r['dense_tokens_per_s']:>9.1f} tok/s {r['dense_peak_mem_mb']:>7.0f} MB "
+                f"({r['dense_activation_peak_mb']:.0f}) | speedup {r['speedup']:.2f}x, memory "
+                f"{r['memory_ratio']:.2f}x ({r['activation_memory_ratio']:.2f}x); parameter gradients "
+                f"{r['param_grad_mb']:.0f} MB",
+                flush=True,
+            )
     settings = {k: v for k, v in vars(args).items() if k != "one"}
     settings["torch_threads"] = args.threads or torch.get_num_threads()
-    write_result(args.out, {"device": args.device, "torch": torch.__version__, "settings": settings, "rows": rows},
-                 indent=2)
+    write_result(
+        args.out, {"device": args.device, "torch": torch.__version__, "settings": settings, "rows": rows}, indent=2
+    )
     return 0
 
 

@@ -74,12 +74,22 @@ class SnapshotRing(LinearStateRing):
 def build_stage(args) -> StagedModel:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    cfg = Qwen3_5TextConfig(vocab_size=1024, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                            num_hidden_layers=4, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                            head_dim=args.head_dim, linear_num_key_heads=args.linear_k_heads,
-                            linear_num_value_heads=args.linear_v_heads, linear_key_head_dim=args.linear_dim,
-                            linear_value_head_dim=args.linear_dim, linear_conv_kernel_dim=4,
-                            layer_types=["linear_attention"] * 3 + ["full_attention"], tie_word_embeddings=False)
+    cfg = Qwen3_5TextConfig(
+        vocab_size=1024,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=4,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        linear_num_key_heads=args.linear_k_heads,
+        linear_num_value_heads=args.linear_v_heads,
+        linear_key_head_dim=args.linear_dim,
+        linear_value_head_dim=args.linear_dim,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = Qwen3_5ForCausalLM(cfg).to(dtype=getattr(torch, args.dtype), device=args.device).eval()
     return StagedModel(model, 1)
@@ -101,7 +111,7 @@ def run_variant(staged: StagedModel, kind: str, args) -> float:
         start = time.perf_counter()
         position = args.prompt
         for step in range(args.tokens):
-            staged.run_stage(0, hidden[:, position:position + 1], cache)
+            staged.run_stage(0, hidden[:, position : position + 1], cache)
             position += 1
             if kind != "none" and (step + 1) % args.flush_every == 0:
                 staged.truncate([cache], position - args.rollback)
@@ -127,6 +137,7 @@ class TimedRing(LinearStateRing):
                 torch.cuda.synchronize()
             self.state_s += time.perf_counter() - start
             return out
+
         return call
 
     get_conv_state = _timed("get_conv_state")
@@ -167,8 +178,13 @@ def run_tree(staged: StagedModel, width: int, args) -> tuple[float, float, int]:
             if step == 0:  # the root runs first, alone
                 held = 0
             nodes = tree.tokens_N[held:][None].to(staged.device)
-            staged.run_stage(0, staged.embed(nodes), cache, tree.positions(committed)[held:][None].to(staged.device),
-                             tree_mask_TN=tree.mask()[held:])
+            staged.run_stage(
+                0,
+                staged.embed(nodes),
+                cache,
+                tree.positions(committed)[held:][None].to(staged.device),
+                tree_mask_TN=tree.mask()[held:],
+            )
             levels += 1
             peak = max(peak, ring.nodes)
         _sync(staged)
@@ -190,21 +206,43 @@ def tree_main(staged: StagedModel, args) -> None:
     rows = []
     chain_ms = statistics.median(chain)
     print(f"chain (one token a step, the ring): {chain_ms:.2f} ms per token")
-    print(f"{'W':>3} {'ms/level':>9} {'vs chain':>9} {'node state ms':>14} {'share':>6} {'state/node MiB':>15} "
-          f"{'full tree (n W + 1 nodes) MiB':>30}")
+    print(
+        f"{'W':>3} {'ms/level':>9} {'vs chain':>9} {'node state ms':>14} {'share':>6} {'state/node MiB':>15} "
+        f"{'full tree (n W + 1 nodes) MiB':>30}"
+    )
     for w, v in times.items():
         level = statistics.median(t for t, _ in v)
         state = statistics.median(s for _, s in v)
         full = per_node * (args.stages * w + 1)
-        rows.append({"width": w, "ms_per_level_median": round(level, 3), "min": round(min(t for t, _ in v), 3),
-                     "max": round(max(t for t, _ in v), 3), "node_state_ms_median": round(state, 3),
-                     "node_state_share": round(state / level, 4), "ratio_to_chain_token": round(level / chain_ms, 3),
-                     "state_bytes_per_node": per_node, "state_bytes_full_tree": full})
-        print(f"{w:>3} {level:>9.2f} {level / chain_ms:>9.2f} {state:>14.3f} {state / level:>6.1%} "
-              f"{per_node / 2**20:>15.2f} {full / 2**20:>30.1f}")
+        rows.append(
+            {
+                "width": w,
+                "ms_per_level_median": round(level, 3),
+                "min": round(min(t for t, _ in v), 3),
+                "max": round(max(t for t, _ in v), 3),
+                "node_state_ms_median": round(state, 3),
+                "node_state_share": round(state / level, 4),
+                "ratio_to_chain_token": round(level / chain_ms, 3),
+                "state_bytes_per_node": per_node,
+                "state_bytes_full_tree": full,
+            }
+        )
+        print(
+            f"{w:>3} {level:>9.2f} {level / chain_ms:>9.2f} {state:>14.3f} {state / level:>6.1%} "
+            f"{per_node / 2**20:>15.2f} {full / 2**20:>30.1f}"
+        )
     if args.out:
-        write_result(args.out, {"args": vars(args), "chain_ms_per_token_median": round(chain_ms, 3), "chain_ms": chain,
-                                "tree_rows": rows, "device": str(staged.device)}, indent=2)
+        write_result(
+            args.out,
+            {
+                "args": vars(args),
+                "chain_ms_per_token_median": round(chain_ms, 3),
+                "chain_ms": chain,
+                "tree_rows": rows,
+                "device": str(staged.device),
+            },
+            indent=2,
+        )
 
 
 def _sync(staged: StagedModel) -> None:
@@ -230,8 +268,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tree-widths", type=int, nargs="+", default=None,
-                   help="measure token-tree levels of these widths instead (per-node linear state)")
+    p.add_argument(
+        "--tree-widths",
+        type=int,
+        nargs="+",
+        default=None,
+        help="measure token-tree levels of these widths instead (per-node linear state)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     staged = build_stage(args)
@@ -250,17 +293,38 @@ def main() -> None:
     per_slot = sum(r[0].numel() * r[0].element_size() for r in ring.linear.conv_RBCK + ring.linear.recurrent_RBHDkDv)
     state_bytes = per_slot * (args.stages + 1)
     base = statistics.median(times["none"])
-    rows = [{"variant": k, "ms_per_token_median": round(statistics.median(v), 3), "min": round(min(v), 3),
-             "max": round(max(v), 3), "ratio_to_none": round(statistics.median(v) / base, 4)} for k, v in times.items()]
+    rows = [
+        {
+            "variant": k,
+            "ms_per_token_median": round(statistics.median(v), 3),
+            "min": round(min(v), 3),
+            "max": round(max(v), 3),
+            "ratio_to_none": round(statistics.median(v) / base, 4),
+        }
+        for k, v in times.items()
+    ]
     print(f"{'variant':<10} {'ms/token (median)':>18} {'min':>8} {'max':>8} {'vs none':>8}")
     for r in rows:
-        print(f"{r['variant']:<10} {r['ms_per_token_median']:>18.3f} {r['min']:>8.3f} {r['max']:>8.3f} "
-              f"{r['ratio_to_none']:>8.4f}")
-    print(f"linear state per stage: {per_slot / 2**20:.2f} MiB per length; ring of {args.stages + 1}: "
-          f"{state_bytes / 2**20:.1f} MiB")
+        print(
+            f"{r['variant']:<10} {r['ms_per_token_median']:>18.3f} {r['min']:>8.3f} {r['max']:>8.3f} "
+            f"{r['ratio_to_none']:>8.4f}"
+        )
+    print(
+        f"linear state per stage: {per_slot / 2**20:.2f} MiB per length; ring of {args.stages + 1}: "
+        f"{state_bytes / 2**20:.1f} MiB"
+    )
     if args.out:
-        write_result(args.out, {"args": vars(args), "rows": rows, "state_bytes_per_length": per_slot,
-                                "ring_bytes": state_bytes, "device": str(staged.device)}, indent=2)
+        write_result(
+            args.out,
+            {
+                "args": vars(args),
+                "rows": rows,
+                "state_bytes_per_length": per_slot,
+                "ring_bytes": state_bytes,
+                "device": str(staged.device),
+            },
+            indent=2,
+        )
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ import time
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_link", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="bench_link", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--rounds", type=int, default=2000)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--rows", type=int, default=1)
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     start = time.perf_counter()
     for i in range(args.rounds):
-        for step in ((0, 1) if rank == 0 else (1, 0)):
+        for step in (0, 1) if rank == 0 else (1, 0):
             tick = time.perf_counter()
             if step == 0:
                 link.send(peer, DATA_TAG, TOKEN, 0, i, payload)
@@ -47,8 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     link.drain_sends()
     dist.barrier()
     if rank == 0:
-        print(f"round trip {elapsed / args.rounds * 1e6:.0f} us; per message: send {send_s / args.rounds * 1e6:.0f} us, "
-              f"recv (waiting included) {recv_s / args.rounds * 1e6:.0f} us", flush=True)
+        print(
+            f"round trip {elapsed / args.rounds * 1e6:.0f} us; per message: send {send_s / args.rounds * 1e6:.0f} us, "
+            f"recv (waiting included) {recv_s / args.rounds * 1e6:.0f} us",
+            flush=True,
+        )
     dist.destroy_process_group()
     return 0
 

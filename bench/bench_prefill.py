@@ -37,8 +37,9 @@ def parse_args(argv=None):
     p.add_argument("--target", default=str(tb / "target"))
     p.add_argument("--stages", type=int, default=2, help="n; stage 1 shares host 0 with rank 0, the rest are on host 1")
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048], help="prompt lengths in tokens")
-    p.add_argument("--rates", nargs="+", default=["none", "1gbit", "100mbit"],
-                   help="link caps in tc units (none: uncapped)")
+    p.add_argument(
+        "--rates", nargs="+", default=["none", "1gbit", "100mbit"], help="link caps in tc units (none: uncapped)"
+    )
     p.add_argument("--repeats", type=int, default=3, help="prompts of each length per job (the median is reported)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--timeout-s", type=float, default=120.0)
@@ -58,10 +59,34 @@ def run_job(lan: Lan, args, prompts: Path, out: Path) -> None:
     job_id = f"prefill-{os.getpid()}-{time.monotonic_ns()}"
     procs = []
     for node, nproc in enumerate([2, args.stages - 1]):
-        argv = ["-m", "spd.cli.run_pipeline", "--target", args.target, "--mode", "pp", "--prompts", str(prompts),
-                "--max-new-tokens", "1", "--dtype", args.dtype, "--timeout-s", str(args.timeout_s), "--out", str(out)]
-        procs.append(subprocess.Popen(torchrun_command(lan.hosts, node, nproc, 29621, job_id, argv), cwd=REPO,
-                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        argv = [
+            "-m",
+            "spd.cli.run_pipeline",
+            "--target",
+            args.target,
+            "--mode",
+            "pp",
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "1",
+            "--dtype",
+            args.dtype,
+            "--timeout-s",
+            str(args.timeout_s),
+            "--out",
+            str(out),
+        ]
+        procs.append(
+            subprocess.Popen(
+                torchrun_command(lan.hosts, node, nproc, 29621, job_id, argv),
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
         time.sleep(0.5)
     failed = []
     for proc in procs:
@@ -111,21 +136,54 @@ def main(argv=None) -> int:
                 times = [r["stats"]["prefill_time_s"] for r, m in zip(records, order) if m == n]
                 link_bytes = (tokens[n] + 1) * hidden * itemsize  # stage 1 -> 2, and the last stage's report back
                 wire_ms = None if rate == "none" else link_bytes * 8 / rate_bits(rate) * 1000
-                rows.append({"rate": rate, "prompt_tokens": tokens[n], "prefill_ms": statistics.median(times) * 1000,
-                             "prefill_ms_all": [t * 1000 for t in times], "link_bytes": link_bytes,
-                             "wire_ms_at_rate": wire_ms})
+                rows.append(
+                    {
+                        "rate": rate,
+                        "prompt_tokens": tokens[n],
+                        "prefill_ms": statistics.median(times) * 1000,
+                        "prefill_ms_all": [t * 1000 for t in times],
+                        "link_bytes": link_bytes,
+                        "wire_ms_at_rate": wire_ms,
+                    }
+                )
     base = {r["prompt_tokens"]: r["prefill_ms"] for r in rows if r["rate"] == "none"}
     cells = []
     for r in rows:
         ratio = r["prefill_ms"] / base[r["prompt_tokens"]] if r["prompt_tokens"] in base else None
         r["vs_uncapped"] = ratio
         wire = "-" if r["wire_ms_at_rate"] is None else f"{r['wire_ms_at_rate']:.0f}"
-        cells.append([r["rate"], r["prompt_tokens"], f"{r['prefill_ms']:.0f}", "-" if ratio is None else f"{ratio:.2f}x",
-                      f"{r['link_bytes'] / 1e6:.2f}", wire])
-    print(markdown_table(["rate", "prompt tokens", f"prefill ms (median of {args.repeats})", "vs uncapped",
-                          "MB over the link", "wire time at the rate (ms)"], cells))
-    report = {"command": " ".join(sys.argv), "target": args.target, "stages": args.stages, "hidden": hidden,
-              "dtype": args.dtype, "repeats": args.repeats, "rows": rows}
+        cells.append(
+            [
+                r["rate"],
+                r["prompt_tokens"],
+                f"{r['prefill_ms']:.0f}",
+                "-" if ratio is None else f"{ratio:.2f}x",
+                f"{r['link_bytes'] / 1e6:.2f}",
+                wire,
+            ]
+        )
+    print(
+        markdown_table(
+            [
+                "rate",
+                "prompt tokens",
+                f"prefill ms (median of {args.repeats})",
+                "vs uncapped",
+                "MB over the link",
+                "wire time at the rate (ms)",
+            ],
+            cells,
+        )
+    )
+    report = {
+        "command": " ".join(sys.argv),
+        "target": args.target,
+        "stages": args.stages,
+        "hidden": hidden,
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
     write_result(args.out, report)
     print(f"wrote {args.out}")
     return 0

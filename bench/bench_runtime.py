@@ -42,12 +42,19 @@ def parse_args(argv=None):
     tb = default_testbed_dir()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=str(tb / "target"))
-    p.add_argument("--prompts", default=str(tb / "prompts.jsonl"),
-                   help="a jsonl of prompts or a named set (humaneval-chat, ...: bench/bench.py --prompts); sets of "
-                        "user messages are rendered with the chat template")
+    p.add_argument(
+        "--prompts",
+        default=str(tb / "prompts.jsonl"),
+        help="a jsonl of prompts or a named set (humaneval-chat, ...: bench/bench.py --prompts); sets of "
+        "user messages are rendered with the chat template",
+    )
     p.add_argument("--heads", nargs="+", default=[], help="speculation heads (one pipeline per head)")
-    p.add_argument("--tree-width", type=int, default=None,
-                   help="run the tree mode with W nodes per level instead of spd (run_pipeline --mode tree)")
+    p.add_argument(
+        "--tree-width",
+        type=int,
+        default=None,
+        help="run the tree mode with W nodes per level instead of spd (run_pipeline --mode tree)",
+    )
     p.add_argument("--tree-children", type=int, default=4, help="with --tree-width: candidate children per node, K")
     p.add_argument("--draft-model", default=None, help="with --tree-width: the token source instead of the heads")
     p.add_argument("--stages", type=int, nargs="+", default=[], help="with --draft-model: one pipeline per n")
@@ -55,8 +62,11 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--emulate-stage-ms", type=float, default=0.0)
     p.add_argument("--emulate-link-ms", type=float, default=0.0)
-    p.add_argument("--early-launch", action="store_true",
-                   help="stage 1 starts a proposal before the step that made it is verified (run_pipeline)")
+    p.add_argument(
+        "--early-launch",
+        action="store_true",
+        help="stage 1 starts a proposal before the step that made it is verified (run_pipeline)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--no-ar", action="store_true", help="skip the single-process ar reference")
@@ -72,13 +82,41 @@ def run_world(args, source: list[str], mode: str, n: int, out: Path) -> dict:
     from spd.runtime.world import free_port
 
     tree = ["--tree-width", str(args.tree_width), "--tree-children", str(args.tree_children)] if mode == "tree" else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n + 1), "--master-port",
-           str(free_port()), "-m", "spd.cli.run_pipeline", "--target", args.target, *source, *tree,
-           "--mode", mode, "pp", "--prompts", args.prompts_file, "--num-prompts", str(args.num_prompts),
-           *(["--chat"] if args.chat else []),
-           "--max-new-tokens", str(args.max_new_tokens), "--emulate-stage-ms", str(args.emulate_stage_ms),
-           "--emulate-link-ms", str(args.emulate_link_ms), "--threads", str(args.threads),
-           "--timeout-s", str(args.timeout_s), "--out", str(out)] + (["--early-launch"] if args.early_launch else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(n + 1),
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "spd.cli.run_pipeline",
+        "--target",
+        args.target,
+        *source,
+        *tree,
+        "--mode",
+        mode,
+        "pp",
+        "--prompts",
+        args.prompts_file,
+        "--num-prompts",
+        str(args.num_prompts),
+        *(["--chat"] if args.chat else []),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--emulate-stage-ms",
+        str(args.emulate_stage_ms),
+        "--emulate-link-ms",
+        str(args.emulate_link_ms),
+        "--threads",
+        str(args.threads),
+        "--timeout-s",
+        str(args.timeout_s),
+        "--out",
+        str(out),
+    ] + (["--early-launch"] if args.early_launch else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -115,8 +153,10 @@ def run_ar(args, n: int) -> dict:
     staged = StagedModel.from_pretrained(args.target, n_stages=1)
     texts = [json.loads(line)["prompt"] for line in open(args.prompts_file, encoding="utf-8") if line.strip()]
     if args.chat:
-        texts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
-                 for t in texts]
+        texts = [
+            tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+            for t in texts
+        ]
     delay = n * args.emulate_stage_ms / 1000
 
     def emulate(_token: int, _accepted: bool) -> None:
@@ -126,8 +166,7 @@ def run_ar(args, n: int) -> dict:
     decode, decode_time = 0, 0.0
     for text in texts[: args.num_prompts]:
         ids = tok(text, add_special_tokens=not args.chat)["input_ids"]  # a rendered template has its own tokens
-        out = generate_ar(staged, ids, args.max_new_tokens, eos_token_id=tok.eos_token_id,
-                          on_token=emulate)
+        out = generate_ar(staged, ids, args.max_new_tokens, eos_token_id=tok.eos_token_id, on_token=emulate)
         decode += out.stats.new_tokens - 1
         # The first token comes from the prefill; its emulated time belongs to the prefill too.
         decode_time += out.stats.wall_time_s - out.stats.prefill_time_s - delay
@@ -152,8 +191,10 @@ def worlds(args) -> list[tuple[str, list[str], int]]:
 def step_ms(records: list[dict]) -> dict:
     """Rank 0's time per step in ms, over a mode's prompts: token source, verification, waits for the stages."""
     steps = sum(r["stats"]["steps"] for r in records)
-    return {name: round(1000 * sum(r["stats"][f"{name}_time_s"] for r in records) / steps, 3) if steps else None
-            for name in ("speculator", "verify", "stage")}
+    return {
+        name: round(1000 * sum(r["stats"][f"{name}_time_s"] for r in records) / steps, 3) if steps else None
+        for name in ("speculator", "verify", "stage")
+    }
 
 
 def breakdown(report: dict, mode: str) -> dict | None:
@@ -168,23 +209,48 @@ def breakdown(report: dict, mode: str) -> dict | None:
         return None
     wall = sum(r["stats"]["wall_time_s"] for r in records)
     link = clocks["rank0"]
-    rank0 = {"source": sum(r["stats"]["speculator_time_s"] for r in records),
-             "verify": sum(r["stats"]["verify_time_s"] for r in records), "send": link["send"],
-             "receive_work": link["receive"] - link["receive_wait"] - link["link_delay"],
-             "link_delay": link["link_delay"], "wait": link["receive_wait"]}
+    rank0 = {
+        "source": sum(r["stats"]["speculator_time_s"] for r in records),
+        "verify": sum(r["stats"]["verify_time_s"] for r in records),
+        "send": link["send"],
+        "receive_work": link["receive"] - link["receive_wait"] - link["link_delay"],
+        "link_delay": link["link_delay"],
+        "wait": link["receive_wait"],
+    }
     rank0["other"] = wall - sum(rank0.values())
     stages = clocks["stages"]
-    mean = {name: sum(c[name] for c in stages) / len(stages)
-            for name in ("elapsed", "compute", "emulated_compute", "notices", "send", "receive", "receive_wait",
-                         "link_delay")}
-    stage = {"compute": mean["compute"], "emulated_compute": mean["emulated_compute"], "notices": mean["notices"],
-             "send": mean["send"], "receive_work": mean["receive"] - mean["receive_wait"] - mean["link_delay"],
-             "link_delay": mean["link_delay"], "wait": mean["receive_wait"]}
+    mean = {
+        name: sum(c[name] for c in stages) / len(stages)
+        for name in (
+            "elapsed",
+            "compute",
+            "emulated_compute",
+            "notices",
+            "send",
+            "receive",
+            "receive_wait",
+            "link_delay",
+        )
+    }
+    stage = {
+        "compute": mean["compute"],
+        "emulated_compute": mean["emulated_compute"],
+        "notices": mean["notices"],
+        "send": mean["send"],
+        "receive_work": mean["receive"] - mean["receive_wait"] - mean["link_delay"],
+        "link_delay": mean["link_delay"],
+        "wait": mean["receive_wait"],
+    }
     stage["other"] = mean["elapsed"] - sum(stage.values())
     per_step = lambda part: {k: round(1000 * v / steps, 3) for k, v in part.items()}  # noqa: E731
-    return {"rank0": per_step(rank0), "stages": per_step(stage),
-            "messages_per_step": {"rank0_sent": round(link["messages_sent"] / steps, 2),
-                                  "rank0_received": round(link["messages_received"] / steps, 2)}}
+    return {
+        "rank0": per_step(rank0),
+        "stages": per_step(stage),
+        "messages_per_step": {
+            "rank0_sent": round(link["messages_sent"] / steps, 2),
+            "rank0_received": round(link["messages_received"] / steps, 2),
+        },
+    }
 
 
 def main(argv=None) -> int:
@@ -202,13 +268,22 @@ def measure(args, mode: str) -> list[dict]:
             spec, pp = report["summary"][mode], report["summary"]["pp"]
             ar = None if args.no_ar else run_ar(args, n)
             speedup = spec["decode_tokens_per_s"] / pp["decode_tokens_per_s"]
-            row = {"head": label, "stages": n, mode: spec, "pp": pp, "ar": ar,
-                   "speedup_vs_pp": speedup, "L_acc": spec["L_acc"], "efficiency": speedup / spec["L_acc"],
-                   "speedup_vs_ar": spec["decode_tokens_per_s"] / ar["decode_tokens_per_s"] if ar else None,
-                   f"identical_tokens_{mode}_pp": sum(a["token_ids"] == b["token_ids"] for a, b in
-                                                      zip(report["results"][mode], report["results"]["pp"])),
-                   "step_ms": step_ms(report["results"][mode]),
-                   "breakdown_ms_per_step": {m: breakdown(report, m) for m in (mode, "pp")}}
+            row = {
+                "head": label,
+                "stages": n,
+                mode: spec,
+                "pp": pp,
+                "ar": ar,
+                "speedup_vs_pp": speedup,
+                "L_acc": spec["L_acc"],
+                "efficiency": speedup / spec["L_acc"],
+                "speedup_vs_ar": spec["decode_tokens_per_s"] / ar["decode_tokens_per_s"] if ar else None,
+                f"identical_tokens_{mode}_pp": sum(
+                    a["token_ids"] == b["token_ids"] for a, b in zip(report["results"][mode], report["results"]["pp"])
+                ),
+                "step_ms": step_ms(report["results"][mode]),
+                "breakdown_ms_per_step": {m: breakdown(report, m) for m in (mode, "pp")},
+            }
             if mode == "tree":
                 row.update(width=args.tree_width, children=args.tree_children)
             rows.append(row)
@@ -221,34 +296,102 @@ def _bench(args) -> int:
     rows = measure(args, mode)
     launch = "early" if args.early_launch else "after verification"
     tree = f", tree W = {args.tree_width}, K = {args.tree_children}" if mode == "tree" else ""
-    print(f"emulated stage time {args.emulate_stage_ms:g} ms, link {args.emulate_link_ms:g} ms, "
-          f"{args.num_prompts} prompts x {args.max_new_tokens} new tokens, proposals launched {launch}{tree}")
+    print(
+        f"emulated stage time {args.emulate_stage_ms:g} ms, link {args.emulate_link_ms:g} ms, "
+        f"{args.num_prompts} prompts x {args.max_new_tokens} new tokens, proposals launched {launch}{tree}"
+    )
     source = "head" if mode == "spd" else "source"
-    print(markdown_table(
-        ["n", source, f"{mode} tok/s", "pp tok/s", "ar tok/s", "speedup vs pp", "L'_acc", "efficiency",
-         f"{mode} == pp tokens"],
-        [[r["stages"], r["head"], f"{r[mode]['decode_tokens_per_s']:.2f}", f"{r['pp']['decode_tokens_per_s']:.2f}",
-          f"{r['ar']['decode_tokens_per_s']:.2f}" if r["ar"] else "-", f"{r['speedup_vs_pp']:.3f}",
-          f"{r['L_acc']:.3f}", f"{r['efficiency']:.3f}", f"{r[f'identical_tokens_{mode}_pp']}/{args.num_prompts}"]
-         for r in rows]))
-    print("\nms per step (whole run, prefills included): rank 0 = source + verify + send + receive work + link delay "
-          "+ wait + other (verify holds one send); a stage (mean) = compute + emulated + notices + send + receive work "
-          "+ link delay + wait for input + other")
+    print(
+        markdown_table(
+            [
+                "n",
+                source,
+                f"{mode} tok/s",
+                "pp tok/s",
+                "ar tok/s",
+                "speedup vs pp",
+                "L'_acc",
+                "efficiency",
+                f"{mode} == pp tokens",
+            ],
+            [
+                [
+                    r["stages"],
+                    r["head"],
+                    f"{r[mode]['decode_tokens_per_s']:.2f}",
+                    f"{r['pp']['decode_tokens_per_s']:.2f}",
+                    f"{r['ar']['decode_tokens_per_s']:.2f}" if r["ar"] else "-",
+                    f"{r['speedup_vs_pp']:.3f}",
+                    f"{r['L_acc']:.3f}",
+                    f"{r['efficiency']:.3f}",
+                    f"{r[f'identical_tokens_{mode}_pp']}/{args.num_prompts}",
+                ]
+                for r in rows
+            ],
+        )
+    )
+    print(
+        "\nms per step (whole run, prefills included): rank 0 = source + verify + send + receive work + link delay "
+        "+ wait + other (verify holds one send); a stage (mean) = compute + emulated + notices + send + receive work "
+        "+ link delay + wait for input + other"
+    )
     breakdown = []
     for r in rows:
         for m, b in r["breakdown_ms_per_step"].items():
             if b is None:
                 continue
             cells = [b["rank0"][k] for k in ("source", "verify", "send", "receive_work", "link_delay", "wait", "other")]
-            cells += [b["stages"][k] for k in ("compute", "emulated_compute", "notices", "send", "receive_work",
-                                               "link_delay", "wait", "other")]
+            cells += [
+                b["stages"][k]
+                for k in (
+                    "compute",
+                    "emulated_compute",
+                    "notices",
+                    "send",
+                    "receive_work",
+                    "link_delay",
+                    "wait",
+                    "other",
+                )
+            ]
             breakdown.append([r["stages"], m, *(f"{c:.2f}" for c in cells)])
-    print(markdown_table(["n", "mode", "rank 0: source", "verify", "send", "recv work", "link delay", "wait", "other",
-                          "stage: compute", "emulated", "notices", "send", "recv work", "link delay", "wait", "other"],
-                         breakdown))
-    write_result(args.out, {"command": " ".join(sys.argv), "emulate_stage_ms": args.emulate_stage_ms,
-                            "emulate_link_ms": args.emulate_link_ms, "launch": launch, "mode": mode,
-                            "load_average_before": load_before, "load_average_after": os.getloadavg(), "rows": rows})
+    print(
+        markdown_table(
+            [
+                "n",
+                "mode",
+                "rank 0: source",
+                "verify",
+                "send",
+                "recv work",
+                "link delay",
+                "wait",
+                "other",
+                "stage: compute",
+                "emulated",
+                "notices",
+                "send",
+                "recv work",
+                "link delay",
+                "wait",
+                "other",
+            ],
+            breakdown,
+        )
+    )
+    write_result(
+        args.out,
+        {
+            "command": " ".join(sys.argv),
+            "emulate_stage_ms": args.emulate_stage_ms,
+            "emulate_link_ms": args.emulate_link_ms,
+            "launch": launch,
+            "mode": mode,
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "rows": rows,
+        },
+    )
     print(f"\nJSON: {args.out}")
     return 0
 

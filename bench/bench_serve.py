@@ -37,8 +37,14 @@ class ServerProcess:
 
     def __init__(self, *args: str, timeout: float = 300, threads: int = 1):
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "spd.cli.serve", "--port", "0", *args], cwd=REPO, env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "spd.cli.serve", "--port", "0", *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.lines: list[str] = []
         self.url = None
         deadline = time.time() + timeout
@@ -93,9 +99,15 @@ def one_request(url: str, model: str, prompt: str, max_tokens: int) -> dict:
             text.append(choice["text"])
             if choice["finish_reason"] is not None:
                 stats = chunk["spd"]
-    return {"latency_s": time.perf_counter() - start, "ttft_s": first, "text": "".join(text),
-            "tokens": stats["new_tokens"], "pipeline_s": stats["wall_time_s"],
-            "L_acc": stats.get("equivalent_accept_length"), "queue_s": stats["queue_time_s"]}
+    return {
+        "latency_s": time.perf_counter() - start,
+        "ttft_s": first,
+        "text": "".join(text),
+        "tokens": stats["new_tokens"],
+        "pipeline_s": stats["wall_time_s"],
+        "L_acc": stats.get("equivalent_accept_length"),
+        "queue_s": stats["queue_time_s"],
+    }
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -120,11 +132,19 @@ def run_load(args, name: str, server_args: list[str], prompts: list[str]) -> dic
         return {"p50": round(percentile(values, 50), 4), "p95": round(percentile(values, 95), 4)}
 
     l_acc = [r["L_acc"] for r in results if r["L_acc"] is not None]
-    return {"name": name, "server_args": server_args, "requests": len(results), "wall_s": round(wall, 3),
-            "completion_tokens": tokens, "tokens_per_s": round(tokens / wall, 3), "latency_s": pct("latency_s"),
-            "ttft_s": pct("ttft_s"), "pipeline_s": pct("pipeline_s"),
-            "mean_L_acc": round(statistics.mean(l_acc), 4) if l_acc else None,
-            "texts": [r["text"] for r in results]}
+    return {
+        "name": name,
+        "server_args": server_args,
+        "requests": len(results),
+        "wall_s": round(wall, 3),
+        "completion_tokens": tokens,
+        "tokens_per_s": round(tokens / wall, 3),
+        "latency_s": pct("latency_s"),
+        "ttft_s": pct("ttft_s"),
+        "pipeline_s": pct("pipeline_s"),
+        "mean_L_acc": round(statistics.mean(l_acc), 4) if l_acc else None,
+        "texts": [r["text"] for r in results],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,26 +176,58 @@ def main(argv: list[str] | None = None) -> int:
             server_args = [*common, "--mode", "pp", "--stages", value]
         else:
             p.error(f"--run expects spd:HEAD_DIR or pp:N, got '{spec}'")
-        print(f"[bench_serve] {spec}: {args.requests} requests, {args.concurrency} clients", file=sys.stderr, flush=True)
+        print(
+            f"[bench_serve] {spec}: {args.requests} requests, {args.concurrency} clients", file=sys.stderr, flush=True
+        )
         runs.append(run_load(args, spec, server_args, prompts))
     same = all(r["texts"] == runs[0]["texts"] for r in runs)
-    print(f"\n{args.requests} requests x {args.max_tokens} tokens, {args.concurrency} concurrent clients, runtime "
-          f"{args.runtime}" + (f", emulated stage {args.emulate_stage_ms} ms, link {args.emulate_link_ms} ms"
-                               if args.runtime == "distributed" else "") + f"; identical outputs: {same}")
-    print(markdown_table(
-        ["run", "tokens/s", "latency p50 / p95 (s)", "TTFT p50 / p95 (s)", "pipeline time per request p50 / p95 (s)",
-         "mean L'_acc"],
-        [[r["name"], f"{r['tokens_per_s']:.2f}", f"{r['latency_s']['p50']:.2f} / {r['latency_s']['p95']:.2f}",
-          f"{r['ttft_s']['p50']:.2f} / {r['ttft_s']['p95']:.2f}",
-          f"{r['pipeline_s']['p50']:.2f} / {r['pipeline_s']['p95']:.2f}",
-          r["mean_L_acc"] if r["mean_L_acc"] is not None else "-"] for r in runs], rule=" --- "))
+    print(
+        f"\n{args.requests} requests x {args.max_tokens} tokens, {args.concurrency} concurrent clients, runtime "
+        f"{args.runtime}"
+        + (
+            f", emulated stage {args.emulate_stage_ms} ms, link {args.emulate_link_ms} ms"
+            if args.runtime == "distributed"
+            else ""
+        )
+        + f"; identical outputs: {same}"
+    )
+    print(
+        markdown_table(
+            [
+                "run",
+                "tokens/s",
+                "latency p50 / p95 (s)",
+                "TTFT p50 / p95 (s)",
+                "pipeline time per request p50 / p95 (s)",
+                "mean L'_acc",
+            ],
+            [
+                [
+                    r["name"],
+                    f"{r['tokens_per_s']:.2f}",
+                    f"{r['latency_s']['p50']:.2f} / {r['latency_s']['p95']:.2f}",
+                    f"{r['ttft_s']['p50']:.2f} / {r['ttft_s']['p95']:.2f}",
+                    f"{r['pipeline_s']['p50']:.2f} / {r['pipeline_s']['p95']:.2f}",
+                    r["mean_L_acc"] if r["mean_L_acc"] is not None else "-",
+                ]
+                for r in runs
+            ],
+            rule=" --- ",
+        )
+    )
     if args.out:
-        report = {"command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "identical_outputs": same,
-                  "requests": args.requests, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
-                  "runtime": args.runtime, "emulate_stage_ms": args.emulate_stage_ms,
-                  "emulate_link_ms": args.emulate_link_ms, "runs": [{k: v for k, v in r.items() if k != "texts"}
-                                                                    for r in runs],
-                  "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        report = {
+            "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+            "identical_outputs": same,
+            "requests": args.requests,
+            "concurrency": args.concurrency,
+            "max_tokens": args.max_tokens,
+            "runtime": args.runtime,
+            "emulate_stage_ms": args.emulate_stage_ms,
+            "emulate_link_ms": args.emulate_link_ms,
+            "runs": [{k: v for k, v in r.items() if k != "texts"} for r in runs],
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
         write_result(args.out, report)
     return 0 if same else 1
 

@@ -72,8 +72,11 @@ def _subset(args, work: Path) -> tuple[Path, int]:
     while rows < need and count < len(lines):
         count = min(len(lines), max(count + 1, count * 2))
         path.write_text("\n".join(lines[:count]) + "\n")
-        rows = len(prepare_dataset(str(path), tok, DataConfig(max_length=int(preset.get("max_length", 2048))),
-                                   report=lambda *_: None))
+        rows = len(
+            prepare_dataset(
+                str(path), tok, DataConfig(max_length=int(preset.get("max_length", 2048))), report=lambda *_: None
+            )
+        )
     return path, rows
 
 
@@ -83,25 +86,49 @@ def train_runs(args, work: Path) -> dict:
     preset = yaml.safe_load(Path(args.config).read_text())
     tb = Path(args.testbed)
     subset, rows = _subset(args, work)
-    common_capture = ["data/capture.py", "--target", str(tb / "target"), "--max-length", str(preset["max_length"]),
-                      "--stages", str(preset["n_stages"])]
+    common_capture = [
+        "data/capture.py",
+        "--target",
+        str(tb / "target"),
+        "--max-length",
+        str(preset["max_length"]),
+        "--stages",
+        str(preset["n_stages"]),
+    ]
     timings = {}
     for name, extra in (("full", []), ("topk", ["--teacher", "topk", "--topk", str(args.topk)])):
         t0 = time.perf_counter()
         _run(*common_capture, "--data", str(subset), "--out", str(work / f"capture-{name}"), *extra)
         timings[f"capture_{name}_s"] = time.perf_counter() - t0
-    _run(*common_capture, "--data", str(tb / "corpus" / "validation.jsonl"), "--max-rows", str(preset["eval_rows"]),
-         "--out", str(work / "capture-val"))
-    train = ["train/distill.py", "--config", args.config, f"max_steps={args.steps}", "max_minutes=none",
-             "save_every=0", "eval_every=0"]
+    _run(
+        *common_capture,
+        "--data",
+        str(tb / "corpus" / "validation.jsonl"),
+        "--max-rows",
+        str(preset["eval_rows"]),
+        "--out",
+        str(work / "capture-val"),
+    )
+    train = [
+        "train/distill.py",
+        "--config",
+        args.config,
+        f"max_steps={args.steps}",
+        "max_minutes=none",
+        "save_every=0",
+        "eval_every=0",
+    ]
     runs = {
         "online": [f"target={tb / 'target'}", f"data={subset}", f"eval_data={tb / 'corpus' / 'validation.jsonl'}"],
         "offline": [f"data={work / 'capture-full'}", f"eval_data={work / 'capture-val'}"],
         f"offline-top{args.topk}": [f"data={work / 'capture-topk'}", f"eval_data={work / 'capture-val'}"],
     }
     for k in (int(x) for x in args.draft_vocab.split(",") if x):
-        runs[f"offline-K{k}"] = [f"data={work / 'capture-full'}", f"eval_data={work / 'capture-val'}",
-                                 f"draft_vocab_size={k}"]
+        runs[f"offline-K{k}"] = [
+            f"data={work / 'capture-full'}",
+            f"eval_data={work / 'capture-val'}",
+            f"draft_vocab_size={k}",
+        ]
     tokens = json.loads((work / "capture-full" / "capture.json").read_text())["tokens"]
     results = {}
     for name, extra in runs.items():
@@ -111,14 +138,30 @@ def train_runs(args, work: Path) -> dict:
         summary = json.loads((out / "summary.json").read_text())
         seconds = summary["loop_minutes"] * 60
         rows_seen = args.steps * int(preset["batch_size"])
-        results[name] = {"head": str(out / "final"), "train_s": seconds, "steps": summary["step"],
-                         "step_ms": 1000 * seconds / summary["step"],
-                         "tokens_per_s": rows_seen * tokens / rows / seconds,  # mean row length x rows / time
-                         "L_acc_est": summary["eval"].get("L_acc_est"), "top1_full": summary["eval"].get("top1_full")}
+        results[name] = {
+            "head": str(out / "final"),
+            "train_s": seconds,
+            "steps": summary["step"],
+            "step_ms": 1000 * seconds / summary["step"],
+            "tokens_per_s": rows_seen * tokens / rows / seconds,  # mean row length x rows / time
+            "L_acc_est": summary["eval"].get("L_acc_est"),
+            "top1_full": summary["eval"].get("top1_full"),
+        }
     bench_out = work / "bench.json"
-    _run("bench/bench.py", "--target", str(tb / "target"), "--prompts", str(tb / "prompts.jsonl"),
-         "--num-prompts", str(args.num_prompts), "--run", "ar",
-         *[x for name in runs for x in ("--run", f"{name}=spd:{results[name]['head']}")], "--out", str(bench_out))
+    _run(
+        "bench/bench.py",
+        "--target",
+        str(tb / "target"),
+        "--prompts",
+        str(tb / "prompts.jsonl"),
+        "--num-prompts",
+        str(args.num_prompts),
+        "--run",
+        "ar",
+        *[x for name in runs for x in ("--run", f"{name}=spd:{results[name]['head']}")],
+        "--out",
+        str(bench_out),
+    )
     measured = json.loads(bench_out.read_text())["results"]["T=0"]
     for name in runs:
         summary = measured[name]["summary"]
@@ -155,22 +198,30 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    report = {"command": " ".join(["python", "bench/bench_training.py", *(argv or sys.argv[1:])]),
-              "threads": torch.get_num_threads()}
+    report = {
+        "command": " ".join(["python", "bench/bench_training.py", *(argv or sys.argv[1:])]),
+        "threads": torch.get_num_threads(),
+    }
     if not args.skip_training:
         report["training"] = train_runs(args, work)
         t = report["training"]
-        print(f"\n{t['rows']} rows, {t['tokens']} tokens; capture {t['capture_full_s']:.0f} s (full teacher), "
-              f"{t['capture_topk_s']:.0f} s (top-{args.topk})")
+        print(
+            f"\n{t['rows']} rows, {t['tokens']} tokens; capture {t['capture_full_s']:.0f} s (full teacher), "
+            f"{t['capture_topk_s']:.0f} s (top-{args.topk})"
+        )
         print(f"{'run':<16} {'step ms':>8} {'tokens/s':>9} {'L_acc est':>9} {'L_acc':>6}  identical")
         for name, r in t["runs"].items():
-            print(f"{name:<16} {r['step_ms']:>8.0f} {r['tokens_per_s']:>9.0f} {r['L_acc_est']:>9.3f} "
-                  f"{r['L_acc']:>6.3f}  {r['identical_to_ar']}")
+            print(
+                f"{name:<16} {r['step_ms']:>8.0f} {r['tokens_per_s']:>9.0f} {r['L_acc_est']:>9.3f} "
+                f"{r['L_acc']:>6.3f}  {r['identical_to_ar']}"
+            )
     report["lm_head"] = lm_head_cost(args)
     lm = report["lm_head"]
-    print(f"\nLM head + KD, forward + backward, {lm['positions']} positions, D = {lm['hidden']}: "
-          f"V = {lm['vocab']}: {lm['full_ms']:.0f} ms, K = {lm['draft']}: {lm['draft_ms']:.0f} ms "
-          f"({lm['ratio']:.2f}x)")
+    print(
+        f"\nLM head + KD, forward + backward, {lm['positions']} positions, D = {lm['hidden']}: "
+        f"V = {lm['vocab']}: {lm['full_ms']:.0f} ms, K = {lm['draft']}: {lm['draft_ms']:.0f} ms "
+        f"({lm['ratio']:.2f}x)"
+    )
     write_result(args.out, report, indent=2)
     print(f"JSON: {args.out}")
     return 0

@@ -82,8 +82,28 @@ class Lan:
                 subprocess.run(["tc", "-n", namespace, "qdisc", "del", "dev", device, "root"], capture_output=True)
                 if rate is not None:
                     burst = max(rate_bits(rate) // 8 // 100, 32 * 1024)
-                    subprocess.run(["tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "tbf", "rate", rate,
-                                    "burst", str(burst), "latency", "200ms"], check=True, capture_output=True, text=True)
+                    subprocess.run(
+                        [
+                            "tc",
+                            "-n",
+                            namespace,
+                            "qdisc",
+                            "add",
+                            "dev",
+                            device,
+                            "root",
+                            "tbf",
+                            "rate",
+                            rate,
+                            "burst",
+                            str(burst),
+                            "latency",
+                            "200ms",
+                        ],
+                        check=True,
+                        capture_output=True,
+                        text=True,
+                    )
 
     def set_link(self, host: int, up: bool) -> None:
         """Take a host's link down (as a pulled cable) or bring it back."""
@@ -94,16 +114,39 @@ class Lan:
         return ["ip", "netns", "exec", self.names[host], *argv]
 
 
-def torchrun_command(hosts: list[tuple[str, str]], node: int, nproc: int, port: int, job_id: str, argv: list[str],
-                     local_addr: bool = True) -> list[str]:
+def torchrun_command(
+    hosts: list[tuple[str, str]],
+    node: int,
+    nproc: int,
+    port: int,
+    job_id: str,
+    argv: list[str],
+    local_addr: bool = True,
+) -> list[str]:
     """The torchrun that starts ``nproc`` ranks of one job on host ``node`` of ``hosts`` ((namespace, address)
     each), as docs/runtime.md "Across machines" starts them on machines: c10d rendezvous at host 0, which hosts
     it (``is_host=1``), and ``--local-addr`` unless ``local_addr`` is False. ``argv`` follows torchrun's options
     (e.g. ``["-m", "spd.cli.run_pipeline", ...]``)."""
     name, address = hosts[node]
-    cmd = ["ip", "netns", "exec", name, sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)),
-           "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0][1]}:{port}",
-           "--rdzv-id", job_id]
+    cmd = [
+        "ip",
+        "netns",
+        "exec",
+        name,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(len(hosts)),
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{hosts[0][1]}:{port}",
+        "--rdzv-id",
+        job_id,
+    ]
     cmd += ["--rdzv-conf", "is_host=1"] if node == 0 else []
     cmd += ["--local-addr", address] if local_addr else []
     return cmd + list(argv)

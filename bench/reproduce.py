@@ -61,9 +61,15 @@ class Head:
     layers: int  # L_s
 
     def overrides(self, steps: int, draft_steps: int, num_layers: int) -> list[str]:
-        keys = [f"variant={self.variant}", f"n_stages={self.stages}", f"num_layers={self.layers}",
-                f"max_steps={steps}", "max_minutes=none", f"save_every={min(steps, CHECKPOINT_EVERY)}",
-                f"eval_every={steps}"]
+        keys = [
+            f"variant={self.variant}",
+            f"n_stages={self.stages}",
+            f"num_layers={self.layers}",
+            f"max_steps={steps}",
+            "max_minutes=none",
+            f"save_every={min(steps, CHECKPOINT_EVERY)}",
+            f"eval_every={steps}",
+        ]
         if self.variant == "eagle":
             return keys + [f"draft_steps={draft_steps}", "boundaries=null"]
         from spd.target.staging import balanced_boundaries
@@ -74,29 +80,56 @@ class Head:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--testbed", default=str(default_testbed_dir()),
-                   help="a testbed, or a target prepared by data/smollm2.py --out DIR (default: %(default)s)")
-    p.add_argument("--stages", type=int, nargs="+", default=None,
-                   help="pipeline sizes n (default: those of 4, 8, 16 up to the target's layers; an n that does not "
-                        "divide them takes the balanced cut)")
+    p.add_argument(
+        "--testbed",
+        default=str(default_testbed_dir()),
+        help="a testbed, or a target prepared by data/smollm2.py --out DIR (default: %(default)s)",
+    )
+    p.add_argument(
+        "--stages",
+        type=int,
+        nargs="+",
+        default=None,
+        help="pipeline sizes n (default: those of 4, 8, 16 up to the target's layers; an n that does not "
+        "divide them takes the balanced cut)",
+    )
     p.add_argument("--layers", type=int, nargs="+", default=[1, 2], help="SPD head layers L_s (default: 1 2)")
-    p.add_argument("--draft-steps", type=int, nargs="+", default=[3, 7, 15],
-                   help="EAGLE-style serial drafts per target forward, m (default: 3 7 15)")
+    p.add_argument(
+        "--draft-steps",
+        type=int,
+        nargs="+",
+        default=[3, 7, 15],
+        help="EAGLE-style serial drafts per target forward, m (default: 3 7 15)",
+    )
     p.add_argument("--steps", type=int, default=800, help="optimizer steps per head (default: %(default)s)")
-    p.add_argument("--config", default=str(REPO / "configs" / "testbed-n4.yaml"),
-                   help="trainer preset the heads start from (default: %(default)s)")
+    p.add_argument(
+        "--config",
+        default=str(REPO / "configs" / "testbed-n4.yaml"),
+        help="trainer preset the heads start from (default: %(default)s)",
+    )
     p.add_argument("--prompts", default="humaneval", help="bench/bench.py --prompts (default: %(default)s)")
     p.add_argument("--num-prompts", type=int, default=50)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    p.add_argument("--batch", type=int, default=1,
-                   help="bench/bench.py --batch: the pipeline rows run this many prompts at a time through the batched "
-                        "pipeline (default: 1, one at a time); the serial rows stay one at a time")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="bench/bench.py --batch: the pipeline rows run this many prompts at a time through the batched "
+        "pipeline (default: 1, one at a time); the serial rows stay one at a time",
+    )
     p.add_argument("--max-length", type=int, default=256, help="tokens per captured row (default: %(default)s)")
-    p.add_argument("--capture-tokens", type=int, default=None,
-                   help="capture only this many training tokens (default: the whole training text)")
-    p.add_argument("--runs", default=None, help="where captures, heads and the raw benchmark go "
-                                                "(default: runs/reproduce-<testbed name>)")
+    p.add_argument(
+        "--capture-tokens",
+        type=int,
+        default=None,
+        help="capture only this many training tokens (default: the whole training text)",
+    )
+    p.add_argument(
+        "--runs",
+        default=None,
+        help="where captures, heads and the raw benchmark go (default: runs/reproduce-<testbed name>)",
+    )
     p.add_argument("--out", default="reproduction", help="directory of table.md / table.json / table.png")
     return p.parse_args(argv)
 
@@ -133,9 +166,20 @@ def capture(args, testbed: Path, runs: Path, stages: list[int], text: dict[str, 
     out = {}
     for split in ("train", "validation"):
         out[split] = runs / f"capture-{split}"
-        cmd = [sys.executable, str(REPO / "data" / "capture.py"), "--target", str(testbed / "target"),
-               "--data", str(text[split]), "--stages", ",".join(map(str, stages)),
-               "--max-length", str(args.max_length), "--out", str(out[split])]
+        cmd = [
+            sys.executable,
+            str(REPO / "data" / "capture.py"),
+            "--target",
+            str(testbed / "target"),
+            "--data",
+            str(text[split]),
+            "--stages",
+            ",".join(map(str, stages)),
+            "--max-length",
+            str(args.max_length),
+            "--out",
+            str(out[split]),
+        ]
         if split == "train" and args.capture_tokens:
             cmd += ["--max-tokens", str(args.capture_tokens)]
         _run(cmd, f"capture ({split})")
@@ -147,10 +191,18 @@ def train(args, testbed: Path, runs: Path, head: Head, data: Path, eval_data: Pa
     if (final / "config.json").is_file():
         print(f"[reproduce] {head.name}: trained already ({final})", flush=True)
         return final
-    cmd = [sys.executable, str(REPO / "train" / "distill.py"), "--config", args.config,
-           f"target={testbed / 'target'}", f"data={data}", f"eval_data={eval_data}",
-           f"output_dir={runs / head.name}", f"max_length={args.max_length}",
-           *head.overrides(args.steps, max(args.draft_steps), num_layers)]
+    cmd = [
+        sys.executable,
+        str(REPO / "train" / "distill.py"),
+        "--config",
+        args.config,
+        f"target={testbed / 'target'}",
+        f"data={data}",
+        f"eval_data={eval_data}",
+        f"output_dir={runs / head.name}",
+        f"max_length={args.max_length}",
+        *head.overrides(args.steps, max(args.draft_steps), num_layers),
+    ]
     _run(cmd + (["--resume"] if (runs / head.name / "checkpoints").is_dir() else []), f"training {head.name}")
     return final
 
@@ -163,9 +215,22 @@ def bench(args, testbed: Path, runs: Path, finals: dict[str, Path], stages: list
         spec += [f"ppsd n={n}=spd:{finals[f'ppsd-n{n}']}"]
         spec += [f"spd n={n} Ls={args.layers[0]} W=4=tree:{finals[f'spd-n{n}-ls{args.layers[0]}']}:{n}:4:4"]
     out = runs / "bench.json"
-    cmd = [sys.executable, str(REPO / "bench" / "bench.py"), "--target", str(testbed / "target"),
-           "--prompts", args.prompts, "--num-prompts", str(args.num_prompts), "--max-new-tokens",
-           str(args.max_new_tokens), "--temperatures", *map(str, args.temperatures), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "bench.py"),
+        "--target",
+        str(testbed / "target"),
+        "--prompts",
+        args.prompts,
+        "--num-prompts",
+        str(args.num_prompts),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--temperatures",
+        *map(str, args.temperatures),
+        "--out",
+        str(out),
+    ]
     cmd += ["--batch", str(args.batch)] if args.batch > 1 else []
     _run(cmd + [x for s in spec for x in ("--run", s)], "benchmark")
     return json.loads(out.read_text())
@@ -181,20 +246,31 @@ def table(report: dict) -> list[dict]:
             method, _, setting = name.partition(" ")
             summary = run["summary"]
             row = rows.setdefault(name, {"method": METHODS[method], "setting": setting})
-            row[temperature] = {"acceptance_length": summary["L_acc"],
-                                "theoretical_speedup": summary.get("theoretical_speedup"),
-                                "identical_to_ar": summary.get("identical_to_ar")}
+            row[temperature] = {
+                "acceptance_length": summary["L_acc"],
+                "theoretical_speedup": summary.get("theoretical_speedup"),
+                "identical_to_ar": summary.get("identical_to_ar"),
+            }
     return list(rows.values())
 
 
 def markdown(rows: list[dict], temperatures: list[str], report: dict) -> str:
     head = "| method | setting | " + " | ".join(f"{t}: length | {t}: speedup" for t in temperatures) + " |"
-    lines = [f"Data set: {report['dataset']} ({report['num_prompts']} prompts, {report['max_new_tokens']} new tokens). "
-             "Length: L_acc for sd (bonus token included), L'_acc for the pipeline; speedup: theoretical.", "",
-             head, "|" + " --- |" * (2 + 2 * len(temperatures))]
+    lines = [
+        f"Data set: {report['dataset']} ({report['num_prompts']} prompts, {report['max_new_tokens']} new tokens). "
+        "Length: L_acc for sd (bonus token included), L'_acc for the pipeline; speedup: theoretical.",
+        "",
+        head,
+        "|" + " --- |" * (2 + 2 * len(temperatures)),
+    ]
     for row in rows:
-        cells = [" | ".join("-" if row.get(t, {}).get(k) is None else f"{row[t][k]:.2f}"
-                            for k in ("acceptance_length", "theoretical_speedup")) for t in temperatures]
+        cells = [
+            " | ".join(
+                "-" if row.get(t, {}).get(k) is None else f"{row[t][k]:.2f}"
+                for k in ("acceptance_length", "theoretical_speedup")
+            )
+            for t in temperatures
+        ]
         lines.append(f"| {row['method']} | {row['setting']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -205,8 +281,9 @@ def plot(rows: list[dict], temperatures: list[str], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 0.35 * len(rows) + 1.5),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(temperatures), figsize=(6 * len(temperatures), 0.35 * len(rows) + 1.5), squeeze=False
+    )
     for ax, t in zip(axes[0], temperatures):
         labels = [f"{r['method']} {r['setting']}" for r in rows if t in r]
         ax.barh(labels, [r[t]["theoretical_speedup"] or 0.0 for r in rows if t in r])
@@ -223,13 +300,18 @@ def main(argv=None) -> int:
 def _reproduce(args) -> int:
     """Capture, train every head, benchmark them, and write the table (markdown, JSON and a plot)."""
     testbed = Path(args.testbed)
-    config = json.loads((testbed / "target" / "config.json").read_text()) if (
-        testbed / "target" / "config.json").is_file() else None
+    config = (
+        json.loads((testbed / "target" / "config.json").read_text())
+        if (testbed / "target" / "config.json").is_file()
+        else None
+    )
     text = training_text(testbed)
     if config is None or text is None:
-        raise SpdInputError(f"'{testbed}' is neither a testbed nor a prepared target (expected target/config.json "
-                            "and corpus/ or data/ with train.jsonl and validation.jsonl; build one with "
-                            "data/build_testbed.py or data/smollm2.py)")
+        raise SpdInputError(
+            f"'{testbed}' is neither a testbed nor a prepared target (expected target/config.json "
+            "and corpus/ or data/ with train.jsonl and validation.jsonl; build one with "
+            "data/build_testbed.py or data/smollm2.py)"
+        )
     num_layers = config["num_hidden_layers"]
     stages = args.stages or [n for n in (4, 8, 16) if n <= num_layers]
     bad = [n for n in stages if not 1 <= n <= num_layers]
@@ -239,17 +321,26 @@ def _reproduce(args) -> int:
         raise SpdInputError("--draft-steps, --layers, --steps, --max-length and --batch must be positive")
     runs = Path(args.runs or REPO / "runs" / f"reproduce-{testbed.resolve().name}")
     data, eval_data = capture(args, testbed, runs, stages, text)
-    finals = {h.name: train(args, testbed, runs, h, data, eval_data, num_layers)
-              for h in plan_heads(stages, args.layers)}
+    finals = {
+        h.name: train(args, testbed, runs, h, data, eval_data, num_layers) for h in plan_heads(stages, args.layers)
+    }
     report = bench(args, testbed, runs, finals, stages)
     rows = table(report)
     temperatures = list(report["results"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(markdown(rows, temperatures, report))
-    write_result(out / "table.json", {"command": " ".join(sys.argv), "bench_command": report["command"],
-                                      "dataset": report["dataset"], "testbed": str(testbed),
-                                      "steps_per_head": args.steps, "rows": rows})
+    write_result(
+        out / "table.json",
+        {
+            "command": " ".join(sys.argv),
+            "bench_command": report["command"],
+            "dataset": report["dataset"],
+            "testbed": str(testbed),
+            "steps_per_head": args.steps,
+            "rows": rows,
+        },
+    )
     plot(rows, temperatures, out / "table.png")
     print((out / "table.md").read_text())
     print(f"written: {out / 'table.md'}, {out / 'table.json'}, {out / 'table.png'}")

@@ -30,27 +30,55 @@ def parse_args(argv=None):
 
     d = TestbedConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=PRESETS, default="default",
-                   help="default (8-layer target) or deep (32-layer target) (default: %(default)s)")
-    p.add_argument("--out", default=None,
-                   help=f"output directory (default: {default_testbed_dir()}, or {default_testbed_dir()}-deep with "
-                        "--preset deep)")
-    p.add_argument("--target-steps", type=int, default=d.target.steps,
-                   help="target optimizer steps (default: %(default)s, ~15 min on 2 cores)")
-    p.add_argument("--draft-steps", type=int, default=d.draft.steps,
-                   help="draft optimizer steps (default: %(default)s, ~4 min on 2 cores)")
-    p.add_argument("--minutes", type=float, default=None,
-                   help="train the target for this wall-clock budget instead of --target-steps")
-    p.add_argument("--draft-minutes", type=float, default=None,
-                   help="train the draft for this wall-clock budget instead of --draft-steps")
+    p.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default="default",
+        help="default (8-layer target) or deep (32-layer target) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help=f"output directory (default: {default_testbed_dir()}, or {default_testbed_dir()}-deep with --preset deep)",
+    )
+    p.add_argument(
+        "--target-steps",
+        type=int,
+        default=d.target.steps,
+        help="target optimizer steps (default: %(default)s, ~15 min on 2 cores)",
+    )
+    p.add_argument(
+        "--draft-steps",
+        type=int,
+        default=d.draft.steps,
+        help="draft optimizer steps (default: %(default)s, ~4 min on 2 cores)",
+    )
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="train the target for this wall-clock budget instead of --target-steps",
+    )
+    p.add_argument(
+        "--draft-minutes",
+        type=float,
+        default=None,
+        help="train the draft for this wall-clock budget instead of --draft-steps",
+    )
     p.add_argument("--vocab-size", type=int, default=d.vocab_size)
     p.add_argument("--max-files", type=int, default=None, help="use only the first N stdlib files")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--tiny", action="store_true",
-                   help="miniature build for tests: 60 files, 512-token vocab, tiny models, a few steps")
-    p.add_argument("--force", action="store_true",
-                   help="build even where --out holds paths the builder did not write (its files go beside theirs; "
-                        "nothing is removed)")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="miniature build for tests: 60 files, 512-token vocab, tiny models, a few steps",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="build even where --out holds paths the builder did not write (its files go beside theirs; "
+        "nothing is removed)",
+    )
     p.add_argument("--no-compile", action="store_true", help="train without torch.compile")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p.parse_args(argv)
@@ -72,18 +100,50 @@ def config_from_args(args):
     cfg = TestbedConfig(vocab_size=args.vocab_size, max_files=args.max_files, seed=args.seed)
     if args.tiny:
         cfg = TestbedConfig(
-            vocab_size=512, max_files=args.max_files or 60, val_fraction=0.2, seed=args.seed, eval_tokens=4096,
-            target=ModelSpec(layers=8, hidden=32, heads=2, kv_heads=1, ffn=64, steps=20,
-                             batch_size=4, seq_len=64, warmup_steps=5, compile=False),
-            draft=ModelSpec(layers=2, hidden=32, heads=2, kv_heads=2, ffn=64, steps=10,
-                            batch_size=4, seq_len=64, warmup_steps=5, compile=False),
+            vocab_size=512,
+            max_files=args.max_files or 60,
+            val_fraction=0.2,
+            seed=args.seed,
+            eval_tokens=4096,
+            target=ModelSpec(
+                layers=8,
+                hidden=32,
+                heads=2,
+                kv_heads=1,
+                ffn=64,
+                steps=20,
+                batch_size=4,
+                seq_len=64,
+                warmup_steps=5,
+                compile=False,
+            ),
+            draft=ModelSpec(
+                layers=2,
+                hidden=32,
+                heads=2,
+                kv_heads=2,
+                ffn=64,
+                steps=10,
+                batch_size=4,
+                seq_len=64,
+                warmup_steps=5,
+                compile=False,
+            ),
         )
     if not args.tiny:
         # A time budget replaces the step count (and then the step count is machine-dependent).
-        cfg.target = dataclasses.replace(cfg.target, minutes=args.minutes, compile=not args.no_compile,
-                                         steps=None if args.minutes else args.target_steps)
-        cfg.draft = dataclasses.replace(cfg.draft, minutes=args.draft_minutes, compile=not args.no_compile,
-                                        steps=None if args.draft_minutes else args.draft_steps)
+        cfg.target = dataclasses.replace(
+            cfg.target,
+            minutes=args.minutes,
+            compile=not args.no_compile,
+            steps=None if args.minutes else args.target_steps,
+        )
+        cfg.draft = dataclasses.replace(
+            cfg.draft,
+            minutes=args.draft_minutes,
+            compile=not args.no_compile,
+            steps=None if args.draft_minutes else args.draft_steps,
+        )
     if args.preset == "deep":
         cfg.target = dataclasses.replace(cfg.target, layers=DEEP_LAYERS)
     return cfg
@@ -101,8 +161,10 @@ def _build(args, out: str) -> int:
     from spd.target.testbed import build_testbed
 
     result = build_testbed(out, config_from_args(args), progress=not args.quiet, force=args.force)
-    summary = {name: {k: result[name][k] for k in ("parameters", "steps", "train_tokens", "validation_perplexity")}
-               for name in ("target", "draft")}
+    summary = {
+        name: {k: result[name][k] for k in ("parameters", "steps", "train_tokens", "validation_perplexity")}
+        for name in ("target", "draft")
+    }
     print(json.dumps({"testbed": out, **summary}, indent=2))
     return 0
 

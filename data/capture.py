@@ -45,8 +45,12 @@ def parse_args(argv=None):
     group.add_argument("--anchors", help="hidden-state indices to store, e.g. 0,1,2,4,8 (instead of --stages)")
     p.add_argument("--teacher", default="full", choices=("full", "topk"))
     p.add_argument("--topk", type=int, default=64, help="k of the top-k teacher")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="of the stored states (auto: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="of the stored states (auto: bfloat16 on GPU, float32 on CPU)",
+    )
     p.add_argument("--max-rows", type=int, default=None, help="capture only the first rows of the data")
     p.add_argument("--max-tokens", type=int, default=None, help="capture only the first rows up to this many tokens")
     p.add_argument("--shard-tokens", type=int, default=1 << 18, help="tokens per shard file")
@@ -75,10 +79,14 @@ def run(args) -> int:
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
     tokenizer = load_tokenizer(args.target, revision=args.revision)
     num_layers = AutoConfig.from_pretrained(args.target, revision=args.revision).get_text_config().num_hidden_layers
-    anchors = (_ints(args.anchors, "--anchors") if args.anchors
-               else anchors_for_stages(num_layers, _ints(args.stages, "--stages")))  # checked before the slow work
-    data_cfg = DataConfig(max_length=args.max_length, overflow=args.overflow, split=args.split,
-                          revision=args.data_revision)
+    anchors = (
+        _ints(args.anchors, "--anchors")
+        if args.anchors
+        else anchors_for_stages(num_layers, _ints(args.stages, "--stages"))
+    )  # checked before the slow work
+    data_cfg = DataConfig(
+        max_length=args.max_length, overflow=args.overflow, split=args.split, revision=args.data_revision
+    )
     ds = prepare_dataset(args.data, tokenizer, data_cfg, args.cache_dir)
     rows = len(ds)
     if args.max_rows is not None:
@@ -93,17 +101,37 @@ def run(args) -> int:
     if rows < 1:
         raise SpdInputError("no rows to capture (--max-rows / --max-tokens leave none)")
     ds = ds.select(range(rows))
-    staged = StagedModel.from_pretrained(args.target, revision=args.revision, dtype=getattr(torch, dtype),
-                                         device=args.device)
-    settings = CaptureSettings(target=args.target, target_revision=args.revision, anchors=anchors, dtype=dtype,
-                               teacher=args.teacher, topk=args.topk if args.teacher == "topk" else 0,
-                               shard_tokens=args.shard_tokens, batch_tokens=args.batch_tokens,
-                               data_fingerprint=f"{fingerprint(args.data, tokenizer, data_cfg)}-{rows}")
+    staged = StagedModel.from_pretrained(
+        args.target, revision=args.revision, dtype=getattr(torch, dtype), device=args.device
+    )
+    settings = CaptureSettings(
+        target=args.target,
+        target_revision=args.revision,
+        anchors=anchors,
+        dtype=dtype,
+        teacher=args.teacher,
+        topk=args.topk if args.teacher == "topk" else 0,
+        shard_tokens=args.shard_tokens,
+        batch_tokens=args.batch_tokens,
+        data_fingerprint=f"{fingerprint(args.data, tokenizer, data_cfg)}-{rows}",
+    )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    source = {"data": args.data, "data_revision": args.data_revision, "split": args.split,
-              "max_length": args.max_length, "overflow": args.overflow}
-    capture(staged, ds, args.out, settings, pad_id=pad_id, source=source,
-            tokens=tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+    source = {
+        "data": args.data,
+        "data_revision": args.data_revision,
+        "split": args.split,
+        "max_length": args.max_length,
+        "overflow": args.overflow,
+    }
+    capture(
+        staged,
+        ds,
+        args.out,
+        settings,
+        pad_id=pad_id,
+        source=source,
+        tokens=tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))),
+    )
     return 0
 
 

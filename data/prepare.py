@@ -32,8 +32,7 @@ def _prepare(args) -> int:
     from spd.target.staging import load_tokenizer
 
     tokenizer = load_tokenizer(args.target, revision=args.revision)
-    cfg = DataConfig(max_length=args.max_length, overflow=args.overflow, split=args.split,
-                     revision=args.data_revision)
+    cfg = DataConfig(max_length=args.max_length, overflow=args.overflow, split=args.split, revision=args.data_revision)
     ds = prepare_dataset(args.data, tokenizer, cfg, args.cache_dir)
     print(f"{len(ds)} rows ready (cache: {args.cache_dir})")
     return 0

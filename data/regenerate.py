@@ -34,8 +34,7 @@ def json_lines(path: str, key: str):
         try:
             row = json.loads(line)
         except ValueError:
-            raise SpdInputError(f"{path}:{number} is not JSON; expected one {{\"{key}\": ...}} object per "
-                                "line") from None
+            raise SpdInputError(f'{path}:{number} is not JSON; expected one {{"{key}": ...}} object per line') from None
         yield number, row
 
 
@@ -57,12 +56,14 @@ def read_prompts(spec: str) -> list[dict]:
         if isinstance(row, dict) and row.get("keep") is False:  # a sample data/self_instruct.py rejected
             continue
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-            raise SpdInputError(f"{spec}:{number} has no non-empty \"prompt\" string")
+            raise SpdInputError(f'{spec}:{number} has no non-empty "prompt" string')
         rows.append({"id": str(row.get("id", number)), "prompt": row["prompt"]})
     if not rows:
         raise SpdInputError(f"the prompts file '{spec}' has no prompts")
     if len({r["id"] for r in rows}) != len(rows):
-        raise SpdInputError(f"the prompts file '{spec}' repeats an \"id\"; ids must be unique (resuming relies on them)")
+        raise SpdInputError(
+            f"the prompts file '{spec}' repeats an \"id\"; ids must be unique (resuming relies on them)"
+        )
     return rows
 
 
@@ -83,7 +84,7 @@ def read_texts(spec: str, seed: int, max_chars: int) -> list[dict]:
     texts = []
     for number, row in json_lines(path, "text"):
         if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-            raise SpdInputError(f"{path}:{number} has no \"text\" string")
+            raise SpdInputError(f'{path}:{number} has no "text" string')
         if row["text"].strip():
             texts.append(row["text"])
     if not texts:
@@ -97,23 +98,31 @@ def main(argv=None) -> int:
     p.add_argument("--target", required=True, help="the target: a model directory or hub id")
     p.add_argument("--revision", default=None)
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompts", help="chat target: a jsonl file of {\"prompt\"} rows, or stdlib[:N]")
-    source.add_argument("--texts",
-                        help="base model: FILE[:N], N prefixes of a jsonl file's {\"text\"} rows to continue")
-    p.add_argument("--prefix-chars", type=int, default=400,
-                   help="with --texts: a prefix's length at most, in characters")
-    p.add_argument("--skip", type=int, default=0,
-                   help="leave out the first N prompts (e.g. --prompts stdlib --skip 64: the 64 held out for evaluation "
-                        "by data/smollm2.py)")
+    source.add_argument("--prompts", help='chat target: a jsonl file of {"prompt"} rows, or stdlib[:N]')
+    source.add_argument("--texts", help='base model: FILE[:N], N prefixes of a jsonl file\'s {"text"} rows to continue')
+    p.add_argument(
+        "--prefix-chars", type=int, default=400, help="with --texts: a prefix's length at most, in characters"
+    )
+    p.add_argument(
+        "--skip",
+        type=int,
+        default=0,
+        help="leave out the first N prompts (e.g. --prompts stdlib --skip 64: the 64 held out for evaluation "
+        "by data/smollm2.py)",
+    )
     p.add_argument("--out", required=True, type=Path, help="jsonl of conversations or texts (appended to, resumable)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=384)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers (default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="the target's dtype while it answers (bfloat16: faster on CPUs with AMX and on GPUs; the "
-                        "answers then differ from float32's where two tokens are near ties)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="the target's dtype while it answers (bfloat16: faster on CPUs with AMX and on GPUs; the "
+        "answers then differ from float32's where two tokens are near ties)",
+    )
     args = p.parse_args(argv)
     if args.batch_size < 1 or args.max_new_tokens < 1:
         p.error("--batch-size and --max-new-tokens must be positive integers")
@@ -139,17 +148,28 @@ def _answer(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    prompts = (read_prompts(args.prompts) if args.texts is None
-               else read_texts(args.texts, args.seed, args.prefix_chars))[args.skip:]
+    prompts = (
+        read_prompts(args.prompts) if args.texts is None else read_texts(args.texts, args.seed, args.prefix_chars)
+    )[args.skip :]
     if not prompts:
         raise SpdInputError(f"--skip {args.skip} leaves no prompts to answer")
     model = load_causal_lm(args.target, revision=args.revision, dtype=getattr(torch, args.dtype)).eval()
     tokenizer = load_tokenizer(args.target, args.revision)
-    stats = regenerate(model, tokenizer, prompts, args.out, batch_size=args.batch_size,
-                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                       chat=args.texts is None)
-    print(f"{args.out}: {stats['generated']} answered now, {stats['skipped_done']} already there; "
-          f"{stats['new_tokens']} tokens in {stats['seconds']} s ({stats['tokens_per_s']} tokens/s)")
+    stats = regenerate(
+        model,
+        tokenizer,
+        prompts,
+        args.out,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        chat=args.texts is None,
+    )
+    print(
+        f"{args.out}: {stats['generated']} answered now, {stats['skipped_done']} already there; "
+        f"{stats['new_tokens']} tokens in {stats['seconds']} s ({stats['tokens_per_s']} tokens/s)"
+    )
     return 0
 
 

@@ -27,8 +27,9 @@ def parse_topics(specs: list[str]) -> list[tuple[str, int]]:
     for spec in specs:
         topic, _, count = spec.partition(":")
         if topic not in TOPICS or not count.isdigit() or int(count) < 1:
-            raise SpdInputError(f"--topics {spec}: expected TOPIC:N with TOPIC one of {', '.join(TOPICS)} and N a "
-                                "positive integer")
+            raise SpdInputError(
+                f"--topics {spec}: expected TOPIC:N with TOPIC one of {', '.join(TOPICS)} and N a positive integer"
+            )
         out.append((topic, int(count)))
     return out
 
@@ -65,11 +66,23 @@ def _write_topics(args) -> int:
     benchmarks = BenchmarkFilter(benchmark_texts(args.mt_bench, args.gsm8k))
     model, tokenizer = load_causal_lm(args.target).eval(), load_tokenizer(args.target)
     for topic, count in topics:
-        stats = write_instructions(model, tokenizer, topic, count, args.out, benchmarks,
-                                   batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                                   temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-        print(f"{args.out}: {topic}: {stats['sampled']} sampled now ({stats['kept']} kept), "
-              f"{stats['skipped_done']} already there, {stats['seconds']} s")
+        stats = write_instructions(
+            model,
+            tokenizer,
+            topic,
+            count,
+            args.out,
+            benchmarks,
+            batch_size=args.batch_size,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
+        print(
+            f"{args.out}: {topic}: {stats['sampled']} sampled now ({stats['kept']} kept), "
+            f"{stats['skipped_done']} already there, {stats['seconds']} s"
+        )
     return 0
 
 

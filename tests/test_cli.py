@@ -33,8 +33,19 @@ def spd_generate_main(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_json_output(tiny_testbed):
-    proc = spd_generate("--target", str(tiny_testbed / "target"), "--mode", "ar", "--stages", "2",
-                        "--prompt", "import os\n", "--max-new-tokens", "12", "--json")
+    proc = spd_generate(
+        "--target",
+        str(tiny_testbed / "target"),
+        "--mode",
+        "ar",
+        "--stages",
+        "2",
+        "--prompt",
+        "import os\n",
+        "--max-new-tokens",
+        "12",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert set(out) == {"text", "token_ids", "stats"}
@@ -57,16 +68,32 @@ def test_streams_text_and_matches_json(tiny_testbed, tmp_path):
 
 
 def test_sampling_with_seed_is_reproducible(tiny_testbed):
-    args = ["--target", str(tiny_testbed / "target"), "--prompt", "x = ", "--max-new-tokens", "10",
-            "--temperature", "0.9", "--top-k", "20", "--top-p", "0.9", "--seed", "7", "--json"]
+    args = [
+        "--target",
+        str(tiny_testbed / "target"),
+        "--prompt",
+        "x = ",
+        "--max-new-tokens",
+        "10",
+        "--temperature",
+        "0.9",
+        "--top-k",
+        "20",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "7",
+        "--json",
+    ]
     a, b = spd_generate(*args), spd_generate(*args)
     assert a.returncode == 0
     assert json.loads(a.stdout)["token_ids"] == json.loads(b.stdout)["token_ids"]
 
 
 def test_chat_prompt(tiny_testbed):
-    proc = spd_generate("--target", str(tiny_testbed / "target"), "--prompt", "hi", "--chat",
-                        "--max-new-tokens", "4", "--json")
+    proc = spd_generate(
+        "--target", str(tiny_testbed / "target"), "--prompt", "hi", "--chat", "--max-new-tokens", "4", "--json"
+    )
     assert proc.returncode == 0, proc.stderr
     from transformers import AutoTokenizer
 
@@ -76,22 +103,25 @@ def test_chat_prompt(tiny_testbed):
     assert json.loads(proc.stdout)["stats"]["prompt_tokens"] == len(tok(text, add_special_tokens=False)["input_ids"])
 
 
-@pytest.mark.parametrize("args,expected", [
-    (["--target", "/no/such/dir", "--prompt", "x"], "does not exist"),
-    (["--prompt", ""], "prompt is empty"),
-    (["--prompt", "   \n"], "prompt is empty"),
-    (["--prompt", "x", "--mode", "warp"], "unknown --mode 'warp'"),
-    (["--prompt", "x", "--temperature", "-1"], "--temperature"),
-    (["--prompt", "x", "--temperature", "nan"], "finite"),
-    (["--prompt", "x", "--top-p", "1.5"], "--top-p"),
-    (["--prompt", "x", "--top-k", "-3"], "--top-k"),
-    (["--prompt", "x", "--max-new-tokens", "0"], "positive integer"),
-    (["--prompt", "x", "--max-new-tokens", "ten"], "positive integer"),
-    (["--prompt", "x", "--stages", "3"], "do not divide"),
-    (["--prompt-file", "/no/such/file.txt"], "does not exist"),
-    ([], "no prompt given"),
-    (["--prompt", "x", "--bogus"], "unrecognized arguments"),
-])
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--target", "/no/such/dir", "--prompt", "x"], "does not exist"),
+        (["--prompt", ""], "prompt is empty"),
+        (["--prompt", "   \n"], "prompt is empty"),
+        (["--prompt", "x", "--mode", "warp"], "unknown --mode 'warp'"),
+        (["--prompt", "x", "--temperature", "-1"], "--temperature"),
+        (["--prompt", "x", "--temperature", "nan"], "finite"),
+        (["--prompt", "x", "--top-p", "1.5"], "--top-p"),
+        (["--prompt", "x", "--top-k", "-3"], "--top-k"),
+        (["--prompt", "x", "--max-new-tokens", "0"], "positive integer"),
+        (["--prompt", "x", "--max-new-tokens", "ten"], "positive integer"),
+        (["--prompt", "x", "--stages", "3"], "do not divide"),
+        (["--prompt-file", "/no/such/file.txt"], "does not exist"),
+        ([], "no prompt given"),
+        (["--prompt", "x", "--bogus"], "unrecognized arguments"),
+    ],
+)
 def test_bad_input_is_one_clear_line_and_exit_2(tiny_testbed, args, expected):
     if "--target" not in args:
         args = ["--target", str(tiny_testbed / "target"), *args]
@@ -116,8 +146,17 @@ def test_target_without_tokenizer(tiny_testbed, tmp_path):
         shutil.copy(tiny_testbed / "target" / f, model_only / f)
     proc = spd_generate("--target", str(model_only), "--prompt", "x")
     assert proc.returncode == 2 and "--tokenizer" in proc.stderr
-    ok = spd_generate("--target", str(model_only), "--tokenizer", str(tiny_testbed / "tokenizer"),
-                      "--prompt", "x", "--max-new-tokens", "3", "--json")
+    ok = spd_generate(
+        "--target",
+        str(model_only),
+        "--tokenizer",
+        str(tiny_testbed / "tokenizer"),
+        "--prompt",
+        "x",
+        "--max-new-tokens",
+        "3",
+        "--json",
+    )
     assert ok.returncode == 0, ok.stderr
 
 
@@ -125,8 +164,20 @@ def test_show_acceptance_colours_exactly_the_accepted_tokens(tiny_testbed):
     """Each streamed piece is green exactly when its token was an accepted speculation (stats.token_acceptance)."""
     from transformers import AutoTokenizer
 
-    common = ["--target", str(tiny_testbed / "target"), "--mode", "tree", "--draft-model", str(tiny_testbed / "draft"),
-              "--stages", "2", "--prompt", "import os\n", "--max-new-tokens", "24"]
+    common = [
+        "--target",
+        str(tiny_testbed / "target"),
+        "--mode",
+        "tree",
+        "--draft-model",
+        str(tiny_testbed / "draft"),
+        "--stages",
+        "2",
+        "--prompt",
+        "import os\n",
+        "--max-new-tokens",
+        "24",
+    ]
     as_json = spd_generate(*common, "--json")
     assert as_json.returncode == 0, as_json.stderr
     out = json.loads(as_json.stdout)
@@ -134,7 +185,7 @@ def test_show_acceptance_colours_exactly_the_accepted_tokens(tiny_testbed):
     assert len(flags) == len(ids) and sum(flags) == out["stats"]["accepted"] > 0 and not flags[0]
     tok = AutoTokenizer.from_pretrained(tiny_testbed / "target")
     text = [tok.decode(ids[:i], skip_special_tokens=True) for i in range(len(ids) + 1)]
-    pieces = [text[i + 1][len(text[i]):] for i in range(len(ids))]
+    pieces = [text[i + 1][len(text[i]) :] for i in range(len(ids))]
     expected = "".join(f"\x1b[32m{p}\x1b[0m" if a and p else p for p, a in zip(pieces, flags)) + "\n"
     proc = spd_generate(*common, "--show-acceptance")
     assert proc.returncode == 0, proc.stderr
@@ -159,12 +210,34 @@ def test_hub_id_with_revision_resolves_through_the_hub_cache(tiny_testbed, tmp_p
     commit = _fake_hub_cache(tmp_path / "hub", "spd-tests/tiny-target", tiny_testbed / "target")
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
     for revision in ("main", commit):
-        proc = subprocess.run([*_cli(), "--target", "spd-tests/tiny-target", "--revision", revision,
-                               "--prompt", "x", "--max-new-tokens", "3", "--json"],
-                              capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+        proc = subprocess.run(
+            [
+                *_cli(),
+                "--target",
+                "spd-tests/tiny-target",
+                "--revision",
+                revision,
+                "--prompt",
+                "x",
+                "--max-new-tokens",
+                "3",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+            env=env,
+        )
         assert proc.returncode == 0, proc.stderr
-    missing = subprocess.run([*_cli(), "--target", "spd-tests/no-such-model", "--prompt", "x"],
-                             capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    missing = subprocess.run(
+        [*_cli(), "--target", "spd-tests/no-such-model", "--prompt", "x"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=env,
+    )
     assert missing.returncode == 2 and missing.stderr.startswith("error:")
     assert len(missing.stderr.strip().splitlines()) == 1
 
@@ -173,8 +246,15 @@ def test_hub_id_with_revision_resolves_through_the_hub_cache(tiny_testbed, tmp_p
 
 
 def test_spd_mode_is_lossless_and_reports_pipeline_stats(tiny_testbed, tiny_heads):
-    common = ["--target", str(tiny_testbed / "target"), "--prompt", "def main(argv):\n", "--max-new-tokens", "24",
-              "--json"]
+    common = [
+        "--target",
+        str(tiny_testbed / "target"),
+        "--prompt",
+        "def main(argv):\n",
+        "--max-new-tokens",
+        "24",
+        "--json",
+    ]
     ar = json.loads(spd_generate(*common).stdout)
     proc = spd_generate(*common, "--mode", "spd", "--speculator", str(tiny_heads[4]))  # --stages from the head
     assert proc.returncode == 0, proc.stderr
@@ -184,8 +264,7 @@ def test_spd_mode_is_lossless_and_reports_pipeline_stats(tiny_testbed, tiny_head
     assert stats["mode"] == "spd" and stats["stages"] == 4
     for key in ("steps", "accepted", "flushes", "acceptance_rate", "equivalent_accept_length", "theoretical_speedup"):
         assert key in stats
-    assert stats["equivalent_accept_length"] == pytest.approx(
-        4 * (stats["new_tokens"] - 1) / stats["steps"], abs=1e-3)
+    assert stats["equivalent_accept_length"] == pytest.approx(4 * (stats["new_tokens"] - 1) / stats["steps"], abs=1e-3)
     assert len(stats["token_acceptance"]) == stats["new_tokens"] and sum(stats["token_acceptance"]) == stats["accepted"]
     pp = json.loads(spd_generate(*common, "--mode", "pp", "--stages", "4").stdout)
     assert pp["token_ids"] == ar["token_ids"]
@@ -193,19 +272,35 @@ def test_spd_mode_is_lossless_and_reports_pipeline_stats(tiny_testbed, tiny_head
 
 
 def test_spd_mode_streams_text(tiny_testbed, tiny_heads):
-    proc = spd_generate("--target", str(tiny_testbed / "target"), "--mode", "spd", "--speculator",
-                        str(tiny_heads[2]), "--prompt", "import os\n", "--max-new-tokens", "10")
+    proc = spd_generate(
+        "--target",
+        str(tiny_testbed / "target"),
+        "--mode",
+        "spd",
+        "--speculator",
+        str(tiny_heads[2]),
+        "--prompt",
+        "import os\n",
+        "--max-new-tokens",
+        "10",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "L'_acc" in proc.stderr and "2 stages" in proc.stderr
 
 
-@pytest.mark.parametrize("args,expected", [
-    (["--mode", "spd"], "--mode spd needs --speculator"),
-    (["--mode", "spd", "--speculator", "/no/such/head"], "speculator directory '/no/such/head' does not exist"),
-    (["--mode", "spd", "--speculator", "HEAD4", "--stages", "2"], "trained for n = 4 stages but the pipeline has 2"),
-    (["--mode", "spd", "--speculator", "TARGET"], "not an SPD speculation head"),
-    (["--mode", "pp", "--speculator", "HEAD4"], "only used by --mode spd"),
-])
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--mode", "spd"], "--mode spd needs --speculator"),
+        (["--mode", "spd", "--speculator", "/no/such/head"], "speculator directory '/no/such/head' does not exist"),
+        (
+            ["--mode", "spd", "--speculator", "HEAD4", "--stages", "2"],
+            "trained for n = 4 stages but the pipeline has 2",
+        ),
+        (["--mode", "spd", "--speculator", "TARGET"], "not an SPD speculation head"),
+        (["--mode", "pp", "--speculator", "HEAD4"], "only used by --mode spd"),
+    ],
+)
 def test_bad_speculator_input_is_one_clear_line_and_exit_2(tiny_testbed, tiny_heads, args, expected):
     subs = {"HEAD4": str(tiny_heads[4]), "TARGET": str(tiny_testbed / "target")}
     args = [subs.get(a, a) for a in args]
@@ -217,8 +312,18 @@ def test_bad_speculator_input_is_one_clear_line_and_exit_2(tiny_testbed, tiny_he
 
 def test_head_for_another_target_is_refused(tiny_testbed, tiny_heads, tmp_path):
     """A head trained for a different target (the testbed's draft model: other hidden size and depth)."""
-    proc = spd_generate("--target", str(tiny_testbed / "draft"), "--tokenizer", str(tiny_testbed / "tokenizer"),
-                        "--mode", "spd", "--speculator", str(tiny_heads[2]), "--prompt", "x")
+    proc = spd_generate(
+        "--target",
+        str(tiny_testbed / "draft"),
+        "--tokenizer",
+        str(tiny_testbed / "tokenizer"),
+        "--mode",
+        "spd",
+        "--speculator",
+        str(tiny_heads[2]),
+        "--prompt",
+        "x",
+    )
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: the speculator does not fit this target"), proc.stderr
 
@@ -229,15 +334,38 @@ def test_bench_runs_modes_and_heads(tiny_testbed, tiny_heads, tmp_path):
     from conftest import run_script, two_at_a_time
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"prompt": "import os\n"}) + "\n"
-                       + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
-                       + json.dumps({"prompt": "def f(x):\n    return"}) + "\n")
+    prompts.write_text(
+        json.dumps({"prompt": "import os\n"})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+        + "\n"
+        + json.dumps({"prompt": "def f(x):\n    return"})
+        + "\n"
+    )
     out, png, batched = tmp_path / "bench.json", tmp_path / "bench.png", tmp_path / "batched.json"
-    args = ["--target", str(tiny_testbed / "target"), "--prompts", str(prompts), "--run", "pp:2",
-            "--run", f"h2=spd:{tiny_heads[2]}", "--run", f"spd:{tiny_heads[4]}", "--run", f"t2=tree:{tiny_heads[2]}:2:2:2",
-            "--temperatures", "0", "1", "--max-new-tokens", "12"]
-    proc, _ = two_at_a_time(lambda extra: run_script("bench/bench.py", *args, *extra),
-                            [["--out", str(out), "--plot", str(png)], ["--out", str(batched), "--batch", "2"]])
+    args = [
+        "--target",
+        str(tiny_testbed / "target"),
+        "--prompts",
+        str(prompts),
+        "--run",
+        "pp:2",
+        "--run",
+        f"h2=spd:{tiny_heads[2]}",
+        "--run",
+        f"spd:{tiny_heads[4]}",
+        "--run",
+        f"t2=tree:{tiny_heads[2]}:2:2:2",
+        "--temperatures",
+        "0",
+        "1",
+        "--max-new-tokens",
+        "12",
+    ]
+    proc, _ = two_at_a_time(
+        lambda extra: run_script("bench/bench.py", *args, *extra),
+        [["--out", str(out), "--plot", str(png)], ["--out", str(batched), "--batch", "2"]],
+    )
     assert "| 0 | h2 | spd-input | 2 |" in proc.stdout
     report = json.loads(out.read_text())
     greedy = report["results"]["T=0"]
@@ -250,8 +378,13 @@ def test_bench_runs_modes_and_heads(tiny_testbed, tiny_heads, tmp_path):
     assert png.stat().st_size > 10_000
 
     def numbers(results):  # the method's, not the machine's
-        return {(t, name): [{k: v for k, v in r.items() if not k.endswith(("time_s", "_per_s", "_ms"))}
-                            for r in run["per_prompt"]] for t, runs in results.items() for name, run in runs.items()}
+        return {
+            (t, name): [
+                {k: v for k, v in r.items() if not k.endswith(("time_s", "_per_s", "_ms"))} for r in run["per_prompt"]
+            ]
+            for t, runs in results.items()
+            for name, run in runs.items()
+        }
 
     together = json.loads(batched.read_text())["results"]
     assert numbers(together) == numbers(report["results"])
@@ -271,14 +404,31 @@ def test_killed_bench_resumes_to_the_same_numbers(tiny_testbed, tiny_heads, tmp_
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"import os\nx = {i}\n"}) + "\n" for i in range(8)))
-    args = ["--target", str(tiny_testbed / "target"), "--prompts", str(prompts), "--run", f"h2=spd:{tiny_heads[2]}",
-            "--run", f"t2=tree:{tiny_heads[2]}:2:2:2", "--temperatures", "0", "1", "--max-new-tokens", "12"]
+    args = [
+        "--target",
+        str(tiny_testbed / "target"),
+        "--prompts",
+        str(prompts),
+        "--run",
+        f"h2=spd:{tiny_heads[2]}",
+        "--run",
+        f"t2=tree:{tiny_heads[2]}:2:2:2",
+        "--temperatures",
+        "0",
+        "1",
+        "--max-new-tokens",
+        "12",
+    ]
     whole = tmp_path / "whole.json"
     run_script("bench/bench.py", *args, "--out", str(whole))
     out = tmp_path / "broken.json"
     journal = tmp_path / "broken.json.progress.jsonl"
-    proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "bench.py"), *args, "--out", str(out)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "bench" / "bench.py"), *args, "--out", str(out)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 300
     while time.time() < deadline and (not journal.exists() or journal.read_text().count("\n") < 4):
         time.sleep(0.02)
@@ -297,8 +447,13 @@ def test_killed_bench_resumes_to_the_same_numbers(tiny_testbed, tiny_heads, tmp_
 
     def numbers(path):
         results = json.loads(path.read_text())["results"]
-        return {(t, name): ([{k: v for k, v in r.items() if not timing(k)} for r in run["per_prompt"]],
-                            {k: v for k, v in run["summary"].items() if not timing(k)})
-                for t, runs in results.items() for name, run in runs.items()}
+        return {
+            (t, name): (
+                [{k: v for k, v in r.items() if not timing(k)} for r in run["per_prompt"]],
+                {k: v for k, v in run["summary"].items() if not timing(k)},
+            )
+            for t, runs in results.items()
+            for name, run in runs.items()
+        }
 
     assert numbers(out) == numbers(whole)

@@ -20,9 +20,13 @@ def _write_jsonl(path, rows):
 
 
 def test_assistant_only_mask(tok):
-    msgs = [{"role": "system", "content": "be terse"}, {"role": "user", "content": "def f():"},
-            {"role": "assistant", "content": "return 1"}, {"role": "user", "content": "more"},
-            {"role": "assistant", "content": "x = 2"}]
+    msgs = [
+        {"role": "system", "content": "be terse"},
+        {"role": "user", "content": "def f():"},
+        {"role": "assistant", "content": "return 1"},
+        {"role": "user", "content": "more"},
+        {"role": "assistant", "content": "x = 2"},
+    ]
     ids, mask = render_conversation(msgs, tok)
     supervised = tok.decode([i for i, m in zip(ids, mask) if m])
     assert supervised == "return 1<|eos|>\nx = 2<|eos|>\n"
@@ -91,12 +95,21 @@ def test_prepared_dataset_is_cached(tok, tmp_path):
 def test_prepare_script(tiny_testbed, tmp_path):
     from conftest import run_script
 
-    ok = run_script("data/prepare.py", "--target", str(tiny_testbed / "target"), "--data",
-                    str(tiny_testbed / "corpus" / "validation.jsonl"), "--max-length", "64",
-                    "--cache-dir", str(tmp_path / "cache"))
+    ok = run_script(
+        "data/prepare.py",
+        "--target",
+        str(tiny_testbed / "target"),
+        "--data",
+        str(tiny_testbed / "corpus" / "validation.jsonl"),
+        "--max-length",
+        "64",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    )
     assert "rows ready" in ok.stdout and any((tmp_path / "cache").iterdir())
-    bad = run_script("data/prepare.py", "--target", str(tiny_testbed / "target"), "--data", str(tmp_path / "none.jsonl"),
-                     check=False)
+    bad = run_script(
+        "data/prepare.py", "--target", str(tiny_testbed / "target"), "--data", str(tmp_path / "none.jsonl"), check=False
+    )
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error:") and "does not exist" in bad.stderr
 
 
@@ -105,13 +118,17 @@ def test_concurrent_preparation_of_one_cache_entry(tmp_path, tiny_testbed):
     import subprocess
     import sys
 
-    code = ("import sys; from transformers import AutoTokenizer; from spd.data.prepare import DataConfig, prepare_dataset;"
-            "tok = AutoTokenizer.from_pretrained(sys.argv[1]);"
-            "ds = prepare_dataset(sys.argv[2], tok, DataConfig(max_length=64), sys.argv[3], report=lambda m: None);"
-            "print(len(ds))")
+    code = (
+        "import sys; from transformers import AutoTokenizer; from spd.data.prepare import DataConfig, prepare_dataset;"
+        "tok = AutoTokenizer.from_pretrained(sys.argv[1]);"
+        "ds = prepare_dataset(sys.argv[2], tok, DataConfig(max_length=64), sys.argv[3], report=lambda m: None);"
+        "print(len(ds))"
+    )
     args = [str(tiny_testbed / "target"), str(tiny_testbed / "corpus" / "train.jsonl"), str(tmp_path / "cache")]
-    procs = [subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-500:] for o in outs]
     assert outs[0][0] == outs[1][0] and int(outs[0][0]) > 0

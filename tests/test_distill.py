@@ -24,15 +24,34 @@ from conftest import REPO, run_script, tiny_model
 
 
 def _args(tb, out, *extra):
-    return [f"target={tb / 'target'}", f"data={tb / 'corpus' / 'train.jsonl'}",
-            f"eval_data={tb / 'corpus' / 'validation.jsonl'}", "n_stages=4", "max_length=48", "batch_size=3",
-            "max_steps=8", "save_every=2", "eval_every=0", "eval_rows=6", "log_every=2", "lr=3e-3",
-            "warmup_steps=2", f"output_dir={out}", f"cache_dir={out.parent / 'cache'}", *extra]
+    return [
+        f"target={tb / 'target'}",
+        f"data={tb / 'corpus' / 'train.jsonl'}",
+        f"eval_data={tb / 'corpus' / 'validation.jsonl'}",
+        "n_stages=4",
+        "max_length=48",
+        "batch_size=3",
+        "max_steps=8",
+        "save_every=2",
+        "eval_every=0",
+        "eval_rows=6",
+        "log_every=2",
+        "lr=3e-3",
+        "warmup_steps=2",
+        f"output_dir={out}",
+        f"cache_dir={out.parent / 'cache'}",
+        *extra,
+    ]
 
 
 def _train(*args, check=True):
-    proc = subprocess.run([sys.executable, str(REPO / "train" / "distill.py"), *args], capture_output=True, text=True,
-                          timeout=600, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train" / "distill.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -42,8 +61,12 @@ def test_killed_and_resumed_run_ends_with_the_same_weights(tiny_testbed, tmp_pat
     _train(*_args(tiny_testbed, tmp_path / "straight"))
     # Same run, killed (SIGKILL, no chance to clean up) once a checkpoint exists, then resumed.
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, str(REPO / "train" / "distill.py"), *_args(tiny_testbed, out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "train" / "distill.py"), *_args(tiny_testbed, out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+    )
     deadline = time.time() + 300
     while not (out / "checkpoints" / "step-4" / "trainer_state.json").exists():
         assert proc.poll() is None, "the run ended before it could be killed"
@@ -83,11 +106,31 @@ def test_two_process_cpu_data_parallel(tiny_testbed, tmp_path):
     """
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                           "--main_process_port", str(random.randint(20000, 40000)), str(REPO / "train" / "distill.py"),
-                           *_args(tiny_testbed, out, "max_steps=4")],
-                          capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(random.randint(20000, 40000)),
+            str(REPO / "train" / "distill.py"),
+            *_args(tiny_testbed, out, "max_steps=4"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["step"] == 4
@@ -108,30 +151,47 @@ def test_bf16_teacher_on_cpu_trains_a_float32_head(tiny_testbed, tmp_path):
 def test_a_list_of_datasets_trains_on_their_rows_mixed(tiny_testbed, tmp_path):
     """data=[text, chats]: both are prepared and their rows mixed; the draft vocabulary counts both."""
     chats = tmp_path / "chats.jsonl"
-    chats.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"Write f{i}."},
-                                                        {"role": "assistant", "content": f"def f{i}():\n    return {i}"}]})
-                               for i in range(6)) + "\n")
+    chats.write_text(
+        "\n".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"Write f{i}."},
+                        {"role": "assistant", "content": f"def f{i}():\n    return {i}"},
+                    ]
+                }
+            )
+            for i in range(6)
+        )
+        + "\n"
+    )
     cfg = load_config(None, [f"data=[{tiny_testbed / 'corpus' / 'train.jsonl'}, {chats}]"])
     assert cfg.data == [str(tiny_testbed / "corpus" / "train.jsonl"), str(chats)]
     out = tmp_path / "run"
-    base = [a for a in _args(tiny_testbed, out, "max_steps=2", "save_every=0", "draft_vocab_size=64")
-            if not a.startswith("data=")]
+    base = [
+        a
+        for a in _args(tiny_testbed, out, "max_steps=2", "save_every=0", "draft_vocab_size=64")
+        if not a.startswith("data=")
+    ]
     _train(*base, f"data=[{tiny_testbed / 'corpus' / 'train.jsonl'}, {chats}]")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["data"] == [str(tiny_testbed / "corpus" / "train.jsonl"), str(chats)]
     assert Speculator.from_pretrained(out / "final").config.draft_vocab_size == 64
 
 
-@pytest.mark.parametrize("args,expected", [
-    (["data=[]"], "bad value for data"),
-    (["bogus_key=1"], "unknown config key 'bogus_key'"),
-    (["target_dtype=float16"], "target_dtype must be auto, float32 or bfloat16"),
-    (["max_steps=ten"], "bad value for max_steps"),
-    (["variant=medusa"], "variant must be one of"),
-    (["n_stages=3"], "do not divide"),
-    (["data=/no/such/data.jsonl"], "does not exist"),
-    (["--config", "/no/such.yaml"], "config file"),
-])
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["data=[]"], "bad value for data"),
+        (["bogus_key=1"], "unknown config key 'bogus_key'"),
+        (["target_dtype=float16"], "target_dtype must be auto, float32 or bfloat16"),
+        (["max_steps=ten"], "bad value for max_steps"),
+        (["variant=medusa"], "variant must be one of"),
+        (["n_stages=3"], "do not divide"),
+        (["data=/no/such/data.jsonl"], "does not exist"),
+        (["--config", "/no/such.yaml"], "config file"),
+    ],
+)
 def test_bad_input_is_one_clear_error(tiny_testbed, tmp_path, args, expected):
     base = _args(tiny_testbed, tmp_path / "x")
     keys = {a.split("=")[0] for a in args if "=" in a}
@@ -143,7 +203,9 @@ def test_bad_input_is_one_clear_error(tiny_testbed, tmp_path, args, expected):
 
 def test_presets_load_and_override(tmp_path):
     for preset in ("testbed-n4", "testbed-n4-regen", "testbed-n8", "qwen3-8b-n8", "smollm2-n8-text"):
-        cfg = load_config(str(REPO / "configs" / f"{preset}.yaml"), ["output_dir=/tmp/x", "lr=2e-4", "boundaries=[1,2]"])
+        cfg = load_config(
+            str(REPO / "configs" / f"{preset}.yaml"), ["output_dir=/tmp/x", "lr=2e-4", "boundaries=[1,2]"]
+        )
         assert cfg.output_dir == "/tmp/x" and cfg.lr == 2e-4 and cfg.boundaries == [1, 2]
     no_eval = tmp_path / "no-eval.yaml"
     no_eval.write_text("target: /m/target\ndata: '{target}/../d.jsonl'\neval_data: null\n")

@@ -22,8 +22,10 @@ from urllib.parse import unquote
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = sorted({REPO / name for name in ("README.md", "CONTRIBUTING.md", "CHANGELOG.md") if (REPO / name).is_file()}
-              | set((REPO / "docs").rglob("*.md")))
+DOCS = sorted(
+    {REPO / name for name in ("README.md", "CONTRIBUTING.md", "CHANGELOG.md") if (REPO / name).is_file()}
+    | set((REPO / "docs").rglob("*.md"))
+)
 MARKDOWN = (".md", ".markdown")
 
 _FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
@@ -44,8 +46,11 @@ _ESCAPE = re.compile(r"\\([!-/:-@\[-`{-~])")
 def slug(text: str) -> str:
     """GitHub's anchor for a heading's rendered text: lowercase; drop every character that is not a letter, digit,
     space, hyphen or underscore; each space becomes a hyphen."""
-    kept = (c for c in text.strip().lower()
-            if c in " -_" or unicodedata.category(c)[0] in "LMN" or unicodedata.category(c) == "Pc")
+    kept = (
+        c
+        for c in text.strip().lower()
+        if c in " -_" or unicodedata.category(c)[0] in "LMN" or unicodedata.category(c) == "Pc"
+    )
     return "".join(kept).replace(" ", "-")
 
 
@@ -98,8 +103,8 @@ def strip_code(text: str, replace=lambda code, span: "") -> str:
         if close is None:
             i += 1
             continue
-        out.append(text[pos:opening.start()])
-        out.append(replace(text[opening.end():runs[close].start()], text[opening.start():runs[close].end()]))
+        out.append(text[pos : opening.start()])
+        out.append(replace(text[opening.end() : runs[close].start()], text[opening.start() : runs[close].end()]))
         pos, i = runs[close].end(), close + 1
     out.append(text[pos:])
     return "".join(out)
@@ -112,8 +117,13 @@ def prose_lines(path: Path) -> list[tuple[int, str]]:
         match = _FENCE.match(line)
         if fence is None and match:
             fence = match.group(1)
-        elif fence is not None and match and match.group(1)[0] == fence[0] and len(match.group(1)) >= len(fence) \
-                and not line.strip()[len(match.group(1)):].strip():
+        elif (
+            fence is not None
+            and match
+            and match.group(1)[0] == fence[0]
+            and len(match.group(1)) >= len(fence)
+            and not line.strip()[len(match.group(1)) :].strip()
+        ):
             fence = None
         elif fence is None:
             lines.append((number, line))
@@ -130,8 +140,14 @@ def anchors(path: Path) -> frozenset[str]:
         setext = _SETEXT.match(line)
         if atx:
             found.add(slugger.slug(heading_text(atx.group(2) or "")))
-        elif setext and previous and previous[0] == number - 1 and previous[1].strip() \
-                and not _NOT_PARAGRAPH.match(previous[1]) and not _SETEXT.match(previous[1]):
+        elif (
+            setext
+            and previous
+            and previous[0] == number - 1
+            and previous[1].strip()
+            and not _NOT_PARAGRAPH.match(previous[1])
+            and not _SETEXT.match(previous[1])
+        ):
             found.add(slugger.slug(heading_text(previous[1])))
         previous = (number, line)
     return frozenset(found)
@@ -149,11 +165,11 @@ def _destination(text: str, start: int) -> tuple[str, int] | None:
     i = start
     while i < len(text) and text[i] in " \t\n":
         i += 1
-    if text[i:i + 1] == "<":
+    if text[i : i + 1] == "<":
         end = text.find(">", i)
         if end < 0:
             return None
-        target, i = text[i + 1:end], end + 1
+        target, i = text[i + 1 : end], end + 1
     else:
         depth, j = 0, i
         while j < len(text) and not text[j].isspace():
@@ -202,7 +218,7 @@ def links(path: Path) -> list[Link]:
             if parsed is None:
                 continue
             target, end = parsed
-            written = " ".join(raw[match.start() - (text[match.start() - 1:match.start()] == "!"):end].split())
+            written = " ".join(raw[match.start() - (text[match.start() - 1 : match.start()] == "!") : end].split())
             found.append(Link(line_of(match.start()), written, target))
         for match in _HTML_LINK.finditer(text):
             found.append(Link(line_of(match.start()), " ".join(match.group(0).split()), match.group(1)))
@@ -245,22 +261,29 @@ def test_every_relative_link_resolves(page):
     assert not broken, f"{len(broken)} broken link(s):\n" + "\n".join(broken)
 
 
-@pytest.mark.parametrize("heading, expected", [
-    ("`--mode spd`: the SPD engine", "--mode-spd-the-spd-engine"),
-    ("L'_acc (n = 8)", "l_acc-n--8"),
-    ("Hybrid targets: linear-attention state and its rollback (`spd/target/linear_state.py`)",
-     "hybrid-targets-linear-attention-state-and-its-rollback-spdtargetlinear_statepy"),
-    ("§1 Stages and hidden states", "1-stages-and-hidden-states"),
-    ("§9 Many requests in one pipeline (dynamic batching, SpecPipe-DB): `spd/decoding/batch.py`",
-     "9-many-requests-in-one-pipeline-dynamic-batching-specpipe-db-spddecodingbatchpy"),
-    ("**Bold**, *emphasis* and [a link](docs/x.md)", "bold-emphasis-and-a-link"),
-    ("`__init__` and __init__", "__init__-and-init"),
-    ("snake_case_name", "snake_case_name"),
-    ("A &amp; B", "a--b"),
-    ("Über Café 2", "über-café-2"),
-    ("Done ✅", "done-"),
-    ("<a id=\"x\"></a>Install", "install"),
-])
+@pytest.mark.parametrize(
+    "heading, expected",
+    [
+        ("`--mode spd`: the SPD engine", "--mode-spd-the-spd-engine"),
+        ("L'_acc (n = 8)", "l_acc-n--8"),
+        (
+            "Hybrid targets: linear-attention state and its rollback (`spd/target/linear_state.py`)",
+            "hybrid-targets-linear-attention-state-and-its-rollback-spdtargetlinear_statepy",
+        ),
+        ("§1 Stages and hidden states", "1-stages-and-hidden-states"),
+        (
+            "§9 Many requests in one pipeline (dynamic batching, SpecPipe-DB): `spd/decoding/batch.py`",
+            "9-many-requests-in-one-pipeline-dynamic-batching-specpipe-db-spddecodingbatchpy",
+        ),
+        ("**Bold**, *emphasis* and [a link](docs/x.md)", "bold-emphasis-and-a-link"),
+        ("`__init__` and __init__", "__init__-and-init"),
+        ("snake_case_name", "snake_case_name"),
+        ("A &amp; B", "a--b"),
+        ("Über Café 2", "über-café-2"),
+        ("Done ✅", "done-"),
+        ('<a id="x"></a>Install', "install"),
+    ],
+)
 def test_slug_of_tricky_headings(heading, expected):
     assert Slugger().slug(heading_text(heading)) == expected
 
@@ -268,7 +291,12 @@ def test_slug_of_tricky_headings(heading, expected):
 def test_repeated_headings_get_numbered_slugs():
     slugger = Slugger()
     assert [slugger.slug(t) for t in ["Usage", "Usage", "usage", "Usage-1", "Other"]] == [
-        "usage", "usage-1", "usage-2", "usage-1-1", "other"]
+        "usage",
+        "usage-1",
+        "usage-2",
+        "usage-1-1",
+        "other",
+    ]
 
 
 def test_the_check_finds_what_is_broken(tmp_path, monkeypatch):
@@ -280,26 +308,31 @@ def test_the_check_finds_what_is_broken(tmp_path, monkeypatch):
     (root / "docs" / "other.md").write_text("# Other page\n\n## Usage\n\n## Usage\n\nSetext one\n---\n")
     (root / "code.py").write_text("")
     page = root / "README.md"
-    page.write_text("\n".join([
-        "# Title <a id=\"top\"></a>",
-        "See [other](docs/other.md#usage-1), [setext](docs/other.md#setext-one), [top](#top), [self](#title),",
-        "[code](code.py#L3), [site](https://example.com/x#y), [mail](mailto:a@b.c), `[in code](missing.md)`.",
-        "```",
-        "[in a fence](missing.md)",
-        "```",
-        "Broken: [`gone`](docs/gone.md) and [no anchor](docs/other.md#usage-2)",
-        "and a link whose text [wraps",
-        "a line](#nowhere), ![an image](img.png), <a href=\"docs/nope.md\">html</a>.",
-        "",
-        "[ref]: docs/missing-ref.md",
-    ]) + "\n")
+    page.write_text(
+        "\n".join(
+            [
+                '# Title <a id="top"></a>',
+                "See [other](docs/other.md#usage-1), [setext](docs/other.md#setext-one), [top](#top), [self](#title),",
+                "[code](code.py#L3), [site](https://example.com/x#y), [mail](mailto:a@b.c), `[in code](missing.md)`.",
+                "```",
+                "[in a fence](missing.md)",
+                "```",
+                "Broken: [`gone`](docs/gone.md) and [no anchor](docs/other.md#usage-2)",
+                "and a link whose text [wraps",
+                'a line](#nowhere), ![an image](img.png), <a href="docs/nope.md">html</a>.',
+                "",
+                "[ref]: docs/missing-ref.md",
+            ]
+        )
+        + "\n"
+    )
     anchors.cache_clear()
     assert problems(page) == [
         "README.md:7: [`gone`](docs/gone.md): no file or directory docs/gone.md",
         "README.md:7: [no anchor](docs/other.md#usage-2): no heading or anchor '#usage-2' in docs/other.md",
         "README.md:8: [wraps a line](#nowhere): no heading or anchor '#nowhere' in README.md",
         "README.md:9: ![an image](img.png): no file or directory img.png",
-        "README.md:9: <a href=\"docs/nope.md\">: no file or directory docs/nope.md",
+        'README.md:9: <a href="docs/nope.md">: no file or directory docs/nope.md',
         "README.md:11: [ref]: docs/missing-ref.md: no file or directory docs/missing-ref.md",
     ]
     anchors.cache_clear()

@@ -253,7 +253,9 @@ def test_engine_proposals_equal_the_training_forward(variant, n):
             continue  # proposed behind a wrong speculative token: no training position to compare with
         t = inflight[-1][1]
         with torch.no_grad():
-            ref = torch.log_softmax(head.vocab_logits(head.forward_train(hidden, torch.tensor([fill]))[0, t]).float(), -1)
+            ref = torch.log_softmax(
+                head.vocab_logits(head.forward_train(hidden, torch.tensor([fill]))[0, t]).float(), -1
+            )
         torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
         checked += 1
     assert checked >= 5
@@ -294,8 +296,9 @@ def _chi_square_p_value(counts: dict, probs: dict, samples: int) -> float:
         stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
         dof += 1
     assert dof >= 10, "too few cells for a meaningful test"
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
 
 
 def _sample_outcomes(engine, prompt: list[int], params: SamplingParams, length: int, samples: int):
@@ -309,15 +312,19 @@ def _sample_outcomes(engine, prompt: list[int], params: SamplingParams, length: 
     return counts, stats
 
 
-@pytest.mark.parametrize("n,params", [
-    (2, SamplingParams(temperature=1.0)),
-    (3, SamplingParams(temperature=0.7, top_k=4, top_p=0.9)),
-])
+@pytest.mark.parametrize(
+    "n,params",
+    [
+        (2, SamplingParams(temperature=1.0)),
+        (3, SamplingParams(temperature=0.7, top_k=4, top_p=0.9)),
+    ],
+)
 def test_sampled_spd_follows_the_target_distribution(n, params):
     """3-token continuations from 2000 seeds vs the exact warped target distribution (chi-square, p > 1e-3)."""
     vocab, length, samples = 6, 3, 2000
-    staged = StagedModel(tiny_model("llama", seed=3, layers=6, vocab=vocab, bos_token_id=0, eos_token_id=None,
-                                    pad_token_id=0), n)
+    staged = StagedModel(
+        tiny_model("llama", seed=3, layers=6, vocab=vocab, bos_token_id=0, eos_token_id=None, pad_token_id=0), n
+    )
     with torch.no_grad():
         staged.lm_head.weight.mul_(0.05)  # peaked but not degenerate next-token distributions
     torch.manual_seed(4)
@@ -367,8 +374,15 @@ def test_generate_api_modes_and_streamer():
     with pytest.raises(SpdInputError, match="tokenizer"):
         engine.generate("text prompt")
     stats = out.stats.as_dict()
-    for key in ("stages", "steps", "accepted", "flushes", "acceptance_rate", "equivalent_accept_length",
-                "theoretical_speedup"):
+    for key in (
+        "stages",
+        "steps",
+        "accepted",
+        "flushes",
+        "acceptance_rate",
+        "equivalent_accept_length",
+        "theoretical_speedup",
+    ):
         assert key in stats
 
 
@@ -381,13 +395,21 @@ def test_token_acceptance_flags_every_mode(variant, temperature):
     """One flag per new token, summing to ``accepted``; passed to ``on_token`` with its token; in ``as_dict``."""
     engine, prompt = _engine(n=4, variant=variant), [5, 17, 3, 99]
     if temperature == 0:  # the untrained head is never right: script it right at two positions in three
-        engine = ScriptedEngine(engine, generate_ar(engine.staged, prompt, 30).token_ids, len(prompt),
-                                lambda pos: pos % 3 != 0)
+        engine = ScriptedEngine(
+            engine, generate_ar(engine.staged, prompt, 30).token_ids, len(prompt), lambda pos: pos % 3 != 0
+        )
     for mode in ("spd", "pp", "ar"):
         seen, streamed = [], []
-        out = engine.generate(prompt, max_new_tokens=30, mode=mode, temperature=temperature, seed=3,
-                              eos_token_id=[], streamer=streamed.append,
-                              on_token=lambda token, accepted: seen.append((token, accepted)))
+        out = engine.generate(
+            prompt,
+            max_new_tokens=30,
+            mode=mode,
+            temperature=temperature,
+            seed=3,
+            eos_token_id=[],
+            streamer=streamed.append,
+            on_token=lambda token, accepted: seen.append((token, accepted)),
+        )
         flags = out.stats.token_acceptance
         assert len(flags) == out.stats.new_tokens == len(out.token_ids) == 30
         assert seen == list(zip(out.token_ids, flags)) and streamed == out.token_ids

@@ -24,10 +24,13 @@ def test_every_mode_gets_its_engine_and_stays_lossless(staged):
     eagle = new_head(whole, DistillConfig(variant="eagle", draft_steps=3)).eval()
     prompt = [3, 17, 9, 41]
     ar = generate_ar(staged, prompt, 12).token_ids
-    for spec, source, kind in [(DecodingSpec("ar"), None, Engine), (DecodingSpec("pp"), None, Engine),
-                               (DecodingSpec("spd"), head, Engine),
-                               (DecodingSpec("tree", tree_width=2, tree_children=2), head, Engine),
-                               (DecodingSpec("sd", draft_steps=3), eagle, SpeculativeDecoder)]:
+    for spec, source, kind in [
+        (DecodingSpec("ar"), None, Engine),
+        (DecodingSpec("pp"), None, Engine),
+        (DecodingSpec("spd"), head, Engine),
+        (DecodingSpec("tree", tree_width=2, tree_children=2), head, Engine),
+        (DecodingSpec("sd", draft_steps=3), eagle, SpeculativeDecoder),
+    ]:
         engine = build_engine(spec, whole if spec.mode == "sd" else staged, source, None)
         assert isinstance(engine, kind), spec.mode
         assert engine.generate(prompt, 12, mode=spec.mode).token_ids == ar, spec.mode
@@ -38,8 +41,13 @@ def test_settings_come_from_any_object_with_the_flag_names():
         mode, tree_width, tree_children, draft_steps, unrelated = "tree", "auto", 3, 5, "x"
 
     spec = DecodingSpec.of(Flags(), tree_max_width=6)
-    assert (spec.mode, spec.tree_width, spec.tree_children, spec.draft_steps, spec.tree_max_width) == \
-        ("tree", "auto", 3, 5, 6)
+    assert (spec.mode, spec.tree_width, spec.tree_children, spec.draft_steps, spec.tree_max_width) == (
+        "tree",
+        "auto",
+        3,
+        5,
+        6,
+    )
 
 
 def test_bad_modes_are_one_clear_error(staged):
@@ -60,8 +68,22 @@ def test_the_flags_and_the_runtime_command_line_come_from_the_spec():
 
     names = {f.name for f in fields(DecodingSpec)}
     assert names <= set(vars(build_parser().parse_args([]))) and names <= set(vars(serve_parser().parse_args([])))
-    args = build_parser().parse_args(["--speculator", "h", "--boundaries", "2,4", "--tree-width", "auto",
-                                      "--timeout-s", "9", "--dtype", "bfloat16", "--prompt", "x"])
+    args = build_parser().parse_args(
+        [
+            "--speculator",
+            "h",
+            "--boundaries",
+            "2,4",
+            "--tree-width",
+            "auto",
+            "--timeout-s",
+            "9",
+            "--dtype",
+            "bfloat16",
+            "--prompt",
+            "x",
+        ]
+    )
     spec = DecodingSpec.of(args)
     assert (spec.mode, spec.boundaries, spec.tree_width, spec.timeout_s) == ("spd", [2, 4], "auto", 9.0)
     back = runtime_parser().parse_args(["--prompt", "x", *spec.argv(RUNTIME_FLAGS)])

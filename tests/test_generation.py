@@ -17,9 +17,10 @@ from conftest import tiny_model
 def _hf_greedy(model, prompt, max_new_tokens, eos=None):
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                             eos_token_id=eos, pad_token_id=2)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            ids, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, eos_token_id=eos, pad_token_id=2
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])

@@ -96,8 +96,10 @@ def test_greedy_tree_equals_ar(llama, dtype):
     """Width 4 with an SPD head and with a draft model (the target with a noisy LM head), n = 4."""
     staged = StagedModel(_on_device(llama, dtype), 4)
     draft = StagedModel(_on_device(_noisy_copy(llama, 0.3), dtype), 1)
-    engines = {"head": Engine.tree(staged, SpdHeadProposer(_head(staged, 4), staged, 4), 4),
-               "draft": Engine.tree(staged, DraftModelProposer(draft, staged, 4), 4)}
+    engines = {
+        "head": Engine.tree(staged, SpdHeadProposer(_head(staged, 4), staged, 4), 4),
+        "draft": Engine.tree(staged, DraftModelProposer(draft, staged, 4), 4),
+    }
     hits = 0
     for prompt in PROMPTS:
         ar = generate_ar(staged, prompt, NEW).token_ids
@@ -131,11 +133,18 @@ def test_batched_requests_each_get_their_own_answer(llama, dtype, mode):
     if mode == "spd":
         engine = Engine.chain(staged, _head(staged, 4))
     else:
-        engine = Engine.tree(staged, DraftModelProposer(StagedModel(_on_device(_noisy_copy(llama, 0.5), dtype), 1),
-                                                     staged, 4), 4)
+        engine = Engine.tree(
+            staged, DraftModelProposer(StagedModel(_on_device(_noisy_copy(llama, 0.5), dtype), 1), staged, 4), 4
+        )
     batched = BatchedPipeline(engine, max_batch=6, kv_rows=2 * (38 + 30 + 4 * 4 + 1), prefill_chunk=8)
-    settings = [([(7 * i + 3 * j) % 120 + 1 for j in range(1 + (i * 5) % 38)], 5 + (i * 7) % 26,
-                 SamplingParams(temperature=(0.0, 0.0, 1.0, 0.7)[i % 4], seed=100 + i)) for i in range(12)]
+    settings = [
+        (
+            [(7 * i + 3 * j) % 120 + 1 for j in range(1 + (i * 5) % 38)],
+            5 + (i * 7) % 26,
+            SamplingParams(temperature=(0.0, 0.0, 1.0, 0.7)[i % 4], seed=100 + i),
+        )
+        for i in range(12)
+    ]
     requests = [batched.submit(prompt, budget, sampling) for prompt, budget, sampling in settings]
     batched.run()
     assert batched.kv_waits > 0 and max(batched.batch_sizes) <= 6
@@ -173,8 +182,10 @@ def test_sampled_decoding_follows_the_target_distribution(mode):
 @on_gpu
 def test_a_seed_reproduces_its_sample(llama):
     staged = StagedModel(_on_device(llama, torch.float32), 4)
-    engines = {"spd": Engine.chain(staged, _head(staged, 4)),
-               "tree": Engine.tree(staged, SpdHeadProposer(_head(staged, 4), staged, 4), 4)}
+    engines = {
+        "spd": Engine.chain(staged, _head(staged, 4)),
+        "tree": Engine.tree(staged, SpdHeadProposer(_head(staged, 4), staged, 4), 4),
+    }
     params = SamplingParams(temperature=1.0, top_k=20, seed=11)
     for name, engine in engines.items():
         a, b = (engine.run([5, 6, 7], 30, params).token_ids for _ in range(2))
@@ -207,9 +218,34 @@ def test_the_gpu_benchmark_runs_a_small_model_on_the_cpu(tmp_path, capsys):
     from bench import bench_gpu
 
     out = tmp_path / "gpu.json"
-    assert bench_gpu.main(["--size", "tiny", "--device", "cpu", "--dtype", "float32", "--stages", "2", "3",
-                           "--prompt-tokens", "12", "--new-tokens", "4", "--contexts", "32", "--nodes", "4",
-                           "--repeats", "1", "--out", str(out)]) == 0
+    assert (
+        bench_gpu.main(
+            [
+                "--size",
+                "tiny",
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--stages",
+                "2",
+                "3",
+                "--prompt-tokens",
+                "12",
+                "--new-tokens",
+                "4",
+                "--contexts",
+                "32",
+                "--nodes",
+                "4",
+                "--repeats",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "n=3 spd" in printed and "C=32" in printed
     results = json.loads(out.read_text())

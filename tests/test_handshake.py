@@ -12,9 +12,15 @@ from spd.runtime.protocol import RuntimeConfig
 
 
 def _identity(**changes):
-    identity = {"spd": "0.1.0", "torch": "2.13.0", "target": "abc", "source": "/m/target", "cut": [0, 4, 8],
-                "dtype": "float32", "runtime": {"backend": "gloo", "early_launch": False, "emulate_stage_ms": 0.0,
-                                                "emulate_link_ms": 0.0}}
+    identity = {
+        "spd": "0.1.0",
+        "torch": "2.13.0",
+        "target": "abc",
+        "source": "/m/target",
+        "cut": [0, 4, 8],
+        "dtype": "float32",
+        "runtime": {"backend": "gloo", "early_launch": False, "emulate_stage_ms": 0.0, "emulate_link_ms": 0.0},
+    }
     return {**identity, **changes}
 
 
@@ -22,13 +28,18 @@ def test_agreeing_ranks_pass():
     assert mismatch([_identity(), _identity(source="/elsewhere/target"), _identity()]) is None
 
 
-@pytest.mark.parametrize("change, words", [
-    ({"spd": "0.2.0"}, "spd version: ranks 0, 1 have 0.1.0; rank 2 has 0.2.0"),
-    ({"target": "def", "source": "/other"}, "target (config and weights): ranks 0, 1 have '/m/target' (abc); "
-                                            "rank 2 has '/other' (def)"),
-    ({"cut": [0, 3, 8]}, "pipeline cut: ranks 0, 1 have [0, 4, 8]; rank 2 has [0, 3, 8]"),
-    ({"runtime": {**_identity()["runtime"], "early_launch": True}}, "runtime settings"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"spd": "0.2.0"}, "spd version: ranks 0, 1 have 0.1.0; rank 2 has 0.2.0"),
+        (
+            {"target": "def", "source": "/other"},
+            "target (config and weights): ranks 0, 1 have '/m/target' (abc); rank 2 has '/other' (def)",
+        ),
+        ({"cut": [0, 3, 8]}, "pipeline cut: ranks 0, 1 have [0, 4, 8]; rank 2 has [0, 3, 8]"),
+        ({"runtime": {**_identity()["runtime"], "early_launch": True}}, "runtime settings"),
+    ],
+)
 def test_the_first_difference_is_named_with_its_ranks(change, words):
     problem = mismatch([_identity(), _identity(), _identity(**change)])
     assert problem.startswith("the ranks of this job disagree on the ") and words in problem

@@ -19,8 +19,14 @@ HEAD = REPO / "tests" / "fixtures" / "authors" / "heads" / "v10_qwen3_n4_l1.pt"
 
 
 def _cli(*args, cwd=REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=cwd,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
 
 
 def _listing(root: Path) -> dict[str, bytes]:
@@ -149,9 +155,11 @@ def test_replace_dir_killed_at_either_rename_leaves_a_complete_directory(tmp_pat
     the new one, and the new one is whole once it has its name."""
     final = _two_files(tmp_path / "final", "old")
     _two_files(tmp_path / ".final.1.tmp", "new")
-    script = (f"import os, sys\nfrom spd import files\nreal, n = os.rename, [0]\n"
-              f"def rename(a, b):\n    real(a, b)\n    n[0] += 1\n    if n[0] == {killed_after}: os._exit(9)\n"
-              f"files.os.rename = rename\nfiles.replace_dir(sys.argv[1], sys.argv[2])\n")
+    script = (
+        f"import os, sys\nfrom spd import files\nreal, n = os.rename, [0]\n"
+        f"def rename(a, b):\n    real(a, b)\n    n[0] += 1\n    if n[0] == {killed_after}: os._exit(9)\n"
+        f"files.os.rename = rename\nfiles.replace_dir(sys.argv[1], sys.argv[2])\n"
+    )
     proc = _cli("-c", script, str(tmp_path / ".final.1.tmp"), str(final))
     assert proc.returncode == 9, proc.stderr
     aside = tmp_path / ".final.1.tmp.old"
@@ -196,7 +204,9 @@ def test_convert_replaces_its_own_output_and_refuses_a_file(tmp_path):
     with pytest.raises(SpdInputError, match="already exists; pass another path, or --force"):
         to_authors_file(out, tmp_path / "back.pt")
     to_authors_file(out, tmp_path / "back.pt", force=True)
-    assert torch.load(tmp_path / "back.pt", weights_only=True)["config"] == torch.load(HEAD, weights_only=True)["config"]
+    assert (
+        torch.load(tmp_path / "back.pt", weights_only=True)["config"] == torch.load(HEAD, weights_only=True)["config"]
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "back.pt", "head"]
 
 
@@ -204,9 +214,11 @@ def test_convert_cli_into_the_current_directory_is_one_error_line(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     proc = _cli("-m", "spd.cli.convert", str(HEAD), ".", cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.splitlines() == ["error: the output directory '.' already holds files that spd-convert did not "
-                                        "write; pass a new directory, or --force to write config.json and "
-                                        "model.safetensors beside them"]
+    assert proc.stderr.splitlines() == [
+        "error: the output directory '.' already holds files that spd-convert did not "
+        "write; pass a new directory, or --force to write config.json and "
+        "model.safetensors beside them"
+    ]
     assert "wrote" not in proc.stdout and _listing(tmp_path) == {"notes.txt": b"mine"}
     assert sorted(p.name for p in tmp_path.parent.iterdir() if p.name.startswith(f".{tmp_path.name}.")) == []
 
@@ -220,12 +232,19 @@ def test_testbed_builder_refuses_paths_it_did_not_write(tmp_path):
     (tmp_path / "target" / "debug").mkdir(parents=True)
     (tmp_path / "target" / "debug" / "app").write_text("binary")
     before = _listing(tmp_path)
-    proc = subprocess.run([sys.executable, str(REPO / "data" / "build_testbed.py"), "--out", ".", "--tiny", "--quiet"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "data" / "build_testbed.py"), "--out", ".", "--tiny", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.splitlines() == ["error: '.' already holds target/, which the testbed builder did not write; "
-                                        "pass another --out, or --force to write the testbed's files beside their "
-                                        "contents"]
+    assert proc.stderr.splitlines() == [
+        "error: '.' already holds target/, which the testbed builder did not write; "
+        "pass another --out, or --force to write the testbed's files beside their "
+        "contents"
+    ]
     assert _listing(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["Cargo.toml", "target"]
     (tmp_path / "testbed.json").mkdir()  # a directory where the builder writes a file: not even --force
     proc = run_script("data/build_testbed.py", "--out", str(tmp_path), "--tiny", "--quiet", "--force", check=False)
@@ -303,14 +322,32 @@ def test_checkpoint_replacement_never_loses_the_newest_checkpoint(tmp_path):
 
 
 def _train(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "train" / "distill.py"), *args], capture_output=True, text=True,
-                          timeout=600, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, str(REPO / "train" / "distill.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
 
 
 def _train_args(tb, out, *extra):
-    return [f"target={tb / 'target'}", f"data={tb / 'corpus' / 'train.jsonl'}", "eval_data=none", "n_stages=4",
-            "max_length=48", "batch_size=3", "max_steps=4", "save_every=2", "eval_every=0", "lr=3e-3",
-            "warmup_steps=1", f"output_dir={out}", f"cache_dir={out.parent / 'cache'}", *extra]
+    return [
+        f"target={tb / 'target'}",
+        f"data={tb / 'corpus' / 'train.jsonl'}",
+        "eval_data=none",
+        "n_stages=4",
+        "max_length=48",
+        "batch_size=3",
+        "max_steps=4",
+        "save_every=2",
+        "eval_every=0",
+        "lr=3e-3",
+        "warmup_steps=1",
+        f"output_dir={out}",
+        f"cache_dir={out.parent / 'cache'}",
+        *extra,
+    ]
 
 
 class _Payload:
@@ -335,8 +372,11 @@ def test_resume_replaces_its_checkpoint_in_place_and_loads_rng_state_without_cod
     proc = _train(*_train_args(tiny_testbed, out), "--resume")
     assert not Path("/tmp/spd-fill-rng-ran-code").exists()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: the checkpoint '{out / 'checkpoints' / 'step-4'}' "
-                                                           "cannot be resumed (UnpicklingError")
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"error: the checkpoint '{out / 'checkpoints' / 'step-4'}' cannot be resumed (UnpicklingError")
+    )
 
 
 # ---------------------------------------------------------------------------------------- captures
@@ -345,10 +385,32 @@ def test_resume_replaces_its_checkpoint_in_place_and_loads_rng_state_without_cod
 @pytest.fixture(scope="module")
 def small_capture(tiny_testbed, tmp_path_factory):
     out = tmp_path_factory.mktemp("capture") / "cap"
-    proc = subprocess.run([sys.executable, str(REPO / "data" / "capture.py"), "--target", str(tiny_testbed / "target"),
-                           "--data", str(tiny_testbed / "corpus" / "train.jsonl"), "--max-length", "48", "--out",
-                           str(out), "--stages", "4", "--max-rows", "24", "--shard-tokens", "300", "--cache-dir",
-                           str(out.parent / "cache")], capture_output=True, text=True, timeout=600, cwd=REPO)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "data" / "capture.py"),
+            "--target",
+            str(tiny_testbed / "target"),
+            "--data",
+            str(tiny_testbed / "corpus" / "train.jsonl"),
+            "--max-length",
+            "48",
+            "--out",
+            str(out),
+            "--stages",
+            "4",
+            "--max-rows",
+            "24",
+            "--shard-tokens",
+            "300",
+            "--cache-dir",
+            str(out.parent / "cache"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(json.loads((out / "capture.json").read_text())["shards"]) >= 3
     return out
@@ -374,8 +436,15 @@ def test_a_damaged_capture_is_one_error_line_before_training(small_capture, tmp_
     (escaped / "capture.json").write_text(json.dumps(manifest))
     cases[escaped] = "has a corrupt capture.json (missing or malformed: shards[0])"
     for path, message in cases.items():
-        proc = _train(f"data={path}", "eval_data=none", "n_stages=4", "max_steps=2", "batch_size=4", "save_every=0",
-                      f"output_dir={tmp_path / 'run'}")
+        proc = _train(
+            f"data={path}",
+            "eval_data=none",
+            "n_stages=4",
+            "max_steps=2",
+            "batch_size=4",
+            "save_every=0",
+            f"output_dir={tmp_path / 'run'}",
+        )
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         lines = proc.stderr.strip().splitlines()
         assert lines[-1].startswith(f"error: the capture '{path}' {message}"), lines[-1]
@@ -386,8 +455,12 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     path.mkdir()
     if os.geteuid() != 0:
         return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 def test_resumed_capture_checks_free_disk_space(tiny_testbed, small_capture, tmp_path):
@@ -405,11 +478,32 @@ def test_resumed_capture_checks_free_disk_space(tiny_testbed, small_capture, tmp
         shutil.copy(small_capture / "teacher.safetensors", out / "teacher.safetensors")
         (out / "capture.json").write_text(json.dumps({**manifest, "shards": [first], "complete": False}))
         (disk / "filler").write_bytes(b"\0" * (shutil.disk_usage(disk).free - 4096))
-        proc = subprocess.run([sys.executable, str(REPO / "data" / "capture.py"), "--target",
-                               str(tiny_testbed / "target"), "--data", str(tiny_testbed / "corpus" / "train.jsonl"),
-                               "--max-length", "48", "--out", str(out), "--stages", "4", "--max-rows", "24",
-                               "--shard-tokens", "300", "--cache-dir", str(small_capture.parent / "cache")],
-                              capture_output=True, text=True, timeout=600, cwd=REPO)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "data" / "capture.py"),
+                "--target",
+                str(tiny_testbed / "target"),
+                "--data",
+                str(tiny_testbed / "corpus" / "train.jsonl"),
+                "--max-length",
+                "48",
+                "--out",
+                str(out),
+                "--stages",
+                "4",
+                "--max-rows",
+                "24",
+                "--shard-tokens",
+                "300",
+                "--cache-dir",
+                str(small_capture.parent / "cache"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=REPO,
+        )
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert proc.stderr.strip().splitlines()[-1].startswith("error: the rest of the capture needs ")
         assert sorted(p.name for p in out.iterdir()) == ["capture.json", first["file"], "teacher.safetensors"]

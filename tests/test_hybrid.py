@@ -28,9 +28,10 @@ PROMPT = [3 + (7 * i) % 120 for i in range(40)]  # long enough for many flushes 
 
 def _generate_reference(model, prompt, max_new):
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def _linear_layers(staged):
@@ -55,8 +56,10 @@ def test_hybrid_stage_by_stage_equals_full_forward(family, n_stages):
         torch.testing.assert_close(staged.logits(hidden), model(input_ids=ids).logits, atol=tol, rtol=0)
         # Prefill, then chunks and single tokens through the stages: the linear state carries over.
         caches = staged.new_caches(capacity=4)
-        pieces = [staged.logits(staged.forward_stages(ids[:, lo:hi], caches).hidden_BTD)
-                  for lo, hi in [(0, 7), (7, 8), (8, 12), (12, 13), (13, 23)]]
+        pieces = [
+            staged.logits(staged.forward_stages(ids[:, lo:hi], caches).hidden_BTD)
+            for lo, hi in [(0, 7), (7, 8), (8, 12), (12, 13), (13, 23)]
+        ]
         torch.testing.assert_close(torch.cat(pieces, 1), model(input_ids=ids).logits, atol=tol, rtol=0)
         # The training teacher pass reads anchors from linear and full layers alike.
         states = staged.hidden_states(ids, [0, 1, 4, 8])
@@ -80,8 +83,12 @@ def test_prefill_hands_the_whole_prompt_to_each_linear_layer():
     """Prefill is one chunked call per linear layer (linear in the prompt length), not a loop over tokens."""
     staged = StagedModel(tiny_model("qwen3_5"), 4)
     seen = []
-    hooks = [staged.layers[i].linear_attn.register_forward_hook(lambda m, args, kw, out: seen.append(kw["hidden_states"].shape[1]), with_kwargs=True)
-             for i in _linear_layers(staged)]
+    hooks = [
+        staged.layers[i].linear_attn.register_forward_hook(
+            lambda m, args, kw, out: seen.append(kw["hidden_states"].shape[1]), with_kwargs=True
+        )
+        for i in _linear_layers(staged)
+    ]
     try:
         with torch.no_grad():
             staged.forward_stages(torch.arange(3, 103)[None], staged.new_caches())
@@ -106,8 +113,9 @@ def test_linear_state_rolls_back_to_the_committed_length(extra):
         for t in range(extra):  # speculated tokens that verification will reject
             staged.forward_stages(torch.tensor([[100 + t]]), caches)
         staged.truncate(caches, 10)
-        got = torch.cat([staged.logits(staged.forward_stages(ids[:, i:i + 1], caches).hidden_BTD)
-                         for i in range(10, 20)], 1)
+        got = torch.cat(
+            [staged.logits(staged.forward_stages(ids[:, i : i + 1], caches).hidden_BTD) for i in range(10, 20)], 1
+        )
     torch.testing.assert_close(got, ref, atol=TOL, rtol=0)
 
 
@@ -184,8 +192,9 @@ def test_sampled_spd_on_a_hybrid_target_follows_the_target_distribution():
     """3-token continuations from 2000 seeds vs the exact target distribution (chi-square, p > 1e-3)."""
     vocab, length, samples = 6, 3, 2000
     params = SamplingParams(temperature=0.8, top_k=5)
-    staged = StagedModel(tiny_model("qwen3_5", seed=3, layers=4, vocab=vocab, bos_token_id=0, eos_token_id=None,
-                                    pad_token_id=0), 2)
+    staged = StagedModel(
+        tiny_model("qwen3_5", seed=3, layers=4, vocab=vocab, bos_token_id=0, eos_token_id=None, pad_token_id=0), 2
+    )
     with torch.no_grad():
         staged.lm_head.weight.mul_(0.05)
     torch.manual_seed(4)
@@ -209,7 +218,9 @@ def _run_tree_level(staged, caches, tree, committed, start, end):
     hidden_1TD = staged.embed(tree.tokens_N[start:end][None])
     positions_1T = tree.positions(committed)[start:end][None]
     for s, cache in enumerate(caches):
-        hidden_1TD = staged.run_stage(s, hidden_1TD, cache, positions_1T, tree_mask_TN=tree.mask()[start:end, :end]).hidden_BTD
+        hidden_1TD = staged.run_stage(
+            s, hidden_1TD, cache, positions_1T, tree_mask_TN=tree.mask()[start:end, :end]
+        ).hidden_BTD
     return hidden_1TD[0]
 
 
@@ -276,12 +287,20 @@ def test_hybrid_tree_greedy_equals_generate(family, n):
     torch.manual_seed(1)
     head = new_head(staged, DistillConfig(n_stages=n)).eval()
     noisy = StagedModel(_noisy_copy(model, 0.5), 1)
-    runs = [(DraftModelProposer(StagedModel(model, 1), staged, 4), 4, "perfect"),
-            (DraftModelProposer(noisy, staged, 4), 4, "noisy"),
-            (ScriptedSource(SpdHeadProposer(head, staged, 1), PROMPT + reference, lambda pos: pos % 5 not in (0, 2)), 1,
-             "scripted"),
-            (ScriptedSource(SpdHeadProposer(head, staged, 4), PROMPT + reference, lambda pos: pos % 4 != 1, rank=2), 4,
-             "scripted")]
+    runs = [
+        (DraftModelProposer(StagedModel(model, 1), staged, 4), 4, "perfect"),
+        (DraftModelProposer(noisy, staged, 4), 4, "noisy"),
+        (
+            ScriptedSource(SpdHeadProposer(head, staged, 1), PROMPT + reference, lambda pos: pos % 5 not in (0, 2)),
+            1,
+            "scripted",
+        ),
+        (
+            ScriptedSource(SpdHeadProposer(head, staged, 4), PROMPT + reference, lambda pos: pos % 4 != 1, rank=2),
+            4,
+            "scripted",
+        ),
+    ]
     for source, width, kind in runs:
         out = Engine.tree(staged, source, width).run(PROMPT, 40, SamplingParams())
         assert out.token_ids == reference, (kind, width)
@@ -308,12 +327,14 @@ def test_sampled_tree_on_a_hybrid_target_follows_the_target_distribution():
     draft = StagedModel(_noisy_copy(model, 1.5), 1)
     prompt = [1, 4, 2]
     exact = _sequence_probs(staged, prompt, params, length)
-    counts, stats = _sample_outcomes(Engine.tree(staged, DraftModelProposer(draft, staged, 2), 3), prompt, params, length,
-                                     samples)
+    counts, stats = _sample_outcomes(
+        Engine.tree(staged, DraftModelProposer(draft, staged, 2), 3), prompt, params, length, samples
+    )
     assert sum(s.flushes for s in stats) > 0.1 * samples and sum(s.accepted for s in stats) > 0.1 * samples
     assert _chi_square_p_value(counts, exact, samples) > 1e-3
-    control, _ = _sample_outcomes(IndependentBranches(staged, DraftModelProposer(draft, staged, 2), 3), prompt, params,
-                                  length, samples)
+    control, _ = _sample_outcomes(
+        IndependentBranches(staged, DraftModelProposer(draft, staged, 2), 3), prompt, params, length, samples
+    )
     assert _chi_square_p_value(control, exact, samples) < 1e-3
 
 
@@ -337,8 +358,9 @@ def hybrid_target(tiny_testbed, tmp_path_factory):
     return out
 
 
-def check_distributed_equals_single_process(target, tmp_path, temperature: float = 0.0, early: bool = False,
-                                           max_batch: int = 0) -> None:
+def check_distributed_equals_single_process(
+    target, tmp_path, temperature: float = 0.0, early: bool = False, max_batch: int = 0
+) -> None:
     """Stage processes (torchrun, n = 4) give the single-process engines' tokens in spd, pp and a W = 2 tree with a
     random head on ``target`` (many flushes: each rolls every stage back). ``max_batch``: the prompts as requests of
     the batched pipeline (``--max-batch``), equal to the in-process batched pipeline's."""
@@ -355,11 +377,35 @@ def check_distributed_equals_single_process(target, tmp_path, temperature: float
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "out.json"
-    proc = _torchrun(n, "--target", str(target), "--speculator", str(tmp_path / "head"), "--mode", "spd", "pp",
-                     "tree", "--tree-width", "2", "--tree-children", "2",
-                     "--prompts", str(prompts), "--max-new-tokens", "20", "--temperature", str(temperature),
-                     "--top-k", "20", "--seed", "5", "--out", str(out), *(["--early-launch"] if early else []),
-                     *(["--max-batch", str(max_batch)] if max_batch else []))
+    proc = _torchrun(
+        n,
+        "--target",
+        str(target),
+        "--speculator",
+        str(tmp_path / "head"),
+        "--mode",
+        "spd",
+        "pp",
+        "tree",
+        "--tree-width",
+        "2",
+        "--tree-children",
+        "2",
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "20",
+        "--temperature",
+        str(temperature),
+        "--top-k",
+        "20",
+        "--seed",
+        "5",
+        "--out",
+        str(out),
+        *(["--early-launch"] if early else []),
+        *(["--max-batch", str(max_batch)] if max_batch else []),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not max_batch or f"largest batch {max_batch}" in proc.stderr
     report = json.loads(out.read_text())
@@ -372,20 +418,26 @@ def check_distributed_equals_single_process(target, tmp_path, temperature: float
         ids = [tok(p)["input_ids"] for p in PROMPTS]
         if max_batch:
             sampling = [SamplingParams(temperature, 20, 1.0, 5 + i) for i in range(len(ids))]
-            want = [o.token_ids for o in BatchedPipeline(eng, max_batch).generate(ids, 20, sampling,
-                                                                                  default_eos(staged.model, tok),
-                                                                                  mode=mode)]
+            want = [
+                o.token_ids
+                for o in BatchedPipeline(eng, max_batch).generate(
+                    ids, 20, sampling, default_eos(staged.model, tok), mode=mode
+                )
+            ]
         else:
-            want = [eng.generate(p, 20, mode=mode, temperature=temperature, top_k=20, seed=5 + i).token_ids
-                    for i, p in enumerate(ids)]
+            want = [
+                eng.generate(p, 20, mode=mode, temperature=temperature, top_k=20, seed=5 + i).token_ids
+                for i, p in enumerate(ids)
+            ]
         assert [r["token_ids"] for r in report["results"][mode]] == want, mode
     assert sum(r["stats"]["flushes"] for r in report["results"]["spd"]) > 5
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature,early,max_batch", [(0.0, False, 0), (1.0, True, 0), (1.0, False, 3)])
-def test_distributed_runtime_on_a_hybrid_target_equals_single_process(hybrid_target, tmp_path, temperature, early,
-                                                                      max_batch):
+def test_distributed_runtime_on_a_hybrid_target_equals_single_process(
+    hybrid_target, tmp_path, temperature, early, max_batch
+):
     """Stage processes keep their linear-state rings and the tree's per-node states; flushes roll them back exactly,
     prunes keep the surviving nodes' states. Batched (``--max-batch 3``): each stage keeps every request's own state
     beside the KV pool, and the ragged batches give the in-process batched pipeline's tokens."""
@@ -415,19 +467,42 @@ def test_distributed_draft_tree_on_a_hybrid_target_prunes_the_node_states(hybrid
     for draft, hits_only in ((hybrid_target, True), (tmp_path / "noisy", False)):
         out = tmp_path / "out.json"
         batch = [] if hits_only else ["--max-batch", "3"]
-        proc = _torchrun(n, "--target", str(hybrid_target), "--draft-model", str(draft), "--mode", "tree",
-                         "--tree-width", "3", "--tree-children", "2", "--prompts", str(prompts),
-                         "--max-new-tokens", "20", "--out", str(out), *batch)
+        proc = _torchrun(
+            n,
+            "--target",
+            str(hybrid_target),
+            "--draft-model",
+            str(draft),
+            "--mode",
+            "tree",
+            "--tree-width",
+            "3",
+            "--tree-children",
+            "2",
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "20",
+            "--out",
+            str(out),
+            *batch,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         results = json.loads(out.read_text())["results"]["tree"]
-        engine = Engine.tree(staged, DraftModelProposer(StagedModel.from_pretrained(draft, n_stages=1), staged, 2), 3, tok)
+        engine = Engine.tree(
+            staged, DraftModelProposer(StagedModel.from_pretrained(draft, n_stages=1), staged, 2), 3, tok
+        )
         ids = [tok(p)["input_ids"] for p in PROMPTS]
         if hits_only:
             want = [engine.generate(p, 20).token_ids for p in ids]
         else:
             assert "largest batch 3" in proc.stderr
-            want = [o.token_ids for o in BatchedPipeline(engine, 3).generate(ids, 20, eos_token_id=default_eos(
-                staged.model, tok), mode="tree")]
+            want = [
+                o.token_ids
+                for o in BatchedPipeline(engine, 3).generate(
+                    ids, 20, eos_token_id=default_eos(staged.model, tok), mode="tree"
+                )
+            ]
         assert [r["token_ids"] for r in results] == want
         flushes, accepted = sum(r["stats"]["flushes"] for r in results), sum(r["stats"]["accepted"] for r in results)
         assert accepted > 30 and (flushes == 0) == hits_only, (accepted, flushes)
@@ -440,10 +515,20 @@ def test_trainer_distils_a_head_for_a_hybrid_target(tiny_testbed, hybrid_target,
     from test_distill import _train
 
     out = tmp_path / "run"
-    _train(f"target={hybrid_target}", f"data={tiny_testbed / 'corpus' / 'train.jsonl'}",
-           f"eval_data={tiny_testbed / 'corpus' / 'validation.jsonl'}", "n_stages=4",
-           "max_length=48", "batch_size=2", "max_steps=3", "save_every=0", "eval_every=0", "eval_rows=4",
-           f"output_dir={out}", f"cache_dir={tmp_path / 'cache'}")
+    _train(
+        f"target={hybrid_target}",
+        f"data={tiny_testbed / 'corpus' / 'train.jsonl'}",
+        f"eval_data={tiny_testbed / 'corpus' / 'validation.jsonl'}",
+        "n_stages=4",
+        "max_length=48",
+        "batch_size=2",
+        "max_steps=3",
+        "save_every=0",
+        "eval_every=0",
+        "eval_rows=4",
+        f"output_dir={out}",
+        f"cache_dir={tmp_path / 'cache'}",
+    )
     head = Speculator.from_pretrained(out / "final")
     anchors = sorted({a for depth in head.config.anchors for a in depth})
     staged = StagedModel.from_pretrained(hybrid_target, n_stages=4)

@@ -11,9 +11,17 @@ from spd.runtime.join import JOB_KEY, StageJob, claim_stages, parse_address, pub
 from spd.runtime.world import bound_store, free_port
 
 
-@pytest.mark.parametrize("text, want", [("10.0.0.1", ("10.0.0.1", 29500)), ("10.0.0.1:1234", ("10.0.0.1", 1234)),
-                                        ("host-a:80", ("host-a", 80)), ("[fd00::1]:29501", ("fd00::1", 29501)),
-                                        ("[fd00::1]", ("fd00::1", 29500)), ("fd00::1", ("fd00::1", 29500))])
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("10.0.0.1", ("10.0.0.1", 29500)),
+        ("10.0.0.1:1234", ("10.0.0.1", 1234)),
+        ("host-a:80", ("host-a", 80)),
+        ("[fd00::1]:29501", ("fd00::1", 29501)),
+        ("[fd00::1]", ("fd00::1", 29500)),
+        ("fd00::1", ("fd00::1", 29500)),
+    ],
+)
 def test_addresses(text, want):
     assert parse_address(text) == want
 
@@ -33,8 +41,14 @@ def test_a_published_job_is_read_and_its_stages_claimed_once():
     assert got == job
     assert got.stage_command("t", None)[-2:] == ["--threads", "1"] and "--boundaries" in got.stage_command("t", None)
     env = got.stage_env("10.0.0.1", port, 4, 1, 2, env={})
-    assert env == {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "5", "RANK": "4",
-                   "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert env == {
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "5",
+        "RANK": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+    }
     with pytest.raises(SpdInputError, match="stage 2 is not one that this job's other machines run"):
         claim_stages(client, got, [2])
     assert claim_stages(client, got, [4]) == [4]

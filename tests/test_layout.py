@@ -21,8 +21,11 @@ def _import_graph() -> dict[str, set[str]]:
         here = name.split(".") if package else name.split(".")[:-1]
         for node in ast.walk(ast.parse(path.read_text())):  # every import statement, in functions too
             if isinstance(node, ast.ImportFrom):
-                base = ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else [])) \
-                    if node.level else node.module or ""
+                base = (
+                    ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else []))
+                    if node.level
+                    else node.module or ""
+                )
                 targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
             elif isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -46,7 +49,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         path.pop()
@@ -74,9 +77,11 @@ def test_the_cycle_finder_finds_one():
 def test_the_public_api_is_importable_from_spd_and_import_spd_stays_light():
     """Every name of ``spd.__all__`` is the object of its home module; ``import spd`` alone loads no torch (in a
     fresh interpreter, so earlier imports do not hide it)."""
-    code = ("import sys, spd\nlight = 'torch' not in sys.modules\nimport importlib\n"
-            "same = all(getattr(spd, n) is getattr(importlib.import_module(m), n) for n, m in spd._EXPORTS.items())\n"
-            "print(light, same, sorted(spd._EXPORTS) == sorted(set(spd.__all__) - {'__version__'}))")
+    code = (
+        "import sys, spd\nlight = 'torch' not in sys.modules\nimport importlib\n"
+        "same = all(getattr(spd, n) is getattr(importlib.import_module(m), n) for n, m in spd._EXPORTS.items())\n"
+        "print(light, same, sorted(spd._EXPORTS) == sorted(set(spd.__all__) - {'__version__'}))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["True", "True", "True"], proc.stdout

@@ -15,10 +15,24 @@ STEPS = 4
 
 
 def _args(tb, out, *extra):
-    return [f"target={tb / 'target'}", f"data={tb / 'corpus' / 'train.jsonl'}",
-            f"eval_data={tb / 'corpus' / 'validation.jsonl'}", "n_stages=4", "max_length=48", "batch_size=3",
-            f"max_steps={STEPS}", "save_every=0", "eval_every=2", "eval_rows=6", "log_every=1", "lr=3e-3",
-            "warmup_steps=2", f"output_dir={out}", f"cache_dir={out.parent / 'cache'}", *extra]
+    return [
+        f"target={tb / 'target'}",
+        f"data={tb / 'corpus' / 'train.jsonl'}",
+        f"eval_data={tb / 'corpus' / 'validation.jsonl'}",
+        "n_stages=4",
+        "max_length=48",
+        "batch_size=3",
+        f"max_steps={STEPS}",
+        "save_every=0",
+        "eval_every=2",
+        "eval_rows=6",
+        "log_every=1",
+        "lr=3e-3",
+        "warmup_steps=2",
+        f"output_dir={out}",
+        f"cache_dir={out.parent / 'cache'}",
+        *extra,
+    ]
 
 
 def _train(tmp_path, *args, env=None):
@@ -26,8 +40,14 @@ def _train(tmp_path, *args, env=None):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}, **(env or {})}
-    proc = subprocess.run([sys.executable, str(REPO / "train" / "distill.py"), *args], capture_output=True, text=True,
-                          timeout=600, cwd=cwd, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train" / "distill.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=cwd,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list(cwd.iterdir()) == []
     return proc
@@ -74,8 +94,8 @@ def _wandb_records(path):
         if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
             pos += block - pos % block
             continue
-        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
-        parts.append(data[pos + 7:pos + 7 + length])
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+        parts.append(data[pos + 7 : pos + 7 + length])
         pos += 7 + length
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
@@ -89,10 +109,14 @@ def test_wandb_offline_run_lands_under_output_dir_with_the_logged_scalars(tiny_t
     pytest.importorskip("wandb")
     out = tmp_path / "run"
     wandb_home = tmp_path / "wandb-home"  # keep wandb's own caches and settings out of the user's home
-    env = {"WANDB_CACHE_DIR": str(wandb_home / "cache"), "WANDB_CONFIG_DIR": str(wandb_home / "config"),
-           "WANDB_DATA_DIR": str(wandb_home / "data")}
-    proc = _train(tmp_path, *_args(tiny_testbed, out, "wandb=true", "wandb_mode=offline", "wandb_project=spd-test"),
-                  env=env)
+    env = {
+        "WANDB_CACHE_DIR": str(wandb_home / "cache"),
+        "WANDB_CONFIG_DIR": str(wandb_home / "config"),
+        "WANDB_DATA_DIR": str(wandb_home / "data"),
+    }
+    proc = _train(
+        tmp_path, *_args(tiny_testbed, out, "wandb=true", "wandb_mode=offline", "wandb_project=spd-test"), env=env
+    )
     runs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, sorted(p.name for p in out.rglob("*"))
     assert str(runs[0]) in proc.stdout + proc.stderr  # the `wandb sync <dir>` hint points at it
@@ -100,8 +124,12 @@ def test_wandb_offline_run_lands_under_output_dir_with_the_logged_scalars(tiny_t
     records = _wandb_records(log)
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert run.project == "spd-test"
-    config = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for r in records if r.WhichOneof("record_type") == "config"
-              for item in r.config.update}
+    config = {
+        item.key or "/".join(item.nested_key): json.loads(item.value_json)
+        for r in records
+        if r.WhichOneof("record_type") == "config"
+        for item in r.config.update
+    }
     assert config["max_steps"] == STEPS and config["wandb_mode"] == "offline"
     history = {}
     for r in records:
@@ -126,9 +154,11 @@ def test_missing_tracker_package_is_one_clear_error(tiny_testbed, tmp_path, trac
     The package is made unimportable in the child (``sys.modules[name] = None``), as if it were not installed.
     """
     out = tmp_path / "run"
-    code = (f"import runpy, sys\nfor name in {blocked!r}: sys.modules[name] = None\n"
-            f"sys.argv = {[str(REPO / 'train' / 'distill.py'), *_args(tiny_testbed, out, f'{tracker}=true')]!r}\n"
-            f"runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    code = (
+        f"import runpy, sys\nfor name in {blocked!r}: sys.modules[name] = None\n"
+        f"sys.argv = {[str(REPO / 'train' / 'distill.py'), *_args(tiny_testbed, out, f'{tracker}=true')]!r}\n"
+        f"runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()

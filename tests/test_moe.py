@@ -19,8 +19,12 @@ from spd.decoding.sampling import SamplingParams
 from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, new_head
-from test_hybrid import (PROMPT, _generate_reference, check_ar_pp_spd_equal_generate,
-                         check_distributed_equals_single_process)
+from test_hybrid import (
+    PROMPT,
+    _generate_reference,
+    check_ar_pp_spd_equal_generate,
+    check_distributed_equals_single_process,
+)
 
 MOES = ["qwen3_moe", "qwen3_5_moe"]
 # The hybrid one's chunked (prompt) and recurrent (one token) linear-attention kernels differ by rounding.
@@ -51,8 +55,10 @@ def test_moe_stage_by_stage_equals_full_forward(moe, n_stages):
     with torch.no_grad():
         ref = model(input_ids=ids).logits
         caches = staged.new_caches(capacity=4)
-        pieces = [staged.logits(staged.forward_stages(ids[:, lo:hi], caches).hidden_BTD)
-                  for lo, hi in [(0, 7), (7, 8), (8, 12), (12, 13), (13, 23)]]
+        pieces = [
+            staged.logits(staged.forward_stages(ids[:, lo:hi], caches).hidden_BTD)
+            for lo, hi in [(0, 7), (7, 8), (8, 12), (12, 13), (13, 23)]
+        ]
         torch.testing.assert_close(torch.cat(pieces, 1), ref, atol=TOLS[family], rtol=0)
 
 
@@ -72,8 +78,11 @@ def test_moe_tree_greedy_equals_generate(moe, n, width):
     torch.manual_seed(1)
     head = new_head(staged, DistillConfig(n_stages=n)).eval()
     draft = StagedModel(tiny_model(family, seed=3, layers=2), 1)  # a weak draft: misses, the odd hit
-    for source in (SpdHeadProposer(head, staged, children=4), DraftModelProposer(draft, staged, 4),
-                   DraftModelProposer(StagedModel(model, 1), staged, 4)):  # the target itself: hits and prunes only
+    for source in (
+        SpdHeadProposer(head, staged, children=4),
+        DraftModelProposer(draft, staged, 4),
+        DraftModelProposer(StagedModel(model, 1), staged, 4),
+    ):  # the target itself: hits and prunes only
         out = Engine.tree(staged, source, width).run(PROMPT, 40, SamplingParams())
         assert out.token_ids == reference, (type(source).__name__, width)
 
@@ -91,8 +100,9 @@ def test_the_released_multimodal_moe_layout_is_staged_and_split(tmp_path):
         ref = model(input_ids=ids).logits
         staged = StagedModel.from_pretrained(tmp_path, n_stages=4)
         assert staged.num_layers == 8 and staged.is_hybrid
-        torch.testing.assert_close(staged.logits(staged.forward_stages(ids, staged.new_caches()).hidden_BTD), ref,
-                                   atol=tol, rtol=0)
+        torch.testing.assert_close(
+            staged.logits(staged.forward_stages(ids, staged.new_caches()).hidden_BTD), ref, atol=tol, rtol=0
+        )
         parts = [load_partial(str(tmp_path), 2, role) for role in range(3)]
         assert materialized_bytes(parts[1]) < materialized_bytes(model) / 2
         hidden = parts[0].embed(ids)
@@ -134,7 +144,9 @@ def moe_targets(tiny_testbed, tmp_path_factory):
     targets = {}
     for family in MOES:
         out = tmp_path_factory.mktemp(family)
-        tiny_model(family, vocab=len(tok), max_position_embeddings=512, eos_token_id=tok.eos_token_id).save_pretrained(out)
+        tiny_model(family, vocab=len(tok), max_position_embeddings=512, eos_token_id=tok.eos_token_id).save_pretrained(
+            out
+        )
         for f in (tiny_testbed / "target").iterdir():
             if "token" in f.name or f.name == "special_tokens_map.json":
                 shutil.copy(f, out / f.name)
@@ -156,10 +168,20 @@ def test_trainer_distils_a_head_for_a_moe_target(tiny_testbed, moe_targets, tmp_
     from test_distill import _train
 
     out, target = tmp_path / "run", moe_targets[family]
-    _train(f"target={target}", f"data={tiny_testbed / 'corpus' / 'train.jsonl'}",
-           f"eval_data={tiny_testbed / 'corpus' / 'validation.jsonl'}", "n_stages=4",
-           "max_length=48", "batch_size=2", "max_steps=3", "save_every=0", "eval_every=0", "eval_rows=4",
-           f"output_dir={out}", f"cache_dir={tmp_path / 'cache'}")
+    _train(
+        f"target={target}",
+        f"data={tiny_testbed / 'corpus' / 'train.jsonl'}",
+        f"eval_data={tiny_testbed / 'corpus' / 'validation.jsonl'}",
+        "n_stages=4",
+        "max_length=48",
+        "batch_size=2",
+        "max_steps=3",
+        "save_every=0",
+        "eval_every=0",
+        "eval_rows=4",
+        f"output_dir={out}",
+        f"cache_dir={tmp_path / 'cache'}",
+    )
     head = Speculator.from_pretrained(out / "final")
     staged = StagedModel.from_pretrained(target, n_stages=4)
     prompt = list(range(10, 30))

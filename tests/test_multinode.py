@@ -47,8 +47,9 @@ def _start(hosts, nprocs, args, local_addr=True, per_host_args=None) -> list[sub
     for node, nproc in enumerate(nprocs):
         own = per_host_args[node] if per_host_args and per_host_args[node] is not None else args
         cmd = torchrun_command(hosts, node, nproc, 29611, job_id, ["-m", "spd.cli.run_pipeline", *own], local_addr)
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                      text=True))
+        procs.append(
+            subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        )
         time.sleep(0.5)  # the rendezvous host first
     return procs
 
@@ -74,9 +75,26 @@ def test_two_hosts_give_the_single_process_tokens(tiny_testbed, heads, hosts, tm
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "out.json"
-    args = ["--target", str(tiny_testbed / "target"), "--speculator", str(heads[2]), "--mode", "spd", "pp", "tree",
-            "--tree-width", "2", "--prompts", str(prompts), "--max-new-tokens", "16", "--timeout-s", "30",
-            "--out", str(out)]
+    args = [
+        "--target",
+        str(tiny_testbed / "target"),
+        "--speculator",
+        str(heads[2]),
+        "--mode",
+        "spd",
+        "pp",
+        "tree",
+        "--tree-width",
+        "2",
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "16",
+        "--timeout-s",
+        "30",
+        "--out",
+        str(out),
+    ]
     results, _ = _job(hosts[:2], [2, 1], args)
     for returncode, err in results:
         assert returncode == 0, err[-3000:]
@@ -92,9 +110,25 @@ def test_three_hosts_give_the_single_process_tokens(tiny_testbed, heads, hosts, 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "out.json"
-    args = ["--target", str(tiny_testbed / "target"), "--speculator", str(heads[4]), "--mode", "spd", "tree",
-            "--tree-width", "2", "--prompts", str(prompts), "--max-new-tokens", "16", "--timeout-s", "30",
-            "--out", str(out)]
+    args = [
+        "--target",
+        str(tiny_testbed / "target"),
+        "--speculator",
+        str(heads[4]),
+        "--mode",
+        "spd",
+        "tree",
+        "--tree-width",
+        "2",
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "16",
+        "--timeout-s",
+        "30",
+        "--out",
+        str(out),
+    ]
     results, _ = _job(hosts, [1, 2, 2], args)
     for returncode, err in results:
         assert returncode == 0, err[-3000:]
@@ -149,8 +183,22 @@ def _decoding_job(tiny_testbed, heads, hosts, tmp_path):
     """A 2-host spd job over 40 prompts with a 5 s timeout, once its second prompt is done: (procs, stderr lines)."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 10))
-    args = ["--target", str(tiny_testbed / "target"), "--speculator", str(heads[2]), "--mode", "spd",
-            "--prompts", str(prompts), "--max-new-tokens", "32", "--timeout-s", "5", "--emulate-stage-ms", "20"]
+    args = [
+        "--target",
+        str(tiny_testbed / "target"),
+        "--speculator",
+        str(heads[2]),
+        "--mode",
+        "spd",
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "32",
+        "--timeout-s",
+        "5",
+        "--emulate-stage-ms",
+        "20",
+    ]
     procs = _start(hosts[:2], [2, 1], args)
     lines = _follow(procs)
     try:
@@ -163,8 +211,9 @@ def _decoding_job(tiny_testbed, heads, hosts, tmp_path):
     return procs, lines
 
 
-def test_a_killed_stage_process_ends_the_ranks_on_the_other_host_with_an_error_line(tiny_testbed, heads, hosts,
-                                                                                    tmp_path):
+def test_a_killed_stage_process_ends_the_ranks_on_the_other_host_with_an_error_line(
+    tiny_testbed, heads, hosts, tmp_path
+):
     """Host 1's stage process is killed (SIGKILL) mid-job: host 0's ranks end with an ``error:`` line naming the
     lost rank and host 0's whole launch ends within seconds, with no traceback of ours."""
     procs, lines = _decoding_job(tiny_testbed, heads, hosts, tmp_path)
@@ -185,8 +234,9 @@ def test_a_killed_stage_process_ends_the_ranks_on_the_other_host_with_an_error_l
             proc.wait()
 
 
-def test_a_link_taken_down_mid_job_ends_the_ranks_on_both_hosts_with_an_error_line(tiny_testbed, heads, lan, hosts,
-                                                                                    tmp_path):
+def test_a_link_taken_down_mid_job_ends_the_ranks_on_both_hosts_with_an_error_line(
+    tiny_testbed, heads, lan, hosts, tmp_path
+):
     """Host 1's link goes down while the job decodes: host 0's ranks and stage 2 on host 1 end with an ``error:``
     line within a few of their --timeout-s, none with a traceback of ours (the driver's was a failed shutdown
     message to the lost peer), and host 0's launch ends."""
@@ -220,27 +270,56 @@ def test_a_host_with_other_weights_is_refused_at_start_on_every_host(tiny_testbe
     weights[name][0, 0] += 1.0
     save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
     common = ["--mode", "pp", "--prompt", "x", "--max-new-tokens", "4", "--timeout-s", "30"]
-    results, wall = _job(hosts[:2], [2, 1], ["--target", str(tiny_testbed / "target"), *common],
-                         per_host_args=[None, ["--target", str(other), *common]])
+    results, wall = _job(
+        hosts[:2],
+        [2, 1],
+        ["--target", str(tiny_testbed / "target"), *common],
+        per_host_args=[None, ["--target", str(other), *common]],
+    )
     for returncode, err in results:
         lines = [line for line in err.splitlines() if line.startswith("error:")]
         assert returncode != 0 and lines, err[-3000:]
-        assert all("disagree on the target (config and weights)" in line and "rank 2 has" in line
-                   for line in lines), lines
+        assert all("disagree on the target (config and weights)" in line and "rank 2 has" in line for line in lines), (
+            lines
+        )
     assert wall < 90
 
 
 def test_the_prefill_benchmark_measures_capped_links(tiny_testbed, tmp_path):
     out = tmp_path / "prefill.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_prefill.py"), "--target",
-                           str(tiny_testbed / "target"), "--lengths", "16", "48", "--rates", "none", "100mbit",
-                           "--repeats", "1", "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "bench_prefill.py"),
+            "--target",
+            str(tiny_testbed / "target"),
+            "--lengths",
+            "16",
+            "48",
+            "--rates",
+            "none",
+            "100mbit",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["rate"], r["prompt_tokens"] > 0) for r in rows] == [("none", True)] * 2 + [("100mbit", True)] * 2
     assert all(r["prefill_ms"] > 0 for r in rows) and "| 100mbit |" in proc.stdout
-    bad = subprocess.run([sys.executable, str(REPO / "bench" / "bench_prefill.py"), "--rates", "fast"],
-                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    bad = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "bench_prefill.py"), "--rates", "fast"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert bad.returncode == 2 and bad.stderr.startswith("error: rate 'fast'"), bad.stderr
 
 
@@ -270,39 +349,74 @@ def _http(lan, host: int, url: str, body: dict | None = None) -> tuple[int, dict
 def _spd_cli(lan, host: int, name: str, *args: str, **popen) -> subprocess.Popen:
     """A console script of this checkout's environment run on ``host``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.Popen(lan.command(host, [str(Path(sys.executable).parent / name), *args]), cwd=REPO, env=env,
-                            text=True, **popen)
+    return subprocess.Popen(
+        lan.command(host, [str(Path(sys.executable).parent / name), *args]), cwd=REPO, env=env, text=True, **popen
+    )
 
 
 def test_a_server_with_stages_on_another_machine_serves_their_tokens_and_503_once_that_machine_is_gone(
-        tiny_testbed, heads, lan, hosts):
+    tiny_testbed, heads, lan, hosts
+):
     """spd-serve on host 0 runs rank 0 and stages 1-2, spd-stage on host 1 stages 3-4: the completions equal the
     single-process engine's; a second machine asking for the same stages, or for one the server runs, is refused
     with one line; once host 1's link goes down the server answers 503 saying it must be restarted (and keeps
     answering), host 1's stages end with an error line, and the server stops cleanly on SIGTERM."""
     target, port = str(tiny_testbed / "target"), 29631
-    server = _spd_cli(lan, 0, "spd-serve", "--target", target, "--mode", "spd", "--speculator", str(heads[4]),
-                      "--runtime", "distributed", "--local-stages", "2", "--stage-addr", f"{hosts[0][1]}:{port}",
-                      "--port", "8131", "--timeout-s", "8", "--join-timeout-s", "120", stderr=subprocess.PIPE)
+    server = _spd_cli(
+        lan,
+        0,
+        "spd-serve",
+        "--target",
+        target,
+        "--mode",
+        "spd",
+        "--speculator",
+        str(heads[4]),
+        "--runtime",
+        "distributed",
+        "--local-stages",
+        "2",
+        "--stage-addr",
+        f"{hosts[0][1]}:{port}",
+        "--port",
+        "8131",
+        "--timeout-s",
+        "8",
+        "--join-timeout-s",
+        "120",
+        stderr=subprocess.PIPE,
+    )
     worker = None
     try:
         lines = _follow([server])[0]
         _wait_for(lines, "waiting up to", server)
         assert f"spd-stage --server {hosts[0][1]}:{port}" in "".join(lines)
         # A stage the server runs itself: refused before anything starts.
-        wrong = _spd_cli(lan, 1, "spd-stage", "--server", f"{hosts[0][1]}:{port}", "--target", target, "--hold", "2",
-                         stderr=subprocess.PIPE)
+        wrong = _spd_cli(
+            lan,
+            1,
+            "spd-stage",
+            "--server",
+            f"{hosts[0][1]}:{port}",
+            "--target",
+            target,
+            "--hold",
+            "2",
+            stderr=subprocess.PIPE,
+        )
         _, err = wrong.communicate(timeout=60)
         errors = _errors(err.splitlines())
         assert wrong.returncode == 2 and len(errors) == 1 and errors[0].startswith("error: stage 2 is not one"), err
         assert "3, 4 of 4" in errors[0]
-        worker = _spd_cli(lan, 1, "spd-stage", "--server", f"{hosts[0][1]}:{port}", "--target", target,
-                          stderr=subprocess.PIPE)
+        worker = _spd_cli(
+            lan, 1, "spd-stage", "--server", f"{hosts[0][1]}:{port}", "--target", target, stderr=subprocess.PIPE
+        )
         worker_lines = _follow([worker])[0]
         _wait_for(lines, "listening on", server)
         assert any("running 2 of the 4 stages" in line for line in worker_lines), worker_lines
-        twice = _spd_cli(lan, 2, "spd-stage", "--server", f"{hosts[0][1]}:{port}", "--target", target,
-                         stderr=subprocess.PIPE)
+        twice = _spd_cli(
+            lan, 2, "spd-stage", "--server", f"{hosts[0][1]}:{port}", "--target", target, stderr=subprocess.PIPE
+        )
         _, err = twice.communicate(timeout=60)
         errors = _errors(err.splitlines())
         assert twice.returncode == 2 and len(errors) == 1 and "already run by another machine" in errors[0], err
@@ -311,16 +425,21 @@ def test_a_server_with_stages_on_another_machine_serves_their_tokens_and_503_onc
 
         tok = load_target_tokenizer(target)
         for prompt, expected in zip(PROMPTS, want):
-            status, body = _http(lan, 0, "http://127.0.0.1:8131/v1/completions",
-                                 {"model": "target", "prompt": prompt, "max_tokens": 16, "temperature": 0})
+            status, body = _http(
+                lan,
+                0,
+                "http://127.0.0.1:8131/v1/completions",
+                {"model": "target", "prompt": prompt, "max_tokens": 16, "temperature": 0},
+            )
             assert status == 200, body
             assert body["choices"][0]["text"] == tok.decode(expected.token_ids, skip_special_tokens=True)
             assert body["spd"]["token_acceptance"] == expected.stats.token_acceptance
         # Host 1 is taken away (its cable pulled): idle pings or the next request find it gone.
         lan.set_link(1, up=False)
         down = time.monotonic()
-        status, body = _http(lan, 0, "http://127.0.0.1:8131/v1/completions",
-                             {"model": "target", "prompt": PROMPTS[0], "max_tokens": 16})
+        status, body = _http(
+            lan, 0, "http://127.0.0.1:8131/v1/completions", {"model": "target", "prompt": PROMPTS[0], "max_tokens": 16}
+        )
         assert status == 503 and "must be restarted" in body["error"]["message"], body
         assert time.monotonic() - down < 60
         status, body = _http(lan, 0, "http://127.0.0.1:8131/health")
@@ -342,9 +461,28 @@ def test_a_server_with_stages_on_another_machine_serves_their_tokens_and_503_onc
 def test_a_server_whose_other_machines_never_join_says_so_and_exits(tiny_testbed, hosts, lan):
     """No spd-stage ever comes: after --join-timeout-s the server exits with one line naming the missing stages
     and the command that runs them; its own stage process goes with it."""
-    server = _spd_cli(lan, 0, "spd-serve", "--target", str(tiny_testbed / "target"), "--mode", "pp", "--stages",
-                      "2", "--runtime", "distributed", "--local-stages", "1", "--stage-addr", f"{hosts[0][1]}:29632",
-                      "--port", "8132", "--join-timeout-s", "5", stderr=subprocess.PIPE)
+    server = _spd_cli(
+        lan,
+        0,
+        "spd-serve",
+        "--target",
+        str(tiny_testbed / "target"),
+        "--mode",
+        "pp",
+        "--stages",
+        "2",
+        "--runtime",
+        "distributed",
+        "--local-stages",
+        "1",
+        "--stage-addr",
+        f"{hosts[0][1]}:29632",
+        "--port",
+        "8132",
+        "--join-timeout-s",
+        "5",
+        stderr=subprocess.PIPE,
+    )
     try:
         _, err = server.communicate(timeout=120)
     finally:

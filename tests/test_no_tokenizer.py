@@ -47,12 +47,13 @@ def model_only(tmp_path_factory) -> SimpleNamespace:
 
     hf_model = type(model).from_pretrained(root / "target").eval()
     with torch.no_grad():
-        hf = hf_model.generate(torch.tensor([PROMPT]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(PROMPT):]
+        hf = hf_model.generate(torch.tensor([PROMPT]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(PROMPT) :]
     expected = hf.tolist()
-    assert expected == free[:stop + 1]  # model.generate stops at the generation config's EOS
+    assert expected == free[: stop + 1]  # model.generate stops at the generation config's EOS
     assert not any((root / "target" / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
-    return SimpleNamespace(root=root, target=root / "target", head=root / "head", draft=root / "draft",
-                           expected=expected)
+    return SimpleNamespace(
+        root=root, target=root / "target", head=root / "head", draft=root / "draft", expected=expected
+    )
 
 
 def test_default_eos_follows_model_generate():
@@ -72,7 +73,9 @@ def test_python_api_without_a_tokenizer_stops_where_model_generate_stops(model_o
         assert out.stats.stop_reason == "eos" and len(out.stats.token_acceptance) == out.stats.new_tokens
     # An explicit EOS wins; an empty list means none.
     assert len(engine.generate(PROMPT, max_new_tokens=MAX_NEW, eos_token_id=[]).token_ids) == MAX_NEW
-    tree = Engine.from_pretrained(str(model_only.target), draft_model=str(model_only.draft), stages=2, width=2, children=2)
+    tree = Engine.from_pretrained(
+        str(model_only.target), draft_model=str(model_only.draft), stages=2, width=2, children=2
+    )
     assert tree.tokenizer is None
     out = tree.generate(PROMPT, max_new_tokens=MAX_NEW)
     assert out.token_ids == model_only.expected and out.stats.stop_reason == "eos"
@@ -84,10 +87,24 @@ def test_python_api_without_a_tokenizer_stops_where_model_generate_stops(model_o
 
 @pytest.mark.parametrize("mode", ["ar", "pp", "spd", "tree"])
 def test_cli_prompt_ids_stop_where_model_generate_stops(model_only, mode):
-    args = {"ar": [], "pp": ["--stages", "2"], "spd": ["--speculator", str(model_only.head)],
-            "tree": ["--draft-model", str(model_only.draft), "--stages", "2", "--tree-width", "2"]}[mode]
-    proc = spd_generate("--target", str(model_only.target), "--mode", mode, *args, "--prompt-ids",
-                        ",".join(map(str, PROMPT)), "--max-new-tokens", str(MAX_NEW), "--json")
+    args = {
+        "ar": [],
+        "pp": ["--stages", "2"],
+        "spd": ["--speculator", str(model_only.head)],
+        "tree": ["--draft-model", str(model_only.draft), "--stages", "2", "--tree-width", "2"],
+    }[mode]
+    proc = spd_generate(
+        "--target",
+        str(model_only.target),
+        "--mode",
+        mode,
+        *args,
+        "--prompt-ids",
+        ",".join(map(str, PROMPT)),
+        "--max-new-tokens",
+        str(MAX_NEW),
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["text"] is None and out["token_ids"] == model_only.expected
@@ -98,9 +115,22 @@ def test_cli_prompt_ids_stop_where_model_generate_stops(model_only, mode):
 
 
 def test_cli_streams_token_ids_and_colours_exactly_the_accepted_ones(model_only):
-    common = ["--target", str(model_only.target), "--mode", "tree", "--draft-model", str(model_only.draft),
-              "--stages", "2", "--tree-width", "2", "--prompt-ids", " ".join(map(str, PROMPT)),
-              "--max-new-tokens", str(MAX_NEW)]
+    common = [
+        "--target",
+        str(model_only.target),
+        "--mode",
+        "tree",
+        "--draft-model",
+        str(model_only.draft),
+        "--stages",
+        "2",
+        "--tree-width",
+        "2",
+        "--prompt-ids",
+        " ".join(map(str, PROMPT)),
+        "--max-new-tokens",
+        str(MAX_NEW),
+    ]
     as_json = spd_generate(*common, "--json")
     assert as_json.returncode == 0, as_json.stderr
     flags = json.loads(as_json.stdout)["stats"]["token_acceptance"]
@@ -115,19 +145,22 @@ def test_cli_streams_token_ids_and_colours_exactly_the_accepted_ones(model_only)
     assert coloured.stdout == expected + "\n"
 
 
-@pytest.mark.parametrize("args,expected", [
-    (["--prompt-ids", "1,x,3"], "expects comma-separated integers, got 'x'"),
-    (["--prompt-ids", "1.5"], "expects comma-separated integers"),
-    (["--prompt-ids", ""], "--prompt-ids is empty"),
-    (["--prompt-ids", " , "], "--prompt-ids is empty"),
-    (["--prompt-ids=-4,2"], "non-negative token ids, got -4"),
-    (["--prompt-ids", "1,128"], "token id 128, outside the target's vocabulary (0..127)"),
-    (["--prompt-ids", "1,2", "--chat"], "--chat"),
-    (["--prompt-ids", "1,2", "--prompt", "x"], "not allowed with argument"),
-    (["--prompt-ids", "1,2", "--json", "--show-acceptance"], "--show-acceptance"),
-    (["--prompt-ids", "1,2", "--tokenizer", "/no/such/tokenizer"], "does not exist"),
-    (["--prompt", "x"], "--tokenizer"),
-])
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--prompt-ids", "1,x,3"], "expects comma-separated integers, got 'x'"),
+        (["--prompt-ids", "1.5"], "expects comma-separated integers"),
+        (["--prompt-ids", ""], "--prompt-ids is empty"),
+        (["--prompt-ids", " , "], "--prompt-ids is empty"),
+        (["--prompt-ids=-4,2"], "non-negative token ids, got -4"),
+        (["--prompt-ids", "1,128"], "token id 128, outside the target's vocabulary (0..127)"),
+        (["--prompt-ids", "1,2", "--chat"], "--chat"),
+        (["--prompt-ids", "1,2", "--prompt", "x"], "not allowed with argument"),
+        (["--prompt-ids", "1,2", "--json", "--show-acceptance"], "--show-acceptance"),
+        (["--prompt-ids", "1,2", "--tokenizer", "/no/such/tokenizer"], "does not exist"),
+        (["--prompt", "x"], "--tokenizer"),
+    ],
+)
 def test_bad_prompt_ids_are_one_clear_line_and_exit_2(model_only, args, expected):
     proc = spd_generate_main("--target", str(model_only.target), *args)
     assert proc.returncode == 2
@@ -140,9 +173,24 @@ def test_spd_generate_distributed_with_prompt_ids_and_no_tokenizer(model_only):
     only its part of the model, generation_config.json included), acceptance flags in JSON and in colour."""
     from test_cli import spd_generate
 
-    common = ["--target", str(model_only.target), "--mode", "tree", "--draft-model", str(model_only.draft),
-              "--stages", "2", "--tree-width", "2", "--prompt-ids", ",".join(map(str, PROMPT)),
-              "--max-new-tokens", "32", "--runtime", "distributed"]
+    common = [
+        "--target",
+        str(model_only.target),
+        "--mode",
+        "tree",
+        "--draft-model",
+        str(model_only.draft),
+        "--stages",
+        "2",
+        "--tree-width",
+        "2",
+        "--prompt-ids",
+        ",".join(map(str, PROMPT)),
+        "--max-new-tokens",
+        "32",
+        "--runtime",
+        "distributed",
+    ]
     proc, coloured = two_at_a_time(lambda flag: spd_generate(*common, flag), ["--json", "--show-acceptance"])
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)

@@ -33,8 +33,12 @@ def test_humaneval_chat_wraps_each_problem_as_a_user_turn():
 
 def test_mt_bench_and_gsm8k_files(tmp_path):
     mt = tmp_path / "question.jsonl"
-    mt.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]})
-                  + "\n\n" + json.dumps({"question_id": 82, "category": "math", "turns": ["2+2?"]}) + "\n")
+    mt.write_text(
+        json.dumps({"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]})
+        + "\n\n"
+        + json.dumps({"question_id": 82, "category": "math", "turns": ["2+2?"]})
+        + "\n"
+    )
     name, rows = load_prompt_set(f"mt-bench:{mt}")
     assert name == "mt-bench" and [r["id"] for r in rows] == [81, 82]
     assert rows[0]["messages"] == [{"role": "user", "content": "Write a poem."}]  # the first turn
@@ -44,14 +48,17 @@ def test_mt_bench_and_gsm8k_files(tmp_path):
     assert name == "gsm8k" and rows == [{"messages": [{"role": "user", "content": "Tom has 3 apples..."}], "id": 1}]
 
 
-@pytest.mark.parametrize("spec,content,expected", [
-    ("mt-bench:{f}", '{"question_id": 1, "turns": "not a list"}', "has no \"turns\" list of strings"),
-    ("gsm8k:{f}", '{"problem": "x"}', "has no \"question\" string"),
-    ("gsm8k:{f}", "not json", "line 1 of the GSM8K file"),
-    ("gsm8k:{f}", "[1, 2]", "is not a JSON object"),
-    ("mt-bench", None, "needs its file: mt-bench:FILE"),
-    ("gsm8k:/no/such.jsonl", None, "the GSM8K file '/no/such.jsonl' does not exist"),
-])
+@pytest.mark.parametrize(
+    "spec,content,expected",
+    [
+        ("mt-bench:{f}", '{"question_id": 1, "turns": "not a list"}', 'has no "turns" list of strings'),
+        ("gsm8k:{f}", '{"problem": "x"}', 'has no "question" string'),
+        ("gsm8k:{f}", "not json", "line 1 of the GSM8K file"),
+        ("gsm8k:{f}", "[1, 2]", "is not a JSON object"),
+        ("mt-bench", None, "needs its file: mt-bench:FILE"),
+        ("gsm8k:/no/such.jsonl", None, "the GSM8K file '/no/such.jsonl' does not exist"),
+    ],
+)
 def test_wrong_files_are_one_clear_error(tmp_path, spec, content, expected):
     f = tmp_path / "rows.jsonl"
     if content is not None:
@@ -66,8 +73,21 @@ def test_bench_runs_humaneval_and_names_it(tiny_testbed, tmp_path):
     config = json.loads((target / "config.json").read_text())
     (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
     out = tmp_path / "bench.json"
-    proc = run_script("bench/bench.py", "--target", str(target), "--prompts", "humaneval",
-                      "--num-prompts", "2", "--run", "pp:2", "--max-new-tokens", "8", "--out", str(out))
+    proc = run_script(
+        "bench/bench.py",
+        "--target",
+        str(target),
+        "--prompts",
+        "humaneval",
+        "--num-prompts",
+        "2",
+        "--run",
+        "pp:2",
+        "--max-new-tokens",
+        "8",
+        "--out",
+        str(out),
+    )
     report = json.loads(out.read_text())
     assert report["dataset"] == "humaneval" and report["num_prompts"] == 2, proc.stdout
     assert report["results"]["T=0"]["pp n=2"]["summary"]["identical_to_ar"] == 2

@@ -17,8 +17,22 @@ def test_texts_are_the_targets_own_greedy_continuations(tiny_testbed, tmp_path):
     from spd.data.regenerate import text_prefixes
 
     out = tmp_path / "texts.jsonl"
-    args = ("--target", str(tiny_testbed / "target"), "--texts", f"{tiny_testbed / 'corpus' / 'train.jsonl'}:5",
-            "--out", str(out), "--max-new-tokens", "12", "--batch-size", "1", "--prefix-chars", "200", "--seed", "3")
+    args = (
+        "--target",
+        str(tiny_testbed / "target"),
+        "--texts",
+        f"{tiny_testbed / 'corpus' / 'train.jsonl'}:5",
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        "12",
+        "--batch-size",
+        "1",
+        "--prefix-chars",
+        "200",
+        "--seed",
+        "3",
+    )
     first = run_script("data/regenerate.py", *args)
     assert "5 answered now, 0 already there" in first.stdout
     rows = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
@@ -34,7 +48,7 @@ def test_texts_are_the_targets_own_greedy_continuations(tiny_testbed, tmp_path):
         ids = tokenizer(prefix["text"], return_tensors="pt")["input_ids"]
         with torch.no_grad():
             solo = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-        new = solo[0, ids.shape[1]:].tolist()
+        new = solo[0, ids.shape[1] :].tolist()
         stop = next((k for k, t in enumerate(new) if t == tokenizer.eos_token_id), None)
         new = new if stop is None else new[:stop]
         assert row["new_tokens"] == len(new)
@@ -49,19 +63,22 @@ def test_texts_bad_input_is_one_clear_error(tiny_testbed, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"path": "a.py"}\n')
     train = str(tiny_testbed / "corpus" / "train.jsonl")
-    cases = [(["--texts", str(tmp_path / "nope.jsonl")], "does not exist"),
-             (["--texts", f"{train}:0"], "must be a positive integer"),
-             (["--texts", str(bad)], 'has no "text" string'),
-             (["--prompts", "stdlib:2", "--skip", "2"], "leaves no prompts to answer"),
-             (["--prompts", "stdlib:2", "--skip", "-1"], None),
-             (["--prompts", "stdlib:2", "--texts", train], None),
-             ([], None)]
+    cases = [
+        (["--texts", str(tmp_path / "nope.jsonl")], "does not exist"),
+        (["--texts", f"{train}:0"], "must be a positive integer"),
+        (["--texts", str(bad)], 'has no "text" string'),
+        (["--prompts", "stdlib:2", "--skip", "2"], "leaves no prompts to answer"),
+        (["--prompts", "stdlib:2", "--skip", "-1"], None),
+        (["--prompts", "stdlib:2", "--texts", train], None),
+        ([], None),
+    ]
 
     def run(case):
         extra, _ = case
         out = tmp_path / f"out-{cases.index(case)}.jsonl"
-        return run_script("data/regenerate.py", "--target", str(tiny_testbed / "target"), *extra, "--out", str(out),
-                          check=False), out
+        return run_script(
+            "data/regenerate.py", "--target", str(tiny_testbed / "target"), *extra, "--out", str(out), check=False
+        ), out
 
     for (extra, expected), (proc, out) in zip(cases, two_at_a_time(run, cases)):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, (extra, proc.stderr)

@@ -7,10 +7,34 @@ from conftest import run_script
 
 
 def _reproduce(tiny_testbed, tmp_path, *extra, check=True):
-    return run_script("bench/reproduce.py", "--testbed", str(tiny_testbed), "--stages", "2", "3", "--layers", "1",
-                      "--draft-steps", "2", "--steps", "2", "--prompts", str(tiny_testbed / "prompts.jsonl"),
-                      "--num-prompts", "2", "--max-new-tokens", "6", "--capture-tokens", "3000",
-                      "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), *extra, check=check)
+    return run_script(
+        "bench/reproduce.py",
+        "--testbed",
+        str(tiny_testbed),
+        "--stages",
+        "2",
+        "3",
+        "--layers",
+        "1",
+        "--draft-steps",
+        "2",
+        "--steps",
+        "2",
+        "--prompts",
+        str(tiny_testbed / "prompts.jsonl"),
+        "--num-prompts",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--capture-tokens",
+        "3000",
+        "--runs",
+        str(tmp_path / "runs"),
+        "--out",
+        str(tmp_path / "out"),
+        *extra,
+        check=check,
+    )
 
 
 def test_reproduce_trains_what_is_missing_and_writes_the_table(tiny_testbed, tmp_path):
@@ -25,9 +49,17 @@ def test_reproduce_trains_what_is_missing_and_writes_the_table(tiny_testbed, tmp
     assert json.loads((runs / "output-n2-ls1" / "final" / "config.json").read_text())["schedule"] == "output"
     table = json.loads((out / "table.json").read_text())
     settings = {(r["method"], r["setting"]) for r in table["rows"]}
-    assert settings == {("EAGLE-style (sd)", "m=2"), ("SPD", "n=2 Ls=1"), ("SPD, output state", "n=2 Ls=1"),
-                        ("PPSD", "n=2"), ("SPD", "n=2 Ls=1 W=4"), ("SPD", "n=3 Ls=1"),
-                        ("SPD, output state", "n=3 Ls=1"), ("PPSD", "n=3"), ("SPD", "n=3 Ls=1 W=4")}
+    assert settings == {
+        ("EAGLE-style (sd)", "m=2"),
+        ("SPD", "n=2 Ls=1"),
+        ("SPD, output state", "n=2 Ls=1"),
+        ("PPSD", "n=2"),
+        ("SPD", "n=2 Ls=1 W=4"),
+        ("SPD", "n=3 Ls=1"),
+        ("SPD, output state", "n=3 Ls=1"),
+        ("PPSD", "n=3"),
+        ("SPD", "n=3 Ls=1 W=4"),
+    }
     for row in table["rows"]:
         assert set(row) >= {"T=0", "T=1"} and row["T=0"]["identical_to_ar"] == 2  # every greedy run is lossless
         assert row["T=1"]["acceptance_length"] >= 1 and row["T=1"]["theoretical_speedup"] > 0
@@ -39,7 +71,9 @@ def test_reproduce_trains_what_is_missing_and_writes_the_table(tiny_testbed, tmp
     assert "--batch 2" in table["bench_command"] and len(table["rows"]) == 9
     assert all(row["T=0"]["identical_to_ar"] == 2 for row in table["rows"])
     bad = _reproduce(tiny_testbed, tmp_path, "--stages", "9", check=False)
-    assert bad.returncode == 2 and bad.stderr.strip() == "error: --stages [9] must be between 1 and the target's 8 layers"
+    assert (
+        bad.returncode == 2 and bad.stderr.strip() == "error: --stages [9] must be between 1 and the target's 8 layers"
+    )
     assert proc.returncode == 0
 
 

@@ -24,16 +24,30 @@ from spd.target.staging import StagedModel, load_tokenizer
 from spd.decoding.tree import TokenTree
 from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
 
-PROMPTS = ["def main(argv):\n    ", "import os\n", "class A:\n    def __init__(self):",
-           # long enough that the prefill's activations do not fit one message slot (the spilled path)
-           "import sys\nimport os\n\n\ndef parse(argv):\n    options = {}\n    for arg in argv[1:]:\n"
-           "        key, _, value = arg.partition('=')\n        options[key.lstrip('-')] = value\n"
-           "    return options\n\n\nclass Runner:\n    def __init__(self, options):\n        self."]
+PROMPTS = [
+    "def main(argv):\n    ",
+    "import os\n",
+    "class A:\n    def __init__(self):",
+    # long enough that the prefill's activations do not fit one message slot (the spilled path)
+    "import sys\nimport os\n\n\ndef parse(argv):\n    options = {}\n    for arg in argv[1:]:\n"
+    "        key, _, value = arg.partition('=')\n        options[key.lstrip('-')] = value\n"
+    "    return options\n\n\nclass Runner:\n    def __init__(self, options):\n        self.",
+]
 
 
 def _torchrun(n: int, *args: str, timeout: int = 400, **popen) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n + 1), "--master-port",
-           str(_port()), "-m", "spd.cli.run_pipeline", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(n + 1),
+        "--master-port",
+        str(_port()),
+        "-m",
+        "spd.cli.run_pipeline",
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env, **popen)
 
@@ -56,8 +70,17 @@ def _reference(tiny_testbed, head_dir, n, mode, temperature, top_k, seed, max_ne
         engine = Engine.tree(staged, SpdHeadProposer(load_speculator(head_dir), staged, 4), width, tok)
     else:
         engine = Engine.chain(staged, load_speculator(head_dir), tok)
-    return [engine.generate(tok(p)["input_ids"], max_new, mode=mode, temperature=temperature, top_k=top_k,
-                            seed=None if seed is None else seed + i) for i, p in enumerate(PROMPTS)]
+    return [
+        engine.generate(
+            tok(p)["input_ids"],
+            max_new,
+            mode=mode,
+            temperature=temperature,
+            top_k=top_k,
+            seed=None if seed is None else seed + i,
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
 
 
 # Every n, greedy and seeded sampling (a world of n + 1 processes costs CI time on 2 cores; sampling at n = 4 runs
@@ -67,9 +90,30 @@ def test_distributed_runtime_equals_single_process_engine(tiny_testbed, heads, t
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "out.json"
-    args = ["--target", str(tiny_testbed / "target"), "--speculator", str(heads[n]), "--mode", "spd", "pp", "tree",
-            "--tree-width", "2", "--prompts", str(prompts), "--max-new-tokens", "24", "--temperature",
-            str(temperature), "--top-k", "20", "--seed", "5", "--out", str(out)]
+    args = [
+        "--target",
+        str(tiny_testbed / "target"),
+        "--speculator",
+        str(heads[n]),
+        "--mode",
+        "spd",
+        "pp",
+        "tree",
+        "--tree-width",
+        "2",
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "24",
+        "--temperature",
+        str(temperature),
+        "--top-k",
+        "20",
+        "--seed",
+        "5",
+        "--out",
+        str(out),
+    ]
     proc = _torchrun(n, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -104,10 +148,38 @@ def test_distributed_runtime_batches_requests_as_the_in_process_batch_does(tiny_
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in BATCH_PROMPTS))
     out = tmp_path / "out.json"
-    proc = _torchrun(n, "--target", str(tiny_testbed / "target"), "--speculator", str(heads[n]), "--mode", "spd",
-                     "pp", "tree", "--tree-width", "2", "--prompts", str(prompts), "--max-new-tokens", "20",
-                     "--temperature", "1", "--top-k", "20", "--seed", "7", "--max-batch", "4", "--prefill-chunk", "24", "--spread-prefill", "--tree-nodes", "4",
-                     "--out", str(out))
+    proc = _torchrun(
+        n,
+        "--target",
+        str(tiny_testbed / "target"),
+        "--speculator",
+        str(heads[n]),
+        "--mode",
+        "spd",
+        "pp",
+        "tree",
+        "--tree-width",
+        "2",
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "20",
+        "--temperature",
+        "1",
+        "--top-k",
+        "20",
+        "--seed",
+        "7",
+        "--max-batch",
+        "4",
+        "--prefill-chunk",
+        "24",
+        "--spread-prefill",
+        "--tree-nodes",
+        "4",
+        "--out",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[spd] 16 prompts in" in proc.stderr and "largest batch 4" in proc.stderr
     report = json.loads(out.read_text())
@@ -120,11 +192,15 @@ def test_distributed_runtime_batches_requests_as_the_in_process_batch_does(tiny_
     eos = default_eos(staged.model, tok)
     flushes = 0
     for mode in ("spd", "pp", "tree"):
-        engine = (Engine.tree(staged, SpdHeadProposer(head, staged, 4), 2, tok) if mode == "tree"
-                  else Engine.chain(staged, head, tok))
+        engine = (
+            Engine.tree(staged, SpdHeadProposer(head, staged, 4), 2, tok)
+            if mode == "tree"
+            else Engine.chain(staged, head, tok)
+        )
         # (--tree-nodes 4 is the tree's: its W = 2 trees narrow to 1 node a level while 3 or 4 requests run)
-        want = BatchedPipeline(engine, 4, prefill_chunk=24, spread_prefill=True,
-                               tree_nodes=4 if mode == "tree" else None).generate(ids, 20, sampling, eos, mode=mode)
+        want = BatchedPipeline(
+            engine, 4, prefill_chunk=24, spread_prefill=True, tree_nodes=4 if mode == "tree" else None
+        ).generate(ids, 20, sampling, eos, mode=mode)
         got = report["results"][mode]
         assert [r["token_ids"] for r in got] == [o.token_ids for o in want], mode
         assert [r["stats"]["token_acceptance"] for r in got] == [o.stats.token_acceptance for o in want], mode
@@ -148,17 +224,42 @@ def test_distributed_runtime_batches_the_heads_asked_through_their_engine_calls(
     staged = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=n)
     torch.manual_seed(3)
     new_head(staged, DistillConfig(n_stages=n, variant="ppsd", target=str(tiny_testbed / "target"))).save_pretrained(
-        tmp_path / "ppsd")
+        tmp_path / "ppsd"
+    )
     authors_target = FIXTURES / "targets" / "qwen3"  # vocabulary 512, as the miniature testbed's tokenizer
     texts = [p[:k] for p in BATCH_PROMPTS[::4] for k in (7, 19, 40)]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in texts))
-    common = ("--prompts", str(prompts), "--max-new-tokens", "16", "--temperature", "1", "--top-k", "20", "--seed",
-              "7", "--max-batch", "3", "--tokenizer", str(tiny_testbed / "target"))
-    runs = {"ppsd": ("--target", str(tiny_testbed / "target"), "--speculator", str(tmp_path / "ppsd"),
-                     "--mode", "spd"),
-            "authors": ("--target", str(authors_target), "--speculator", str(_head_file("v10_qwen3_n4_l1")),
-                        "--mode", "spd", "tree", "--tree-width", "2")}
+    common = (
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "16",
+        "--temperature",
+        "1",
+        "--top-k",
+        "20",
+        "--seed",
+        "7",
+        "--max-batch",
+        "3",
+        "--tokenizer",
+        str(tiny_testbed / "target"),
+    )
+    runs = {
+        "ppsd": ("--target", str(tiny_testbed / "target"), "--speculator", str(tmp_path / "ppsd"), "--mode", "spd"),
+        "authors": (
+            "--target",
+            str(authors_target),
+            "--speculator",
+            str(_head_file("v10_qwen3_n4_l1")),
+            "--mode",
+            "spd",
+            "tree",
+            "--tree-width",
+            "2",
+        ),
+    }
 
     def run(name):
         return _torchrun(n, *runs[name], *common, "--out", str(tmp_path / f"{name}.json"))
@@ -172,10 +273,16 @@ def test_distributed_runtime_batches_the_heads_asked_through_their_engine_calls(
     sampling = [SamplingParams(1.0, 20, 1.0, 7 + i) for i in range(len(ids))]
     authors_staged = StagedModel.from_pretrained(authors_target, n_stages=n)
     authors_head = load_authors_head(str(_head_file("v10_qwen3_n4_l1")), authors_staged)
-    cases = [("ppsd", "spd", Engine.chain(staged, load_speculator(tmp_path / "ppsd"), tok), staged),
-             ("authors", "spd", Engine.chain(authors_staged, authors_head, tok), authors_staged),
-             ("authors", "tree", Engine.tree(authors_staged, HeadProposer(authors_head, authors_staged, 4), 2, tok),
-              authors_staged)]
+    cases = [
+        ("ppsd", "spd", Engine.chain(staged, load_speculator(tmp_path / "ppsd"), tok), staged),
+        ("authors", "spd", Engine.chain(authors_staged, authors_head, tok), authors_staged),
+        (
+            "authors",
+            "tree",
+            Engine.tree(authors_staged, HeadProposer(authors_head, authors_staged, 4), 2, tok),
+            authors_staged,
+        ),
+    ]
     for name, mode, engine, target in cases:
         got = json.loads((tmp_path / f"{name}.json").read_text())["results"][mode]
         want = BatchedPipeline(engine, 3).generate(ids, 16, sampling, default_eos(target.model, tok), mode=mode)
@@ -206,13 +313,29 @@ def test_a_batch_manifest_round_trips_and_a_corrupt_one_is_refused(tiny_testbed)
     assert (phase, keep_from) == (9, 7)
     assert [op[:3] for op in got_ops] == [(OPEN, 32, 32), (PRUNE, 0, 6)] and got_ops[1][3].tolist() == [1, 3]
     first, second = segments
-    assert (first.base, first.key_in, first.size, first.rows, first.anchors, first.key_out) == (0, 5, 2, [0, 2], [3], 11)
+    assert (first.base, first.key_in, first.size, first.rows, first.anchors, first.key_out) == (
+        0,
+        5,
+        2,
+        [0, 2],
+        [3],
+        11,
+    )
     assert first.positions_T.tolist() == [7, 7] and torch.equal(first.tree_mask_TN, mask)
-    assert (second.base, second.key_in, second.size, second.rows, second.positions_T, second.tree_mask_TN) == \
-        (32, -1, 4, [], None, None)
-    bad = [words[:-1], torch.cat([words, torch.tensor([0])]),
-           words.clone().index_fill_(0, torch.tensor([5]), 10 ** 6),  # a region past the pool
-           words.clone().index_fill_(0, torch.tensor([3]), 10 ** 9)]  # a billion segments announced
+    assert (second.base, second.key_in, second.size, second.rows, second.positions_T, second.tree_mask_TN) == (
+        32,
+        -1,
+        4,
+        [],
+        None,
+        None,
+    )
+    bad = [
+        words[:-1],
+        torch.cat([words, torch.tensor([0])]),
+        words.clone().index_fill_(0, torch.tensor([5]), 10**6),  # a region past the pool
+        words.clone().index_fill_(0, torch.tensor([3]), 10**9),
+    ]  # a billion segments announced
     for corrupt in bad:
         with pytest.raises(PipelineLost, match="rank 2: a batch manifest"):
             decode_manifest(corrupt, 2, 64, 64, staged.num_layers)
@@ -229,22 +352,37 @@ def test_distributed_output_state_head_equals_single_process_engine(tiny_testbed
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "out.json"
-    proc = _torchrun(2, "--target", str(tiny_testbed / "target"), "--speculator", str(tmp_path / "head"), "--mode",
-                     "spd", "--prompts", str(prompts), "--max-new-tokens", "16", "--out", str(out))
+    proc = _torchrun(
+        2,
+        "--target",
+        str(tiny_testbed / "target"),
+        "--speculator",
+        str(tmp_path / "head"),
+        "--mode",
+        "spd",
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "16",
+        "--out",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     want = _reference(tiny_testbed, tmp_path / "head", 2, "spd", 0.0, 0, None, 16)
     assert [r["token_ids"] for r in report["results"]["spd"]] == [o.token_ids for o in want]
-    assert [r["stats"]["token_acceptance"] for r in report["results"]["spd"]] == \
-        [o.stats.token_acceptance for o in want]
+    assert [r["stats"]["token_acceptance"] for r in report["results"]["spd"]] == [
+        o.stats.token_acceptance for o in want
+    ]
 
 
 def test_one_new_token_per_prompt_is_summarised_without_a_decode_rate(tiny_testbed, tmp_path):
     """Prefill only (the first token comes from the prefill's logits): no decode step, no rate to print."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
-    proc = _torchrun(2, "--target", str(tiny_testbed / "target"), "--mode", "pp", "--prompts", str(prompts),
-                     "--max-new-tokens", "1")
+    proc = _torchrun(
+        2, "--target", str(tiny_testbed / "target"), "--mode", "pp", "--prompts", str(prompts), "--max-new-tokens", "1"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "pp: 2 prompts, 2 tokens" in proc.stdout and "(decode -), L'_acc -" in proc.stdout
 
@@ -257,16 +395,39 @@ def test_distributed_draft_tree_equals_single_process_engine(tiny_testbed, tmp_p
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "out.json"
     draft = tiny_testbed / "draft"
-    proc = _torchrun(4, "--target", str(tiny_testbed / "target"), "--mode", "tree", "--draft-model", str(draft),
-                     "--tree-width", "auto", "--prompts", str(prompts), "--max-new-tokens", "24", "--temperature",
-                     str(temperature), "--top-k", "20", "--seed", "5", "--emulate-link-ms", "1", "--out", str(out))
+    proc = _torchrun(
+        4,
+        "--target",
+        str(tiny_testbed / "target"),
+        "--mode",
+        "tree",
+        "--draft-model",
+        str(draft),
+        "--tree-width",
+        "auto",
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "24",
+        "--temperature",
+        str(temperature),
+        "--top-k",
+        "20",
+        "--seed",
+        "5",
+        "--emulate-link-ms",
+        "1",
+        "--out",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     got = [r["token_ids"] for r in report["results"]["tree"]]
     want = _reference(tiny_testbed, None, 4, "tree", temperature, 20, 5, 24, width="auto", draft=draft)
     assert got == [out.token_ids for out in want]
-    assert [r["stats"]["token_acceptance"] for r in report["results"]["tree"]] == \
-        [out.stats.token_acceptance for out in want]
+    assert [r["stats"]["token_acceptance"] for r in report["results"]["tree"]] == [
+        out.stats.token_acceptance for out in want
+    ]
     assert sum(r["stats"]["accepted"] for r in report["results"]["tree"]) > 0
     assert [r["stats"]["mean_width"] for r in report["results"]["tree"]] == [round(o.stats.mean_width, 4) for o in want]
 
@@ -276,11 +437,27 @@ def test_bench_runtime_compares_the_tree_with_pp_in_one_world(tiny_testbed, tmp_
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "bench.json"
-    bench = [sys.executable, str(REPO / "bench" / "bench_runtime.py"), "--target", str(tiny_testbed / "target"),
-             "--prompts", str(prompts), "--draft-model", str(tiny_testbed / "draft"), "--stages", "2"]
+    bench = [
+        sys.executable,
+        str(REPO / "bench" / "bench_runtime.py"),
+        "--target",
+        str(tiny_testbed / "target"),
+        "--prompts",
+        str(prompts),
+        "--draft-model",
+        str(tiny_testbed / "draft"),
+        "--stages",
+        "2",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(bench + ["--tree-width", "2", "--num-prompts", "2", "--max-new-tokens", "8", "--no-ar",
-                                   "--out", str(out)], capture_output=True, text=True, timeout=400, cwd=REPO, env=env)
+    proc = subprocess.run(
+        bench + ["--tree-width", "2", "--num-prompts", "2", "--max-new-tokens", "8", "--no-ar", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=REPO,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     row = report["rows"][0]
@@ -295,19 +472,39 @@ def test_bench_runtime_compares_the_tree_with_pp_in_one_world(tiny_testbed, tmp_
         assert parts["stages"]["compute"] > 0 and parts["rank0"]["verify"] > 0 and parts["rank0"]["wait"] > 0
         assert all(v >= 0 for k, v in {**parts["rank0"], **parts["stages"]}.items() if k != "other"), parts
         assert parts["messages_per_step"]["rank0_received"] > 0
-    assert row["breakdown_ms_per_step"]["tree"]["rank0"]["source"] > 0 == row["breakdown_ms_per_step"]["pp"]["rank0"]["source"]
+    assert (
+        row["breakdown_ms_per_step"]["tree"]["rank0"]["source"]
+        > 0
+        == row["breakdown_ms_per_step"]["pp"]["rank0"]["source"]
+    )
     assert "| 2 | tree |" in proc.stdout and "| 2 | pp |" in proc.stdout
     # A token source without the tree mode is refused with one line.
-    proc = subprocess.run(bench + ["--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=60,
-                          cwd=REPO, env=env)
+    proc = subprocess.run(
+        bench + ["--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=60, cwd=REPO, env=env
+    )
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "error: --draft-model and --stages select the tree mode's token source; add --tree-width W"]
+        "error: --draft-model and --stages select the tree mode's token source; add --tree-width W"
+    ]
 
 
 def test_link_messages_arrive_intact_inline_and_spilled():
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           str(_port()), str(REPO / "tests" / "link_roundtrip.py")], capture_output=True, text=True,
-                          timeout=120, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(_port()),
+            str(REPO / "tests" / "link_roundtrip.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 1: ok" in proc.stdout and "rank 0: ok" in proc.stdout
 
@@ -367,8 +564,9 @@ def test_stage_ranks_load_only_their_layers(tiny_testbed):
     for role in range(1, 5):
         assert materialized_bytes(parts[role]) == 2 * layer_bytes  # 8 layers / 4 stages
     driver = parts[0]
-    assert materialized_bytes(driver) == sum(materialized_bytes(m) for m in (full.embed_tokens, full.norm,
-                                                                           full.lm_head))
+    assert materialized_bytes(driver) == sum(
+        materialized_bytes(m) for m in (full.embed_tokens, full.norm, full.lm_head)
+    )
     # Each stage's partial model computes what the full model's stage computes.
     ids = torch.tensor([[5, 9, 11, 3, 7]])
     hidden = full.embed(ids)
@@ -395,19 +593,25 @@ def test_a_stage_machine_needs_only_the_shards_of_its_layers(tiny_testbed, tmp_p
     weight_map = json.loads((full_dir / "model.safetensors.index.json").read_text())["weight_map"]
     assert len(set(weight_map.values())) > 3
     full = StagedModel.from_pretrained(full_dir, n_stages=4)
-    needed = {f for name, f in weight_map.items()
-              if any(name.startswith(f"model.layers.{i}.") for i in full.stage_layers(2))}
-    shutil.copytree(full_dir, part_dir, ignore=lambda _, names: [n for n in names if n.endswith(".safetensors")
-                                                                 and n not in needed])
+    needed = {
+        f for name, f in weight_map.items() if any(name.startswith(f"model.layers.{i}.") for i in full.stage_layers(2))
+    }
+    shutil.copytree(
+        full_dir, part_dir, ignore=lambda _, names: [n for n in names if n.endswith(".safetensors") and n not in needed]
+    )
     assert len(list(part_dir.glob("*.safetensors"))) < len(set(weight_map.values()))
     stage = load_partial(str(part_dir), 4, 3)
     hidden = full.embed(torch.tensor([[5, 9, 11, 3, 7]]))
-    torch.testing.assert_close(stage.run_stage(2, hidden, full.new_caches()[2]).hidden_BTD,
-                               full.run_stage(2, hidden, full.new_caches()[2]).hidden_BTD)
+    torch.testing.assert_close(
+        stage.run_stage(2, hidden, full.new_caches()[2]).hidden_BTD,
+        full.run_stage(2, hidden, full.new_caches()[2]).hidden_BTD,
+    )
     with pytest.raises(SpdInputError, match="lacks the shard '.*' that holds 'model.embed_tokens.weight'"):
         load_partial(str(part_dir), 4, 0)
     config = AutoConfig.from_pretrained(full_dir)
-    assert target_fingerprint(config, Checkpoint(str(part_dir))) == target_fingerprint(config, Checkpoint(str(full_dir)))
+    assert target_fingerprint(config, Checkpoint(str(part_dir))) == target_fingerprint(
+        config, Checkpoint(str(full_dir))
+    )
 
 
 def _pids_with(marker: str) -> list[int]:
@@ -440,10 +644,32 @@ def test_killed_stage_makes_every_rank_exit_cleanly(tiny_testbed, heads, tmp_pat
     log = tmp_path / "stderr.txt"
     # torchrun's agent SIGTERMs the survivors once it sees a dead child; polling every 10 s (instead of every
     # 0.1 s) leaves them the time to notice the loss themselves, which is what this test checks.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "5", "--master-port", str(_port()),
-           "--monitor-interval", "10",
-           "-m", "spd.cli.run_pipeline", "--target", str(tiny_testbed / "target"), "--speculator", str(heads[4]),
-           "--mode", "spd", marker, "--max-new-tokens", "64", "--emulate-stage-ms", "20", "--timeout-s", "20"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "5",
+        "--master-port",
+        str(_port()),
+        "--monitor-interval",
+        "10",
+        "-m",
+        "spd.cli.run_pipeline",
+        "--target",
+        str(tiny_testbed / "target"),
+        "--speculator",
+        str(heads[4]),
+        "--mode",
+        "spd",
+        marker,
+        "--max-new-tokens",
+        "64",
+        "--emulate-stage-ms",
+        "20",
+        "--timeout-s",
+        "20",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     with log.open("w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO, env=env)
@@ -472,13 +698,27 @@ def test_killed_stage_makes_every_rank_exit_cleanly(tiny_testbed, heads, tmp_pat
 def test_spd_generate_runtime_distributed_matches_local(tiny_testbed, heads):
     from test_cli import spd_generate
 
-    common = ["--target", str(tiny_testbed / "target"), "--mode", "spd", "--speculator", str(heads[2]),
-              "--prompt", "import os\n", "--max-new-tokens", "16", "--json"]
+    common = [
+        "--target",
+        str(tiny_testbed / "target"),
+        "--mode",
+        "spd",
+        "--speculator",
+        str(heads[2]),
+        "--prompt",
+        "import os\n",
+        "--max-new-tokens",
+        "16",
+        "--json",
+    ]
     # Greedy: the local process may use 2 threads and the ranks 1, and sampled draws could then differ in
     # the last bits; seeded sampling equality is tested above with the thread count pinned.
-    runs = [common, [*common, "--runtime", "distributed", "--emulate-stage-ms", "1"],
-            [*common[:-1], "--runtime", "distributed", "--stages", "4"],
-            ["--target", str(tiny_testbed / "target"), "--prompt", "x", "--runtime", "distributed"]]
+    runs = [
+        common,
+        [*common, "--runtime", "distributed", "--emulate-stage-ms", "1"],
+        [*common[:-1], "--runtime", "distributed", "--stages", "4"],
+        ["--target", str(tiny_testbed / "target"), "--prompt", "x", "--runtime", "distributed"],
+    ]
     local, remote, bad, ar = two_at_a_time(lambda args: spd_generate(*args), runs)
     assert local.returncode == 0 and remote.returncode == 0, remote.stderr
     a, b = json.loads(local.stdout), json.loads(remote.stdout)

@@ -109,7 +109,8 @@ def test_greedy_sd_on_the_testbed(tiny_testbed):
     s = out.stats.as_dict()
     assert s["mode"] == "sd" and s["draft_steps"] == 3 and s["iterations"] > 0
     assert s["theoretical_speedup"] == pytest.approx(
-        s["mean_acceptance_length"] * s["target_layers"] / (s["draft_layers"] * 3 + s["target_layers"]), abs=1e-3)
+        s["mean_acceptance_length"] * s["target_layers"] / (s["draft_layers"] * 3 + s["target_layers"]), abs=1e-3
+    )
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 4, 5, 9])
@@ -122,7 +123,7 @@ def test_budget_and_eos_inside_an_iteration(target_model, max_new):
     free = generate_ar(target, prompt, 12).token_ids
     eos = free[6]
     out = sd.run(prompt, 12, SamplingParams(), eos_token_id=eos)
-    assert out.token_ids == free[:free.index(eos) + 1] and out.stats.stop_reason == "eos"
+    assert out.token_ids == free[: free.index(eos) + 1] and out.stats.stop_reason == "eos"
 
 
 def test_context_full(target_model):
@@ -145,21 +146,27 @@ class NoResidual(SpeculativeDecoder):
         return None, int(torch.multinomial(p_V, 1, generator=generator))
 
 
-@pytest.mark.parametrize("cls,params,kind", [
-    (SpeculativeDecoder, SamplingParams(temperature=1.0), "draft"),
-    (SpeculativeDecoder, SamplingParams(temperature=0.7, top_k=4, top_p=0.9), "draft"),
-    (NoResidual, SamplingParams(temperature=1.0), "draft"),
-    (SpeculativeDecoder, SamplingParams(temperature=1.0), "head"),
-    (SpeculativeDecoder, SamplingParams(temperature=0.7, top_k=4, top_p=0.9), "head"),
-    (NoResidual, SamplingParams(temperature=1.0), "head"),
-])
+@pytest.mark.parametrize(
+    "cls,params,kind",
+    [
+        (SpeculativeDecoder, SamplingParams(temperature=1.0), "draft"),
+        (SpeculativeDecoder, SamplingParams(temperature=0.7, top_k=4, top_p=0.9), "draft"),
+        (NoResidual, SamplingParams(temperature=1.0), "draft"),
+        (SpeculativeDecoder, SamplingParams(temperature=1.0), "head"),
+        (SpeculativeDecoder, SamplingParams(temperature=0.7, top_k=4, top_p=0.9), "head"),
+        (NoResidual, SamplingParams(temperature=1.0), "head"),
+    ],
+)
 def test_sampled_sd_follows_the_target_distribution(cls, params, kind):
     """3-token continuations from 800 seeds vs the exact warped target distribution (p > 1e-3; the control fails),
     with a draft model and with an eagle head drafting."""
     length, samples = 3, 800
     model, target = _small_vocab_target()
-    drafter = StagedModel(_noisy_copy(model, 1.0), 1) if kind == "draft" else SerialHeadProposer(
-        _eagle_head(target, 2, spread=0.2), target)
+    drafter = (
+        StagedModel(_noisy_copy(model, 1.0), 1)
+        if kind == "draft"
+        else SerialHeadProposer(_eagle_head(target, 2, spread=0.2), target)
+    )
     sd = cls(target, drafter, 2)
     prompt = [1, 4, 2]
     counts, stats = _sample_outcomes(sd, prompt, params, length, samples)
@@ -215,15 +222,33 @@ def _refused_in_one_line(tiny_testbed, cases) -> None:
 def test_cli_and_bench(tiny_testbed, tmp_path):
     assert _cli_sd_equals_ar(tiny_testbed, "--draft-model", str(tiny_testbed / "draft"))["source"] == "draft"
     draft = ["--mode", "sd", "--draft-model", str(tiny_testbed / "draft")]
-    _refused_in_one_line(tiny_testbed, [(["--mode", "sd"], "--mode sd takes one drafter"),
-                                        (draft + ["--stages", "2"], "--stages must be 1"),
-                                        (draft + ["--draft-steps", "0"], "--draft-steps: expected a positive integer")])
+    _refused_in_one_line(
+        tiny_testbed,
+        [
+            (["--mode", "sd"], "--mode sd takes one drafter"),
+            (draft + ["--stages", "2"], "--stages must be 1"),
+            (draft + ["--draft-steps", "0"], "--draft-steps: expected a positive integer"),
+        ],
+    )
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "import os\n"}) + "\n" + json.dumps({"prompt": "def f(x):\n"}) + "\n")
     out = tmp_path / "bench.json"
-    run_script("bench/bench.py", "--target", str(tiny_testbed / "target"), "--prompts", str(prompts), "--run",
-               f"sd3=sd:{tiny_testbed / 'draft'}:3", "--temperatures", "0", "1", "--max-new-tokens", "12",
-               "--out", str(out))
+    run_script(
+        "bench/bench.py",
+        "--target",
+        str(tiny_testbed / "target"),
+        "--prompts",
+        str(prompts),
+        "--run",
+        f"sd3=sd:{tiny_testbed / 'draft'}:3",
+        "--temperatures",
+        "0",
+        "1",
+        "--max-new-tokens",
+        "12",
+        "--out",
+        str(out),
+    )
     results = json.loads(out.read_text())["results"]
     greedy = results["T=0"]["sd3"]["summary"]
     assert greedy["identical_to_ar"] == 2 and greedy["L_acc"] >= 1.0 and len(greedy["acceptance_by_position"]) == 3
@@ -243,23 +268,41 @@ def test_eagle_variant_trains_loads_and_drafts(tiny_testbed, tmp_path):
     ev = json.loads((out / "summary.json").read_text())["eval"]
     agree = [ev["top1_by_fill"][str(a)] for a in (1, 2, 3)]
     assert ev["top1_full"] == agree[0]
-    assert ev["L_acc_est"] == pytest.approx(1 + agree[0] + agree[0] * agree[1] + agree[0] * agree[1] * agree[2],
-                                            abs=1e-3)
+    assert ev["L_acc_est"] == pytest.approx(
+        1 + agree[0] + agree[0] * agree[1] + agree[0] * agree[1] * agree[2], abs=1e-3
+    )
     stats = _cli_sd_equals_ar(tiny_testbed, "--speculator", str(out / "final"))
     assert stats["source"] == "head" and stats["draft_layers"] == 1
     spd_head = tmp_path / "spd"  # a pipeline head (untrained: only its refusal is tested)
-    new_head(StagedModel.from_pretrained(tiny_testbed / "target", n_stages=2), DistillConfig(
-        n_stages=2, target=str(tiny_testbed / "target"))).save_pretrained(spd_head / "final")
+    new_head(
+        StagedModel.from_pretrained(tiny_testbed / "target", n_stages=2),
+        DistillConfig(n_stages=2, target=str(tiny_testbed / "target")),
+    ).save_pretrained(spd_head / "final")
     eagle = ["--speculator", str(out / "final")]
-    _refused_in_one_line(tiny_testbed, [
-        (["--mode", "spd", *eagle], "variant=eagle, a serial drafter"),
-        (["--mode", "tree", *eagle], "variant=eagle, a serial drafter"),
-        (["--mode", "sd", "--speculator", str(spd_head / "final")], "takes a head trained with variant=eagle"),
-        (["--mode", "sd", *eagle, "--draft-model", str(tiny_testbed / "draft")], "--mode sd takes one drafter")])
+    _refused_in_one_line(
+        tiny_testbed,
+        [
+            (["--mode", "spd", *eagle], "variant=eagle, a serial drafter"),
+            (["--mode", "tree", *eagle], "variant=eagle, a serial drafter"),
+            (["--mode", "sd", "--speculator", str(spd_head / "final")], "takes a head trained with variant=eagle"),
+            (["--mode", "sd", *eagle, "--draft-model", str(tiny_testbed / "draft")], "--mode sd takes one drafter"),
+        ],
+    )
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "import os\n"}) + "\n")
     bench = tmp_path / "bench.json"
-    run_script("bench/bench.py", "--target", str(tiny_testbed / "target"), "--prompts", str(prompts), "--run",
-               f"eagle=sd:{out / 'final'}:3", "--max-new-tokens", "12", "--out", str(bench))
+    run_script(
+        "bench/bench.py",
+        "--target",
+        str(tiny_testbed / "target"),
+        "--prompts",
+        str(prompts),
+        "--run",
+        f"eagle=sd:{out / 'final'}:3",
+        "--max-new-tokens",
+        "12",
+        "--out",
+        str(bench),
+    )
     report = json.loads(bench.read_text())
     assert report["results"]["T=0"]["eagle"]["summary"]["identical_to_ar"] == 1

@@ -44,10 +44,27 @@ def test_no_benchmark_prompt_passes_the_filter_and_the_stdlib_instructions_do():
 
 def test_mt_bench_and_gsm8k_files_join_the_filter(tmp_path):
     mt, gsm = tmp_path / "question.jsonl", tmp_path / "test.jsonl"
-    mt.write_text(json.dumps({"question_id": 81, "turns": ["Compose an engaging travel blog post about a recent trip "
-                                                           "to Hawaii, highlighting cultural experiences."]}) + "\n")
-    gsm.write_text(json.dumps({"question": "Janet's ducks lay 16 eggs per day and she eats three for breakfast every "
-                                           "morning.", "answer": "18"}) + "\n")
+    mt.write_text(
+        json.dumps(
+            {
+                "question_id": 81,
+                "turns": [
+                    "Compose an engaging travel blog post about a recent trip "
+                    "to Hawaii, highlighting cultural experiences."
+                ],
+            }
+        )
+        + "\n"
+    )
+    gsm.write_text(
+        json.dumps(
+            {
+                "question": "Janet's ducks lay 16 eggs per day and she eats three for breakfast every morning.",
+                "answer": "18",
+            }
+        )
+        + "\n"
+    )
     bench = BenchmarkFilter(benchmark_texts(str(mt), str(gsm)))
     assert bench.overlaps("compose an engaging travel blog post about a recent trip to Hawaii please")
     assert bench.overlaps("Janet's ducks lay 16 eggs per day and she eats three for breakfast")
@@ -63,8 +80,9 @@ def test_sampling_resumes_without_losing_or_repeating_a_row(chat_model, tmp_path
     write_instructions(model, tokenizer, "code", 4, resumed, bench, batch_size=4, max_new_tokens=12, progress=False)
     with open(resumed, "a") as f:
         f.write('{"id": "code-0-4", "pro')  # a kill in the middle of a line
-    stats = write_instructions(model, tokenizer, "code", 8, resumed, bench, batch_size=4, max_new_tokens=12,
-                               progress=False)
+    stats = write_instructions(
+        model, tokenizer, "code", 8, resumed, bench, batch_size=4, max_new_tokens=12, progress=False
+    )
     assert stats["skipped_done"] == 4 and stats["sampled"] == 4
     rows = [json.loads(line) for line in resumed.read_text().splitlines()]
     assert rows == [json.loads(line) for line in straight.read_text().splitlines()]
@@ -80,13 +98,28 @@ def test_regenerate_skips_rejected_samples_and_bad_topics_are_one_error(tmp_path
     from data.self_instruct import main
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps(r) for r in [
-        {"id": "a", "prompt": "Sort a list.", "keep": True, "why": None},
-        {"id": "b", "prompt": "Sort a list.", "keep": False, "why": "duplicate"}]) + "\n")
+    prompts.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"id": "a", "prompt": "Sort a list.", "keep": True, "why": None},
+                {"id": "b", "prompt": "Sort a list.", "keep": False, "why": "duplicate"},
+            ]
+        )
+        + "\n"
+    )
     assert [r["id"] for r in read_prompts(str(prompts))] == ["a"]
     with pytest.raises(SpdInputError, match="unknown topic"):
         write_instructions(None, None, "poetry", 1, tmp_path / "x.jsonl", BenchmarkFilter([]))
-    proc = run_script("data/self_instruct.py", "--target", str(tmp_path), "--topics", "code:0", "--out",
-                      str(tmp_path / "x.jsonl"), check=False)
+    proc = run_script(
+        "data/self_instruct.py",
+        "--target",
+        str(tmp_path),
+        "--topics",
+        "code:0",
+        "--out",
+        str(tmp_path / "x.jsonl"),
+        check=False,
+    )
     assert proc.returncode == 2 and proc.stderr.strip().startswith("error: --topics code:0")
     assert main(["--target", str(tmp_path), "--topics", "poetry:3", "--out", str(tmp_path / "x.jsonl")]) == 2

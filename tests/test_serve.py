@@ -33,8 +33,9 @@ class Server(ServerProcess):
 
     def post(self, path: str, body, **kwargs) -> httpx.Response:
         data = body if isinstance(body, (str, bytes)) else json.dumps(body)
-        return httpx.post(f"{self.url}{path}", content=data, headers={"content-type": "application/json"},
-                          timeout=120, **kwargs)
+        return httpx.post(
+            f"{self.url}{path}", content=data, headers={"content-type": "application/json"}, timeout=120, **kwargs
+        )
 
     def metrics(self) -> dict[str, float]:
         """Samples of /metrics by name and labels, e.g. 'spd_requests_total{endpoint="chat",outcome="ok"}'."""
@@ -66,8 +67,9 @@ def cli_json(tiny_testbed, *args: str) -> dict:
 
 
 def test_completion_equals_spd_generate(spd_server, tiny_testbed, tiny_heads):
-    expected = cli_json(tiny_testbed, "--mode", "spd", "--speculator", str(tiny_heads[4]), "--prompt", PROMPT,
-                        "--max-new-tokens", "24")
+    expected = cli_json(
+        tiny_testbed, "--mode", "spd", "--speculator", str(tiny_heads[4]), "--prompt", PROMPT, "--max-new-tokens", "24"
+    )
     out = spd_server.client().completions.create(model=spd_server.model, prompt=PROMPT, max_tokens=24, temperature=0)
     assert out.choices[0].text == expected["text"]
     assert out.choices[0].finish_reason == "length"
@@ -80,10 +82,30 @@ def test_completion_equals_spd_generate(spd_server, tiny_testbed, tiny_heads):
 
 def test_token_id_prompt_and_seeded_sampling_equal_spd_generate(spd_server, tiny_testbed, tiny_heads):
     sampled = ["--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3"]
-    expected = cli_json(tiny_testbed, "--mode", "spd", "--speculator", str(tiny_heads[4]), "--prompt-ids", "5,17,40",
-                        "--max-new-tokens", "16", *sampled)
-    out = spd_server.post("/v1/completions", {"model": spd_server.model, "prompt": [5, 17, 40], "max_tokens": 16,
-                                              "temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 3}).json()
+    expected = cli_json(
+        tiny_testbed,
+        "--mode",
+        "spd",
+        "--speculator",
+        str(tiny_heads[4]),
+        "--prompt-ids",
+        "5,17,40",
+        "--max-new-tokens",
+        "16",
+        *sampled,
+    )
+    out = spd_server.post(
+        "/v1/completions",
+        {
+            "model": spd_server.model,
+            "prompt": [5, 17, 40],
+            "max_tokens": 16,
+            "temperature": 0.8,
+            "top_k": 20,
+            "top_p": 0.9,
+            "seed": 3,
+        },
+    ).json()
     assert out["choices"][0]["text"] == expected["text"]
     assert out["spd"]["token_acceptance"] == expected["stats"]["token_acceptance"]
 
@@ -101,16 +123,26 @@ def test_ignore_eos_runs_past_the_eos_token(spd_server):
     assert ended["choices"][0]["finish_reason"] == "stop" and ended["usage"]["completion_tokens"] < 200
     full = spd_server.post("/v1/completions", {**body, "seed": seed, "ignore_eos": True}).json()
     assert full["choices"][0]["finish_reason"] == "length" and full["usage"]["completion_tokens"] == 200
-    assert full["spd"]["token_acceptance"][:ended["usage"]["completion_tokens"]] == ended["spd"]["token_acceptance"]
+    assert full["spd"]["token_acceptance"][: ended["usage"]["completion_tokens"]] == ended["spd"]["token_acceptance"]
     assert full["choices"][0]["text"].startswith(ended["choices"][0]["text"])
 
 
 def test_chat_equals_spd_generate_chat(spd_server, tiny_testbed, tiny_heads):
-    expected = cli_json(tiny_testbed, "--mode", "spd", "--speculator", str(tiny_heads[4]), "--chat", "--prompt",
-                        "Write a parser.", "--max-new-tokens", "20")
+    expected = cli_json(
+        tiny_testbed,
+        "--mode",
+        "spd",
+        "--speculator",
+        str(tiny_heads[4]),
+        "--chat",
+        "--prompt",
+        "Write a parser.",
+        "--max-new-tokens",
+        "20",
+    )
     out = spd_server.client().chat.completions.create(
-        model=spd_server.model, messages=[{"role": "user", "content": "Write a parser."}], max_tokens=20,
-        temperature=0)
+        model=spd_server.model, messages=[{"role": "user", "content": "Write a parser."}], max_tokens=20, temperature=0
+    )
     assert out.choices[0].message.content == expected["text"] and out.choices[0].message.role == "assistant"
     assert out.usage.prompt_tokens == expected["stats"]["prompt_tokens"]
 
@@ -118,20 +150,35 @@ def test_chat_equals_spd_generate_chat(spd_server, tiny_testbed, tiny_heads):
 def test_streaming_equals_non_streaming(spd_server):
     client = spd_server.client()
     whole = client.completions.create(model=spd_server.model, prompt=PROMPT, max_tokens=30, temperature=0)
-    chunks = list(client.completions.create(model=spd_server.model, prompt=PROMPT, max_tokens=30, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=spd_server.model,
+            prompt=PROMPT,
+            max_tokens=30,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 30
     # Every token went out exactly once, in order (the spd extension of each chunk names its tokens).
-    streamed = [t for c in chunks if c.choices and "token_ids" in c.model_extra.get("spd", {})
-                for t in c.model_extra["spd"]["token_ids"]]
+    streamed = [
+        t
+        for c in chunks
+        if c.choices and "token_ids" in c.model_extra.get("spd", {})
+        for t in c.model_extra["spd"]["token_ids"]
+    ]
     assert len(streamed) == 30
 
     messages = [{"role": "user", "content": "hello"}]
     whole = client.chat.completions.create(model=spd_server.model, messages=messages, max_tokens=25, temperature=0)
-    chunks = list(client.chat.completions.create(model=spd_server.model, messages=messages, max_tokens=25,
-                                                 temperature=0, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=spd_server.model, messages=messages, max_tokens=25, temperature=0, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
@@ -139,17 +186,24 @@ def test_streaming_equals_non_streaming(spd_server):
 
 def test_stop_strings_cut_the_text_streamed_or_not(spd_server):
     client = spd_server.client()
-    full = client.completions.create(model=spd_server.model, prompt="import os\n", max_tokens=40,
-                                     temperature=0).choices[0].text
-    stop = full[len(full) // 2:len(full) // 2 + 3]
+    full = (
+        client.completions.create(model=spd_server.model, prompt="import os\n", max_tokens=40, temperature=0)
+        .choices[0]
+        .text
+    )
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
     assert len(stop) == 3
-    expected = full[:full.index(stop)]
-    out = client.completions.create(model=spd_server.model, prompt="import os\n", max_tokens=40, temperature=0,
-                                    stop=[stop, "\x00never"])
+    expected = full[: full.index(stop)]
+    out = client.completions.create(
+        model=spd_server.model, prompt="import os\n", max_tokens=40, temperature=0, stop=[stop, "\x00never"]
+    )
     assert out.choices[0].text == expected and out.choices[0].finish_reason == "stop"
     assert out.usage.completion_tokens < 40 and out.model_extra["spd"]["stop_reason"] == "stopped"
-    chunks = list(client.completions.create(model=spd_server.model, prompt="import os\n", max_tokens=40,
-                                            temperature=0, stop=stop, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=spd_server.model, prompt="import os\n", max_tokens=40, temperature=0, stop=stop, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == expected  # nothing past the stop was ever streamed
     assert chunks[-1].choices[0].finish_reason == "stop"
 
@@ -157,11 +211,21 @@ def test_stop_strings_cut_the_text_streamed_or_not(spd_server):
 def test_sixteen_concurrent_clients_all_answered_correctly(spd_server):
     client = spd_server.client(timeout=300)
     prompts = [f"def f{i}(x):\n    return" for i in range(16)]
-    expected = [client.completions.create(model=spd_server.model, prompt=p, max_tokens=12, temperature=0)
-                .choices[0].text for p in prompts]
+    expected = [
+        client.completions.create(model=spd_server.model, prompt=p, max_tokens=12, temperature=0).choices[0].text
+        for p in prompts
+    ]
     with ThreadPoolExecutor(16) as pool:
-        answers = list(pool.map(lambda p: client.completions.create(model=spd_server.model, prompt=p, max_tokens=12,
-                                                                    temperature=0).choices[0].text, prompts))
+        answers = list(
+            pool.map(
+                lambda p: (
+                    client.completions.create(model=spd_server.model, prompt=p, max_tokens=12, temperature=0)
+                    .choices[0]
+                    .text
+                ),
+                prompts,
+            )
+        )
     assert answers == expected
 
 
@@ -171,12 +235,36 @@ def test_batched_server_answers_each_client_as_the_one_at_a_time_server(spd_serv
     a long prompt, one that disconnects, one bad request) each get the answer the one-at-a-time server gives, then a
     streamed one; /metrics shows the batch and the time between tokens (per gap and per request). In this process,
     and over the distributed runtime (the ragged batches carried stage to stage by 4 stage processes)."""
-    server = Server("--target", str(tiny_testbed / "target"), "--mode", "spd", "--speculator", str(tiny_heads[4]),
-                    "--max-batch", "4", "--kv-rows", "400", "--prefill-chunk", "16", "--step-tokens", "24",
-                    "--spread-prefill", "--runtime", runtime)
+    server = Server(
+        "--target",
+        str(tiny_testbed / "target"),
+        "--mode",
+        "spd",
+        "--speculator",
+        str(tiny_heads[4]),
+        "--max-batch",
+        "4",
+        "--kv-rows",
+        "400",
+        "--prefill-chunk",
+        "16",
+        "--step-tokens",
+        "24",
+        "--spread-prefill",
+        "--runtime",
+        runtime,
+    )
     try:
-        bodies = [{"model": server.model, "prompt": f"def f{i}(x):\n    return", "max_tokens": 8 + 3 * i,
-                   "temperature": 0.0 if i % 3 else 0.8, "seed": i} for i in range(14)]
+        bodies = [
+            {
+                "model": server.model,
+                "prompt": f"def f{i}(x):\n    return",
+                "max_tokens": 8 + 3 * i,
+                "temperature": 0.0 if i % 3 else 0.8,
+                "seed": i,
+            }
+            for i in range(14)
+        ]
         bodies[4]["stop"] = ["\n"]
         bodies[7]["prompt"] = "word " * 40
 
@@ -186,23 +274,33 @@ def test_batched_server_answers_each_client_as_the_one_at_a_time_server(spd_serv
         expected = [ask(spd_server.url, spd_server.model, b) for b in bodies]
 
         def disconnect():
-            with httpx.stream("POST", f"{server.url}/v1/completions", timeout=300,
-                              json={"model": server.model, "prompt": "x", "max_tokens": 200, "stream": True}) as r:
+            with httpx.stream(
+                "POST",
+                f"{server.url}/v1/completions",
+                timeout=300,
+                json={"model": server.model, "prompt": "x", "max_tokens": 200, "stream": True},
+            ) as r:
                 for _ in zip(range(3), r.iter_lines()):
                     pass  # three events, then the client goes away
 
         with ThreadPoolExecutor(16) as pool:
             gone = pool.submit(disconnect)
-            bad = pool.submit(ask, server.url, server.model, {"prompt": [1, 10 ** 6], "max_tokens": 4})
+            bad = pool.submit(ask, server.url, server.model, {"prompt": [1, 10**6], "max_tokens": 4})
             answers = list(pool.map(lambda b: ask(server.url, server.model, b), bodies))
             gone.result()
             assert bad.result()["error"]["code"] == 400 and "outside the vocabulary" in bad.result()["error"]["message"]
         for got, want in zip(answers, expected):
             assert got["choices"][0]["text"] == want["choices"][0]["text"]
             assert got["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"]
-        streamed = list(server.client().completions.create(model=server.model, prompt=bodies[1]["prompt"],
-                                                           max_tokens=bodies[1]["max_tokens"], temperature=0,
-                                                           stream=True))
+        streamed = list(
+            server.client().completions.create(
+                model=server.model,
+                prompt=bodies[1]["prompt"],
+                max_tokens=bodies[1]["max_tokens"],
+                temperature=0,
+                stream=True,
+            )
+        )
         assert "".join(c.choices[0].text for c in streamed) == expected[1]["choices"][0]["text"]
         deadline = time.time() + 30
         while time.time() < deadline:  # the disconnected client's request is cancelled at its next token
@@ -225,26 +323,29 @@ def test_batched_server_answers_each_client_as_the_one_at_a_time_server(spd_serv
 # ------------------------------------------------------------------------------------------ bad input
 
 
-@pytest.mark.parametrize("body, status, needle", [
-    ("{not json", 400, "not valid JSON"),
-    ('["a list"]', 400, "JSON object"),
-    ({"prompt": "x"}, 400, "'model' is required"),
-    ({"MODEL": "target", "prompt": "x"}, 400, "'model' is required"),
-    ({"model": "M", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
-    ({"model": "M", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
-    ({"model": "M", "prompt": "x", "temperature": 3}, 400, "temperature"),
-    ({"model": "M", "prompt": "x", "stream": "yes"}, 400, "stream"),
-    ({"model": "M", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-    ({"model": "M", "prompt": "x", "frobnicate": 1}, 400, "unknown field 'frobnicate'"),
-    ({"model": "M", "prompt": "x", "n": 2}, 400, "n = 2"),
-    ({"model": "M", "prompt": "x", "logprobs": 1}, 400, "logprobs"),
-    ({"model": "M", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    ({"model": "M", "prompt": ""}, 400, "empty"),
-    ({"model": "M", "prompt": [1, 2, 10 ** 6]}, 400, "outside the vocabulary"),
-    ({"model": "M", "prompt": "x", "max_tokens": 100000}, 400, "context"),
-    ({"model": "M", "prompt": "word " * 400}, 400, "context"),
-    ({"model": "other-model", "prompt": "x"}, 404, "does not exist"),
-])
+@pytest.mark.parametrize(
+    "body, status, needle",
+    [
+        ("{not json", 400, "not valid JSON"),
+        ('["a list"]', 400, "JSON object"),
+        ({"prompt": "x"}, 400, "'model' is required"),
+        ({"MODEL": "target", "prompt": "x"}, 400, "'model' is required"),
+        ({"model": "M", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+        ({"model": "M", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        ({"model": "M", "prompt": "x", "temperature": 3}, 400, "temperature"),
+        ({"model": "M", "prompt": "x", "stream": "yes"}, 400, "stream"),
+        ({"model": "M", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": "M", "prompt": "x", "frobnicate": 1}, 400, "unknown field 'frobnicate'"),
+        ({"model": "M", "prompt": "x", "n": 2}, 400, "n = 2"),
+        ({"model": "M", "prompt": "x", "logprobs": 1}, 400, "logprobs"),
+        ({"model": "M", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"model": "M", "prompt": ""}, 400, "empty"),
+        ({"model": "M", "prompt": [1, 2, 10**6]}, 400, "outside the vocabulary"),
+        ({"model": "M", "prompt": "x", "max_tokens": 100000}, 400, "context"),
+        ({"model": "M", "prompt": "word " * 400}, 400, "context"),
+        ({"model": "other-model", "prompt": "x"}, 404, "does not exist"),
+    ],
+)
 def test_bad_requests_get_one_clear_openai_error(spd_server, body, status, needle):
     if isinstance(body, dict) and body.get("model") == "M":
         body = {**body, "model": spd_server.model}
@@ -257,13 +358,16 @@ def test_bad_requests_get_one_clear_openai_error(spd_server, body, status, needl
     assert ok.status_code == 200
 
 
-@pytest.mark.parametrize("body, needle", [
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "role"),
-    ({"messages": [{"role": "user", "content": 5}]}, "content"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
-])
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "content"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ],
+)
 def test_bad_chat_requests(spd_server, body, needle):
     response = spd_server.post("/v1/chat/completions", {"model": spd_server.model, **body})
     assert response.status_code == 400 and needle in response.json()["error"]["message"]
@@ -285,8 +389,12 @@ def test_health_models_and_metrics(spd_server):
     models = httpx.get(f"{spd_server.url}/v1/models").json()
     assert models["data"][0]["id"] == spd_server.model == "target"
     before = spd_server.metrics()
-    outs = [spd_server.post("/v1/completions", {"model": spd_server.model, "prompt": p, "max_tokens": 10,
-                                                "temperature": 0}).json() for p in ("a = 1\n", "class A:\n")]
+    outs = [
+        spd_server.post(
+            "/v1/completions", {"model": spd_server.model, "prompt": p, "max_tokens": 10, "temperature": 0}
+        ).json()
+        for p in ("a = 1\n", "class A:\n")
+    ]
     after = spd_server.metrics()
     ok = 'spd_requests_total{endpoint="completions",outcome="ok"}'
     assert after[ok] - before.get(ok, 0) == 2
@@ -305,8 +413,14 @@ def test_health_models_and_metrics(spd_server):
 
 def test_client_disconnect_cancels_the_generation(spd_server):
     before = spd_server.metrics()
-    body = {"model": spd_server.model, "prompt": "x", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": spd_server.model,
+        "prompt": "x",
+        "max_tokens": 240,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{spd_server.url}/v1/completions", json=body, timeout=60) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
@@ -315,8 +429,10 @@ def test_client_disconnect_cancels_the_generation(spd_server):
     url = httpx.URL(spd_server.url)
     sock = socket.create_connection((url.host, url.port))
     payload = json.dumps({**body, "stream": False}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload)
+    )
     time.sleep(0.4)  # whether it is still queued or already running, closing the connection cancels it
     sock.close()
     key = 'spd_requests_total{endpoint="completions",outcome="cancelled"}'
@@ -359,15 +475,21 @@ def test_full_queue_gets_503_with_retry_after(tiny_testbed):
         server.stop()
 
 
-@pytest.mark.parametrize("mode,flags", [("tree", ["--stages", "2", "--tree-width", "3"]), ("sd", ["--draft-steps", "3"])])
+@pytest.mark.parametrize(
+    "mode,flags", [("tree", ["--stages", "2", "--tree-width", "3"]), ("sd", ["--draft-steps", "3"])]
+)
 def test_draft_model_server_equals_spd_generate(tiny_testbed, mode, flags):
     """spd-serve with a draft model: a token tree in the pipeline, or serial speculative decoding."""
-    server = Server("--target", str(tiny_testbed / "target"), "--mode", mode, "--draft-model",
-                    str(tiny_testbed / "draft"), *flags)
+    server = Server(
+        "--target", str(tiny_testbed / "target"), "--mode", mode, "--draft-model", str(tiny_testbed / "draft"), *flags
+    )
     try:
         expected = cli_json(tiny_testbed, "--mode", "ar", "--prompt", PROMPT, "--max-new-tokens", "30")
-        chunks = list(server.client().completions.create(model=server.model, prompt=PROMPT, max_tokens=30,
-                                                         temperature=0, stream=True))
+        chunks = list(
+            server.client().completions.create(
+                model=server.model, prompt=PROMPT, max_tokens=30, temperature=0, stream=True
+            )
+        )
         assert "".join(c.choices[0].text for c in chunks) == expected["text"]
         assert chunks[-1].model_extra["spd"]["mode"] == mode
     finally:
@@ -380,13 +502,38 @@ def test_draft_model_server_equals_spd_generate(tiny_testbed, mode, flags):
 @pytest.mark.slow
 def test_distributed_server_serves_many_requests_on_one_set_of_processes(tiny_testbed, tiny_heads):
     prompts = [PROMPT, "import os\n", "class A:\n"]
-    cases = [("--mode", "spd", "--speculator", str(tiny_heads[4]), "--prompt", prompt, "--max-new-tokens", "16",
-              "--temperature", "1", "--seed", str(i)) for i, prompt in enumerate(prompts)]
+    cases = [
+        (
+            "--mode",
+            "spd",
+            "--speculator",
+            str(tiny_heads[4]),
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "16",
+            "--temperature",
+            "1",
+            "--seed",
+            str(i),
+        )
+        for i, prompt in enumerate(prompts)
+    ]
     cases.append(("--mode", "ar", "--prompt", PROMPT, "--max-new-tokens", "16"))
     *sampled, greedy = two_at_a_time(lambda args: cli_json(tiny_testbed, *args), cases)
     # A short timeout: idle stages must be kept alive by pings between requests.
-    server = Server("--target", str(tiny_testbed / "target"), "--mode", "spd", "--speculator", str(tiny_heads[4]),
-                    "--runtime", "distributed", "--timeout-s", "6")
+    server = Server(
+        "--target",
+        str(tiny_testbed / "target"),
+        "--mode",
+        "spd",
+        "--speculator",
+        str(tiny_heads[4]),
+        "--runtime",
+        "distributed",
+        "--timeout-s",
+        "6",
+    )
     try:
         stages = _stage_pids(server.proc.pid)
         assert len(stages) == 4
@@ -395,8 +542,9 @@ def test_distributed_server_serves_many_requests_on_one_set_of_processes(tiny_te
             out = client.completions.create(model=server.model, prompt=prompt, max_tokens=16, temperature=1, seed=i)
             assert out.choices[0].text == expected["text"]
         time.sleep(8)  # longer than the stages' timeout: they stay up
-        chunks = list(client.completions.create(model=server.model, prompt=PROMPT, max_tokens=16, temperature=0,
-                                                stream=True))
+        chunks = list(
+            client.completions.create(model=server.model, prompt=PROMPT, max_tokens=16, temperature=0, stream=True)
+        )
         assert "".join(c.choices[0].text for c in chunks) == greedy["text"]
         assert _stage_pids(server.proc.pid) == stages  # the same processes served every request
         assert httpx.get(f"{server.url}/health").json()["runtime"] == "distributed"
@@ -410,8 +558,18 @@ def test_distributed_server_serves_many_requests_on_one_set_of_processes(tiny_te
 
 @pytest.mark.slow
 def test_distributed_server_with_a_dead_stage_answers_503(tiny_testbed):
-    server = Server("--target", str(tiny_testbed / "target"), "--mode", "pp", "--stages", "2", "--runtime",
-                    "distributed", "--emulate-stage-ms", "20")
+    server = Server(
+        "--target",
+        str(tiny_testbed / "target"),
+        "--mode",
+        "pp",
+        "--stages",
+        "2",
+        "--runtime",
+        "distributed",
+        "--emulate-stage-ms",
+        "20",
+    )
     try:
         stages = _stage_pids(server.proc.pid)
         ok = server.post("/v1/completions", {"model": server.model, "prompt": "x", "max_tokens": 4})
@@ -419,8 +577,10 @@ def test_distributed_server_with_a_dead_stage_answers_503(tiny_testbed):
         # A stage dies in the middle of a request (200 tokens x 2 stages x 20 ms: 8 s): that request gets a
         # clear 503 naming it, not a hang; then /health fails and every new request gets a 503 too.
         threading.Timer(1.5, os.kill, (stages[1], signal.SIGKILL)).start()
-        response = server.post("/v1/completions", {"model": server.model, "prompt": "x", "max_tokens": 200,
-                                                   "temperature": 0, "ignore_eos": True})
+        response = server.post(
+            "/v1/completions",
+            {"model": server.model, "prompt": "x", "max_tokens": 200, "temperature": 0, "ignore_eos": True},
+        )
         assert response.status_code == 503, response.text
         assert "rank 2" in response.json()["error"]["message"]
         health = httpx.get(f"{server.url}/health")
@@ -476,11 +636,40 @@ BAD_FLAGS = [
     (["--api-key", " "], "API key (--api-key or SPD_API_KEY) is empty"),
     (["--mode", "pp", "--stages", "2", "--local-stages", "1"], "need --runtime distributed"),
     (["--mode", "pp", "--stages", "2", "--runtime", "distributed", "--local-stages", "1"], "pass --stage-addr"),
-    (["--mode", "pp", "--stages", "2", "--runtime", "distributed", "--local-stages", "3"], "--local-stages must be in 0..2"),
-    (["--mode", "pp", "--stages", "2", "--runtime", "distributed", "--local-stages", "1", "--stage-addr",
-      "127.0.0.1:29500"], "loopback address"),
-    (["--mode", "pp", "--stages", "2", "--runtime", "distributed", "--local-stages", "1", "--stage-addr",
-      "10.0.0.1:0"], "not an address"),
+    (
+        ["--mode", "pp", "--stages", "2", "--runtime", "distributed", "--local-stages", "3"],
+        "--local-stages must be in 0..2",
+    ),
+    (
+        [
+            "--mode",
+            "pp",
+            "--stages",
+            "2",
+            "--runtime",
+            "distributed",
+            "--local-stages",
+            "1",
+            "--stage-addr",
+            "127.0.0.1:29500",
+        ],
+        "loopback address",
+    ),
+    (
+        [
+            "--mode",
+            "pp",
+            "--stages",
+            "2",
+            "--runtime",
+            "distributed",
+            "--local-stages",
+            "1",
+            "--stage-addr",
+            "10.0.0.1:0",
+        ],
+        "not an address",
+    ),
     (["--local-stages", "-1"], "integer >= 0"),
     (["--max-batch", "0"], "positive integer"),
     (["--mode", "ar", "--max-batch", "2"], "batches --mode spd, pp or tree, not 'ar'"),
@@ -498,11 +687,20 @@ BAD_FLAGS = [
 
 def test_cli_bad_flags_one_line_exit_2(tiny_testbed):
     """Each bad flag or combination: exit 2 with one line on stderr (independent processes, two at a time)."""
+
     def run(case):
         args, needle = case
-        return args, needle, subprocess.run([sys.executable, "-m", "spd.cli.serve", "--target",
-                                             str(tiny_testbed / "target"), *args],
-                                            capture_output=True, text=True, cwd=REPO, timeout=120)
+        return (
+            args,
+            needle,
+            subprocess.run(
+                [sys.executable, "-m", "spd.cli.serve", "--target", str(tiny_testbed / "target"), *args],
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+                timeout=120,
+            ),
+        )
 
     for args, needle, proc in two_at_a_time(run, BAD_FLAGS):
         assert proc.returncode == 2, (args, proc.stderr)
@@ -510,16 +708,27 @@ def test_cli_bad_flags_one_line_exit_2(tiny_testbed):
         assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], (args, proc.stderr)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--server", "10.0.0.1:x"], "is not an address"),
-    (["--server", "127.0.0.1:1", "--hold", "a,b"], "--hold 'a,b' is not a list of stage numbers"),
-    (["--server", "127.0.0.1:1", "--wait-s", "0"], "--wait-s must be a positive"),
-    (["--server", "127.0.0.1:1", "--wait-s", "1"], "no spd-serve with remote stages answered at 127.0.0.1:1 within 1 s"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--server", "10.0.0.1:x"], "is not an address"),
+        (["--server", "127.0.0.1:1", "--hold", "a,b"], "--hold 'a,b' is not a list of stage numbers"),
+        (["--server", "127.0.0.1:1", "--wait-s", "0"], "--wait-s must be a positive"),
+        (
+            ["--server", "127.0.0.1:1", "--wait-s", "1"],
+            "no spd-serve with remote stages answered at 127.0.0.1:1 within 1 s",
+        ),
+    ],
+)
 def test_spd_stage_bad_input_one_line_exit_2(tiny_testbed, args, needle):
     """spd-stage (a machine joining a server's pipeline, tested across namespaces in test_multinode.py)."""
-    proc = subprocess.run([sys.executable, "-m", "spd.cli.stage", "--target", str(tiny_testbed / "target"), *args],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "spd.cli.stage", "--target", str(tiny_testbed / "target"), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.strip().splitlines() if "[c10d]" not in line]  # (torch's own warnings)
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], proc.stderr
@@ -554,8 +763,10 @@ def test_text_tracker_holds_back_possible_stop_strings(tiny_testbed):
         if tracker.stopped:
             break
     streamed += tracker.finish()
-    assert tracker.stopped and streamed == tracker.text == tokenizer.decode(ids, skip_special_tokens=True).split(
-        "gamma")[0]
+    assert (
+        tracker.stopped
+        and streamed == tracker.text == tokenizer.decode(ids, skip_special_tokens=True).split("gamma")[0]
+    )
     free = TextTracker(tokenizer, ["zzz"], threading.Lock())
     text = "".join(free.add(t) for t in ids) + free.finish()
     assert text == tokenizer.decode(ids, skip_special_tokens=True) and not free.stopped
@@ -569,13 +780,13 @@ def _naive_tracker_text(tokenizer, ids: list[int], stops: list[str]) -> tuple[st
         text = tokenizer.decode(ids[:i], skip_special_tokens=True)
         hits = [j for j in (text.find(stop) for stop in stops) if j >= 0]
         if hits:
-            text = text[:min(hits)]
+            text = text[: min(hits)]
             return streamed + text[sent:], text, True
         if text.endswith("\ufffd"):
             continue
         held = max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
         if len(text) - held > sent:
-            streamed, sent = streamed + text[sent:len(text) - held], len(text) - held
+            streamed, sent = streamed + text[sent : len(text) - held], len(text) - held
     return streamed + text[sent:], text, False
 
 
@@ -593,7 +804,7 @@ def test_text_tracker_matches_brute_force_stop_semantics(tiny_testbed):
         stops = []
         for _ in range(rng.randint(1, 4)):
             start = rng.randrange(len(text) - 1)
-            stops.append(text[start:start + rng.randint(1, 12)] + ("" if rng.random() < 0.7 else "\x00"))
+            stops.append(text[start : start + rng.randint(1, 12)] + ("" if rng.random() < 0.7 else "\x00"))
         tracker = TextTracker(tokenizer, stops, threading.Lock())
         streamed = ""
         for token in ids:
@@ -623,10 +834,32 @@ def test_text_tracker_is_linear_in_stop_string_length(tiny_testbed):
 
 def test_load_benchmark_runs_side_by_side(tiny_testbed, tiny_heads, tmp_path):
     out = tmp_path / "load.json"
-    proc = subprocess.run([sys.executable, "bench/bench_serve.py", "--target", str(tiny_testbed / "target"),
-                           "--prompts", str(tiny_testbed / "prompts.jsonl"), "--run", f"spd:{tiny_heads[4]}",
-                           "--run", "pp:4", "--requests", "6", "--concurrency", "3", "--max-tokens", "8",
-                           "--out", str(out)], capture_output=True, text=True, cwd=REPO, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "bench/bench_serve.py",
+            "--target",
+            str(tiny_testbed / "target"),
+            "--prompts",
+            str(tiny_testbed / "prompts.jsonl"),
+            "--run",
+            f"spd:{tiny_heads[4]}",
+            "--run",
+            "pp:4",
+            "--requests",
+            "6",
+            "--concurrency",
+            "3",
+            "--max-tokens",
+            "8",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert report["identical_outputs"] and [r["name"] for r in report["runs"]] == [f"spd:{tiny_heads[4]}", "pp:4"]

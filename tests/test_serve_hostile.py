@@ -28,7 +28,7 @@ from conftest import REPO
 openai = pytest.importorskip("openai")
 
 KEY = "sk-test-4c1d"
-MAX_BODY = 2 ** 20
+MAX_BODY = 2**20
 MAX_MODEL_LEN = 128
 NORMAL = {"prompt": "def main(argv):\n", "max_tokens": 12, "temperature": 0}
 
@@ -39,8 +39,14 @@ class Server:
     def __init__(self, *cmd: str, key: str | None = KEY, env: dict | None = None, timeout: float = 300):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.key = key
-        self.proc = subprocess.Popen([sys.executable, *cmd, "--port", "0"], cwd=REPO, env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, *cmd, "--port", "0"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.lines: list[str] = []
         self.url = None
         deadline = time.time() + timeout
@@ -66,8 +72,9 @@ class Server:
 
     def post(self, path: str, body, headers: dict | None = None, timeout: float = 120) -> httpx.Response:
         data = body if isinstance(body, (str, bytes)) else json.dumps(body)
-        return httpx.post(f"{self.url}{path}", content=data, headers=self.headers() if headers is None else headers,
-                          timeout=timeout)
+        return httpx.post(
+            f"{self.url}{path}", content=data, headers=self.headers() if headers is None else headers, timeout=timeout
+        )
 
     def complete(self, timeout: float = 120, **body) -> httpx.Response:
         return self.post("/v1/completions", {"model": self.model, **NORMAL, **body}, timeout=timeout)
@@ -100,8 +107,22 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tiny_testbed):
-    server = Server("-m", "spd.cli.serve", "--target", str(tiny_testbed / "target"), "--mode", "pp", "--stages", "2",
-                    "--api-key", KEY, "--max-body-bytes", str(MAX_BODY), "--max-model-len", str(MAX_MODEL_LEN))
+    server = Server(
+        "-m",
+        "spd.cli.serve",
+        "--target",
+        str(tiny_testbed / "target"),
+        "--mode",
+        "pp",
+        "--stages",
+        "2",
+        "--api-key",
+        KEY,
+        "--max-body-bytes",
+        str(MAX_BODY),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+    )
     response = server.complete()
     assert response.status_code == 200, response.text
     server.expected = response.json()["choices"][0]["text"]  # the normal request's answer before any attack
@@ -115,7 +136,7 @@ def still_serving(server: Server) -> None:
     response = server.complete()
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == server.expected
-    assert server.rss() - server.rss_before < 300 * 2 ** 20, (server.rss_before, server.rss())
+    assert server.rss() - server.rss_before < 300 * 2**20, (server.rss_before, server.rss())
 
 
 def raw_request(server: Server, head: bytes, body_chunks=(), read: bool = True) -> tuple[int, dict]:
@@ -153,8 +174,10 @@ def assert_openai_error(body: dict, status: int, needle: str) -> None:
 
 def test_body_over_the_cap_by_content_length_is_refused_before_it_is_read(server):
     # A 200 MB body announced and not one byte of it sent: the answer comes without reading it.
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 200000000\r\n\r\n")
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 200000000\r\n\r\n"
+    )
     status, body = raw_request(server, head)
     assert status == 413
     assert_openai_error(body, 413, "at most 1048576")
@@ -162,8 +185,10 @@ def test_body_over_the_cap_by_content_length_is_refused_before_it_is_read(server
 
 
 def test_chunked_body_over_the_cap_is_refused_as_it_arrives(server):
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Authorization: Bearer " + KEY.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n")
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
     piece = b'{"model": "target", "prompt": "' + b"a" * (MAX_BODY // 4)
     chunks = [b"%x\r\n%s\r\n" % (len(piece), piece)] * 5  # 1.25 MiB, no end
     status, body = raw_request(server, head, chunks)
@@ -186,11 +211,14 @@ def test_prompt_longer_than_the_context_can_hold_is_refused_before_tokenizing(se
 # ----------------------------------------------------------------------------------------- stop strings
 
 
-@pytest.mark.parametrize("stop, needle", [
-    (["x" * 1001], "at most 1000"),
-    (["x" * 100_000] * 4, "at most 1000"),
-    (["a", "b", "c", "d", "e"], "at most 4"),
-])
+@pytest.mark.parametrize(
+    "stop, needle",
+    [
+        (["x" * 1001], "at most 1000"),
+        (["x" * 100_000] * 4, "at most 1000"),
+        (["a", "b", "c", "d", "e"], "at most 4"),
+    ],
+)
 def test_stop_strings_too_long_or_too_many_are_refused(server, stop, needle):
     response = server.complete(stop=stop)
     assert response.status_code == 400
@@ -209,8 +237,9 @@ def test_four_longest_stop_strings_cost_little(server):
 # ---------------------------------------------------------------------------------------------- access
 
 
-@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
-                                          None])
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None]
+)
 def test_only_json_content_is_parsed(server, content_type):
     headers = server.headers()
     if content_type is None:
@@ -223,13 +252,20 @@ def test_only_json_content_is_parsed(server, content_type):
     still_serving(server)
 
 
-@pytest.mark.parametrize("authorization, needle", [(None, "missing"), ("Bearer wrong", "wrong"),
-                                                   (KEY, "missing"), ("Basic " + KEY, "missing")])
+@pytest.mark.parametrize(
+    "authorization, needle",
+    [(None, "missing"), ("Bearer wrong", "wrong"), (KEY, "missing"), ("Basic " + KEY, "missing")],
+)
 def test_v1_needs_the_api_key(server, authorization, needle):
     headers = {"content-type": "application/json", **({"authorization": authorization} if authorization else {})}
     for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models")):
-        response = httpx.request(method, f"{server.url}{path}", headers=headers, timeout=30,
-                                 content=json.dumps({"model": server.model, **NORMAL}) if method == "POST" else None)
+        response = httpx.request(
+            method,
+            f"{server.url}{path}",
+            headers=headers,
+            timeout=30,
+            content=json.dumps({"model": server.model, **NORMAL}) if method == "POST" else None,
+        )
         assert response.status_code == 401, (path, response.text)
         assert_openai_error(response.json(), 401, needle)
         assert response.headers["www-authenticate"] == "Bearer"
@@ -252,10 +288,19 @@ def test_unknown_routes_methods_and_docs_get_openai_errors(server):
     assert_openai_error(response.json(), 405, "POST")
 
 
-@pytest.mark.parametrize("field, value", [
-    ("seed", 2 ** 64), ("seed", -2 ** 63 - 1), ("seed", 10 ** 30), ("max_tokens", 2 ** 64), ("top_k", 2 ** 63),
-    ("max_tokens", 10 ** 9), ("temperature", 1e308), ("prompt", [2 ** 64]),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("seed", 2**64),
+        ("seed", -(2**63) - 1),
+        ("seed", 10**30),
+        ("max_tokens", 2**64),
+        ("top_k", 2**63),
+        ("max_tokens", 10**9),
+        ("temperature", 1e308),
+        ("prompt", [2**64]),
+    ],
+)
 def test_numbers_out_of_range_are_400(server, field, value):
     response = server.complete(**{field: value})
     assert response.status_code == 400, response.text
@@ -264,8 +309,11 @@ def test_numbers_out_of_range_are_400(server, field, value):
 
 
 def test_largest_seed_and_top_k_are_served(server):
-    for body in ({"seed": 2 ** 64 - 1, "temperature": 1.0}, {"seed": -2 ** 63, "temperature": 1.0},
-                 {"top_k": 2 ** 31 - 1, "temperature": 1.0, "seed": 1}):
+    for body in (
+        {"seed": 2**64 - 1, "temperature": 1.0},
+        {"seed": -(2**63), "temperature": 1.0},
+        {"top_k": 2**31 - 1, "temperature": 1.0, "seed": 1},
+    ):
         response = server.complete(**body)
         assert response.status_code == 200, (body, response.text)
 
@@ -274,8 +322,10 @@ def test_largest_seed_and_top_k_are_served(server):
 
 
 def test_max_model_len_caps_prompt_plus_max_tokens(server):
-    assert httpx.get(f"{server.url}/v1/models", headers=server.headers()).json()["data"][0]["max_model_len"] == \
-        MAX_MODEL_LEN
+    assert (
+        httpx.get(f"{server.url}/v1/models", headers=server.headers()).json()["data"][0]["max_model_len"]
+        == MAX_MODEL_LEN
+    )
     response = server.complete(prompt=[5] * 100, max_tokens=29)
     assert response.status_code == 400
     assert_openai_error(response.json(), 400, "max model len")
@@ -284,8 +334,10 @@ def test_max_model_len_caps_prompt_plus_max_tokens(server):
     assert_openai_error(response.json(), 400, "max model len")
     assert server.complete(prompt=[5] * 100, max_tokens=28).status_code == 200
     # A chat request without max_tokens may run to the end of --max-model-len, not of the model's context.
-    chat = server.post("/v1/chat/completions", {"model": server.model, "temperature": 0, "ignore_eos": True,
-                                                "messages": [{"role": "user", "content": "hi"}]}).json()
+    chat = server.post(
+        "/v1/chat/completions",
+        {"model": server.model, "temperature": 0, "ignore_eos": True, "messages": [{"role": "user", "content": "hi"}]},
+    ).json()
     assert chat["usage"]["total_tokens"] == MAX_MODEL_LEN and chat["choices"][0]["finish_reason"] == "length"
 
 
@@ -296,13 +348,20 @@ def test_65_concurrent_streams_then_disconnects(server):
     cancelled = 'spd_requests_total{endpoint="completions",outcome="cancelled"}'
     ok = 'spd_requests_total{endpoint="completions",outcome="ok"}'
     before = {name: server.metric(name) for name in (cancelled, ok, "spd_generation_tokens_total")}
-    body = {"model": server.model, "prompt": "x", "max_tokens": 120, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": server.model,
+        "prompt": "x",
+        "max_tokens": 120,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
     async def attack():
         limits = httpx.Limits(max_connections=100)
-        async with httpx.AsyncClient(base_url=server.url, headers=server.headers(), limits=limits,
-                                     timeout=60) as client:
+        async with httpx.AsyncClient(
+            base_url=server.url, headers=server.headers(), limits=limits, timeout=60
+        ) as client:
             opened, leave = asyncio.Event(), asyncio.Event()
             started = []
 
@@ -346,13 +405,19 @@ def test_65_concurrent_streams_then_disconnects(server):
 def test_a_dead_engine_thread_fails_health_and_requests_not_hangs(tiny_testbed):
     # --idle-ping-s -1 used to be accepted and killed the engine thread at its first wait; the flag is refused
     # now (test_serve.py), so the same death is brought about through the Python API, as before the fix.
-    script = ("import sys; from spd.cli.serve import build_parser, serve; args = build_parser().parse_args("
-              "sys.argv[1:]); args.idle_ping_s = -1.0; sys.exit(serve(args))")
+    script = (
+        "import sys; from spd.cli.serve import build_parser, serve; args = build_parser().parse_args("
+        "sys.argv[1:]); args.idle_ping_s = -1.0; sys.exit(serve(args))"
+    )
     # The key comes from the environment here (SPD_API_KEY), as a deployment would pass it.
     server = Server("-c", script, "--target", str(tiny_testbed / "target"), env={"SPD_API_KEY": KEY})
     try:
-        assert server.post("/v1/completions", {"model": server.model, **NORMAL},
-                           headers={"content-type": "application/json"}).status_code == 401
+        assert (
+            server.post(
+                "/v1/completions", {"model": server.model, **NORMAL}, headers={"content-type": "application/json"}
+            ).status_code
+            == 401
+        )
         health = httpx.get(f"{server.url}/health", timeout=10)
         assert health.status_code == 503
         assert_openai_error(health.json(), 503, "must be restarted")
@@ -396,15 +461,19 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _signal_then_all_gone(proc: subprocess.Popen, wanted: int, needle: str, within_s: float = 8,
-                          sig: int = signal.SIGTERM) -> None:
+def _signal_then_all_gone(
+    proc: subprocess.Popen, wanted: int, needle: str, within_s: float = 8, sig: int = signal.SIGTERM
+) -> None:
     """Wait until ``proc`` has ``wanted`` descendants whose command line has ``needle``, send it ``sig``, and
     check that it and every descendant it had are gone within ``within_s``."""
     deadline = time.time() + 240
     children: set[int] = set()
     while time.time() < deadline and proc.poll() is None:
-        children = {p for p in _descendants(proc.pid)
-                    if needle in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")}
+        children = {
+            p
+            for p in _descendants(proc.pid)
+            if needle in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
+        }
         if len(children) >= wanted:
             break
         time.sleep(0.05)
@@ -425,10 +494,27 @@ def _signal_then_all_gone(proc: subprocess.Popen, wanted: int, needle: str, with
 def test_a_server_stopped_while_loading_leaves_no_stage_process(tiny_testbed, sig):
     # The stage processes start as soon as rank 0's layers are loaded; the signal lands while they load and join.
     # SIGTERM: the server stops them on its way out; SIGKILL runs no handler: their parent-death signal does it.
-    proc = subprocess.Popen([sys.executable, "-m", "spd.cli.serve", "--target", str(tiny_testbed / "target"),
-                             "--mode", "pp", "--stages", "2", "--runtime", "distributed", "--port", "0"],
-                            cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "spd.cli.serve",
+            "--target",
+            str(tiny_testbed / "target"),
+            "--mode",
+            "pp",
+            "--stages",
+            "2",
+            "--runtime",
+            "distributed",
+            "--port",
+            "0",
+        ],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _signal_then_all_gone(proc, 2, "spd.cli.run_pipeline", sig=sig)
     finally:
@@ -438,11 +524,31 @@ def test_a_server_stopped_while_loading_leaves_no_stage_process(tiny_testbed, si
 
 
 def test_sigterm_to_spd_generate_distributed_stops_its_ranks(tiny_testbed):
-    proc = subprocess.Popen([sys.executable, "-m", "spd.cli.generate", "--target", str(tiny_testbed / "target"),
-                             "--mode", "pp", "--stages", "2", "--runtime", "distributed", "--prompt", "x",
-                             "--max-new-tokens", "200", "--emulate-stage-ms", "50"],
-                            cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "spd.cli.generate",
+            "--target",
+            str(tiny_testbed / "target"),
+            "--mode",
+            "pp",
+            "--stages",
+            "2",
+            "--runtime",
+            "distributed",
+            "--prompt",
+            "x",
+            "--max-new-tokens",
+            "200",
+            "--emulate-stage-ms",
+            "50",
+        ],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _signal_then_all_gone(proc, 3, "spd.cli.run_pipeline")  # ranks 0..2
     finally:
@@ -457,11 +563,31 @@ def test_spd_generate_distributed_listens_on_loopback_only(tiny_testbed):
 
     if shutil.which("ss") is None:
         pytest.skip("needs the ss command (iproute2)")
-    proc = subprocess.Popen([sys.executable, "-m", "spd.cli.generate", "--target", str(tiny_testbed / "target"),
-                             "--mode", "pp", "--stages", "2", "--runtime", "distributed", "--prompt", "x",
-                             "--max-new-tokens", "200", "--emulate-stage-ms", "50"],
-                            cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "spd.cli.generate",
+            "--target",
+            str(tiny_testbed / "target"),
+            "--mode",
+            "pp",
+            "--stages",
+            "2",
+            "--runtime",
+            "distributed",
+            "--prompt",
+            "x",
+            "--max-new-tokens",
+            "200",
+            "--emulate-stage-ms",
+            "50",
+        ],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline, listening = time.time() + 240, []
         while time.time() < deadline and proc.poll() is None:

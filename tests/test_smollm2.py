@@ -58,8 +58,11 @@ def test_materialized_equals_gguf(smollm2, target):
     manifest = json.loads((smollm2 / "smollm2.json").read_text())
     gguf = Path(json.loads((smollm2 / "target" / "materialize.json").read_text())["gguf_file"])
     source = manifest["source"]
-    path = (Path(source["installed"]) / gguf if "installed" in source else
-            Path(os.environ.get("SPD_CACHE", Path.home() / ".cache" / "spd")) / "gguf" / gguf)
+    path = (
+        Path(source["installed"]) / gguf
+        if "installed" in source
+        else Path(os.environ.get("SPD_CACHE", Path.home() / ".cache" / "spd")) / "gguf" / gguf
+    )
     reference, ref_tokenizer = load_gguf(path)
     model, tokenizer = target
     assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152
@@ -85,7 +88,7 @@ def test_ar_equals_generate_and_cuts_equal_full_forward(target):
     model, tokenizer = target
     ids = _chat_ids(tokenizer, CHAT[0])
     with torch.no_grad():
-        reference = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+        reference = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
         full = model(torch.tensor([ids])).logits[0]
     eos = model.generation_config.eos_token_id
     assert generate_ar(StagedModel(model, 1), ids, 24, eos_token_id=eos).token_ids == reference
@@ -111,17 +114,56 @@ def test_trained_head_every_mode_equals_ar(smollm2, target, tmp_path):
     from spd.decoding.proposers import SpdHeadProposer
 
     data = tmp_path / "chats.jsonl"
-    run_script("data/regenerate.py", "--target", str(smollm2 / "target"), "--prompts", "stdlib:4",
-               "--out", str(data), "--batch-size", "4", "--max-new-tokens", "24")
+    run_script(
+        "data/regenerate.py",
+        "--target",
+        str(smollm2 / "target"),
+        "--prompts",
+        "stdlib:4",
+        "--out",
+        str(data),
+        "--batch-size",
+        "4",
+        "--max-new-tokens",
+        "24",
+    )
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     assert len(rows) == 4 and all(r["messages"][1]["role"] == "assistant" for r in rows)
     run = tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
-                    "--mixed_precision", "no", "--dynamo_backend", "no", str(REPO / "train" / "distill.py"),
-                    f"target={smollm2 / 'target'}", f"data={data}", f"eval_data={data}", "n_stages=4",
-                    "boundaries=[8,16,23]", "max_steps=2", "batch_size=2", "max_length=128", "eval_every=0",
-                    "eval_rows=2", "save_every=0", "warmup_steps=1", f"output_dir={run}",
-                    f"cache_dir={tmp_path / 'cache'}"], check=True, capture_output=True, cwd=REPO, timeout=900)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--num_processes",
+            "1",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            str(REPO / "train" / "distill.py"),
+            f"target={smollm2 / 'target'}",
+            f"data={data}",
+            f"eval_data={data}",
+            "n_stages=4",
+            "boundaries=[8,16,23]",
+            "max_steps=2",
+            "batch_size=2",
+            "max_length=128",
+            "eval_every=0",
+            "eval_rows=2",
+            "save_every=0",
+            "warmup_steps=1",
+            f"output_dir={run}",
+            f"cache_dir={tmp_path / 'cache'}",
+        ],
+        check=True,
+        capture_output=True,
+        cwd=REPO,
+        timeout=900,
+    )
     model, tokenizer = target
     head = Speculator.from_pretrained(run / "final").eval()
     assert head.config.boundaries == [0, 8, 16, 23, 30]
@@ -129,8 +171,16 @@ def test_trained_head_every_mode_equals_ar(smollm2, target, tmp_path):
     engine, tree = Engine.chain(staged, head), Engine.tree(staged, SpdHeadProposer(head, staged, 3), 3)
     whole = StagedModel(model, 1)
     torch.manual_seed(0)
-    sd = build_sd_engine(whole, tokenizer, None, None, 3, torch.float32, "cpu",
-                         head=new_head(whole, DistillConfig(variant="eagle")).eval())
+    sd = build_sd_engine(
+        whole,
+        tokenizer,
+        None,
+        None,
+        3,
+        torch.float32,
+        "cpu",
+        head=new_head(whole, DistillConfig(variant="eagle")).eval(),
+    )
     for text in CHAT:
         ids = _chat_ids(tokenizer, text)
         ar = generate_ar(whole, ids, 20).token_ids
@@ -142,9 +192,29 @@ def test_trained_head_every_mode_equals_ar(smollm2, target, tmp_path):
     from bench import bench_gpu
 
     out = tmp_path / "bench.json"
-    assert bench_gpu.main(["--target", str(smollm2 / "target"), "--speculator", str(run / "final"), "--parts",
-                           "decode", "--device", "cpu", "--dtype", "float32", "--new-tokens", "6", "--prompt", CHAT[0],
-                           "--out", str(out)]) == 0
+    assert (
+        bench_gpu.main(
+            [
+                "--target",
+                str(smollm2 / "target"),
+                "--speculator",
+                str(run / "final"),
+                "--parts",
+                "decode",
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--new-tokens",
+                "6",
+                "--prompt",
+                CHAT[0],
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["decode"]
     assert [(r["n"], r["mode"]) for r in rows] == [(4, "ar"), (4, "pp"), (4, "spd")]
     assert all(r["tokens_equal_ar"] and r["decode_tokens"] == 5 for r in rows) and rows[1]["l_acc"] == 1.0
@@ -153,8 +223,20 @@ def test_trained_head_every_mode_equals_ar(smollm2, target, tmp_path):
 def test_regeneration_resumes_after_kill(smollm2, tmp_path):
     """A regeneration killed after its first batch keeps what it wrote and finishes every prompt exactly once."""
     out = tmp_path / "chats.jsonl"
-    cmd = [sys.executable, str(REPO / "data" / "regenerate.py"), "--target", str(smollm2 / "target"),
-           "--prompts", "stdlib:6", "--out", str(out), "--batch-size", "2", "--max-new-tokens", "16"]
+    cmd = [
+        sys.executable,
+        str(REPO / "data" / "regenerate.py"),
+        "--target",
+        str(smollm2 / "target"),
+        "--prompts",
+        "stdlib:6",
+        "--out",
+        str(out),
+        "--batch-size",
+        "2",
+        "--max-new-tokens",
+        "16",
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not (out.exists() and out.read_text().count("\n") >= 2):
@@ -201,4 +283,3 @@ def test_published_head_equals_ar_on_a_chat_prompt(smollm2, target):
     assert chain.token_ids == ar
     assert chain.stats.equivalent_accept_length > 1.2  # a head that never agrees would give 1.0
     assert Engine.tree(staged, SpdHeadProposer(head, staged, 4), 4).run(ids, 48, SamplingParams()).token_ids == ar
-

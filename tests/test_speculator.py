@@ -12,8 +12,16 @@ L, D = 8, 32
 
 def _head(n, num_layers, seed=0, **kw):
     torch.manual_seed(seed)
-    cfg = SpeculatorConfig(hidden_size=D, vocab_size=40, n_stages=n, target_num_layers=L, num_layers=num_layers,
-                           num_attention_heads=4, num_key_value_heads=2, **kw)
+    cfg = SpeculatorConfig(
+        hidden_size=D,
+        vocab_size=40,
+        n_stages=n,
+        target_num_layers=L,
+        num_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **kw,
+    )
     return Speculator(cfg).double()
 
 
@@ -23,12 +31,11 @@ def _inputs(batch, n_pos, n, seed=1, pad=True):
     fill = torch.randint(1, n + 1, (batch,), generator=gen)
     valid = torch.ones(batch, n_pos, dtype=torch.bool)
     if pad:
-        valid[0, n_pos - 4:] = False  # right padding, as the data collator produces
+        valid[0, n_pos - 4 :] = False  # right padding, as the data collator produces
     return hidden, fill, valid
 
 
-VARIANTS = [dict(), dict(schedule="output"), dict(schedule="output", max_depth=1),
-            dict(memory_proj=True, qk_norm=True)]
+VARIANTS = [dict(), dict(schedule="output"), dict(schedule="output", max_depth=1), dict(memory_proj=True, qk_norm=True)]
 
 
 def _assert_equals_dense(head, hidden, fill, valid, **kw):
@@ -38,8 +45,9 @@ def _assert_equals_dense(head, hidden, fill, valid, **kw):
     weights_D = torch.linspace(-1, 1, D, dtype=torch.float64)
     eff = head.forward_train(hidden, fill, valid, **kw)
     (eff[valid] * weights_D).sum().backward()
-    grads_eff = [None if t.grad is None else t.grad.clone()
-                 for t in [*head.parameters(), *(hidden[a] for a in sorted(hidden))]]
+    grads_eff = [
+        None if t.grad is None else t.grad.clone() for t in [*head.parameters(), *(hidden[a] for a in sorted(hidden))]
+    ]
     head.zero_grad()
     for h in hidden.values():
         h.grad = None
@@ -97,8 +105,10 @@ def test_rows_without_any_key_are_zero_and_finite():
     assert all(torch.isfinite(t.grad).all() for t in [*head.parameters(), *hidden.values()] if t.grad is not None)
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, 4, 12, 8, generator=gen, dtype=torch.float64, requires_grad=True)
-    kv = {d: tuple(torch.randn(2, 2, 12, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in "kv")
-          for d in range(5)}
+    kv = {
+        d: tuple(torch.randn(2, 2, 12, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in "kv")
+        for d in range(5)
+    }
     attn = offset_band_attention(q, kv, 4, [0, 1, 2, 3], fill, valid, query_chunk=3)
     assert attn[1, :, :5].eq(0).all() and attn[1, :, 5:].ne(0).all() and attn[0].ne(0).all()
     attn.sum().backward()
@@ -138,8 +148,9 @@ def test_training_forward_under_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = head.forward_train(hidden, fill, valid, query_chunk=8)
     out.float().pow(2).sum().backward()
-    assert all(p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all()
-               for p in head.parameters() if p.grad is not None)
+    assert all(
+        p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all() for p in head.parameters() if p.grad is not None
+    )
     torch.testing.assert_close(out.float()[valid], ref[valid], atol=0.05, rtol=0.05)
 
 
@@ -148,8 +159,12 @@ def test_efficient_layout_equals_dense_in_float32():
     hidden, fill, valid = _inputs(2, 33, 4)
     hidden = {k: v.float() for k, v in hidden.items()}
     for chunk in (512, 7):
-        torch.testing.assert_close(head.forward_train(hidden, fill, valid, query_chunk=chunk)[valid],
-                                   head.forward_dense(hidden, fill, valid)[valid], atol=2e-5, rtol=0)
+        torch.testing.assert_close(
+            head.forward_train(hidden, fill, valid, query_chunk=chunk)[valid],
+            head.forward_dense(hidden, fill, valid)[valid],
+            atol=2e-5,
+            rtol=0,
+        )
 
 
 def test_fill_changes_the_output():
@@ -182,8 +197,10 @@ def _check_incremental(head, max_fill):
         for lo, hi in [(0, committed // 2), (committed // 2, committed)]:
             if hi > lo:
                 head.append_memory(cache, head.features(cfg.max_depth, {k: v[:, lo:hi] for k, v in hidden.items()}))
-        trailing = [(cfg.depth(t - i, a), head.features(cfg.depth(t - i, a), {k: v[:, i] for k, v in hidden.items()}))
-                    for i in range(committed, t + 1)]
+        trailing = [
+            (cfg.depth(t - i, a), head.features(cfg.depth(t - i, a), {k: v[:, i] for k, v in hidden.items()}))
+            for i in range(committed, t + 1)
+        ]
         query = head.features(cfg.offset, {k: v[:, t] for k, v in hidden.items()})
         torch.testing.assert_close(head.query(cache, trailing, query), train[:, t], atol=1e-12, rtol=0)
 
@@ -252,14 +269,17 @@ def test_default_anchors_follow_the_spec():
     assert Speculator(ppsd).needed_anchors() == [0, 1, 2]  # first stage only: H^0, H^1, H^2 of 8 layers / 4
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(n_stages=3), "divide"),
-    (dict(anchors=[[0], [0, 5]]), "anchors must list"),
-    (dict(n_stages=2, anchors=[[0], [0, 5], [0, 8]]), r"anchors\[1\]"),
-    (dict(schedule="sideways"), "schedule"),
-    (dict(max_depth=9), "max_depth"),
-    (dict(boundaries=[0, 4, 4, 6, 8]), "boundaries"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(n_stages=3), "divide"),
+        (dict(anchors=[[0], [0, 5]]), "anchors must list"),
+        (dict(n_stages=2, anchors=[[0], [0, 5], [0, 8]]), r"anchors\[1\]"),
+        (dict(schedule="sideways"), "schedule"),
+        (dict(max_depth=9), "max_depth"),
+        (dict(boundaries=[0, 4, 4, 6, 8]), "boundaries"),
+    ],
+)
 def test_bad_configs_are_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SpeculatorConfig(**{"hidden_size": D, "n_stages": 4, "target_num_layers": 8, **kwargs})
@@ -299,8 +319,9 @@ def test_a_pool_s_joint_query_equals_each_request_alone(variant):
     gen = torch.Generator().manual_seed(3)
 
     def rows(depth, count):
-        return head.features(depth, {a: torch.randn(count, D, generator=gen, dtype=torch.float64)
-                                     for a in range(L + 1)})
+        return head.features(
+            depth, {a: torch.randn(count, D, generator=gen, dtype=torch.float64) for a in range(L + 1)}
+        )
 
     pool = head.new_pool(slots=5, capacity=4)
     caches = [pool.cache(capacity=2) for _ in range(4)]
@@ -318,15 +339,21 @@ def test_a_pool_s_joint_query_equals_each_request_alone(variant):
     for pooled, alone in zip(caches, plain):
         for held, own in ((pooled.keys, alone.keys), (pooled.values, alone.values)):
             for i in range(cfg.num_layers):
-                torch.testing.assert_close(held[i][:, :, :alone.length], own[i][:, :, :alone.length], atol=1e-12,
-                                           rtol=0)
+                torch.testing.assert_close(
+                    held[i][:, :, : alone.length], own[i][:, :, : alone.length], atol=1e-12, rtol=0
+                )
     asked = [0, 1, 3]  # slot 2 asks nothing this time
     shapes = {0: (1, [4, 3]), 1: (3, [4, 3, 2, 1]), 3: (2, [])}  # query rows, the trailing rows' depths
     trailing = {i: [(d, rows(d, shapes[i][0])) for d in shapes[i][1]] for i in asked}
     queries = {i: rows(cfg.offset, shapes[i][0]) for i in asked}
     joint = head.query_many([caches[i] for i in asked], [trailing[i] for i in asked], [queries[i] for i in asked])
-    alone = torch.cat([head.query(plain[i], [(d, g[row:row + 1]) for d, g in trailing[i]], queries[i][row:row + 1])
-                       for i in asked for row in range(shapes[i][0])])
+    alone = torch.cat(
+        [
+            head.query(plain[i], [(d, g[row : row + 1]) for d, g in trailing[i]], queries[i][row : row + 1])
+            for i in asked
+            for row in range(shapes[i][0])
+        ]
+    )
     torch.testing.assert_close(joint, alone, atol=1e-12, rtol=0)
     assert [c.length for c in caches] == [3, 9, 1, 6]  # the trailing rows went to scratch rows only
     pool.release(caches[3])

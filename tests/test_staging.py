@@ -129,7 +129,7 @@ def test_sliding_window_layers_are_masked():
     with torch.no_grad():
         pieces.append(staged.logits(staged.forward_stages(ids[:, :10], caches).hidden_BTD))
         for t in range(10, 18):
-            pieces.append(staged.logits(staged.forward_stages(ids[:, t:t + 1], caches).hidden_BTD))
+            pieces.append(staged.logits(staged.forward_stages(ids[:, t : t + 1], caches).hidden_BTD))
     torch.testing.assert_close(torch.cat(pieces, 1), _full_logits(model, ids), atol=TOL, rtol=0)
 
 

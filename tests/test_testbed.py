@@ -29,8 +29,13 @@ def test_miniature_build_writes_loadable_models(tiny_testbed):
 
 
 def test_corpus_is_split_by_file_and_loads_with_datasets(tiny_testbed):
-    ds = load_dataset("json", data_files={"train": str(tiny_testbed / "corpus" / "train.jsonl"),
-                                          "validation": str(tiny_testbed / "corpus" / "validation.jsonl")})
+    ds = load_dataset(
+        "json",
+        data_files={
+            "train": str(tiny_testbed / "corpus" / "train.jsonl"),
+            "validation": str(tiny_testbed / "corpus" / "validation.jsonl"),
+        },
+    )
     train, val = set(ds["train"]["path"]), set(ds["validation"]["path"])
     assert train and val and not train & val
     assert all(p.endswith(".py") for p in train | val)
@@ -43,8 +48,9 @@ def test_tokenizer_special_tokens_and_chat_template(tiny_testbed):
     ids = tok("def f(x):\n    return x")["input_ids"]
     assert ids[0] == tok.bos_token_id
     assert tok.decode(ids, skip_special_tokens=True) == "def f(x):\n    return x"  # byte-level: lossless
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
-                                   tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], tokenize=False
+    )
     assert text == "<|bos|><|user|>\nhi<|eos|>\n<|assistant|>\nyo<|eos|>\n"
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert prompt.endswith("<|assistant|>\n")
@@ -60,11 +66,37 @@ def test_second_build_with_same_settings_does_nothing(tiny_testbed):
 
 def test_build_is_deterministic(tmp_path):
     def cfg():
-        return Config(vocab_size=300, max_files=20, val_fraction=0.25, eval_tokens=512,
-                             target=ModelSpec(layers=8, hidden=16, heads=2, kv_heads=1, ffn=32, steps=4,
-                                              batch_size=2, seq_len=32, warmup_steps=2, compile=False),
-                             draft=ModelSpec(layers=2, hidden=16, heads=2, kv_heads=1, ffn=32, steps=3,
-                                             batch_size=2, seq_len=32, warmup_steps=2, compile=False))
+        return Config(
+            vocab_size=300,
+            max_files=20,
+            val_fraction=0.25,
+            eval_tokens=512,
+            target=ModelSpec(
+                layers=8,
+                hidden=16,
+                heads=2,
+                kv_heads=1,
+                ffn=32,
+                steps=4,
+                batch_size=2,
+                seq_len=32,
+                warmup_steps=2,
+                compile=False,
+            ),
+            draft=ModelSpec(
+                layers=2,
+                hidden=16,
+                heads=2,
+                kv_heads=1,
+                ffn=32,
+                steps=3,
+                batch_size=2,
+                seq_len=32,
+                warmup_steps=2,
+                compile=False,
+            ),
+        )
+
     torch.set_num_threads(1)
     a = build_testbed(tmp_path / "a", cfg(), progress=False)
     assert torch.get_num_threads() == 1  # the caller's thread count is given back (a pytest worker's share)
@@ -73,8 +105,9 @@ def test_build_is_deterministic(tmp_path):
     wa = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "target").state_dict()
     wb = AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "target").state_dict()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert (tmp_path / "a" / "tokenizer" / "tokenizer.json").read_text() == \
-        (tmp_path / "b" / "tokenizer" / "tokenizer.json").read_text()
+    assert (tmp_path / "a" / "tokenizer" / "tokenizer.json").read_text() == (
+        tmp_path / "b" / "tokenizer" / "tokenizer.json"
+    ).read_text()
 
 
 def test_stdlib_files_exclude_tests():

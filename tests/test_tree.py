@@ -21,8 +21,9 @@ def _example_tree() -> TokenTree:
     new = tree.append_level(torch.tensor([[11, 12, 13]]), torch.tensor([[LOG(0.5), LOG(0.3), LOG(0.2)]]), width=2)
     assert new.tolist() == [1, 2]
     # Cumulative probabilities: 11->21 .30, 11->22 .20, 12->23 .27, 12->24 .03; the best three are kept.
-    new = tree.append_level(torch.tensor([[21, 22], [23, 24]]),
-                            torch.tensor([[LOG(0.6), LOG(0.4)], [LOG(0.9), LOG(0.1)]]), width=3)
+    new = tree.append_level(
+        torch.tensor([[21, 22], [23, 24]]), torch.tensor([[LOG(0.6), LOG(0.4)], [LOG(0.9), LOG(0.1)]]), width=3
+    )
     assert new.tolist() == [3, 4, 5]
     return tree
 
@@ -62,8 +63,11 @@ def test_append_level_ties_and_order_are_deterministic():
     assert tree.tokens_N.tolist() == [1, 5, 6, 7, 8, 9]
     # Within a parent, children keep candidate order even when a later candidate is more likely;
     # -inf candidates are never kept, even when the width allows it.
-    tree.append_level(torch.tensor([[20, 21], [22, 23], [24, 25]]),
-                      torch.tensor([[LOG(0.1), LOG(0.9)], [-math.inf, LOG(0.2)], [-math.inf, -math.inf]]), width=10)
+    tree.append_level(
+        torch.tensor([[20, 21], [22, 23], [24, 25]]),
+        torch.tensor([[LOG(0.1), LOG(0.9)], [-math.inf, LOG(0.2)], [-math.inf, -math.inf]]),
+        width=10,
+    )
     assert tree.tokens_N[6:].tolist() == [20, 21, 23]
     assert tree.parents_N[6:].tolist() == [3, 3, 4]
     assert tree.bottom_level().tolist() == [6, 7, 8]
@@ -141,7 +145,7 @@ def _check_invariants(tree: TokenTree) -> None:
         assert torch.equal(m[i], expected)
         assert tree.depths_N[i] == tree.depths_N[parent] + 1 == int(m[i].sum()) - 1
         torch.testing.assert_close(tree.cum_logprobs_N[i], tree.cum_logprobs_N[parent] + tree.logprobs_N[i])
-        assert torch.equal(tree.path(i), torch.cat([tree.path(parent), tree.tokens_N[i:i + 1]]))
+        assert torch.equal(tree.path(i), torch.cat([tree.path(parent), tree.tokens_N[i : i + 1]]))
     assert bool((tree.depths_N[1:] >= tree.depths_N[:-1]).all())  # BFS: levels are contiguous
     assert bool((tree.parents_N[2:] >= tree.parents_N[1:-1]).all())  # grouped by parent, parents in order
 
@@ -151,8 +155,11 @@ def test_random_grow_and_prune_keeps_the_invariants():
     tree = TokenTree(3)
     for step in range(30):
         level = tree.bottom_level().shape[0]
-        tree.append_level(torch.randint(0, 50, (level, 3), generator=gen),
-                          torch.log_softmax(torch.randn(level, 3, generator=gen), -1), width=4)
+        tree.append_level(
+            torch.randint(0, 50, (level, 3), generator=gen),
+            torch.log_softmax(torch.randn(level, 3, generator=gen), -1),
+            width=4,
+        )
         _check_invariants(tree)
         if step % 2:
             children = tree.children(0)
@@ -261,7 +268,8 @@ def test_a_node_that_sees_every_row_needs_no_mask():
     assert tree_attention_mask(q_pos_T, key_pos_K, chain_TN, None, "sdpa", torch.float32) is None
     sibling_TN = torch.tensor([[True, False]])
     assert tree_attention_mask(q_pos_T, key_pos_K, sibling_TN, None, "sdpa", torch.float32)[0, 0].tolist() == [
-        [True, True, True, True, True, False]]
+        [True, True, True, True, True, False]
+    ]
     windowed = tree_attention_mask(q_pos_T, key_pos_K, chain_TN, 3, "sdpa", torch.float32)
     assert windowed[0, 0].tolist() == [[False, False, False, True, True, True]]
     eager = tree_attention_mask(q_pos_T, key_pos_K, chain_TN, None, "eager", torch.float32)
@@ -285,12 +293,15 @@ def _random_level(tree: TokenTree, gen: torch.Generator, k: int = 2, width: int 
     return tree.append_level(tokens, torch.log_softmax(torch.randn(level, k, generator=gen), -1), width)
 
 
-@pytest.mark.parametrize("family,attn,overrides", [
-    ("llama", "sdpa", {}),
-    ("qwen3", "sdpa", {}),
-    ("llama", "eager", {}),
-    ("mistral", "sdpa", {"sliding_window": 3}),  # deeper than the window: tree keys are windowed too
-])
+@pytest.mark.parametrize(
+    "family,attn,overrides",
+    [
+        ("llama", "sdpa", {}),
+        ("qwen3", "sdpa", {}),
+        ("llama", "eager", {}),
+        ("mistral", "sdpa", {"sliding_window": 3}),  # deeper than the window: tree keys are windowed too
+    ],
+)
 def test_whole_tree_through_the_stages_equals_plain_forwards(family, attn, overrides):
     model = tiny_model(family, attn=attn, **overrides)
     staged = StagedModel(model, 4)
@@ -305,8 +316,9 @@ def test_whole_tree_through_the_stages_equals_plain_forwards(family, attn, overr
         staged.forward_stages(torch.tensor([prefix[:-1]]), caches)
         hidden = staged.embed(tree.tokens_N[None])
         for s in range(4):
-            hidden = staged.run_stage(s, hidden, caches[s], tree.positions(committed)[None],
-                                      tree_mask_TN=tree.mask()).hidden_BTD
+            hidden = staged.run_stage(
+                s, hidden, caches[s], tree.positions(committed)[None], tree_mask_TN=tree.mask()
+            ).hidden_BTD
         logits = staged.logits(hidden)[0]
     _, ref = _reference(model, [prefix[:-1] + tree.path(i).tolist() for i in range(len(tree))])
     torch.testing.assert_close(logits, ref, atol=TOL, rtol=0)
@@ -346,8 +358,9 @@ def test_pipelined_tree_decoding_with_pruning_equals_plain_forwards(family):
                 continue
             a, b = int(idx[0]), int(idx[-1]) + 1
             assert idx.tolist() == list(range(a, b)) and caches[s].length == committed + a
-            out = staged.run_stage(s, hidden, caches[s], tree.positions(committed)[a:b][None],
-                                   tree_mask_TN=tree.mask()[a:b, :b]).hidden_BTD
+            out = staged.run_stage(
+                s, hidden, caches[s], tree.positions(committed)[a:b][None], tree_mask_TN=tree.mask()[a:b, :b]
+            ).hidden_BTD
             outputs += [(committed_ids + tree.path(i).tolist(), s, out[0, j]) for j, i in enumerate(idx.tolist())]
             if s + 1 < n:
                 inflight[s + 1] = (idx, out)
@@ -391,8 +404,7 @@ def test_tree_mask_errors_are_clear():
     with pytest.raises(SpdInputError, match="bool"):
         staged.run_stage(0, hidden, caches[0], torch.tensor([[0, 1]]), tree_mask_TN=torch.ones(2, 2))
     with pytest.raises(SpdInputError, match="shape"):
-        staged.run_stage(0, hidden, caches[0], torch.tensor([[0, 1]]),
-                         tree_mask_TN=torch.ones(2, 3, dtype=torch.bool))
+        staged.run_stage(0, hidden, caches[0], torch.tensor([[0, 1]]), tree_mask_TN=torch.ones(2, 3, dtype=torch.bool))
     assert caches[0].length == 0
 
 
@@ -495,8 +507,10 @@ def test_verification_is_reproducible_from_the_generator():
     runs = []
     for _ in range(2):
         gen = torch.Generator().manual_seed(5)
-        runs.append([verify_sampled_deterministic(P, [1, 3], gen) for _ in range(50)]
-                    + [verify_sampled_recursive(P, [0, 2], [Q, Q], gen) for _ in range(50)])
+        runs.append(
+            [verify_sampled_deterministic(P, [1, 3], gen) for _ in range(50)]
+            + [verify_sampled_recursive(P, [0, 2], [Q, Q], gen) for _ in range(50)]
+        )
     assert runs[0] == runs[1]
     with pytest.raises(SpdInputError, match="one draft distribution per candidate"):
         verify_sampled_recursive(P, [0, 2], [Q], torch.Generator())

@@ -126,8 +126,9 @@ def test_greedy_tree_equals_ar_with_drafts_of_every_quality(target_model, n):
 @pytest.mark.parametrize("family,overrides", [("qwen3", {}), ("mistral", {"sliding_window": 4})])
 def test_greedy_tree_equals_ar_other_families(family, overrides):
     model = tiny_model(family, **overrides)
-    engine = Engine.tree(StagedModel(model, 4), DraftModelProposer(StagedModel(_noisy_copy(model, 0.3), 1),
-                                                               StagedModel(model, 4), 4), 4)
+    engine = Engine.tree(
+        StagedModel(model, 4), DraftModelProposer(StagedModel(_noisy_copy(model, 0.3), 1), StagedModel(model, 4), 4), 4
+    )
     for prompt in PROMPTS[:2]:
         out = engine.run(prompt, 24, SamplingParams())
         assert out.token_ids == generate_ar(engine.staged, prompt, 24).token_ids
@@ -186,8 +187,18 @@ def test_noisy_draft_gains_from_width(target_model):
         if width == 4:
             assert sum(sum(s.accepted_by_sibling[1:]) for s in stats) > 0
             d = stats[0].as_dict()
-            for key in ("steps", "decode_tokens", "flushes", "equivalent_accept_length", "mean_tree_size",
-                        "max_tree_size", "accepted_by_sibling", "verified_by_position", "tokens_per_s", "width"):
+            for key in (
+                "steps",
+                "decode_tokens",
+                "flushes",
+                "equivalent_accept_length",
+                "mean_tree_size",
+                "max_tree_size",
+                "accepted_by_sibling",
+                "verified_by_position",
+                "tokens_per_s",
+                "width",
+            ):
                 assert key in d
             assert d["mode"] == "tree" and d["source"] == "draft" and d["children"] == 4
     assert by_width[4] > by_width[1]
@@ -220,6 +231,7 @@ class _Recorder:
             out = self._query(*args, **kwargs)
             self.outputs.append(out.clone())
             return out
+
         self.head.query = query
         return self
 
@@ -391,14 +403,18 @@ def test_bad_settings_and_heads_are_refused(target_model):
 def test_every_token_source_is_a_proposer(target_model):
     staged = StagedModel(target_model, 4)
     head = new_head(staged, DistillConfig(n_stages=4)).eval()
-    for source in (SpdHeadProposer(head, staged), HeadProposer(head, staged), DraftModelProposer(StagedModel(target_model, 1),
-                                                                                           staged)):
+    for source in (
+        SpdHeadProposer(head, staged),
+        HeadProposer(head, staged),
+        DraftModelProposer(StagedModel(target_model, 1), staged),
+    ):
         assert isinstance(source, Proposer), type(source).__name__
 
 
 def test_from_pretrained_and_generate_api(tiny_testbed):
-    engine = Engine.from_pretrained(str(tiny_testbed / "target"), draft_model=str(tiny_testbed / "draft"), stages=4,
-                                        width=4, children=4)
+    engine = Engine.from_pretrained(
+        str(tiny_testbed / "target"), draft_model=str(tiny_testbed / "draft"), stages=4, width=4, children=4
+    )
     seen = []
     out = engine.generate("def main():\n", max_new_tokens=12, streamer=seen.append)
     ar = engine.generate("def main():\n", max_new_tokens=12, mode="ar")
@@ -413,8 +429,15 @@ def test_token_acceptance_flags(target_model, temperature):
     engine = _draft_engine(target_model, 4, 4, 4)
     for mode in ("tree", "ar"):
         seen = []
-        out = engine.generate([5, 17, 3, 99], max_new_tokens=30, mode=mode, temperature=temperature, seed=2,
-                              eos_token_id=[], on_token=lambda token, accepted: seen.append((token, accepted)))
+        out = engine.generate(
+            [5, 17, 3, 99],
+            max_new_tokens=30,
+            mode=mode,
+            temperature=temperature,
+            seed=2,
+            eos_token_id=[],
+            on_token=lambda token, accepted: seen.append((token, accepted)),
+        )
         flags = out.stats.token_acceptance
         assert len(flags) == out.stats.new_tokens == 30 and flags[0] is False
         assert seen == list(zip(out.token_ids, flags)) and out.stats.as_dict()["token_acceptance"] == flags

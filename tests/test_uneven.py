@@ -57,14 +57,14 @@ def test_head_carries_its_cut(tmp_path):
     assert pipeline_cut(None, None) == (1, None)
     assert pipeline_cut(None, None, str(tmp_path / "head"), target=str(tmp_path / "target")) == (None, [0, 2, 4, 6, 7])
     tiny_model("llama", layers=3).save_pretrained(tmp_path / "shallow")
-    with pytest.raises(SpdInputError, match="does not fit this target: it was trained for a target of 7 layers, "
-                                            "and this one has 3"):
+    with pytest.raises(
+        SpdInputError, match="does not fit this target: it was trained for a target of 7 layers, and this one has 3"
+    ):
         pipeline_cut(None, None, str(tmp_path / "head"), target=str(tmp_path / "shallow"))
     engine = Engine.from_pretrained(str(tmp_path / "target"), speculator=str(tmp_path / "head"))
     assert engine.staged.boundaries == [0, 2, 4, 6, 7]
     with pytest.raises(SpdInputError, match="--boundaries 2,4,6"):
-        Engine.from_pretrained(str(tmp_path / "target"), speculator=str(tmp_path / "head"),
-                                       boundaries=[0, 1, 2, 3, 7])
+        Engine.from_pretrained(str(tmp_path / "target"), speculator=str(tmp_path / "head"), boundaries=[0, 1, 2, 3, 7])
 
 
 def test_cli_and_bench_take_boundaries(tmp_path):
@@ -77,8 +77,9 @@ def test_cli_and_bench_take_boundaries(tmp_path):
     common = ["--target", target, "--prompt-ids", ids, "--max-new-tokens", "12", "--json"]
     ar = json.loads(run_script("spd/cli/generate.py", *common).stdout)
     pp = json.loads(run_script("spd/cli/generate.py", *common, "--mode", "pp", "--boundaries", "2,4,6").stdout)
-    spd = json.loads(run_script("spd/cli/generate.py", *common, "--mode", "spd", "--speculator",
-                                str(tmp_path / "head")).stdout)
+    spd = json.loads(
+        run_script("spd/cli/generate.py", *common, "--mode", "spd", "--speculator", str(tmp_path / "head")).stdout
+    )
     assert pp["token_ids"] == spd["token_ids"] == ar["token_ids"]
     assert pp["stats"]["stages"] == spd["stats"]["stages"] == 4
     bad = run_script("spd/cli/generate.py", *common, "--mode", "pp", "--stages", "4", check=False)
@@ -88,9 +89,23 @@ def test_cli_and_bench_take_boundaries(tmp_path):
 def test_bench_uneven_pp(tiny_testbed, tmp_path):
     """bench pp:B1,B2 runs the standard pipeline over an uneven cut and matches ar."""
     out = tmp_path / "bench.json"
-    run_script("bench/bench.py", "--target", str(tiny_testbed / "target"), "--prompts",
-               str(tiny_testbed / "prompts.jsonl"), "--num-prompts", "2", "--max-new-tokens", "8",
-               "--run", "ar", "--run", "pp:3,5", "--out", str(out))
+    run_script(
+        "bench/bench.py",
+        "--target",
+        str(tiny_testbed / "target"),
+        "--prompts",
+        str(tiny_testbed / "prompts.jsonl"),
+        "--num-prompts",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--run",
+        "ar",
+        "--run",
+        "pp:3,5",
+        "--out",
+        str(out),
+    )
     row = json.loads(out.read_text())["results"]["T=0"]["pp b=3,5"]
     assert row["boundaries"] == [0, 3, 5, 8] and row["stages"] == 3
     assert row["summary"]["identical_to_ar"] == 2
@@ -112,11 +127,21 @@ def test_server_takes_boundaries(tiny_testbed):
 
 def test_distributed_runtime_takes_boundaries(tiny_testbed):
     """--runtime distributed over an uneven cut: each stage process loads its own layers; the tokens are ar's."""
-    common = ["--target", str(tiny_testbed / "target"), "--prompt", "def main(argv):", "--max-new-tokens", "12",
-              "--json"]
+    common = [
+        "--target",
+        str(tiny_testbed / "target"),
+        "--prompt",
+        "def main(argv):",
+        "--max-new-tokens",
+        "12",
+        "--json",
+    ]
     ar = json.loads(run_script("spd/cli/generate.py", *common).stdout)
-    pp = json.loads(run_script("spd/cli/generate.py", *common, "--mode", "pp", "--boundaries", "3,5",
-                               "--runtime", "distributed").stdout)
+    pp = json.loads(
+        run_script(
+            "spd/cli/generate.py", *common, "--mode", "pp", "--boundaries", "3,5", "--runtime", "distributed"
+        ).stdout
+    )
     assert pp["token_ids"] == ar["token_ids"] and pp["stats"]["stages"] == 3
 
 

@@ -23,16 +23,22 @@ from spd.errors import run_cli
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="spd-convert", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", help="an authors' .pt file, an hf://OWNER/REPO[@REV]/FILE.pt reference, or a directory "
-                                  "written by spd-convert")
+    p = argparse.ArgumentParser(
+        prog="spd-convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "source",
+        help="an authors' .pt file, an hf://OWNER/REPO[@REV]/FILE.pt reference, or a directory written by spd-convert",
+    )
     p.add_argument("out", help="the directory (from a .pt) or .pt file (from a directory) to write")
     p.add_argument("--revision", default=None, help="hub revision for an hf:// reference")
     p.add_argument("--target", default=None, help="our head -> their .pt: the head's target (directory or hub id)")
-    p.add_argument("--force", action="store_true",
-                   help="write over an existing output spd-convert did not write (only its own file names are "
-                        "replaced; nothing else is removed)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="write over an existing output spd-convert did not write (only its own file names are "
+        "replaced; nothing else is removed)",
+    )
     args = p.parse_args(argv)
     from spd.cli.generate import _quiet_libraries
 
@@ -42,8 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _convert(args) -> int:
     """Convert ``args.source`` the way its kind says (our head with --target, our directory, or their file)."""
-    from spd.heads.published.convert import (check_output_file, head_to_authors_file, to_authors_file,
-                                       to_directory)
+    from spd.heads.published.convert import check_output_file, head_to_authors_file, to_authors_file, to_directory
 
     if args.target is not None:
         from spd.heads.loading import load_speculator_config
@@ -51,8 +56,9 @@ def _convert(args) -> int:
 
         check_output_file(args.out, args.force)  # before the target is loaded
         n = load_speculator_config(args.source).n_stages
-        out = head_to_authors_file(args.source, StagedModel.from_pretrained(args.target, n_stages=n), args.out,
-                                   args.force)
+        out = head_to_authors_file(
+            args.source, StagedModel.from_pretrained(args.target, n_stages=n), args.out, args.force
+        )
     elif Path(args.source).expanduser().is_dir():
         out = to_authors_file(args.source, args.out, args.force)
     else:

@@ -32,6 +32,7 @@ from spd.errors import SpdInputError, run_cli
 from spd.paths import check_model_source
 from spd.heads.published.authors_file import is_authors_file
 
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (usage is in --help) and exit code 2."""
 
@@ -41,7 +42,9 @@ class _Parser(argparse.ArgumentParser):
 
 # The fields of DecodingSpec that the distributed runtime's program (spd/cli/run_pipeline.py) takes as flags; its
 # --mode takes several modes, and device, runtime and draft_steps are not its.
-RUNTIME_FLAGS = tuple(f for f in DecodingSpec.__dataclass_fields__ if f not in ("mode", "device", "runtime", "draft_steps"))
+RUNTIME_FLAGS = tuple(
+    f for f in DecodingSpec.__dataclass_fields__ if f not in ("mode", "device", "runtime", "draft_steps")
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,8 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    p.add_argument("--show-acceptance", action="store_true",
-                   help="colour the streamed tokens that were accepted speculations (ANSI green)")
+    p.add_argument(
+        "--show-acceptance",
+        action="store_true",
+        help="colour the streamed tokens that were accepted speculations (ANSI green)",
+    )
     return p
 
 
@@ -110,11 +116,14 @@ def _check_numbers(args) -> None:
     args.mode = spec.mode  # the default follows --speculator and --draft-model
     spec.check()
     if args.chat and args.prompt_ids is not None:
-        raise SpdInputError("--chat wraps a text prompt in the chat template; --prompt-ids are used as given, "
-                            "so pass the template's token ids yourself")
+        raise SpdInputError(
+            "--chat wraps a text prompt in the chat template; --prompt-ids are used as given, "
+            "so pass the template's token ids yourself"
+        )
     if args.show_acceptance and args.json:
-        raise SpdInputError("--show-acceptance colours the streamed text; with --json the flags are in "
-                            "stats.token_acceptance")
+        raise SpdInputError(
+            "--show-acceptance colours the streamed text; with --json the flags are in stats.token_acceptance"
+        )
 
 
 def _load_tokenizer(source: str, revision: str | None):
@@ -163,13 +172,13 @@ class TokenStreamer:
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):
             return
-        self._write(text[self.printed:], self.held_accepted)
+        self._write(text[self.printed :], self.held_accepted)
         self.printed, self.held_accepted = len(text), True
 
     def close(self) -> None:
         if self.tokenizer is not None:
             text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-            self._write(text[self.printed:], self.held_accepted)
+            self._write(text[self.printed :], self.held_accepted)
         self.stream.write("\n")
         self.stream.flush()
 
@@ -181,8 +190,10 @@ def load_cli_tokenizer(args, prompt: str | list[int]):
     if args.tokenizer is None and not has_tokenizer_files(args.target, args.revision):
         if isinstance(prompt, list):
             return None
-        raise SpdInputError(f"the target '{args.target}' has no tokenizer; pass --tokenizer DIR_OR_ID, or the "
-                            "prompt as token ids with --prompt-ids")
+        raise SpdInputError(
+            f"the target '{args.target}' has no tokenizer; pass --tokenizer DIR_OR_ID, or the "
+            "prompt as token ids with --prompt-ids"
+        )
     return _load_tokenizer(args.tokenizer or args.target, args.revision if args.tokenizer is None else None)
 
 
@@ -190,8 +201,9 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
     """Refuse --prompt-ids outside the target's vocabulary."""
     bad = [t for t in prompt_ids if t >= vocab_size]
     if bad:
-        raise SpdInputError(f"--prompt-ids has token id {bad[0]}, outside the target's vocabulary "
-                            f"(0..{vocab_size - 1})")
+        raise SpdInputError(
+            f"--prompt-ids has token id {bad[0]}, outside the target's vocabulary (0..{vocab_size - 1})"
+        )
 
 
 def run(args) -> int:
@@ -217,26 +229,38 @@ def run(args) -> int:
         prompt_ids = prompt
     elif args.chat:
         if not tokenizer.chat_template:
-            raise SpdInputError(f"--chat was given but the tokenizer of '{args.tokenizer or args.target}' "
-                                "has no chat template")
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=False)
+            raise SpdInputError(
+                f"--chat was given but the tokenizer of '{args.tokenizer or args.target}' has no chat template"
+            )
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
         prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         prompt_ids = tokenizer(prompt)["input_ids"]
     dtype = getattr(torch, args.dtype)
-    stages, boundaries = pipeline_cut(args.stages, args.boundaries,
-                                      args.speculator, args.speculator_revision, args.target, args.revision)
-    staged = StagedModel.from_pretrained(args.target, n_stages=stages, boundaries=boundaries, revision=args.revision,
-                                         dtype=dtype, device=args.device)
+    stages, boundaries = pipeline_cut(
+        args.stages, args.boundaries, args.speculator, args.speculator_revision, args.target, args.revision
+    )
+    staged = StagedModel.from_pretrained(
+        args.target, n_stages=stages, boundaries=boundaries, revision=args.revision, dtype=dtype, device=args.device
+    )
     head = None
     if args.speculator is not None:
         head = load_speculator(args.speculator, args.speculator_revision, dtype, args.device, target=staged)
     check_prompt_ids(prompt_ids, staged.vocab_size)
     engine = build_engine(DecodingSpec.of(args), staged, head, tokenizer, dtype, args.device)
     streamer = None if args.json else TokenStreamer(tokenizer, sys.stdout, colour=args.show_acceptance)
-    out = engine.generate(prompt_ids, args.max_new_tokens, mode=args.mode, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, on_token=streamer)
+    out = engine.generate(
+        prompt_ids,
+        args.max_new_tokens,
+        mode=args.mode,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        on_token=streamer,
+    )
     stats = out.stats.as_dict()
     if args.json:
         # Without a tokenizer the tokens cannot be decoded: "text" is null, the token ids are the output.
@@ -244,15 +268,21 @@ def run(args) -> int:
         print(json.dumps({"text": text, "token_ids": out.token_ids, "stats": stats}))
     else:
         streamer.close()
-        line = (f"[{stats['mode']}] {stats['new_tokens']} tokens in {stats['wall_time_s']:.2f} s "
-                f"({stats['tokens_per_s']:.1f} tokens/s), stop: {stats['stop_reason']}")
+        line = (
+            f"[{stats['mode']}] {stats['new_tokens']} tokens in {stats['wall_time_s']:.2f} s "
+            f"({stats['tokens_per_s']:.1f} tokens/s), stop: {stats['stop_reason']}"
+        )
         if "steps" in stats:
-            line += (f"; {stats['stages']} stages, {stats['steps']} steps, {stats['flushes']} flushes, "
-                     f"L'_acc {stats['equivalent_accept_length']:.2f}, "
-                     f"theoretical speedup {stats['theoretical_speedup']:.2f}")
+            line += (
+                f"; {stats['stages']} stages, {stats['steps']} steps, {stats['flushes']} flushes, "
+                f"L'_acc {stats['equivalent_accept_length']:.2f}, "
+                f"theoretical speedup {stats['theoretical_speedup']:.2f}"
+            )
         if "mean_acceptance_length" in stats:
-            line += (f"; m = {stats['draft_steps']}, {stats['iterations']} target forwards, mean acceptance length "
-                     f"{stats['mean_acceptance_length']:.2f}, theoretical speedup {stats['theoretical_speedup']:.2f}")
+            line += (
+                f"; m = {stats['draft_steps']}, {stats['iterations']} target forwards, mean acceptance length "
+                f"{stats['mean_acceptance_length']:.2f}, theoretical speedup {stats['theoretical_speedup']:.2f}"
+            )
         if "mean_tree_size" in stats:
             line += f"; tree W={stats['width']} K={stats['children']}, mean size {stats['mean_tree_size']:.1f}"
         print(line, file=sys.stderr)
@@ -279,24 +309,42 @@ def run_distributed(args, prompt: str | list[int]) -> int:
         head_stages = speculator_stages(args.speculator, args.speculator_revision)
         stages = stages or head_stages
         if head_stages != stages:
-            raise SpdInputError(f"the speculator does not fit this target: it was trained for n = "
-                                f"{head_stages} stages but the pipeline has {stages}")
+            raise SpdInputError(
+                f"the speculator does not fit this target: it was trained for n = "
+                f"{head_stages} stages but the pipeline has {stages}"
+            )
     stages = stages or 1
     from spd.runtime.world import free_port, local_world_env
 
     spec = DecodingSpec.of(args, stages=stages)
-    cmd = [sys.executable, "-m", "spd.cli.run_pipeline", "--mode", args.mode, *spec.argv(RUNTIME_FLAGS),
-           *(["--prompt-ids", ",".join(map(str, prompt))] if isinstance(prompt, list) else ["--prompt", prompt]),
-           "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature),
-           "--top-k", str(args.top_k), "--top-p", str(args.top_p)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spd.cli.run_pipeline",
+        "--mode",
+        args.mode,
+        *spec.argv(RUNTIME_FLAGS),
+        *(["--prompt-ids", ",".join(map(str, prompt))] if isinstance(prompt, list) else ["--prompt", prompt]),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--temperature",
+        str(args.temperature),
+        "--top-k",
+        str(args.top_k),
+        "--top-p",
+        str(args.top_p),
+    ]
     cmd += ["--seed", str(args.seed)] if args.seed is not None else []
     cmd += ["--chat"] if args.chat else []
     cmd += ["--json"] if args.json else []
     cmd += ["--show-acceptance"] if args.show_acceptance else []
     # One process per rank, started here rather than by torchrun: rank 0 then serves the rendezvous store on
     # loopback only (torchrun's agent store listens on every interface), and gloo binds to loopback too.
-    env = {**local_world_env(free_port()), "WORLD_SIZE": str(stages + 1),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {
+        **local_world_env(free_port()),
+        "WORLD_SIZE": str(stages + 1),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
     from spd.serving.children import end_child, sigterm_unwinds, start_child
 
     # The ranks end with this process: SIGTERM or Ctrl-C here stops them, and a kill that runs no handler reaches
@@ -306,9 +354,15 @@ def run_distributed(args, prompt: str | list[int]) -> int:
     procs, errs = [], []
     try:
         for rank in range(stages + 1):
-            procs.append(start_child(cmd, stdout=sys.stdout if rank == 0 else subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True,
-                                     env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+            procs.append(
+                start_child(
+                    cmd,
+                    stdout=sys.stdout if rank == 0 else subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                )
+            )
         errs = _collect_stderr(procs, grace_s=args.timeout_s + 10)
     except BaseException:
         for proc in procs:
@@ -319,8 +373,7 @@ def run_distributed(args, prompt: str | list[int]) -> int:
     lines = stderr.splitlines()
     errors = [line for line in lines if line.startswith("error:")]
     if returncode != 0:
-        print(errors[0] if errors else f"error: the distributed runtime failed (exit {returncode})",
-              file=sys.stderr)
+        print(errors[0] if errors else f"error: the distributed runtime failed (exit {returncode})", file=sys.stderr)
         return 1 if errors and errors[0].startswith("error: rank") else 2  # a lost rank vs a wrong input
     for line in lines:
         if line.startswith("["):

@@ -29,11 +29,17 @@ from spd.cli.batch_flags import add_prefill_flags, check_prefill_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="run_pipeline", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", nargs="+", default=None, choices=("spd", "pp", "tree"),
-                   help="one or more modes, run one after another on the same processes (default: spd with "
-                        "--speculator, tree with only --draft-model, else spd, which needs --speculator)")
+    p = argparse.ArgumentParser(
+        prog="run_pipeline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--mode",
+        nargs="+",
+        default=None,
+        choices=("spd", "pp", "tree"),
+        help="one or more modes, run one after another on the same processes (default: spd with "
+        "--speculator, tree with only --draft-model, else spd, which needs --speculator)",
+    )
     DecodingSpec.add_flags(p, exclude=("mode", "device", "runtime", "draft_steps"))
     p.add_argument("--prompt", default=None)
     p.add_argument("--prompt-ids", default=None, help="the prompt as comma-separated token ids")
@@ -47,11 +53,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl with CUDA, else gloo)")
     p.add_argument("--emulate-token-ms", type=float, default=0.0, help="and per token of that call")
-    p.add_argument("--early-launch", action="store_true",
-                   help="let stage 1 start a proposal before the step that made it is verified (see spd/runtime/)")
-    p.add_argument("--max-batch", type=int, default=1,
-                   help="run up to B prompts of --prompts at once through the stages (dynamic batching, "
-                        "docs/method.md section 9); 1: one after another")
+    p.add_argument(
+        "--early-launch",
+        action="store_true",
+        help="let stage 1 start a proposal before the step that made it is verified (see spd/runtime/)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=1,
+        help="run up to B prompts of --prompts at once through the stages (dynamic batching, "
+        "docs/method.md section 9); 1: one after another",
+    )
     add_prefill_flags(p)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--json", action="store_true")
@@ -62,12 +75,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_numbers(args) -> None:
     """Refuse numbers no run can use (one sentence), before any process joins the world."""
-    check_runtime_numbers(args.timeout_s, emulate_stage_ms=args.emulate_stage_ms, emulate_token_ms=args.emulate_token_ms,
-                          emulate_link_ms=args.emulate_link_ms, temperature=args.temperature)
+    check_runtime_numbers(
+        args.timeout_s,
+        emulate_stage_ms=args.emulate_stage_ms,
+        emulate_token_ms=args.emulate_token_ms,
+        emulate_link_ms=args.emulate_link_ms,
+        temperature=args.temperature,
+    )
     if not 0 < args.top_p <= 1:
         raise SpdInputError(f"--top-p must be in (0, 1], got {args.top_p}")
-    for flag, low in (("threads", 1), ("max_new_tokens", 1), ("num_prompts", 1), ("top_k", 0), ("max_batch", 1),
-                       ("prefill_chunk", 1), ("step_tokens", 1), ("tree_nodes", 1)):
+    for flag, low in (
+        ("threads", 1),
+        ("max_new_tokens", 1),
+        ("num_prompts", 1),
+        ("top_k", 0),
+        ("max_batch", 1),
+        ("prefill_chunk", 1),
+        ("step_tokens", 1),
+        ("tree_nodes", 1),
+    ):
         value = getattr(args, flag)
         if value is not None and value < low:
             raise SpdInputError(f"--{flag.replace('_', '-')} must be at least {low}, got {value}")
@@ -88,9 +114,14 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    config = RuntimeConfig(backend=backend, timeout_s=args.timeout_s, emulate_stage_ms=args.emulate_stage_ms,
-                           emulate_token_ms=args.emulate_token_ms,
-                           emulate_link_ms=args.emulate_link_ms, early_launch=args.early_launch)
+    config = RuntimeConfig(
+        backend=backend,
+        timeout_s=args.timeout_s,
+        emulate_stage_ms=args.emulate_stage_ms,
+        emulate_token_ms=args.emulate_token_ms,
+        emulate_link_ms=args.emulate_link_ms,
+        early_launch=args.early_launch,
+    )
     return run_cli(_run_world, args, config, flush=True, interrupted=130)
 
 
@@ -108,8 +139,10 @@ def _run_world(args, config) -> int:
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         n = world - 1
         if n < 1 or (args.stages is not None and args.stages != n):
-            raise SpdInputError(f"the world has {world} processes but --stages is {args.stages}; "
-                                "expected stages + 1 processes (--nproc-per-node, summed over the machines)")
+            raise SpdInputError(
+                f"the world has {world} processes but --stages is {args.stages}; "
+                "expected stages + 1 processes (--nproc-per-node, summed over the machines)"
+            )
         check_world_address()  # before loading: a world that cannot meet says so at once, on every machine
         device = local_rank_device(backend)
         dtype = getattr(torch, args.dtype)
@@ -139,7 +172,9 @@ def _boundaries(args, n: int) -> list[int] | None:
     """The cut every rank loads: --boundaries, else the speculator's own cut when it has n stages, else equal."""
     from spd.heads.loading import pipeline_cut
 
-    stages, boundaries = pipeline_cut(n, args.boundaries, args.speculator, args.speculator_revision, args.target, args.revision)
+    stages, boundaries = pipeline_cut(
+        n, args.boundaries, args.speculator, args.speculator_revision, args.target, args.revision
+    )
     return boundaries
 
 
@@ -164,8 +199,11 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
     prompts = _prompts(args, tokenizer)
     staged = load_partial(args.target, n, 0, args.revision, dtype, device, _boundaries(args, n))
     check_same_job(job_identity(args.target, args.revision, staged, dtype, config), control)
-    head = (load_speculator(args.speculator, args.speculator_revision, dtype, device, target=staged)
-            if args.speculator else None)
+    head = (
+        load_speculator(args.speculator, args.speculator_revision, dtype, device, target=staged)
+        if args.speculator
+        else None
+    )
     remote = RemoteStages(staged, config, control)
     results: dict[str, list[dict]] = {}
     clocks: dict[str, dict] = {}  # per mode, where each rank's time went (--out)
@@ -177,8 +215,9 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
             tree = build_engine(DecodingSpec.of(args, mode="tree"), staged, head, tokenizer, dtype, device, remote)
         for engine in (chain, tree):  # a budget too small for a full batch, before any mode runs
             if engine is not None and args.max_batch > 1:
-                width = full_batch_width(engine.loop.policy.max_width, args.max_batch,
-                                         args.tree_nodes if engine is tree else None)
+                width = full_batch_width(
+                    engine.loop.policy.max_width, args.max_batch, args.tree_nodes if engine is tree else None
+                )
                 check_step_tokens(args.step_tokens, args.max_batch, width)
         for mode in args.mode:
             results[mode] = []
@@ -191,9 +230,15 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
             else:
                 prompts_one_by_one = prompts
             for i, ids in enumerate(prompts_one_by_one):
-                out = engine.generate(ids, args.max_new_tokens, mode=mode, temperature=args.temperature,
-                                      top_k=args.top_k, top_p=args.top_p,
-                                      seed=None if args.seed is None else args.seed + i)
+                out = engine.generate(
+                    ids,
+                    args.max_new_tokens,
+                    mode=mode,
+                    temperature=args.temperature,
+                    top_k=args.top_k,
+                    top_p=args.top_p,
+                    seed=None if args.seed is None else args.seed + i,
+                )
                 results[mode].append({"token_ids": out.token_ids, "stats": out.stats.as_dict()})
                 if len(prompts) > 1:
                     print(f"[{mode}] {i + 1}/{len(prompts)} prompts", file=sys.stderr, flush=True)
@@ -223,8 +268,9 @@ def _run_batched(args, engine, mode: str, prompts: list[list[int]], tokenizer, s
     requests = []
     for i, ids in enumerate(prompts):
         _, eos = prepare_prompt(tokenizer, ids, None, staged.model)
-        sampling = SamplingParams(args.temperature, args.top_k, args.top_p,
-                                  None if args.seed is None else args.seed + i)
+        sampling = SamplingParams(
+            args.temperature, args.top_k, args.top_p, None if args.seed is None else args.seed + i
+        )
         requests.append(batch.submit(ids, args.max_new_tokens, sampling, eos, mode=mode))
     batch.run()
     records = []
@@ -232,8 +278,12 @@ def _run_batched(args, engine, mode: str, prompts: list[list[int]], tokenizer, s
         if request.error is not None:
             raise request.error
         records.append({"token_ids": request.output.token_ids, "stats": request.output.stats.as_dict()})
-    print(f"[{mode}] {len(prompts)} prompts in {batch.steps} batched steps (largest batch "
-          f"{max(batch.batch_sizes, default=0)})", file=sys.stderr, flush=True)
+    print(
+        f"[{mode}] {len(prompts)} prompts in {batch.steps} batched steps (largest batch "
+        f"{max(batch.batch_sizes, default=0)})",
+        file=sys.stderr,
+        flush=True,
+    )
     return records
 
 
@@ -255,8 +305,10 @@ def _prompts(args, tokenizer) -> list[list[int]]:
         texts = [json.loads(line)["prompt"] for line in path.open(encoding="utf-8") if line.strip()]
         texts = texts[: args.num_prompts] if args.num_prompts is not None else texts
     if args.chat:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                               tokenize=False) for t in texts]
+        texts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+            for t in texts
+        ]
         return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     return [tokenizer(t)["input_ids"] for t in texts]
 
@@ -267,11 +319,16 @@ def summarize(records: list[dict], n: int) -> dict:
     decode = sum(r["stats"]["decode_tokens"] for r in records)
     steps = sum(r["stats"]["steps"] for r in records)
     decode_time = sum(r["stats"]["wall_time_s"] - r["stats"]["prefill_time_s"] for r in records)
-    return {"prompts": len(records), "new_tokens": new, "decode_tokens": decode, "steps": steps,
-            "L_acc": n * decode / steps if steps else None,
-            "wall_time_s": sum(r["stats"]["wall_time_s"] for r in records),
-            "decode_tokens_per_s": decode / decode_time if decode and decode_time > 0 else None,
-            "tokens_per_s": new / sum(r["stats"]["wall_time_s"] for r in records)}
+    return {
+        "prompts": len(records),
+        "new_tokens": new,
+        "decode_tokens": decode,
+        "steps": steps,
+        "L_acc": n * decode / steps if steps else None,
+        "wall_time_s": sum(r["stats"]["wall_time_s"] for r in records),
+        "decode_tokens_per_s": decode / decode_time if decode and decode_time > 0 else None,
+        "tokens_per_s": new / sum(r["stats"]["wall_time_s"] for r in records),
+    }
 
 
 def _report(args, tokenizer, results: dict[str, list[dict]], n: int, clocks: dict[str, dict]) -> None:
@@ -290,20 +347,34 @@ def _report(args, tokenizer, results: dict[str, list[dict]], n: int, clocks: dic
             for token, accepted in zip(record["token_ids"], s["token_acceptance"]):
                 streamer(token, accepted)
             streamer.close()
-            print(f"[{s['mode']}, {n} stages, distributed] {s['new_tokens']} tokens in {s['wall_time_s']:.2f} s "
-                  f"({s['tokens_per_s']:.1f} tokens/s), {s['steps']} steps, L'_acc "
-                  f"{s['equivalent_accept_length']:.2f}", file=sys.stderr, flush=True)
+            print(
+                f"[{s['mode']}, {n} stages, distributed] {s['new_tokens']} tokens in {s['wall_time_s']:.2f} s "
+                f"({s['tokens_per_s']:.1f} tokens/s), {s['steps']} steps, L'_acc "
+                f"{s['equivalent_accept_length']:.2f}",
+                file=sys.stderr,
+                flush=True,
+            )
     summary = {mode: summarize(records, n) for mode, records in results.items()}
     if args.prompts is not None or len(args.mode) > 1:
         for mode, s in summary.items():
             decode = "-" if s["decode_tokens_per_s"] is None else f"{s['decode_tokens_per_s']:.2f}"
             accept = "-" if s["L_acc"] is None else f"{s['L_acc']:.3f}"  # (one new token: no decode step)
-            print(f"{mode}: {s['prompts']} prompts, {s['new_tokens']} tokens, {s['tokens_per_s']:.2f} tokens/s "
-                  f"(decode {decode}), L'_acc {accept}", flush=True)
+            print(
+                f"{mode}: {s['prompts']} prompts, {s['new_tokens']} tokens, {s['tokens_per_s']:.2f} tokens/s "
+                f"(decode {decode}), L'_acc {accept}",
+                flush=True,
+            )
     if args.out:
-        report = {"command": " ".join(sys.argv), "stages": n, "emulate_stage_ms": args.emulate_stage_ms,
-                  "emulate_link_ms": args.emulate_link_ms, "summary": summary, "results": results, "clocks": clocks,
-                  "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        report = {
+            "command": " ".join(sys.argv),
+            "stages": n,
+            "emulate_stage_ms": args.emulate_stage_ms,
+            "emulate_link_ms": args.emulate_link_ms,
+            "summary": summary,
+            "results": results,
+            "clocks": clocks,
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report) + "\n")
 

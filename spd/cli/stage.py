@@ -23,16 +23,24 @@ from spd.errors import SpdInputError, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="spd-stage", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="spd-stage", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--server", required=True, help="the server's --stage-addr, HOST[:PORT] (port default 29500)")
     p.add_argument("--target", required=True, help="this machine's copy of the target (directory or hub id)")
     p.add_argument("--revision", default=None)
-    p.add_argument("--hold", default=None,
-                   help="the stages this machine runs, e.g. 3,4 (default: every stage the server does not run)")
+    p.add_argument(
+        "--hold",
+        default=None,
+        help="the stages this machine runs, e.g. 3,4 (default: every stage the server does not run)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per stage process (default: %(default)s)")
-    p.add_argument("--wait-s", type=float, default=600.0,
-                   help="how long to wait for the server to offer its job (default: %(default)s)")
+    p.add_argument(
+        "--wait-s",
+        type=float,
+        default=600.0,
+        help="how long to wait for the server to offer its job (default: %(default)s)",
+    )
     return p
 
 
@@ -66,16 +74,23 @@ def run(args) -> int:
     host, port = parse_address(args.server)
     store, job = read_job(host, port, args.wait_s)
     if job.version != spd.__version__:
-        raise SpdInputError(f"the server at {host}:{port} runs spd {job.version} and this machine spd "
-                            f"{spd.__version__}; install the same version on every machine")
+        raise SpdInputError(
+            f"the server at {host}:{port} runs spd {job.version} and this machine spd "
+            f"{spd.__version__}; install the same version on every machine"
+        )
     if not job.remote:
-        raise SpdInputError(f"the server at {host}:{port} runs every stage itself; start it with --local-stages K "
-                            "for other machines to run the rest")
+        raise SpdInputError(
+            f"the server at {host}:{port} runs every stage itself; start it with --local-stages K "
+            "for other machines to run the rest"
+        )
     stages = claim_stages(store, job, hold)
     cut = job.boundaries
     layers = ", ".join(f"stage {s}: layers {cut[s - 1]}-{cut[s] - 1}" for s in stages)
-    print(f"[spd-stage] running {len(stages)} of the {job.stages} stages of the job at {host}:{port} ({layers})",
-          file=sys.stderr, flush=True)
+    print(
+        f"[spd-stage] running {len(stages)} of the {job.stages} stages of the job at {host}:{port} ({layers})",
+        file=sys.stderr,
+        flush=True,
+    )
     cmd = job.stage_command(args.target, args.revision, args.threads)
     sigterm_unwinds()
     procs: list[subprocess.Popen] = []

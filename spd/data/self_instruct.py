@@ -38,12 +38,14 @@ def user_turn_ids(tokenizer, system: str | None) -> list[int]:
     template's default one), as token ids: what the model continues with a request."""
     if tokenizer.chat_template is None:
         raise SpdInputError("self-written instructions need a chat target: this tokenizer has no chat template")
-    turns = ([{"role": "system", "content": system}] if system is not None else []) + \
-        [{"role": "user", "content": _MARK}]
+    turns = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": _MARK}
+    ]
     text = tokenizer.apply_chat_template(turns, tokenize=False)
     if _MARK not in text:
-        raise SpdInputError("the chat template does not render a user turn's text verbatim; cannot find where a "
-                            "user turn starts")
+        raise SpdInputError(
+            "the chat template does not render a user turn's text verbatim; cannot find where a user turn starts"
+        )
     return tokenizer(text[: text.index(_MARK)], add_special_tokens=False)["input_ids"]
 
 
@@ -54,7 +56,7 @@ def _words(text: str) -> list[str]:
 def shingles(text: str, size: int = SHINGLE) -> set[tuple[str, ...]]:
     """Every run of ``size`` consecutive words of ``text`` (lower case, letters, digits and underscores)."""
     words = _words(text)
-    return {tuple(words[i:i + size]) for i in range(len(words) - size + 1)}
+    return {tuple(words[i : i + size]) for i in range(len(words) - size + 1)}
 
 
 class BenchmarkFilter:
@@ -99,17 +101,29 @@ def _verdict(text: str, finished: bool, seen: set[str], benchmarks: BenchmarkFil
 
 
 @torch.no_grad()
-def write_instructions(model, tokenizer, topic: str, count: int, out: str | os.PathLike, benchmarks: BenchmarkFilter,
-                       batch_size: int = 32, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 0.95,
-                       seed: int = 0, progress: bool = True) -> dict:
+def write_instructions(
+    model,
+    tokenizer,
+    topic: str,
+    count: int,
+    out: str | os.PathLike,
+    benchmarks: BenchmarkFilter,
+    batch_size: int = 32,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    top_p: float = 0.95,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
     """Sample ``count`` requests of ``topic`` (a key of :data:`TOPICS`) into ``out``; return statistics."""
     from tqdm import tqdm
 
     if topic not in TOPICS:
         raise SpdInputError(f"unknown topic '{topic}'; expected one of {', '.join(TOPICS)}")
     if count < 1 or batch_size < 1 or max_new_tokens < 1:
-        raise SpdInputError(f"count, batch size and max new tokens must be positive, got {count}, {batch_size} and "
-                            f"{max_new_tokens}")
+        raise SpdInputError(
+            f"count, batch size and max new tokens must be positive, got {count}, {batch_size} and {max_new_tokens}"
+        )
     if not (0 < temperature < float("inf") and 0 < top_p <= 1):
         raise SpdInputError(f"temperature must be positive and top_p in (0, 1], got {temperature} and {top_p}")
     out = Path(out)
@@ -129,18 +143,30 @@ def write_instructions(model, tokenizer, topic: str, count: int, out: str | os.P
     ids = [f"{topic}-{seed}-{i}" for i in range(count)]
     kept = new = 0
     start = time.perf_counter()
-    bar = tqdm(total=count, initial=sum(i in done for i in ids), desc=f"instructions ({topic})", unit="prompt",
-               disable=not progress)
+    bar = tqdm(
+        total=count,
+        initial=sum(i in done for i in ids),
+        desc=f"instructions ({topic})",
+        unit="prompt",
+        disable=not progress,
+    )
     with open(out, "a", encoding="utf-8") as f:
         for first in range(0, count, batch_size):
-            batch = [i for i in ids[first:first + batch_size] if i not in done]
+            batch = [i for i in ids[first : first + batch_size] if i not in done]
             if not batch:
                 continue
             torch.manual_seed(seed * 1_000_003 + first)  # a batch's samples do not depend on what ran before
             input_ids = torch.tensor([prefix] * len(batch), device=device)
-            generated = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                       max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
-                                       top_p=top_p, top_k=None, pad_token_id=pad)[:, len(prefix):].tolist()
+            generated = model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=True,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=None,
+                pad_token_id=pad,
+            )[:, len(prefix) :].tolist()
             for row_id, tokens in zip(batch, generated):
                 stop = next((k for k, t in enumerate(tokens) if t in eos_ids), None)
                 text = tokenizer.decode(tokens if stop is None else tokens[:stop], skip_special_tokens=True).strip()
@@ -149,12 +175,22 @@ def write_instructions(model, tokenizer, topic: str, count: int, out: str | os.P
                     seen.add(_normal(text))
                     kept += 1
                 new += 1
-                f.write(json.dumps({"id": row_id, "topic": topic, "prompt": text, "keep": why is None, "why": why},
-                                   ensure_ascii=False) + "\n")
+                f.write(
+                    json.dumps(
+                        {"id": row_id, "topic": topic, "prompt": text, "keep": why is None, "why": why},
+                        ensure_ascii=False,
+                    )
+                    + "\n"
+                )
             f.flush()
             os.fsync(f.fileno())
             bar.update(len(batch))
             bar.set_postfix(kept=kept)
     bar.close()
-    return {"topic": topic, "sampled": new, "kept": kept, "skipped_done": len(done & set(ids)),
-            "seconds": round(time.perf_counter() - start, 1)}
+    return {
+        "topic": topic,
+        "sampled": new,
+        "kept": kept,
+        "skipped_done": len(done & set(ids)),
+        "seconds": round(time.perf_counter() - start, 1),
+    }

@@ -88,9 +88,11 @@ def check_step_tokens(step_tokens: int | None, max_batch: int, max_width: int) -
     of up to ``max_width`` tokens each at every stage), or newcomers could not enter until requests leave."""
     levels = max_batch * max_width
     if step_tokens is not None and (not isinstance(step_tokens, int) or step_tokens <= levels):
-        raise SpdInputError(f"the step token budget (--step-tokens) must be above the {levels} tokens of levels a "
-                            f"stage call carries at a full batch ({max_batch} requests x {max_width}), so that "
-                            f"prompts still enter; got {step_tokens!r}")
+        raise SpdInputError(
+            f"the step token budget (--step-tokens) must be above the {levels} tokens of levels a "
+            f"stage call carries at a full batch ({max_batch} requests x {max_width}), so that "
+            f"prompts still enter; got {step_tokens!r}"
+        )
 
 
 @dataclass
@@ -186,9 +188,16 @@ class BatchedPipeline:
     (:class:`~spd.decoding.tree_width.SharedWidth`).
     """
 
-    def __init__(self, engine, max_batch: int = 8, kv_rows: int | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, step_tokens: int | None = None,
-                 spread_prefill: bool = False, tree_nodes: int | None = None):
+    def __init__(
+        self,
+        engine,
+        max_batch: int = 8,
+        kv_rows: int | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        step_tokens: int | None = None,
+        spread_prefill: bool = False,
+        tree_nodes: int | None = None,
+    ):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise SpdInputError(f"the batch size must be a positive integer, got {max_batch!r}")
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
@@ -196,19 +205,26 @@ class BatchedPipeline:
         max_width = engine.loop.policy.max_width
         if tree_nodes is not None:
             if max_width == 1:
-                raise SpdInputError("a node budget (tree_nodes, --tree-nodes) narrows token trees, but this engine "
-                                    "proposes chains (width 1); use it with --mode tree")
+                raise SpdInputError(
+                    "a node budget (tree_nodes, --tree-nodes) narrows token trees, but this engine "
+                    "proposes chains (width 1); use it with --mode tree"
+                )
             if not isinstance(tree_nodes, int) or tree_nodes < max_batch:
-                raise SpdInputError(f"the node budget must be at least the batch size ({max_batch}: one node per "
-                                    f"request and level), got {tree_nodes!r}")
+                raise SpdInputError(
+                    f"the node budget must be at least the batch size ({max_batch}: one node per "
+                    f"request and level), got {tree_nodes!r}"
+                )
         check_step_tokens(step_tokens, max_batch, full_batch_width(max_width, max_batch, tree_nodes))
         self.engine, self.staged, self.loop = engine, engine.staged, engine.loop
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.step_tokens, self.spread_prefill, self.tree_nodes = step_tokens, spread_prefill, tree_nodes
         rows = kv_rows if kv_rows is not None else max_batch * DEFAULT_ROWS_PER_REQUEST
         # Stages in this process, or the distributed runtime's (spd.runtime.remote.RemoteStages.batch_backend).
-        self.backend = (LocalBatch(self.staged, rows) if isinstance(engine.stages, LocalStages)
-                        else engine.stages.batch_backend(rows))
+        self.backend = (
+            LocalBatch(self.staged, rows)
+            if isinstance(engine.stages, LocalStages)
+            else engine.stages.batch_backend(rows)
+        )
         self.pool = self.backend.pool
         # The proposers' pool: a draft model's KV (each request's region at the same rows as in self.pool), or an SPD
         # head's memory (a slot per request).
@@ -229,10 +245,16 @@ class BatchedPipeline:
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------------------------- public
-    def submit(self, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int = 128,
-               sampling: SamplingParams = SamplingParams(), eos_token_id: int | Sequence[int] | None = None,
-               on_token: OnToken | None = None, mode: str | None = None,
-               on_done: Callable[[BatchRequest], None] | None = None) -> BatchRequest:
+    def submit(
+        self,
+        input_ids: Sequence[int] | torch.Tensor,
+        max_new_tokens: int = 128,
+        sampling: SamplingParams = SamplingParams(),
+        eos_token_id: int | Sequence[int] | None = None,
+        on_token: OnToken | None = None,
+        mode: str | None = None,
+        on_done: Callable[[BatchRequest], None] | None = None,
+    ) -> BatchRequest:
         """Queue a request (token ids; no EOS unless given). ``mode``: ``spd`` or ``pp`` on a chain engine (default:
         spd with a head), ``tree`` on a tree engine. Bad input raises here, with one line; the request then never
         joins. ``on_token(token, accepted)`` is called for each committed token and may return True to end it;
@@ -251,14 +273,25 @@ class BatchedPipeline:
         request.width = copy.deepcopy(self.loop.policy)
         if self.tree_nodes is not None:
             request.width = SharedWidth(request.width)
-        steps = self.loop.steps(request.source, input_ids, max_new_tokens, sampling, eos_token_id, tokens, stats,
-                                stages=stages, policy=request.width)
+        steps = self.loop.steps(
+            request.source,
+            input_ids,
+            max_new_tokens,
+            sampling,
+            eos_token_id,
+            tokens,
+            stats,
+            stages=stages,
+            policy=request.width,
+        )
         request.steps = steps
         request.work = next(steps)  # validates the request and asks for its prefill
         if request.work.capacity > self.pool.rows:
             steps.close()
-            raise SpdInputError(f"this request needs {request.work.capacity} KV rows (prompt, budget and the tree in "
-                                f"flight), but the pool holds {self.pool.rows}; shorten it or give the pool more rows")
+            raise SpdInputError(
+                f"this request needs {request.work.capacity} KV rows (prompt, budget and the tree in "
+                f"flight), but the pool holds {self.pool.rows}; shorten it or give the pool more rows"
+            )
         self.queue.append(request)
         return request
 
@@ -290,8 +323,7 @@ class BatchedPipeline:
         for request in self.active:
             if request.state == "running" and isinstance(request.work, Advance) and request.work.after_verify:
                 if any(not any(level is ran for ran in request.ran_ahead) for level in request.work.levels):
-                    raise RuntimeError("a level moved after the verification without running in the step's stage "
-                                       "calls")
+                    raise RuntimeError("a level moved after the verification without running in the step's stage calls")
                 self._resume(request, None, ask=False)  # its outputs are in: up to COLLECT,
                 if request.work is COLLECT:
                     self._resume(request, None, ask=False)  # then on to its next step's work
@@ -305,9 +337,14 @@ class BatchedPipeline:
         while self.busy:
             self.step()
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,
-                 sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-                 eos_token_id: int | Sequence[int] | None = None, mode: str | None = None) -> list[GenerationOutput]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 128,
+        sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        eos_token_id: int | Sequence[int] | None = None,
+        mode: str | None = None,
+    ) -> list[GenerationOutput]:
         """Every prompt as a request of this batch (one sampling setting, or one per prompt); their outputs."""
         settings = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
         requests = [self.submit(p, max_new_tokens, s, eos_token_id, mode=mode) for p, s in zip(prompts, settings)]
@@ -342,7 +379,7 @@ class BatchedPipeline:
             request.region = region
             request.stages.caches = self.backend.open(region)
             if hasattr(request.source, "use_pool"):  # its proposer's cache in a pool of the batch's (given back at
-                if self.proposer_pool is None:      # the end): a draft model's KV at the same rows, a head's a slot
+                if self.proposer_pool is None:  # the end): a draft model's KV at the same rows, a head's a slot
                     self.proposer_pool = request.source.new_pool(self.pool.rows, self.max_batch)
                 request.source.use_pool(self.proposer_pool, region)
             request.prefill_stage_anchors = anchors_by_stage(self.staged.boundaries, request.work.anchors)
@@ -358,8 +395,12 @@ class BatchedPipeline:
         for request in running:
             work = request.work
             for level in work.levels + work.then:  # the levels that move after its verification run now too
-                calls[level.depth].append((request.stages.segment(level, work.tree, work.committed),
-                                           lambda out, level=level, stages=request.stages: stages.took(level, out)))
+                calls[level.depth].append(
+                    (
+                        request.stages.segment(level, work.tree, work.committed),
+                        lambda out, level=level, stages=request.stages: stages.took(level, out),
+                    )
+                )
             request.ran_ahead = list(work.then)
         budget = self.prefill_chunk  # the prompt tokens that enter stage 1 this step, oldest newcomer first
         if self.step_tokens is not None:  # what the levels in flight leave of a stage call's budget
@@ -368,9 +409,12 @@ class BatchedPipeline:
             budget -= self._next_chunk(request, budget)
             for chunk in request.chunks:
                 s = chunk.depth
-                calls[s].append((Segment(request.stages.caches[s], chunk.hidden_1TD,
-                                         anchors=request.prefill_stage_anchors[s]),
-                                 lambda out, chunk=chunk: self._chunk_took(chunk, out)))
+                calls[s].append(
+                    (
+                        Segment(request.stages.caches[s], chunk.hidden_1TD, anchors=request.prefill_stage_anchors[s]),
+                        lambda out, chunk=chunk: self._chunk_took(chunk, out),
+                    )
+                )
         for stage, work in enumerate(calls):  # every piece of work was taken before any ran: one stage each
             self.stage_tokens[-1][stage] += sum(segment.size for segment, _ in work)
         tick = time.perf_counter()

@@ -71,9 +71,18 @@ class Engine:
     processes (:class:`spd.runtime.remote.RemoteStages`).
     """
 
-    def __init__(self, staged: StagedModel, proposer: Proposer | None = None,
-                 width: int | str | FixedWidth | AdaptiveWidth = 1, tokenizer=None, stages: LocalStages | None = None,
-                 candidates: str = "auto", max_width: int = 8, *, mode: str | None = None):
+    def __init__(
+        self,
+        staged: StagedModel,
+        proposer: Proposer | None = None,
+        width: int | str | FixedWidth | AdaptiveWidth = 1,
+        tokenizer=None,
+        stages: LocalStages | None = None,
+        candidates: str = "auto",
+        max_width: int = 8,
+        *,
+        mode: str | None = None,
+    ):
         mode = mode or ("tree" if width != 1 else "spd" if proposer is not None else "pp")
         if mode not in ("spd", "pp", "tree"):
             raise SpdInputError(f"unknown engine mode '{mode}'; expected one of: spd, pp, tree")
@@ -82,17 +91,27 @@ class Engine:
         if mode == "tree":
             if proposer is None:
                 raise SpdInputError("the tree mode needs a proposer: an SPD head or a draft model")
-            policy = width if isinstance(width, (FixedWidth, AdaptiveWidth)) else \
-                tree_width(width, proposer.children, max_width)
+            policy = (
+                width
+                if isinstance(width, (FixedWidth, AdaptiveWidth))
+                else tree_width(width, proposer.children, max_width)
+            )
             if proposer.chain_only and policy.max_width > 1:
-                raise SpdInputError(f"this head's schedule ('{proposer.schedule}', keeping rows before they leave "
-                                    "stage n) has no tree semantics; run it with --mode spd (or a tree width of 1)")
+                raise SpdInputError(
+                    f"this head's schedule ('{proposer.schedule}', keeping rows before they leave "
+                    "stage n) has no tree semantics; run it with --mode spd (or a tree width of 1)"
+                )
         else:
             if width != 1:
                 raise SpdInputError(f"mode '{mode}' is a chain (width 1), got width {width!r}; use mode 'tree'")
             policy = FixedWidth(1, 1)
-        self.staged, self.proposer, self.tokenizer, self.mode, self.candidates = \
-            staged, proposer, tokenizer, mode, candidates
+        self.staged, self.proposer, self.tokenizer, self.mode, self.candidates = (
+            staged,
+            proposer,
+            tokenizer,
+            mode,
+            candidates,
+        )
         self.policy = policy
         self.width = "auto" if policy.adaptive else policy.width
         self.stages = stages if stages is not None else LocalStages(staged)
@@ -108,19 +127,38 @@ class Engine:
         return cls(staged, chain_proposer(staged, head, tokenizer), tokenizer=tokenizer, stages=stages)
 
     @classmethod
-    def tree(cls, staged: StagedModel, proposer: Proposer, width: int | str | FixedWidth | AdaptiveWidth = 4,
-             tokenizer=None, stages: LocalStages | None = None, candidates: str = "auto",
-             max_width: int = 8) -> "Engine":
+    def tree(
+        cls,
+        staged: StagedModel,
+        proposer: Proposer,
+        width: int | str | FixedWidth | AdaptiveWidth = 4,
+        tokenizer=None,
+        stages: LocalStages | None = None,
+        candidates: str = "auto",
+        max_width: int = 8,
+    ) -> "Engine":
         """The tree engine with a proposer (:func:`tree_proposer` makes one from a head or a draft model's name)."""
         return cls(staged, proposer, width, tokenizer, stages, candidates, max_width, mode="tree")
 
     @classmethod
-    def from_pretrained(cls, target: str, speculator: str | None = None, *, mode: str | None = None,
-                        draft_model: str | None = None, stages: int | None = None,
-                        boundaries: list[int] | None = None, width: int | str = 4, children: int = 4,
-                        revision: str | None = None, speculator_revision: str | None = None,
-                        draft_revision: str | None = None, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu", tokenizer: str | None = None) -> "Engine":
+    def from_pretrained(
+        cls,
+        target: str,
+        speculator: str | None = None,
+        *,
+        mode: str | None = None,
+        draft_model: str | None = None,
+        stages: int | None = None,
+        boundaries: list[int] | None = None,
+        width: int | str = 4,
+        children: int = 4,
+        revision: str | None = None,
+        speculator_revision: str | None = None,
+        draft_revision: str | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        tokenizer: str | None = None,
+    ) -> "Engine":
         """Load a target (directory or hub id) and its proposer: a head (``speculator``) or a draft model.
 
         ``mode``: ``spd`` (the default with a head), ``pp`` (the default without one) or ``tree`` (the default with
@@ -134,21 +172,31 @@ class Engine:
         if mode not in ("spd", "pp", "tree"):
             raise SpdInputError(f"unknown mode '{mode}' for Engine.from_pretrained; expected one of: spd, pp, tree")
         stages, boundaries = pipeline_cut(stages, boundaries, speculator, speculator_revision, target, revision)
-        staged = StagedModel.from_pretrained(target, n_stages=stages, boundaries=boundaries, revision=revision,
-                                             dtype=dtype, device=device)
+        staged = StagedModel.from_pretrained(
+            target, n_stages=stages, boundaries=boundaries, revision=revision, dtype=dtype, device=device
+        )
         tok = load_target_tokenizer(target, revision, tokenizer)
         head = load_speculator(speculator, speculator_revision, dtype, device, target=staged) if speculator else None
         if mode != "tree":
             return cls.chain(staged, head, tok)
-        return cls.tree(staged, tree_proposer(staged, head, tok, draft_model, draft_revision, children, dtype, device),
-                        width, tok)
+        return cls.tree(
+            staged, tree_proposer(staged, head, tok, draft_model, draft_revision, children, dtype, device), width, tok
+        )
 
     # ------------------------------------------------------------------------------------- public
-    def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128, mode: str | None = None,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 eos_token_id: int | Sequence[int] | None = None,
-                 streamer: Callable[[int], None] | object | None = None,
-                 on_token: OnToken | None = None) -> GenerationOutput:
+    def generate(
+        self,
+        prompt: str | Sequence[int] | torch.Tensor,
+        max_new_tokens: int = 128,
+        mode: str | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        streamer: Callable[[int], None] | object | None = None,
+        on_token: OnToken | None = None,
+    ) -> GenerationOutput:
         """Generate from a prompt (text needs a tokenizer) or token ids; ``mode`` is the engine's own (default),
         ``ar``, or on a chain with a head also ``pp``.
 
@@ -168,12 +216,28 @@ class Engine:
         def decode(prompt_ids, eos, on_token):
             return self.run(prompt_ids, max_new_tokens, sampling, eos, on_token, use_head=mode != "pp")
 
-        return generate_request(self.staged, self.tokenizer, prompt, max_new_tokens, mode, sampling, eos_token_id,
-                                streamer, decode, on_token)
+        return generate_request(
+            self.staged,
+            self.tokenizer,
+            prompt,
+            max_new_tokens,
+            mode,
+            sampling,
+            eos_token_id,
+            streamer,
+            decode,
+            on_token,
+        )
 
-    def run(self, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: SamplingParams,
-            eos_token_id: int | Sequence[int] | None = None, on_token: OnToken | None = None,
-            use_head: bool = True) -> GenerationOutput:
+    def run(
+        self,
+        input_ids: Sequence[int] | torch.Tensor,
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        eos_token_id: int | Sequence[int] | None = None,
+        on_token: OnToken | None = None,
+        use_head: bool = True,
+    ) -> GenerationOutput:
         """One request through the step loop (``use_head=False`` on a chain: the standard pipeline); no EOS unless
         given."""
         proposer, stats = self.request_parts(use_head)
@@ -184,18 +248,26 @@ class Engine:
         proposer = self.proposer
         if self.mode == "tree":
             policy = self.policy
-            stats = TreeStats(mode="tree", prompt_tokens=0, schedule=proposer.schedule,
-                              speculator_layers=proposer.num_layers,
-                              source="draft" if isinstance(proposer, DraftModelProposer) else "head", width=self.width,
-                              children=policy.max_children,
-                              accepted_by_sibling=[0] * max(policy.max_width, policy.max_children))
+            stats = TreeStats(
+                mode="tree",
+                prompt_tokens=0,
+                schedule=proposer.schedule,
+                speculator_layers=proposer.num_layers,
+                source="draft" if isinstance(proposer, DraftModelProposer) else "head",
+                width=self.width,
+                children=policy.max_children,
+                accepted_by_sibling=[0] * max(policy.max_width, policy.max_children),
+            )
             return proposer, stats
         if use_head and proposer is None:
             raise SpdInputError("mode 'spd' needs a speculation head; pass a speculator or use mode 'pp'")
         proposer = proposer if use_head else None
-        stats = PipelineStats(mode="spd" if proposer is not None else "pp", prompt_tokens=0,
-                              schedule=proposer.schedule if proposer is not None else "none",
-                              speculator_layers=proposer.num_layers if proposer is not None else 0)
+        stats = PipelineStats(
+            mode="spd" if proposer is not None else "pp",
+            prompt_tokens=0,
+            schedule=proposer.schedule if proposer is not None else "none",
+            speculator_layers=proposer.num_layers if proposer is not None else 0,
+        )
         return proposer, stats
 
 
@@ -205,16 +277,27 @@ def chain_proposer(staged: StagedModel, head, tokenizer=None) -> Proposer | None
         return None
     head_param = next(head.parameters())
     if head_param.dtype != staged.dtype or head_param.device != staged.device:
-        raise SpdInputError(f"the speculator is {head_param.dtype} on {head_param.device} but the target is "
-                            f"{staged.dtype} on {staged.device}; load both with the same dtype and device")
-    spd_head = isinstance(head, Speculator) and head.config.schedule == "input" \
-        and head.config.max_depth == staged.n_stages
+        raise SpdInputError(
+            f"the speculator is {head_param.dtype} on {head_param.device} but the target is "
+            f"{staged.dtype} on {staged.device}; load both with the same dtype and device"
+        )
+    spd_head = (
+        isinstance(head, Speculator) and head.config.schedule == "input" and head.config.max_depth == staged.n_stages
+    )
     kind = SpdHeadProposer if spd_head else HeadProposer
     return kind(head, staged, children=1, mode="spd", tokenizer=tokenizer)
 
 
-def tree_proposer(staged: StagedModel, head, tokenizer, draft_model: str | None, draft_revision: str | None,
-                  children: int, dtype: torch.dtype, device: str | torch.device) -> Proposer:
+def tree_proposer(
+    staged: StagedModel,
+    head,
+    tokenizer,
+    draft_model: str | None,
+    draft_revision: str | None,
+    children: int,
+    dtype: torch.dtype,
+    device: str | torch.device,
+) -> Proposer:
     """The proposer of a tree: an SPD head (any other head through its engine calls), or else a draft model by name
     (refused unless it shares the target's tokenizer)."""
     if head is not None and not isinstance(head, Speculator):

@@ -15,24 +15,36 @@ from ..errors import SpdInputError
 from .spec import MODES, DecodingSpec
 
 
-def build_engine(spec: DecodingSpec, staged, head, tokenizer, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", stages=None):
+def build_engine(
+    spec: DecodingSpec,
+    staged,
+    head,
+    tokenizer,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    stages=None,
+):
     """The engine for ``spec.mode`` over ``staged`` with ``head`` (a loaded head or None)."""
     if spec.mode not in MODES:
         raise SpdInputError(f"--mode '{spec.mode}' is not a decoding mode; expected one of {', '.join(MODES)}")
     if spec.mode == "sd":
         if stages is not None:
-            raise SpdInputError("--mode sd runs the whole target in one process; it has no pipeline stages to "
-                                "distribute (use --mode spd, pp or tree)")
+            raise SpdInputError(
+                "--mode sd runs the whole target in one process; it has no pipeline stages to "
+                "distribute (use --mode spd, pp or tree)"
+            )
         from .sd import build_sd_engine
 
-        return build_sd_engine(staged, tokenizer, spec.draft_model, spec.draft_revision, spec.draft_steps, dtype,
-                               device, head=head)
+        return build_sd_engine(
+            staged, tokenizer, spec.draft_model, spec.draft_revision, spec.draft_steps, dtype, device, head=head
+        )
     from .engine import Engine, tree_proposer
 
     if spec.mode == "tree":
-        proposer = tree_proposer(staged, head, tokenizer, spec.draft_model, spec.draft_revision, spec.tree_children,
-                                 dtype, device)
-        return Engine.tree(staged, proposer, spec.tree_width, tokenizer, stages, spec.tree_candidates,
-                           spec.tree_max_width)
+        proposer = tree_proposer(
+            staged, head, tokenizer, spec.draft_model, spec.draft_revision, spec.tree_children, dtype, device
+        )
+        return Engine.tree(
+            staged, proposer, spec.tree_width, tokenizer, stages, spec.tree_candidates, spec.tree_max_width
+        )
     return Engine.chain(staged, head, tokenizer, stages=stages)

@@ -111,9 +111,14 @@ def eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
 
 
 @torch.inference_mode()
-def generate_ar(staged: StagedModel, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
-                sampling: SamplingParams = SamplingParams(), eos_token_id: int | Sequence[int] | None = None,
-                on_token: OnToken | None = None) -> GenerationOutput:
+def generate_ar(
+    staged: StagedModel,
+    input_ids: Sequence[int] | torch.Tensor,
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    eos_token_id: int | Sequence[int] | None = None,
+    on_token: OnToken | None = None,
+) -> GenerationOutput:
     """Plain autoregressive decoding through every stage; greedy or sampled (see SamplingParams).
 
     ``eos_token_id=None`` means no EOS (``Engine.generate`` resolves the default, :func:`default_eos`).
@@ -162,8 +167,9 @@ def stop_reason(token: int, out: list[int], eos: frozenset[int], budget: int, ma
     return ""
 
 
-def first_output(first: int, stats: GenerationStats, eos: frozenset[int], budget: int, max_new_tokens: int,
-                 on_token: OnToken | None) -> tuple[list[int], str]:
+def first_output(
+    first: int, stats: GenerationStats, eos: frozenset[int], budget: int, max_new_tokens: int, on_token: OnToken | None
+) -> tuple[list[int], str]:
     """The output after the prefill's token (taken from the prefill logits, not speculated) and the reason it
     already stops the request ("" when it does not): what the step loop and serial drafting share before their
     steps."""

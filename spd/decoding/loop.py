@@ -66,8 +66,15 @@ from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request,
 from .proposers import Proposer, propose_many
 from .sampling import SamplingParams, select_token, warped_probs
 from .stats import PipelineStats, TreeStats
-from .tree import (Level, TokenTree, grow_sampled, grow_top_k, verify_greedy, verify_sampled_deterministic,
-                   verify_sampled_recursive)
+from .tree import (
+    Level,
+    TokenTree,
+    grow_sampled,
+    grow_top_k,
+    verify_greedy,
+    verify_sampled_deterministic,
+    verify_sampled_recursive,
+)
 from .tree_width import AdaptiveWidth, FixedWidth
 from ..target.ragged import Segment
 from ..target.staging import StageKVCache, StagedModel, StageOutput
@@ -111,8 +118,14 @@ class LocalStages:
                 out = self.staged.run_stage(stage, level.hidden_1TD, cache, anchors=self.stage_anchors[stage])
             else:
                 positions_1T, tree_mask_TN = self._tree_rows(level, tree, committed)
-                out = self.staged.run_stage(stage, level.hidden_1TD, cache, positions_1T,
-                                            anchors=self.stage_anchors[stage], tree_mask_TN=tree_mask_TN)
+                out = self.staged.run_stage(
+                    stage,
+                    level.hidden_1TD,
+                    cache,
+                    positions_1T,
+                    anchors=self.stage_anchors[stage],
+                    tree_mask_TN=tree_mask_TN,
+                )
             self.took(level, out)
 
     def segment(self, level: Level, tree: TokenTree, committed: int) -> Segment:
@@ -121,8 +134,9 @@ class LocalStages:
         if self.paths:
             return Segment(self.caches[level.depth], level.hidden_1TD, anchors=self.stage_anchors[level.depth])
         positions_1T, tree_mask_TN = self._tree_rows(level, tree, committed)
-        return Segment(self.caches[level.depth], level.hidden_1TD, positions_1T[0], tree_mask_TN,
-                       self.stage_anchors[level.depth])
+        return Segment(
+            self.caches[level.depth], level.hidden_1TD, positions_1T[0], tree_mask_TN, self.stage_anchors[level.depth]
+        )
 
     def took(self, level: Level, out: StageOutput) -> None:
         """The level ran its next stage with output ``out``."""
@@ -134,8 +148,10 @@ class LocalStages:
     def _check(self, level: Level, committed: int) -> None:
         cache = self.caches[level.depth]
         if cache.length != committed + level.start:
-            raise RuntimeError(f"stage {level.depth} holds {cache.length} rows but the level starting at tree node "
-                               f"{level.start} expects {committed + level.start}")
+            raise RuntimeError(
+                f"stage {level.depth} holds {cache.length} rows but the level starting at tree node "
+                f"{level.start} expects {committed + level.start}"
+            )
 
     def _tree_rows(self, level: Level, tree: TokenTree, committed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The level's position ids ``(1, T)`` (committed + depth) and its rows of the ancestor mask ``(T, N)``."""
@@ -269,8 +285,9 @@ def anchors_by_stage(boundaries: list[int], needed) -> list[list[int]]:
     return [sorted(a for a in needed if b[s] < a <= b[s + 1]) for s in range(len(b) - 1)]
 
 
-def verify_sampled(p_V: torch.Tensor, tokens_C: torch.Tensor, q_V: torch.Tensor,
-                   generator: torch.Generator | None) -> tuple[int | None, int]:
+def verify_sampled(
+    p_V: torch.Tensor, tokens_C: torch.Tensor, q_V: torch.Tensor, generator: torch.Generator | None
+) -> tuple[int | None, int]:
     """Sampled children (drawn without replacement from ``q_V``): recursive rejection sampling."""
     return verify_sampled_recursive(p_V, tokens_C, q_V, generator, without_replacement=True)
 
@@ -287,16 +304,33 @@ class StepLoop:
         return anchors_by_stage(self.staged.boundaries, source.needed_anchors if source is not None else ())
 
     @torch.inference_mode()
-    def run(self, source: Proposer | None, input_ids, max_new_tokens: int, sampling: SamplingParams,
-            eos_token_id, on_token: OnToken | None, stats: PipelineStats) -> GenerationOutput:
+    def run(
+        self,
+        source: Proposer | None,
+        input_ids,
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        eos_token_id,
+        on_token: OnToken | None,
+        stats: PipelineStats,
+    ) -> GenerationOutput:
         """One request (no EOS unless given); ``stats`` is filled in (a TreeStats gets the tree's counters too)."""
-        return drive(self.stages, self.steps(source, input_ids, max_new_tokens, sampling, eos_token_id, on_token,
-                                             stats))
+        return drive(
+            self.stages, self.steps(source, input_ids, max_new_tokens, sampling, eos_token_id, on_token, stats)
+        )
 
-    def steps(self, source: Proposer | None, input_ids, max_new_tokens: int, sampling: SamplingParams,
-              eos_token_id, on_token: OnToken | None, stats: PipelineStats, stages=None,
-              policy: FixedWidth | AdaptiveWidth | None = None) -> Generator[Prefill | Advance | Propose | TargetLogits,
-                                                                            object, GenerationOutput]:
+    def steps(
+        self,
+        source: Proposer | None,
+        input_ids,
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        eos_token_id,
+        on_token: OnToken | None,
+        stats: PipelineStats,
+        stages=None,
+        policy: FixedWidth | AdaptiveWidth | None = None,
+    ) -> Generator[Prefill | Advance | Propose | TargetLogits, object, GenerationOutput]:
         """The loop of one request as a generator: it hands its stage work (:class:`Prefill`, :class:`Advance`) and
         its questions (:class:`Propose`: the proposer's query; :class:`TargetLogits`: the verification's logits)
         to a driver and returns the :class:`GenerationOutput`. :meth:`run` drives it alone (:func:`drive`); a batched
@@ -324,15 +358,36 @@ class StepLoop:
 
         t0 = time.perf_counter()
         # Run the prompt through every stage and the proposer; the first new token comes from the last logits.
-        prefill = yield Prefill(torch.tensor([prompt], dtype=torch.long, device=staged.device),
-                                list(source.prefill_anchors) if source is not None else [], capacity)
+        prefill = yield Prefill(
+            torch.tensor([prompt], dtype=torch.long, device=staged.device),
+            list(source.prefill_anchors) if source is not None else [],
+            capacity,
+        )
         if source is not None:
             source.start(prompt, prefill.anchors, capacity)
         first = int(select_token(staged.logits(prefill.hidden_BTD[:, -1]), sampling, generator)[0])
         stats.prefill_time_s = time.perf_counter() - t0
         out, stop = first_output(first, stats, eos, budget, max_new_tokens, on_token)
-        request = _Request(self, source, stages, policy, sampling, generator, stats, tree_stats, rule, end_position,
-                           eos, budget, max_new_tokens, on_token, list(prompt), TokenTree(first), out, stop)
+        request = _Request(
+            self,
+            source,
+            stages,
+            policy,
+            sampling,
+            generator,
+            stats,
+            tree_stats,
+            rule,
+            end_position,
+            eos,
+            budget,
+            max_new_tokens,
+            on_token,
+            list(prompt),
+            TokenTree(first),
+            out,
+            stop,
+        )
         request.levels = [request.enter_root()]
         while not request.stop:
             yield from request.step()
@@ -372,9 +427,17 @@ class StepLoop:
         level.anchors = {index: hidden_TD[keep_T] for index, hidden_TD in level.anchors.items()}
         return level
 
-    def _verify(self, logits_1V: torch.Tensor, tree: TokenTree, levels: list[Level], sampling: SamplingParams,
-                generator: torch.Generator | None, stats: PipelineStats, rule: str,
-                policy: FixedWidth | AdaptiveWidth) -> tuple[int, int | None]:
+    def _verify(
+        self,
+        logits_1V: torch.Tensor,
+        tree: TokenTree,
+        levels: list[Level],
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        stats: PipelineStats,
+        rule: str,
+        policy: FixedWidth | AdaptiveWidth,
+    ) -> tuple[int, int | None]:
         """The committed token after the root (the target's logits ``logits_1V`` after it) and the tree index of the
         accepted child (None: a miss or nothing to verify)."""
         children_C, tokens_C = tree.child_tokens(0)
@@ -452,8 +515,16 @@ class _Request:
         if self.rule == "top-k":
             new_N = grow_top_k(tree, logprobs_LX, source.ids, width, children)
         else:
-            new_N = grow_sampled(tree, logprobs_LX, source.ids, width, children, self.sampling, self.generator,
-                                 self.loop.staged.vocab_size)
+            new_N = grow_sampled(
+                tree,
+                logprobs_LX,
+                source.ids,
+                width,
+                children,
+                self.sampling,
+                self.generator,
+                self.loop.staged.vocab_size,
+            )
         stats.speculator_time_s += time.perf_counter() - tick
         if self.tree_stats is not None:
             self.tree_stats.width_total += width
@@ -506,9 +577,12 @@ class _Request:
         # 2. Every stage advances the level it holds. The root's level, leaving stage n, is taken first, so that its
         #    verification (3) releases stage 1's next level before the other reports are read. The new level does
         #    not move this step, so 1 runs while the stages compute.
-        new_level = yield from self.advance(levels[:1] if exits else levels, committed,
-                                            meanwhile=lambda: self.propose(committed, exits),
-                                            then=levels[1:] if exits else ())
+        new_level = yield from self.advance(
+            levels[:1] if exits else levels,
+            committed,
+            meanwhile=lambda: self.propose(committed, exits),
+            then=levels[1:] if exits else (),
+        )
         if exits:
             rest = yield from self.verify(committed, new_level)
             new_level = None  # verify put it in flight
@@ -535,8 +609,9 @@ class _Request:
         if new_level is not None:
             self.levels.append(new_level)
         logits_1V = yield TargetLogits(self.loop.staged, root.hidden_1TD[:, -1])
-        token, child = self.loop._verify(logits_1V, tree, self.levels, self.sampling, self.generator, stats,
-                                         self.rule, self.policy)
+        token, child = self.loop._verify(
+            logits_1V, tree, self.levels, self.sampling, self.generator, stats, self.rule, self.policy
+        )
         proposed = len(tree) > 1
         self.context.append(tree.token(0))
         self.out.append(token)
@@ -546,8 +621,9 @@ class _Request:
             kept = tree.prune_to_child(child)
             stages.prune(committed, kept)
             kept_list = kept.tolist()
-            self.levels = [lv for lv in (self.loop._prune_level(lv, kept, kept_list) for lv in self.levels)
-                           if lv is not None]
+            self.levels = [
+                lv for lv in (self.loop._prune_level(lv, kept, kept_list) for lv in self.levels) if lv is not None
+            ]
             rest = [lv for lv in self.levels if any(lv is r for r in rest)]
         else:
             # Miss: reseed from the committed token (nothing proposed: it is simply the next root).

@@ -19,18 +19,28 @@ def prepare_prompt(tokenizer, prompt, eos_token_id, model=None):
     tokenizer's)."""
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise SpdInputError("a text prompt needs a tokenizer, but this engine has none (the target has no "
-                                "tokenizer files); pass token ids or load the engine with a tokenizer")
+            raise SpdInputError(
+                "a text prompt needs a tokenizer, but this engine has none (the target has no "
+                "tokenizer files); pass token ids or load the engine with a tokenizer"
+            )
         prompt = tokenizer(prompt)["input_ids"]
     if eos_token_id is None:
         eos_token_id = default_eos(model, tokenizer)
     return prompt, eos_token_id
 
 
-def generate_request(staged: StagedModel, tokenizer, prompt, max_new_tokens: int, mode: str,
-                     sampling: SamplingParams, eos_token_id, streamer,
-                     decode: Callable[[list[int], int | Sequence[int] | None, OnToken | None], GenerationOutput],
-                     on_token: OnToken | None = None) -> GenerationOutput:
+def generate_request(
+    staged: StagedModel,
+    tokenizer,
+    prompt,
+    max_new_tokens: int,
+    mode: str,
+    sampling: SamplingParams,
+    eos_token_id,
+    streamer,
+    decode: Callable[[list[int], int | Sequence[int] | None, OnToken | None], GenerationOutput],
+    on_token: OnToken | None = None,
+) -> GenerationOutput:
     """What every engine's ``generate`` shares: the prompt and EOS, the streamer, and the ``ar`` mode;
     ``decode(prompt_ids, eos_token_id, on_token)`` runs the engine's own modes."""
     prompt, eos_token_id = prepare_prompt(tokenizer, prompt, eos_token_id, staged.model)
@@ -51,25 +61,43 @@ class OneModeEngine:
     mode = ""
     engine_name = ""
 
-    def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128, mode: str | None = None,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 eos_token_id: int | Sequence[int] | None = None,
-                 streamer: Callable[[int], None] | object | None = None,
-                 on_token: OnToken | None = None) -> GenerationOutput:
+    def generate(
+        self,
+        prompt: str | Sequence[int] | torch.Tensor,
+        max_new_tokens: int = 128,
+        mode: str | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        streamer: Callable[[int], None] | object | None = None,
+        on_token: OnToken | None = None,
+    ) -> GenerationOutput:
         """Generate from a prompt (text needs a tokenizer) or token ids, as :meth:`Engine.generate`;
         ``mode`` is the engine's own (default) or ``ar``."""
         mode = mode or self.mode
         if mode not in (self.mode, "ar"):
             raise SpdInputError(f"unknown mode '{mode}' for {self.engine_name}; expected one of: {self.mode}, ar")
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        return generate_request(self.staged, self.tokenizer, prompt, max_new_tokens, mode, sampling, eos_token_id,
-                                streamer, lambda ids, eos, callback: self.run(ids, max_new_tokens, sampling, eos,
-                                                                              callback), on_token)
+        return generate_request(
+            self.staged,
+            self.tokenizer,
+            prompt,
+            max_new_tokens,
+            mode,
+            sampling,
+            eos_token_id,
+            streamer,
+            lambda ids, eos, callback: self.run(ids, max_new_tokens, sampling, eos, callback),
+            on_token,
+        )
 
 
 def _as_callback(streamer, on_token: OnToken | None = None) -> tuple[OnToken | None, Callable[[], None]]:
     """The run loops' callback ``(token, accepted)`` and a finisher, from a streamer (a callable taking a token
     id or a ``put``/``end`` object, which never sees the flag) and ``on_token``."""
+
     def end() -> None:
         return None
 

@@ -47,8 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import SpdInputError
-from .generation import (GenerationOutput, GenerationStats, OnToken, as_prompt_ids, check_request, eos_set,
-                         stop_reason)
+from .generation import GenerationOutput, GenerationStats, OnToken, as_prompt_ids, check_request, eos_set, stop_reason
 from .request import OneModeEngine
 from .sampling import SamplingParams, select_token, warped_probs
 from ..heads.speculator import Speculator
@@ -86,8 +85,11 @@ class SdStats(GenerationStats):
         """``L_acc * L / (L_s * m + L)`` (the paper's EAGLE row): m serial draft steps, then one target forward."""
         if not self.iterations:
             return 0.0
-        return self.mean_acceptance_length * self.target_layers / (
-            self.draft_layers * self.draft_steps + self.target_layers)
+        return (
+            self.mean_acceptance_length
+            * self.target_layers
+            / (self.draft_layers * self.draft_steps + self.target_layers)
+        )
 
     def as_dict(self) -> dict:
         d = super().as_dict()
@@ -100,8 +102,13 @@ def _ids(tokens: list[int], model: StagedModel) -> torch.Tensor:
     return torch.tensor([tokens], dtype=torch.long, device=model.device)
 
 
-def _pick(logprobs_1X: torch.Tensor, ids_X: torch.Tensor | None, vocab: int, sampling: SamplingParams,
-          generator: torch.Generator | None) -> tuple[int, float, torch.Tensor | None]:
+def _pick(
+    logprobs_1X: torch.Tensor,
+    ids_X: torch.Tensor | None,
+    vocab: int,
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[int, float, torch.Tensor | None]:
     """A draft from the proposer's log-probabilities over its outputs X (``ids_X`` maps them to target ids): greedy,
     the argmax (no q); sampling, a draw from the warped q, returned over the target's ``vocab``."""
     if sampling.greedy:
@@ -115,8 +122,9 @@ def _pick(logprobs_1X: torch.Tensor, ids_X: torch.Tensor | None, vocab: int, sam
     return token, float(logprobs_1X[0, index]), q_V
 
 
-def serial_proposer(drafter: "Proposer | StagedModel", target: StagedModel, target_tokenizer=None,
-                    draft_tokenizer=None) -> Proposer:
+def serial_proposer(
+    drafter: "Proposer | StagedModel", target: StagedModel, target_tokenizer=None, draft_tokenizer=None
+) -> Proposer:
     """The proposer that drafts serially for ``target``: a bare StagedModel is a draft model; a proposer is kept.
 
     Two fit: a draft model (:class:`~spd.decoding.proposers.DraftModelProposer`, sharing the target's tokenizer) and
@@ -126,13 +134,17 @@ def serial_proposer(drafter: "Proposer | StagedModel", target: StagedModel, targ
             raise SpdInputError(HYBRID_SD_ERROR)
         drafter = DraftModelProposer(drafter, target, 1, target_tokenizer, draft_tokenizer)
     if not isinstance(drafter, (DraftModelProposer, SerialHeadProposer)):
-        raise SpdInputError(f"--mode sd drafts with a draft model or a head trained with variant=eagle, not with "
-                            f"{type(drafter).__name__}")
+        raise SpdInputError(
+            f"--mode sd drafts with a draft model or a head trained with variant=eagle, not with "
+            f"{type(drafter).__name__}"
+        )
     return drafter
 
 
-HYBRID_SD_ERROR = ("--mode sd does not run hybrid (linear-attention) models: the target verifies m drafts in one "
-                   "forward and would need its recurrent state after each of them; use --mode spd or pp")
+HYBRID_SD_ERROR = (
+    "--mode sd does not run hybrid (linear-attention) models: the target verifies m drafts in one "
+    "forward and would need its recurrent state after each of them; use --mode spd or pp"
+)
 
 
 class SpeculativeDecoder(OneModeEngine):
@@ -140,8 +152,15 @@ class SpeculativeDecoder(OneModeEngine):
 
     mode, engine_name = "sd", "speculative decoding"
 
-    def __init__(self, target: StagedModel, drafter: "Proposer | StagedModel", draft_steps: int = 4,
-                 tokenizer=None, target_tokenizer=None, draft_tokenizer=None):
+    def __init__(
+        self,
+        target: StagedModel,
+        drafter: "Proposer | StagedModel",
+        draft_steps: int = 4,
+        tokenizer=None,
+        target_tokenizer=None,
+        draft_tokenizer=None,
+    ):
         """``drafter``: a :class:`~spd.decoding.proposers.DraftModelProposer` or
         :class:`~spd.decoding.proposers.SerialHeadProposer` (a bare StagedModel is a draft model)."""
         if not isinstance(draft_steps, int) or draft_steps < 1:
@@ -159,11 +178,19 @@ class SpeculativeDecoder(OneModeEngine):
         self.draft_layers = self.proposer.draft.num_layers if is_draft else self.proposer.num_layers
 
     @classmethod
-    def from_pretrained(cls, target: str, draft: str | None = None, draft_steps: int = 4,
-                        revision: str | None = None, draft_revision: str | None = None,
-                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                        tokenizer: str | None = None, head: str | None = None,
-                        head_revision: str | None = None) -> "SpeculativeDecoder":
+    def from_pretrained(
+        cls,
+        target: str,
+        draft: str | None = None,
+        draft_steps: int = 4,
+        revision: str | None = None,
+        draft_revision: str | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        tokenizer: str | None = None,
+        head: str | None = None,
+        head_revision: str | None = None,
+    ) -> "SpeculativeDecoder":
         """Load a target and a drafter (directories or hub ids): a ``draft`` model sharing the target's tokenizer,
         or a ``head`` trained with variant=eagle."""
         staged = StagedModel.from_pretrained(target, n_stages=1, revision=revision, dtype=dtype, device=device)
@@ -176,16 +203,29 @@ class SpeculativeDecoder(OneModeEngine):
         return build_sd_engine(staged, tok, draft, draft_revision, draft_steps, dtype, device, head=loaded)
 
     @torch.inference_mode()
-    def run(self, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: SamplingParams,
-            eos_token_id: int | Sequence[int] | None = None, on_token: OnToken | None = None) -> GenerationOutput:
+    def run(
+        self,
+        input_ids: Sequence[int] | torch.Tensor,
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        eos_token_id: int | Sequence[int] | None = None,
+        on_token: OnToken | None = None,
+    ) -> GenerationOutput:
         """The iterations of the module docstring (no EOS unless given)."""
         target, proposer, m = self.target, self.proposer, self.draft_steps
         prompt = as_prompt_ids(input_ids)
         budget = check_request(target, prompt, max_new_tokens)
         eos = eos_set(eos_token_id)
-        stats = SdStats(mode="sd", prompt_tokens=len(prompt), draft_steps=m, source=self.source,
-                        draft_layers=self.draft_layers, target_layers=target.num_layers,
-                        verified_by_position=[0] * m, accepted_by_position=[0] * m)
+        stats = SdStats(
+            mode="sd",
+            prompt_tokens=len(prompt),
+            draft_steps=m,
+            source=self.source,
+            draft_layers=self.draft_layers,
+            target_layers=target.num_layers,
+            verified_by_position=[0] * m,
+            accepted_by_position=[0] * m,
+        )
         generator = None if sampling.greedy else sampling.generator(target.device)
         capacity = len(prompt) + budget + m + 1
         # The target runs 1 + m tokens and is cut back by up to m; KV caches truncate freely.
@@ -222,8 +262,14 @@ class SpeculativeDecoder(OneModeEngine):
             StagedModel.truncate(target_caches, start + 1 + accepted)
             tick = time.perf_counter()
             for i in range(1 + accepted):  # each kept row is committed, as a root leaving the last stage
-                proposer.commit_root(Level(start + i, run.hidden_BTD[:, i:i + 1], 1,
-                                           anchors={a: h[0, i:i + 1] for a, h in run.anchors.items()}))
+                proposer.commit_root(
+                    Level(
+                        start + i,
+                        run.hidden_BTD[:, i : i + 1],
+                        1,
+                        anchors={a: h[0, i : i + 1] for a, h in run.anchors.items()},
+                    )
+                )
             proposer.reset(start + 1 + accepted)  # the chain is gone; that many committed rows are final
             stats.draft_time_s += time.perf_counter() - tick
             for j, token in enumerate(new):
@@ -243,25 +289,33 @@ class SpeculativeDecoder(OneModeEngine):
         return GenerationOutput(out, stats, prompt)
 
     @torch.inference_mode()
-    def _draft(self, context: list[int], steps: int, sampling: SamplingParams,
-               generator: torch.Generator | None) -> tuple[list[int], list[torch.Tensor | None]]:
+    def _draft(
+        self, context: list[int], steps: int, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> tuple[list[int], list[torch.Tensor | None]]:
         """``steps`` drafts after the newest committed token ``context[-1]``, one after another: the proposer
         expands a chain rooted at it one node at a time; and the distributions q they were drawn from (greedy:
         None)."""
         proposer, vocab = self.proposer, self.target.vocab_size
         tree, drafts, qs = TokenTree(context[-1]), [], []
         for _ in range(steps):
-            token, logprob, q_V = _pick(proposer.expand(tree, context[:-1], []), proposer.ids, vocab, sampling,
-                                        generator)
+            token, logprob, q_V = _pick(
+                proposer.expand(tree, context[:-1], []), proposer.ids, vocab, sampling, generator
+            )
             tree.append_child(token, logprob)
             drafts.append(token)
             qs.append(q_V)
         return drafts, qs
 
     # ------------------------------------------------------------------------------------ pieces
-    def _verify(self, logits_TV: torch.Tensor, drafts: list[int], qs: list[torch.Tensor | None],
-                sampling: SamplingParams, generator: torch.Generator | None,
-                stats: SdStats) -> tuple[list[int], int]:
+    def _verify(
+        self,
+        logits_TV: torch.Tensor,
+        drafts: list[int],
+        qs: list[torch.Tensor | None],
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        stats: SdStats,
+    ) -> tuple[list[int], int]:
         """The tokens this iteration commits (accepted drafts, then the replacement or bonus) and how many drafts."""
         new = []
         for i, (x, q_V) in enumerate(zip(drafts, qs)):
@@ -270,14 +324,14 @@ class SpeculativeDecoder(OneModeEngine):
                 token = int(torch.argmax(logits_TV[i]))
                 ok = token == x
             else:
-                p_V = warped_probs(logits_TV[i:i + 1], sampling)[0]
+                p_V = warped_probs(logits_TV[i : i + 1], sampling)[0]
                 index, token = self._accept(p_V, x, self._padded(q_V, p_V), generator)
                 ok = index is not None
             new.append(token)
             if not ok:
                 return new, i
             stats.accepted_by_position[i] += 1
-        bonus = select_token(logits_TV[len(drafts):len(drafts) + 1], sampling, generator)
+        bonus = select_token(logits_TV[len(drafts) : len(drafts) + 1], sampling, generator)
         return new + [int(bonus[0])], len(drafts)
 
     @staticmethod
@@ -288,20 +342,30 @@ class SpeculativeDecoder(OneModeEngine):
         return torch.nn.functional.pad(q_V.to(p_V.device), (0, p_V.shape[0] - q_V.shape[0]))
 
     @staticmethod
-    def _accept(p_V: torch.Tensor, token: int, q_V: torch.Tensor,
-                generator: torch.Generator | None) -> tuple[int | None, int]:
+    def _accept(
+        p_V: torch.Tensor, token: int, q_V: torch.Tensor, generator: torch.Generator | None
+    ) -> tuple[int | None, int]:
         """Speculative sampling for one draft: accept with min(1, p/q), else a draw from (p - q)+."""
         return verify_sampled_recursive(p_V, [token], q_V, generator)
 
 
-def build_sd_engine(staged: StagedModel, tokenizer, draft_model: str | None, draft_revision: str | None,
-                    draft_steps: int, dtype: torch.dtype, device: str | torch.device,
-                    head: Speculator | None = None) -> SpeculativeDecoder:
+def build_sd_engine(
+    staged: StagedModel,
+    tokenizer,
+    draft_model: str | None,
+    draft_revision: str | None,
+    draft_steps: int,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    head: Speculator | None = None,
+) -> SpeculativeDecoder:
     """Serial speculative decoding of ``staged`` with a draft model (refused unless it shares the tokenizer) or
     with ``head``, a loaded head trained with variant=eagle."""
     if (head is None) == (draft_model is None):
-        raise SpdInputError("--mode sd takes one drafter: --draft-model DIR_OR_ID (a small causal LM with the "
-                            "target's tokenizer) or --speculator DIR_OR_ID (a head trained with variant=eagle)")
+        raise SpdInputError(
+            "--mode sd takes one drafter: --draft-model DIR_OR_ID (a small causal LM with the "
+            "target's tokenizer) or --speculator DIR_OR_ID (a head trained with variant=eagle)"
+        )
     if head is not None:
         return SpeculativeDecoder(staged, SerialHeadProposer(head, staged), draft_steps, tokenizer)
     draft, draft_tokenizer = load_draft_model(draft_model, draft_revision, dtype, device)

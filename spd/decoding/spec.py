@@ -78,40 +78,72 @@ def _flag(default, help: str, parse=None, choices=None, factory=None):
 class DecodingSpec:
     """What to run and how: a mode, the target, its head or draft model, and the runtime (see the module docstring)."""
 
-    mode: str | None = _flag(None, f"decoding mode: one of {', '.join(MODES)} (default: spd with --speculator, tree "
-                                   "with only --draft-model, else ar)")
-    target: str = _flag(None, "target model: a local directory or a Hugging Face hub id (default: %(default)s)",
-                        factory=lambda: str(default_testbed_dir() / "target"))
+    mode: str | None = _flag(
+        None,
+        f"decoding mode: one of {', '.join(MODES)} (default: spd with --speculator, tree "
+        "with only --draft-model, else ar)",
+    )
+    target: str = _flag(
+        None,
+        "target model: a local directory or a Hugging Face hub id (default: %(default)s)",
+        factory=lambda: str(default_testbed_dir() / "target"),
+    )
     revision: str | None = _flag(None, "hub revision (branch, tag or commit) of --target")
     tokenizer: str | None = _flag(None, "tokenizer directory or hub id (default: the target's)")
-    stages: int | None = _flag(None, "pipeline stages the target is cut into (default: the speculator's n, else 1)",
-                               positive_int)
-    boundaries: list[int] | None = _flag(None, "cut the target at these layer indices instead of equally, e.g. 8,16,23 "
-                                               "for 30 layers in 4 stages of 8, 8, 7, 7 (default: the speculator's "
-                                               "cut, else an equal one)", boundaries_flag)
-    speculator: str | None = _flag(None, "speculation head for --mode spd or tree (a head trained for the pipeline), "
-                                         "or --mode sd (a head trained with variant=eagle): a directory or hub id")
+    stages: int | None = _flag(
+        None, "pipeline stages the target is cut into (default: the speculator's n, else 1)", positive_int
+    )
+    boundaries: list[int] | None = _flag(
+        None,
+        "cut the target at these layer indices instead of equally, e.g. 8,16,23 "
+        "for 30 layers in 4 stages of 8, 8, 7, 7 (default: the speculator's "
+        "cut, else an equal one)",
+        boundaries_flag,
+    )
+    speculator: str | None = _flag(
+        None,
+        "speculation head for --mode spd or tree (a head trained for the pipeline), "
+        "or --mode sd (a head trained with variant=eagle): a directory or hub id",
+    )
     speculator_revision: str | None = _flag(None, "hub revision of --speculator")
-    draft_model: str | None = _flag(None, "draft model for --mode tree or sd: a directory or hub id of a small "
-                                          "causal LM with the target's tokenizer")
-    draft_steps: int = _flag(4, "--mode sd: tokens drafted one after another per target forward, m "
-                                "(default: %(default)s)", positive_int)
+    draft_model: str | None = _flag(
+        None,
+        "draft model for --mode tree or sd: a directory or hub id of a small causal LM with the target's tokenizer",
+    )
+    draft_steps: int = _flag(
+        4, "--mode sd: tokens drafted one after another per target forward, m (default: %(default)s)", positive_int
+    )
     draft_revision: str | None = _flag(None, "hub revision of --draft-model")
-    tree_width: int | str = _flag(4, "--mode tree: tree nodes kept per level, W, or 'auto' (follows the measured "
-                                     "acceptance, up to --tree-max-width) (default: %(default)s)", tree_width_flag)
+    tree_width: int | str = _flag(
+        4,
+        "--mode tree: tree nodes kept per level, W, or 'auto' (follows the measured "
+        "acceptance, up to --tree-max-width) (default: %(default)s)",
+        tree_width_flag,
+    )
     tree_children: int = _flag(4, "--mode tree: candidate children per node, K (default: %(default)s)", positive_int)
-    tree_max_width: int = _flag(8, "--mode tree --tree-width auto: the largest width (default: %(default)s)",
-                                positive_int)
-    tree_candidates: str = _flag("auto", "--mode tree at T > 0: children drawn from the proposer's distribution "
-                                         "(sampled) or its top-K (top-k); auto = sampled (greedy always uses top-k) "
-                                         "(default: %(default)s)", choices=("auto", "sampled", "top-k"))
+    tree_max_width: int = _flag(
+        8, "--mode tree --tree-width auto: the largest width (default: %(default)s)", positive_int
+    )
+    tree_candidates: str = _flag(
+        "auto",
+        "--mode tree at T > 0: children drawn from the proposer's distribution "
+        "(sampled) or its top-K (top-k); auto = sampled (greedy always uses top-k) "
+        "(default: %(default)s)",
+        choices=("auto", "sampled", "top-k"),
+    )
     device: str = _flag("cpu", "torch device (cpu, cuda, cuda:1, ...)")
-    dtype: str = _flag("float32", "the weights' dtype (default: %(default)s)",
-                       choices=("float32", "bfloat16", "float16"))
-    runtime: str = _flag("local", "local: one process; distributed: one process per stage plus rank 0 on "
-                                  "torch.distributed (modes spd, pp and tree)", choices=("local", "distributed"))
-    emulate_stage_ms: float = _flag(0.0, "--runtime distributed: added compute time per stage call (a token, a tree "
-                                         "level, a batch)", float)
+    dtype: str = _flag(
+        "float32", "the weights' dtype (default: %(default)s)", choices=("float32", "bfloat16", "float16")
+    )
+    runtime: str = _flag(
+        "local",
+        "local: one process; distributed: one process per stage plus rank 0 on "
+        "torch.distributed (modes spd, pp and tree)",
+        choices=("local", "distributed"),
+    )
+    emulate_stage_ms: float = _flag(
+        0.0, "--runtime distributed: added compute time per stage call (a token, a tree level, a batch)", float
+    )
     emulate_link_ms: float = _flag(0.0, "--runtime distributed: added latency per message", float)
     timeout_s: float = _flag(60.0, "--runtime distributed: a rank silent this long counts as lost", float)
 
@@ -155,8 +187,9 @@ class DecodingSpec:
     # ----------------------------------------------------------------------------------- the checks
     def check_numbers(self) -> None:
         """The runtime's numbers: finite, ``>= 0`` for the emulated delays, ``> 0`` for the timeout."""
-        check_runtime_numbers(self.timeout_s, emulate_stage_ms=self.emulate_stage_ms,
-                              emulate_link_ms=self.emulate_link_ms)
+        check_runtime_numbers(
+            self.timeout_s, emulate_stage_ms=self.emulate_stage_ms, emulate_link_ms=self.emulate_link_ms
+        )
 
     def check(self) -> None:
         """The checks that need no model loaded (one SpdInputError each)."""
@@ -168,16 +201,22 @@ class DecodingSpec:
         if mode not in ("spd", "tree", "sd") and speculator is not None:
             raise SpdInputError(f"--speculator is only used by --mode spd, tree and sd, but --mode is '{mode}'")
         if mode == "tree" and draft is None and speculator is None:
-            raise SpdInputError("--mode tree needs --draft-model DIR_OR_ID (a small causal LM with the target's "
-                                "tokenizer) or --speculator DIR_OR_ID (an SPD head)")
+            raise SpdInputError(
+                "--mode tree needs --draft-model DIR_OR_ID (a small causal LM with the target's "
+                "tokenizer) or --speculator DIR_OR_ID (an SPD head)"
+            )
         if mode == "tree" and draft is not None and speculator is not None:
             raise SpdInputError("--mode tree takes one proposer: --draft-model or --speculator, not both")
         if mode == "sd" and (draft is None) == (speculator is None):
-            raise SpdInputError("--mode sd takes one drafter: --draft-model DIR_OR_ID (a small causal LM with the "
-                                "target's tokenizer) or --speculator DIR_OR_ID (a head trained with variant=eagle)")
+            raise SpdInputError(
+                "--mode sd takes one drafter: --draft-model DIR_OR_ID (a small causal LM with the "
+                "target's tokenizer) or --speculator DIR_OR_ID (a head trained with variant=eagle)"
+            )
         if mode == "sd" and self.stages not in (None, 1):
-            raise SpdInputError(f"--mode sd runs the whole target in one process (no pipeline), so --stages must be "
-                                f"1, got {self.stages}")
+            raise SpdInputError(
+                f"--mode sd runs the whole target in one process (no pipeline), so --stages must be "
+                f"1, got {self.stages}"
+            )
         if mode not in ("tree", "sd") and draft is not None:
             raise SpdInputError(f"--draft-model is only used by --mode tree and --mode sd, but --mode is '{mode}'")
         if self.runtime == "distributed" and mode not in PIPELINED:

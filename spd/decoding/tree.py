@@ -259,8 +259,10 @@ class TokenTree:
         bottom_L = self.bottom_level()
         sorted_logprobs_LK = torch.as_tensor(sorted_logprobs_LK).float().cpu()
         if sorted_logprobs_LK.dim() != 2 or sorted_logprobs_LK.shape[0] != bottom_L.shape[0]:
-            raise SpdInputError(f"child_counts expects log-probs of shape (L, K) with L = {bottom_L.shape[0]} (the "
-                                f"bottom level's size), got {tuple(sorted_logprobs_LK.shape)}")
+            raise SpdInputError(
+                f"child_counts expects log-probs of shape (L, K) with L = {bottom_L.shape[0]} (the "
+                f"bottom level's size), got {tuple(sorted_logprobs_LK.shape)}"
+            )
         if width < 1:
             raise SpdInputError(f"the tree width must be a positive integer, got {width}")
         cum_L = self.cum_logprobs_N[bottom_L]
@@ -276,20 +278,28 @@ class TokenTree:
             counts_L += torch.bincount(more // further_LK.shape[1], minlength=bottom_L.shape[0])
         return counts_L
 
-    def append_children(self, counts_L: torch.Tensor, tokens_LK: torch.Tensor,
-                        logprobs_LK: torch.Tensor) -> torch.Tensor:
+    def append_children(
+        self, counts_L: torch.Tensor, tokens_LK: torch.Tensor, logprobs_LK: torch.Tensor
+    ) -> torch.Tensor:
         """Append the first ``counts_L[l]`` candidates of each bottom node ``l``, in order; return the new indices."""
         bottom_L = self.bottom_level()
         tokens_LK = torch.as_tensor(tokens_LK, dtype=torch.long).cpu()
         logprobs_LK = torch.as_tensor(logprobs_LK).float().cpu()
         counts_L = torch.as_tensor(counts_L, dtype=torch.long).cpu()
         k = tokens_LK.shape[1] if tokens_LK.dim() == 2 else 0
-        if tokens_LK.dim() != 2 or tokens_LK.shape[0] != bottom_L.shape[0] or logprobs_LK.shape != tokens_LK.shape \
-                or counts_L.shape != bottom_L.shape or bool((counts_L < 0).any()) or bool((counts_L > k).any()):
+        if (
+            tokens_LK.dim() != 2
+            or tokens_LK.shape[0] != bottom_L.shape[0]
+            or logprobs_LK.shape != tokens_LK.shape
+            or counts_L.shape != bottom_L.shape
+            or bool((counts_L < 0).any())
+            or bool((counts_L > k).any())
+        ):
             raise SpdInputError(
                 f"append_children expects counts of shape (L,) in [0, K] and candidates of shape (L, K) with L = "
                 f"{bottom_L.shape[0]} (the bottom level's size), got {tuple(counts_L.shape)} and "
-                f"{tuple(tokens_LK.shape)}")
+                f"{tuple(tokens_LK.shape)}"
+            )
         parent_rank = torch.repeat_interleave(torch.arange(bottom_L.shape[0]), counts_L)
         cand = torch.cat([torch.arange(int(c)) for c in counts_L]) if parent_rank.numel() else parent_rank
         self.principal = -1  # sampled children: no greedy path to keep
@@ -305,8 +315,9 @@ class TokenTree:
         order = order[torch.isfinite(cum[order])]
         return torch.sort(order).values  # back to (parent, candidate) order: BFS order of the new level
 
-    def _with_principal(self, bottom_L: torch.Tensor, logprobs_LK: torch.Tensor, chosen: torch.Tensor,
-                        width: int) -> tuple[torch.Tensor, int | None]:
+    def _with_principal(
+        self, bottom_L: torch.Tensor, logprobs_LK: torch.Tensor, chosen: torch.Tensor, width: int
+    ) -> tuple[torch.Tensor, int | None]:
         """``chosen`` with the principal node's best candidate in it (in place of the worst chosen one when every
         slot is taken), and that candidate's flat index (None: no principal node, or no finite candidate)."""
         at = torch.nonzero(bottom_L == self.principal)
@@ -321,11 +332,17 @@ class TokenTree:
         if chosen.numel() >= width:
             cum = (self.cum_logprobs_N[bottom_L][:, None] + logprobs_LK).flatten()
             worst = int(torch.argmin(torch.where(chosen == best, float("inf"), cum[chosen])))
-            chosen = torch.cat([chosen[:worst], chosen[worst + 1:]])
+            chosen = torch.cat([chosen[:worst], chosen[worst + 1 :]])
         return torch.sort(torch.cat([chosen, torch.tensor([best])])).values, best
 
-    def _append(self, bottom_L: torch.Tensor, parent_rank: torch.Tensor, cand: torch.Tensor, tokens_LK: torch.Tensor,
-                logprobs_LK: torch.Tensor) -> torch.Tensor:
+    def _append(
+        self,
+        bottom_L: torch.Tensor,
+        parent_rank: torch.Tensor,
+        cand: torch.Tensor,
+        tokens_LK: torch.Tensor,
+        logprobs_LK: torch.Tensor,
+    ) -> torch.Tensor:
         """Append candidates ``(parent_rank, cand)`` (grouped by parent, in order) as the new bottom level."""
         parents_T = bottom_L[parent_rank]
         n, t = len(self), parents_T.shape[0]
@@ -352,8 +369,9 @@ class TokenTree:
         """
         child = int(child)
         if not 0 < child < len(self) or int(self.parents_N[child]) != 0:
-            raise SpdInputError(f"prune_to_child expects a child of the root (one of {self.children(0).tolist()}), "
-                                f"got node {child}")
+            raise SpdInputError(
+                f"prune_to_child expects a child of the root (one of {self.children(0).tolist()}), got node {child}"
+            )
         if self._chain:  # the chain after the root (child 1): every node moves up by one
             n = len(self)
             tokens, logprobs, cum_logprobs = self._lists()
@@ -400,7 +418,6 @@ class Level:
         return self.hidden_1TD.shape[1]
 
 
-
 # ------------------------------------------------------------------------------------- verification
 def _candidates(child_tokens: torch.Tensor | Sequence[int]) -> list[int]:
     if isinstance(child_tokens, list):
@@ -430,8 +447,9 @@ def verify_greedy(p_or_logits_V: torch.Tensor, child_tokens: torch.Tensor | Sequ
     return (cands.index(token) if token in cands else None), token
 
 
-def verify_sampled_deterministic(p_V: torch.Tensor, child_tokens: torch.Tensor | Sequence[int],
-                                 generator: torch.Generator | None) -> tuple[int | None, int]:
+def verify_sampled_deterministic(
+    p_V: torch.Tensor, child_tokens: torch.Tensor | Sequence[int], generator: torch.Generator | None
+) -> tuple[int | None, int]:
     """Lossless multi-candidate sampling for deterministically chosen candidates: ``(index or None, token)``.
 
     Candidates are tried in order: accept ``x`` with probability ``p(x)``; else set ``p(x) = 0``,
@@ -451,10 +469,13 @@ def verify_sampled_deterministic(p_V: torch.Tensor, child_tokens: torch.Tensor |
     return None, _draw(residual_V, generator)
 
 
-def verify_sampled_recursive(p_V: torch.Tensor, child_tokens: torch.Tensor | Sequence[int],
-                             q_list: torch.Tensor | Sequence[torch.Tensor],
-                             generator: torch.Generator | None,
-                             without_replacement: bool = False) -> tuple[int | None, int]:
+def verify_sampled_recursive(
+    p_V: torch.Tensor,
+    child_tokens: torch.Tensor | Sequence[int],
+    q_list: torch.Tensor | Sequence[torch.Tensor],
+    generator: torch.Generator | None,
+    without_replacement: bool = False,
+) -> tuple[int | None, int]:
     """Recursive rejection sampling (SpecInfer) for sampled candidates: ``(index or None, token)``.
 
     Candidate ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``; on rejection
@@ -474,14 +495,18 @@ def verify_sampled_recursive(p_V: torch.Tensor, child_tokens: torch.Tensor | Seq
     cands = _candidates(child_tokens)
     if without_replacement:
         if not isinstance(q_list, torch.Tensor) or q_list.dim() != 1:
-            raise SpdInputError("verify_sampled_recursive without replacement needs the one (V,) draft distribution "
-                                "the candidates were drawn from")
+            raise SpdInputError(
+                "verify_sampled_recursive without replacement needs the one (V,) draft distribution "
+                "the candidates were drawn from"
+            )
         q_rest = _probs(q_list, "the draft distribution q")
     elif isinstance(q_list, torch.Tensor) and q_list.dim() == 1:
         q_list = [q_list] * len(cands)
     if not without_replacement and len(q_list) != len(cands):
-        raise SpdInputError(f"verify_sampled_recursive needs one draft distribution per candidate: got "
-                            f"{len(q_list)} for {len(cands)} candidates")
+        raise SpdInputError(
+            f"verify_sampled_recursive needs one draft distribution per candidate: got "
+            f"{len(q_list)} for {len(cands)} candidates"
+        )
     p_i = _probs(p_V)
     p_i /= p_i.sum()
     for i, x in enumerate(cands):
@@ -502,8 +527,9 @@ def verify_sampled_recursive(p_V: torch.Tensor, child_tokens: torch.Tensor | Seq
 
 
 # ---------------------------------------------------------------------------------- growing the tree
-def grow_top_k(tree: TokenTree, logprobs_LX: torch.Tensor, ids_X: torch.Tensor | None, width: int,
-               children: int) -> torch.Tensor:
+def grow_top_k(
+    tree: TokenTree, logprobs_LX: torch.Tensor, ids_X: torch.Tensor | None, width: int, children: int
+) -> torch.Tensor:
     """Deterministic candidates: each bottom node's top-``children`` tokens, the ``width`` best kept.
 
     ``logprobs_LX``: the token source's log-probabilities after each bottom node (rows in
@@ -521,9 +547,16 @@ def grow_top_k(tree: TokenTree, logprobs_LX: torch.Tensor, ids_X: torch.Tensor |
     return tree.append_level(tokens_LK.cpu(), top.values.cpu(), width)
 
 
-def grow_sampled(tree: TokenTree, logprobs_LX: torch.Tensor, ids_X: torch.Tensor | None, width: int,
-                 children: int, params: SamplingParams, generator: torch.Generator | None,
-                 vocab_size: int) -> torch.Tensor:
+def grow_sampled(
+    tree: TokenTree,
+    logprobs_LX: torch.Tensor,
+    ids_X: torch.Tensor | None,
+    width: int,
+    children: int,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    vocab_size: int,
+) -> torch.Tensor:
     """Sampled candidates: each bottom node's children drawn from the source's warped ``q``, without replacement.
 
     ``q`` is the source's distribution warped like the target's (``params``: temperature, top-k,
@@ -555,12 +588,16 @@ def grow_sampled(tree: TokenTree, logprobs_LX: torch.Tensor, ids_X: torch.Tensor
             u_RX = torch.rand((rows.numel(), logq_LX.shape[-1]), generator=generator, dtype=torch.float64, device=dev)
             gumbel_RX = -torch.log(-torch.log(u_RX)).to(logq_LX.device)
             drawn_RK = torch.topk(logq_RX.double() + gumbel_RX, k, dim=-1).indices
-        logprobs_LK[rows, :drawn_RK.shape[1]] = logq_RX.gather(-1, drawn_RK).float().cpu()
-        tokens_LK[rows, :drawn_RK.shape[1]] = (drawn_RK if ids_X is None else ids_X[drawn_RK]).cpu()
+        logprobs_LK[rows, : drawn_RK.shape[1]] = logq_RX.gather(-1, drawn_RK).float().cpu()
+        tokens_LK[rows, : drawn_RK.shape[1]] = (drawn_RK if ids_X is None else ids_X[drawn_RK]).cpu()
         bottom_L = tree.bottom_level()
         for row in rows.tolist():
-            q_V = q_LX[row] if ids_X is None and q_LX.shape[-1] == vocab_size else \
-                torch.zeros(vocab_size, dtype=q_LX.dtype, device=q_LX.device).index_copy_(
-                    0, torch.arange(q_LX.shape[-1], device=q_LX.device) if ids_X is None else ids_X, q_LX[row])
+            q_V = (
+                q_LX[row]
+                if ids_X is None and q_LX.shape[-1] == vocab_size
+                else torch.zeros(vocab_size, dtype=q_LX.dtype, device=q_LX.device).index_copy_(
+                    0, torch.arange(q_LX.shape[-1], device=q_LX.device) if ids_X is None else ids_X, q_LX[row]
+                )
+            )
             tree.drafts[int(bottom_L[row])] = q_V
     return tree.append_children(counts_L, tokens_LK, logprobs_LK)

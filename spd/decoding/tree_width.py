@@ -59,11 +59,19 @@ class AdaptiveWidth:
 
     adaptive = True
 
-    def __init__(self, max_width: int = 8, children: int = 4, window: int = 16, gain_floor: float = 1 / 16,
-                 miss_ceiling: float = 1 / 8):
+    def __init__(
+        self,
+        max_width: int = 8,
+        children: int = 4,
+        window: int = 16,
+        gain_floor: float = 1 / 16,
+        miss_ceiling: float = 1 / 8,
+    ):
         if max_width < 1 or children < 1 or window < 1:
-            raise SpdInputError(f"an adaptive tree needs a positive maximum width, children per node and window, got "
-                                f"{max_width}, {children} and {window}")
+            raise SpdInputError(
+                f"an adaptive tree needs a positive maximum width, children per node and window, got "
+                f"{max_width}, {children} and {window}"
+            )
         ladder, w = [], 1
         while w < max_width:
             ladder.append(w)

@@ -83,15 +83,19 @@ class SpeculatorConfig(PretrainedConfig):
             raise ValueError(f"anchors must list n+1 = {n + 1} depths, got {len(self.anchors)}")
         for d, anchor in enumerate(self.anchors):
             if not anchor or any(not 0 <= a <= b[d] for a in anchor):
-                raise ValueError(f"anchors[{d}] = {anchor} must be non-empty hidden-state indices in 0..{b[d]} "
-                                 f"(a token at depth {d} has completed layers up to {b[d]})")
+                raise ValueError(
+                    f"anchors[{d}] = {anchor} must be non-empty hidden-state indices in 0..{b[d]} "
+                    f"(a token at depth {d} has completed layers up to {b[d]})"
+                )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got '{self.schedule}'")
         if not 1 <= self.max_depth <= n:
             raise ValueError(f"max_depth must be in 1..{n}, got {self.max_depth}")
         if self.schedule == "serial" and (n != 1 or self.draft_steps < 1):
-            raise ValueError(f"the serial schedule reads the whole target (n_stages 1) with draft_steps >= 1, got "
-                             f"n_stages {n} and draft_steps {self.draft_steps}")
+            raise ValueError(
+                f"the serial schedule reads the whole target (n_stages 1) with draft_steps >= 1, got "
+                f"n_stages {n} and draft_steps {self.draft_steps}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
@@ -128,12 +132,16 @@ def check_compatible(head_config: SpeculatorConfig, staged, mode: str | None = N
     """
     serial = head_config.schedule == "serial"
     if mode is not None and serial and mode != "sd":
-        raise SpdInputError(f"this head was trained with variant=eagle, a serial drafter for --mode sd; --mode {mode} "
-                            "takes a head trained for the pipeline (variant spd, output_state or ppsd)")
+        raise SpdInputError(
+            f"this head was trained with variant=eagle, a serial drafter for --mode sd; --mode {mode} "
+            "takes a head trained for the pipeline (variant spd, output_state or ppsd)"
+        )
     if mode == "sd" and not serial:
-        raise SpdInputError(f"--mode sd drafts serially and takes a head trained with variant=eagle (or --draft-model), "
-                            f"but this head has the '{head_config.schedule}' schedule of a pipeline; run it with "
-                            "--mode spd")
+        raise SpdInputError(
+            f"--mode sd drafts serially and takes a head trained with variant=eagle (or --draft-model), "
+            f"but this head has the '{head_config.schedule}' schedule of a pipeline; run it with "
+            "--mode spd"
+        )
     problems = []
     if head_config.hidden_size != staged.config.hidden_size:
         problems.append(f"hidden size {head_config.hidden_size} vs the target's {staged.config.hidden_size}")
@@ -142,13 +150,17 @@ def check_compatible(head_config: SpeculatorConfig, staged, mode: str | None = N
     if head_config.target_num_layers != staged.num_layers:
         problems.append(f"{head_config.target_num_layers} target layers vs the target's {staged.num_layers}")
     elif head_config.n_stages != staged.n_stages:
-        problems.append(f"it was trained for n = {head_config.n_stages} stages but the pipeline has "
-                        f"{staged.n_stages}; pass --stages {head_config.n_stages} or use a head trained for "
-                        f"{staged.n_stages} stages")
+        problems.append(
+            f"it was trained for n = {head_config.n_stages} stages but the pipeline has "
+            f"{staged.n_stages}; pass --stages {head_config.n_stages} or use a head trained for "
+            f"{staged.n_stages} stages"
+        )
     elif head_config.boundaries != staged.boundaries:
-        problems.append(f"stage boundaries {head_config.boundaries} vs the pipeline's {staged.boundaries}; pass "
-                        f"--boundaries {','.join(map(str, head_config.boundaries[1:-1]))} or leave --stages and "
-                        f"--boundaries out (the head's cut is the default)")
+        problems.append(
+            f"stage boundaries {head_config.boundaries} vs the pipeline's {staged.boundaries}; pass "
+            f"--boundaries {','.join(map(str, head_config.boundaries[1:-1]))} or leave --stages and "
+            f"--boundaries out (the head's cut is the default)"
+        )
     if problems:
         raise SpdInputError("the speculator does not fit this target: " + "; ".join(problems))
 

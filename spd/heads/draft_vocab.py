@@ -49,12 +49,17 @@ def check_draft_vocab(head, vocab_size: int, tokenizer=None) -> None:
         return
     ids = ids.detach().cpu()
     if ids.numel() != head.config.draft_vocab_size or bool((ids[1:] <= ids[:-1]).any()):
-        raise SpdInputError("the speculator's draft vocabulary is corrupt (its ids are not sorted and unique); "
-                            "re-export the head")
+        raise SpdInputError(
+            "the speculator's draft vocabulary is corrupt (its ids are not sorted and unique); re-export the head"
+        )
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise SpdInputError(f"the speculator's draft vocabulary has ids up to {int(ids.max())}, outside the target's "
-                            f"vocabulary of {vocab_size}")
+        raise SpdInputError(
+            f"the speculator's draft vocabulary has ids up to {int(ids.max())}, outside the target's "
+            f"vocabulary of {vocab_size}"
+        )
     expected = head.config.draft_vocab_sha256
     if tokenizer is not None and expected and tokens_sha256(tokenizer.convert_ids_to_tokens(ids.tolist())) != expected:
-        raise SpdInputError("the speculator's draft vocabulary does not match this target's tokenizer (its tokens "
-                            "differ from the ones it was trained on); use the target it was trained for")
+        raise SpdInputError(
+            "the speculator's draft vocabulary does not match this target's tokenizer (its tokens "
+            "differ from the ones it was trained on); use the target it was trained for"
+        )

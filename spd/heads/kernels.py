@@ -32,7 +32,7 @@ class ConcatLinear(torch.autograd.Function):
         w = weight.to(dt)
         out = torch.matmul(xs[0].to(dt), w[:, :d].t())
         for i, x in enumerate(xs[1:], start=1):
-            out += torch.matmul(x.to(dt), w[:, i * d:(i + 1) * d].t())
+            out += torch.matmul(x.to(dt), w[:, i * d : (i + 1) * d].t())
         ctx.save_for_backward(weight, *xs)
         ctx.dt = dt
         return out
@@ -46,17 +46,27 @@ class ConcatLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_w = torch.empty(weight.shape, dtype=ctx.dt, device=weight.device)
             for i, x in enumerate(xs):
-                torch.mm(dout_flat.t(), x.to(ctx.dt).reshape(-1, d), out=grad_w[:, i * d:(i + 1) * d])
+                torch.mm(dout_flat.t(), x.to(ctx.dt).reshape(-1, d), out=grad_w[:, i * d : (i + 1) * d])
             grad_w = grad_w.to(weight.dtype)
         w = weight.to(ctx.dt)
-        grads_x = [torch.matmul(dout.to(ctx.dt), w[:, i * d:(i + 1) * d]).to(x.dtype)
-                   if ctx.needs_input_grad[i + 1] else None for i, x in enumerate(xs)]
+        grads_x = [
+            torch.matmul(dout.to(ctx.dt), w[:, i * d : (i + 1) * d]).to(x.dtype)
+            if ctx.needs_input_grad[i + 1]
+            else None
+            for i, x in enumerate(xs)
+        ]
         return grad_w, *grads_x
 
 
-def offset_band_attention(q_BHND: torch.Tensor, kv: dict[int, tuple[torch.Tensor, torch.Tensor]], deep_depth: int,
-                          band_depths: list[int], fill_B: torch.Tensor, valid_BN: torch.Tensor,
-                          query_chunk: int = 512) -> torch.Tensor:
+def offset_band_attention(
+    q_BHND: torch.Tensor,
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    deep_depth: int,
+    band_depths: list[int],
+    fill_B: torch.Tensor,
+    valid_BN: torch.Tensor,
+    query_chunk: int = 512,
+) -> torch.Tensor:
     """Attention (B, H, N, Dh) of every query ``t`` over deep keys ``i <= t - a`` and ``a`` band keys, one softmax.
 
     ``kv`` maps depth -> (keys, values) (B, Hk, N, Dh). The deep keys are the rows at ``deep_depth``; band
@@ -64,9 +74,15 @@ def offset_band_attention(q_BHND: torch.Tensor, kv: dict[int, tuple[torch.Tensor
     padding rows (``~valid_BN``) are never attended. Queries run in blocks of ``query_chunk`` rows.
     """
     depths = sorted(kv)
-    return _OffsetBandAttention.apply(q_BHND, fill_B, valid_BN, depths.index(deep_depth),
-                                      tuple(depths.index(d) for d in band_depths), query_chunk,
-                                      *(x for d in depths for x in kv[d]))
+    return _OffsetBandAttention.apply(
+        q_BHND,
+        fill_B,
+        valid_BN,
+        depths.index(deep_depth),
+        tuple(depths.index(d) for d in band_depths),
+        query_chunk,
+        *(x for d in depths for x in kv[d]),
+    )
 
 
 class _OffsetBandAttention(torch.autograd.Function):
@@ -107,7 +123,7 @@ class _OffsetBandAttention(torch.autograd.Function):
     def backward(ctx, dout_BHND):
         q_BKGND, fill_B, valid_BN, out_BKGND, lse_BKGN, *kv = ctx.saved_tensors
         deep, band, chunk, min_fill, q_dtype, kv_dtypes = ctx.meta
-        keys, values = kv[: len(kv) // 2], kv[len(kv) // 2:]
+        keys, values = kv[: len(kv) // 2], kv[len(kv) // 2 :]
         acc = lse_BKGN.dtype
         b, hk, g, n_pos, dh = q_BKGND.shape
         dout_BKGND = dout_BHND.to(q_BKGND.dtype).reshape(q_BKGND.shape)
@@ -117,8 +133,9 @@ class _OffsetBandAttention(torch.autograd.Function):
         for lo in range(0, n_pos, chunk):
             blk = _QueryBlock(q_BKGND, keys, values, deep, band, fill_B, valid_BN, min_fill, lo, chunk, acc)
             p_deep, p_band, _ = blk.probs(lse_BKGN[:, :, :, blk.rows])
-            dq_BKGND[:, :, :, blk.rows] = blk.backward(p_deep, p_band, dout_BKGND[:, :, :, blk.rows],
-                                                       out_BKGND[:, :, :, blk.rows], dkeys, dvalues)
+            dq_BKGND[:, :, :, blk.rows] = blk.backward(
+                p_deep, p_band, dout_BKGND[:, :, :, blk.rows], out_BKGND[:, :, :, blk.rows], dkeys, dvalues
+            )
         grads_kv = []
         for i, (dk, dv) in enumerate(zip(dkeys, dvalues)):
             grads_kv += [dk.to(kv_dtypes[2 * i]), dv.to(kv_dtypes[2 * i + 1])]
@@ -128,13 +145,24 @@ class _OffsetBandAttention(torch.autograd.Function):
 class _QueryBlock:
     """Query rows ``lo .. lo+C-1`` of :class:`_OffsetBandAttention`: masks, probabilities, output, gradients."""
 
-    def __init__(self, q_BKGND: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], deep: int,
-                 band: tuple[int, ...], fill_B: torch.Tensor, valid_BN: torch.Tensor, min_fill: int, lo: int,
-                 chunk: int, acc: torch.dtype):
+    def __init__(
+        self,
+        q_BKGND: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        deep: int,
+        band: tuple[int, ...],
+        fill_B: torch.Tensor,
+        valid_BN: torch.Tensor,
+        min_fill: int,
+        lo: int,
+        chunk: int,
+        acc: torch.dtype,
+    ):
         b, _, _, n_pos, dh = q_BKGND.shape
         dev = q_BKGND.device
         hi = min(n_pos, lo + chunk)
-        self.lo, self.hi, self.rows, self.acc, self.scale = lo, hi, slice(lo, hi), acc, dh ** -0.5
+        self.lo, self.hi, self.rows, self.acc, self.scale = lo, hi, slice(lo, hi), acc, dh**-0.5
         self.q_BKGCD = q_BKGND[:, :, :, lo:hi]
         self.keys, self.values, self.deep, self.band = keys, values, deep, band
         # Only deep keys i <= t - a for some row t < hi of some example: the rest lie right of the diagonal.
@@ -150,12 +178,12 @@ class _QueryBlock:
     def _band_rows(self, x_BKND: torch.Tensor, j: int) -> torch.Tensor:
         """Rows ``t - j`` for the block's rows ``t`` (B, K, C, Dh); zeros where ``t - j < 0`` (masked)."""
         n_real = max(0, self.hi - j) - max(0, self.lo - j)
-        return F.pad(x_BKND[:, :, max(0, self.lo - j): max(0, self.hi - j)], (0, 0, self.hi - self.lo - n_real, 0))
+        return F.pad(x_BKND[:, :, max(0, self.lo - j) : max(0, self.hi - j)], (0, 0, self.hi - self.lo - n_real, 0))
 
     def _add_band_rows(self, grad_BKND: torch.Tensor, j: int, g_BKCD: torch.Tensor) -> None:
         """Adds a block's band-key gradient back to the rows it came from (inverse of :meth:`_band_rows`)."""
         lo, hi = max(0, self.lo - j), max(0, self.hi - j)
-        grad_BKND[:, :, lo:hi] += g_BKCD[:, :, g_BKCD.shape[2] - (hi - lo):]
+        grad_BKND[:, :, lo:hi] += g_BKCD[:, :, g_BKCD.shape[2] - (hi - lo) :]
 
     def _deep_scores(self) -> torch.Tensor:
         b, hk, g, c, dh = self.q_BKGCD.shape
@@ -166,8 +194,10 @@ class _QueryBlock:
 
     def _band_scores(self) -> torch.Tensor:
         q = self.q_BKGCD.to(self.acc)
-        s = torch.stack([(q * self._band_rows(self.keys[d], j)[:, :, None].to(self.acc)).sum(-1)
-                         for j, d in enumerate(self.band)], dim=-1)
+        s = torch.stack(
+            [(q * self._band_rows(self.keys[d], j)[:, :, None].to(self.acc)).sum(-1) for j, d in enumerate(self.band)],
+            dim=-1,
+        )
         return s.mul_(self.scale).masked_fill_(~self.band_B11CJ, float("-inf"))
 
     def probs(self, lse_BKGC: torch.Tensor | None = None):

@@ -30,11 +30,15 @@ def load_speculator_config(name_or_path: str, revision: str | None = None) -> Sp
         try:
             model_type = json.loads(config_file.read_text()).get("model_type")
         except (OSError, ValueError) as exc:
-            raise SpdInputError(f"the speculator config '{config_file}' is not valid JSON ({first_line(exc)})") from None
+            raise SpdInputError(
+                f"the speculator config '{config_file}' is not valid JSON ({first_line(exc)})"
+            ) from None
         if model_type != SpeculatorConfig.model_type:
-            raise SpdInputError(f"'{source}' holds a '{model_type}' model, not an SPD speculation head "
-                                f"(model_type '{SpeculatorConfig.model_type}'); expected a directory written by "
-                                "train/distill.py (e.g. <output_dir>/final)")
+            raise SpdInputError(
+                f"'{source}' holds a '{model_type}' model, not an SPD speculation head "
+                f"(model_type '{SpeculatorConfig.model_type}'); expected a directory written by "
+                "train/distill.py (e.g. <output_dir>/final)"
+            )
     try:
         return SpeculatorConfig.from_pretrained(source, revision=revision)
     except (OSError, ValueError, KeyError) as exc:
@@ -55,9 +59,14 @@ def speculator_boundaries(name_or_path: str, revision: str | None = None) -> lis
     return list(load_speculator_config(name_or_path, revision).boundaries)
 
 
-def pipeline_cut(stages: int | None, boundaries: list[int] | None, speculator: str | None = None,
-                 revision: str | None = None, target: str | None = None,
-                 target_revision: str | None = None) -> tuple[int | None, list[int] | None]:
+def pipeline_cut(
+    stages: int | None,
+    boundaries: list[int] | None,
+    speculator: str | None = None,
+    revision: str | None = None,
+    target: str | None = None,
+    target_revision: str | None = None,
+) -> tuple[int | None, list[int] | None]:
     """``(n_stages, boundaries)`` for :class:`~spd.target.staging.StagedModel`: explicit boundaries, else the head's cut
     (when ``stages`` is not given or agrees with it), else ``stages`` equal stages (default 1).
 
@@ -76,14 +85,21 @@ def pipeline_cut(stages: int | None, boundaries: list[int] | None, speculator: s
 
                 num_layers = target_num_layers(target, target_revision)
                 if head_boundaries[-1] != num_layers:
-                    raise SpdInputError(f"the speculator does not fit this target: it was trained for a target of "
-                                        f"{head_boundaries[-1]} layers, and this one has {num_layers}")
+                    raise SpdInputError(
+                        f"the speculator does not fit this target: it was trained for a target of "
+                        f"{head_boundaries[-1]} layers, and this one has {num_layers}"
+                    )
             return None, head_boundaries
     return stages or 1, None
 
 
-def load_speculator(name_or_path: str, revision: str | None = None, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu", target=None):
+def load_speculator(
+    name_or_path: str,
+    revision: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    target=None,
+):
     """A speculation head with one clear sentence for a wrong path, hub id or non-head directory.
 
     Our heads: a directory or hub id (``Speculator.from_pretrained``). The SPD authors' released heads: a
@@ -93,8 +109,10 @@ def load_speculator(name_or_path: str, revision: str | None = None, dtype: torch
     """
     if is_authors_file(name_or_path):
         if target is None:
-            raise SpdInputError(f"'{name_or_path}' is an SPD authors' head file; it is attached to its target when "
-                                "loaded: pass target=StagedModel (the engines and spd-generate do)")
+            raise SpdInputError(
+                f"'{name_or_path}' is an SPD authors' head file; it is attached to its target when "
+                "loaded: pass target=StagedModel (the engines and spd-generate do)"
+            )
         from .published.authors_head import load_authors_head
 
         return load_authors_head(str(name_or_path), target, revision)

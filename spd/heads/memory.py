@@ -76,11 +76,11 @@ class PooledSpeculatorCache(SpeculatorCache):
 
     @property
     def keys(self) -> list[torch.Tensor]:
-        return [k[self.slot:self.slot + 1] for k in self.pool.keys]
+        return [k[self.slot : self.slot + 1] for k in self.pool.keys]
 
     @property
     def values(self) -> list[torch.Tensor]:
-        return [v[self.slot:self.slot + 1] for v in self.pool.values]
+        return [v[self.slot : self.slot + 1] for v in self.pool.values]
 
     def reserve(self, length: int) -> None:
         self.pool.reserve(length)

@@ -118,8 +118,11 @@ class SpeculatorLayer(nn.Module):
         self.up_proj = nn.Linear(d, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, d, bias=False)
         # Per-depth memory projections (reference-code parity), identity-initialised in _init_weights.
-        self.memory_proj = (nn.ModuleDict({str(k): nn.Linear(d, d, bias=False) for k in config.used_depths})
-                            if config.memory_proj else None)
+        self.memory_proj = (
+            nn.ModuleDict({str(k): nn.Linear(d, d, bias=False) for k in config.used_depths})
+            if config.memory_proj
+            else None
+        )
 
     def query_heads(self, h_BND: torch.Tensor, cos_BND, sin_BND) -> torch.Tensor:
         b, n, _ = h_BND.shape
@@ -167,8 +170,9 @@ class Speculator(PreTrainedModel):
         d = config.hidden_size
         # One FC per depth the head can see (all n+1 for SPD); unused depths get none, so that every
         # parameter receives a gradient (DDP) and checkpoints hold no dead weights.
-        self.fc = nn.ModuleDict({str(k): nn.Linear(len(config.anchors[k]) * d, d, bias=False)
-                                 for k in config.used_depths})
+        self.fc = nn.ModuleDict(
+            {str(k): nn.Linear(len(config.anchors[k]) * d, d, bias=False) for k in config.used_depths}
+        )
         self.layers = nn.ModuleList(SpeculatorLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.lm_head = nn.Linear(d, config.draft_vocab_size or config.vocab_size, bias=False)
@@ -201,8 +205,9 @@ class Speculator(PreTrainedModel):
         rows = {a: torch.cat([anchors[a] for anchors in anchor_sets]) for a in self.config.anchors[depth]}
         return list(self.features(depth, rows).split(sizes))
 
-    def trailing_features(self, paths: list[list[tuple[int, dict[int, torch.Tensor]]]]
-                          ) -> list[list[tuple[int, torch.Tensor]]]:
+    def trailing_features(
+        self, paths: list[list[tuple[int, dict[int, torch.Tensor]]]]
+    ) -> list[list[tuple[int, torch.Tensor]]]:
         """Many queries' trailing rows, each path ``[(depth, anchors), ...]``, as ``[(depth, g), ...]``: the rows of
         one depth, of every path, through that depth's FC in one call."""
         by_depth: dict[int, list[dict[int, torch.Tensor]]] = {}
@@ -231,9 +236,17 @@ class Speculator(PreTrainedModel):
         out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
         return out.index_copy_(-1, self.draft_ids, logits)
 
-    def forward(self, hidden: dict[int, torch.Tensor], fill_B: torch.Tensor, valid_BN: torch.Tensor,
-                supervised_BN: torch.Tensor, teacher_logits, tau: float = 1.0, chunk_size: int = 512,
-                topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> KDResult:
+    def forward(
+        self,
+        hidden: dict[int, torch.Tensor],
+        fill_B: torch.Tensor,
+        valid_BN: torch.Tensor,
+        supervised_BN: torch.Tensor,
+        teacher_logits,
+        tau: float = 1.0,
+        chunk_size: int = 512,
+        topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> KDResult:
         """Training forward plus the chunked KD loss against the target (``teacher_logits(H^L)``), or against
         a stored top-k teacher ``topk = (ids_BNK, logprobs_BNK)`` (spd.training.capture).
 
@@ -242,15 +255,28 @@ class Speculator(PreTrainedModel):
         """
         out_BND = self.forward_train(hidden, fill_B, valid_BN)
         if topk is not None:
-            return kd_loss_topk(out_BND[supervised_BN], topk[0][supervised_BN], topk[1][supervised_BN], self.logits,
-                                chunk_size)
+            return kd_loss_topk(
+                out_BND[supervised_BN], topk[0][supervised_BN], topk[1][supervised_BN], self.logits, chunk_size
+            )
         teacher_BND = hidden[self.config.target_num_layers]
-        return kd_loss(out_BND[supervised_BN], teacher_BND[supervised_BN], self.logits, teacher_logits, tau,
-                       chunk_size, self.draft_ids)
+        return kd_loss(
+            out_BND[supervised_BN],
+            teacher_BND[supervised_BN],
+            self.logits,
+            teacher_logits,
+            tau,
+            chunk_size,
+            self.draft_ids,
+        )
 
     # ------------------------------------------------------------------------------ training path
-    def forward_train(self, hidden: dict[int, torch.Tensor], fill_B: torch.Tensor,
-                      valid_BN: torch.Tensor | None = None, query_chunk: int = 512) -> torch.Tensor:
+    def forward_train(
+        self,
+        hidden: dict[int, torch.Tensor],
+        fill_B: torch.Tensor,
+        valid_BN: torch.Tensor | None = None,
+        query_chunk: int = 512,
+    ) -> torch.Tensor:
         """Query-stream outputs (B, N, D) for every position, each with the per-example fill ``a``.
 
         ``hidden`` maps anchor index -> H^a (B, N, D) from one target forward; ``valid_BN`` marks real
@@ -275,8 +301,9 @@ class Speculator(PreTrainedModel):
             h_BND = layer.finish(h_BND, attn)
         return h_BND
 
-    def forward_dense(self, hidden: dict[int, torch.Tensor], fill_B: torch.Tensor,
-                      valid_BN: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_dense(
+        self, hidden: dict[int, torch.Tensor], fill_B: torch.Tensor, valid_BN: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Reference: (n+1)x expanded memory [g^n .. g^0] with the dense structural mask (Appendix A.3)."""
         cfg = self.config
         b, n_pos, _ = hidden[0].shape
@@ -291,10 +318,14 @@ class Speculator(PreTrainedModel):
         t_N = torch.arange(n_pos, device=dev)
         dist_NN = t_N[:, None] - t_N[None, :]  # t - T
         # depth(t, T) as a tensor: min(max_depth, t - T + offset) inside the fill (serial: 0), else max_depth.
-        inside_NN = torch.zeros_like(dist_NN) if cfg.schedule == "serial" else (
-            dist_NN + cfg.offset).clamp(max=cfg.max_depth)
-        want_BNN = torch.where(dist_NN[None] < fill_B.view(b, 1, 1), inside_NN[None].expand(b, -1, -1),
-                               torch.full_like(dist_NN, cfg.max_depth)[None].expand(b, -1, -1))
+        inside_NN = (
+            torch.zeros_like(dist_NN) if cfg.schedule == "serial" else (dist_NN + cfg.offset).clamp(max=cfg.max_depth)
+        )
+        want_BNN = torch.where(
+            dist_NN[None] < fill_B.view(b, 1, 1),
+            inside_NN[None].expand(b, -1, -1),
+            torch.full_like(dist_NN, cfg.max_depth)[None].expand(b, -1, -1),
+        )
         masks = [(dist_NN[None] >= 0) & (want_BNN == d) & valid_BN[:, None, :] for d in depths]
         mask_BNM = torch.cat(masks, dim=-1)  # the (n+1)N-wide structural mask
         mem = {d: self.features(d, hidden) for d in depths}
@@ -375,8 +406,8 @@ class Speculator(PreTrainedModel):
         cache.reserve(cache.length + r)
         for i, layer in enumerate(self.layers):
             k, v = layer.memory_kv(mem_BRD, self.config.max_depth, cos, sin)
-            cache.keys[i][:, :, cache.length:cache.length + r] = k
-            cache.values[i][:, :, cache.length:cache.length + r] = v
+            cache.keys[i][:, :, cache.length : cache.length + r] = k
+            cache.values[i][:, :, cache.length : cache.length + r] = v
         cache.length += r
 
     def append_memory_many(self, caches: list["SpeculatorCache"], mems: list[torch.Tensor]) -> None:
@@ -401,14 +432,15 @@ class Speculator(PreTrainedModel):
                 continue
             first = 0
             for cache, p in zip(caches, sizes):
-                cache.keys[i][0, :, cache.length:cache.length + p] = k[first:first + p, :, 0].transpose(0, 1)
-                cache.values[i][0, :, cache.length:cache.length + p] = v[first:first + p, :, 0].transpose(0, 1)
+                cache.keys[i][0, :, cache.length : cache.length + p] = k[first : first + p, :, 0].transpose(0, 1)
+                cache.values[i][0, :, cache.length : cache.length + p] = v[first : first + p, :, 0].transpose(0, 1)
                 first += p
         for cache, p in zip(caches, sizes):
             cache.length += p
 
-    def query(self, cache: "SpeculatorCache", trailing: list[tuple[int, torch.Tensor]],
-              query_BD: torch.Tensor) -> torch.Tensor:
+    def query(
+        self, cache: "SpeculatorCache", trailing: list[tuple[int, torch.Tensor]], query_BD: torch.Tensor
+    ) -> torch.Tensor:
         """Query-stream output (B, D) for the newest position, attending cached rows plus trailing rows.
 
         ``trailing`` lists the rows after the cached ones, oldest first, as ``(depth, g (B, D))``; the newest
@@ -422,14 +454,14 @@ class Speculator(PreTrainedModel):
         pos_BR = torch.arange(c, c + r, device=dev).expand(b, r)
         cos_r, sin_r = self.rope(pos_BR, dtype)
         cos_q, sin_q = self.rope(torch.full((b, 1), c + r - 1, device=dev), dtype)
-        scale = self.config.head_dim ** -0.5
+        scale = self.config.head_dim**-0.5
         h_B1D = query_BD[:, None]
         with decode_kernels(dev):
             for i, layer in enumerate(self.layers):
                 q = layer.query_heads(h_B1D, cos_q, sin_q)
                 ks, vs = [cache.keys[i][:, :, :c]], [cache.values[i][:, :, :c]]
                 for j, (depth, g_BD) in enumerate(trailing):
-                    k, v = layer.memory_kv(g_BD[:, None], depth, cos_r[:, j:j + 1], sin_r[:, j:j + 1])
+                    k, v = layer.memory_kv(g_BD[:, None], depth, cos_r[:, j : j + 1], sin_r[:, j : j + 1])
                     ks.append(k)
                     vs.append(v)
                 k_all = layer.expand_kv(torch.cat(ks, dim=2))
@@ -438,8 +470,12 @@ class Speculator(PreTrainedModel):
                 h_B1D = layer.finish(h_B1D, attn)
         return h_B1D[:, 0]
 
-    def query_many(self, caches: list["SpeculatorCache"], trailing: list[list[tuple[int, torch.Tensor]]],
-                   queries: list[torch.Tensor]) -> torch.Tensor:
+    def query_many(
+        self,
+        caches: list["SpeculatorCache"],
+        trailing: list[list[tuple[int, torch.Tensor]]],
+        queries: list[torch.Tensor],
+    ) -> torch.Tensor:
         """:meth:`query` for many requests at once: request ``i`` has its own cache ``caches[i]``, trailing rows
         ``trailing[i]`` (``(depth, g (L_i, D))``, oldest first) and ``L_i`` query rows ``queries[i]`` (the bottom
         nodes of its tree). Returns every query row's output, ``(sum L_i, D)``, in request order.
@@ -478,8 +514,15 @@ class Speculator(PreTrainedModel):
         groups = []
         for depth, (gs, bs, slots) in by_depth.items():
             slot_M = torch.cat(slots)
-            groups.append((depth, torch.cat(gs)[:, None], torch.cat(bs).to(dev), slot_M.to(dev),
-                           self.rope(slot_M[:, None].to(dev), dtype)))
+            groups.append(
+                (
+                    depth,
+                    torch.cat(gs)[:, None],
+                    torch.cat(bs).to(dev),
+                    slot_M.to(dev),
+                    self.rope(slot_M[:, None].to(dev), dtype),
+                )
+            )
         # The cached rows: every query row gets its request's cached keys and values in its first slots
         # (``cached_rows``, ``cached_slots``). Each layer lays every request's cached rows out one request after
         # another; ``pick`` repeats a request's for each of its query rows (None: every request has one query row).
@@ -492,7 +535,7 @@ class Speculator(PreTrainedModel):
         if total > len(sizes):
             request_starts = torch.cumsum(cached_C, 0) - cached_C
             pick = (torch.repeat_interleave(request_starts[row_request_B], per_row_B) + slots_M).to(dev)
-        scale = cfg.head_dim ** -0.5
+        scale = cfg.head_dim**-0.5
         h_B1D = torch.cat(queries)[:, None]
         # One padded K/V for every layer: each layer writes the same slots, so the padding stays zero.
         k_BHKD = h_B1D.new_zeros(total, hk, width, dh)
@@ -500,23 +543,31 @@ class Speculator(PreTrainedModel):
         with decode_kernels(dev):
             for i, layer in enumerate(self.layers):
                 q = layer.query_heads(h_B1D, cos_q, sin_q)
-                for buffer_BHKD, held in ((k_BHKD, [cache.keys[i] for cache in caches]),
-                                          (v_BHKD, [cache.values[i] for cache in caches])):
-                    cached_MHD = torch.cat([kv[0, :, :cache.length] for kv, cache in zip(held, caches)],
-                                           dim=1).transpose(0, 1)
+                for buffer_BHKD, held in (
+                    (k_BHKD, [cache.keys[i] for cache in caches]),
+                    (v_BHKD, [cache.values[i] for cache in caches]),
+                ):
+                    cached_MHD = torch.cat(
+                        [kv[0, :, : cache.length] for kv, cache in zip(held, caches)], dim=1
+                    ).transpose(0, 1)
                     buffer_BHKD[cached_rows, :, cached_slots] = cached_MHD if pick is None else cached_MHD[pick]
                 for depth, g_M1D, rows_M, slot_M, (cos, sin) in groups:
                     k, v = layer.memory_kv(g_M1D, depth, cos, sin)
                     k_BHKD[rows_M, :, slot_M] = k[:, :, 0]
                     v_BHKD[rows_M, :, slot_M] = v[:, :, 0]
-                attn = F.scaled_dot_product_attention(q, layer.expand_kv(k_BHKD), layer.expand_kv(v_BHKD),
-                                                      attn_mask=mask_B11K, scale=scale)
+                attn = F.scaled_dot_product_attention(
+                    q, layer.expand_kv(k_BHKD), layer.expand_kv(v_BHKD), attn_mask=mask_B11K, scale=scale
+                )
                 h_B1D = layer.finish(h_B1D, attn)
         return h_B1D[:, 0]
 
-
-    def _query_pool(self, pool: SpeculatorPool, caches: list[PooledSpeculatorCache],
-                    trailing: list[list[tuple[int, torch.Tensor]]], queries: list[torch.Tensor]) -> torch.Tensor:
+    def _query_pool(
+        self,
+        pool: SpeculatorPool,
+        caches: list[PooledSpeculatorCache],
+        trailing: list[list[tuple[int, torch.Tensor]]],
+        queries: list[torch.Tensor],
+    ) -> torch.Tensor:
         """:meth:`query_many` over the slots of one pool, with nothing gathered: one attention call over the pool's
         buffer, a batch entry per slot. Request ``b`` (slot ``s``, ``c`` cached rows, ``r`` trailing rows, ``L``
         query rows) writes the trailing rows of its query row ``l`` into the scratch rows ``c + l r .. c + (l + 1) r``
@@ -546,14 +597,24 @@ class Speculator(PreTrainedModel):
                 pos_M.extend([c + j] * size)
         groups = []
         for depth, (gs, slot_M, row_M, pos_M) in by_depth.items():
-            groups.append((depth, torch.cat(gs)[:, None], torch.tensor(slot_M, device=dev),
-                           torch.tensor(row_M, device=dev), self.rope(torch.tensor(pos_M, device=dev)[:, None], dtype)))
-        cached_S1, trailing_S1, asked_S1 = (torch.tensor(x, device=dev)[:, None] for x in (cached_S, trailing_S, asked_S))
+            groups.append(
+                (
+                    depth,
+                    torch.cat(gs)[:, None],
+                    torch.tensor(slot_M, device=dev),
+                    torch.tensor(row_M, device=dev),
+                    self.rope(torch.tensor(pos_M, device=dev)[:, None], dtype),
+                )
+            )
+        cached_S1, trailing_S1, asked_S1 = (
+            torch.tensor(x, device=dev)[:, None] for x in (cached_S, trailing_S, asked_S)
+        )
         query_L = torch.arange(rows_per_entry, device=dev)
         key_K = torch.arange(width, device=dev)
         own_SL = cached_S1 + query_L[None] * trailing_S1  # each query row's first trailing row
-        mask_SLK = (key_K < cached_S1[:, :, None]) | ((key_K >= own_SL[:, :, None])
-                                                      & (key_K < (own_SL + trailing_S1)[:, :, None]))
+        mask_SLK = (key_K < cached_S1[:, :, None]) | (
+            (key_K >= own_SL[:, :, None]) & (key_K < (own_SL + trailing_S1)[:, :, None])
+        )
         real_SL = query_L[None] < asked_S1
         mask_S1LK = torch.where(real_SL[:, :, None], mask_SLK, key_K == 0)[:, None]  # padding sees row 0 alone
         cos_q, sin_q = self.rope((cached_S1 + trailing_S1 - 1).expand(entries, rows_per_entry), dtype)
@@ -561,7 +622,7 @@ class Speculator(PreTrainedModel):
         row_B = torch.tensor([row for size in sizes for row in range(size)], device=dev)
         h_SLD = queries[0].new_zeros(entries, rows_per_entry, queries[0].shape[-1])
         h_SLD[entry_B, row_B] = torch.cat(queries)
-        scale = cfg.head_dim ** -0.5
+        scale = cfg.head_dim**-0.5
         with decode_kernels(dev):
             for i, layer in enumerate(self.layers):
                 keys_SHkCDh, values_SHkCDh = pool.keys[i], pool.values[i]
@@ -570,9 +631,14 @@ class Speculator(PreTrainedModel):
                     keys_SHkCDh[slot_M, :, row_M] = k[:, :, 0]
                     values_SHkCDh[slot_M, :, row_M] = v[:, :, 0]
                 q = layer.query_heads(h_SLD, cos_q, sin_q)
-                attn = F.scaled_dot_product_attention(q, keys_SHkCDh[:entries, :, :width],
-                                                      values_SHkCDh[:entries, :, :width], attn_mask=mask_S1LK,
-                                                      scale=scale, enable_gqa=layer.n_heads != layer.n_kv_heads)
+                attn = F.scaled_dot_product_attention(
+                    q,
+                    keys_SHkCDh[:entries, :, :width],
+                    values_SHkCDh[:entries, :, :width],
+                    attn_mask=mask_S1LK,
+                    scale=scale,
+                    enable_gqa=layer.n_heads != layer.n_kv_heads,
+                )
                 h_SLD = layer.finish(h_SLD, attn)
         return h_SLD[entry_B, row_B]
 

@@ -61,8 +61,9 @@ def handles_of(keys: list[int], sizes: list[int], device: torch.device) -> torch
     return torch.tensor([pairs], dtype=torch.long, device=device)
 
 
-def encode_manifest(phase: int, keep_from: int, ops: list[list[int]], segments: list[Segment],
-                    keys_out: list[int]) -> torch.Tensor:
+def encode_manifest(
+    phase: int, keep_from: int, ops: list[list[int]], segments: list[Segment], keys_out: list[int]
+) -> torch.Tensor:
     """A manifest as int64: ``phase, keep_from, #ops, #segments``, the operations (kind, region start, arguments),
     then per segment: region start, input key (``FROM_MANIFEST``: the manifest's payload), size T, the number of
     input rows named (0: all) and those rows, a positions flag and T positions, the mask's width N and its T * N
@@ -104,13 +105,17 @@ class _Reader:
 
     def take(self, count: int = 1, low: int = 0, high: int = 2**62) -> list[int]:
         if count < 0 or self.at + count > len(self.words):
-            raise PipelineLost(f"rank {self.rank}: a batch manifest from rank 0 is truncated (word {self.at} of "
-                               f"{len(self.words)}, {count} more wanted); the peer is corrupt or not one of ours")
-        values = self.words[self.at:self.at + count]
+            raise PipelineLost(
+                f"rank {self.rank}: a batch manifest from rank 0 is truncated (word {self.at} of "
+                f"{len(self.words)}, {count} more wanted); the peer is corrupt or not one of ours"
+            )
+        values = self.words[self.at : self.at + count]
         self.at += count
         if any(not low <= v <= high for v in values):
-            raise PipelineLost(f"rank {self.rank}: a batch manifest from rank 0 has a value outside {low}..{high}; "
-                               "the peer is corrupt or not one of ours")
+            raise PipelineLost(
+                f"rank {self.rank}: a batch manifest from rank 0 has a value outside {low}..{high}; "
+                "the peer is corrupt or not one of ours"
+            )
         return values
 
     def one(self, low: int = 0, high: int = 2**62) -> int:
@@ -141,14 +146,17 @@ def decode_manifest(extra: torch.Tensor | None, rank: int, rows: int, max_tokens
         seg.rows = reader.take(reader.one(0, max_tokens), 0, max_tokens - 1)
         seg.positions_T = torch.tensor(reader.take(seg.size), dtype=torch.long) if reader.one(0, 1) else None
         width = reader.one(0, rows)
-        seg.tree_mask_TN = (torch.tensor(reader.take(seg.size * width, 0, 1), dtype=torch.bool).view(seg.size, width)
-                            if width else None)
+        seg.tree_mask_TN = (
+            torch.tensor(reader.take(seg.size * width, 0, 1), dtype=torch.bool).view(seg.size, width) if width else None
+        )
         seg.anchors = reader.take(reader.one(0, layers), 0, layers)
         seg.key_out = reader.one(1)
         segments.append(seg)
     if reader.at != len(reader.words):
-        raise PipelineLost(f"rank {rank}: a batch manifest from rank 0 has {len(reader.words) - reader.at} words "
-                           "past its end; the peer is corrupt or not one of ours")
+        raise PipelineLost(
+            f"rank {rank}: a batch manifest from rank 0 has {len(reader.words) - reader.at} words "
+            "past its end; the peer is corrupt or not one of ours"
+        )
     return phase, keep_from, ops, segments
 
 
@@ -236,13 +244,16 @@ class RemoteBatch:
             expected = sum(seg.size * (len(seg.anchors) + last) for seg in segments)
             got = 0 if payload is None else payload.shape[0]
             if int(header[1]) != self.phase or got != expected:
-                raise PipelineLost(f"rank 0: stage {s} reported {got} rows for phase {int(header[1])}, expected "
-                                   f"{expected} rows for phase {self.phase}")
+                raise PipelineLost(
+                    f"rank 0: stage {s} reported {got} rows for phase {int(header[1])}, expected "
+                    f"{expected} rows for phase {self.phase}"
+                )
             outputs.append(self._outputs(segments, keys[s], payload, last))
         return outputs
 
-    def _outputs(self, segments: list[Segment], keys: list[int], payload: torch.Tensor | None,
-                 last: bool) -> list[StageOutput]:
+    def _outputs(
+        self, segments: list[Segment], keys: list[int], payload: torch.Tensor | None, last: bool
+    ) -> list[StageOutput]:
         """A stage's report cut into its segments' outputs: each segment's anchors (``T`` rows each, in its order),
         then from the last stage ``H^L``; before it, each segment's output stays there under its key (a handle)."""
         if not segments:

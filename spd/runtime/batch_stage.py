@@ -12,8 +12,7 @@ from ..target.ragged import Segment
 from ..target.staging import StagedModel
 from .batch import CLOSE, FROM_MANIFEST, OPEN, PRUNE, TRUNCATE, decode_manifest
 from .link import Link
-from .protocol import (BATCH_DATA, BATCH_END, BATCH_REPORT, BATCH_TAG, DATA_TAG, MANIFEST, PING, REPORT_TAG,
-                       PipelineLost)
+from .protocol import BATCH_DATA, BATCH_END, BATCH_REPORT, BATCH_TAG, DATA_TAG, MANIFEST, PING, REPORT_TAG, PipelineLost
 
 MAX_POOL_ROWS = 1 << 22  # the largest KV pool a batch mode may ask a stage for (rows)
 
@@ -65,17 +64,25 @@ class _Inbox:
         while self.stage > 0 and self.received < phase:
             header, extra, payload = self.link.recv(rank - 1, DATA_TAG)
             words = extra.tolist() if extra is not None else []
-            if int(header[0]) != BATCH_DATA or int(header[1]) != self.received + 1 or not words or \
-                    len(words) != 1 + 2 * words[0]:
-                raise PipelineLost(f"rank {rank}: expected the outputs of phase {self.received + 1} from rank "
-                                   f"{rank - 1}, got a message of kind {int(header[0])} for phase {int(header[1])}")
+            if (
+                int(header[0]) != BATCH_DATA
+                or int(header[1]) != self.received + 1
+                or not words
+                or len(words) != 1 + 2 * words[0]
+            ):
+                raise PipelineLost(
+                    f"rank {rank}: expected the outputs of phase {self.received + 1} from rank "
+                    f"{rank - 1}, got a message of kind {int(header[0])} for phase {int(header[1])}"
+                )
             self.received += 1
             offset = 0
             for key, size in zip(words[1::2], words[2::2]):
                 if payload is None or offset + size > payload.shape[0]:
-                    raise PipelineLost(f"rank {rank}: the outputs of phase {self.received} from rank {rank - 1} are "
-                                       "shorter than their item list says")
-                self.items[key] = (self.received, payload[offset:offset + size, 0])
+                    raise PipelineLost(
+                        f"rank {rank}: the outputs of phase {self.received} from rank {rank - 1} are "
+                        "shorter than their item list says"
+                    )
+                self.items[key] = (self.received, payload[offset : offset + size, 0])
                 offset += size
 
 
@@ -97,8 +104,9 @@ def _apply_ops(ops, caches: dict, pool: KVPool, stage: int) -> None:
             try:
                 StagedModel.prune_tree([cache], value, kept)
             except ValueError as exc:
-                raise PipelineLost(f"rank {rank}: a prune from rank 0 does not fit this stage's cache ({exc})") \
-                    from None
+                raise PipelineLost(
+                    f"rank {rank}: a prune from rank 0 does not fit this stage's cache ({exc})"
+                ) from None
 
 
 def _ragged_inputs(segments, caches: dict, items: dict, payload, stage: int) -> list[Segment]:
@@ -109,17 +117,20 @@ def _ragged_inputs(segments, caches: dict, items: dict, payload, stage: int) -> 
     for seg in segments:
         cache = caches.get(seg.base)
         if cache is None:
-            raise PipelineLost(f"rank {rank}: a batch manifest gives work to a request at row {seg.base} that is "
-                               "not open")
+            raise PipelineLost(
+                f"rank {rank}: a batch manifest gives work to a request at row {seg.base} that is not open"
+            )
         if seg.key_in == FROM_MANIFEST:
             if stage != 0 or payload is None or offset + seg.size > payload.shape[0]:
                 raise PipelineLost(f"rank {rank}: a batch manifest carries fewer hidden states than its segments")
-            hidden_TD = payload[offset:offset + seg.size, 0]
+            hidden_TD = payload[offset : offset + seg.size, 0]
             offset += seg.size
         else:
             if seg.key_in not in items:
-                raise PipelineLost(f"rank {rank}: a batch manifest names item {seg.key_in}, which rank "
-                                   f"{rank - 1} did not send in the last step")
+                raise PipelineLost(
+                    f"rank {rank}: a batch manifest names item {seg.key_in}, which rank "
+                    f"{rank - 1} did not send in the last step"
+                )
             hidden_TD = items[seg.key_in][1]
             if seg.rows:
                 if max(seg.rows) >= hidden_TD.shape[0]:
@@ -135,15 +146,24 @@ def _send_outputs(link: Link, stage: int, n: int, phase: int, segments, outs) ->
     """The outputs onward to the next stage (all but the last), and the anchors (and H^L from the last) to rank 0."""
     rank = stage + 1
     if rank < n:
-        listing = [len(segments)] + [word for seg, out in zip(segments, outs)
-                                     for word in (seg.key_out, out.hidden_BTD.shape[1])]
+        listing = [len(segments)] + [
+            word for seg, out in zip(segments, outs) for word in (seg.key_out, out.hidden_BTD.shape[1])
+        ]
         hidden = torch.cat([out.hidden_BTD[0] for out in outs])[:, None] if outs else None
-        link.send(rank + 1, DATA_TAG, BATCH_DATA, phase, 0, hidden, stage=rank,
-                  extra=torch.tensor(listing, dtype=torch.long))
+        link.send(
+            rank + 1, DATA_TAG, BATCH_DATA, phase, 0, hidden, stage=rank, extra=torch.tensor(listing, dtype=torch.long)
+        )
     report = []  # per segment: its anchors' rows, then H^L from the last stage
     for seg, out in zip(segments, outs):
         report += [out.anchors[a][0] for a in seg.anchors]
         if rank == n:
             report.append(out.hidden_BTD[0])
-    link.send(0, DATA_TAG if rank == n else REPORT_TAG, BATCH_REPORT, phase, 0,
-              torch.cat(report)[:, None] if report else None, stage=rank)
+    link.send(
+        0,
+        DATA_TAG if rank == n else REPORT_TAG,
+        BATCH_REPORT,
+        phase,
+        0,
+        torch.cat(report)[:, None] if report else None,
+        stage=rank,
+    )

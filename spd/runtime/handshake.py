@@ -17,8 +17,14 @@ import torch.distributed as dist
 from ..errors import SpdInputError
 
 # What each identity field is called in the refusal, in the order they are checked.
-FIELDS = {"spd": "spd version", "torch": "torch version", "target": "target (config and weights)",
-          "cut": "pipeline cut", "dtype": "dtype", "runtime": "runtime settings"}
+FIELDS = {
+    "spd": "spd version",
+    "torch": "torch version",
+    "target": "target (config and weights)",
+    "cut": "pipeline cut",
+    "dtype": "dtype",
+    "runtime": "runtime settings",
+}
 MAX_IDENTITY_BYTES = 1 << 16
 
 
@@ -31,13 +37,20 @@ def target_fingerprint(config, checkpoint) -> str:
     from safetensors import safe_open
 
     digest = hashlib.sha256()
-    settings = {k: v for k, v in config.to_dict().items()
-                if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")}
+    settings = {
+        k: v
+        for k, v in config.to_dict().items()
+        if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")
+    }
     digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
     if checkpoint.sharded:
         index = json.loads(checkpoint.index_text)
-        digest.update(json.dumps({"weight_map": index.get("weight_map"), "total_size":
-                                  index.get("metadata", {}).get("total_size")}, sort_keys=True).encode())
+        digest.update(
+            json.dumps(
+                {"weight_map": index.get("weight_map"), "total_size": index.get("metadata", {}).get("total_size")},
+                sort_keys=True,
+            ).encode()
+        )
         return digest.hexdigest()[:12]
     handles = {}
     for name in sorted(checkpoint.weight_map):
@@ -60,17 +73,27 @@ def job_identity(source: str, revision: str | None, staged, dtype: torch.dtype, 
     from .loading import Checkpoint
 
     fingerprint = target_fingerprint(staged.model.config, Checkpoint(source, revision))
-    return {"spd": spd.__version__, "torch": torch.__version__, "target": fingerprint, "source": source,
-            "cut": list(staged.boundaries), "dtype": str(dtype).removeprefix("torch."),
-            "runtime": runtime_settings(config)}
+    return {
+        "spd": spd.__version__,
+        "torch": torch.__version__,
+        "target": fingerprint,
+        "source": source,
+        "cut": list(staged.boundaries),
+        "dtype": str(dtype).removeprefix("torch."),
+        "runtime": runtime_settings(config),
+    }
 
 
 def runtime_settings(config) -> dict:
     """The settings of a RuntimeConfig that every rank must share, as values: a time given as the int 10 on one
     rank and the float 10.0 on another is the same setting."""
-    return {"backend": config.backend, "early_launch": bool(config.early_launch),
-            "emulate_stage_ms": float(config.emulate_stage_ms), "emulate_token_ms": float(config.emulate_token_ms),
-            "emulate_link_ms": float(config.emulate_link_ms)}
+    return {
+        "backend": config.backend,
+        "early_launch": bool(config.early_launch),
+        "emulate_stage_ms": float(config.emulate_stage_ms),
+        "emulate_token_ms": float(config.emulate_token_ms),
+        "emulate_link_ms": float(config.emulate_link_ms),
+    }
 
 
 def mismatch(identities: list[dict]) -> str | None:
@@ -90,8 +113,10 @@ def mismatch(identities: list[dict]) -> str | None:
                 shown = ", ".join(f"{k} {v}" for k, v in shown.items())
             label = "rank" if len(ranks) == 1 else "ranks"
             parts.append(f"{label} {', '.join(map(str, ranks))} {'has' if len(ranks) == 1 else 'have'} {shown}")
-        return (f"the ranks of this job disagree on the {what}: {'; '.join(parts)}; every machine must run the same "
-                f"spd and torch versions, target, pipeline cut, dtype and runtime settings")
+        return (
+            f"the ranks of this job disagree on the {what}: {'; '.join(parts)}; every machine must run the same "
+            f"spd and torch versions, target, pipeline cut, dtype and runtime settings"
+        )
     return None
 
 
@@ -115,7 +140,9 @@ def check_same_job(identity: dict, group) -> None:
         try:
             identities.append(json.loads(bytes(buf[: int(length)].tolist()).decode()))
         except (UnicodeDecodeError, json.JSONDecodeError):
-            raise SpdInputError(f"rank {rank} of this job sent an identity that is not JSON; is it running spd?") from None
+            raise SpdInputError(
+                f"rank {rank} of this job sent an identity that is not JSON; is it running spd?"
+            ) from None
     problem = mismatch(identities)
     if problem is not None:
         raise SpdInputError(problem)

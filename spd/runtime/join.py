@@ -42,17 +42,44 @@ class StageJob:
 
     def stage_command(self, target: str, revision: str | None, threads: int = 1) -> list[str]:
         """The program a stage rank runs (its rank comes from the environment, :meth:`stage_env`)."""
-        cmd = [sys.executable, "-m", "spd.cli.run_pipeline", "--target", target, "--stages", str(self.stages),
-               "--boundaries", ",".join(map(str, self.boundaries)), "--dtype", self.dtype, "--backend", self.backend,
-               "--timeout-s", str(self.timeout_s), "--emulate-stage-ms", str(self.emulate_stage_ms),
-               "--emulate-token-ms", str(self.emulate_token_ms), "--emulate-link-ms", str(self.emulate_link_ms), "--threads", str(threads)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "spd.cli.run_pipeline",
+            "--target",
+            target,
+            "--stages",
+            str(self.stages),
+            "--boundaries",
+            ",".join(map(str, self.boundaries)),
+            "--dtype",
+            self.dtype,
+            "--backend",
+            self.backend,
+            "--timeout-s",
+            str(self.timeout_s),
+            "--emulate-stage-ms",
+            str(self.emulate_stage_ms),
+            "--emulate-token-ms",
+            str(self.emulate_token_ms),
+            "--emulate-link-ms",
+            str(self.emulate_link_ms),
+            "--threads",
+            str(threads),
+        ]
         return cmd + (["--revision", revision] if revision is not None else [])
 
     def stage_env(self, host: str, port: int, stage: int, local_rank: int, local_world: int, env=None) -> dict:
         """The environment of stage ``stage``'s process on a machine running ``local_world`` of the job's ranks."""
         env = dict(os.environ if env is None else env)
-        env.update(MASTER_ADDR=host, MASTER_PORT=str(port), WORLD_SIZE=str(self.stages + 1), RANK=str(stage),
-                   LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_world))
+        env.update(
+            MASTER_ADDR=host,
+            MASTER_PORT=str(port),
+            WORLD_SIZE=str(self.stages + 1),
+            RANK=str(stage),
+            LOCAL_RANK=str(local_rank),
+            LOCAL_WORLD_SIZE=str(local_world),
+        )
         return env
 
 
@@ -75,20 +102,30 @@ def parse_address(text: str, default_port: int = DEFAULT_PORT) -> tuple[str, int
     elif text.count(":") == 1:
         host, port = text.split(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise SpdInputError(f"'{text}' is not an address; expected HOST or HOST:PORT with a port in 1..65535, "
-                            f"e.g. 10.0.0.1:{default_port}")
+        raise SpdInputError(
+            f"'{text}' is not an address; expected HOST or HOST:PORT with a port in 1..65535, "
+            f"e.g. 10.0.0.1:{default_port}"
+        )
     return host, int(port)
 
 
 def _check(job: StageJob) -> None:
     """Refuse (ValueError) a job whose fields are not what a server of this version publishes."""
     ints = lambda xs: isinstance(xs, list) and all(isinstance(x, int) for x in xs)  # noqa: E731
-    ok = (isinstance(job.stages, int) and job.stages >= 1 and ints(job.boundaries)
-          and len(job.boundaries) == job.stages + 1 and ints(job.remote)
-          and all(1 <= s <= job.stages for s in job.remote) and job.dtype in ("float32", "bfloat16", "float16")
-          and job.backend in ("gloo", "nccl")
-          and all(isinstance(x, (int, float)) and x >= 0 for x in (job.timeout_s, job.emulate_stage_ms,
-                                                                   job.emulate_token_ms, job.emulate_link_ms)))
+    ok = (
+        isinstance(job.stages, int)
+        and job.stages >= 1
+        and ints(job.boundaries)
+        and len(job.boundaries) == job.stages + 1
+        and ints(job.remote)
+        and all(1 <= s <= job.stages for s in job.remote)
+        and job.dtype in ("float32", "bfloat16", "float16")
+        and job.backend in ("gloo", "nccl")
+        and all(
+            isinstance(x, (int, float)) and x >= 0
+            for x in (job.timeout_s, job.emulate_stage_ms, job.emulate_token_ms, job.emulate_link_ms)
+        )
+    )
     if not ok:
         raise ValueError("malformed job")
 
@@ -111,9 +148,11 @@ def read_job(host: str, port: int, timeout_s: float):
             break
         except OSError:
             if time.monotonic() >= deadline:
-                raise SpdInputError(f"no spd-serve with remote stages answered at {host}:{port} within {timeout_s:g} "
-                                    "s; start spd-serve --runtime distributed --local-stages K --stage-addr ADDR:PORT "
-                                    "first, and give its --stage-addr here") from None
+                raise SpdInputError(
+                    f"no spd-serve with remote stages answered at {host}:{port} within {timeout_s:g} "
+                    "s; start spd-serve --runtime distributed --local-stages K --stage-addr ADDR:PORT "
+                    "first, and give its --stage-addr here"
+                ) from None
             time.sleep(0.5)
     timeout = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
     try:
@@ -124,10 +163,14 @@ def read_job(host: str, port: int, timeout_s: float):
         _check(job)
     except (RuntimeError, ValueError, TypeError) as exc:  # DistStoreError is a RuntimeError
         if isinstance(exc, (ValueError, TypeError)):
-            raise SpdInputError(f"the server at {host}:{port} offered a job this spd {_spd_version()} cannot read; "
-                                "run the same spd version on every machine") from None
-        raise SpdInputError(f"the service at {host}:{port} offered no spd job within {timeout_s:g} s; give the "
-                            "--stage-addr of an spd-serve started with --local-stages") from None
+            raise SpdInputError(
+                f"the server at {host}:{port} offered a job this spd {_spd_version()} cannot read; "
+                "run the same spd version on every machine"
+            ) from None
+        raise SpdInputError(
+            f"the service at {host}:{port} offered no spd job within {timeout_s:g} s; give the "
+            "--stage-addr of an spd-serve started with --local-stages"
+        ) from None
     return store, job
 
 
@@ -137,10 +180,14 @@ def claim_stages(store, job: StageJob, hold: list[int] | None) -> list[int]:
     stages = sorted(set(job.remote if hold is None else hold))
     for stage in stages:
         if stage not in job.remote:
-            raise SpdInputError(f"stage {stage} is not one that this job's other machines run; they run stages "
-                                f"{', '.join(map(str, job.remote))} of {job.stages}")
+            raise SpdInputError(
+                f"stage {stage} is not one that this job's other machines run; they run stages "
+                f"{', '.join(map(str, job.remote))} of {job.stages}"
+            )
     for stage in stages:
         if store.add(f"spd/claim/{stage}", 1) > 1:
-            raise SpdInputError(f"stage {stage} is already run by another machine of this job; give each machine "
-                                "its own stages with --hold")
+            raise SpdInputError(
+                f"stage {stage} is already run by another machine of this job; give each machine "
+                "its own stages with --hold"
+            )
     return stages

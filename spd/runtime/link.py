@@ -13,12 +13,31 @@ import torch
 import torch.distributed as dist
 
 from ..errors import first_line
-from .protocol import (CLOSE, CONTROL_TAG, DEFAULT_MAX_TOKENS, DEFAULT_MAX_WIDTH, HEADER, KEPT_INLINE, KEPT_TAG, KINDS,
-                       MAX_EXTRA, MAX_KEPT, NOTICE, NOTICE_KINDS, NOTICE_WAIT, PRUNE, STOP, PipelineLost, RuntimeConfig)
+from .protocol import (
+    CLOSE,
+    CONTROL_TAG,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_MAX_WIDTH,
+    HEADER,
+    KEPT_INLINE,
+    KEPT_TAG,
+    KINDS,
+    MAX_EXTRA,
+    MAX_KEPT,
+    NOTICE,
+    NOTICE_KINDS,
+    NOTICE_WAIT,
+    PRUNE,
+    STOP,
+    PipelineLost,
+    RuntimeConfig,
+)
 
 SENDS_IN_FLIGHT = 64  # sends whose completion is not awaited yet (their buffers stay alive until it is)
 SEND_BYTES_HELD = 256 << 20  # and at most this much of their buffers (prompts' activations), the newest apart
-GLOO_INLINE = 1 << 20  # bytes of extra + payload a message carries in its one send over gloo (the slot, less the header)
+GLOO_INLINE = (
+    1 << 20
+)  # bytes of extra + payload a message carries in its one send over gloo (the slot, less the header)
 
 
 class Link:
@@ -37,8 +56,16 @@ class Link:
     and the rest spills.
     """
 
-    def __init__(self, rank: int, config: RuntimeConfig, dtype: torch.dtype, device: torch.device, hidden: int,
-                 max_tokens: int | None = None, max_width: int | None = None):
+    def __init__(
+        self,
+        rank: int,
+        config: RuntimeConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        hidden: int,
+        max_tokens: int | None = None,
+        max_width: int | None = None,
+    ):
         self.rank, self.config, self.dtype, self.device, self.hidden = rank, config, dtype, device, hidden
         # What a peer may announce in a header (check_header): the model's context and rows per token.
         self.max_tokens = max_tokens or DEFAULT_MAX_TOKENS
@@ -68,8 +95,14 @@ class Link:
 
     def reset_clock(self) -> None:
         """Start counting anew where this rank's time in messages goes (seconds; :meth:`clock`)."""
-        self._clock = {"send": 0.0, "receive": 0.0, "receive_wait": 0.0, "link_delay": 0.0,
-                       "messages_sent": 0, "messages_received": 0}
+        self._clock = {
+            "send": 0.0,
+            "receive": 0.0,
+            "receive_wait": 0.0,
+            "link_delay": 0.0,
+            "messages_sent": 0,
+            "messages_received": 0,
+        }
 
     def clock(self) -> dict:
         """Since the last reset: seconds in ``send`` (packing and posting, control notices too; sends never block),
@@ -77,13 +110,33 @@ class Link:
         emulated latency; and the gloo sends posted and messages received."""
         return dict(self._clock)
 
-    def send(self, dst: int, tag: int, kind: int, epoch: int, position: int, payload_TWD: torch.Tensor | None = None,
-             stage: int = 0, extra: torch.Tensor | None = None) -> None:
+    def send(
+        self,
+        dst: int,
+        tag: int,
+        kind: int,
+        epoch: int,
+        position: int,
+        payload_TWD: torch.Tensor | None = None,
+        stage: int = 0,
+        extra: torch.Tensor | None = None,
+    ) -> None:
         """Send a header, an optional int64 ``extra`` and an optional (T, W, D) payload; never blocks."""
         tick = time.perf_counter()
         length, width = (0, 0) if payload_TWD is None else payload_TWD.shape[:2]
-        header = torch.tensor([kind, epoch, position, length, stage, int(time.time() * 1e6), width,
-                               0 if extra is None else extra.numel()], dtype=torch.long)
+        header = torch.tensor(
+            [
+                kind,
+                epoch,
+                position,
+                length,
+                stage,
+                int(time.time() * 1e6),
+                width,
+                0 if extra is None else extra.numel(),
+            ],
+            dtype=torch.long,
+        )
         body = []
         if extra is not None:
             body.append(extra.to(torch.long).contiguous().view(torch.uint8).flatten().to(self.device))
@@ -93,12 +146,12 @@ class Link:
         inline = size <= self.inline
         length = self.slot if self.padded else HEADER * 8 + (size if inline else 0)
         message = torch.empty(length, dtype=torch.uint8, device=self.device)
-        message[:HEADER * 8] = header.view(torch.uint8).to(self.device)
+        message[: HEADER * 8] = header.view(torch.uint8).to(self.device)
         spill = None
         if inline:
             at = HEADER * 8
             for part in body:  # each part straight into its place (no concatenation first)
-                message[at:at + part.numel()] = part
+                message[at : at + part.numel()] = part
                 at += part.numel()
         else:
             spill = torch.cat(body)
@@ -142,13 +195,13 @@ class Link:
             self._post_recv(src, tag)
         work, message = self._posted.pop((src, tag))
         self._wait(work, src)
-        header = message[:HEADER * 8].cpu().view(torch.long).tolist()  # (plain ints: one op, not one per field)
+        header = message[: HEADER * 8].cpu().view(torch.long).tolist()  # (plain ints: one op, not one per field)
         size = self.check_header(header, src)
         n_extra, length, width = header[7], header[3], header[6]
         if size <= self.inline:
             # Copied out, so that the same slot takes the next message (a new slot per message would cost more: a
             # megabyte allocated each time over gloo).
-            body = message[HEADER * 8:HEADER * 8 + size].clone()
+            body = message[HEADER * 8 : HEADER * 8 + size].clone()
         else:  # the second part comes next on this (src, tag): receive it before posting the next slot
             body = torch.empty(size, dtype=torch.uint8, device=self.device)
             self._wait(self._irecv(body, src, tag), src)
@@ -156,9 +209,9 @@ class Link:
             self._post_recv(src, tag, message)  # the next message from this peer can land as soon as it is sent
         extra = payload_TWD = None
         if n_extra:
-            extra = body[:n_extra * 8].cpu().view(torch.long).clone()
+            extra = body[: n_extra * 8].cpu().view(torch.long).clone()
         if length:
-            payload_TWD = body[n_extra * 8:].view(self.dtype).view(length, width, self.hidden)
+            payload_TWD = body[n_extra * 8 :].view(self.dtype).view(length, width, self.hidden)
         if self.config.emulate_link_ms > 0:
             delay = header[5] / 1e6 + self.config.emulate_link_ms / 1000 - time.time()
             if delay > 0:
@@ -172,20 +225,31 @@ class Link:
     def check_header(self, header: list[int], src: int) -> int:
         """The body size a received header announces, after checking every field against what a peer can send."""
         kind, epoch, position, length, stage, _, width, n_extra = header
-        bounds = (("kind", kind, min(KINDS), max(KINDS)), ("epoch", epoch, 0, 2**62),
-                  ("position", position, 0, 2**62), ("length", length, 0, self.max_tokens),
-                  ("stage", stage, 0, 2**20), ("payload width", width, 0, self.max_width),
-                  ("extra length", n_extra, 0, MAX_EXTRA))
+        bounds = (
+            ("kind", kind, min(KINDS), max(KINDS)),
+            ("epoch", epoch, 0, 2**62),
+            ("position", position, 0, 2**62),
+            ("length", length, 0, self.max_tokens),
+            ("stage", stage, 0, 2**20),
+            ("payload width", width, 0, self.max_width),
+            ("extra length", n_extra, 0, MAX_EXTRA),
+        )
         for name, value, low, high in bounds:
             if not low <= value <= high:
-                raise PipelineLost(f"rank {self.rank}: a message from rank {src} has a bad header ({name} {value}, "
-                                   f"expected {low}..{high}); the peer is corrupt or not one of ours")
+                raise PipelineLost(
+                    f"rank {self.rank}: a message from rank {src} has a bad header ({name} {value}, "
+                    f"expected {low}..{high}); the peer is corrupt or not one of ours"
+                )
         if length * width > self.max_cells:
-            raise PipelineLost(f"rank {self.rank}: a message from rank {src} has a bad header (a payload of "
-                               f"{length} tokens x {width} rows, more than {self.max_cells} in all)")
+            raise PipelineLost(
+                f"rank {self.rank}: a message from rank {src} has a bad header (a payload of "
+                f"{length} tokens x {width} rows, more than {self.max_cells} in all)"
+            )
         if (length == 0) != (width == 0):
-            raise PipelineLost(f"rank {self.rank}: a message from rank {src} has a bad header (a payload of "
-                               f"{length} tokens x {width} rows)")
+            raise PipelineLost(
+                f"rank {self.rank}: a message from rank {src} has a bad header (a payload of "
+                f"{length} tokens x {width} rows)"
+            )
         return n_extra * 8 + length * width * self.hidden * self.itemsize
 
     def _wait(self, work: dist.Work, peer: int) -> None:
@@ -197,8 +261,9 @@ class Link:
         except RuntimeError as exc:
             why = _short_reason(exc)
             if "imed out" in why or "imeout" in why:
-                raise PipelineLost(f"rank {self.rank}: no message from rank {peer} within "
-                                   f"{self.config.timeout_s:g} s") from None
+                raise PipelineLost(
+                    f"rank {self.rank}: no message from rank {peer} within {self.config.timeout_s:g} s"
+                ) from None
             raise PipelineLost(f"rank {self.rank}: lost contact with rank {peer} ({why})") from None
 
     def _finish_send(self) -> None:
@@ -236,11 +301,14 @@ class Notices:
                 dist.irecv(buffer, 0, group=group, tag=CONTROL_TAG).wait(NOTICE_WAIT)
                 epoch, length, kind, count = buffer[:NOTICE].tolist()
                 if kind not in NOTICE_KINDS or not 0 <= count <= MAX_KEPT or epoch < 0 or length < 0:
-                    self._arrived.put(PipelineLost(
-                        f"rank {self.rank}: a notice from rank 0 is malformed (kind {kind}, kept count {count}, "
-                        f"epoch {epoch}, length {length}); the peer is corrupt or not one of ours"))
+                    self._arrived.put(
+                        PipelineLost(
+                            f"rank {self.rank}: a notice from rank 0 is malformed (kind {kind}, kept count {count}, "
+                            f"epoch {epoch}, length {length}); the peer is corrupt or not one of ours"
+                        )
+                    )
                     return
-                kept = buffer[NOTICE:NOTICE + min(count, KEPT_INLINE)] if kind == PRUNE else None
+                kept = buffer[NOTICE : NOTICE + min(count, KEPT_INLINE)] if kind == PRUNE else None
                 if kind == PRUNE and count > KEPT_INLINE:
                     spill = torch.empty(count - KEPT_INLINE, dtype=torch.long)
                     dist.irecv(spill, 0, group=group, tag=KEPT_TAG).wait(NOTICE_WAIT)

@@ -9,9 +9,15 @@ from ..errors import SpdInputError, first_line
 from ..target.staging import StagedModel
 
 
-def load_partial(source: str, n_stages: int, role: int, revision: str | None = None,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 boundaries: list[int] | None = None) -> StagedModel:
+def load_partial(
+    source: str,
+    n_stages: int,
+    role: int,
+    revision: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    boundaries: list[int] | None = None,
+) -> StagedModel:
     """A StagedModel whose parameters exist only for ``role``: 0 = embedding, final norm and LM head (the
     driver), ``s >= 1`` = the decoder layers of stage ``s`` (1-based). Everything else stays on the meta
     device (no memory), so a stage holds about 1/n of the target's layers."""
@@ -54,8 +60,10 @@ def load_partial(source: str, n_stages: int, role: int, revision: str | None = N
             if tensor is None:
                 raise SpdInputError(f"the checkpoint '{source}' has no tensor '{name}'")
             if tuple(tensor.shape) != tuple(param.shape):
-                raise SpdInputError(f"the checkpoint '{source}' holds '{name}' with shape {tuple(tensor.shape)}, but "
-                                    f"its config.json makes it {tuple(param.shape)}")
+                raise SpdInputError(
+                    f"the checkpoint '{source}' holds '{name}' with shape {tuple(tensor.shape)}, but "
+                    f"its config.json makes it {tuple(param.shape)}"
+                )
             with torch.no_grad():
                 param.copy_(tensor.to(dtype))
     if tied and role == 0:
@@ -113,8 +121,9 @@ class Checkpoint:
         self.source, self.revision = source, revision
         self._paths: dict[str, str] = {}
         try:
-            index = cached_file(source, "model.safetensors.index.json", revision=revision,
-                                _raise_exceptions_for_missing_entries=False)
+            index = cached_file(
+                source, "model.safetensors.index.json", revision=revision, _raise_exceptions_for_missing_entries=False
+            )
             if index is not None:
                 self.index_text = open(index, encoding="utf-8").read()
                 self.weight_map: dict[str, str] = dict(json.loads(self.index_text)["weight_map"])
@@ -140,9 +149,11 @@ class Checkpoint:
             try:
                 self._paths[file] = cached_file(self.source, file, revision=self.revision)
             except (OSError, ValueError) as exc:
-                raise SpdInputError(f"the checkpoint '{self.source}' lacks the shard '{file}' that holds '{name}' "
-                                    f"({first_line(exc)}); every machine needs the shards of its own stages' "
-                                    "layers (and rank 0's: embedding, final norm, LM head)") from None
+                raise SpdInputError(
+                    f"the checkpoint '{self.source}' lacks the shard '{file}' that holds '{name}' "
+                    f"({first_line(exc)}); every machine needs the shards of its own stages' "
+                    "layers (and rank 0's: embedding, final norm, LM head)"
+                ) from None
         return self._paths[file]
 
 

@@ -19,8 +19,7 @@ HEADER = 8  # kind, epoch, position, length, stage, send time (us), payload widt
 FLUSH, PRUNE, CLOSE = 0, 1, 2
 NOTICE, KEPT_INLINE = 4, 252
 NOTICE_WAIT = datetime.timedelta(days=365)  # the notice thread waits through idle time; the data path has the timeouts
-KINDS = (PREFILL, TOKEN, STOP, REPORT, LEVEL, PING, CLOCKS, BATCH_START, MANIFEST, BATCH_DATA, BATCH_END,
-         BATCH_REPORT)
+KINDS = (PREFILL, TOKEN, STOP, REPORT, LEVEL, PING, CLOCKS, BATCH_START, MANIFEST, BATCH_DATA, BATCH_END, BATCH_REPORT)
 # What a stage's CLOCKS reply carries (int64 extra: times in microseconds since its last reply, then counts): where
 # its time went, for the benchmarks' step breakdown (rank 0 asks between runs, never during a request).
 CLOCK_TIMES = ("elapsed", "compute", "emulated_compute", "notices", "send", "receive", "receive_wait", "link_delay")

@@ -9,10 +9,33 @@ import torch
 
 from ..target.staging import StageOutput, StagedModel
 from .link import Link
-from .protocol import (BATCH_END, BATCH_START, BATCH_TAG, CLOCK_COUNTS, CLOCK_TIMES, CLOCKS, CLOSE, CONTROL_TAG,
-                       DATA_TAG, FLUSH, KEPT_INLINE, KEPT_TAG, LEVEL, NOTICE, PING, PREFILL, PRUNE, REPORT, REPORT_TAG,
-                       STOP, TOKEN, PipelineLost, RuntimeConfig)
+from .protocol import (
+    BATCH_END,
+    BATCH_START,
+    BATCH_TAG,
+    CLOCK_COUNTS,
+    CLOCK_TIMES,
+    CLOCKS,
+    CLOSE,
+    CONTROL_TAG,
+    DATA_TAG,
+    FLUSH,
+    KEPT_INLINE,
+    KEPT_TAG,
+    LEVEL,
+    NOTICE,
+    PING,
+    PREFILL,
+    PRUNE,
+    REPORT,
+    REPORT_TAG,
+    STOP,
+    TOKEN,
+    PipelineLost,
+    RuntimeConfig,
+)
 from .stage import EpochLog, follow_prunes, pack_level
+
 
 class RemoteStages:
     """The engine's stage backend on rank 0: stages live on ranks 1..n (see the module docstring)."""
@@ -22,8 +45,15 @@ class RemoteStages:
         self.n = staged.n_stages
         self.config = config
         self.control_group = control_group
-        self.link = Link(0, config, staged.dtype, staged.device, staged.config.hidden_size, staged.max_positions,
-                         staged.num_layers + 2)
+        self.link = Link(
+            0,
+            config,
+            staged.dtype,
+            staged.device,
+            staged.config.hidden_size,
+            staged.max_positions,
+            staged.num_layers + 2,
+        )
         self.epoch = 0
         self.stage_anchors: list[list[int]] = [[] for _ in range(self.n)]
         self.paths = False
@@ -86,7 +116,7 @@ class RemoteStages:
         notice = torch.zeros(NOTICE + KEPT_INLINE, dtype=torch.long)
         notice[:NOTICE] = torch.tensor([self.epoch, length, kind, count])
         if kept is not None:
-            notice[NOTICE:NOTICE + min(count, KEPT_INLINE)] = kept[:KEPT_INLINE]
+            notice[NOTICE : NOTICE + min(count, KEPT_INLINE)] = kept[:KEPT_INLINE]
         spill = kept[KEPT_INLINE:].contiguous() if count > KEPT_INLINE else None
         for pending in self._unsent.values():
             pending.append((notice, spill))
@@ -132,8 +162,11 @@ class RemoteStages:
             mine = self.stage_anchors[stage]
             is_last = stage == self.n - 1
             if mine or is_last:
-                payload = self._recv_report(stage, committed + level.start) if self.paths else \
-                    self._recv_level_report(stage, level)
+                payload = (
+                    self._recv_report(stage, committed + level.start)
+                    if self.paths
+                    else self._recv_level_report(stage, level)
+                )
                 for i, a in enumerate(mine):
                     level.anchors[a] = payload[:, i]
                 if is_last:
@@ -144,17 +177,21 @@ class RemoteStages:
         """The report of ``stage`` on ``level``, mapped through the prunes since it was sent: (T, W, D)."""
         header, start, payload = self._recv_current(stage)
         if int(header[1]) > self.epoch or start != level.start or payload.shape[0] != level.size:
-            raise RuntimeError(f"rank 0: stage {stage} reported a tree level (start {start}, {payload.shape[0]} "
-                               f"nodes, epoch {int(header[1])}), expected start {level.start}, {level.size} nodes, "
-                               f"epoch {self.epoch}")
+            raise RuntimeError(
+                f"rank 0: stage {stage} reported a tree level (start {start}, {payload.shape[0]} "
+                f"nodes, epoch {int(header[1])}), expected start {level.start}, {level.size} nodes, "
+                f"epoch {self.epoch}"
+            )
         return payload
 
     def _recv_report(self, stage: int, position: int) -> torch.Tensor:
         """The current epoch's report of ``stage`` (0-based) for ``position``: (T, W, D)."""
         header, _, payload = self._recv_current(stage)
         if int(header[1]) != self.epoch or int(header[2]) != position:
-            raise RuntimeError(f"rank 0: stage {stage} reported position {int(header[2])} of epoch "
-                               f"{int(header[1])}, expected position {position} of epoch {self.epoch}")
+            raise RuntimeError(
+                f"rank 0: stage {stage} reported position {int(header[2])} of epoch "
+                f"{int(header[1])}, expected position {position} of epoch {self.epoch}"
+            )
         return payload
 
     def _recv_current(self, stage: int) -> tuple[torch.Tensor, int, torch.Tensor]:
@@ -177,8 +214,10 @@ class RemoteStages:
             if kepts is None or int(header[0]) != REPORT or extra is None:
                 continue
             if extra.numel() != 3:
-                raise PipelineLost(f"rank 0: stage {stage} reported a tree level with {extra.numel()} extras, "
-                                   "expected 3 (start, size, end)")
+                raise PipelineLost(
+                    f"rank 0: stage {stage} reported a tree level with {extra.numel()} extras, "
+                    "expected 3 (start, size, end)"
+                )
             mapped = follow_prunes(*extra.tolist(), kepts)
             if mapped is not None:
                 rows, start, _ = mapped
@@ -234,10 +273,12 @@ class RemoteStages:
                     break
             values = extra.tolist() if extra is not None else []
             if len(values) != len(CLOCK_TIMES) + len(CLOCK_COUNTS):
-                raise PipelineLost(f"rank 0: stage {s} answered the clock request with {len(values)} values, "
-                                   f"expected {len(CLOCK_TIMES) + len(CLOCK_COUNTS)}")
+                raise PipelineLost(
+                    f"rank 0: stage {s} answered the clock request with {len(values)} values, "
+                    f"expected {len(CLOCK_TIMES) + len(CLOCK_COUNTS)}"
+                )
             times = {name: v / 1e6 for name, v in zip(CLOCK_TIMES, values)}
-            stages.append({**times, **dict(zip(CLOCK_COUNTS, values[len(CLOCK_TIMES):]))})
+            stages.append({**times, **dict(zip(CLOCK_COUNTS, values[len(CLOCK_TIMES) :]))})
         self.link.reset_clock()
         return {"rank0": rank0, "stages": stages}
 

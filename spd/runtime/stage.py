@@ -11,8 +11,25 @@ from ..target.ragged import run_ragged
 from ..target.staging import StageOutput, StagedModel
 from .batch_stage import batch_loop
 from .link import Link, Notices
-from .protocol import (BATCH_START, CLOCK_COUNTS, CLOCK_TIMES, CLOCKS, CLOSE, DATA_TAG, LEVEL, PING, PREFILL, PRUNE,
-                       REPORT, REPORT_TAG, STOP, TOKEN, PipelineLost, RuntimeConfig)
+from .protocol import (
+    BATCH_START,
+    CLOCK_COUNTS,
+    CLOCK_TIMES,
+    CLOCKS,
+    CLOSE,
+    DATA_TAG,
+    LEVEL,
+    PING,
+    PREFILL,
+    PRUNE,
+    REPORT,
+    REPORT_TAG,
+    STOP,
+    TOKEN,
+    PipelineLost,
+    RuntimeConfig,
+)
+
 
 def follow_prunes(start: int, size: int, end: int, kepts: list[torch.Tensor]):
     """Map a tree level through the prunes that happened since it was sent.
@@ -85,8 +102,9 @@ class StageRank:
         layers = list(staged.stage_layers(stage))
         self.first, self.last = staged.boundaries[stage], staged.boundaries[stage + 1]
         dtype = next(staged.layers[layers[0]].parameters()).dtype
-        self.link = Link(self.rank, config, dtype, device, staged.config.hidden_size, staged.max_positions,
-                         staged.num_layers + 2)
+        self.link = Link(
+            self.rank, config, dtype, device, staged.config.hidden_size, staged.max_positions, staged.num_layers + 2
+        )
         # A stage may have run up to n tokens past the committed prefix when a flush notice reaches it (n in flight,
         # plus a proposal launched before its step was verified): linear-attention layers keep n + 2 states.
         self.cache = staged.new_stage_cache(stage, 1, 256, ring_depth=n + 2, dtype=dtype, device=device)
@@ -170,8 +188,9 @@ class StageRank:
         link, nxt, rank = self.link, self.nxt, self.rank
         if kind == CLOCKS:
             # Rank 0 asks (between runs) where this stage's time went: the reply, then the request onward.
-            link.send(0, DATA_TAG if nxt == 0 else REPORT_TAG, CLOCKS, msg_epoch, 0, stage=rank,
-                      extra=self.clock.take())
+            link.send(
+                0, DATA_TAG if nxt == 0 else REPORT_TAG, CLOCKS, msg_epoch, 0, stage=rank, extra=self.clock.take()
+            )
             if nxt != 0:
                 link.send(nxt, DATA_TAG, CLOCKS, msg_epoch, 0)
             return False
@@ -202,8 +221,10 @@ class StageRank:
         self.cache.truncate(0)
         flags = extra.tolist() if extra is not None else []
         if len(flags) != self.staged.num_layers + 1:
-            raise PipelineLost(f"rank {self.rank}: a prefill from rank {self.prev} carries {len(flags)} layer flags, "
-                               f"expected {self.staged.num_layers + 1}")
+            raise PipelineLost(
+                f"rank {self.rank}: a prefill from rank {self.prev} carries {len(flags)} layer flags, "
+                f"expected {self.staged.num_layers + 1}"
+            )
         layers = range(self.first + 1, self.last + 1)
         self.token_anchors = [layer for layer in layers if flags[layer] & 1]
         prefill_anchors = [layer for layer in layers if flags[layer] & 2]
@@ -218,21 +239,39 @@ class StageRank:
             return  # flushed, or every node pruned: drop it without computing
         committed, start, positions_T, mask_TN, hidden_T1D = level
         if self.cache.length != committed + start:
-            raise RuntimeError(f"stage {self.stage}: a tree level starting at node {start} after {committed} "
-                               f"committed rows, but the cache holds {self.cache.length}")
-        out = self.run(hidden_T1D[:, 0][None], self.cache, positions_T[None].to(self.device),
-                       anchors=self.token_anchors, tree_mask_TN=mask_TN)
+            raise RuntimeError(
+                f"stage {self.stage}: a tree level starting at node {start} after {committed} "
+                f"committed rows, but the cache holds {self.cache.length}"
+            )
+        out = self.run(
+            hidden_T1D[:, 0][None],
+            self.cache,
+            positions_T[None].to(self.device),
+            anchors=self.token_anchors,
+            tree_mask_TN=mask_TN,
+        )
         # Unless prunes remapped it, the level goes on as it came.
         level_extra = extra if msg_epoch == self.epoch else pack_level(start, positions_T, mask_TN)
-        _forward(self.link, self.nxt, self.rank, LEVEL, self.epoch, committed, out, self.token_anchors, level_extra,
-                 level_extra[:3])
+        _forward(
+            self.link,
+            self.nxt,
+            self.rank,
+            LEVEL,
+            self.epoch,
+            committed,
+            out,
+            self.token_anchors,
+            level_extra,
+            level_extra[:3],
+        )
         self.catch_up(None)  # this step's prune has usually arrived: apply it while the next input is on its way
 
     def token(self, position: int, payload) -> None:
         """A chain's token at ``position``."""
         if self.cache.length != position:
-            raise RuntimeError(f"stage {self.stage}: token at position {position} but the cache holds "
-                               f"{self.cache.length}")
+            raise RuntimeError(
+                f"stage {self.stage}: token at position {position} but the cache holds {self.cache.length}"
+            )
         out = self.run(payload[:, 0][None], self.cache, anchors=self.token_anchors)
         _forward(self.link, self.nxt, self.rank, TOKEN, self.epoch, position, out, self.token_anchors, None)
         self.catch_up(None)
@@ -240,8 +279,13 @@ class StageRank:
 
 def pack_level(start: int, positions_T: torch.Tensor, mask_TN: torch.Tensor) -> torch.Tensor:
     """A tree level's int64 ``extra``: start, size, end (= N), the T positions, the (T, N) ancestor mask."""
-    return torch.cat([torch.tensor([start, positions_T.numel(), mask_TN.shape[1]]), positions_T.long().cpu(),
-                      mask_TN.flatten().long().cpu()])
+    return torch.cat(
+        [
+            torch.tensor([start, positions_T.numel(), mask_TN.shape[1]]),
+            positions_T.long().cpu(),
+            mask_TN.flatten().long().cpu(),
+        ]
+    )
 
 
 def check_level_extra(extra: torch.Tensor | None, payload_T1D: torch.Tensor | None) -> None:
@@ -250,20 +294,27 @@ def check_level_extra(extra: torch.Tensor | None, payload_T1D: torch.Tensor | No
     ok = extra is not None and extra.numel() >= 3 and payload_T1D is not None
     if ok:
         start, size, end = extra[:3].tolist()
-        ok = (size == payload_T1D.shape[0] and 0 <= start and start + size <= end
-              and extra.numel() == 3 + size + size * end)
+        ok = (
+            size == payload_T1D.shape[0]
+            and 0 <= start
+            and start + size <= end
+            and extra.numel() == 3 + size + size * end
+        )
     if not ok:
-        raise PipelineLost(f"a tree level message is malformed (extra {None if extra is None else extra[:3].tolist()}, "
-                           f"payload {None if payload_T1D is None else tuple(payload_T1D.shape)})")
+        raise PipelineLost(
+            f"a tree level message is malformed (extra {None if extra is None else extra[:3].tolist()}, "
+            f"payload {None if payload_T1D is None else tuple(payload_T1D.shape)})"
+        )
 
 
-def _level_now(extra: torch.Tensor, payload_T1D: torch.Tensor, msg_epoch: int, epoch: int, committed: int,
-               log: EpochLog):
+def _level_now(
+    extra: torch.Tensor, payload_T1D: torch.Tensor, msg_epoch: int, epoch: int, committed: int, log: EpochLog
+):
     """A received tree level as of the current epoch: (committed, start, positions, mask, hidden) or None."""
     check_level_extra(extra, payload_T1D)
     start, size, end = extra[:3].tolist()
-    positions_T = extra[3:3 + size]
-    mask_TN = extra[3 + size:].view(size, end).bool()
+    positions_T = extra[3 : 3 + size]
+    mask_TN = extra[3 + size :].view(size, end).bool()
     if msg_epoch == epoch:
         return committed, start, positions_T, mask_TN, payload_T1D
     kepts = log.since(msg_epoch, epoch)
@@ -311,8 +362,18 @@ class StageClock:
         return torch.tensor(values, dtype=torch.long)
 
 
-def _forward(link: Link, nxt: int, rank: int, kind: int, epoch: int, position: int, out: StageOutput,
-             anchors: list[int], extra: torch.Tensor | None, report_extra: torch.Tensor | None = None) -> None:
+def _forward(
+    link: Link,
+    nxt: int,
+    rank: int,
+    kind: int,
+    epoch: int,
+    position: int,
+    out: StageOutput,
+    anchors: list[int],
+    extra: torch.Tensor | None,
+    report_extra: torch.Tensor | None = None,
+) -> None:
     """Send the stage output downstream and the anchors (plus H^L from the last stage) to rank 0.
 
     At prefill rank 0 needs H^L of the prompt's last position only (its logits give the first token): the last
@@ -322,11 +383,26 @@ def _forward(link: Link, nxt: int, rank: int, kind: int, epoch: int, position: i
         link.send(nxt, DATA_TAG, kind, epoch, position, hidden_TD[:, None], extra=extra)
     if kind == PREFILL and nxt == 0:
         if anchors:
-            link.send(0, DATA_TAG, REPORT, epoch, position, torch.stack([out.anchors[a][0] for a in anchors], dim=1),
-                      stage=rank)
+            link.send(
+                0,
+                DATA_TAG,
+                REPORT,
+                epoch,
+                position,
+                torch.stack([out.anchors[a][0] for a in anchors], dim=1),
+                stage=rank,
+            )
         link.send(0, DATA_TAG, REPORT, epoch, position, hidden_TD[-1:, None], stage=rank)
         return
     rows = [out.anchors[a][0] for a in anchors] + ([hidden_TD] if nxt == 0 else [])
     if rows:
-        link.send(0, DATA_TAG if nxt == 0 else REPORT_TAG, REPORT, epoch, position, torch.stack(rows, dim=1),
-                  stage=rank, extra=report_extra)
+        link.send(
+            0,
+            DATA_TAG if nxt == 0 else REPORT_TAG,
+            REPORT,
+            epoch,
+            position,
+            torch.stack(rows, dim=1),
+            stage=rank,
+            extra=report_extra,
+        )

@@ -67,7 +67,8 @@ def check_world_address(env=None) -> None:
             f"this job spans several machines ({env.get('WORLD_SIZE')} processes, {env.get('LOCAL_WORLD_SIZE')} on "
             f"this one) but meets at MASTER_ADDR={env.get('MASTER_ADDR')}, a loopback address the other machines "
             "cannot reach; start torchrun with --local-addr <this machine's address on the stage network> on every "
-            "machine, or give the machines host names that resolve to those addresses")
+            "machine, or give the machines host names that resolve to those addresses"
+        )
 
 
 def route_interface(address: str) -> str | None:
@@ -122,8 +123,12 @@ def _loopback_store(timeout: datetime.timedelta):
     """Rank 0's store of a local world started without a launcher agent, listening on loopback only (a store
     created from MASTER_ADDR alone listens on every interface); None when this process does not serve it."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or os.environ.get("RANK", "0") != "0"
-            or not is_loopback(addr) or not (port or "").isdigit()):
+    if (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        or os.environ.get("RANK", "0") != "0"
+        or not is_loopback(addr)
+        or not (port or "").isdigit()
+    ):
         return None
     return bound_store(addr, int(port), int(os.environ.get("WORLD_SIZE", "1")), timeout)
 
@@ -142,11 +147,13 @@ def bound_store(addr: str, port: int, world: int, timeout: datetime.timedelta, w
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise SpdInputError(f"cannot listen at {addr}:{port} ({exc.strerror}); give an address of this machine and a "
-                            "free port") from None
+        raise SpdInputError(
+            f"cannot listen at {addr}:{port} ({exc.strerror}); give an address of this machine and a free port"
+        ) from None
     sock.listen(1024)
-    store = dist.TCPStore(host, port, world, True, timeout=timeout, wait_for_workers=wait_for_workers,
-                          master_listen_fd=sock.fileno())
+    store = dist.TCPStore(
+        host, port, world, True, timeout=timeout, wait_for_workers=wait_for_workers, master_listen_fd=sock.fileno()
+    )
     _STORE_SOCKETS.append(sock)  # the store listens on this socket: it must stay open as long as the process
     return store
 
@@ -164,8 +171,13 @@ def init_distributed(config: RuntimeConfig):
         dist.init_process_group(config.backend, timeout=timeout)
     else:
         # The prefix env:// rendezvous puts on the store (the other ranks join through it).
-        dist.init_process_group(config.backend, store=dist.PrefixStore("default_pg", store), rank=0,
-                                world_size=int(os.environ.get("WORLD_SIZE", "1")), timeout=timeout)
+        dist.init_process_group(
+            config.backend,
+            store=dist.PrefixStore("default_pg", store),
+            rank=0,
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            timeout=timeout,
+        )
     control = dist.new_group(backend="gloo", timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), control
 

@@ -35,8 +35,16 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .metrics import ServerMetrics
-from .protocol import (ChatCompletionRequest, CompletionRequest, HttpError, chunk_body, completion_body, new_id,
-                       usage, validation_message)
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    HttpError,
+    chunk_body,
+    completion_body,
+    new_id,
+    usage,
+    validation_message,
+)
 from .scheduler import EngineDown, Job, QueueFull, Scheduler
 
 ROUTES = "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics"
@@ -46,7 +54,7 @@ ROUTES = "/v1/completions, /v1/chat/completions, /v1/models, /health and /metric
 class Limits:
     """What one request may cost the server, and who may send one (spd-serve's flags)."""
 
-    max_body_bytes: int = 8 * 2 ** 20  # --max-body-bytes
+    max_body_bytes: int = 8 * 2**20  # --max-body-bytes
     max_model_len: int | None = None  # --max-model-len: prompt + max_tokens (default: the model's context)
     api_key: str | None = None  # --api-key / SPD_API_KEY: required on /v1/* when set
     enable_docs: bool = False  # --enable-docs: /docs, /redoc, /openapi.json
@@ -71,9 +79,14 @@ class Guard:
                 return await _error_response(refusal)(scope, receive, send)
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
-            error = (HttpError(413, f"the request body has {length} bytes; expected at most {self.max_body_bytes} "
-                               "(--max-body-bytes)") if length.isdigit() else
-                     HttpError(400, f"the Content-Length header '{length}' is not a number of bytes"))
+            error = (
+                HttpError(
+                    413,
+                    f"the request body has {length} bytes; expected at most {self.max_body_bytes} (--max-body-bytes)",
+                )
+                if length.isdigit()
+                else HttpError(400, f"the Content-Length header '{length}' is not a number of bytes")
+            )
             return await _error_response(error, close=True)(scope, receive, send)
         received = 0
 
@@ -83,8 +96,12 @@ class Guard:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
-                    raise HttpError(413, f"the request body is over {self.max_body_bytes} bytes; expected at most "
-                                    f"{self.max_body_bytes} (--max-body-bytes)", headers={"Connection": "close"})
+                    raise HttpError(
+                        413,
+                        f"the request body is over {self.max_body_bytes} bytes; expected at most "
+                        f"{self.max_body_bytes} (--max-body-bytes)",
+                        headers={"Connection": "close"},
+                    )
             return message
 
         await self.app(scope, counted, send)
@@ -92,11 +109,17 @@ class Guard:
     def _refuse_key(self, authorization: str | None) -> HttpError | None:
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            return HttpError(401, "the API key is missing; expected the header 'Authorization: Bearer <key>'",
-                             headers={"WWW-Authenticate": "Bearer"})
+            return HttpError(
+                401,
+                "the API key is missing; expected the header 'Authorization: Bearer <key>'",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         if not hmac.compare_digest(key.strip().encode(), self.api_key):  # constant time: no key guessing by timing
-            return HttpError(401, "the API key is wrong; expected the key this server was started with",
-                             headers={"WWW-Authenticate": "Bearer"})
+            return HttpError(
+                401,
+                "the API key is wrong; expected the key this server was started with",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         return None
 
 
@@ -149,8 +172,12 @@ class ServerState:
     def check_chars(self, chars: int, param: str) -> None:
         """Refuse text that cannot fit the context before tokenizing it (tokenizing costs memory and time)."""
         if self.max_chars is not None and chars > self.max_chars:
-            raise HttpError(400, f"the {param} has {chars} characters, more than a context of {self.max_model_len} "
-                            f"tokens can hold (at most {self.max_chars}); expected a shorter {param}", param)
+            raise HttpError(
+                400,
+                f"the {param} has {chars} characters, more than a context of {self.max_model_len} "
+                f"tokens can hold (at most {self.max_chars}); expected a shorter {param}",
+                param,
+            )
 
     def encode(self, text: str, special: bool) -> list[int]:
         with self.encode_lock:
@@ -167,8 +194,12 @@ class ServerState:
         if not prompt_ids:
             raise HttpError(400, "the prompt is empty; expected at least one token", "prompt")
         if max_model_len is not None and len(prompt_ids) >= max_model_len:
-            raise HttpError(400, f"the prompt has {len(prompt_ids)} tokens but the server's context (max model len) "
-                            f"is {max_model_len} tokens; expected a shorter prompt", "prompt")
+            raise HttpError(
+                400,
+                f"the prompt has {len(prompt_ids)} tokens but the server's context (max model len) "
+                f"is {max_model_len} tokens; expected a shorter prompt",
+                "prompt",
+            )
         bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
         if bad:
             raise HttpError(400, f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", "prompt")
@@ -176,12 +207,20 @@ class ServerState:
         if limit is None:
             return max_tokens or 4096
         if len(prompt_ids) >= limit:
-            raise HttpError(400, f"the prompt has {len(prompt_ids)} tokens but the server's context (max model len) "
-                            f"is {limit} tokens; expected a shorter prompt", "prompt")
+            raise HttpError(
+                400,
+                f"the prompt has {len(prompt_ids)} tokens but the server's context (max model len) "
+                f"is {limit} tokens; expected a shorter prompt",
+                "prompt",
+            )
         if max_tokens is not None and len(prompt_ids) + max_tokens > limit:
-            raise HttpError(400, f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceed the "
-                            f"server's context (max model len) of {limit} tokens; expected max_tokens <= "
-                            f"{limit - len(prompt_ids)}", "max_tokens")
+            raise HttpError(
+                400,
+                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceed the "
+                f"server's context (max model len) of {limit} tokens; expected max_tokens <= "
+                f"{limit - len(prompt_ids)}",
+                "max_tokens",
+            )
         return max_tokens or limit - len(prompt_ids)
 
 
@@ -233,14 +272,30 @@ async def health(server: Server):
     if failure is not None:
         raise HttpError(503, failure)
     pipeline = server.pipeline
-    return {"status": "ok", "model": server.model_name, "mode": pipeline.spec.mode, "stages": pipeline.n_stages,
-            "runtime": pipeline.spec.runtime, "queue_length": server.scheduler.queue.qsize()}
+    return {
+        "status": "ok",
+        "model": server.model_name,
+        "mode": pipeline.spec.mode,
+        "stages": pipeline.n_stages,
+        "runtime": pipeline.spec.runtime,
+        "queue_length": server.scheduler.queue.qsize(),
+    }
 
 
 @router.get("/v1/models")
 async def models(server: Server):
-    return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": int(time.time()),
-                                        "owned_by": "spd", "max_model_len": server.max_model_len}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": server.model_name,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "spd",
+                "max_model_len": server.max_model_len,
+            }
+        ],
+    }
 
 
 @router.get("/metrics")
@@ -293,8 +348,11 @@ async def _parse(request: Request, server: ServerState, model: type[BaseModel], 
     if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
         # A browser sends a cross-site text/plain or form POST without asking first: only JSON is parsed.
         server.metrics.requests.labels(endpoint, "invalid").inc()
-        raise HttpError(415, f"the request body must be JSON sent with 'Content-Type: application/json', not "
-                        f"'{media or 'no content type'}'")
+        raise HttpError(
+            415,
+            f"the request body must be JSON sent with 'Content-Type: application/json', not "
+            f"'{media or 'no content type'}'",
+        )
     body = await request.body()
     try:
         req = model.model_validate_json(body)
@@ -304,8 +362,9 @@ async def _parse(request: Request, server: ServerState, model: type[BaseModel], 
         raise HttpError(400, message, param) from None
     if req.model != server.model_name:
         server.metrics.requests.labels(endpoint, "invalid").inc()
-        raise HttpError(404, f"the model '{req.model}' does not exist; this server serves '{server.model_name}'",
-                        "model")
+        raise HttpError(
+            404, f"the model '{req.model}' does not exist; this server serves '{server.model_name}'", "model"
+        )
     unsupported = req.unsupported()
     if unsupported is not None:
         server.metrics.requests.labels(endpoint, "invalid").inc()
@@ -313,14 +372,21 @@ async def _parse(request: Request, server: ServerState, model: type[BaseModel], 
     return req
 
 
-async def _generate(request: Request, server: ServerState, req, prompt_ids: list[int], max_tokens: int | None,
-                    chat: bool):
+async def _generate(
+    request: Request, server: ServerState, req, prompt_ids: list[int], max_tokens: int | None, chat: bool
+):
     """Queue the job; its response, streamed or whole."""
     endpoint = "chat" if chat else "completions"
     sampling = req.sampling()
     sampling["top_k"] = min(sampling["top_k"], server.pipeline.vocab_size)  # the same draw; no k beyond the vocabulary
-    job = Job(list(prompt_ids), server.budget(prompt_ids, max_tokens), sampling, req.stop or [],
-              asyncio.get_running_loop(), endpoint)
+    job = Job(
+        list(prompt_ids),
+        server.budget(prompt_ids, max_tokens),
+        sampling,
+        req.stop or [],
+        asyncio.get_running_loop(),
+        endpoint,
+    )
     try:
         server.scheduler.submit(job)
     except QueueFull as exc:
@@ -354,8 +420,9 @@ async def _respond(request: Request, server: ServerState, job: Job, rid: str, ch
         elif event[0] == "done":
             _, rest, finish, stats = event
             text = "".join(pieces) + rest
-            return completion_body(rid, server.model_name, chat, text, finish, usage(len(job.prompt_ids), tokens),
-                                   stats)
+            return completion_body(
+                rid, server.model_name, chat, text, finish, usage(len(job.prompt_ids), tokens), stats
+            )
         elif event[0] == "error":
             raise HttpError(event[1], event[2])
         else:  # cancelled

@@ -10,7 +10,15 @@ prefill logits, is not a decode token. ``spd_mean_accept_length`` is therefore
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    disable_created_metrics,
+    generate_latest,
+)
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -24,47 +32,82 @@ class ServerMetrics:
         disable_created_metrics()  # the *_created series (process start times) only clutter the page
         r = self.registry = CollectorRegistry()
         Info("spd_server", "What this server runs", registry=r).info(
-            {"model": model, "mode": mode, "stages": str(stages), "runtime": runtime})
-        self.requests = Counter("spd_requests", "Requests answered, by endpoint and outcome (ok: generated; "
-                                "cancelled: the client went away; invalid: 400/404; rejected: 503; failed: 500)",
-                                ["endpoint", "outcome"], registry=r)
+            {"model": model, "mode": mode, "stages": str(stages), "runtime": runtime}
+        )
+        self.requests = Counter(
+            "spd_requests",
+            "Requests answered, by endpoint and outcome (ok: generated; "
+            "cancelled: the client went away; invalid: 400/404; rejected: 503; failed: 500)",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("spd_prompt_tokens", "Prompt tokens of generated requests", registry=r)
-        self.generation_tokens = Counter("spd_generation_tokens", "Tokens generated (every request, cancelled "
-                                         "ones included)", registry=r)
+        self.generation_tokens = Counter(
+            "spd_generation_tokens", "Tokens generated (every request, cancelled ones included)", registry=r
+        )
         self.queue_length = Gauge("spd_queue_length", "Requests waiting for the pipeline", registry=r)
-        self.running = Gauge("spd_running_requests", "Requests on the pipeline now (0 or 1; up to --max-batch)",
-                             registry=r)
-        self.kv_tokens = Gauge("spd_kv_reserved_tokens", "Token positions the running requests' KV caches are sized "
-                               "for (prompt + max_tokens, at most --max-model-len, and the tree in flight when "
-                               "batched; 0 when idle)", registry=r)
-        self.latency = Histogram("spd_request_latency_seconds", "From arrival to the last token",
-                                 buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("spd_queue_time_seconds", "From arrival to the start of generation",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.first_token = Histogram("spd_time_to_first_token_seconds", "From arrival to the first token",
-                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.between_tokens = Histogram("spd_time_between_tokens_seconds", "From one token of a request to its "
-                                        "next", buckets=TBT_BUCKETS, registry=r)
+        self.running = Gauge(
+            "spd_running_requests", "Requests on the pipeline now (0 or 1; up to --max-batch)", registry=r
+        )
+        self.kv_tokens = Gauge(
+            "spd_kv_reserved_tokens",
+            "Token positions the running requests' KV caches are sized "
+            "for (prompt + max_tokens, at most --max-model-len, and the tree in flight when "
+            "batched; 0 when idle)",
+            registry=r,
+        )
+        self.latency = Histogram(
+            "spd_request_latency_seconds", "From arrival to the last token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue_time = Histogram(
+            "spd_queue_time_seconds", "From arrival to the start of generation", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.first_token = Histogram(
+            "spd_time_to_first_token_seconds", "From arrival to the first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.between_tokens = Histogram(
+            "spd_time_between_tokens_seconds",
+            "From one token of a request to its next",
+            buckets=TBT_BUCKETS,
+            registry=r,
+        )
         self.request_between_tokens = Histogram(
-            "spd_request_time_between_tokens_seconds", "A request's own mean time between tokens (from its first "
-            "token to its last over its gaps), when it ends with two tokens or more", buckets=TBT_BUCKETS, registry=r)
-        self.batch_size = Gauge("spd_batch_size", "Requests in flight in the pipeline now (--max-batch B: up to B)",
-                                registry=r)
+            "spd_request_time_between_tokens_seconds",
+            "A request's own mean time between tokens (from its first "
+            "token to its last over its gaps), when it ends with two tokens or more",
+            buckets=TBT_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Gauge(
+            "spd_batch_size", "Requests in flight in the pipeline now (--max-batch B: up to B)", registry=r
+        )
         self.steps = Counter("spd_pipeline_steps", "Pipeline steps (K) of pipelined modes", registry=r)
-        self.decode_tokens = Counter("spd_decode_tokens", "Tokens committed by pipeline steps (N): accepted "
-                                     "speculations plus the target's replacement tokens; not the prefill token",
-                                     registry=r)
+        self.decode_tokens = Counter(
+            "spd_decode_tokens",
+            "Tokens committed by pipeline steps (N): accepted "
+            "speculations plus the target's replacement tokens; not the prefill token",
+            registry=r,
+        )
         self.accepted = Counter("spd_accepted_tokens", "Speculated tokens accepted by verification", registry=r)
         self.flushes = Counter("spd_flushes", "Rejections (each flushes the pipeline)", registry=r)
         self.verified_by_position = Counter(
-            "spd_verified_by_position", "Speculated tokens verified, by position after a (re)seed (n: full "
-            "pipeline)", ["position"], registry=r)
+            "spd_verified_by_position",
+            "Speculated tokens verified, by position after a (re)seed (n: full pipeline)",
+            ["position"],
+            registry=r,
+        )
         self.accepted_by_position = Counter(
-            "spd_accepted_by_position", "Speculated tokens accepted, by position after a (re)seed (n: full "
-            "pipeline)", ["position"], registry=r)
-        accept_length = Gauge("spd_mean_accept_length", "L'_acc = n * decode_tokens / steps over every request "
-                              "served (the replacement token after a rejection counts, the prefill token does not)",
-                              registry=r)
+            "spd_accepted_by_position",
+            "Speculated tokens accepted, by position after a (re)seed (n: full pipeline)",
+            ["position"],
+            registry=r,
+        )
+        accept_length = Gauge(
+            "spd_mean_accept_length",
+            "L'_acc = n * decode_tokens / steps over every request "
+            "served (the replacement token after a rejection counts, the prefill token does not)",
+            registry=r,
+        )
         accept_length.set_function(self.mean_accept_length)
         self._steps = self._decode = 0
 

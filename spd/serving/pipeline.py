@@ -63,17 +63,33 @@ class Pipeline:
     def vocab_size(self) -> int:
         return self.staged.vocab_size
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, on_token: OnToken, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 ignore_eos: bool = False) -> GenerationOutput:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        on_token: OnToken,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+    ) -> GenerationOutput:
         """One request on the pipeline; EOS as ``model.generate`` (the target's generation config), or none
         with ``ignore_eos``."""
         from ..runtime.protocol import PipelineLost
 
         try:
-            return self.engine.generate(prompt_ids, max_new_tokens, mode=self.spec.mode, temperature=temperature,
-                                        top_k=top_k, top_p=top_p, seed=seed, on_token=on_token,
-                                        eos_token_id=[] if ignore_eos else None)
+            return self.engine.generate(
+                prompt_ids,
+                max_new_tokens,
+                mode=self.spec.mode,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=seed,
+                on_token=on_token,
+                eos_token_id=[] if ignore_eos else None,
+            )
         except PipelineLost as exc:
             self._lost = _exited(self.procs) or str(exc)  # a stage that exited is the cause, not its neighbour
             raise
@@ -96,16 +112,33 @@ class Pipeline:
             self._lost = _exited(self.procs) or str(exc)
             raise
 
-    def submit(self, batch, prompt_ids: list[int], max_new_tokens: int, on_token: OnToken, on_done,
-               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-               ignore_eos: bool = False):
+    def submit(
+        self,
+        batch,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        on_token: OnToken,
+        on_done,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+    ):
         """Queue one request on ``batch`` (see :meth:`generate` for the settings); ``on_done(request)`` when it ends."""
         from ..decoding.request import prepare_prompt
         from ..decoding.sampling import SamplingParams
 
         _, eos = prepare_prompt(self.tokenizer, prompt_ids, [] if ignore_eos else None, self.staged.model)
-        return batch.submit(prompt_ids, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed), eos,
-                            on_token, self.spec.mode, on_done)
+        return batch.submit(
+            prompt_ids,
+            max_new_tokens,
+            SamplingParams(temperature, top_k, top_p, seed),
+            eos,
+            on_token,
+            self.spec.mode,
+            on_done,
+        )
 
     def lost(self) -> str | None:
         """Why the pipeline cannot serve any more (a stage process exited or stopped answering), or None."""
@@ -120,7 +153,7 @@ class Pipeline:
 
     def close(self) -> None:
         """Stop this machine's stage processes (STOP down the chain, then wait; kill what does not exit); the other
-    machines' stages end on the STOP too, or by their timeout when the pipeline is lost."""
+        machines' stages end on the STOP too, or by their timeout when the pipeline is lost."""
         if self.remote is None:
             return
         import torch.distributed as dist
@@ -154,24 +187,32 @@ def open_pipeline(spec: PipelineSpec) -> Pipeline:
     if spec.draft_model is not None:
         check_model_source(spec.draft_model, "draft model")
     dtype = getattr(torch, spec.dtype)
-    stages, boundaries = pipeline_cut(spec.stages, spec.boundaries, spec.speculator, spec.speculator_revision,
-                                      spec.target, spec.revision)
+    stages, boundaries = pipeline_cut(
+        spec.stages, spec.boundaries, spec.speculator, spec.speculator_revision, spec.target, spec.revision
+    )
     n = len(boundaries) - 1 if boundaries else stages
     if spec.speculator is not None:
         head_n = speculator_stages(spec.speculator, spec.speculator_revision)
         if n != head_n:
-            raise SpdInputError(f"the speculator does not fit this target: it was trained for n = {head_n} stages "
-                                f"but the pipeline has {n}")
+            raise SpdInputError(
+                f"the speculator does not fit this target: it was trained for n = {head_n} stages "
+                f"but the pipeline has {n}"
+            )
     tokenizer = load_target_tokenizer(spec.target, spec.revision, spec.tokenizer)
     if tokenizer is None:
-        raise SpdInputError(f"the target '{spec.target}' has no tokenizer, and a server answers in text; pass "
-                            "--tokenizer DIR_OR_ID")
+        raise SpdInputError(
+            f"the target '{spec.target}' has no tokenizer, and a server answers in text; pass --tokenizer DIR_OR_ID"
+        )
     if spec.runtime == "distributed":
         return _open_distributed(spec, n, boundaries, dtype, tokenizer)
-    staged = StagedModel.from_pretrained(spec.target, n_stages=stages, boundaries=boundaries, revision=spec.revision,
-                                         dtype=dtype, device=spec.device)
-    head = (load_speculator(spec.speculator, spec.speculator_revision, dtype, spec.device, target=staged)
-            if spec.speculator else None)
+    staged = StagedModel.from_pretrained(
+        spec.target, n_stages=stages, boundaries=boundaries, revision=spec.revision, dtype=dtype, device=spec.device
+    )
+    head = (
+        load_speculator(spec.speculator, spec.speculator_revision, dtype, spec.device, target=staged)
+        if spec.speculator
+        else None
+    )
     return Pipeline(spec, _engine(spec, staged, head, tokenizer, dtype), staged, tokenizer, n)
 
 
@@ -181,8 +222,9 @@ def _engine(spec: PipelineSpec, staged, head, tokenizer, dtype, stages=None):
     return build_engine(DecodingSpec.of(spec), staged, head, tokenizer, dtype, spec.device, stages)
 
 
-def _open_distributed(spec: PipelineSpec, n: int, boundaries: list[int] | None, dtype: torch.dtype,
-                      tokenizer) -> Pipeline:
+def _open_distributed(
+    spec: PipelineSpec, n: int, boundaries: list[int] | None, dtype: torch.dtype, tokenizer
+) -> Pipeline:
     """Rank 0 here, the stage processes of this machine spawned now, the other machines' stages awaited at
     ``--stage-addr`` (spd/runtime/join.py); a 2-token warm-up request proves the pipeline works."""
     from ..runtime.handshake import check_same_job, job_identity
@@ -200,28 +242,47 @@ def _open_distributed(spec: PipelineSpec, n: int, boundaries: list[int] | None, 
     if not 0 <= local <= n:
         raise SpdInputError(f"--local-stages must be in 0..{n} (the pipeline has {n} stages), got {local}")
     if local < n and spec.stage_addr is None:
-        raise SpdInputError(f"stages {local + 1}..{n} run on other machines, which join at this machine's address "
-                            "on the stage network: pass --stage-addr ADDR[:PORT]")
+        raise SpdInputError(
+            f"stages {local + 1}..{n} run on other machines, which join at this machine's address "
+            "on the stage network: pass --stage-addr ADDR[:PORT]"
+        )
     if spec.stage_addr is not None:
         host, port = parse_address(spec.stage_addr)
         if is_loopback(host):
-            raise SpdInputError(f"--stage-addr {spec.stage_addr} is a loopback address, which the other machines "
-                                "cannot reach; give this machine's address on the stage network")
+            raise SpdInputError(
+                f"--stage-addr {spec.stage_addr} is a loopback address, which the other machines "
+                "cannot reach; give this machine's address on the stage network"
+            )
         interface = route_interface(host)
     else:
         host, port, interface = "127.0.0.1", free_port(), loopback_interface()
     backend = "nccl" if check_device(spec.device).type == "cuda" else "gloo"
-    config = RuntimeConfig(backend=backend, timeout_s=spec.timeout_s, emulate_stage_ms=spec.emulate_stage_ms,
-                           emulate_token_ms=spec.emulate_token_ms,
-                           emulate_link_ms=spec.emulate_link_ms, join_timeout_s=spec.join_timeout_s)
+    config = RuntimeConfig(
+        backend=backend,
+        timeout_s=spec.timeout_s,
+        emulate_stage_ms=spec.emulate_stage_ms,
+        emulate_token_ms=spec.emulate_token_ms,
+        emulate_link_ms=spec.emulate_link_ms,
+        join_timeout_s=spec.join_timeout_s,
+    )
     # Rank 0's part and the head load (and fail with one line) before any process starts.
     staged = load_partial(spec.target, n, 0, spec.revision, dtype, spec.device, boundaries)
-    head = (load_speculator(spec.speculator, spec.speculator_revision, dtype, spec.device, target=staged)
-            if spec.speculator else None)
-    job = StageJob(stages=n, boundaries=list(staged.boundaries), remote=list(range(local + 1, n + 1)),
-                   dtype=spec.dtype, backend=backend, timeout_s=spec.timeout_s,
-                   emulate_stage_ms=spec.emulate_stage_ms, emulate_token_ms=spec.emulate_token_ms,
-                   emulate_link_ms=spec.emulate_link_ms)
+    head = (
+        load_speculator(spec.speculator, spec.speculator_revision, dtype, spec.device, target=staged)
+        if spec.speculator
+        else None
+    )
+    job = StageJob(
+        stages=n,
+        boundaries=list(staged.boundaries),
+        remote=list(range(local + 1, n + 1)),
+        dtype=spec.dtype,
+        backend=backend,
+        timeout_s=spec.timeout_s,
+        emulate_stage_ms=spec.emulate_stage_ms,
+        emulate_token_ms=spec.emulate_token_ms,
+        emulate_link_ms=spec.emulate_link_ms,
+    )
     # gloo (rank 0 and this machine's stages) on the stage network's interface, unless the user chose one.
     if interface is not None and not os.environ.get("GLOO_SOCKET_IFNAME"):
         os.environ["GLOO_SOCKET_IFNAME"] = interface
@@ -230,21 +291,31 @@ def _open_distributed(spec: PipelineSpec, n: int, boundaries: list[int] | None, 
     store = bound_store(host, port, n + 1, timeout, wait_for_workers=False)
     publish_job(store, job)
     if job.remote:
-        print(f"[spd-serve] waiting up to {spec.join_timeout_s:g} s for {_stage_list(job.remote)} to join at "
-              f"{host}:{port}: run 'spd-stage --server {host}:{port} --target DIR' on their machine(s)",
-              file=sys.stderr, flush=True)
+        print(
+            f"[spd-serve] waiting up to {spec.join_timeout_s:g} s for {_stage_list(job.remote)} to join at "
+            f"{host}:{port}: run 'spd-stage --server {host}:{port} --target DIR' on their machine(s)",
+            file=sys.stderr,
+            flush=True,
+        )
     cmd = job.stage_command(spec.target, spec.revision)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     procs: list[subprocess.Popen] = []
     try:
         for r in range(1, local + 1):
-            procs.append(start_child(cmd, env=job.stage_env(host, port, r, r, local + 1, env), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL))
+            procs.append(
+                start_child(
+                    cmd,
+                    env=job.stage_env(host, port, r, r, local + 1, env),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                )
+            )
         control = _join(procs, store, n, backend, timeout, spec.join_timeout_s)
         check_same_job(job_identity(spec.target, spec.revision, staged, dtype, config), control)
         remote = RemoteStages(staged, config, control)
-        pipeline = Pipeline(spec, _engine(spec, staged, head, tokenizer, dtype, remote), staged, tokenizer, n,
-                            remote, procs)
+        pipeline = Pipeline(
+            spec, _engine(spec, staged, head, tokenizer, dtype, remote), staged, tokenizer, n, remote, procs
+        )
         pipeline.generate([0], 2, lambda token, accepted: None)
         return pipeline
     except (PipelineLost, RuntimeError) as exc:
@@ -252,9 +323,11 @@ def _open_distributed(spec: PipelineSpec, n: int, boundaries: list[int] | None, 
         for proc in procs:
             end_child(proc, grace_s=0)
         if lost is None and job.remote and isinstance(exc, _JoinTimeout):
-            raise SpdInputError(f"{_stage_list(job.remote)} did not join at {host}:{port} within "
-                                f"{spec.join_timeout_s:g} s; run 'spd-stage --server {host}:{port} --target DIR' on "
-                                "their machine(s)") from None
+            raise SpdInputError(
+                f"{_stage_list(job.remote)} did not join at {host}:{port} within "
+                f"{spec.join_timeout_s:g} s; run 'spd-stage --server {host}:{port} --target DIR' on "
+                "their machine(s)"
+            ) from None
         raise SpdInputError(f"the stage processes did not start: {lost or first_line(exc)}") from None
     except BaseException:  # SIGTERM (SystemExit) or Ctrl-C while loading: no stage process outlives the server
         for proc in procs:
@@ -263,7 +336,7 @@ def _open_distributed(spec: PipelineSpec, n: int, boundaries: list[int] | None, 
 
 
 def _stage_list(stages: list[int]) -> str:
-    """"stage 2", "stages 3 and 4", "stages 3..6"."""
+    """ "stage 2", "stages 3 and 4", "stages 3..6"."""
     if len(stages) == 1:
         return f"stage {stages[0]}"
     return f"stages {stages[0]}..{stages[-1]}" if len(stages) > 2 else f"stages {stages[0]} and {stages[1]}"
@@ -292,8 +365,9 @@ def _join(procs, store, n: int, backend: str, timeout: datetime.timedelta, deadl
 
     def join():
         try:
-            dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=0, world_size=n + 1,
-                                    timeout=timeout)
+            dist.init_process_group(
+                backend, store=dist.PrefixStore("default_pg", store), rank=0, world_size=n + 1, timeout=timeout
+            )
             result["control"] = dist.new_group(backend="gloo", timeout=timeout)
         except Exception as exc:  # noqa: BLE001 - reported below as one line
             result["error"] = exc

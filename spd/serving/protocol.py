@@ -23,8 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOPS = 4  # OpenAI's own limit
 MAX_STOP_CHARS = 1000  # per stop string: far above any real one, and it bounds the per-token matching work
-MAX_INT = 2 ** 31 - 1  # token counts and top_k: beyond any context, below any overflow
-SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
+MAX_INT = 2**31 - 1  # token counts and top_k: beyond any context, below any overflow
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 
 class _Strict(BaseModel):
@@ -77,8 +77,13 @@ class _Sampling(_Strict):
 
     def sampling(self) -> dict:
         """The engine's sampling arguments."""
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0), "seed": self.seed,
-                "ignore_eos": self.ignore_eos}
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": max(self.top_k, 0),
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+        }
 
 
 class CompletionRequest(_Sampling):
@@ -144,17 +149,30 @@ class ChatCompletionRequest(_Sampling):
 class HttpError(Exception):
     """An error answered with OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
-             503: "service_unavailable", 500: "internal_error"}
+    TYPES = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        405: "invalid_request_error",
+        413: "invalid_request_error",
+        415: "invalid_request_error",
+        503: "service_unavailable",
+        500: "internal_error",
+    }
 
     def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"), "param": self.param,
-                          "code": self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.TYPES.get(self.status, "error"),
+                "param": self.param,
+                "code": self.status,
+            }
+        }
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
@@ -184,31 +202,57 @@ def new_id(prefix: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def completion_body(rid: str, model: str, chat: bool, text: str, finish: str, use: dict, spd: dict) -> dict:
     """A whole (non-streamed) response."""
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                  "logprobs": None}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": finish,
+            "logprobs": None,
+        }
     else:
         choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": use, "spd": spd}
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": use,
+        "spd": spd,
+    }
 
 
-def chunk_body(rid: str, model: str, chat: bool, text: str | None, finish: str | None = None,
-               spd: dict | None = None, role: bool = False) -> dict:
+def chunk_body(
+    rid: str,
+    model: str,
+    chat: bool,
+    text: str | None,
+    finish: str | None = None,
+    spd: dict | None = None,
+    role: bool = False,
+) -> dict:
     """One server-sent event's JSON: a text delta and/or the finish reason."""
     if chat:
         delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
     else:
         choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-    body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice]}
+    body = {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+    }
     if spd is not None:
         body["spd"] = spd
     return body

@@ -128,7 +128,7 @@ class TextTracker:
         hits = [i for i in (m.feed(text, start) for m in self.matchers) if i >= 0]
         self.scanned = text
         if hits:
-            self.text, self.stopped = text[:min(hits)], True
+            self.text, self.stopped = text[: min(hits)], True
             return self._take(len(self.text))
         self.text = text  # what a whole response would say, even if it ends in half a character
         if text.endswith("\ufffd"):
@@ -145,7 +145,7 @@ class TextTracker:
             return len(old)
         same = 0
         for back in (16, 256, 4096):  # the change is near the end: find an unchanged prefix without a full scan
-            if back < len(old) and text.startswith(old[:len(old) - back]):
+            if back < len(old) and text.startswith(old[: len(old) - back]):
                 same = len(old) - back
                 break
         while same < min(len(old), len(text)) and old[same] == text[same]:
@@ -159,7 +159,7 @@ class TextTracker:
         return self._take(len(self.text))
 
     def _take(self, end: int) -> str:
-        piece = self.text[self.sent:end] if end > self.sent else ""
+        piece = self.text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return piece
 
@@ -167,8 +167,16 @@ class TextTracker:
 class Scheduler:
     """The engine thread: takes jobs in order and runs them on the pipeline, pings it while idle."""
 
-    def __init__(self, pipeline: Pipeline, metrics: ServerMetrics, max_queue: int = 64, idle_s: float = 5.0,
-                 max_batch: int = 1, kv_rows: int | None = None, batch_options: dict | None = None):
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        metrics: ServerMetrics,
+        max_queue: int = 64,
+        idle_s: float = 5.0,
+        max_batch: int = 1,
+        kv_rows: int | None = None,
+        batch_options: dict | None = None,
+    ):
         self.pipeline, self.metrics = pipeline, metrics
         # --max-batch B > 1: many requests in flight at once (spd.decoding.batch); the pipeline checks it can.
         self.batch = pipeline.batched(max_batch, kv_rows, **(batch_options or {})) if max_batch > 1 else None
@@ -196,8 +204,7 @@ class Scheduler:
 
     def failure(self) -> str | None:
         """Why the server cannot serve (one sentence ending in what to do), or None while it can."""
-        if self._died is None and self._thread.ident is not None and not self._thread.is_alive() \
-                and not self._stopping:
+        if self._died is None and self._thread.ident is not None and not self._thread.is_alive() and not self._stopping:
             self._died = "the engine thread exited"
         if self._died is not None:
             reason = f"the engine thread died ({self._died}); the server must be restarted"
@@ -317,8 +324,9 @@ class Scheduler:
                 job.emit("cancelled")
 
         try:
-            request = self.pipeline.submit(self.batch, job.prompt_ids, job.max_new_tokens, on_token, done,
-                                           **job.sampling)
+            request = self.pipeline.submit(
+                self.batch, job.prompt_ids, job.max_new_tokens, on_token, done, **job.sampling
+            )
         except Exception as exc:  # noqa: BLE001 - the request fails alone; the server keeps serving
             self._fail(job, exc)
             return

@@ -58,8 +58,9 @@ def load_gguf(gguf_path: Path, dtype=None):
     return model.eval(), tokenizer
 
 
-def materialize_gguf(gguf_path: str | os.PathLike, out: str | os.PathLike, sha256: str | None = None,
-                     source: dict | None = None) -> Path:
+def materialize_gguf(
+    gguf_path: str | os.PathLike, out: str | os.PathLike, sha256: str | None = None, source: dict | None = None
+) -> Path:
     """Write the model in ``gguf_path`` to ``out`` as a ``save_pretrained`` directory; return ``out``.
 
     ``source`` (e.g. the package and version the file came from) is recorded in ``out/materialize.json``.
@@ -73,8 +74,9 @@ def materialize_gguf(gguf_path: str | os.PathLike, out: str | os.PathLike, sha25
     if is_materialized(out, sha256):
         return out
     if out.exists() and not (out / MARKER).is_file():
-        raise SpdInputError(f"'{out}' exists and was not written by this tool; choose another output directory "
-                            f"or remove it yourself")
+        raise SpdInputError(
+            f"'{out}' exists and was not written by this tool; choose another output directory or remove it yourself"
+        )
     gguf_model, tokenizer = load_gguf(gguf_path)
     config = gguf_model.config
     # The GGUF entry makes save_pretrained refuse the model; the weights are plain fp32 tensors by now.
@@ -88,19 +90,23 @@ def materialize_gguf(gguf_path: str | os.PathLike, out: str | os.PathLike, sha25
     # Tied embeddings: the LM head is the embedding, which load_state_dict cannot know from the keys.
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
-        raise SpdInputError(f"the GGUF weights do not fit the {config.model_type} architecture "
-                            f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise SpdInputError(
+            f"the GGUF weights do not fit the {config.model_type} architecture "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     model.tie_weights()
-    model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                                               pad_token_id=config.pad_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_dir_beside(out)
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / MARKER).write_text(json.dumps({"gguf_file": gguf_path.name, "gguf_sha256": sha256,
-                                              "source": source or {}}, indent=2) + "\n")
+        (tmp / MARKER).write_text(
+            json.dumps({"gguf_file": gguf_path.name, "gguf_sha256": sha256, "source": source or {}}, indent=2) + "\n"
+        )
         # An earlier materialisation of another file (checked above) is ours to replace: swapped for the new
         # one, and removed only once the new one is in place.
         replace_dir(tmp, out)

@@ -48,8 +48,15 @@ class KVPool:
     ``stages``: the stages whose buffers this process holds (default all; a stage rank holds its own); ``ledger``:
     lengths and positions only, no keys or values (rank 0 of the distributed runtime)."""
 
-    def __init__(self, staged: StagedModel, rows: int, stages: list[int] | None = None, ledger: bool = False,
-                 dtype: torch.dtype | None = None, device: torch.device | None = None):
+    def __init__(
+        self,
+        staged: StagedModel,
+        rows: int,
+        stages: list[int] | None = None,
+        ledger: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ):
         if not isinstance(rows, int) or rows < 1:
             raise SpdInputError(f"the KV pool needs a positive number of rows, got {rows!r}")
         self.staged, self.rows, self.ledger = staged, rows, ledger
@@ -81,7 +88,7 @@ class KVPool:
         for i, region in enumerate(self.free):
             if region.rows >= rows:
                 rest = Region(region.start + rows, region.rows - rows)
-                self.free[i:i + 1] = [rest] if rest.rows else []
+                self.free[i : i + 1] = [rest] if rest.rows else []
                 return Region(region.start, rows)
         return None
 
@@ -103,9 +110,13 @@ class KVPool:
     def cache(self, stage: int, region: Region) -> StageKVCache:
         """An empty cache of ``stage`` over ``region``'s rows (views of the pool's buffers)."""
         end = region.start + region.rows
-        cache = StageKVCache.over(self.layer_ids[stage], self.keys_LBHkCDh[stage][:, :, :, region.start:end],
-                                  self.values_LBHkCDh[stage][:, :, :, region.start:end],
-                                  self.positions_C[stage][region.start:end], base=region.start)
+        cache = StageKVCache.over(
+            self.layer_ids[stage],
+            self.keys_LBHkCDh[stage][:, :, :, region.start : end],
+            self.values_LBHkCDh[stage][:, :, :, region.start : end],
+            self.positions_C[stage][region.start : end],
+            base=region.start,
+        )
         if self.linear_ids[stage] and not self.ledger:  # a hybrid target: the request's own linear-attention state
             # (a stage holds at most n + 1 tokens past the committed prefix: n - 1 in flight, a level run ahead of its
             # verification, as on the distributed runtime's stages)

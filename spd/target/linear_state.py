@@ -78,8 +78,10 @@ class LinearStateRing:
     def begin(self, n_tokens: int) -> None:
         """A call on ``n_tokens`` new tokens starts (the states it writes go to length ``length + n_tokens``)."""
         if self.nodes:
-            raise RuntimeError(f"a stage holding {self.nodes} tree nodes was asked to run tokens as a chain; commit "
-                               "or drop the tree first")
+            raise RuntimeError(
+                f"a stage holding {self.nodes} tree nodes was asked to run tokens as a chain; commit "
+                "or drop the tree first"
+            )
         self._pending = n_tokens
 
     def advance(self, n_tokens: int) -> None:
@@ -101,9 +103,11 @@ class LinearStateRing:
             if length >= self.length + self.nodes:
                 return
             if length > self.length:
-                raise RuntimeError(f"cannot cut a stage's tree of {self.nodes} nodes after {self.length} committed "
-                                   f"tokens back to {length} tokens: only the root ({self.length + 1}) or the "
-                                   "committed prefix has a single linear-attention state")
+                raise RuntimeError(
+                    f"cannot cut a stage's tree of {self.nodes} nodes after {self.length} committed "
+                    f"tokens back to {length} tokens: only the root ({self.length + 1}) or the "
+                    "committed prefix has a single linear-attention state"
+                )
             self._drop_nodes()
         if length >= self.length:
             return
@@ -197,7 +201,7 @@ class LinearStateRing:
             if bool((parent_slots_T == first_slot).all()):
                 return buf[first_slot].expand(t, *base.shape)
             if bool((parent_slots_T == torch.arange(first_slot, first_slot + t)).all()):
-                return buf[first_slot:first_slot + t]
+                return buf[first_slot : first_slot + t]
         picked = buf[parent_slots_T.clamp(min=0).to(buf.device)]
         picked[from_base_T.to(buf.device)] = base
         return picked
@@ -225,8 +229,14 @@ class LinearStateRing:
             conv_RBCK[new].copy_(conv_RBCK[old])
         return conv_RBCK[new]
 
-    def update_conv_state(self, inputs_BCT: torch.Tensor, layer_idx: int, state_idx: int = 0,
-                          conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
+    def update_conv_state(
+        self,
+        inputs_BCT: torch.Tensor,
+        layer_idx: int,
+        state_idx: int = 0,
+        conv_kernel_size: int | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
         """Store the last K conv inputs after this call; return the previous state followed by the new inputs."""
         if self._call is not None:
             raise RuntimeError("tree nodes run through a linear-attention layer one token each (a batch of nodes)")
@@ -255,8 +265,9 @@ class LinearStateRing:
             return self._parent_states(self.node_recurrent_PHDkDv, self.recurrent_RBHDkDv, self.slot[layer_idx])
         return self.recurrent_RBHDkDv[self.slot[layer_idx]][self.length % self.depth]
 
-    def update_recurrent_state(self, state_BHDkDv: torch.Tensor, layer_idx: int, state_idx: int = 0,
-                               **kwargs) -> torch.Tensor:
+    def update_recurrent_state(
+        self, state_BHDkDv: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
+    ) -> torch.Tensor:
         """Store the state after this call in its own slot (tree nodes: in the nodes' slots)."""
         i = self.slot[layer_idx]
         if self._call is not None:  # the nodes' new states (the kernel made the conv ones in place) into their slots
@@ -266,8 +277,9 @@ class LinearStateRing:
             self._pool(self.node_conv_PCK, i, conv_TCK[0])[slots_T] = conv_TCK
             return state_BHDkDv
         if self.recurrent_RBHDkDv[i] is None:
-            self.recurrent_RBHDkDv[i] = torch.zeros(self.depth, *state_BHDkDv.shape, dtype=state_BHDkDv.dtype,
-                                                    device=state_BHDkDv.device)
+            self.recurrent_RBHDkDv[i] = torch.zeros(
+                self.depth, *state_BHDkDv.shape, dtype=state_BHDkDv.dtype, device=state_BHDkDv.device
+            )
         ring = self.recurrent_RBHDkDv[i]
         ring[self._slots()[1]].copy_(state_BHDkDv)
         return ring[self._slots()[1]]
@@ -302,13 +314,14 @@ class StackedStates:
     def update_conv_state(self, *args, **kwargs):
         raise RuntimeError("a stacked linear-attention call runs one token per sequence")
 
-    def update_recurrent_state(self, state_BHDkDv: torch.Tensor, layer_idx: int, state_idx: int = 0,
-                               **kwargs) -> torch.Tensor:
+    def update_recurrent_state(
+        self, state_BHDkDv: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
+    ) -> torch.Tensor:
         stacked, parts = self._conv.pop(layer_idx)
         offset = 0
         for member, part, count in zip(self.members, parts, self.counts):
-            part.copy_(stacked[offset:offset + count])  # the member's conv state after the token, where it reads it
-            member.update_recurrent_state(state_BHDkDv[offset:offset + count], layer_idx)
+            part.copy_(stacked[offset : offset + count])  # the member's conv state after the token, where it reads it
+            member.update_recurrent_state(state_BHDkDv[offset : offset + count], layer_idx)
             offset += count
         return state_BHDkDv
 

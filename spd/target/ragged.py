@@ -33,8 +33,16 @@ from ..errors import SpdInputError
 from .kv_pool import KVPool
 from .linear_state import StackedStates
 from .sdpa import decode_kernels
-from .staging import (LINEAR_LAYER_TYPE, StageKVCache, StageOutput, attention_mask, cache_keyword, node_groups,
-                      run_linear_layer, tree_attention_mask)
+from .staging import (
+    LINEAR_LAYER_TYPE,
+    StageKVCache,
+    StageOutput,
+    attention_mask,
+    cache_keyword,
+    node_groups,
+    run_linear_layer,
+    tree_attention_mask,
+)
 
 
 @dataclass
@@ -68,7 +76,7 @@ class _PooledWrite:
         i = self.slot[layer_idx]
         self.keys_LBHkCDh[i, 0].index_copy_(1, self.rows_S, key_BHkSDh[0])
         self.values_LBHkCDh[i, 0].index_copy_(1, self.rows_S, value_BHkSDh[0])
-        return (self.keys_LBHkCDh[i, :, :, self.lo:self.hi], self.values_LBHkCDh[i, :, :, self.lo:self.hi])
+        return (self.keys_LBHkCDh[i, :, :, self.lo : self.hi], self.values_LBHkCDh[i, :, :, self.lo : self.hi])
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
@@ -89,8 +97,16 @@ class _Group:
     may see (``allowed_BTK``: its request's committed rows, and of its own new tokens those before it or, in a tree,
     its ancestors)."""
 
-    def __init__(self, t: int, indices: list[int], packed: _Packed, trees: dict[int, torch.Tensor],
-                 q_pos_S: torch.Tensor, key_pos_W: torch.Tensor, device: torch.device):
+    def __init__(
+        self,
+        t: int,
+        indices: list[int],
+        packed: _Packed,
+        trees: dict[int, torch.Tensor],
+        q_pos_S: torch.Tensor,
+        key_pos_W: torch.Tensor,
+        device: torch.device,
+    ):
         index_B = torch.tensor(indices)
         starts_B, lengths_B, bases_B = (x[index_B] for x in packed)
         k = int(lengths_B.max()) + t
@@ -103,7 +119,7 @@ class _Group:
         allowed_BTK = k_K[None, None, :] <= (lengths_B[:, None] + t_T[None])[:, :, None]
         for b, i in enumerate(indices):
             if i in trees:
-                allowed_BTK[b, :, :trees[i].shape[1]] = trees[i]
+                allowed_BTK[b, :, : trees[i].shape[1]] = trees[i]
         self.allowed_BTK = allowed_BTK.to(device)
         self.q_pos_BT, self.key_pos_BK = q_pos_S[self.q_BT], key_pos_W[self.k_BK]
 
@@ -122,16 +138,29 @@ class _Blocks:
     is padding (one prompt chunk of 64 tokens would otherwise pad every other segment's single query to 64) and no
     query attends to another request's rows. One attention call per group."""
 
-    def __init__(self, segments: list[Segment], packed: _Packed, q_pos_S: torch.Tensor, key_pos_W: torch.Tensor,
-                 device: torch.device):
-        trees = {i: torch.cat([torch.ones(seg.size, seg.cache.length + seg.size - seg.tree_mask_TN.shape[1],
-                                          dtype=torch.bool), seg.tree_mask_TN.to("cpu")], dim=1)
-                 for i, seg in enumerate(segments) if seg.tree_mask_TN is not None}  # committed rows, then the tree
+    def __init__(
+        self,
+        segments: list[Segment],
+        packed: _Packed,
+        q_pos_S: torch.Tensor,
+        key_pos_W: torch.Tensor,
+        device: torch.device,
+    ):
+        trees = {
+            i: torch.cat(
+                [
+                    torch.ones(seg.size, seg.cache.length + seg.size - seg.tree_mask_TN.shape[1], dtype=torch.bool),
+                    seg.tree_mask_TN.to("cpu"),
+                ],
+                dim=1,
+            )
+            for i, seg in enumerate(segments)
+            if seg.tree_mask_TN is not None
+        }  # committed rows, then the tree
         by_size: dict[int, list[int]] = {}
         for i, seg in enumerate(segments):
             by_size.setdefault(seg.size, []).append(i)
-        self.groups = [_Group(t, indices, packed, trees, q_pos_S, key_pos_W, device)
-                       for t, indices in by_size.items()]
+        self.groups = [_Group(t, indices, packed, trees, q_pos_S, key_pos_W, device) for t, indices in by_size.items()]
         self.masks: dict[int | None, list[torch.Tensor]] = {}
         self.window: int | None = None
 
@@ -141,8 +170,16 @@ class _Blocks:
             self.masks[window] = [group.mask(window) for group in self.groups]
         self.window = window
 
-    def attention(self, module, query_1HSD: torch.Tensor, key_1HWD: torch.Tensor, value_1HWD: torch.Tensor,
-                  dropout: float, scaling: float | None, **kwargs) -> torch.Tensor:
+    def attention(
+        self,
+        module,
+        query_1HSD: torch.Tensor,
+        key_1HWD: torch.Tensor,
+        value_1HWD: torch.Tensor,
+        dropout: float,
+        scaling: float | None,
+        **kwargs,
+    ) -> torch.Tensor:
         """``(1, S, H, Dh)``: each group's queries against their requests' keys, gathered, under the group's mask."""
         h, hk, dh, dv = query_1HSD.shape[1], key_1HWD.shape[1], query_1HSD.shape[3], value_1HWD.shape[3]
         outs = []
@@ -151,8 +188,9 @@ class _Blocks:
             q_BHTD = query_1HSD[0].index_select(1, group.q_BT.flatten()).view(h, b, t, dh).transpose(0, 1)
             k_BHKD = key_1HWD[0].index_select(1, group.k_BK.flatten()).view(hk, b, k, dh).transpose(0, 1)
             v_BHKD = value_1HWD[0].index_select(1, group.k_BK.flatten()).view(hk, b, k, dv).transpose(0, 1)
-            out_BHTD = torch.nn.functional.scaled_dot_product_attention(q_BHTD, k_BHKD, v_BHKD, attn_mask=mask_B1TK,
-                                                                        scale=scaling, enable_gqa=h != hk)
+            out_BHTD = torch.nn.functional.scaled_dot_product_attention(
+                q_BHTD, k_BHKD, v_BHKD, attn_mask=mask_B1TK, scale=scaling, enable_gqa=h != hk
+            )
             outs.append(out_BHTD.transpose(1, 2).reshape(b * t, h, dv))  # in the order of the group's q_BT
         if len(self.groups) == 1:  # one group: its rows are the packed tokens, in order
             return outs[0][None]
@@ -168,12 +206,21 @@ class _Spans:
     (:func:`_lone_mask`, in SDPA's form), one attention call per segment. Nothing is gathered: on CPU, copying every
     request's rows into a padded batch at every layer cost more than the attention itself (docs/benchmarks.md)."""
 
-    def __init__(self, segments: list[Segment], packed: _Packed, lo: int, q_pos_S: torch.Tensor,
-                 key_pos_W: torch.Tensor, dtype: torch.dtype):
+    def __init__(
+        self,
+        segments: list[Segment],
+        packed: _Packed,
+        lo: int,
+        q_pos_S: torch.Tensor,
+        key_pos_W: torch.Tensor,
+        dtype: torch.dtype,
+    ):
         self.segments, self.q_pos_S, self.key_pos_W, self.dtype = segments, q_pos_S, key_pos_W, dtype
         # per segment: its first query row, its number of tokens, its first key row in the window, its key rows
-        self.spans = [(start, seg.size, base - lo, length + seg.size)
-                      for seg, start, length, base in zip(segments, *(x.tolist() for x in packed))]
+        self.spans = [
+            (start, seg.size, base - lo, length + seg.size)
+            for seg, start, length, base in zip(segments, *(x.tolist() for x in packed))
+        ]
         self.masks: dict[int | None, list[torch.Tensor | None]] = {}
         self.window: int | None = None
 
@@ -181,19 +228,37 @@ class _Spans:
         """The next layers attend with this sliding window (None: full attention)."""
         if window not in self.masks:
             self.masks[window] = [
-                _lone_mask(seg, self.q_pos_S[q:q + t], self.key_pos_W[k:k + kv], window, "sdpa", self.dtype)
-                for seg, (q, t, k, kv) in zip(self.segments, self.spans)]
+                _lone_mask(seg, self.q_pos_S[q : q + t], self.key_pos_W[k : k + kv], window, "sdpa", self.dtype)
+                for seg, (q, t, k, kv) in zip(self.segments, self.spans)
+            ]
         self.window = window
 
-    def attention(self, module, query_1HSD: torch.Tensor, key_1HWD: torch.Tensor, value_1HWD: torch.Tensor,
-                  dropout: float, scaling: float | None, **kwargs) -> torch.Tensor:
+    def attention(
+        self,
+        module,
+        query_1HSD: torch.Tensor,
+        key_1HWD: torch.Tensor,
+        value_1HWD: torch.Tensor,
+        dropout: float,
+        scaling: float | None,
+        **kwargs,
+    ) -> torch.Tensor:
         """``(1, S, H, Dh)``: each segment's own attention over its rows, in the packed order."""
         gqa = query_1HSD.shape[1] != key_1HWD.shape[1]
         attend = torch.nn.functional.scaled_dot_product_attention
         # (no mask: one query sees every row; a whole prompt's square block is causal, as in its own stage call)
-        outs = [attend(query_1HSD[:, :, q:q + t], key_1HWD[:, :, k:k + kv], value_1HWD[:, :, k:k + kv], attn_mask=mask,
-                       is_causal=mask is None and t > 1, scale=scaling, enable_gqa=gqa)
-                for (q, t, k, kv), mask in zip(self.spans, self.masks[self.window])]
+        outs = [
+            attend(
+                query_1HSD[:, :, q : q + t],
+                key_1HWD[:, :, k : k + kv],
+                value_1HWD[:, :, k : k + kv],
+                attn_mask=mask,
+                is_causal=mask is None and t > 1,
+                scale=scaling,
+                enable_gqa=gqa,
+            )
+            for (q, t, k, kv), mask in zip(self.spans, self.masks[self.window])
+        ]
         return torch.cat(outs, dim=2).transpose(1, 2)
 
 
@@ -206,8 +271,15 @@ _LAYOUT: contextvars.ContextVar[_Blocks | _Spans | None] = contextvars.ContextVa
 _BLOCK_ATTENTION = "spd_ragged_blocks"
 
 
-def _ragged_layout(segments: list[Segment], packed: _Packed, lo: int, q_pos_S: torch.Tensor,
-                   key_pos_W: torch.Tensor, device: torch.device, dtype: torch.dtype) -> _Blocks | _Spans:
+def _ragged_layout(
+    segments: list[Segment],
+    packed: _Packed,
+    lo: int,
+    q_pos_S: torch.Tensor,
+    key_pos_W: torch.Tensor,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> _Blocks | _Spans:
     """The attention layout of a ragged call of several segments (:data:`RAGGED_ATTENTION`)."""
     if RAGGED_ATTENTION not in ("auto", "blocks", "spans"):
         raise ValueError(f"RAGGED_ATTENTION must be 'auto', 'blocks' or 'spans', not {RAGGED_ATTENTION!r}")
@@ -216,15 +288,24 @@ def _ragged_layout(segments: list[Segment], packed: _Packed, lo: int, q_pos_S: t
     return _Spans(segments, packed, lo, q_pos_S, key_pos_W, dtype)
 
 
-def _block_attention(module, query_1HSD: torch.Tensor, key_1HWD: torch.Tensor, value_1HWD: torch.Tensor,
-                     attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+def _block_attention(
+    module,
+    query_1HSD: torch.Tensor,
+    key_1HWD: torch.Tensor,
+    value_1HWD: torch.Tensor,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+):
     """The attention of a ragged call of several segments: each segment's queries against its own request's keys
     only, by the call's layout (:class:`_Blocks` or :class:`_Spans`, its window set for the layer that runs). Equal
     to a dense masked attention over the whole window up to fp32 rounding."""
     layout = _LAYOUT.get()
     if layout is None:  # not inside a ragged call of several segments
-        return sdpa_attention_forward(module, query_1HSD, key_1HWD, value_1HWD, attention_mask, dropout, scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query_1HSD, key_1HWD, value_1HWD, attention_mask, dropout, scaling, **kwargs
+        )
     return layout.attention(module, query_1HSD, key_1HWD, value_1HWD, dropout, scaling, **kwargs), None
 
 
@@ -238,9 +319,12 @@ def _stage_configs(staged, stage: int) -> dict[int, PretrainedConfig]:
     """The configs ``stage``'s layers dispatch their attention on (found once per model and stage)."""
     by_stage = _CONFIGS.setdefault(staged, {})
     if stage not in by_stage:
-        by_stage[stage] = {id(m.config): m.config for layer in staged.stage_layers(stage)
-                           for m in staged.layers[layer].modules()
-                           if isinstance(getattr(m, "config", None), PretrainedConfig)}
+        by_stage[stage] = {
+            id(m.config): m.config
+            for layer in staged.stage_layers(stage)
+            for m in staged.layers[layer].modules()
+            if isinstance(getattr(m, "config", None), PretrainedConfig)
+        }
     return by_stage[stage]
 
 
@@ -263,8 +347,9 @@ def _in_layout(staged, stage: int, layout: _Blocks | _Spans | None):
             config._attn_implementation = saved[key]
 
 
-def _lone_mask(seg: Segment, q_pos_S: torch.Tensor, key_pos_W: torch.Tensor, window: int | None, impl: str,
-               dtype: torch.dtype) -> torch.Tensor | None:
+def _lone_mask(
+    seg: Segment, q_pos_S: torch.Tensor, key_pos_W: torch.Tensor, window: int | None, impl: str, dtype: torch.dtype
+) -> torch.Tensor | None:
     """The attention mask of a lone segment: the one its own stage call would get (None where the backend's default
     is exact), so that a batch of one computes bit for bit what the single-request engine does; its keys are exactly
     its request's rows then."""
@@ -282,10 +367,13 @@ def _checked_size(seg: Segment) -> int:
     if kv_len > cache.capacity:
         raise RuntimeError(f"a pooled KV cache of {cache.capacity} rows cannot hold {kv_len}")
     tree_TN = seg.tree_mask_TN
-    if tree_TN is not None and (tree_TN.dtype != torch.bool or tree_TN.shape[0] != t or
-                                not t <= tree_TN.shape[1] <= kv_len):
-        raise SpdInputError(f"run_ragged: a tree mask must be a bool (T, N) tensor with T = {t} and "
-                            f"{t} <= N <= {kv_len}, got {tree_TN.dtype} {tuple(tree_TN.shape)}")
+    if tree_TN is not None and (
+        tree_TN.dtype != torch.bool or tree_TN.shape[0] != t or not t <= tree_TN.shape[1] <= kv_len
+    ):
+        raise SpdInputError(
+            f"run_ragged: a tree mask must be a bool (T, N) tensor with T = {t} and "
+            f"{t} <= N <= {kv_len}, got {tree_TN.dtype} {tuple(tree_TN.shape)}"
+        )
     return t
 
 
@@ -299,15 +387,18 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
     # Every segment's rows of the pool and position ids at once: a segment's tokens take its request's next rows,
     # at the next positions unless it gives its own (tree nodes sit at committed length + depth).
     sizes_B = torch.tensor(sizes)
-    packed = _Packed(torch.cumsum(sizes_B, 0) - sizes_B, torch.tensor([seg.cache.length for seg in segments]),
-                     torch.tensor([seg.cache.base for seg in segments]))
+    packed = _Packed(
+        torch.cumsum(sizes_B, 0) - sizes_B,
+        torch.tensor([seg.cache.length for seg in segments]),
+        torch.tensor([seg.cache.base for seg in segments]),
+    )
     starts_B, lengths_B, bases_B = packed
     offsets_S = torch.arange(int(sizes_B.sum())) - starts_B.repeat_interleave(sizes_B)
     q_pos_S = lengths_B.repeat_interleave(sizes_B) + offsets_S
     rows_S = (bases_B + lengths_B).repeat_interleave(sizes_B) + offsets_S
     for seg, start in zip(segments, starts_B.tolist()):
         if seg.positions_T is not None:
-            q_pos_S[start:start + seg.size] = seg.positions_T
+            q_pos_S[start : start + seg.size] = seg.positions_T
     rows_S, q_pos_S = rows_S.to(device), q_pos_S.to(device)
     pool.positions_C[stage].index_copy_(0, rows_S, q_pos_S)
     if len(segments) > 1:  # the whole buffer: every request's rows (and a contiguous tensor gathers ~2x faster)
@@ -317,8 +408,11 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
         lo, hi = lone.cache.base, lone.cache.base + lone.cache.length + lone.size
     key_pos_W = pool.positions_C[stage][lo:hi]
     # Several segments: each attends to its own request's keys only (the layout); a lone one is its own stage call.
-    layout = (_ragged_layout(segments, packed, lo, q_pos_S, key_pos_W, device, pool.keys_LBHkCDh[stage].dtype)
-              if len(segments) > 1 else None)
+    layout = (
+        _ragged_layout(segments, packed, lo, q_pos_S, key_pos_W, device, pool.keys_LBHkCDh[stage].dtype)
+        if len(segments) > 1
+        else None
+    )
 
     hidden_1SD = torch.cat([seg.hidden_1TD for seg in segments], dim=1)
     position_ids_1S = q_pos_S[None]
@@ -328,15 +422,18 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
     collected = {first: hidden_1SD} if first in wanted else {}
     masks: dict[int | None, torch.Tensor | None] = {}  # a lone segment's, by window
     # Linear-attention layers (hybrid targets): each segment's tokens from its own request's state.
-    groups = [node_groups(seg.tree_mask_TN) if seg.tree_mask_TN is not None and seg.cache.linear is not None
-              else None for seg in segments]
+    groups = [
+        node_groups(seg.tree_mask_TN) if seg.tree_mask_TN is not None and seg.cache.linear is not None else None
+        for seg in segments
+    ]
     for seg, nodes in zip(segments, groups):
         seg.cache.begin(seg.size, first_node=None if nodes is None else nodes[0][0])
     with decode_kernels(device), _in_layout(staged, stage, layout):
         for layer in range(first, last):
             if staged.layer_types[layer] == LINEAR_LAYER_TYPE:
-                hidden_1SD = _linear_layer(staged.layers[layer], hidden_1SD, segments, groups, position_ids_1S,
-                                           position_embeddings)
+                hidden_1SD = _linear_layer(
+                    staged.layers[layer], hidden_1SD, segments, groups, position_ids_1S, position_embeddings
+                )
                 if layer + 1 in wanted:
                     collected[layer + 1] = hidden_1SD
                 continue
@@ -344,25 +441,36 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
             if layout is not None:
                 layout.use_window(window)  # what this layer's attention reads
             elif window not in masks:
-                masks[window] = _lone_mask(segments[0], q_pos_S, key_pos_W, window, staged.attn_impl,
-                                           hidden_1SD.dtype)
-            hidden_1SD = staged.layers[layer](hidden_1SD, attention_mask=masks.get(window),
-                                              position_ids=position_ids_1S, use_cache=True,
-                                              position_embeddings=position_embeddings,
-                                              **{cache_keyword(staged.layers[layer]): cache})
+                masks[window] = _lone_mask(segments[0], q_pos_S, key_pos_W, window, staged.attn_impl, hidden_1SD.dtype)
+            hidden_1SD = staged.layers[layer](
+                hidden_1SD,
+                attention_mask=masks.get(window),
+                position_ids=position_ids_1S,
+                use_cache=True,
+                position_embeddings=position_embeddings,
+                **{cache_keyword(staged.layers[layer]): cache},
+            )
             if layer + 1 in wanted:
                 collected[layer + 1] = hidden_1SD
 
     pieces = {a: hidden.split(sizes, dim=1) for a, hidden in collected.items()}
-    outputs = [StageOutput(hidden_1TD, {a: pieces[a][i] for a in seg.anchors})
-               for i, (seg, hidden_1TD) in enumerate(zip(segments, hidden_1SD.split(sizes, dim=1)))]
+    outputs = [
+        StageOutput(hidden_1TD, {a: pieces[a][i] for a in seg.anchors})
+        for i, (seg, hidden_1TD) in enumerate(zip(segments, hidden_1SD.split(sizes, dim=1)))
+    ]
     for seg, nodes in zip(segments, groups):
         seg.cache.advance(seg.size, tree=nodes is not None)
     return outputs
 
 
-def _linear_layer(layer, hidden_1SD: torch.Tensor, segments: list[Segment], groups: list, position_ids_1S: torch.Tensor,
-                  position_embeddings) -> torch.Tensor:
+def _linear_layer(
+    layer,
+    hidden_1SD: torch.Tensor,
+    segments: list[Segment],
+    groups: list,
+    position_ids_1S: torch.Tensor,
+    position_embeddings,
+) -> torch.Tensor:
     """A linear-attention layer over the packed tokens, each segment from its own request's state. The segments whose
     tokens are one-token sequences (a chain's next token, the nodes of one tree depth) run as one batch over their
     stacked states (:class:`~spd.target.linear_state.StackedStates`); a prompt chunk, a first token or a tree level
@@ -374,8 +482,9 @@ def _linear_layer(layer, hidden_1SD: torch.Tensor, segments: list[Segment], grou
     stacked, counts, rows, offset = [], [], [], 0
     for seg, nodes in zip(segments, groups):
         end = offset + seg.size
-        one_token_each = (nodes is None and seg.size == 1 and seg.cache.linear.length > 0) or \
-            (nodes is not None and len(nodes) == 1)
+        one_token_each = (nodes is None and seg.size == 1 and seg.cache.linear.length > 0) or (
+            nodes is not None and len(nodes) == 1
+        )
         if one_token_each:
             if nodes is not None:
                 seg.cache.linear.select_nodes(*nodes[0])
@@ -384,14 +493,23 @@ def _linear_layer(layer, hidden_1SD: torch.Tensor, segments: list[Segment], grou
             rows.append(torch.arange(offset, end, device=hidden_1SD.device))
         else:
             cos, sin = position_embeddings
-            out_1SD[:, offset:end] = run_linear_layer(layer, hidden_1SD[:, offset:end], seg.cache, nodes,
-                                                      position_ids_1S[:, offset:end],
-                                                      (cos[:, offset:end], sin[:, offset:end]))
+            out_1SD[:, offset:end] = run_linear_layer(
+                layer,
+                hidden_1SD[:, offset:end],
+                seg.cache,
+                nodes,
+                position_ids_1S[:, offset:end],
+                (cos[:, offset:end], sin[:, offset:end]),
+            )
         offset = end
     if stacked:
         rows_B = torch.cat(rows)
         tokens_B1D = hidden_1SD[0, rows_B, None]
-        out_1SD[0, rows_B] = layer(tokens_B1D, attention_mask=None, use_cache=True,
-                                   position_embeddings=position_embeddings,
-                                   **{cache_keyword(layer): StackedStates(stacked, counts)})[:, 0]
+        out_1SD[0, rows_B] = layer(
+            tokens_B1D,
+            attention_mask=None,
+            use_cache=True,
+            position_embeddings=position_embeddings,
+            **{cache_keyword(layer): StackedStates(stacked, counts)},
+        )[:, 0]
     return out_1SD

@@ -50,9 +50,17 @@ class StageKVCache:
     :meth:`advance` after each stage call.
     """
 
-    def __init__(self, layer_ids: list[int], kv_heads: int, head_dim: int, batch_size: int = 1,
-                 capacity: int = 256, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 linear: LinearStateRing | None = None):
+    def __init__(
+        self,
+        layer_ids: list[int],
+        kv_heads: int,
+        head_dim: int,
+        batch_size: int = 1,
+        capacity: int = 256,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        linear: LinearStateRing | None = None,
+    ):
         self.slot = {layer: i for i, layer in enumerate(layer_ids)}
         self.linear = linear  # None: no linear-attention layers in this stage
         self.length = 0  # tokens held by every layer of this stage
@@ -65,8 +73,14 @@ class StageKVCache:
         self.base: int | None = None  # the first row in a shared pool (spd.target.kv_pool); None: buffers of its own
 
     @classmethod
-    def over(cls, layer_ids: list[int], keys_LBHkCDh: torch.Tensor, values_LBHkCDh: torch.Tensor,
-             positions_C: torch.Tensor, base: int) -> "StageKVCache":
+    def over(
+        cls,
+        layer_ids: list[int],
+        keys_LBHkCDh: torch.Tensor,
+        values_LBHkCDh: torch.Tensor,
+        positions_C: torch.Tensor,
+        base: int,
+    ) -> "StageKVCache":
         """An empty cache whose buffers are the given views (rows ``base..`` of a :class:`spd.target.kv_pool.KVPool`);
         it never grows (:meth:`reserve` refuses)."""
         cache = cls.__new__(cls)
@@ -105,8 +119,8 @@ class StageKVCache:
         """Store the new keys/values of ``layer_idx`` after the committed ones; return all of them."""
         i = self.slot[layer_idx]
         end = self.length + key_BHkTDh.shape[2]
-        self.keys_LBHkCDh[i, :, :, self.length:end] = key_BHkTDh
-        self.values_LBHkCDh[i, :, :, self.length:end] = value_BHkTDh
+        self.keys_LBHkCDh[i, :, :, self.length : end] = key_BHkTDh
+        self.values_LBHkCDh[i, :, :, self.length : end] = value_BHkTDh
         return self.keys_LBHkCDh[i, :, :, :end], self.values_LBHkCDh[i, :, :, :end]
 
     def begin(self, n_tokens: int, first_node: int | None = None) -> None:
@@ -160,8 +174,9 @@ class StageKVCache:
         if not 0 <= start <= self.length:
             raise ValueError(f"keep: start {start} is outside the cache's {self.length} rows")
         if indices.numel() and not (0 <= int(indices.min()) and int(indices.max()) < held):
-            raise ValueError(f"keep: indices must lie in [0, {held}) (the rows after start {start}), "
-                             f"got {indices.tolist()}")
+            raise ValueError(
+                f"keep: indices must lie in [0, {held}) (the rows after start {start}), got {indices.tolist()}"
+            )
         end = start + indices.numel()
         if not torch.equal(indices, torch.arange(indices.numel(), device=indices.device)):  # (a prefix stays put)
             rows = (start + indices).to(self._device)
@@ -172,8 +187,10 @@ class StageKVCache:
         self.length = end
         if self.linear is not None:  # the root (row start - 1) is committed; the kept nodes' states follow their rows
             if start != self.linear.length + 1:
-                raise RuntimeError(f"keep: a stage with linear-attention layers prunes a tree whose root is row "
-                                   f"{self.linear.length}, not row {start - 1}")
+                raise RuntimeError(
+                    f"keep: a stage with linear-attention layers prunes a tree whose root is row "
+                    f"{self.linear.length}, not row {start - 1}"
+                )
             self.linear.keep(indices)
 
 
@@ -239,7 +256,6 @@ def parse_boundaries(text: str) -> list[int]:
     return values
 
 
-
 def node_groups(tree_mask_TN: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
     """The tree nodes of a stage call (the last ``T`` of the ``N`` nodes in ``tree_mask_TN``'s columns, BFS order) as
     runs ``(first, end, parents_T)`` of nodes whose parents (tree indices; ``-1`` for the root) precede the run:
@@ -258,22 +274,34 @@ def node_groups(tree_mask_TN: torch.Tensor) -> list[tuple[int, int, torch.Tensor
     return groups
 
 
-def run_linear_layer(layer: nn.Module, hidden_BTD: torch.Tensor, cache: "StageKVCache",
-                     groups: list[tuple[int, int, torch.Tensor]] | None, position_ids_BT: torch.Tensor | None,
-                     position_embeddings) -> torch.Tensor:
+def run_linear_layer(
+    layer: nn.Module,
+    hidden_BTD: torch.Tensor,
+    cache: "StageKVCache",
+    groups: list[tuple[int, int, torch.Tensor]] | None,
+    position_ids_BT: torch.Tensor | None,
+    position_embeddings,
+) -> torch.Tensor:
     """One linear-attention decoder layer on a stage call's ``T`` tokens, from and into ``cache``'s state: a chain of
     tokens (``groups`` None) as one sequence, tree nodes (:func:`node_groups`) depth by depth as a batch of one-token
     sequences, each from its parent's state. A recurrent layer takes no attention mask (there is no padding)."""
     kw = {cache_keyword(layer): cache}
     if groups is None:
-        return layer(hidden_BTD, attention_mask=None, position_ids=position_ids_BT, use_cache=True,
-                     position_embeddings=position_embeddings, **kw)
+        return layer(
+            hidden_BTD,
+            attention_mask=None,
+            position_ids=position_ids_BT,
+            use_cache=True,
+            position_embeddings=position_embeddings,
+            **kw,
+        )
     parts, offset = [], groups[0][0]
     for node_first, node_end, parents_T in groups:
         cache.linear.select_nodes(node_first, node_end, parents_T)
-        nodes_T1D = hidden_BTD[0, node_first - offset:node_end - offset, None]
-        parts.append(layer(nodes_T1D, attention_mask=None, use_cache=True, position_embeddings=position_embeddings,
-                           **kw)[:, 0])
+        nodes_T1D = hidden_BTD[0, node_first - offset : node_end - offset, None]
+        parts.append(
+            layer(nodes_T1D, attention_mask=None, use_cache=True, position_embeddings=position_embeddings, **kw)[:, 0]
+        )
     return torch.cat(parts)[None]
 
 
@@ -325,8 +353,9 @@ def _layer_windows(config, layer_types: list[str]) -> list[int | None]:
     return [window if t == "sliding_attention" else None for t in layer_types]
 
 
-def attention_mask(q_pos_T: torch.Tensor, kv_len: int, window: int | None, impl: str, dtype: torch.dtype,
-                   contiguous: bool) -> torch.Tensor | None:
+def attention_mask(
+    q_pos_T: torch.Tensor, kv_len: int, window: int | None, impl: str, dtype: torch.dtype, contiguous: bool
+) -> torch.Tensor | None:
     """The (1, 1, T, K) mask for queries at absolute positions ``q_pos_T`` over keys at positions 0..K-1.
 
     ``contiguous`` says the queries are the last T keys (positions K-T..K-1). Then, for sdpa, None is
@@ -340,8 +369,14 @@ def attention_mask(q_pos_T: torch.Tensor, kv_len: int, window: int | None, impl:
     return _backend_mask(k_pos_K[None, :] <= q_pos_T[:, None], q_pos_T, k_pos_K, window, impl, dtype)
 
 
-def tree_attention_mask(q_pos_T: torch.Tensor, key_pos_K: torch.Tensor, tree_mask_TN: torch.Tensor,
-                        window: int | None, impl: str, dtype: torch.dtype) -> torch.Tensor | None:
+def tree_attention_mask(
+    q_pos_T: torch.Tensor,
+    key_pos_K: torch.Tensor,
+    tree_mask_TN: torch.Tensor,
+    window: int | None,
+    impl: str,
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
     """The (1, 1, T, K) mask of T tree nodes: the first K - N keys (committed) visible, the last N by ``tree_mask_TN``
     (for sdpa, None for one node that sees every row without a window: a chain's node, as a chain token's call).
 
@@ -358,8 +393,14 @@ def tree_attention_mask(q_pos_T: torch.Tensor, key_pos_K: torch.Tensor, tree_mas
     return _backend_mask(allowed_TK, q_pos_T, key_pos_K, window, impl, dtype)
 
 
-def _backend_mask(allowed_TK: torch.Tensor, q_pos_T: torch.Tensor, key_pos_K: torch.Tensor, window: int | None,
-                  impl: str, dtype: torch.dtype) -> torch.Tensor:
+def _backend_mask(
+    allowed_TK: torch.Tensor,
+    q_pos_T: torch.Tensor,
+    key_pos_K: torch.Tensor,
+    window: int | None,
+    impl: str,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """Apply a sliding window by position to a (T, K) visibility mask; return it as the backend expects it
     ((1, 1, T, K): boolean for sdpa, additive for eager)."""
     if window is not None:
@@ -444,10 +485,16 @@ class StagedModel(TargetShape, nn.Module):
 
     # ------------------------------------------------------------------------------------ loading
     @classmethod
-    def from_pretrained(cls, name_or_path: str | os.PathLike, n_stages: int | None = None,
-                        boundaries: list[int] | None = None, revision: str | None = None,
-                        dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
-                        **kwargs) -> "StagedModel":
+    def from_pretrained(
+        cls,
+        name_or_path: str | os.PathLike,
+        n_stages: int | None = None,
+        boundaries: list[int] | None = None,
+        revision: str | None = None,
+        dtype: torch.dtype | str = torch.float32,
+        device: str | torch.device = "cpu",
+        **kwargs,
+    ) -> "StagedModel":
         """Load a causal LM from a local directory or a hub id (with revision) and cut it into stages."""
         model = load_causal_lm(name_or_path, revision=revision, dtype=dtype, device=device, **kwargs)
         return cls(model, n_stages=n_stages, boundaries=boundaries)
@@ -466,8 +513,10 @@ class StagedModel(TargetShape, nn.Module):
         """``stage``'s layers that keep keys and values (attention), and those that keep a recurrent state (linear
         attention, on hybrid targets)."""
         layers = self.stage_layers(stage)
-        return ([layer for layer in layers if self.layer_types[layer] != LINEAR_LAYER_TYPE],
-                [layer for layer in layers if self.layer_types[layer] == LINEAR_LAYER_TYPE])
+        return (
+            [layer for layer in layers if self.layer_types[layer] != LINEAR_LAYER_TYPE],
+            [layer for layer in layers if self.layer_types[layer] == LINEAR_LAYER_TYPE],
+        )
 
     # -------------------------------------------------------------------------------------- caches
     def new_caches(self, batch_size: int = 1, capacity: int = 256, rollback: int | None = None) -> list[StageKVCache]:
@@ -477,14 +526,29 @@ class StagedModel(TargetShape, nn.Module):
         depth = (self.n_stages if rollback is None else rollback) + 1
         return [self.new_stage_cache(s, batch_size, capacity, depth) for s in range(self.n_stages)]
 
-    def new_stage_cache(self, stage: int, batch_size: int = 1, capacity: int = 256, ring_depth: int | None = None,
-                        dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> StageKVCache:
+    def new_stage_cache(
+        self,
+        stage: int,
+        batch_size: int = 1,
+        capacity: int = 256,
+        ring_depth: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> StageKVCache:
         """An empty cache for ``stage``'s layers (the distributed runtime builds only its own, with the dtype and
         device of its layers)."""
         attention, linear = self.stage_layer_kinds(stage)
         ring = LinearStateRing(linear, ring_depth or self.n_stages + 1) if linear else None
-        return StageKVCache(attention, self.kv_heads, self.head_dim, batch_size, capacity, dtype or self.dtype,
-                            device or self.device, linear=ring)
+        return StageKVCache(
+            attention,
+            self.kv_heads,
+            self.head_dim,
+            batch_size,
+            capacity,
+            dtype or self.dtype,
+            device or self.device,
+            linear=ring,
+        )
 
     @staticmethod
     def truncate(caches: list[StageKVCache], length: int) -> None:
@@ -505,8 +569,9 @@ class StagedModel(TargetShape, nn.Module):
         for cache in caches:
             held = cache.length - committed  # tree nodes this stage has run, root included
             if held < 1:
-                raise ValueError(f"prune_tree: a stage holds {cache.length} rows, so it has not run the root at "
-                                 f"row {committed}")
+                raise ValueError(
+                    f"prune_tree: a stage holds {cache.length} rows, so it has not run the root at row {committed}"
+                )
             cache.keep(committed + 1, kept[kept < held] - 1)
         return committed + 1
 
@@ -519,9 +584,16 @@ class StagedModel(TargetShape, nn.Module):
         """(cos, sin) for the given positions; shared by every stage of one step."""
         return self.rotary_emb(hidden_BTD, position_ids=position_ids_BT)
 
-    def run_stage(self, stage: int, hidden_BTD: torch.Tensor, cache: StageKVCache,
-                  position_ids_BT: torch.Tensor | None = None, anchors: tuple[int, ...] | list[int] = (),
-                  position_embeddings=None, tree_mask_TN: torch.Tensor | None = None) -> StageOutput:
+    def run_stage(
+        self,
+        stage: int,
+        hidden_BTD: torch.Tensor,
+        cache: StageKVCache,
+        position_ids_BT: torch.Tensor | None = None,
+        anchors: tuple[int, ...] | list[int] = (),
+        position_embeddings=None,
+        tree_mask_TN: torch.Tensor | None = None,
+    ) -> StageOutput:
         """Run one stage on ``T`` new tokens appended to its cache; positions default to cache.length + i.
 
         Explicit ``position_ids_BT`` get an explicit causal mask by absolute position (key j is visible
@@ -536,11 +608,13 @@ class StagedModel(TargetShape, nn.Module):
         stage's input).
         """
         with decode_kernels(hidden_BTD.device):
-            return self._run_stage(stage, hidden_BTD, cache, position_ids_BT, anchors, position_embeddings,
-                                   tree_mask_TN)
+            return self._run_stage(
+                stage, hidden_BTD, cache, position_ids_BT, anchors, position_embeddings, tree_mask_TN
+            )
 
-    def _run_stage(self, stage, hidden_BTD, cache, position_ids_BT, anchors, position_embeddings,
-                   tree_mask_TN) -> StageOutput:
+    def _run_stage(
+        self, stage, hidden_BTD, cache, position_ids_BT, anchors, position_embeddings, tree_mask_TN
+    ) -> StageOutput:
         first, last = self.boundaries[stage], self.boundaries[stage + 1]
         t = hidden_BTD.shape[1]
         contiguous = position_ids_BT is None
@@ -554,7 +628,7 @@ class StagedModel(TargetShape, nn.Module):
         cache.reserve(cache.length + t)
         q_pos_T = position_ids_BT[0]
         kv_len = cache.length + t
-        cache.positions_C[cache.length:kv_len] = q_pos_T
+        cache.positions_C[cache.length : kv_len] = q_pos_T
         masks: dict[int | None, torch.Tensor | None] = {}
         out = StageOutput(hidden_BTD)
         if first in anchors:
@@ -566,20 +640,25 @@ class StagedModel(TargetShape, nn.Module):
         for layer in range(first, last):
             window = self.windows[layer]
             if self.layer_types[layer] == LINEAR_LAYER_TYPE:
-                hidden_BTD = run_linear_layer(self.layers[layer], hidden_BTD, cache, groups, position_ids_BT,
-                                              position_embeddings)
+                hidden_BTD = run_linear_layer(
+                    self.layers[layer], hidden_BTD, cache, groups, position_ids_BT, position_embeddings
+                )
                 if layer + 1 in anchors:
                     out.anchors[layer + 1] = hidden_BTD
                 continue
             if window not in masks and tree_mask_TN is not None:
-                masks[window] = tree_attention_mask(q_pos_T, cache.positions_C[:kv_len], tree_mask_TN, window,
-                                                    self.attn_impl, hidden_BTD.dtype)
+                masks[window] = tree_attention_mask(
+                    q_pos_T, cache.positions_C[:kv_len], tree_mask_TN, window, self.attn_impl, hidden_BTD.dtype
+                )
             elif window not in masks:
-                masks[window] = attention_mask(q_pos_T, kv_len, window, self.attn_impl, hidden_BTD.dtype,
-                                               contiguous)
+                masks[window] = attention_mask(q_pos_T, kv_len, window, self.attn_impl, hidden_BTD.dtype, contiguous)
             hidden_BTD = self.layers[layer](
-                hidden_BTD, attention_mask=masks[window], position_ids=position_ids_BT, use_cache=True,
-                position_embeddings=position_embeddings, **{cache_keyword(self.layers[layer]): cache},
+                hidden_BTD,
+                attention_mask=masks[window],
+                position_ids=position_ids_BT,
+                use_cache=True,
+                position_embeddings=position_embeddings,
+                **{cache_keyword(self.layers[layer]): cache},
             )
             if layer + 1 in anchors:
                 out.anchors[layer + 1] = hidden_BTD
@@ -592,14 +671,19 @@ class StagedModel(TargetShape, nn.Module):
         if contiguous:
             raise SpdInputError("run_stage: a tree mask needs explicit position_ids_BT (committed length + depth)")
         if tree_mask_TN.dtype != torch.bool or tree_mask_TN.dim() != 2:
-            raise SpdInputError(f"run_stage: tree_mask_TN must be a 2-D bool tensor, got {tree_mask_TN.dtype} "
-                                f"of shape {tuple(tree_mask_TN.shape)}")
+            raise SpdInputError(
+                f"run_stage: tree_mask_TN must be a 2-D bool tensor, got {tree_mask_TN.dtype} "
+                f"of shape {tuple(tree_mask_TN.shape)}"
+            )
         if tree_mask_TN.shape[0] != t or not t <= tree_mask_TN.shape[1] <= kv_len:
-            raise SpdInputError(f"run_stage: tree_mask_TN must have shape (T, N) with T = {t} new nodes and "
-                                f"{t} <= N <= {kv_len} (the keys after appending), got {tuple(tree_mask_TN.shape)}")
+            raise SpdInputError(
+                f"run_stage: tree_mask_TN must have shape (T, N) with T = {t} new nodes and "
+                f"{t} <= N <= {kv_len} (the keys after appending), got {tuple(tree_mask_TN.shape)}"
+            )
 
-    def forward_stages(self, input_ids_BT: torch.Tensor, caches: list[StageKVCache],
-                       anchors: tuple[int, ...] | list[int] = ()) -> StageOutput:
+    def forward_stages(
+        self, input_ids_BT: torch.Tensor, caches: list[StageKVCache], anchors: tuple[int, ...] | list[int] = ()
+    ) -> StageOutput:
         """Run new tokens through every stage in turn (prefill, or one AR step); returns H^L and anchors."""
         hidden_BTD = self.embed(input_ids_BT)
         start = caches[0].length
@@ -616,7 +700,9 @@ class StagedModel(TargetShape, nn.Module):
             hidden_BTD = out.hidden_BTD
         return StageOutput(hidden_BTD, collected)
 
-    def hidden_states(self, input_ids_BN: torch.Tensor, anchors: tuple[int, ...] | list[int]) -> dict[int, torch.Tensor]:
+    def hidden_states(
+        self, input_ids_BN: torch.Tensor, anchors: tuple[int, ...] | list[int]
+    ) -> dict[int, torch.Tensor]:
         """A cache-free causal forward of whole (right-padded) sequences returning ``{l: H^l}`` for ``anchors``.
 
         This is the teacher pass of training: one forward captures every anchor the head needs plus H^L.
@@ -631,15 +717,17 @@ class StagedModel(TargetShape, nn.Module):
             window = self.windows[layer]
             if self.layer_types[layer] == LINEAR_LAYER_TYPE:
                 # Right padding never reaches earlier positions of a causal recurrence: no mask needed.
-                hidden_BND = self.layers[layer](hidden_BND, attention_mask=None, position_ids=position_ids_BN,
-                                                position_embeddings=rope)
+                hidden_BND = self.layers[layer](
+                    hidden_BND, attention_mask=None, position_ids=position_ids_BN, position_embeddings=rope
+                )
                 if layer + 1 in anchors:
                     out[layer + 1] = hidden_BND
                 continue
             if window not in masks:
                 masks[window] = attention_mask(position_ids_BN[0], n, window, self.attn_impl, hidden_BND.dtype, True)
-            hidden_BND = self.layers[layer](hidden_BND, attention_mask=masks[window], position_ids=position_ids_BN,
-                                            position_embeddings=rope)
+            hidden_BND = self.layers[layer](
+                hidden_BND, attention_mask=masks[window], position_ids=position_ids_BN, position_embeddings=rope
+            )
             if layer + 1 in anchors:
                 out[layer + 1] = hidden_BND
         return out
@@ -662,8 +750,13 @@ class StagedModel(TargetShape, nn.Module):
         return (self.norm(ones_1D)[0].double() * (1.0 + eps) ** 0.5).to(self.dtype)  # rms(ones) = 1, up to eps
 
 
-def load_causal_lm(name_or_path: str | os.PathLike, revision: str | None = None,
-                   dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu", **kwargs):
+def load_causal_lm(
+    name_or_path: str | os.PathLike,
+    revision: str | None = None,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    **kwargs,
+):
     """``AutoModelForCausalLM.from_pretrained`` with a clear error for a wrong path or hub id."""
     from transformers import AutoModelForCausalLM
 
@@ -671,8 +764,9 @@ def load_causal_lm(name_or_path: str | os.PathLike, revision: str | None = None,
     check_model_source(source, "model")
     device = check_device(device)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, revision=revision, dtype=dtype,
-                                                     attn_implementation="sdpa", **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, revision=revision, dtype=dtype, attn_implementation="sdpa", **kwargs
+        )
     except (OSError, ValueError, KeyError) as exc:
         raise SpdInputError(f"could not load a causal LM from '{source}': {first_line(exc)}") from exc
     return model.to(device).eval()
@@ -687,15 +781,19 @@ def check_device(device: str | torch.device) -> torch.device:
         raise SpdInputError(f"device '{device}' is not a torch device; expected cpu, cuda or cuda:N") from None
     if device.type == "cuda":
         if torch.version.cuda is None:
-            raise SpdInputError(f"device '{device}' needs a CUDA GPU, but this torch ({torch.__version__}) is a build "
-                                "without CUDA; use --device cpu, or install torch's CUDA build on a GPU machine")
+            raise SpdInputError(
+                f"device '{device}' needs a CUDA GPU, but this torch ({torch.__version__}) is a build "
+                "without CUDA; use --device cpu, or install torch's CUDA build on a GPU machine"
+            )
         count = torch.cuda.device_count()
         if count == 0:
-            raise SpdInputError(f"device '{device}' needs a CUDA GPU, but torch sees none on this machine; use "
-                                "--device cpu")
+            raise SpdInputError(
+                f"device '{device}' needs a CUDA GPU, but torch sees none on this machine; use --device cpu"
+            )
         if device.index is not None and device.index >= count:
-            raise SpdInputError(f"device '{device}' does not exist: torch sees {count} CUDA GPU(s), cuda:0 to "
-                                f"cuda:{count - 1}")
+            raise SpdInputError(
+                f"device '{device}' does not exist: torch sees {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}"
+            )
     return device
 
 
@@ -711,8 +809,14 @@ def load_tokenizer(name_or_path: str | os.PathLike, revision: str | None = None)
         raise SpdInputError(f"could not load a tokenizer from '{source}' ({first_line(exc)})") from None
 
 
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model")
+TOKENIZER_FILES = (
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
 
 
 def has_tokenizer_files(source: str, revision: str | None = None) -> bool:
@@ -730,8 +834,16 @@ def has_tokenizer_files(source: str, revision: str | None = None) -> bool:
         return any((path / name).is_file() for name in TOKENIZER_FILES)
     for name in ("config.json", *TOKENIZER_FILES):
         try:
-            found = cached_file(str(source), name, revision=revision, _raise_exceptions_for_missing_entries=False,
-                                _raise_exceptions_for_connection_errors=False) is not None
+            found = (
+                cached_file(
+                    str(source),
+                    name,
+                    revision=revision,
+                    _raise_exceptions_for_missing_entries=False,
+                    _raise_exceptions_for_connection_errors=False,
+                )
+                is not None
+            )
         except OSError:
             return True  # cannot tell (no such repo, a gated one): let the loaders report why
         if name == "config.json" and not found:

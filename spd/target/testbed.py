@@ -41,8 +41,15 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import SpdInputError
-from ..files import (atomic_file, rename_dir, replace_file, temp_dir_beside, temp_pattern, write_json_atomic,
-                     write_text_atomic)
+from ..files import (
+    atomic_file,
+    rename_dir,
+    replace_file,
+    temp_dir_beside,
+    temp_pattern,
+    write_json_atomic,
+    write_text_atomic,
+)
 from ..paths import default_testbed_dir
 
 # Directories under the standard library that are not part of its own source code.
@@ -90,10 +97,12 @@ class TestbedConfig:
     # The target: 8 layers so that 1, 2, 4 and 8 stages divide it. Calibrated on a 2-core CPU (MEASURED.md):
     # smaller-and-longer beats wider-and-shorter within a 20-minute budget.
     # Step counts: what a 15- and a 4-minute budget gave on the idle reference machine (docs/testbed.md).
-    target: ModelSpec = field(default_factory=lambda: ModelSpec(layers=8, hidden=128, heads=4, kv_heads=4,
-                                                                ffn=384, steps=1023))
-    draft: ModelSpec = field(default_factory=lambda: ModelSpec(layers=2, hidden=96, heads=4, kv_heads=4,
-                                                               ffn=256, steps=810))
+    target: ModelSpec = field(
+        default_factory=lambda: ModelSpec(layers=8, hidden=128, heads=4, kv_heads=4, ffn=384, steps=1023)
+    )
+    draft: ModelSpec = field(
+        default_factory=lambda: ModelSpec(layers=2, hidden=96, heads=4, kv_heads=4, ffn=256, steps=810)
+    )
 
 
 # ---------------------------------------------------------------------------------------------- corpus
@@ -138,12 +147,18 @@ def build_corpus(out_dir: Path, cfg: TestbedConfig) -> dict:
             raise RuntimeError(
                 f"the corpus split is empty ({counts}); use more files (max_files) or another val_fraction"
             )
-    return {"source": str(root), "python": platform.python_version(), "files": counts, "chars": chars,
-            "sha256": digest.hexdigest()}
+    return {
+        "source": str(root),
+        "python": platform.python_version(),
+        "files": counts,
+        "chars": chars,
+        "sha256": digest.hexdigest(),
+    }
 
 
-def _write_corpus(files: list[Path], root: Path, cfg: TestbedConfig, out: dict[str, IO], counts: dict,
-                  chars: dict, digest) -> None:
+def _write_corpus(
+    files: list[Path], root: Path, cfg: TestbedConfig, out: dict[str, IO], counts: dict, chars: dict, digest
+) -> None:
     """One JSON row per readable, non-empty file, into the (temporary) file of its split."""
     for path in tqdm(files, desc="corpus", unit="file"):
         rel = path.relative_to(root).as_posix()
@@ -165,8 +180,10 @@ def make_prompts(corpus_dir: Path, count: int, seed: int, max_chars: int = 400) 
     from ..data.regenerate import text_prefixes
 
     rows = [json.loads(line) for line in open(corpus_dir / "validation.jsonl")]
-    return [{"prompt": p["text"], "path": rows[p["doc"]]["path"], "line": p["line"]}
-            for p in text_prefixes([row["text"] for row in rows], count, seed, max_chars)]
+    return [
+        {"prompt": p["text"], "path": rows[p["doc"]]["path"], "line": p["line"]}
+        for p in text_prefixes([row["text"] for row in rows], count, seed, max_chars)
+    ]
 
 
 def _read_texts(path: Path) -> list[str]:
@@ -195,12 +212,17 @@ def train_tokenizer(corpus_dir: Path, out_dir: Path, vocab_size: int, model_max_
     tok.train_from_iterator(tqdm(texts, desc="tokenizer", unit="file"), trainer=trainer, length=len(texts))
     bos_id = tok.token_to_id(BOS)
     # Every encoded text starts with BOS, as every training document does.
-    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
-                                                      special_tokens=[(BOS, bos_id)])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
     hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
         additional_special_tokens=[f"<|{r}|>" for r in CHAT_ROLES],
-        chat_template=CHAT_TEMPLATE, model_max_length=model_max_length,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=model_max_length,
     )
     _install_dir(out_dir, hf_tok.save_pretrained, {"key": key})
     return hf_tok
@@ -212,7 +234,7 @@ def tokenize_split(corpus_dir: Path, split: str, tokenizer) -> np.ndarray:
     ids: list[int] = []
     eos = tokenizer.eos_token_id
     for start in tqdm(range(0, len(texts), 64), desc=f"tokenize {split}", unit="batch"):
-        for row in tokenizer(texts[start:start + 64], verbose=False)["input_ids"]:
+        for row in tokenizer(texts[start : start + 64], verbose=False)["input_ids"]:
             ids.extend(row)
             ids.append(eos)
     return np.asarray(ids, dtype=np.uint16)
@@ -226,11 +248,20 @@ def make_llama(spec: ModelSpec, tokenizer, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=spec.hidden, intermediate_size=spec.ffn,
-        num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-        max_position_embeddings=4 * spec.seq_len, rms_norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, attn_implementation="sdpa",
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden,
+        intermediate_size=spec.ffn,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=4 * spec.seq_len,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        attn_implementation="sdpa",
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
@@ -261,8 +292,9 @@ def evaluate_loss(model, tokens: np.ndarray, seq_len: int, max_tokens: int, batc
     return total / count
 
 
-def train_model(name: str, spec: ModelSpec, tokenizer, train_tokens: np.ndarray, seed: int,
-                progress: bool = True) -> tuple[object, dict]:
+def train_model(
+    name: str, spec: ModelSpec, tokenizer, train_tokens: np.ndarray, seed: int, progress: bool = True
+) -> tuple[object, dict]:
     """Train a model from scratch on random windows of the train stream; returns (model, training record)."""
     if spec.steps is None and not (spec.minutes and spec.minutes > 0):
         raise ValueError(f"the {name} needs a step count or a positive time budget")
@@ -271,8 +303,12 @@ def train_model(name: str, spec: ModelSpec, tokenizer, train_tokens: np.ndarray,
     params = [p for p in model.parameters()]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=spec.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=spec.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     data = torch.from_numpy(train_tokens.astype(np.int64))
     if len(data) <= spec.seq_len + 1:
         raise RuntimeError(f"the train split has {len(data)} tokens, fewer than one window of {spec.seq_len}")
@@ -434,21 +470,27 @@ def check_outputs(out: Path, force: bool = False) -> None:
     """Refuse (one sentence) to build where the builder would write over paths it did not write."""
     if out.exists() and not out.is_dir():
         raise SpdInputError(f"the testbed output '{out}' is a file; expected a directory")
-    paths = [(out / name, "dir") for name in COMPONENT_DIRS] + [(out / "prompts.jsonl", "file"),
-                                                              (out / "testbed.json", "file")]
+    paths = [(out / name, "dir") for name in COMPONENT_DIRS] + [
+        (out / "prompts.jsonl", "file"),
+        (out / "testbed.json", "file"),
+    ]
     owned = {path: _owned(path, kind) for path, kind in paths}
-    clash = [f"{p.name} ({'not a directory' if kind == 'dir' else 'not a file'})" for p, kind in paths
-             if owned[p] is None]
+    clash = [
+        f"{p.name} ({'not a directory' if kind == 'dir' else 'not a file'})" for p, kind in paths if owned[p] is None
+    ]
     if clash:
         raise SpdInputError(f"'{out}' has {', '.join(clash)} where the testbed writes its own; pass another --out")
     foreign = [f"{p.name}/" if kind == "dir" else p.name for p, kind in paths if owned[p] is False]
     if foreign and not force:
-        raise SpdInputError(f"'{out}' already holds {', '.join(foreign)}, which the testbed builder did not write; "
-                            "pass another --out, or --force to write the testbed's files beside their contents")
+        raise SpdInputError(
+            f"'{out}' already holds {', '.join(foreign)}, which the testbed builder did not write; "
+            "pass another --out, or --force to write the testbed's files beside their contents"
+        )
 
 
-def build_testbed(out: str | os.PathLike | None = None, cfg: TestbedConfig | None = None,
-                  progress: bool = True, force: bool = False) -> dict:
+def build_testbed(
+    out: str | os.PathLike | None = None, cfg: TestbedConfig | None = None, progress: bool = True, force: bool = False
+) -> dict:
     """Build (or reuse) the testbed under ``out`` and return the contents of ``testbed.json``. It trains on every
     core (``OMP_NUM_THREADS`` when it is a positive count) and gives the caller its own thread count back."""
     threads, asked = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS", "").strip()
@@ -470,8 +512,13 @@ def _build(out, cfg: TestbedConfig | None, progress: bool, force: bool) -> dict:
     settings = dataclasses.asdict(cfg)
     existing = _read_json(out / "testbed.json")
     # Each component complete: a build killed while it put a directory in place left that marker's key null.
-    done = all(isinstance(m := _read_json(out / name / marker), dict) and m.get("key")
-               for name, marker in COMPONENT_DIRS.items()) and (out / "prompts.jsonl").is_file()
+    done = (
+        all(
+            isinstance(m := _read_json(out / name / marker), dict) and m.get("key")
+            for name, marker in COMPONENT_DIRS.items()
+        )
+        and (out / "prompts.jsonl").is_file()
+    )
     if existing and existing.get("settings") == settings and done:
         return existing
 
@@ -488,8 +535,9 @@ def _build(out, cfg: TestbedConfig | None, progress: bool, force: bool) -> dict:
         _remove_streams(corpus_dir)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     streams = _token_streams(corpus_dir, tok_key, tokenizer)
-    models = {name: _model(out / name, name, cfg, tok_key, tokenizer, streams, progress)
-              for name in ("target", "draft")}
+    models = {
+        name: _model(out / name, name, cfg, tok_key, tokenizer, streams, progress) for name in ("target", "draft")
+    }
 
     prompts = make_prompts(corpus_dir, 100, cfg.seed)
     write_text_atomic(out / "prompts.jsonl", "".join(json.dumps(p) + "\n" for p in prompts))
@@ -535,8 +583,9 @@ def _token_streams(corpus_dir: Path, tok_key: str, tokenizer) -> dict[str, np.nd
     return streams
 
 
-def _model(model_dir: Path, name: str, cfg: TestbedConfig, tok_key: str, tokenizer, streams: dict,
-           progress: bool) -> dict:
+def _model(
+    model_dir: Path, name: str, cfg: TestbedConfig, tok_key: str, tokenizer, streams: dict, progress: bool
+) -> dict:
     """The record of the target or the draft (``name``) in ``testbed.json``, the model trained, evaluated and saved
     first unless ``model_dir`` holds it for these settings."""
     spec: ModelSpec = getattr(cfg, name)

@@ -58,10 +58,12 @@ def make_accelerator(max_grad_norm: float | None = None, **kwargs):
         plugin.deepspeed_config["gradient_clipping"] = float(max_grad_norm)
     world = int(os.environ.get("WORLD_SIZE") or 1)
     if world != accelerator.num_processes:
-        raise SpdInputError(f"the launcher started {world} processes, but accelerate sees {accelerator.num_processes} "
-                            f"(distributed type {accelerator.distributed_type.value}): each would train alone and "
-                            "overwrite the others' files; launch with a config this machine supports "
-                            "(docs/training.md, 'Multi-process back-ends')")
+        raise SpdInputError(
+            f"the launcher started {world} processes, but accelerate sees {accelerator.num_processes} "
+            f"(distributed type {accelerator.distributed_type.value}): each would train alone and "
+            "overwrite the others' files; launch with a config this machine supports "
+            "(docs/training.md, 'Multi-process back-ends')"
+        )
     return accelerator
 
 

@@ -131,8 +131,16 @@ def _batches(lengths: list[int], start: int, end: int, batch_tokens: int):
 
 
 @torch.no_grad()
-def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettings, pad_id: int = 0,
-            source: dict | None = None, tokens: list[str] | None = None, report=print) -> dict:
+def capture(
+    staged,
+    dataset,
+    out_dir: str | os.PathLike,
+    settings: CaptureSettings,
+    pad_id: int = 0,
+    source: dict | None = None,
+    tokens: list[str] | None = None,
+    report=print,
+) -> dict:
     """Run ``staged`` over ``dataset`` (prepared rows) and write the capture to ``out_dir``; resumes."""
     from safetensors.torch import save_file
 
@@ -144,14 +152,19 @@ def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettin
     shards = plan_shards(lengths, settings.shard_tokens)
     states = stored_states(settings, num_layers)
     total_tokens = sum(lengths)
-    need = total_tokens * bytes_per_token(settings, hidden_size, num_layers) + staged.vocab_size * hidden_size * dtype.itemsize
+    need = (
+        total_tokens * bytes_per_token(settings, hidden_size, num_layers)
+        + staged.vocab_size * hidden_size * dtype.itemsize
+    )
 
     manifest_path = out / MANIFEST
     if manifest_path.is_file():
         manifest = _load_manifest(out, out)
         if manifest.get("settings") != asdict(settings):
-            raise SpdInputError(f"'{out}' holds a capture made with other settings ({_diff(manifest['settings'], asdict(settings))}); "
-                                "pass another output directory or delete it")
+            raise SpdInputError(
+                f"'{out}' holds a capture made with other settings ({_diff(manifest['settings'], asdict(settings))}); "
+                "pass another output directory or delete it"
+            )
         if manifest["complete"]:
             report(f"[capture] {out} is complete: {manifest['rows']} rows, {manifest['tokens']} tokens")
             return manifest
@@ -159,34 +172,54 @@ def capture(staged, dataset, out_dir: str | os.PathLike, settings: CaptureSettin
         _remove_leftovers(out)
         # What the remaining shards take must fit too (the disk may have filled since the capture began).
         done = sum(s.get("tokens", 0) for s in manifest["shards"] if isinstance(s, dict))
-        _check_free(out, max(0, total_tokens - done) * bytes_per_token(settings, hidden_size, num_layers),
-                    "the rest of the capture")
+        _check_free(
+            out,
+            max(0, total_tokens - done) * bytes_per_token(settings, hidden_size, num_layers),
+            "the rest of the capture",
+        )
     else:
         out.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(out)
         free = shutil.disk_usage(out).free
-        report(f"[capture] {len(lengths)} rows, {total_tokens} tokens, {len(shards)} shards, states {states} in "
-               f"{settings.dtype}, teacher {settings.teacher}: needs {need / 2**30:.2f} GiB on disk "
-               f"({free / 2**30:.1f} GiB free)")
+        report(
+            f"[capture] {len(lengths)} rows, {total_tokens} tokens, {len(shards)} shards, states {states} in "
+            f"{settings.dtype}, teacher {settings.teacher}: needs {need / 2**30:.2f} GiB on disk "
+            f"({free / 2**30:.1f} GiB free)"
+        )
         _check_free(out, need, "the capture")
-        teacher = {"norm_scale": staged.norm_scale().to(dtype).contiguous(),
-                   "lm_head": staged.lm_head.weight.detach().to(dtype).contiguous()}
+        teacher = {
+            "norm_scale": staged.norm_scale().to(dtype).contiguous(),
+            "lm_head": staged.lm_head.weight.detach().to(dtype).contiguous(),
+        }
         with atomic_path(out / TEACHER_FILE) as tmp:
             save_file(teacher, str(tmp))
         if tokens is not None:
             write_json_atomic(out / TOKENS_FILE, tokens)
         config = staged.config.to_dict()
-        manifest = {"format": FORMAT, "settings": asdict(settings), "target_config": config,
-                    "num_layers": num_layers, "hidden_size": hidden_size, "vocab_size": staged.vocab_size,
-                    "norm_eps": staged.norm_eps, "pad_id": pad_id, "states": states, "source": source or {},
-                    "rows": len(lengths), "tokens": total_tokens, "bytes": need,
-                    "shards": [], "complete": False}
+        manifest = {
+            "format": FORMAT,
+            "settings": asdict(settings),
+            "target_config": config,
+            "num_layers": num_layers,
+            "hidden_size": hidden_size,
+            "vocab_size": staged.vocab_size,
+            "norm_eps": staged.norm_eps,
+            "pad_id": pad_id,
+            "states": states,
+            "source": source or {},
+            "rows": len(lengths),
+            "tokens": total_tokens,
+            "bytes": need,
+            "shards": [],
+            "complete": False,
+        }
         write_json_atomic(manifest_path, manifest)
 
     for index in range(len(manifest["shards"]), len(shards)):
         start, end = shards[index]
-        shard = _shard_tensors(staged, dataset.select(range(start, end)), lengths, start, end, settings, states,
-                               pad_id, dtype)
+        shard = _shard_tensors(
+            staged, dataset.select(range(start, end)), lengths, start, end, settings, states, pad_id, dtype
+        )
         name = f"shard-{index:05d}.safetensors"
         with atomic_path(out / name) as tmp:  # a shard exists only once it is whole
             save_file(shard, str(tmp))
@@ -203,25 +236,36 @@ def _check_settings(settings: CaptureSettings, num_layers: int, vocab_size: int)
     """Refuse (one sentence) anchors, a teacher or a k the target cannot give."""
     bad = [a for a in settings.anchors if not 0 <= a <= num_layers]
     if bad:
-        raise SpdInputError(f"anchors {bad} are not hidden-state indices of a {num_layers}-layer target (0..{num_layers})")
+        raise SpdInputError(
+            f"anchors {bad} are not hidden-state indices of a {num_layers}-layer target (0..{num_layers})"
+        )
     if settings.teacher not in TEACHERS:
         raise SpdInputError(f"teacher must be one of {', '.join(TEACHERS)}, got '{settings.teacher}'")
     if settings.teacher == "topk" and not 1 <= settings.topk < vocab_size:
         raise SpdInputError(f"topk must be in 1..{vocab_size - 1} for the top-k teacher, got {settings.topk}")
 
 
-def _shard_tensors(staged, part, lengths: list[int], start: int, end: int, settings: CaptureSettings,
-                   states: list[int], pad_id: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _shard_tensors(
+    staged,
+    part,
+    lengths: list[int],
+    start: int,
+    end: int,
+    settings: CaptureSettings,
+    states: list[int],
+    pad_id: int,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
     """The tensors of the shard of rows ``[start, end)`` (``part``, those rows of the dataset): the target run over
     them in batches that never cross the shard, its states (and top-k teacher) concatenated row after row."""
     ids_all, mask_all = part["input_ids"], part["loss_mask"]  # one shard's rows in Python at a time
     tensors: dict[str, list[torch.Tensor]] = {}
     for lo, hi in _batches(lengths, start, end, settings.batch_tokens):
-        rows = ids_all[lo - start:hi - start]
+        rows = ids_all[lo - start : hi - start]
         width = max(lengths[lo:hi])
         ids_BN = torch.full((hi - lo, width), pad_id, dtype=torch.long)
         for b, row in enumerate(rows):
-            ids_BN[b, :len(row)] = torch.tensor(row)
+            ids_BN[b, : len(row)] = torch.tensor(row)
         hidden = staged.hidden_states(ids_BN.to(staged.device), states)
         if settings.teacher == "topk":
             logp_BNV = torch.log_softmax(staged.logits(hidden[staged.num_layers]).float(), dim=-1)
@@ -257,8 +301,10 @@ def _check_free(out: Path, need: int, what: str) -> None:
     if need > free:
         # MiB below 1 GiB: "0.00 GiB" would not say how far off it is.
         size = (lambda b: f"{b / 2**30:.2f} GiB") if need >= 2**30 else (lambda b: f"{b / 2**20:.1f} MiB")
-        raise SpdInputError(f"{what} needs {size(need)} but only {size(free)} are free under '{out}'; free some space, "
-                            "or capture fewer rows (--max-tokens) or fewer anchors")
+        raise SpdInputError(
+            f"{what} needs {size(need)} but only {size(free)} are free under '{out}'; free some space, "
+            "or capture fewer rows (--max-tokens) or fewer anchors"
+        )
 
 
 def _diff(old: dict, new: dict) -> str:
@@ -267,9 +313,21 @@ def _diff(old: dict, new: dict) -> str:
 
 _SHARD_NAME = re.compile(r"shard-\d{5}\.safetensors")
 # Manifest keys and their JSON types (what the trainer reads); a manifest lacking one, or of another type, is corrupt.
-_MANIFEST_KEYS = {"format": int, "settings": dict, "target_config": dict, "num_layers": int, "hidden_size": int,
-                  "vocab_size": int, "norm_eps": (int, float), "pad_id": int, "states": list, "rows": int,
-                  "tokens": int, "shards": list, "complete": bool}
+_MANIFEST_KEYS = {
+    "format": int,
+    "settings": dict,
+    "target_config": dict,
+    "num_layers": int,
+    "hidden_size": int,
+    "vocab_size": int,
+    "norm_eps": (int, float),
+    "pad_id": int,
+    "states": list,
+    "rows": int,
+    "tokens": int,
+    "shards": list,
+    "complete": bool,
+}
 
 
 def _load_manifest(root: Path, path) -> dict:
@@ -277,22 +335,37 @@ def _load_manifest(root: Path, path) -> dict:
     try:
         manifest = json.loads((root / MANIFEST).read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise SpdInputError(f"the capture '{path}' has an unreadable {MANIFEST} ({first_line(exc)}); capture it "
-                            "again with data/capture.py") from None
+        raise SpdInputError(
+            f"the capture '{path}' has an unreadable {MANIFEST} ({first_line(exc)}); capture it "
+            "again with data/capture.py"
+        ) from None
     if not isinstance(manifest, dict):
-        raise SpdInputError(f"the capture '{path}' has a corrupt {MANIFEST} (not a JSON object); capture it again "
-                            "with data/capture.py")
-    bad = [k for k, kind in _MANIFEST_KEYS.items()
-           if not isinstance(manifest.get(k), kind) or (kind is int and isinstance(manifest[k], bool))]
+        raise SpdInputError(
+            f"the capture '{path}' has a corrupt {MANIFEST} (not a JSON object); capture it again with data/capture.py"
+        )
+    bad = [
+        k
+        for k, kind in _MANIFEST_KEYS.items()
+        if not isinstance(manifest.get(k), kind) or (kind is int and isinstance(manifest[k], bool))
+    ]
     if not bad:
-        bad = [f"shards[{i}]" for i, s in enumerate(manifest["shards"])
-               if not (isinstance(s, dict) and isinstance(s.get("file"), str) and _SHARD_NAME.fullmatch(s["file"])
-                       and all(isinstance(s.get(k), int) and s[k] >= 0 for k in ("rows", "tokens")))]
+        bad = [
+            f"shards[{i}]"
+            for i, s in enumerate(manifest["shards"])
+            if not (
+                isinstance(s, dict)
+                and isinstance(s.get("file"), str)
+                and _SHARD_NAME.fullmatch(s["file"])
+                and all(isinstance(s.get(k), int) and s[k] >= 0 for k in ("rows", "tokens"))
+            )
+        ]
         bad += ["states"] if not all(isinstance(a, int) and not isinstance(a, bool) for a in manifest["states"]) else []
         bad += [f"settings.{k}" for k in ("teacher", "dtype") if not isinstance(manifest["settings"].get(k), str)]
     if bad:
-        raise SpdInputError(f"the capture '{path}' has a corrupt {MANIFEST} (missing or malformed: "
-                            f"{', '.join(bad[:4])}); capture it again with data/capture.py")
+        raise SpdInputError(
+            f"the capture '{path}' has a corrupt {MANIFEST} (missing or malformed: "
+            f"{', '.join(bad[:4])}); capture it again with data/capture.py"
+        )
     return manifest
 
 
@@ -305,11 +378,15 @@ def read_manifest(path: str | os.PathLike) -> dict:
     if manifest.get("format") != FORMAT:
         raise SpdInputError(f"the capture '{path}' has format {manifest.get('format')}; this version reads {FORMAT}")
     if not manifest["complete"]:
-        raise SpdInputError(f"the capture '{path}' is incomplete ({len(manifest['shards'])} shards); run "
-                            "data/capture.py again with the same arguments to finish it")
+        raise SpdInputError(
+            f"the capture '{path}' is incomplete ({len(manifest['shards'])} shards); run "
+            "data/capture.py again with the same arguments to finish it"
+        )
     if sum(s["rows"] for s in manifest["shards"]) != manifest["rows"]:
-        raise SpdInputError(f"the capture '{path}' has a corrupt {MANIFEST} (its shards hold "
-                            f"{sum(s['rows'] for s in manifest['shards'])} rows, it says {manifest['rows']})")
+        raise SpdInputError(
+            f"the capture '{path}' has a corrupt {MANIFEST} (its shards hold "
+            f"{sum(s['rows'] for s in manifest['shards'])} rows, it says {manifest['rows']})"
+        )
     return manifest
 
 
@@ -331,17 +408,29 @@ def check_shards(root: Path, manifest: dict, path) -> None:
                 shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
                 offsets = handle.get_tensor("offsets") if shapes.get("offsets") == (shard["rows"] + 1,) else None
         except Exception as exc:  # safetensors raises its own error classes for a damaged file
-            raise SpdInputError(f"the capture '{path}' has an unreadable shard {shard['file']} "
-                                f"({first_line(exc)}); capture it again with data/capture.py") from None
-        want = {"input_ids": (tokens,), "loss_mask": (tokens,), "offsets": (shard["rows"] + 1,),
-                **{f"hidden.{a}": (tokens, hidden) for a in manifest["states"]}}
+            raise SpdInputError(
+                f"the capture '{path}' has an unreadable shard {shard['file']} "
+                f"({first_line(exc)}); capture it again with data/capture.py"
+            ) from None
+        want = {
+            "input_ids": (tokens,),
+            "loss_mask": (tokens,),
+            "offsets": (shard["rows"] + 1,),
+            **{f"hidden.{a}": (tokens, hidden) for a in manifest["states"]},
+        }
         wrong = sorted(k for k in names if k not in shapes or (k in want and shapes[k] != want[k]))
-        if not wrong and (offsets is None or int(offsets[0]) != 0 or int(offsets[-1]) != tokens
-                          or bool((offsets[1:] < offsets[:-1]).any())):
+        if not wrong and (
+            offsets is None
+            or int(offsets[0]) != 0
+            or int(offsets[-1]) != tokens
+            or bool((offsets[1:] < offsets[:-1]).any())
+        ):
             wrong = ["offsets"]
         if wrong:
-            raise SpdInputError(f"the capture '{path}' has a damaged shard {shard['file']} (bad or missing: "
-                                f"{', '.join(wrong[:4])}); capture it again with data/capture.py")
+            raise SpdInputError(
+                f"the capture '{path}' has a damaged shard {shard['file']} (bad or missing: "
+                f"{', '.join(wrong[:4])}); capture it again with data/capture.py"
+            )
 
 
 class CapturedDataset(torch.utils.data.Dataset):
@@ -382,9 +471,11 @@ class CapturedDataset(torch.utils.data.Dataset):
         local = i - (self._ends[index - 1] if index else 0)
         handle, offsets = self._shard(index)
         lo, hi = offsets[local], offsets[local + 1]
-        row = {"input_ids": handle.get_slice("input_ids")[lo:hi].long(),
-               "loss_mask": handle.get_slice("loss_mask")[lo:hi].bool(),
-               "hidden": {a: handle.get_slice(f"hidden.{a}")[lo:hi] for a in self.states}}
+        row = {
+            "input_ids": handle.get_slice("input_ids")[lo:hi].long(),
+            "loss_mask": handle.get_slice("loss_mask")[lo:hi].bool(),
+            "hidden": {a: handle.get_slice(f"hidden.{a}")[lo:hi] for a in self.states},
+        }
         if self.teacher == "topk":
             row["topk_ids"] = handle.get_slice("topk_ids")[lo:hi].long()
             row["topk_logprobs"] = handle.get_slice("topk_logprobs")[lo:hi]
@@ -419,8 +510,13 @@ class CapturedTarget(TargetShape, nn.Module):
     teacher logits), without the target's layers.
     """
 
-    def __init__(self, path: str | os.PathLike, n_stages: int | None = None, boundaries: list[int] | None = None,
-                 device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        n_stages: int | None = None,
+        boundaries: list[int] | None = None,
+        device: str | torch.device = "cpu",
+    ):
         super().__init__()
         from safetensors.torch import load_file
         from transformers import AutoConfig
@@ -438,12 +534,15 @@ class CapturedTarget(TargetShape, nn.Module):
             if set(weights) != {"lm_head", "norm_scale"} or weights["lm_head"].dim() != 2:
                 raise ValueError("expected the tensors lm_head (V, D) and norm_scale")
         except Exception as exc:  # safetensors raises its own error classes for a damaged file
-            raise SpdInputError(f"the capture '{path}' has an unreadable {TEACHER_FILE} ({first_line(exc)}); "
-                                "capture it again with data/capture.py") from None
+            raise SpdInputError(
+                f"the capture '{path}' has an unreadable {TEACHER_FILE} ({first_line(exc)}); "
+                "capture it again with data/capture.py"
+            ) from None
         vocab, hidden = weights["lm_head"].shape
         # skip_init: no random initialisation, which would draw from the RNG the head's initialisation uses next
-        self.lm_head = torch.nn.utils.skip_init(nn.Linear, hidden, vocab, bias=False, device=device,
-                                                dtype=weights["lm_head"].dtype)
+        self.lm_head = torch.nn.utils.skip_init(
+            nn.Linear, hidden, vocab, bias=False, device=device, dtype=weights["lm_head"].dtype
+        )
         self.lm_head.weight.data.copy_(weights["lm_head"])
         self.register_buffer("scale", weights["norm_scale"])
         self.eps = self.manifest["norm_eps"]

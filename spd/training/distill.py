@@ -105,8 +105,17 @@ class DistillConfig:
             self.n_stages = 1
             if self.draft_steps < 1:
                 raise SpdInputError(f"draft_steps must be at least 1, got {self.draft_steps}")
-        for name in ("n_stages", "num_layers", "batch_size", "grad_accum", "max_length", "kd_chunk", "eval_rows",
-                     "log_every", "keep_checkpoints"):
+        for name in (
+            "n_stages",
+            "num_layers",
+            "batch_size",
+            "grad_accum",
+            "max_length",
+            "kd_chunk",
+            "eval_rows",
+            "log_every",
+            "keep_checkpoints",
+        ):
             if getattr(self, name) < 1:
                 raise SpdInputError(f"{name} must be at least 1, got {getattr(self, name)}")
         # nan passes every comparison and inf every lower bound: each number must be finite as well.
@@ -122,7 +131,9 @@ class DistillConfig:
             if getattr(self, name) < 0:
                 raise SpdInputError(f"{name} must be 0 or more, got {getattr(self, name)}")
         if self.draft_vocab_size < 0:
-            raise SpdInputError(f"draft_vocab_size must be 0 (the whole vocabulary) or positive, got {self.draft_vocab_size}")
+            raise SpdInputError(
+                f"draft_vocab_size must be 0 (the whole vocabulary) or positive, got {self.draft_vocab_size}"
+            )
         if self.max_steps is not None and self.max_steps < 1:
             raise SpdInputError(f"max_steps must be at least 1, got {self.max_steps}")
         if not 0 <= self.p_full <= 1:
@@ -213,8 +224,11 @@ def load_config(path: str | None, overrides: list[str]) -> DistillConfig:
     target = str(raw.get("target") or DistillConfig.__dataclass_fields__["target"].default_factory())
 
     def beside(value):
-        return os.path.normpath(value.replace("{target}", target)) if isinstance(value, str) and "{target}" in value \
+        return (
+            os.path.normpath(value.replace("{target}", target))
+            if isinstance(value, str) and "{target}" in value
             else value
+        )
 
     for key in ("data", "eval_data"):
         if key in raw:  # a key left out keeps its default; an explicit null stays null
@@ -231,8 +245,9 @@ def load_config(path: str | None, overrides: list[str]) -> DistillConfig:
 # ------------------------------------------------------------------------------------------ the head
 
 
-def new_head(staged: StagedModel, cfg: DistillConfig, draft_ids: torch.Tensor | None = None,
-             draft_sha256: str | None = None) -> Speculator:
+def new_head(
+    staged: StagedModel, cfg: DistillConfig, draft_ids: torch.Tensor | None = None, draft_sha256: str | None = None
+) -> Speculator:
     """A fresh head for ``staged``: the target's attention shape, rope, norm and LM head (copied; only the rows
     of ``draft_ids`` with a draft vocabulary, spd.heads.draft_vocab).
 
@@ -241,18 +256,32 @@ def new_head(staged: StagedModel, cfg: DistillConfig, draft_ids: torch.Tensor | 
     tcfg = staged.config
     schedule, max_depth = VARIANTS[cfg.variant]
     head_cfg = SpeculatorConfig(
-        hidden_size=tcfg.hidden_size, vocab_size=staged.vocab_size, n_stages=staged.n_stages,
-        boundaries=staged.boundaries, target_num_layers=staged.num_layers,
-        anchors=cfg.anchors or default_anchors(staged.boundaries), num_layers=cfg.num_layers,
-        num_attention_heads=tcfg.num_attention_heads, num_key_value_heads=staged.kv_heads, head_dim=staged.head_dim,
-        intermediate_size=tcfg.intermediate_size, rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-6),
+        hidden_size=tcfg.hidden_size,
+        vocab_size=staged.vocab_size,
+        n_stages=staged.n_stages,
+        boundaries=staged.boundaries,
+        target_num_layers=staged.num_layers,
+        anchors=cfg.anchors or default_anchors(staged.boundaries),
+        num_layers=cfg.num_layers,
+        num_attention_heads=tcfg.num_attention_heads,
+        num_key_value_heads=staged.kv_heads,
+        head_dim=staged.head_dim,
+        intermediate_size=tcfg.intermediate_size,
+        rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-6),
         qk_norm=tcfg.model_type in ("qwen3", "qwen3_moe"),
-        rope_parameters=dict(getattr(tcfg, "rope_parameters", None) or {"rope_type": "default",
-                                                                        "rope_theta": getattr(tcfg, "rope_theta", 1e4)}),
-        max_position_embeddings=staged.max_positions or 4096, schedule=schedule, max_depth=max_depth,
+        rope_parameters=dict(
+            getattr(tcfg, "rope_parameters", None)
+            or {"rope_type": "default", "rope_theta": getattr(tcfg, "rope_theta", 1e4)}
+        ),
+        max_position_embeddings=staged.max_positions or 4096,
+        schedule=schedule,
+        max_depth=max_depth,
         draft_steps=cfg.draft_steps if schedule == "serial" else None,
-        memory_proj=cfg.memory_proj, target_name_or_path=cfg.target, target_revision=cfg.target_revision,
-        target_model_type=tcfg.model_type, draft_vocab_size=None if draft_ids is None else len(draft_ids),
+        memory_proj=cfg.memory_proj,
+        target_name_or_path=cfg.target,
+        target_revision=cfg.target_revision,
+        target_model_type=tcfg.model_type,
+        draft_vocab_size=None if draft_ids is None else len(draft_ids),
         draft_vocab_sha256=draft_sha256,
     )
     head = Speculator(head_cfg).to(device=staged.device, dtype=staged.dtype)
@@ -269,7 +298,7 @@ def new_head(staged: StagedModel, cfg: DistillConfig, draft_ids: torch.Tensor | 
                 anchors = head_cfg.anchors[int(k)]
                 deepest = anchors.index(max(anchors))
                 fc.weight.zero_()
-                fc.weight[:, deepest * d:(deepest + 1) * d] = torch.eye(d, dtype=fc.weight.dtype)
+                fc.weight[:, deepest * d : (deepest + 1) * d] = torch.eye(d, dtype=fc.weight.dtype)
         if cfg.layer_init == "target":
             for layer in head.layers:
                 copy_target_layer(layer, staged, cfg.layer_init_from)
@@ -278,10 +307,17 @@ def new_head(staged: StagedModel, cfg: DistillConfig, draft_ids: torch.Tensor | 
 
 # head layer parameter -> the Hugging Face decoder layer's (Llama/Qwen3 layout); norms are read off separately
 _TARGET_LAYER_NAMES = {
-    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj",
-    "input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
-    "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj",
+    "gate_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj",
+    "input_layernorm": "input_layernorm",
+    "post_attention_layernorm": "post_attention_layernorm",
+    "q_norm": "self_attn.q_norm",
+    "k_norm": "self_attn.k_norm",
 }
 
 
@@ -294,8 +330,10 @@ def copy_target_layer(layer: nn.Module, staged: StagedModel, index: int) -> None
     """
     layers = getattr(staged, "layers", None)
     if layers is None:
-        raise SpdInputError("layer_init=target needs the target's weights, which offline captures do not hold; "
-                            "train online (no capture) or use layer_init=random")
+        raise SpdInputError(
+            "layer_init=target needs the target's weights, which offline captures do not hold; "
+            "train online (no capture) or use layer_init=random"
+        )
     if not -len(layers) <= index < len(layers):
         raise SpdInputError(f"layer_init_from must name one of the target's {len(layers)} decoder layers, got {index}")
     source = layers[index]
@@ -306,12 +344,16 @@ def copy_target_layer(layer: nn.Module, staged: StagedModel, index: int) -> None
         try:
             src = source.get_submodule(path)
         except AttributeError:
-            raise SpdInputError(f"target layer {index} has no {path} (a linear-attention or MoE layer?); "
-                                f"layer_init=target needs a full-attention layer with a dense MLP") from None
+            raise SpdInputError(
+                f"target layer {index} has no {path} (a linear-attention or MoE layer?); "
+                f"layer_init=target needs a full-attention layer with a dense MLP"
+            ) from None
         if isinstance(dest, nn.Linear):
             if src.weight.shape != dest.weight.shape:
-                raise SpdInputError(f"target layer {index}'s {path} is {tuple(src.weight.shape)}, "
-                                    f"the head's {name} {tuple(dest.weight.shape)}")
+                raise SpdInputError(
+                    f"target layer {index}'s {path} is {tuple(src.weight.shape)}, "
+                    f"the head's {name} {tuple(dest.weight.shape)}"
+                )
             dest.weight.copy_(src.weight)
         else:
             unit = torch.ones(1, dest.weight.shape[0], dtype=torch.float64, device=src.weight.device)
@@ -332,7 +374,7 @@ def scale_fc_init(head: Speculator, rms: dict[int, float]) -> None:
             anchors = head.config.anchors[int(k)]
             for i, a in enumerate(anchors):
                 std = 1.0 / (rms[a] * math.sqrt(len(anchors) * d))
-                fc.weight[:, i * d:(i + 1) * d].normal_(0.0, std)
+                fc.weight[:, i * d : (i + 1) * d].normal_(0.0, std)
 
 
 # --------------------------------------------------------------------------------------------- batches
@@ -371,8 +413,15 @@ def teacher_pass(staged: StagedModel, anchors: list[int], batch: dict) -> dict[i
         return staged.hidden_states(batch["input_ids"], anchors)
 
 
-def distill_step(head, staged: StagedModel, hidden: dict[int, torch.Tensor], batch: dict, fill_B: torch.Tensor,
-                 tau: float, chunk: int):
+def distill_step(
+    head,
+    staged: StagedModel,
+    hidden: dict[int, torch.Tensor],
+    batch: dict,
+    fill_B: torch.Tensor,
+    tau: float,
+    chunk: int,
+):
     """The head's KD loss for one batch: (mean over supervised positions, KDResult).
 
     ``head`` may be wrapped (DDP/DeepSpeed): its ``forward`` computes the loss, so the wrapper sees it all.
@@ -541,8 +590,9 @@ def commit_checkpoint(tmp: Path, final: Path, keep: int, tag: str) -> None:
 
 def clean_checkpoints(output_dir: str | Path) -> None:
     """Remove what killed runs left: unfinished ``.tmp``, half-deleted ``.del.tmp`` and superseded ``.old`` copies."""
-    complete = {step for step, kind, p in _checkpoint_dirs(output_dir)
-                if kind is None and (p / "trainer_state.json").is_file()}
+    complete = {
+        step for step, kind, p in _checkpoint_dirs(output_dir) if kind is None and (p / "trainer_state.json").is_file()
+    }
     for step, kind, p in _checkpoint_dirs(output_dir):
         if kind in ("tmp", "del.tmp") or (kind == "old" and step in complete):
             shutil.rmtree(p, ignore_errors=True)

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 
-def sample_fills(batch_size: int, n_stages: int, generator: torch.Generator | None = None,
-                 p_full: float = 0.5) -> torch.Tensor:
+def sample_fills(
+    batch_size: int, n_stages: int, generator: torch.Generator | None = None, p_full: float = 0.5
+) -> torch.Tensor:
     """Per-example fill ``a`` (Appendix A.2): ``n`` with probability ``p_full``, else uniform in 1..n-1."""
     full_B = torch.rand(batch_size, generator=generator) < p_full
     if n_stages == 1:
@@ -73,7 +74,7 @@ def _chunked(fn, chunk_size: int, grad: bool, *tensors_and_rest, n_tensors: int)
     loss_sum = tensors[0].new_zeros((), dtype=torch.float32)
     agree = 0
     for start in range(0, tensors[0].shape[0], chunk_size):
-        args = (*(t[start:start + chunk_size] for t in tensors), *rest)
+        args = (*(t[start : start + chunk_size] for t in tensors), *rest)
         if grad:
             kl, n_agree = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
         else:
@@ -83,8 +84,15 @@ def _chunked(fn, chunk_size: int, grad: bool, *tensors_and_rest, n_tensors: int)
     return loss_sum, agree
 
 
-def kd_loss(student_ND: torch.Tensor, teacher_ND: torch.Tensor, student_head, teacher_head, tau: float = 1.0,
-            chunk_size: int = 512, draft_ids_K: torch.Tensor | None = None) -> KDResult:
+def kd_loss(
+    student_ND: torch.Tensor,
+    teacher_ND: torch.Tensor,
+    student_head,
+    teacher_head,
+    tau: float = 1.0,
+    chunk_size: int = 512,
+    draft_ids_K: torch.Tensor | None = None,
+) -> KDResult:
     """Forward KL over the vocabulary (or the draft vocabulary ``draft_ids_K``) for supervised positions.
 
     ``student_ND`` / ``teacher_ND`` are final hidden states of the supervised positions; the heads map them
@@ -93,15 +101,22 @@ def kd_loss(student_ND: torch.Tensor, teacher_ND: torch.Tensor, student_head, te
     the backward pass.
     """
     grad = torch.is_grad_enabled() and student_ND.requires_grad
-    loss_sum, agree = _chunked(_chunk_kl, chunk_size, grad, student_ND, teacher_ND, student_head, teacher_head, tau,
-                               draft_ids_K, n_tensors=2)
+    loss_sum, agree = _chunked(
+        _chunk_kl, chunk_size, grad, student_ND, teacher_ND, student_head, teacher_head, tau, draft_ids_K, n_tensors=2
+    )
     return KDResult(loss_sum, int(student_ND.shape[0]), agree)
 
 
-def kd_loss_topk(student_ND: torch.Tensor, topk_ids_NK: torch.Tensor, topk_logprobs_NK: torch.Tensor, student_head,
-                 chunk_size: int = 512) -> KDResult:
+def kd_loss_topk(
+    student_ND: torch.Tensor,
+    topk_ids_NK: torch.Tensor,
+    topk_logprobs_NK: torch.Tensor,
+    student_head,
+    chunk_size: int = 512,
+) -> KDResult:
     """KD against a stored top-k teacher (temperature 1): KL over the top k tokens and the rest of the mass."""
     grad = torch.is_grad_enabled() and student_ND.requires_grad
-    loss_sum, agree = _chunked(_chunk_kl_topk, chunk_size, grad, student_ND, topk_ids_NK, topk_logprobs_NK,
-                               student_head, n_tensors=3)
+    loss_sum, agree = _chunked(
+        _chunk_kl_topk, chunk_size, grad, student_ND, topk_ids_NK, topk_logprobs_NK, student_head, n_tensors=3
+    )
     return KDResult(loss_sum, int(student_ND.shape[0]), agree)

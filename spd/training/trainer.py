@@ -22,9 +22,21 @@ from pathlib import Path
 import torch
 
 from ..errors import SpdInputError, first_line
-from .distill import (DistillConfig, clean_checkpoints, commit_checkpoint, distill_step, evaluate, latest_checkpoint,
-                      new_head, save_head_atomic, scale_fc_init, teacher_anchors, teacher_pass, to_device,
-                      training_fills)
+from .distill import (
+    DistillConfig,
+    clean_checkpoints,
+    commit_checkpoint,
+    distill_step,
+    evaluate,
+    latest_checkpoint,
+    new_head,
+    save_head_atomic,
+    scale_fc_init,
+    teacher_anchors,
+    teacher_pass,
+    to_device,
+    training_fills,
+)
 
 
 def lr_lambda(step: int, warmup: int, total: int) -> float:
@@ -83,32 +95,44 @@ def load_target_and_data(cfg, accelerator):
         eval_ds = None
         if cfg.eval_data:
             if not is_capture(cfg.eval_data):
-                raise SpdInputError(f"data is a capture, so eval_data must be one too (data/capture.py over the "
-                                    f"held-out rows), got '{cfg.eval_data}'; or pass eval_data=none")
+                raise SpdInputError(
+                    f"data is a capture, so eval_data must be one too (data/capture.py over the "
+                    f"held-out rows), got '{cfg.eval_data}'; or pass eval_data=none"
+                )
             eval_ds = CapturedDataset(cfg.eval_data)
             if eval_ds.manifest["target_config"] != train_ds.manifest["target_config"]:
                 raise SpdInputError(f"the captures '{cfg.data}' and '{cfg.eval_data}' come from different targets")
         if train_ds.teacher == "topk" and cfg.tau != 1:
-            raise SpdInputError(f"a top-k capture holds the teacher at temperature 1; train it with tau=1, got {cfg.tau}")
+            raise SpdInputError(
+                f"a top-k capture holds the teacher at temperature 1; train it with tau=1, got {cfg.tau}"
+            )
         if train_ds.teacher == "topk" and cfg.draft_vocab_size:
-            raise SpdInputError("draft_vocab_size needs the full teacher (the target's distribution restricted to the "
-                                "draft tokens); capture with --teacher full")
+            raise SpdInputError(
+                "draft_vocab_size needs the full teacher (the target's distribution restricted to the "
+                "draft tokens); capture with --teacher full"
+            )
         pad_id = train_ds.manifest["pad_id"]
         return target, train_ds, eval_ds, partial(collate_captured, pad_id=pad_id), target.token_strings
     on_gpu = torch.cuda.is_available()
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.target_dtype,
-                                                                     torch.bfloat16 if on_gpu else torch.float32)
-    staged = StagedModel.from_pretrained(cfg.target, revision=cfg.target_revision, device=accelerator.device,
-                                         dtype=dtype, **stages)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        cfg.target_dtype, torch.bfloat16 if on_gpu else torch.float32
+    )
+    staged = StagedModel.from_pretrained(
+        cfg.target, revision=cfg.target_revision, device=accelerator.device, dtype=dtype, **stages
+    )
     staged.requires_grad_(False)
     tokenizer = load_tokenizer(cfg.target, revision=cfg.target_revision)
     data_cfg = DataConfig(max_length=cfg.max_length, overflow=cfg.overflow, revision=cfg.data_revision)
     with accelerator.main_process_first():
-        parts = [prepare_dataset(source, tokenizer, data_cfg, cfg.cache_dir, report=accelerator.print)
-                 for source in sources]
+        parts = [
+            prepare_dataset(source, tokenizer, data_cfg, cfg.cache_dir, report=accelerator.print) for source in sources
+        ]
         train_ds = parts[0] if len(parts) == 1 else concatenate_datasets(parts)  # shuffled by the loader
-        eval_ds = (prepare_dataset(cfg.eval_data, tokenizer, data_cfg, cfg.cache_dir, report=accelerator.print)
-                   if cfg.eval_data else None)
+        eval_ds = (
+            prepare_dataset(cfg.eval_data, tokenizer, data_cfg, cfg.cache_dir, report=accelerator.print)
+            if cfg.eval_data
+            else None
+        )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return staged, train_ds, eval_ds, partial(collate, pad_id=pad_id), tokenizer.convert_ids_to_tokens
 
@@ -154,34 +178,45 @@ class Trainer:
         mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if on_gpu else "no")
         # DDP, DeepSpeed ZeRO-2 or FSDP2 as `accelerate launch` asked, on GPUs or CPU (spd/training/backends.py)
         project = ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir) / "logs"))
-        return make_accelerator(cfg.max_grad_norm, gradient_accumulation_steps=cfg.grad_accum,
-                                mixed_precision=mixed, log_with=log_with or None, project_config=project,
-                                dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+        return make_accelerator(
+            cfg.max_grad_norm,
+            gradient_accumulation_steps=cfg.grad_accum,
+            mixed_precision=mixed,
+            log_with=log_with or None,
+            project_config=project,
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        )
 
     def _load(self, cfg: DistillConfig) -> DistillConfig:
         """The target, the data and a head (new, or ``init_from``); returns the config with an offline capture's
         target filled in."""
         from .capture import CapturedDataset
 
-        self.staged, self.train_ds, eval_ds, self.collate_fn, token_strings = \
-            load_target_and_data(cfg, self.accelerator)
+        self.staged, self.train_ds, eval_ds, self.collate_fn, token_strings = load_target_and_data(
+            cfg, self.accelerator
+        )
         self.offline = isinstance(self.train_ds, CapturedDataset)
         if self.offline:
-            cfg = dataclasses.replace(cfg, target=self.staged.settings["target"],
-                                      target_revision=self.staged.settings["target_revision"])
+            cfg = dataclasses.replace(
+                cfg, target=self.staged.settings["target"], target_revision=self.staged.settings["target_revision"]
+            )
         self.head = self._new_head(cfg, token_strings)
         self.anchors = teacher_anchors(self.head, self.staged)
         if self.offline:
             missing = sorted(set(self.head.needed_anchors()) - set(self.train_ds.states))
             if missing:
-                raise SpdInputError(f"the capture '{cfg.data}' stores hidden states {self.train_ds.states} but this "
-                                    f"head needs {missing} as well; capture with --stages {self.staged.n_stages} "
-                                    "(or --anchors)")
+                raise SpdInputError(
+                    f"the capture '{cfg.data}' stores hidden states {self.train_ds.states} but this "
+                    f"head needs {missing} as well; capture with --stages {self.staged.n_stages} "
+                    "(or --anchors)"
+                )
         self.eval_batches = []
         if eval_ds is not None:
             rows = [eval_ds[i] for i in range(min(cfg.eval_rows, len(eval_ds)))]
-            self.eval_batches = [to_device(self.collate_fn(rows[i:i + cfg.batch_size]), self.accelerator.device)
-                                 for i in range(0, len(rows), cfg.batch_size)]
+            self.eval_batches = [
+                to_device(self.collate_fn(rows[i : i + cfg.batch_size]), self.accelerator.device)
+                for i in range(0, len(rows), cfg.batch_size)
+            ]
         return cfg
 
     def _new_head(self, cfg: DistillConfig, token_strings):
@@ -198,8 +233,13 @@ class Trainer:
             return head
         if not cfg.draft_vocab_size:
             return new_head(staged, cfg).float()
-        rows = (train_ds.row_tokens() if self.offline else
-                (pair for batch in train_ds.iter(batch_size=4096) for pair in zip(batch["input_ids"], batch["loss_mask"])))
+        rows = (
+            train_ds.row_tokens()
+            if self.offline
+            else (
+                pair for batch in train_ds.iter(batch_size=4096) for pair in zip(batch["input_ids"], batch["loss_mask"])
+            )
+        )
         draft_ids = select_draft_vocab(token_counts(rows, staged.vocab_size), cfg.draft_vocab_size)
         strings = token_strings(draft_ids.tolist())
         sha = tokens_sha256(strings) if strings is not None and None not in strings else None
@@ -209,24 +249,30 @@ class Trainer:
         """The FC scaling (``fc_init=scaled``), the loader, the optimizer and the schedule, under the accelerator."""
         from torch.utils.data import DataLoader
 
-
         cfg, accelerator = self.cfg, self.accelerator
-        loader = DataLoader(self.train_ds, batch_size=cfg.batch_size, shuffle=True, collate_fn=self.collate_fn,
-                            generator=torch.Generator().manual_seed(cfg.seed))
+        loader = DataLoader(
+            self.train_ds,
+            batch_size=cfg.batch_size,
+            shuffle=True,
+            collate_fn=self.collate_fn,
+            generator=torch.Generator().manual_seed(cfg.seed),
+        )
         if cfg.fc_init == "scaled" and not cfg.init_from:
             # Statistics from the first rows of the training set (the same on every process).
             rows = [self.train_ds[i] for i in range(min(cfg.batch_size, len(self.train_ds)))]
             first = to_device(self.collate_fn(rows), accelerator.device)
             hidden = teacher_pass(self.staged, self.head.needed_anchors(), first)
-            scale_fc_init(self.head, {a: float(h[first["valid"]].float().pow(2).mean().sqrt())
-                                      for a, h in hidden.items()})
+            scale_fc_init(
+                self.head, {a: float(h[first["valid"]].float().pow(2).mean().sqrt()) for a, h in hidden.items()}
+            )
         optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.head, self.optimizer, self.loader = accelerator.prepare(self.head, optimizer, loader)
         self.batches_per_epoch = len(self.loader)
         steps_per_epoch = max(1, self.batches_per_epoch // cfg.grad_accum)
         self.total_steps = cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, partial(lr_lambda, warmup=cfg.warmup_steps, total=self.total_steps))
+            self.optimizer, partial(lr_lambda, warmup=cfg.warmup_steps, total=self.total_steps)
+        )
         accelerator.register_for_checkpointing(self.scheduler)
         # Fills are drawn from a generator of their own (per process), saved with every checkpoint.
         self.fill_gen = torch.Generator().manual_seed(cfg.seed * 1000 + accelerator.process_index)
@@ -250,8 +296,10 @@ class Trainer:
             # weights_only: the RNG state is a tensor; a file holding anything else must not run code.
             self.fill_gen.set_state(torch.load(ckpt / f"fill_rng_{accelerator.process_index}.pt", weights_only=True))
         except (OSError, ValueError, KeyError, TypeError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
-            raise SpdInputError(f"the checkpoint '{ckpt}' cannot be resumed ({type(exc).__name__}: "
-                                f"{first_line(exc)}); remove it to resume from the one before") from None
+            raise SpdInputError(
+                f"the checkpoint '{ckpt}' cannot be resumed ({type(exc).__name__}: "
+                f"{first_line(exc)}); remove it to resume from the one before"
+            ) from None
         self.say(f"[resume] {ckpt.name}: step {self.step}, {self.batches_done} batches done")
 
     def _init_trackers(self) -> None:
@@ -280,8 +328,10 @@ class Trainer:
         whole = plain_head(accelerator, self.head)  # every process: under FSDP this gathers the shards
         if self.main:
             save_head_atomic(whole, tmp / "head")
-            write_json_atomic(tmp / "trainer_state.json",
-                              {"step": self.step, "batches_done": self.batches_done, "elapsed_s": self.elapsed_s()})
+            write_json_atomic(
+                tmp / "trainer_state.json",
+                {"step": self.step, "batches_done": self.batches_done, "elapsed_s": self.elapsed_s()},
+            )
             # Synced, then renamed over an older step-N (moved aside first, removed last): a checkpoint exists only
             # once it is complete, and a kill at any point leaves the newest complete one loadable.
             commit_checkpoint(tmp, final, self.cfg.keep_checkpoints, self.tag)
@@ -289,12 +339,15 @@ class Trainer:
 
     def run_eval(self) -> dict:
         cfg = self.cfg
-        metrics = evaluate(self.accelerator.unwrap_model(self.head), self.staged, self.eval_batches, cfg.tau,
-                           cfg.kd_chunk)
+        metrics = evaluate(
+            self.accelerator.unwrap_model(self.head), self.staged, self.eval_batches, cfg.tau, cfg.kd_chunk
+        )
         full, length = ("first draft", "L_acc (sd)") if cfg.variant == "eagle" else ("full pipeline", "L'_acc")
-        self.say(f"[eval] step {self.step}: kd_loss {metrics['kd_loss']:.4f}, top-1 ({full}) "
-                 f"{metrics['top1_full']:.4f}, by fill {metrics['top1_by_fill']}, {length} est "
-                 f"{metrics['L_acc_est']:.3f}")
+        self.say(
+            f"[eval] step {self.step}: kd_loss {metrics['kd_loss']:.4f}, top-1 ({full}) "
+            f"{metrics['top1_full']:.4f}, by fill {metrics['top1_by_fill']}, {length} est "
+            f"{metrics['L_acc_est']:.3f}"
+        )
         logs = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, float)}
         logs.update({f"eval/top1_fill{fill}": v for fill, v in metrics["top1_by_fill"].items()})
         self.accelerator.log(logs, step=self.step)
@@ -328,8 +381,9 @@ class Trainer:
             with accelerator.accumulate(head):
                 hidden = teacher_pass(self.staged, self.anchors, batch)
                 fill_B = sample_fills(batch["input_ids"].shape[0], max_fill, self.fill_gen, p_full)
-                loss, result = distill_step(head, self.staged, hidden, batch, fill_B.to(accelerator.device),
-                                            cfg.tau, cfg.kd_chunk)
+                loss, result = distill_step(
+                    head, self.staged, hidden, batch, fill_B.to(accelerator.device), cfg.tau, cfg.kd_chunk
+                )
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(head.parameters(), cfg.max_grad_norm)
@@ -352,8 +406,11 @@ class Trainer:
         self.bar.update(1)
         loss, agree, count = self.window
         if self.step % cfg.log_every == 0 and count:
-            logs = {"train/kd_loss": loss / count, "train/top1": agree / count,
-                    "train/lr": self.scheduler.get_last_lr()[0]}
+            logs = {
+                "train/kd_loss": loss / count,
+                "train/top1": agree / count,
+                "train/lr": self.scheduler.get_last_lr()[0],
+            }
             self.bar.set_postfix(loss=f"{logs['train/kd_loss']:.3f}", top1=f"{logs['train/top1']:.3f}")
             self.accelerator.log(logs, step=self.step)
             self.window = [0.0, 0, 0]
@@ -377,9 +434,15 @@ class Trainer:
         whole = plain_head(accelerator, self.head)
         if self.main:
             save_head_atomic(whole, out / "final")
-            summary = {"step": self.step, "total_steps": self.total_steps, "train_minutes": self.elapsed_s() / 60,
-                       "loop_minutes": loop_minutes, "processes": accelerator.num_processes,
-                       "config": dataclasses.asdict(self.cfg), "eval": metrics}
+            summary = {
+                "step": self.step,
+                "total_steps": self.total_steps,
+                "train_minutes": self.elapsed_s() / 60,
+                "loop_minutes": loop_minutes,
+                "processes": accelerator.num_processes,
+                "config": dataclasses.asdict(self.cfg),
+                "eval": metrics,
+            }
             write_json_atomic(out / "summary.json", summary)
             self.say(f"[done] head written to {out / 'final'}")
         # No process tears down the process group (end_training) while another still works in it: under gloo a peer
@@ -387,4 +450,3 @@ class Trainer:
         accelerator.wait_for_everyone()
         accelerator.end_training()
         return metrics
-

@@ -13,5 +13,14 @@ from .interface import Proposer, propose_many
 from .serial_head import SerialHeadProposer
 from .spd_head import SpdHeadProposer, path_rows
 
-__all__ = ["DraftModelProposer", "HeadProposer", "Proposer", "SerialHeadProposer", "SpdHeadProposer", "check_same_vocabulary",
-           "load_draft_model", "path_rows", "propose_many"]
+__all__ = [
+    "DraftModelProposer",
+    "HeadProposer",
+    "Proposer",
+    "SerialHeadProposer",
+    "SpdHeadProposer",
+    "check_same_vocabulary",
+    "load_draft_model",
+    "path_rows",
+    "propose_many",
+]

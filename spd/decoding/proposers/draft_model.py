@@ -15,8 +15,7 @@ from ...target.staging import StageKVCache, StagedModel, load_target_tokenizer
 from ..tree import Level, TokenTree
 
 
-def check_same_vocabulary(target: StagedModel, draft: StagedModel, target_tokenizer=None,
-                          draft_tokenizer=None) -> int:
+def check_same_vocabulary(target: StagedModel, draft: StagedModel, target_tokenizer=None, draft_tokenizer=None) -> int:
     """Refuse a draft model whose token ids mean something else than the target's; return the usable vocabulary.
 
     With both tokenizers the token-to-id maps must be equal; the models' output sizes may then differ
@@ -28,18 +27,21 @@ def check_same_vocabulary(target: StagedModel, draft: StagedModel, target_tokeni
             raise SpdInputError(
                 f"the draft model's tokenizer ('{getattr(draft_tokenizer, 'name_or_path', '?')}', {len(d_vocab)} "
                 f"tokens) differs from the target's ('{getattr(target_tokenizer, 'name_or_path', '?')}', "
-                f"{len(t_vocab)} tokens); the tree mode needs a draft model with the target's tokenizer")
+                f"{len(t_vocab)} tokens); the tree mode needs a draft model with the target's tokenizer"
+            )
         if draft.vocab_size != target.vocab_size and len(t_vocab) <= min(draft.vocab_size, target.vocab_size):
             return min(draft.vocab_size, target.vocab_size)
     if draft.vocab_size != target.vocab_size:
         raise SpdInputError(
             f"the draft model's vocabulary has {draft.vocab_size} tokens but the target's has {target.vocab_size}; "
-            "the tree mode needs a draft model with the target's tokenizer and vocabulary")
+            "the tree mode needs a draft model with the target's tokenizer and vocabulary"
+        )
     return target.vocab_size
 
 
-def load_draft_model(draft: str, revision: str | None, dtype: torch.dtype,
-                     device: str | torch.device) -> tuple[StagedModel, object | None]:
+def load_draft_model(
+    draft: str, revision: str | None, dtype: torch.dtype, device: str | torch.device
+) -> tuple[StagedModel, object | None]:
     """A draft model (directory or hub id) as a 1-stage StagedModel, and its tokenizer (None: a model-only
     directory, whose vocabulary size is then the only thing :func:`check_same_vocabulary` can compare)."""
     staged = StagedModel.from_pretrained(draft, n_stages=1, revision=revision, dtype=dtype, device=device)
@@ -70,8 +72,9 @@ class DraftModelProposer:
     schedule = "none"
     num_layers = 0  # not a head: the step cost model assumes the draft is hidden behind a stage
 
-    def __init__(self, draft: StagedModel, target: StagedModel, children: int = 4, target_tokenizer=None,
-                 draft_tokenizer=None):
+    def __init__(
+        self, draft: StagedModel, target: StagedModel, children: int = 4, target_tokenizer=None, draft_tokenizer=None
+    ):
         if children < 1:
             raise SpdInputError(f"the number of tree children must be a positive integer, got {children}")
         self.vocab = check_same_vocabulary(target, draft, target_tokenizer, draft_tokenizer)
@@ -104,8 +107,9 @@ class DraftModelProposer:
 
     def start(self, prompt_ids: list[int], anchors: dict[int, torch.Tensor], capacity: int) -> None:
         """Prefill the draft's cache with the prompt."""
-        self.cache = (self.draft.new_caches(capacity=capacity)[0] if self.pool is None
-                      else self.pool.cache(0, self.region))
+        self.cache = (
+            self.draft.new_caches(capacity=capacity)[0] if self.pool is None else self.pool.cache(0, self.region)
+        )
         self._empty()
         self.draft.forward_stages(torch.tensor([prompt_ids], device=self.draft.device), [self.cache])
 
@@ -143,14 +147,13 @@ class DraftModelProposer:
             logits_SV = draft.logits(torch.cat([out.hidden_BTD[0] for out in outs]))
             for source, logits_TV in zip(owners, logits_SV.split([seg.size for seg in segments])):
                 source._took(logits_TV)
-        return [item.source.logprobs_NX[item.tree.bottom_level().to(item.source.logprobs_NX.device)]
-                for item in items]
+        return [item.source.logprobs_NX[item.tree.bottom_level().to(item.source.logprobs_NX.device)] for item in items]
 
     def _missed(self, context: list[int]) -> Segment | None:
         """The committed tokens the draft has not run (a root committed before it was expanded), or None."""
         if self.cache.length >= len(context):
             return None
-        ids_1T = torch.tensor([context[self.cache.length:]], device=self.draft.device)
+        ids_1T = torch.tensor([context[self.cache.length :]], device=self.draft.device)
         return Segment(self.cache, self.draft.embed(ids_1T))
 
     def _new_nodes(self, tree: TokenTree, committed: int) -> Segment | None:
@@ -164,7 +167,7 @@ class DraftModelProposer:
 
     def _took(self, logits_TV: torch.Tensor) -> None:
         """The draft's logits after the new nodes: their log-probabilities join the held ones."""
-        logprobs_TX = torch.log_softmax(logits_TV.float()[:, :self.vocab], dim=-1)
+        logprobs_TX = torch.log_softmax(logits_TV.float()[:, : self.vocab], dim=-1)
         self.logprobs_NX = torch.cat([self.logprobs_NX, logprobs_TX])
 
     def advanced(self, levels: list[Level], tree: TokenTree, committed: int) -> None:

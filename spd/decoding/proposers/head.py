@@ -93,17 +93,30 @@ class HeadProposer:
             raise RuntimeError("the head and the committed tokens are out of step")
         picks = [pick_L.tolist() for pick_L in path_rows(tree, levels)]
         # levels[i] holds the nodes i levels below the root (at committed + i)
-        return [[SimpleNamespace(position=self.committed + i, depth=level.depth,
-                                 anchors={a: h[pick[node]:pick[node] + 1] for a, h in level.anchors.items()})
-                 for i, (level, pick) in enumerate(zip(levels, picks))]
-                for node in range(len(picks[0]))]
+        return [
+            [
+                SimpleNamespace(
+                    position=self.committed + i,
+                    depth=level.depth,
+                    anchors={a: h[pick[node] : pick[node] + 1] for a, h in level.anchors.items()},
+                )
+                for i, (level, pick) in enumerate(zip(levels, picks))
+            ]
+            for node in range(len(picks[0]))
+        ]
 
     def advanced(self, levels: list[Level], tree: TokenTree, committed: int) -> None:
         """Rows that reached the depth the head keeps join its cache (one-node levels: a deeper level's nodes never
         reach it before they are alone on their level)."""
-        slots = [SimpleNamespace(position=committed + int(tree.depths_N[level.start]), depth=level.depth,
-                                 anchors={a: h[:1] for a, h in level.anchors.items()})
-                 for level in levels if level.size == 1]
+        slots = [
+            SimpleNamespace(
+                position=committed + int(tree.depths_N[level.start]),
+                depth=level.depth,
+                anchors={a: h[:1] for a, h in level.anchors.items()},
+            )
+            for level in levels
+            if level.size == 1
+        ]
         self.head.retire(self.cache, slots)
 
     def commit_root(self, root: Level) -> None:

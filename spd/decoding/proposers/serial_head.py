@@ -36,8 +36,9 @@ class SerialHeadProposer:
 
     def __init__(self, head: Speculator, target: StagedModel):
         if not isinstance(head, Speculator):
-            raise SpdInputError("--mode sd takes our heads trained with variant=eagle; the SPD authors' heads run "
-                                "in --mode spd")
+            raise SpdInputError(
+                "--mode sd takes our heads trained with variant=eagle; the SPD authors' heads run in --mode spd"
+            )
         check_compatible(head.config, target, mode="sd")
         check_draft_vocab(head, target.vocab_size)
         self.head, self.target, self.num_layers = head, target, head.config.num_layers
@@ -56,12 +57,13 @@ class SerialHeadProposer:
         flight in the target)."""
         if not tree.is_chain:
             raise RuntimeError("the serial head drafts chains only")
-        tokens = context[self.cache.length:] + tree.path(len(tree) - 1).tolist()
+        tokens = context[self.cache.length :] + tree.path(len(tree) - 1).tolist()
         embedding_TD = self.target.embed(torch.tensor([tokens], device=self.target.device))[0].to(self._dtype)
         rows_TD = self.head.features(0, {0: embedding_TD})
-        trailing = [(0, rows_TD[i:i + 1]) for i in range(len(tokens))]
-        return torch.log_softmax(self.head.vocab_logits(self.head.query(self.cache, trailing, rows_TD[-1:])).float(),
-                                 dim=-1)
+        trailing = [(0, rows_TD[i : i + 1]) for i in range(len(tokens))]
+        return torch.log_softmax(
+            self.head.vocab_logits(self.head.query(self.cache, trailing, rows_TD[-1:])).float(), dim=-1
+        )
 
     def advanced(self, levels: list[Level], tree: TokenTree, committed: int) -> None:
         """Nothing to do: the head reads no state of tokens in flight."""
@@ -70,8 +72,12 @@ class SerialHeadProposer:
         """The target ran and kept the row of ``root`` (its anchors ``H^l`` (1, D)): it joins the cache at full
         depth."""
         depth = self.head.config.max_depth
-        self.head.append_memory(self.cache, self.head.features(
-            depth, {a: root.anchors[a].to(self._dtype) for a in self.head.config.anchors[depth]})[None])
+        self.head.append_memory(
+            self.cache,
+            self.head.features(depth, {a: root.anchors[a].to(self._dtype) for a in self.head.config.anchors[depth]})[
+                None
+            ],
+        )
 
     def prune(self, committed: int, kept: torch.Tensor) -> None:
         """Nothing to do: the cache holds kept rows only."""

@@ -25,7 +25,7 @@ def path_rows(tree: TokenTree, levels: list[Level]) -> list[torch.Tensor]:
     if tree.is_chain:
         return [torch.zeros(1, dtype=torch.long)] * len(levels)
     ancestors_LN = tree.mask()[tree.bottom_level()]
-    return [ancestors_LN[:, level.start:level.start + level.size].float().argmax(dim=1) for level in levels]
+    return [ancestors_LN[:, level.start : level.start + level.size].float().argmax(dim=1) for level in levels]
 
 
 class SpdHeadProposer:
@@ -52,8 +52,10 @@ class SpdHeadProposer:
         check_draft_vocab(head, staged.vocab_size, tokenizer)
         cfg = head.config
         if cfg.schedule != "input" or cfg.max_depth != cfg.n_stages:
-            raise SpdInputError(f"the tree mode needs an SPD head (input-state schedule, max depth n), but this head "
-                                f"has schedule '{cfg.schedule}' and max depth {cfg.max_depth}; use --mode spd for it")
+            raise SpdInputError(
+                f"the tree mode needs an SPD head (input-state schedule, max depth n), but this head "
+                f"has schedule '{cfg.schedule}' and max depth {cfg.max_depth}; use --mode spd for it"
+            )
         if children < 1:
             raise SpdInputError(f"the number of tree children must be a positive integer, got {children}")
         self.head = head
@@ -102,9 +104,11 @@ class SpdHeadProposer:
         view = cache
         if query_LD.shape[0] > 1:  # one query per bottom node over the same cached rows
             b = query_LD.shape[0]
-            view = SimpleNamespace(length=cache.length,
-                                   keys=[k[:, :, :cache.length].expand(b, -1, -1, -1) for k in cache.keys],
-                                   values=[v[:, :, :cache.length].expand(b, -1, -1, -1) for v in cache.values])
+            view = SimpleNamespace(
+                length=cache.length,
+                keys=[k[:, :, : cache.length].expand(b, -1, -1, -1) for k in cache.keys],
+                values=[v[:, :, : cache.length].expand(b, -1, -1, -1) for v in cache.values],
+            )
         # Over the head's own outputs X (V, or its draft vocabulary: ``ids`` maps them to target ids).
         return torch.log_softmax(head.logits(head.query(view, rows, query_LD)).float(), dim=-1)
 
@@ -126,14 +130,17 @@ class SpdHeadProposer:
             head.append_memory_many([source.cache for source in waiting], rows)
         paths = [item.source._path(item.tree, item.context, item.levels) for item in items]
         trailing = head.trailing_features([path for path, _ in paths])
-        queries = [rows[-1][1] if query is None else head.features(cfg.offset, query)
-                   for rows, (_, query) in zip(trailing, paths)]
+        queries = [
+            rows[-1][1] if query is None else head.features(cfg.offset, query)
+            for rows, (_, query) in zip(trailing, paths)
+        ]
         out_BD = head.query_many([item.source.cache for item in items], trailing, queries)
         logprobs_BX = torch.log_softmax(head.logits(out_BD).float(), dim=-1)
         return list(logprobs_BX.split([query.shape[0] for query in queries]))
 
-    def _path(self, tree: TokenTree, context: list[int],
-              levels: list[Level]) -> tuple[list[tuple[int, dict[int, torch.Tensor]]], dict[int, torch.Tensor] | None]:
+    def _path(
+        self, tree: TokenTree, context: list[int], levels: list[Level]
+    ) -> tuple[list[tuple[int, dict[int, torch.Tensor]]], dict[int, torch.Tensor] | None]:
         """The trailing rows of the bottom nodes' query, root first, as ``(depth, anchors (L, D) each)``; and the
         bottom level's anchors at the query's depth where it already went deeper (a prune left the tree shallow),
         else None (the last row is the query)."""
@@ -147,8 +154,15 @@ class SpdHeadProposer:
             depth = min(level.depth, self.max_depth)
             if pick_L is not None:
                 pick_L = pick_L.to(level.hidden_1TD.device)
-            path.append((depth, {a: level.anchors[a] if pick_L is None else level.anchors[a][pick_L]
-                                 for a in anchors_by_depth[depth]}))
+            path.append(
+                (
+                    depth,
+                    {
+                        a: level.anchors[a] if pick_L is None else level.anchors[a][pick_L]
+                        for a in anchors_by_depth[depth]
+                    },
+                )
+            )
         if path[-1][0] == self.offset:
             return path, None
         return path, {a: levels[-1].anchors[a] for a in anchors_by_depth[self.offset]}

@@ -72,12 +72,14 @@ def _dir_model_type(path: Path) -> str | None:
 
 def parse_hub_reference(reference: str) -> tuple[str, str, str | None]:
     """``hf://owner/name[@revision]/path/in/repo.pt`` -> (repo id, file path, revision or None)."""
-    rest = reference[len(HUB_SCHEME):]
+    rest = reference[len(HUB_SCHEME) :]
     parts = rest.split("/")
     if len(parts) < 3 or not all(parts):
-        raise SpdInputError(f"the hub reference '{reference}' is malformed; expected "
-                            "hf://OWNER/REPO[@REVISION]/FILE.pt, e.g. "
-                            "hf://yuyijiong/speculative_pipeline_decoding@v10/Qwen3.5-4B_s4_l4.pt")
+        raise SpdInputError(
+            f"the hub reference '{reference}' is malformed; expected "
+            "hf://OWNER/REPO[@REVISION]/FILE.pt, e.g. "
+            "hf://yuyijiong/speculative_pipeline_decoding@v10/Qwen3.5-4B_s4_l4.pt"
+        )
     owner, name = parts[0], parts[1]
     revision = None
     if "@" in name:
@@ -92,20 +94,26 @@ def resolve(source: str | Path, revision: str | None = None) -> Path:
     if not text.startswith(HUB_SCHEME):
         path = Path(text).expanduser()
         if not path.is_file():
-            raise SpdInputError(f"the speculator file '{text}' does not exist; expected a .pt file of the SPD "
-                                "authors or a head directory written by train/distill.py")
+            raise SpdInputError(
+                f"the speculator file '{text}' does not exist; expected a .pt file of the SPD "
+                "authors or a head directory written by train/distill.py"
+            )
         return path
     repo_id, filename, ref_revision = parse_hub_reference(text)
     if ref_revision is not None and revision is not None and ref_revision != revision:
-        raise SpdInputError(f"the hub reference '{text}' names revision '{ref_revision}' but --speculator-revision "
-                            f"is '{revision}'; give the revision once")
+        raise SpdInputError(
+            f"the hub reference '{text}' names revision '{ref_revision}' but --speculator-revision "
+            f"is '{revision}'; give the revision once"
+        )
     from huggingface_hub import hf_hub_download
 
     try:
         return Path(hf_hub_download(repo_id, filename, revision=ref_revision or revision))
     except Exception as exc:  # hub errors come in many classes (offline, 404, auth); all mean "not available"
-        raise SpdInputError(f"could not fetch '{filename}' from the hub repo '{repo_id}' (revision "
-                            f"{ref_revision or revision or 'main'}): {first_line(exc)}") from None
+        raise SpdInputError(
+            f"could not fetch '{filename}' from the hub repo '{repo_id}' (revision "
+            f"{ref_revision or revision or 'main'}): {first_line(exc)}"
+        ) from None
 
 
 def load_authors_file(source: str | Path, revision: str | None = None) -> AuthorsCheckpoint:
@@ -122,29 +130,37 @@ def load_authors_file(source: str | Path, revision: str | None = None) -> Author
         blob = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as exc:
         if "global" in str(exc).lower():  # torch names the blocked global (a function or class to import)
-            raise SpdInputError(f"'{source}' needs arbitrary unpickling (it holds more than tensors and plain "
-                                "containers), which could run code; refused: expected a head file of plain "
-                                "tensors") from None
+            raise SpdInputError(
+                f"'{source}' needs arbitrary unpickling (it holds more than tensors and plain "
+                "containers), which could run code; refused: expected a head file of plain "
+                "tensors"
+            ) from None
         raise SpdInputError(f"'{source}' is not a torch.save file of tensors (unreadable pickle)") from None
     except Exception as exc:  # a malformed file can fail anywhere inside the unpickler (IndexError, struct.error..)
-        raise SpdInputError(f"'{source}' is truncated or not a torch.save file ({type(exc).__name__}: "
-                            f"{first_line(exc)})") from None
+        raise SpdInputError(
+            f"'{source}' is truncated or not a torch.save file ({type(exc).__name__}: {first_line(exc)})"
+        ) from None
     return validate(blob, str(source))
 
 
 def validate(blob, source: str) -> AuthorsCheckpoint:
     """Check the structure of a loaded head file; one sentence for what is wrong."""
-    if not isinstance(blob, dict) or not isinstance(blob.get("state_dict"), dict) \
-            or not isinstance(blob.get("config"), dict):
-        raise SpdInputError(f"'{source}' is not an SPD authors' head file: expected a dict with 'state_dict' and "
-                            "'config'")
+    if (
+        not isinstance(blob, dict)
+        or not isinstance(blob.get("state_dict"), dict)
+        or not isinstance(blob.get("config"), dict)
+    ):
+        raise SpdInputError(
+            f"'{source}' is not an SPD authors' head file: expected a dict with 'state_dict' and 'config'"
+        )
     import torch
 
     config = blob["config"]
     version = config.get("version")
     if version not in VERSIONS:
-        raise SpdInputError(f"'{source}' has head version {version!r}; this toolkit reads versions "
-                            f"{', '.join(map(str, VERSIONS))}")
+        raise SpdInputError(
+            f"'{source}' has head version {version!r}; this toolkit reads versions {', '.join(map(str, VERSIONS))}"
+        )
     missing = [k for k in (*_COMMON_KEYS, *_VERSION_KEYS[version]) if k not in config]
     if missing:
         raise SpdInputError(f"'{source}' (version {version}) lacks config keys {missing}")
@@ -171,27 +187,38 @@ def _check_config(config: dict, state_dict: dict, source: str) -> None:
     # The tower is built with num_spec_layers layers: it must be the number the file holds tensors for.
     layers = {int(k.split(".")[1]) for k in state_dict if k.startswith("spec_layers.") and k.split(".")[1].isdigit()}
     if layers != set(range(config["num_spec_layers"])):
-        raise SpdInputError(f"'{source}' has config num_spec_layers = {config['num_spec_layers']} but holds tensors "
-                            f"for {len(layers)} spec layer(s)")
+        raise SpdInputError(
+            f"'{source}' has config num_spec_layers = {config['num_spec_layers']} but holds tensors "
+            f"for {len(layers)} spec layer(s)"
+        )
     if config["version"] == 10:
         shallow = config["shallow_hidden_layer_indices"]
-        if not (isinstance(shallow, list)
-                and all(isinstance(a, list) and a and all(_is_int(k) and k >= 0 for k in a) for a in shallow)):
-            raise SpdInputError(f"'{source}' has config shallow_hidden_layer_indices that are not lists of layer "
-                                "indices")
+        if not (
+            isinstance(shallow, list)
+            and all(isinstance(a, list) and a and all(_is_int(k) and k >= 0 for k in a) for a in shallow)
+        ):
+            raise SpdInputError(
+                f"'{source}' has config shallow_hidden_layer_indices that are not lists of layer indices"
+            )
     else:
         bound = config["aggr_feature_bound"]
         if not (isinstance(bound, list) and bound and all(_is_int(k) and k >= 0 for k in bound)):
-            raise SpdInputError(f"'{source}' has config aggr_feature_bound = {bound!r}; expected a list of layer "
-                                "indices")
+            raise SpdInputError(
+                f"'{source}' has config aggr_feature_bound = {bound!r}; expected a list of layer indices"
+            )
     draft = config.get("draft_token_ids")
-    if draft is not None and not (isinstance(draft, list) and all(_is_int(t) and t >= 0 for t in draft)
-                                  and len(draft) <= config["vocab_size"]):
-        raise SpdInputError(f"'{source}' has config draft_token_ids that are not a list of at most vocab_size "
-                            f"({config['vocab_size']}) token ids")
+    if draft is not None and not (
+        isinstance(draft, list) and all(_is_int(t) and t >= 0 for t in draft) and len(draft) <= config["vocab_size"]
+    ):
+        raise SpdInputError(
+            f"'{source}' has config draft_token_ids that are not a list of at most vocab_size "
+            f"({config['vocab_size']}) token ids"
+        )
     if "trained_with_use_deepest" in config and not isinstance(config["trained_with_use_deepest"], bool):
-        raise SpdInputError(f"'{source}' has config trained_with_use_deepest = "
-                            f"{config['trained_with_use_deepest']!r}; expected true or false")
+        raise SpdInputError(
+            f"'{source}' has config trained_with_use_deepest = "
+            f"{config['trained_with_use_deepest']!r}; expected true or false"
+        )
 
 
 def read_directory(path: Path) -> AuthorsCheckpoint:

@@ -125,13 +125,19 @@ def _spec_layer_config(staged: StagedModel, num_layers: int, raw: dict, version:
         cfg.intermediate_size = intermediate
         cfg._attn_implementation = "sdpa"
         return cfg, True
-    cfg = Qwen3Config(hidden_size=text.hidden_size, intermediate_size=intermediate,
-                      num_attention_heads=text.num_attention_heads,
-                      num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-                      head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-                      rms_norm_eps=text.rms_norm_eps, attention_bias=getattr(text, "attention_bias", False),
-                      hidden_act=getattr(text, "hidden_act", "silu"), num_hidden_layers=num_layers,
-                      layer_types=["full_attention"] * num_layers, vocab_size=text.vocab_size)
+    cfg = Qwen3Config(
+        hidden_size=text.hidden_size,
+        intermediate_size=intermediate,
+        num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        rms_norm_eps=text.rms_norm_eps,
+        attention_bias=getattr(text, "attention_bias", False),
+        hidden_act=getattr(text, "hidden_act", "silu"),
+        num_hidden_layers=num_layers,
+        layer_types=["full_attention"] * num_layers,
+        vocab_size=text.vocab_size,
+    )
     cfg._attn_implementation = "sdpa"
     return cfg, False
 
@@ -139,8 +145,13 @@ def _spec_layer_config(staged: StagedModel, num_layers: int, raw: dict, version:
 class AuthorsHead(nn.Module):
     """An authors' v10 or v11 head attached to a staged target (see the module docstring)."""
 
-    def __init__(self, checkpoint: AuthorsCheckpoint, staged: StagedModel, use_deepest: bool | None = None,
-                 authors_prefill: bool = True):
+    def __init__(
+        self,
+        checkpoint: AuthorsCheckpoint,
+        staged: StagedModel,
+        use_deepest: bool | None = None,
+        authors_prefill: bool = True,
+    ):
         super().__init__()
         raw, source = checkpoint.config, checkpoint.source
         self.config = cfg = _config_for(checkpoint, staged, use_deepest, authors_prefill)
@@ -159,7 +170,8 @@ class AuthorsHead(nn.Module):
             self.stage_projs = nn.ModuleList(nn.Linear(len(a) * d, d, bias=False) for a in cfg.shallow)
             self.g0_proj = nn.Linear(d, d, bias=False)
             self.fixed_stage_per_layer_projs = nn.ModuleList(
-                nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(n)) for _ in range(cfg.num_layers))
+                nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(n)) for _ in range(cfg.num_layers)
+            )
         else:
             self.aggr_projs = nn.ModuleList(nn.Linear((i + 1) * d, d, bias=False) for i in range(len(cfg.bound)))
         vocab_out = len(cfg.draft_token_ids) if cfg.draft_token_ids is not None else cfg.vocab_size
@@ -167,8 +179,9 @@ class AuthorsHead(nn.Module):
         self.to(dtype=staged.dtype, device=staged.device)
         _load_state(self, checkpoint.state_dict, source, staged.dtype)
         if cfg.draft_token_ids is not None:
-            self.register_buffer("draft_ids", torch.tensor(cfg.draft_token_ids, dtype=torch.long,
-                                                           device=staged.device), persistent=False)
+            self.register_buffer(
+                "draft_ids", torch.tensor(cfg.draft_token_ids, dtype=torch.long, device=staged.device), persistent=False
+            )
         else:
             self.draft_ids = None
         # The target's final norm and rotary embedding are used, not stored (as in their code).
@@ -191,8 +204,15 @@ class AuthorsHead(nn.Module):
 
     def new_cache(self, batch_size: int = 1, capacity: int = 256) -> AuthorsCache:
         p = self.lm_head.weight
-        kv = StageKVCache(list(range(self.config.num_layers)), self.layer_cfg.num_key_value_heads,
-                          self.layer_cfg.head_dim, batch_size, capacity, p.dtype, p.device)
+        kv = StageKVCache(
+            list(range(self.config.num_layers)),
+            self.layer_cfg.num_key_value_heads,
+            self.layer_cfg.head_dim,
+            batch_size,
+            capacity,
+            p.dtype,
+            p.device,
+        )
         return AuthorsCache(kv)
 
     def prefill_memory(self, cache: AuthorsCache, anchors: dict[int, torch.Tensor]) -> None:
@@ -297,8 +317,9 @@ class AuthorsHead(nn.Module):
             return self.logits(torch.stack(out, dim=1)[0]).unsqueeze(0)
         m = len(cfg.bound)
         types = list(range(m - 1, -1, -1))  # block b holds aggregation type m-1-b
-        rows_1MD = torch.cat([self.aggr_projs[i](torch.cat([hidden[a] for a in cfg.bound[: i + 1]], dim=-1))
-                              for i in types], dim=1)
+        rows_1MD = torch.cat(
+            [self.aggr_projs[i](torch.cat([hidden[a] for a in cfg.bound[: i + 1]], dim=-1)) for i in types], dim=1
+        )
         # A type no depth maps to gets n + 1 (their aggr_to_min_depth): it then reads the deepest type.
         min_depth = [min([d for d in range(n + 1) if cfg.aggr_type(d) == i] or [n + 1]) for i in range(m)]
         pos = torch.arange(s_len)
@@ -314,7 +335,7 @@ class AuthorsHead(nn.Module):
         pos_1M = pos.repeat(m)[None].to(rows_1MD.device)
         cos, sin = self.rotary(rows_1MD, pos_1M)
         x = self._decoder(rows_1MD, cos, sin, pos_1M, self.new_cache(capacity=m * s_len).kv, mask_11MM)
-        return self.logits(x[0, (m - 1) * s_len:]).unsqueeze(0)
+        return self.logits(x[0, (m - 1) * s_len :]).unsqueeze(0)
 
     # ---------------------------------------------------------------------------------------- pieces
     def _choose(self, snap: dict, nominal: int, cap: int) -> int:
@@ -342,16 +363,18 @@ class AuthorsHead(nn.Module):
         """Run the tower on rows at positions ``first ..`` after the cached ones; the last row's output (1, D)."""
         return self._tower_many([cache], [rows_1RD], [first], [slots])
 
-    def _tower_many(self, caches: list[AuthorsCache], rows: list[torch.Tensor], firsts: list[int],
-                    slots: list[list[int]]) -> torch.Tensor:
+    def _tower_many(
+        self, caches: list[AuthorsCache], rows: list[torch.Tensor], firsts: list[int], slots: list[list[int]]
+    ) -> torch.Tensor:
         """:meth:`_tower` for B queries in one call: query ``b``'s rows ``(1, R_b, D)`` at positions ``firsts[b] ..``
         after ``caches[b]``'s rows, left-padded to the longest (so every query's newest row is the last); each
         cache gets its query's keys and values. The last row's output of each, ``(B, D)``. One query runs as
         before batching, on its own cache."""
         for cache, first in zip(caches, firsts):
             if cache.kv.length != first:
-                raise RuntimeError(f"authors head: rows start at position {first} but the cache holds "
-                                   f"{cache.kv.length}")
+                raise RuntimeError(
+                    f"authors head: rows start at position {first} but the cache holds {cache.kv.length}"
+                )
         sizes = [r.shape[1] for r in rows]
         width = max(sizes)
         dev = rows[0].device
@@ -359,9 +382,9 @@ class AuthorsHead(nn.Module):
         pos_BR = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
         slots_BR = torch.full((len(rows), width), -1, dtype=torch.long)  # -1: padding
         for b, (r_1RD, first, size) in enumerate(zip(rows, firsts, sizes)):
-            rows_BRD[b, width - size:] = r_1RD[0]
-            pos_BR[b, width - size:] = torch.arange(first, first + size, device=dev)
-            slots_BR[b, width - size:] = torch.tensor(slots[b])
+            rows_BRD[b, width - size :] = r_1RD[0]
+            pos_BR[b, width - size :] = torch.arange(first, first + size, device=dev)
+            slots_BR[b, width - size :] = torch.tensor(slots[b])
         cos, sin = self.rotary(rows_BRD, pos_BR)
         for cache, first, size in zip(caches, firsts, sizes):
             cache.kv.reserve(first + size)
@@ -381,8 +404,14 @@ class AuthorsHead(nn.Module):
         """v11: every row through every layer (keys/values appended after ``kv``'s rows)."""
         for j, layer in enumerate(self.spec_layers):
             if self._gated:
-                x_1RD = layer(x_1RD, attention_mask=mask_11RK, position_ids=pos_1R, use_cache=True,
-                              position_embeddings=(cos, sin), **{cache_keyword(layer): kv})
+                x_1RD = layer(
+                    x_1RD,
+                    attention_mask=mask_11RK,
+                    position_ids=pos_1R,
+                    use_cache=True,
+                    position_embeddings=(cos, sin),
+                    **{cache_keyword(layer): kv},
+                )
             else:
                 x_1RD = self._layer(layer, j, x_1RD, cos, sin, kv, mask_11RK, list(range(x_1RD.shape[1])))
         return x_1RD
@@ -423,8 +452,9 @@ class AuthorsHead(nn.Module):
         groups = q.shape[1] // k_all.shape[1]
         k_all, v_all = k_all.repeat_interleave(groups, dim=1), v_all.repeat_interleave(groups, dim=1)
         with decode_kernels(q.device):
-            out = F.scaled_dot_product_attention(q[:, :, out_rows], k_all, v_all,
-                                                 attn_mask=mask_11RK[:, :, out_rows], scale=attn.scaling)
+            out = F.scaled_dot_product_attention(
+                q[:, :, out_rows], k_all, v_all, attn_mask=mask_11RK[:, :, out_rows], scale=attn.scaling
+            )
         y = x_1RD[:, out_rows] + attn.o_proj(out.transpose(1, 2).reshape(b, len(out_rows), -1))
         return y + layer.mlp(layer.post_attention_layernorm(y))
 
@@ -442,14 +472,15 @@ class _PaddedKV:
         keys_BHkKDh = key_BHkRDh.new_zeros(b, h, self.keys, d)
         values_BHkKDh = value_BHkRDh.new_zeros(b, h, self.keys, d)
         for i, (kv, size) in enumerate(zip(self.kvs, self.sizes)):
-            k, v = kv.update(key_BHkRDh[i:i + 1, :, -size:], value_BHkRDh[i:i + 1, :, -size:], layer_idx)
-            keys_BHkKDh[i, :, :k.shape[2]] = k[0]  # copied now: another query of the same cache may write next
-            values_BHkKDh[i, :, :v.shape[2]] = v[0]
+            k, v = kv.update(key_BHkRDh[i : i + 1, :, -size:], value_BHkRDh[i : i + 1, :, -size:], layer_idx)
+            keys_BHkKDh[i, :, : k.shape[2]] = k[0]  # copied now: another query of the same cache may write next
+            values_BHkKDh[i, :, : v.shape[2]] = v[0]
         return keys_BHkKDh, values_BHkKDh
 
 
-def _config_for(checkpoint: AuthorsCheckpoint, staged: StagedModel, use_deepest: bool | None,
-                authors_prefill: bool) -> AuthorsHeadConfig:
+def _config_for(
+    checkpoint: AuthorsCheckpoint, staged: StagedModel, use_deepest: bool | None, authors_prefill: bool
+) -> AuthorsHeadConfig:
     """Read their config, check it against the target (``base_model_path`` is ignored), one sentence if not."""
     raw, source = checkpoint.config, checkpoint.source
     n, big_l = int(raw["num_stages"]), staged.num_layers
@@ -466,8 +497,9 @@ def _config_for(checkpoint: AuthorsCheckpoint, staged: StagedModel, use_deepest:
     if draft is not None:
         draft = sorted({int(t) for t in draft})
         if draft and not 0 <= draft[0] <= draft[-1] < staged.vocab_size:
-            raise SpdInputError(f"the head '{source}' has draft_token_ids outside the target's vocabulary "
-                                f"(0..{staged.vocab_size - 1})")
+            raise SpdInputError(
+                f"the head '{source}' has draft_token_ids outside the target's vocabulary (0..{staged.vocab_size - 1})"
+            )
     version = int(raw["version"])
     shallow = bound = None
     if version == 10:
@@ -475,19 +507,35 @@ def _config_for(checkpoint: AuthorsCheckpoint, staged: StagedModel, use_deepest:
         bad = len(shallow) != n or any(not 0 <= k <= big_l for a in shallow for k in a)
     else:
         bound = [int(k) for k in raw["aggr_feature_bound"]]
-        bad = (not bound or bound[0] != 0 or any(x >= y for x, y in zip(bound, bound[1:])) or bound[-1] > big_l
-               or len(bound) > n + 1)
+        bad = (
+            not bound
+            or bound[0] != 0
+            or any(x >= y for x, y in zip(bound, bound[1:]))
+            or bound[-1] > big_l
+            or len(bound) > n + 1
+        )
     if bad:
         what = "shallow_hidden_layer_indices" if version == 10 else "aggr_feature_bound"
-        raise SpdInputError(f"the head '{source}' has {what} that do not fit a {big_l}-layer target cut into {n} "
-                            "stages")
+        raise SpdInputError(
+            f"the head '{source}' has {what} that do not fit a {big_l}-layer target cut into {n} stages"
+        )
     if use_deepest is None or raw.get("trained_with_use_deepest"):
         use_deepest = True  # their evaluation scripts' default, and forced for heads trained with it
-    return AuthorsHeadConfig(version=version, hidden_size=int(raw["hidden_size"]), vocab_size=int(raw["vocab_size"]),
-                             n_stages=n, num_layers=int(raw["num_spec_layers"]), target_num_layers=big_l,
-                             boundaries=[big_l // n * s for s in range(n + 1)], shallow=shallow, bound=bound,
-                             draft_token_ids=draft, use_deepest=bool(use_deepest), authors_prefill=authors_prefill,
-                             raw=dict(raw))
+    return AuthorsHeadConfig(
+        version=version,
+        hidden_size=int(raw["hidden_size"]),
+        vocab_size=int(raw["vocab_size"]),
+        n_stages=n,
+        num_layers=int(raw["num_spec_layers"]),
+        target_num_layers=big_l,
+        boundaries=[big_l // n * s for s in range(n + 1)],
+        shallow=shallow,
+        bound=bound,
+        draft_token_ids=draft,
+        use_deepest=bool(use_deepest),
+        authors_prefill=authors_prefill,
+        raw=dict(raw),
+    )
 
 
 def _load_state(head: AuthorsHead, state_dict: dict[str, torch.Tensor], source: str, dtype: torch.dtype) -> None:
@@ -496,17 +544,26 @@ def _load_state(head: AuthorsHead, state_dict: dict[str, torch.Tensor], source: 
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
     if missing or unexpected:
-        raise SpdInputError(f"the head '{source}' does not match its version's layout: missing {missing[:3]}, "
-                            f"unexpected {unexpected[:3]}")
+        raise SpdInputError(
+            f"the head '{source}' does not match its version's layout: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
     for key, tensor in state_dict.items():
         if tuple(tensor.shape) != tuple(own[key].shape):
-            raise SpdInputError(f"the head '{source}' has '{key}' of shape {tuple(tensor.shape)}, but this target "
-                                f"needs {tuple(own[key].shape)}")
+            raise SpdInputError(
+                f"the head '{source}' has '{key}' of shape {tuple(tensor.shape)}, but this target "
+                f"needs {tuple(own[key].shape)}"
+            )
     head.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()})
 
 
-def load_authors_head(source: str, staged: StagedModel, revision: str | None = None, use_deepest: bool | None = None,
-                      authors_prefill: bool = True) -> AuthorsHead:
+def load_authors_head(
+    source: str,
+    staged: StagedModel,
+    revision: str | None = None,
+    use_deepest: bool | None = None,
+    authors_prefill: bool = True,
+) -> AuthorsHead:
     """An authors' head file (path or ``hf://`` reference) attached to ``staged``."""
     from .authors_file import load_authors_file
 

@@ -45,15 +45,18 @@ def check_output_directory(out_dir: str | Path, force: bool = False) -> str:
         return "new"
     if not out.is_dir():
         # Replacing a file with a directory would delete a file we did not write, --force or not.
-        raise SpdInputError(f"the output '{out_dir}' exists and is not a directory; expected a new or converted "
-                            "head directory")
+        raise SpdInputError(
+            f"the output '{out_dir}' exists and is not a directory; expected a new or converted head directory"
+        )
     if is_converted_directory(out):
         return "ours"
     if not any(out.iterdir()):
         return "empty"
     if not force:
-        raise SpdInputError(f"the output directory '{out_dir}' already holds files that spd-convert did not write; "
-                            f"pass a new directory, or --force to write {' and '.join(DIR_FILES)} beside them")
+        raise SpdInputError(
+            f"the output directory '{out_dir}' already holds files that spd-convert did not write; "
+            f"pass a new directory, or --force to write {' and '.join(DIR_FILES)} beside them"
+        )
     return "force"
 
 
@@ -94,8 +97,12 @@ def to_directory(source: str, out_dir: str | Path, revision: str | None = None, 
     try:
         tensors = {k: v.contiguous() for k, v in checkpoint.state_dict.items()}
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-        config = {"model_type": DIR_MODEL_TYPE, "source": str(source), "revision": revision,
-                  "authors_config": checkpoint.config}
+        config = {
+            "model_type": DIR_MODEL_TYPE,
+            "source": str(source),
+            "revision": revision,
+            "authors_config": checkpoint.config,
+        }
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name in DIR_FILES:
             fsync_path(tmp / name)
@@ -155,8 +162,10 @@ def to_authors_file(source_dir: str | Path, out_file: str | Path, force: bool = 
         except ValueError:
             pass
     if model_type == "spd_speculator":
-        raise SpdInputError(f"'{source_dir}' is one of our heads: convert it with head_to_authors_file (it needs "
-                            "the target) or spd-convert --target")
+        raise SpdInputError(
+            f"'{source_dir}' is one of our heads: convert it with head_to_authors_file (it needs "
+            "the target) or spd-convert --target"
+        )
     checkpoint = read_directory(source_dir)
     return _save_file_atomic({"state_dict": checkpoint.state_dict, "config": checkpoint.config}, out_file, force)
 
@@ -176,8 +185,10 @@ def head_to_authors_file(head_dir: str | Path, target, out_file: str | Path, for
     rotary_dim = target.rotary_emb.inv_freq.numel() * 2
     why = []
     if cfg.num_layers != 1:
-        why.append(f"it has {cfg.num_layers} layers (their query row's keys come from its running stream: only one "
-                   "layer agrees)")
+        why.append(
+            f"it has {cfg.num_layers} layers (their query row's keys come from its running stream: only one "
+            "layer agrees)"
+        )
     if cfg.memory_proj:
         why.append("it has per-depth memory projections (theirs compose across layers)")
     if not cfg.qk_norm:
@@ -210,9 +221,20 @@ def head_to_authors_file(head_dir: str | Path, target, out_file: str | Path, for
     # lm_head(ours_norm(x)) = lm_head(diag(w / g) target_norm(x)) for equal epsilons.
     folded = head.lm_head.weight.double() * (head.norm.weight.double() / scale)[None, :]
     state["lm_head.weight"] = folded.to(head.lm_head.weight.dtype)
-    config = {"hidden_size": d, "vocab_size": cfg.vocab_size, "model_type": tcfg.model_type,
-              "base_model_path": cfg.target_name_or_path, "draft_vocab_size": cfg.vocab_size, "num_stages": n,
-              "num_spec_layers": cfg.num_layers, "version": 10, "trained_with_use_deepest": True,
-              "shallow_hidden_layer_indices": [list(cfg.anchors[n - b]) for b in range(n)]}
-    return _save_file_atomic({"state_dict": {k: v.detach().clone().contiguous() for k, v in state.items()},
-                              "config": config}, out_file, force)
+    config = {
+        "hidden_size": d,
+        "vocab_size": cfg.vocab_size,
+        "model_type": tcfg.model_type,
+        "base_model_path": cfg.target_name_or_path,
+        "draft_vocab_size": cfg.vocab_size,
+        "num_stages": n,
+        "num_spec_layers": cfg.num_layers,
+        "version": 10,
+        "trained_with_use_deepest": True,
+        "shallow_hidden_layer_indices": [list(cfg.anchors[n - b]) for b in range(n)],
+    }
+    return _save_file_atomic(
+        {"state_dict": {k: v.detach().clone().contiguous() for k, v in state.items()}, "config": config},
+        out_file,
+        force,
+    )
