@@ -41,6 +41,8 @@ class ScriptedEngine(Engine):
 class _ScriptedProposer:
     """A real proposer whose one candidate per step is forced to the scripted token (all other log-probs -inf)."""
 
+    batches = False  # asked alone (a wrapper has no expand_many)
+
     def __init__(self, inner, reference, prompt_len, right, vocab_size):
         self.inner, self.reference, self.prompt_len, self.right = inner, reference, prompt_len, right
         self.vocab_size = vocab_size
@@ -224,6 +226,8 @@ class RecordingEngine(Engine):
         inner, records = self.proposer, self.records
 
         class Recording:
+            batches = False  # asked alone (a wrapper has no expand_many)
+
             def __getattr__(self, name):
                 return getattr(inner, name)
 

@@ -89,3 +89,27 @@ def test_the_public_api_is_importable_from_spd_and_import_spd_stays_light():
 
     with pytest.raises(AttributeError, match="no attribute 'PipelineEngine'"):
         spd.PipelineEngine
+
+
+def test_every_stage_backend_has_the_protocols_methods():
+    """LocalStages and RemoteStages are StageBackends, LocalBatch and RemoteBatch BatchBackends: each method of the
+    protocol, with its parameters in order."""
+    import inspect
+
+    from spd.decoding.backend import BatchBackend, StageBackend
+    from spd.decoding.batch import LocalBatch
+    from spd.decoding.loop import LocalStages
+    from spd.runtime.batch import RemoteBatch
+    from spd.runtime.remote import RemoteStages
+
+    def methods(protocol):
+        return {name: fn for name, fn in vars(protocol).items() if inspect.isfunction(fn) and not name.startswith("_")}
+
+    for protocol, backends in ((StageBackend, (LocalStages, RemoteStages)), (BatchBackend, (LocalBatch, RemoteBatch))):
+        assert methods(protocol), protocol
+        for backend in backends:
+            for name, fn in methods(protocol).items():
+                assert callable(getattr(backend, name, None)), (backend.__name__, name)
+                want = list(inspect.signature(fn).parameters)
+                got = list(inspect.signature(getattr(backend, name)).parameters)
+                assert got == want, (backend.__name__, name, got, want)

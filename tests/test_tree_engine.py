@@ -46,6 +46,8 @@ class ScriptedSource:
     ``rank``-th after the node, the ``rank`` tokens before it at log-prob 0 and it just below, so the path is always
     kept) or wrong (the reference token removed), by ``right(position)``."""
 
+    batches = False  # asked alone (a wrapper has no expand_many)
+
     def __init__(self, inner, sequence, right, rank=0):
         self.inner, self.sequence, self.right, self.rank = inner, sequence, right, rank
 
@@ -139,6 +141,8 @@ class ConfidentDetours:
     """A source that is right but unsure on the reference path (the reference token best at -0.7, a wrong one at
     -0.75) and sure of two tokens everywhere off it: ranked by score alone, the detours push the right path out of
     the beam within a few levels."""
+
+    batches = False  # asked alone (a wrapper has no expand_many)
 
     def __init__(self, inner, sequence):
         self.inner, self.sequence = inner, sequence

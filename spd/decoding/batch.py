@@ -378,7 +378,9 @@ class BatchedPipeline:
             self.queue.popleft()
             request.region = region
             request.stages.caches = self.backend.open(region)
-            if hasattr(request.source, "use_pool"):  # its proposer's cache in a pool of the batch's (given back at
+            if (
+                request.source is not None and request.source.pooled
+            ):  # its proposer's cache in a pool of the batch's (given back at
                 if self.proposer_pool is None:  # the end): a draft model's KV at the same rows, a head's a slot
                     self.proposer_pool = request.source.new_pool(self.pool.rows, self.max_batch)
                 request.source.use_pool(self.proposer_pool, region)
@@ -514,7 +516,7 @@ class BatchedPipeline:
         request.state = state
         request.work = None
         request.chunks = []
-        if request.source is not None and hasattr(request.source, "leave_pool"):
+        if request.source is not None and request.source.pooled:
             request.source.leave_pool()
         if request.region is not None:
             self.backend.release(request.region)

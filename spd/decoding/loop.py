@@ -81,7 +81,8 @@ from ..target.staging import StageKVCache, StagedModel, StageOutput
 
 
 class LocalStages:
-    """All ``n`` stages in this process, each with its own KV cache: the reference stage back-end.
+    """All ``n`` stages in this process, each with its own KV cache: the reference stage back-end
+    (:class:`spd.decoding.backend.StageBackend`).
 
     The loop talks to its stages only through these methods; :class:`spd.runtime.remote.RemoteStages` implements
     them over ``torch.distributed`` (one process per stage).

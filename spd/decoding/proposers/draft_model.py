@@ -66,6 +66,8 @@ class DraftModelProposer:
     """
 
     chain_only = False  # it has tree semantics
+    batches = True  # (Proposer: optional capabilities)
+    pooled = True
     needed_anchors: tuple[int, ...] = ()
     prefill_anchors: tuple[int, ...] = ()
     ids = None  # its outputs are target token ids

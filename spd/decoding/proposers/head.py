@@ -38,6 +38,9 @@ class HeadProposer:
     paths); a node's query is the same whichever came before it.
     """
 
+    batches = True  # (Proposer: optional capabilities)
+    pooled = False
+
     def __init__(self, head, staged: StagedModel, children: int = 4, mode: str = "tree", tokenizer=None):
         cfg = head.config
         check_compatible(cfg, staged, mode=mode)

@@ -44,6 +44,11 @@ class Proposer(Protocol):
     target ids (None: they are target ids); ``children`` caps the candidates per node; ``num_layers`` is its
     depth for the step cost model (0: hidden behind a stage); ``chain_only`` marks a schedule with no tree semantics
     (width 1 only).
+
+    Two optional capabilities are declared by class attributes, never probed: ``batches`` (True: the class has
+    ``batch_key()`` and a static ``expand_many(items)`` that answers many requests' queries in one call, see
+    :func:`propose_many`) and ``pooled`` (True: it has ``new_pool(rows, slots)``, ``use_pool(pool, region)`` and
+    ``leave_pool()``, and keeps a request's cache in a pool of the batch's).
     """
 
     schedule: str
@@ -53,6 +58,8 @@ class Proposer(Protocol):
     children: int
     num_layers: int
     chain_only: bool
+    batches: bool
+    pooled: bool
 
     def start(self, prompt_ids: list[int], anchors: dict[int, torch.Tensor], capacity: int) -> None:
         """A request starts: the prompt's ids and its ``prefill_anchors`` (``H^l`` (1, T, D) each)."""
@@ -77,12 +84,12 @@ class Proposer(Protocol):
 
 def propose_many(items: list) -> list[torch.Tensor]:
     """The answers to many requests' proposer queries (:class:`spd.decoding.loop.Propose`), in their order: the
-    sources that can be asked together (a class with ``expand_many``, the same ``batch_key()``) in one call per
+    proposers that can be asked together (a class that ``batches``, the same ``batch_key()``) in one call per
     group; the others, and a group of one, each alone (so a batch of one asks exactly as a single request does)."""
     answers: list[torch.Tensor | None] = [None] * len(items)
     groups: dict[tuple, list[int]] = {}
     for i, item in enumerate(items):
-        key = item.source.batch_key() if getattr(type(item.source), "expand_many", None) is not None else None
+        key = item.source.batch_key() if type(item.source).batches else None
         groups.setdefault((type(item.source), key) if key is not None else (None, i), []).append(i)
     for (kind, _), indices in groups.items():
         if len(indices) == 1:

@@ -29,6 +29,8 @@ class SerialHeadProposer:
     rollback."""
 
     chain_only = False  # it has tree semantics
+    batches = False  # (Proposer: optional capabilities)
+    pooled = False
     schedule = "serial"
     needed_anchors: tuple[int, ...] = ()  # tokens in flight enter through their embeddings, not the target's states
     ids = None  # its log-probabilities are over the target's vocabulary (-inf outside a draft vocabulary)

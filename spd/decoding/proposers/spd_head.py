@@ -41,6 +41,8 @@ class SpdHeadProposer:
     """
 
     chain_only = False  # it has tree semantics
+    batches = True  # (Proposer: optional capabilities)
+    pooled = True
     schedule = "input"
 
     def __init__(self, head: Speculator, staged: StagedModel, children: int = 4, mode: str = "tree", tokenizer=None):
