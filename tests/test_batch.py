@@ -173,7 +173,7 @@ def test_the_head_s_memory_slots_are_taken_and_given_back(target_model):
     def watch(i):
         def on_token(token, accepted):
             counts[i] += 1
-            slots_seen.add(requests[i].source.cache.slot)
+            slots_seen.add(requests[i].proposer.cache.slot)
             if i == 2 and counts[i] == 3:
                 raise ValueError("the client went away")
             if i == 5 and counts[i] == 3:

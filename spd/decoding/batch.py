@@ -150,7 +150,7 @@ class BatchRequest:
         self.state = "queued"
         self.work: Prefill | Advance | None = None
         self.region: Region | None = None
-        self.source = None  # its own copy of the engine's proposer (None: the standard pipeline)
+        self.proposer = None  # its own copy of the engine's proposer (None: the standard pipeline)
         self.width = None  # its own width policy (a copy of the engine's; SharedWidth under a node budget)
         self.output: GenerationOutput | None = None
         self.error: BaseException | None = None
@@ -260,7 +260,7 @@ class BatchedPipeline:
         joins. ``on_token(token, accepted)`` is called for each committed token and may return True to end it;
         ``on_done(request)`` when it ends."""
         use_head = self._use_head(mode)
-        source, stats = self.engine.request_parts(use_head)
+        proposer, stats = self.engine.request_parts(use_head)
         stages = self.backend.request_stages()
         request = BatchRequest(next(self._ids), None, stages, on_done)
 
@@ -269,12 +269,12 @@ class BatchedPipeline:
             return stop or request.cancelled
 
         # Each request has its own proposer state and width policy (the head's weights are shared).
-        request.source = copy.copy(source) if source is not None else None
+        request.proposer = copy.copy(proposer) if proposer is not None else None
         request.width = copy.deepcopy(self.loop.policy)
         if self.tree_nodes is not None:
             request.width = SharedWidth(request.width)
         steps = self.loop.steps(
-            request.source,
+            request.proposer,
             input_ids,
             max_new_tokens,
             sampling,
@@ -379,11 +379,11 @@ class BatchedPipeline:
             request.region = region
             request.stages.caches = self.backend.open(region)
             if (
-                request.source is not None and request.source.pooled
+                request.proposer is not None and request.proposer.pooled
             ):  # its proposer's cache in a pool of the batch's (given back at
                 if self.proposer_pool is None:  # the end): a draft model's KV at the same rows, a head's a slot
-                    self.proposer_pool = request.source.new_pool(self.pool.rows, self.max_batch)
-                request.source.use_pool(self.proposer_pool, region)
+                    self.proposer_pool = request.proposer.new_pool(self.pool.rows, self.max_batch)
+                request.proposer.use_pool(self.proposer_pool, region)
             request.prefill_stage_anchors = anchors_by_stage(self.staged.boundaries, request.work.anchors)
             request.state = "prefill"
             self.active.append(request)
@@ -516,8 +516,8 @@ class BatchedPipeline:
         request.state = state
         request.work = None
         request.chunks = []
-        if request.source is not None and request.source.pooled:
-            request.source.leave_pool()
+        if request.proposer is not None and request.proposer.pooled:
+            request.proposer.leave_pool()
         if request.region is not None:
             self.backend.release(request.region)
             request.region = None

@@ -203,18 +203,18 @@ class Advance:
 @dataclass
 class Propose:
     """Work a request hands its driver: the proposer's distributions after the tree's bottom nodes,
-    ``source.expand(tree, context, levels)``; the driver answers with the ``(L, X)`` log-probabilities. :func:`drive`
-    asks the source at once; a batched driver asks every request's source together
-    (:func:`spd.decoding.proposers.propose_many`: one batched head call where the sources share a head)."""
+    ``proposer.expand(tree, context, levels)``; the driver answers with the ``(L, X)`` log-probabilities. :func:`drive`
+    asks the proposer at once; a batched driver asks every request's proposer together
+    (:func:`spd.decoding.proposers.propose_many`: one batched head call where the proposers share a head)."""
 
-    source: Proposer
+    proposer: Proposer
     tree: TokenTree
     context: list[int]
     levels: list[Level]
 
     def answer(self) -> torch.Tensor:
         """The proposer's answer, asked alone."""
-        return self.source.expand(self.tree, self.context, self.levels)
+        return self.proposer.expand(self.tree, self.context, self.levels)
 
 
 @dataclass
@@ -300,14 +300,14 @@ class StepLoop:
         self.staged, self.stages, self.policy, self.candidates = staged, stages, policy, candidates
         self.verify_sampled = verify_sampled  # the rule for sampled children (a test swaps in a lossy control)
 
-    def stage_anchors(self, source: Proposer | None) -> list[list[int]]:
+    def stage_anchors(self, proposer: Proposer | None) -> list[list[int]]:
         """Anchors each stage hands to the proposer (:func:`anchors_by_stage` of its ``needed_anchors``)."""
-        return anchors_by_stage(self.staged.boundaries, source.needed_anchors if source is not None else ())
+        return anchors_by_stage(self.staged.boundaries, proposer.needed_anchors if proposer is not None else ())
 
     @torch.inference_mode()
     def run(
         self,
-        source: Proposer | None,
+        proposer: Proposer | None,
         input_ids,
         max_new_tokens: int,
         sampling: SamplingParams,
@@ -317,12 +317,12 @@ class StepLoop:
     ) -> GenerationOutput:
         """One request (no EOS unless given); ``stats`` is filled in (a TreeStats gets the tree's counters too)."""
         return drive(
-            self.stages, self.steps(source, input_ids, max_new_tokens, sampling, eos_token_id, on_token, stats)
+            self.stages, self.steps(proposer, input_ids, max_new_tokens, sampling, eos_token_id, on_token, stats)
         )
 
     def steps(
         self,
-        source: Proposer | None,
+        proposer: Proposer | None,
         input_ids,
         max_new_tokens: int,
         sampling: SamplingParams,
@@ -355,23 +355,23 @@ class StepLoop:
         generator = None if sampling.greedy else sampling.generator(staged.device)
         capacity = end_position + n * policy.max_width + 1
         policy.reset()
-        stages.configure(self.stage_anchors(source), paths=policy.max_width == 1)
+        stages.configure(self.stage_anchors(proposer), paths=policy.max_width == 1)
 
         t0 = time.perf_counter()
         # Run the prompt through every stage and the proposer; the first new token comes from the last logits.
         prefill = yield Prefill(
             torch.tensor([prompt], dtype=torch.long, device=staged.device),
-            list(source.prefill_anchors) if source is not None else [],
+            list(proposer.prefill_anchors) if proposer is not None else [],
             capacity,
         )
-        if source is not None:
-            source.start(prompt, prefill.anchors, capacity)
+        if proposer is not None:
+            proposer.start(prompt, prefill.anchors, capacity)
         first = int(select_token(staged.logits(prefill.hidden_BTD[:, -1]), sampling, generator)[0])
         stats.prefill_time_s = time.perf_counter() - t0
         out, stop = first_output(first, stats, eos, budget, max_new_tokens, on_token)
         request = _Request(
             self,
-            source,
+            proposer,
             stages,
             policy,
             sampling,
@@ -475,7 +475,7 @@ class _Request:
     levels added since the last (re)seed. The generator methods hand their work to the driver as ``steps`` does."""
 
     loop: StepLoop
-    source: Proposer | None
+    proposer: Proposer | None
     stages: object
     policy: FixedWidth | AdaptiveWidth
     sampling: SamplingParams
@@ -497,29 +497,29 @@ class _Request:
 
     @property
     def schedule(self) -> str:
-        return self.source.schedule if self.source is not None else "none"
+        return self.proposer.schedule if self.proposer is not None else "none"
 
     def enter_root(self) -> Level:
         """The root alone, about to enter stage 1 (a seed: its rank is 0 while the pipeline refills)."""
-        needs_embedding = self.source is not None and 0 in self.source.needed_anchors
+        needs_embedding = self.proposer is not None and 0 in self.proposer.needed_anchors
         return self.loop._enter(self.tree, 0, 1, rank=0, needs_embedding=needs_embedding)
 
     def grow(self):
         """Step 1: the proposer's next level (None: nothing proposed), not yet in flight (a generator: the
         proposer's query goes to the driver)."""
-        source, tree, policy, stats = self.source, self.tree, self.policy, self.stats
-        if source is None or len(self.context) + tree.depth + 1 >= self.end_position:
+        proposer, tree, policy, stats = self.proposer, self.tree, self.policy, self.stats
+        if proposer is None or len(self.context) + tree.depth + 1 >= self.end_position:
             return None
         tick = time.perf_counter()
-        logprobs_LX = yield Propose(source, tree, self.context, self.levels)
+        logprobs_LX = yield Propose(proposer, tree, self.context, self.levels)
         width, children = policy.width, policy.children
         if self.rule == "top-k":
-            new_N = grow_top_k(tree, logprobs_LX, source.ids, width, children)
+            new_N = grow_top_k(tree, logprobs_LX, proposer.ids, width, children)
         else:
             new_N = grow_sampled(
                 tree,
                 logprobs_LX,
-                source.ids,
+                proposer.ids,
                 width,
                 children,
                 self.sampling,
@@ -537,7 +537,7 @@ class _Request:
         # While the seed (a root of rank 0) is in flight the pipeline is still refilling.
         n = self.loop.staged.n_stages
         rank = min(self.grown, n) if self.levels[0].rank == 0 else n
-        return self.loop._enter(tree, int(new_N[0]), len(tree), rank=rank, needs_embedding=0 in source.needed_anchors)
+        return self.loop._enter(tree, int(new_N[0]), len(tree), rank=rank, needs_embedding=0 in proposer.needed_anchors)
 
     def advance(self, moving: list[Level], committed: int, after_verify: bool = False, meanwhile=None, then=()):
         """Step 2 for ``moving``, handed to the driver (``then``: see :class:`Advance`); ``meanwhile()`` (step 1)
@@ -550,8 +550,8 @@ class _Request:
         busy = time.perf_counter() - started  # step 1's time, not the stages'
         yield COLLECT
         self.stats.stage_time_s += time.perf_counter() - tick - busy
-        if self.source is not None:
-            self.source.advanced(moving, self.tree, committed)
+        if self.proposer is not None:
+            self.proposer.advanced(moving, self.tree, committed)
         return result
 
     def propose(self, committed: int, exits: bool):
@@ -604,7 +604,7 @@ class _Request:
         token, prunes the tree (a hit) or reseeds it (a miss); returns the levels whose stages ran this step too and
         are still to be taken (a generator, as ``steps``)."""
         tick = time.perf_counter()
-        tree, stats, stages, source = self.tree, self.stats, self.stages, self.source
+        tree, stats, stages, proposer = self.tree, self.stats, self.stages, self.proposer
         root = self.levels.pop(0)
         rest = list(self.levels)  # their stages ran this step too; taken after the prune
         if new_level is not None:
@@ -637,12 +637,12 @@ class _Request:
         if not self.stop and self.levels[-1].depth == 0:
             stages.launch_level(self.levels[-1], tree, len(self.context))  # stage 1's next level, as soon as decided
         # The proposer's own bookkeeping comes after that release (not on the stages' critical path).
-        if source is not None:
-            source.commit_root(root)
+        if proposer is not None:
+            proposer.commit_root(root)
             if child is not None:
-                source.prune(committed, kept)
+                proposer.prune(committed, kept)
             else:
-                source.reset(committed + 1)
+                proposer.reset(committed + 1)
         stats.verify_time_s += time.perf_counter() - tick
         if self.on_token is not None and self.on_token(token, child is not None) and not self.stop:
             self.stop = "stopped"  # the caller ended the request (levels still in flight are discarded)

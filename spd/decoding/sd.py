@@ -1,8 +1,8 @@
 """Classic speculative decoding on the whole target (``--mode sd``): serial drafting, the paper's baseline.
 
-No pipeline: a token source drafts ``m`` tokens one after another (``--draft-steps``), then the target
+No pipeline: a proposer drafts ``m`` tokens one after another (``--draft-steps``), then the target
 runs the last committed token and the ``m`` drafts in **one** forward and verifies them left to right.
-The token source is a :class:`~spd.decoding.proposers.Proposer`, the interface of the pipelined modes, growing a
+The proposer is a :class:`~spd.decoding.proposers.Proposer`, the interface of the pipelined modes, growing a
 chain rooted at the newest committed token one node at a time while the target is idle. Two fit: a draft model
 (:class:`~spd.decoding.proposers.DraftModelProposer`), or our head trained with ``variant=eagle``
 (:class:`~spd.decoding.proposers.SerialHeadProposer`, the paper's EAGLE-3 row): the serial schedule, where every row

@@ -10,7 +10,7 @@ mask, and its column ``c`` is the subtree of ``c``.
 A step of tree decoding:
 1. :func:`grow_top_k` (top-K candidates, :meth:`TokenTree.append_level`) or :func:`grow_sampled`
    (children drawn from the source's ``q``, :meth:`TokenTree.child_counts` and
-   :meth:`TokenTree.append_children`) grows the tree by one level from the token source's distributions;
+   :meth:`TokenTree.append_children`) grows the tree by one level from the proposer's distributions;
 2. the target's stages run the new nodes with ``mask()`` rows and ``positions(committed)``
    (:meth:`spd.target.staging.StagedModel.run_stage` with ``tree_mask_TN``);
 3. once the target's distribution ``p`` after the root is known, a verification function picks the
@@ -532,7 +532,7 @@ def grow_top_k(
 ) -> torch.Tensor:
     """Deterministic candidates: each bottom node's top-``children`` tokens, the ``width`` best kept.
 
-    ``logprobs_LX``: the token source's log-probabilities after each bottom node (rows in
+    ``logprobs_LX``: the proposer's log-probabilities after each bottom node (rows in
     :meth:`TokenTree.bottom_level` order) over its own outputs ``X``; ``ids_X`` maps them to target ids
     (None: ``X`` is the target's vocabulary). Verified by :func:`verify_greedy` or
     :func:`verify_sampled_deterministic`. Returns the new nodes' indices.

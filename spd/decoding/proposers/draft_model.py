@@ -133,23 +133,25 @@ class DraftModelProposer:
         :class:`~spd.decoding.loop.Propose` work): one ragged call over the committed tokens some have not run,
         one over every request's new tree nodes, one LM-head call. Each request's ``(L, X)``, equal to its own
         :meth:`expand` up to fp32 rounding."""
-        first = items[0].source
+        first = items[0].proposer
         draft, pool = first.draft, first.pool
-        missed = [m for m in (item.source._missed(item.context) for item in items) if m is not None]
+        missed = [m for m in (item.proposer._missed(item.context) for item in items) if m is not None]
         if missed:
             run_ragged(pool, 0, missed)
         owners, segments = [], []
         for item in items:
-            nodes = item.source._new_nodes(item.tree, len(item.context))
+            nodes = item.proposer._new_nodes(item.tree, len(item.context))
             if nodes is not None:
-                owners.append(item.source)
+                owners.append(item.proposer)
                 segments.append(nodes)
         if segments:
             outs = run_ragged(pool, 0, segments)
             logits_SV = draft.logits(torch.cat([out.hidden_BTD[0] for out in outs]))
             for source, logits_TV in zip(owners, logits_SV.split([seg.size for seg in segments])):
                 source._took(logits_TV)
-        return [item.source.logprobs_NX[item.tree.bottom_level().to(item.source.logprobs_NX.device)] for item in items]
+        return [
+            item.proposer.logprobs_NX[item.tree.bottom_level().to(item.proposer.logprobs_NX.device)] for item in items
+        ]
 
     def _missed(self, context: list[int]) -> Segment | None:
         """The committed tokens the draft has not run (a root committed before it was expanded), or None."""

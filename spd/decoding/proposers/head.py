@@ -76,17 +76,17 @@ class HeadProposer:
 
     @staticmethod
     def expand_many(items) -> list[torch.Tensor]:
-        """:meth:`expand` for many requests whose sources share one head (``items``: their
+        """:meth:`expand` for many requests whose proposers share one head (``items``: their
         :class:`~spd.decoding.loop.Propose` work): every bottom node of every request in one
         ``propose_logits_many`` call of the head. Each request's ``(L, V)``, equal to its own :meth:`expand` up to
         fp32 rounding."""
         caches, paths, sizes = [], [], []
         for item in items:
-            nodes = item.source._paths(item.tree, item.context, item.levels)
-            caches += [item.source.cache] * len(nodes)
+            nodes = item.proposer._paths(item.tree, item.context, item.levels)
+            caches += [item.proposer.cache] * len(nodes)
             paths += nodes
             sizes.append(len(nodes))
-        logits_BV = items[0].source.head.propose_logits_many(caches, paths)
+        logits_BV = items[0].proposer.head.propose_logits_many(caches, paths)
         return list(torch.log_softmax(logits_BV.float(), dim=-1).split(sizes))
 
     def _paths(self, tree: TokenTree, context: list[int], levels: list[Level]) -> list[list[SimpleNamespace]]:

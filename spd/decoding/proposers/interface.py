@@ -1,4 +1,4 @@
-"""The one interface of a token source: :class:`Proposer`, what the step loop (:mod:`spd.decoding.loop`) asks of it.
+"""The one interface of a proposer: :class:`Proposer`, what the step loop (:mod:`spd.decoding.loop`) asks of it.
 
 A proposer grows the token tree by one level per step (docs/method.md §5-6). Three implement it in
 :mod:`spd.decoding.proposers`: :class:`~spd.decoding.proposers.SpdHeadProposer` (our SPD heads, any width, one
@@ -10,11 +10,11 @@ head trained with variant=eagle). The standard pipeline (``pp``) runs the same l
 drafting (:mod:`spd.decoding.sd`) drives the draft model and the serial head through this interface too: it expands
 a chain while the target is idle, then commits the rows the target kept (``commit_root``) and resets.
 
-A batched driver asks the proposers of many requests at once (:func:`propose_many`): sources whose class has
-``expand_many`` and whose ``batch_key()`` is the same are asked in one call
+A batched driver asks the proposers of many requests at once (:func:`propose_many`): proposers whose class
+``batches`` and whose ``batch_key()`` is the same are asked in one call
 (:class:`~spd.decoding.proposers.SpdHeadProposer`: one head; :class:`~spd.decoding.proposers.DraftModelProposer`:
-one draft model). Such a source may keep its request's cache in a pool shared by the batch's requests, which the
-batched driver makes once from the first source's ``new_pool(rows, slots)``, gives each request with ``use_pool``
+one draft model). Such a proposer may keep its request's cache in a pool shared by the batch's requests, which the
+batched driver makes once from the first proposer's ``new_pool(rows, slots)``, gives each request with ``use_pool``
 when it admits it, and takes back with ``leave_pool`` when the request ends: a draft model's KV in the rows of the
 request's region of the target's pool, an SPD head's memory in a slot of one buffer
 (:class:`~spd.heads.memory.SpeculatorPool`), so that the joint call reads every request's rows in place.
@@ -34,7 +34,7 @@ from ..tree import Level, TokenTree
 
 @runtime_checkable
 class Proposer(Protocol):
-    """A token source of the step loop.
+    """A proposer of the step loop.
 
     ``schedule`` says when it reads the pipeline's state: ``"input"`` at the start of a step, concurrently with the
     stages (SPD), ``"output"`` after the stages ran (the output-state ablation, PPSD: serial with them), ``"none"``
@@ -89,8 +89,8 @@ def propose_many(items: list) -> list[torch.Tensor]:
     answers: list[torch.Tensor | None] = [None] * len(items)
     groups: dict[tuple, list[int]] = {}
     for i, item in enumerate(items):
-        key = item.source.batch_key() if type(item.source).batches else None
-        groups.setdefault((type(item.source), key) if key is not None else (None, i), []).append(i)
+        key = item.proposer.batch_key() if type(item.proposer).batches else None
+        groups.setdefault((type(item.proposer), key) if key is not None else (None, i), []).append(i)
     for (kind, _), indices in groups.items():
         if len(indices) == 1:
             answers[indices[0]] = items[indices[0]].answer()

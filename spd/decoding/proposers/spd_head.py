@@ -35,7 +35,7 @@ class SpdHeadProposer:
     path as the trailing rows (each at its level's current depth, docs/method.md §3) after the head's cache
     of committed rows; the bottom nodes are one batch. The head's cache only ever holds committed rows
     (the root's row joins it after the root left stage n, before the next query), so pruning and misses need no
-    rollback. :meth:`expand_many` queries the sources of many requests sharing the head in one call.
+    rollback. :meth:`expand_many` queries the proposers of many requests sharing the head in one call.
     Only the SPD configuration (input-state schedule, max depth n) has tree semantics; the output-state
     ablation and PPSD are refused.
     """
@@ -120,23 +120,23 @@ class SpdHeadProposer:
 
     @staticmethod
     def expand_many(items) -> list[torch.Tensor]:
-        """:meth:`expand` for many requests whose sources share one head (``items``: their
+        """:meth:`expand` for many requests whose proposers share one head (``items``: their
         :class:`~spd.decoding.loop.Propose` work), in one head call: the rows of one depth of every request go
         through the head's FC together, then :meth:`Speculator.query_many` and one LM head. Each request's
         ``(L, X)``, equal to its own :meth:`expand` up to fp32 rounding."""
-        head = items[0].source.head
+        head = items[0].proposer.head
         cfg = head.config
-        waiting = [item.source for item in items if item.source.pending]
+        waiting = [item.proposer for item in items if item.proposer.pending]
         if waiting:  # the rows committed since each request's last query, all through the head at once
             rows = head.features_many(cfg.max_depth, [source._take_pending() for source in waiting])
             head.append_memory_many([source.cache for source in waiting], rows)
-        paths = [item.source._path(item.tree, item.context, item.levels) for item in items]
+        paths = [item.proposer._path(item.tree, item.context, item.levels) for item in items]
         trailing = head.trailing_features([path for path, _ in paths])
         queries = [
             rows[-1][1] if query is None else head.features(cfg.offset, query)
             for rows, (_, query) in zip(trailing, paths)
         ]
-        out_BD = head.query_many([item.source.cache for item in items], trailing, queries)
+        out_BD = head.query_many([item.proposer.cache for item in items], trailing, queries)
         logprobs_BX = torch.log_softmax(head.logits(out_BD).float(), dim=-1)
         return list(logprobs_BX.split([query.shape[0] for query in queries]))
 
