@@ -197,7 +197,7 @@ def instrument(staged: StagedModel, engine, timers: Timers) -> None:
     staged.run_stage = timers.wrap(lambda a: f"stage {a[0]}", staged.run_stage)
     staged.logits = timers.wrap(lambda a: "target LM head", staged.logits)
     if engine is not None:
-        engine.source.expand = timers.wrap(lambda a: "head", engine.source.expand)
+        engine.proposer.expand = timers.wrap(lambda a: "head", engine.proposer.expand)
 
 
 def _timed_run(run, timers: Timers, device) -> tuple[float, dict, object]:
