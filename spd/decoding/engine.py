@@ -54,11 +54,11 @@ from .loop import LocalStages, StepLoop, verify_sampled
 from .proposers import DraftModelProposer, HeadProposer, Proposer, SpdHeadProposer, load_draft_model
 from .request import generate_request
 from .sampling import SamplingParams
+from .spec import CANDIDATES
 from .stats import PipelineStats, TreeStats
 from .tree_width import AdaptiveWidth, FixedWidth, tree_width
 
-MODES = ("spd", "pp", "ar")  # of a chain engine; a tree engine runs tree and ar
-CANDIDATES = ("auto", "sampled", "top-k")  # how children are chosen at T > 0 (greedy: always top-k)
+CHAIN_MODES = ("spd", "pp", "ar")  # a chain engine's; a tree engine runs tree and ar
 
 
 class Engine:
@@ -209,8 +209,8 @@ class Engine:
         mode = mode or self.mode
         if self.mode == "tree" and mode not in ("tree", "ar"):
             raise SpdInputError(f"unknown mode '{mode}' for the tree engine; expected one of: tree, ar")
-        if self.mode != "tree" and mode not in MODES:
-            raise SpdInputError(f"unknown mode '{mode}'; expected one of: {', '.join(MODES)}")
+        if self.mode != "tree" and mode not in CHAIN_MODES:
+            raise SpdInputError(f"unknown mode '{mode}'; expected one of: {', '.join(CHAIN_MODES)}")
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
         def decode(prompt_ids, eos, on_token):

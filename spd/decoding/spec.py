@@ -20,6 +20,7 @@ from ..errors import SpdInputError
 from ..paths import default_testbed_dir
 
 MODES = ("ar", "pp", "spd", "tree", "sd")
+CANDIDATES = ("auto", "sampled", "top-k")  # how a tree's children are chosen at T > 0 (greedy: always top-k)
 PIPELINED = ("spd", "pp", "tree")  # the modes with a pipeline of stages (and so a distributed runtime)
 
 
@@ -129,7 +130,7 @@ class DecodingSpec:
         "--mode tree at T > 0: children drawn from the proposer's distribution "
         "(sampled) or its top-K (top-k); auto = sampled (greedy always uses top-k) "
         "(default: %(default)s)",
-        choices=("auto", "sampled", "top-k"),
+        choices=CANDIDATES,
     )
     device: str = _flag("cpu", "torch device (cpu, cuda, cuda:1, ...)")
     dtype: str = _flag(
