@@ -22,7 +22,7 @@ from bench.report import write_result  # noqa: E402
 
 
 def parse_args(argv=None):
-    from spd.target.testbed import default_testbed_dir
+    from spd.paths import default_testbed_dir
 
     tb = default_testbed_dir()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -5,7 +5,7 @@
     python data/build_testbed.py --out /tmp/tb --tiny       # a miniature build in seconds (for tests)
     python data/build_testbed.py --preset deep              # paper-shaped: a 32-layer target in testbed-deep
 
-The builder replaces only what it wrote itself (spd/target/testbed.py says how it recognises that): an ``--out``
+The builder replaces only what it wrote itself (spd/testbed/ says how it recognises that): an ``--out``
 whose ``corpus/``, ``tokenizer/``, ``target/``, ``draft/``, ``prompts.jsonl`` or ``testbed.json`` someone else
 wrote is refused with one ``error:`` line, unless ``--force``, which writes the testbed's files beside what is
 there and removes nothing.
@@ -26,7 +26,7 @@ from spd.paths import default_testbed_dir
 
 
 def parse_args(argv=None):
-    from spd.target.testbed import TestbedConfig
+    from spd.testbed import TestbedConfig
 
     d = TestbedConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,7 +95,7 @@ def output_dir(args) -> str:
 
 
 def config_from_args(args):
-    from spd.target.testbed import ModelSpec, TestbedConfig
+    from spd.testbed import ModelSpec, TestbedConfig
 
     cfg = TestbedConfig(vocab_size=args.vocab_size, max_files=args.max_files, seed=args.seed)
     if args.tiny:
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
 
 
 def _build(args, out: str) -> int:
-    from spd.target.testbed import build_testbed
+    from spd.testbed import build_testbed
 
     result = build_testbed(out, config_from_args(args), progress=not args.quiet, force=args.force)
     summary = {

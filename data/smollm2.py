@@ -207,7 +207,7 @@ def write_text(text: Path, manifest: dict, save_manifest) -> None:
     if (text / "train.jsonl").is_file() and (text / "validation.jsonl").is_file():
         log(f"plain text: {text} (already written)")
         return
-    from spd.target.testbed import TestbedConfig, build_corpus
+    from spd.testbed import TestbedConfig, build_corpus
 
     manifest["text"] = build_corpus(text, TestbedConfig())
     save_manifest()

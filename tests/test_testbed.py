@@ -7,8 +7,8 @@ import torch
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from spd.target.testbed import ModelSpec, build_testbed, stdlib_dir, stdlib_source_files
-from spd.target.testbed import TestbedConfig as Config
+from spd.testbed import ModelSpec, build_testbed, stdlib_dir, stdlib_source_files
+from spd.testbed import TestbedConfig as Config
 
 from conftest import REPO, run_script
 
