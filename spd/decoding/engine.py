@@ -42,7 +42,7 @@ Statistics: :class:`spd.decoding.stats.PipelineStats`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -52,7 +52,7 @@ from ..target.staging import StagedModel, load_target_tokenizer
 from .generation import GenerationOutput, OnToken
 from .loop import LocalStages, StepLoop, verify_sampled
 from .proposers import DraftModelProposer, HeadProposer, Proposer, SpdHeadProposer, load_draft_model
-from .request import generate_request
+from .request import Generates
 from .sampling import SamplingParams
 from .spec import CANDIDATES
 from .stats import PipelineStats, TreeStats
@@ -61,15 +61,17 @@ from .tree_width import AdaptiveWidth, FixedWidth, tree_width
 CHAIN_MODES = ("spd", "pp", "ar")  # a chain engine's; a tree engine runs tree and ar
 
 
-class Engine:
+class Engine(Generates):
     """Runs one request at a time through the staged target on the step loop (see the module docstring).
 
     ``mode`` is ``"tree"`` (a proposer of width ``width``: W, ``"auto"`` for :class:`~.tree_width.AdaptiveWidth`
     up to ``max_width``, or a policy) or a chain: ``"spd"`` with a proposer, ``"pp"`` without (the default mode
     follows from ``width`` and ``proposer``). ``candidates`` is how a tree's children are chosen at T > 0 (``auto`` =
     ``sampled``; greedy always uses top-k). ``stages`` is where the stages run: this process (default) or other
-    processes (:class:`spd.runtime.remote.RemoteStages`).
+    processes (:class:`spd.runtime.remote.RemoteStages`). ``generate`` is :meth:`Generates.generate`.
     """
+
+    engine_name = "the tree engine"  # a tree's modes are its own and ar (Generates.check_mode)
 
     def __init__(
         self,
@@ -184,50 +186,15 @@ class Engine:
         )
 
     # ------------------------------------------------------------------------------------- public
-    def generate(
-        self,
-        prompt: str | Sequence[int] | torch.Tensor,
-        max_new_tokens: int = 128,
-        mode: str | None = None,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        eos_token_id: int | Sequence[int] | None = None,
-        streamer: Callable[[int], None] | object | None = None,
-        on_token: OnToken | None = None,
-    ) -> GenerationOutput:
-        """Generate from a prompt (text needs a tokenizer) or token ids; ``mode`` is the engine's own (default),
-        ``ar``, or on a chain with a head also ``pp``.
-
-        ``streamer`` is a callable taking each committed token id, or an object with ``put``/``end`` (a
-        Hugging Face ``TextStreamer``); ``on_token(token, accepted)`` also gets the token's
-        ``stats.token_acceptance`` flag and may return True to end the generation after that token
-        (``stop_reason`` "stopped": stop strings, cancelled requests). ``eos_token_id`` defaults as in
-        ``model.generate`` (:func:`default_eos`).
-        """
-        mode = mode or self.mode
-        if self.mode == "tree" and mode not in ("tree", "ar"):
-            raise SpdInputError(f"unknown mode '{mode}' for the tree engine; expected one of: tree, ar")
-        if self.mode != "tree" and mode not in CHAIN_MODES:
+    def check_mode(self, mode: str) -> None:
+        """A tree runs ``tree`` and ``ar``; a chain ``spd``, ``pp`` and ``ar`` (``pp``: the head left unused)."""
+        if self.mode == "tree":
+            super().check_mode(mode)
+        elif mode not in CHAIN_MODES:
             raise SpdInputError(f"unknown mode '{mode}'; expected one of: {', '.join(CHAIN_MODES)}")
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
-        def decode(prompt_ids, eos, on_token):
-            return self.run(prompt_ids, max_new_tokens, sampling, eos, on_token, use_head=mode != "pp")
-
-        return generate_request(
-            self.staged,
-            self.tokenizer,
-            prompt,
-            max_new_tokens,
-            mode,
-            sampling,
-            eos_token_id,
-            streamer,
-            decode,
-            on_token,
-        )
+    def decode(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams, eos_token_id, on_token, mode: str):
+        return self.run(prompt_ids, max_new_tokens, sampling, eos_token_id, on_token, use_head=mode != "pp")
 
     def run(
         self,

@@ -1,5 +1,6 @@
 """What every engine's ``generate`` shares: the prompt and EOS, the streamer, the ``ar`` mode
-(:func:`generate_request`), and ``generate`` for an engine with one mode besides ``ar`` (:class:`OneModeEngine`)."""
+(:func:`generate_request`), and ``generate`` itself (:class:`Generates`, which :class:`spd.Engine` and serial
+speculative decoding inherit)."""
 
 from __future__ import annotations
 
@@ -53,13 +54,22 @@ def generate_request(
         end()
 
 
-class OneModeEngine:
-    """``generate`` for an engine with one decoding mode besides ``ar`` (the tree engine, serial speculative
-    decoding): a subclass sets ``mode`` and ``engine_name``, has ``staged`` and ``tokenizer``, and implements
-    ``run(prompt_ids, max_new_tokens, sampling, eos_token_id, on_token)``."""
+class Generates:
+    """``generate`` for an engine: a subclass sets ``mode`` (its default) and ``engine_name``, has ``staged`` and
+    ``tokenizer``, and implements ``run(prompt_ids, max_new_tokens, sampling, eos_token_id, on_token)``. Its modes
+    are its own and ``ar`` unless it overrides :meth:`check_mode`; :meth:`decode` runs one of its own modes."""
 
     mode = ""
     engine_name = ""
+
+    def check_mode(self, mode: str) -> None:
+        """Refuse (one sentence) a mode this engine does not run."""
+        if mode not in (self.mode, "ar"):
+            raise SpdInputError(f"unknown mode '{mode}' for {self.engine_name}; expected one of: {self.mode}, ar")
+
+    def decode(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams, eos_token_id, on_token, mode: str):
+        """One of the engine's own modes (not ``ar``) on prompt ids."""
+        return self.run(prompt_ids, max_new_tokens, sampling, eos_token_id, on_token)
 
     def generate(
         self,
@@ -74,11 +84,17 @@ class OneModeEngine:
         streamer: Callable[[int], None] | object | None = None,
         on_token: OnToken | None = None,
     ) -> GenerationOutput:
-        """Generate from a prompt (text needs a tokenizer) or token ids, as :meth:`Engine.generate`;
-        ``mode`` is the engine's own (default) or ``ar``."""
+        """Generate from a prompt (text needs a tokenizer) or token ids; ``mode`` is the engine's own (default) or
+        another it runs (:meth:`check_mode`), ``ar`` included.
+
+        ``streamer`` is a callable taking each committed token id, or an object with ``put``/``end`` (a
+        Hugging Face ``TextStreamer``); ``on_token(token, accepted)`` also gets the token's
+        ``stats.token_acceptance`` flag and may return True to end the generation after that token
+        (``stop_reason`` "stopped": stop strings, cancelled requests). ``eos_token_id`` defaults as in
+        ``model.generate`` (:func:`default_eos`).
+        """
         mode = mode or self.mode
-        if mode not in (self.mode, "ar"):
-            raise SpdInputError(f"unknown mode '{mode}' for {self.engine_name}; expected one of: {self.mode}, ar")
+        self.check_mode(mode)
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         return generate_request(
             self.staged,
@@ -89,7 +105,7 @@ class OneModeEngine:
             sampling,
             eos_token_id,
             streamer,
-            lambda ids, eos, callback: self.run(ids, max_new_tokens, sampling, eos, callback),
+            lambda ids, eos, callback: self.decode(ids, max_new_tokens, sampling, eos, callback, mode),
             on_token,
         )
 

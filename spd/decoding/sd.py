@@ -48,7 +48,7 @@ import torch
 
 from ..errors import SpdInputError
 from .generation import GenerationOutput, GenerationStats, OnToken, as_prompt_ids, check_request, eos_set, stop_reason
-from .request import OneModeEngine
+from .request import Generates
 from .sampling import SamplingParams, select_token, warped_probs
 from ..heads.speculator import Speculator
 from ..target.staging import StagedModel, load_target_tokenizer
@@ -147,7 +147,7 @@ HYBRID_SD_ERROR = (
 )
 
 
-class SpeculativeDecoder(OneModeEngine):
+class SpeculativeDecoder(Generates):
     """Serial speculative decoding of a whole target with a drafter (one process, no pipeline)."""
 
     mode, engine_name = "sd", "speculative decoding"
@@ -171,7 +171,7 @@ class SpeculativeDecoder(OneModeEngine):
             raise SpdInputError(f"--mode sd runs the whole target as one stage, but it was cut into {target.n_stages}")
         self.proposer = serial_proposer(drafter, target, target_tokenizer or tokenizer, draft_tokenizer)
         self.target, self.draft_steps, self.tokenizer = target, draft_steps, tokenizer
-        self.staged = target  # OneModeEngine's name for the target
+        self.staged = target  # Generates' name for the target
         # The cost model counts a draft model's layers (it runs serially here, not hidden behind a stage).
         is_draft = isinstance(self.proposer, DraftModelProposer)
         self.source = "draft" if is_draft else "head"
