@@ -23,18 +23,9 @@ from spd.heads.published.authors_head import AuthorsHead, load_authors_head
 from spd.decoding.sampling import SamplingParams
 from spd.heads.loading import load_speculator
 from spd.target.staging import StagedModel
+from helpers.authors import EXPECTED, FIXTURES, head_file, staged_target
 
-FIXTURES = REPO / "tests" / "fixtures" / "authors"
-EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
 HEADS = sorted(EXPECTED["heads"])
-
-
-def _staged(target: str, n: int) -> StagedModel:
-    return StagedModel.from_pretrained(FIXTURES / EXPECTED["targets"][target]["path"], n_stages=n, dtype=torch.float32)
-
-
-def _head_file(name: str) -> Path:
-    return FIXTURES / EXPECTED["heads"][name]["path"]
 
 
 def _cli(*args, env=None) -> subprocess.CompletedProcess:
@@ -55,11 +46,11 @@ def _cli(*args, env=None) -> subprocess.CompletedProcess:
 def test_greedy_generate_reproduces_the_authors_code(name):
     """Tokens, per-token acceptance and step counts of their greedy generate, for every fixture run of a head."""
     info = EXPECTED["heads"][name]
-    staged = _staged(info["target"], info["num_stages"])
+    staged = staged_target(info["target"], info["num_stages"])
     runs = [r for r in EXPECTED["generate"] if r["head"] == name]
     assert runs
     for rec in runs:
-        head = load_authors_head(str(_head_file(name)), staged, use_deepest=rec["use_deepest_effective"])
+        head = load_authors_head(str(head_file(name)), staged, use_deepest=rec["use_deepest_effective"])
         assert head.config.version == info["version"]
         out = Engine.chain(staged, head).run(
             rec["prompt_ids"],
@@ -82,10 +73,10 @@ def test_their_head_as_a_tree_source_of_width_1_is_their_chain(name):
     from spd.decoding.engine import Engine
 
     info = EXPECTED["heads"][name]
-    staged = _staged(info["target"], info["num_stages"])
+    staged = staged_target(info["target"], info["num_stages"])
     eos = EXPECTED["targets"][info["target"]]["eos_token_id"]
     for rec in (r for r in EXPECTED["generate"] if r["head"] == name):
-        head = load_authors_head(str(_head_file(name)), staged, use_deepest=rec["use_deepest_effective"])
+        head = load_authors_head(str(head_file(name)), staged, use_deepest=rec["use_deepest_effective"])
         out = Engine.tree(staged, HeadProposer(head, staged, 1), 1).run(
             rec["prompt_ids"], rec["max_new_tokens"], SamplingParams(), eos_token_id=eos
         )
@@ -101,9 +92,9 @@ def test_their_head_as_a_tree_source_of_width_1_is_their_chain(name):
 def test_draft_vocabulary_maps_back_to_target_ids():
     name = next(h for h in HEADS if h.endswith("_draft"))
     info = EXPECTED["heads"][name]
-    staged = _staged(info["target"], info["num_stages"])
-    head = load_authors_head(str(_head_file(name)), staged)
-    ids = sorted({int(t) for t in load_authors_file(_head_file(name)).config["draft_token_ids"]})
+    staged = staged_target(info["target"], info["num_stages"])
+    head = load_authors_head(str(head_file(name)), staged)
+    ids = sorted({int(t) for t in load_authors_file(head_file(name)).config["draft_token_ids"]})
     assert head.lm_head.weight.shape[0] == len(ids) == info["draft_vocab_size"] < staged.vocab_size
     logits = head.logits(torch.randn(1, staged.config.hidden_size))
     outside = torch.ones(staged.vocab_size, dtype=torch.bool)
@@ -116,11 +107,11 @@ def test_loaded_through_every_entry_point(tmp_path):
     name = "v11_qwen3_n4_l1_draft"
     rec = next(r for r in EXPECTED["generate"] if r["head"] == name and r["prompt_index"] == 1)
     target = FIXTURES / EXPECTED["targets"]["qwen3"]["path"]
-    staged = _staged("qwen3", 4)
-    assert isinstance(load_speculator(str(_head_file(name)), target=staged), AuthorsHead)
+    staged = staged_target("qwen3", 4)
+    assert isinstance(load_speculator(str(head_file(name)), target=staged), AuthorsHead)
     with pytest.raises(SpdInputError, match="attached to its target"):
-        load_speculator(str(_head_file(name)))
-    engine = Engine.from_pretrained(str(target), speculator=str(_head_file(name)))
+        load_speculator(str(head_file(name)))
+    engine = Engine.from_pretrained(str(target), speculator=str(head_file(name)))
     assert engine.staged.n_stages == 4
     out = engine.generate(rec["prompt_ids"], rec["max_new_tokens"])
     assert out.token_ids == rec["output_ids"]
@@ -132,7 +123,7 @@ def test_loaded_through_every_entry_point(tmp_path):
         "--mode",
         "spd",
         "--speculator",
-        str(_head_file(name)),
+        str(head_file(name)),
         "--prompt-ids",
         ",".join(map(str, rec["prompt_ids"])),
         "--max-new-tokens",
@@ -168,7 +159,7 @@ def test_hub_reference_resolves_through_an_offline_hub_cache(tmp_path):
     (entry / "refs").mkdir(parents=True)
     (entry / "refs" / "v10").write_text(commit)
     (entry / "snapshots" / commit).mkdir(parents=True)
-    shutil.copy(_head_file(name), entry / "snapshots" / commit / "Qwen3-tiny_s4_l1.pt")
+    shutil.copy(head_file(name), entry / "snapshots" / commit / "Qwen3-tiny_s4_l1.pt")
     rec = next(r for r in EXPECTED["generate"] if r["head"] == name and r["use_deepest_effective"])
     env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
     args = [
@@ -206,18 +197,18 @@ def test_hub_reference_resolves_through_an_offline_hub_cache(tmp_path):
 
 @pytest.mark.parametrize("name", ["v10_qwen3_n8_l2_draft", "v11_qwen35_n4_l1"])
 def test_converter_round_trip_is_bit_exact(tmp_path, name):
-    proc = _cli("-m", "spd.cli.convert", str(_head_file(name)), str(tmp_path / "dir"))
+    proc = _cli("-m", "spd.cli.convert", str(head_file(name)), str(tmp_path / "dir"))
     assert proc.returncode == 0, proc.stderr
     proc = _cli("-m", "spd.cli.convert", str(tmp_path / "dir"), str(tmp_path / "back.pt"))
     assert proc.returncode == 0, proc.stderr
-    a = torch.load(_head_file(name), weights_only=True)
+    a = torch.load(head_file(name), weights_only=True)
     b = torch.load(tmp_path / "back.pt", weights_only=True)
     assert a["config"] == b["config"] and a["state_dict"].keys() == b["state_dict"].keys()
     for key, tensor in a["state_dict"].items():
         assert tensor.dtype == b["state_dict"][key].dtype and torch.equal(tensor, b["state_dict"][key]), key
     # The directory is a head like any other.
     info = EXPECTED["heads"][name]
-    staged = _staged(info["target"], info["num_stages"])
+    staged = staged_target(info["target"], info["num_stages"])
     rec = next(r for r in EXPECTED["generate"] if r["head"] == name and r["use_deepest_effective"])
     head = load_speculator(str(tmp_path / "dir"), target=staged)
     out = Engine.chain(staged, head).run(rec["prompt_ids"], rec["max_new_tokens"], SamplingParams(), eos_token_id=1)
@@ -229,7 +220,7 @@ def test_our_head_in_their_layout_computes_what_ours_does(tmp_path):
     their training forward equals ours at every fill (the final-norm ratio folded into the LM head)."""
     from spd.training.distill import DistillConfig, new_head
 
-    staged = _staged("qwen3", 4)
+    staged = staged_target("qwen3", 4)
     torch.manual_seed(3)
     head = new_head(staged, DistillConfig(n_stages=4))
     with torch.no_grad():
@@ -259,7 +250,7 @@ def test_our_head_in_their_layout_computes_what_ours_does(tmp_path):
 def test_converter_refuses_what_their_layout_cannot_express(tmp_path, tiny_testbed):
     from spd.training.distill import DistillConfig, new_head
 
-    staged = _staged("qwen3", 4)
+    staged = staged_target("qwen3", 4)
     new_head(staged, DistillConfig(n_stages=4, num_layers=2)).save_pretrained(tmp_path / "deep")
     proc = _cli(
         "-m",
@@ -294,9 +285,9 @@ class _Payload:
 
 
 def _bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
-    good = torch.load(_head_file("v10_qwen3_n4_l1"), weights_only=True)
+    good = torch.load(head_file("v10_qwen3_n4_l1"), weights_only=True)
     files = {}
-    raw = _head_file("v10_qwen3_n4_l1").read_bytes()
+    raw = head_file("v10_qwen3_n4_l1").read_bytes()
     files["truncated"] = (tmp_path / "truncated.pt", "truncated or not a torch.save file")
     files["truncated"][0].write_bytes(raw[: len(raw) // 2])
     files["random"] = (tmp_path / "random.pt", "not a torch.save file")
@@ -325,7 +316,7 @@ def _bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
 
 def test_random_and_corrupted_bytes_are_refused_with_one_sentence(tmp_path):
     """Whatever the bytes, torch.load's failure (it can raise many kinds) becomes one sentence."""
-    raw = _head_file("v10_qwen3_n4_l1").read_bytes()
+    raw = head_file("v10_qwen3_n4_l1").read_bytes()
     gen = torch.Generator().manual_seed(1)
     for i in range(40):
         noise = (
@@ -341,7 +332,7 @@ def test_random_and_corrupted_bytes_are_refused_with_one_sentence(tmp_path):
 
 
 def test_bad_files_are_refused_with_one_sentence(tmp_path):
-    staged = _staged("qwen3", 4)
+    staged = staged_target("qwen3", 4)
     for kind, (path, message) in _bad_files(tmp_path).items():
         with pytest.raises(SpdInputError, match=message):
             load_authors_head(str(path), staged)
@@ -382,8 +373,8 @@ def test_training_forward_top1_per_fill_reproduces_the_authors_code(name):
     for every simulated fill a = 1..n."""
     rec = next(r for r in EXPECTED["training_forward"] if r["head"] == name)
     info = EXPECTED["heads"][name]
-    staged = _staged(info["target"], info["num_stages"])
-    head = load_authors_head(str(_head_file(name)), staged)
+    staged = staged_target(info["target"], info["num_stages"])
+    head = load_authors_head(str(head_file(name)), staged)
     hidden = staged.hidden_states(torch.tensor([rec["input_ids"]]), head.needed_anchors())
     assert sorted(map(int, rec["fills"])) == list(range(1, info["num_stages"] + 1))
     for fill, want in rec["fills"].items():
@@ -403,7 +394,7 @@ def test_distributed_runtime_with_an_authors_head_on_a_hybrid_target():
         "--mode",
         "spd",
         "--speculator",
-        str(_head_file("v11_qwen35_n4_l1")),
+        str(head_file("v11_qwen35_n4_l1")),
         "--prompt-ids",
         ",".join(map(str, rec["prompt_ids"])),
         "--max-new-tokens",
@@ -430,7 +421,7 @@ def test_tree_mode_takes_their_heads_in_the_cli():
         "--target",
         str(FIXTURES / "targets" / "qwen35"),
         "--speculator",
-        str(_head_file("v11_qwen35_n4_l1")),
+        str(head_file("v11_qwen35_n4_l1")),
         "--prompt-ids",
         ",".join(map(str, rec["prompt_ids"])),
         "--max-new-tokens",
@@ -455,7 +446,7 @@ def test_sampling_with_an_authors_draft_vocabulary_head_follows_the_target(tmp_p
     from spd.decoding.engine import Engine
     from spd.training.distill import DistillConfig, new_head
     from spd.heads.published.convert import head_to_authors_file
-    from test_engine import _chi_square_p_value, _sample_outcomes, _sequence_probs
+    from helpers.stats import chi_square_p_value, sample_outcomes, sequence_probs
 
     vocab, params = 6, SamplingParams(temperature=0.9, top_p=0.95)
     staged = StagedModel(
@@ -476,10 +467,10 @@ def test_sampling_with_an_authors_draft_vocabulary_head_follows_the_target(tmp_p
     torch.save(blob, tmp_path / "draft.pt")
     authors = load_authors_head(str(tmp_path / "draft.pt"), staged)
     prompt = [1, 4, 2]
-    exact = _sequence_probs(staged, prompt, params, 3)
+    exact = sequence_probs(staged, prompt, params, 3)
     # The chain on their schedule, and our tree (W = 3, sampled children: q is zero outside the draft vocabulary).
     for engine in (Engine.chain(staged, authors), Engine.tree(staged, HeadProposer(authors, staged, 2), 3)):
-        counts, stats = _sample_outcomes(engine, prompt, params, 3, 2000)
+        counts, stats = sample_outcomes(engine, prompt, params, 3, 2000)
         flushes, verified = sum(s.flushes for s in stats), sum(s.verified for s in stats)
         assert 0.1 * verified < flushes < 0.9 * verified, type(engine).__name__
-        assert _chi_square_p_value(counts, exact, 2000) > 1e-3, type(engine).__name__
+        assert chi_square_p_value(counts, exact, 2000) > 1e-3, type(engine).__name__

@@ -24,8 +24,8 @@ from spd.target import ragged
 from spd.target.ragged import Segment, run_ragged
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, new_head
-from test_engine import _chi_square_p_value, _ScriptedProposer, _sequence_probs
-from test_tree_engine import _noisy_copy
+from helpers.proposers import ScriptedProposer, noisy_copy
+from helpers.stats import chi_square_p_value, sequence_probs
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def target_model():
 
 def _tree_engine(model, n=4, width=4, noise=0.5):
     staged = StagedModel(model, n)
-    return Engine.tree(staged, DraftModelProposer(StagedModel(_noisy_copy(model, noise), 1), staged, 4), width)
+    return Engine.tree(staged, DraftModelProposer(StagedModel(noisy_copy(model, noise), 1), staged, 4), width)
 
 
 def _prompt(i: int) -> list[int]:
@@ -298,7 +298,7 @@ def test_every_head_proposes_for_every_request_in_one_call(target_model, head_ki
     re-runs each request's in-flight rows over its own cache), up to fp32 rounding; greedy and sampled requests
     mixed; greedy output equals solo ar up to near-ties."""
     from spd.decoding.proposers import HeadProposer
-    from test_authors import EXPECTED, _head_file, _staged
+    from helpers.authors import EXPECTED, head_file, staged_target
     from spd.heads.published.authors_head import load_authors_head
 
     if head_kind in ("ppsd", "output_state"):
@@ -307,8 +307,8 @@ def test_every_head_proposes_for_every_request_in_one_call(target_model, head_ki
         head = new_head(staged, DistillConfig(n_stages=4, variant=head_kind)).eval()
     else:
         info = EXPECTED["heads"][head_kind]
-        staged = _staged(info["target"], info["num_stages"])
-        head = load_authors_head(str(_head_file(head_kind)), staged)
+        staged = staged_target(info["target"], info["num_stages"])
+        head = load_authors_head(str(head_file(head_kind)), staged)
     engine = Engine.chain(staged, head) if width == 1 else Engine.tree(staged, HeadProposer(head, staged, 4), width)
     batched = CheckedBatch(engine, max_batch=6, kv_rows=2048, prefill_chunk=8)
     settings = [SamplingParams(temperature=(0.0, 1.0)[i % 2], seed=i) for i in range(8)]
@@ -430,7 +430,7 @@ class ScriptedBatch(BatchedPipeline):
     def submit(self, input_ids, max_new_tokens=128, *args, **kwargs):
         inner = self.engine.proposer
         reference = generate_ar(self.staged, input_ids, max_new_tokens).token_ids
-        self.engine.proposer = _ScriptedProposer(inner, reference, len(input_ids), self.right, self.staged.vocab_size)
+        self.engine.proposer = ScriptedProposer(inner, reference, len(input_ids), self.right, self.staged.vocab_size)
         try:
             return super().submit(input_ids, max_new_tokens, *args, **kwargs)
         finally:
@@ -450,7 +450,7 @@ def _hybrid_batch(mode: str, n: int):
     model = tiny_model("qwen3_5", seed=4, layers=4)
     staged = StagedModel(model, n)
     if mode == "tree":  # a noisy copy of the target drafts a W = 3 tree: prunes and misses
-        engine = Engine.tree(staged, DraftModelProposer(StagedModel(_noisy_copy(model, 0.5), 1), staged, 2), 3)
+        engine = Engine.tree(staged, DraftModelProposer(StagedModel(noisy_copy(model, 0.5), 1), staged, 2), 3)
         return staged, engine, BatchedPipeline(engine, max_batch=6, kv_rows=2048, prefill_chunk=8)
     torch.manual_seed(2)
     engine = Engine.chain(staged, new_head(staged, DistillConfig(n_stages=n)).eval())
@@ -629,7 +629,7 @@ def test_sampled_tree_in_a_mixed_batch_follows_the_target_distribution(cls):
     model = tiny_model("llama", seed=3, layers=6, vocab=VOCAB, bos_token_id=0, eos_token_id=None, pad_token_id=0)
     staged = StagedModel(model, 2)
     engine = Engine.tree(
-        staged, DraftModelProposer(StagedModel(_noisy_copy(model, 1.0), 1), staged, 3), 3, candidates="sampled"
+        staged, DraftModelProposer(StagedModel(noisy_copy(model, 1.0), 1), staged, 3), 3, candidates="sampled"
     )
     params, prompt = SamplingParams(temperature=1.0), [1, 4, 2]
     batched = cls(engine, max_batch=12, kv_rows=12 * 24, prefill_chunk=4)
@@ -643,7 +643,7 @@ def test_sampled_tree_in_a_mixed_batch_follows_the_target_distribution(cls):
     for request in counted:
         key = tuple(request.output.token_ids)
         counts[key] = counts.get(key, 0) + 1
-    p_value = _chi_square_p_value(counts, _sequence_probs(staged, prompt, params, LENGTH), SAMPLES)
+    p_value = chi_square_p_value(counts, sequence_probs(staged, prompt, params, LENGTH), SAMPLES)
     if cls is UnfairBatch:
         assert p_value < 1e-3
         return

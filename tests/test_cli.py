@@ -10,26 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_main
-
-
-def _cli() -> list[str]:
-    script = Path(sys.executable).parent / "spd-generate"
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("spd-generate")
-    return [found] if found else [sys.executable, "-m", "spd.cli.generate"]
-
-
-def spd_generate(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*_cli(), *args], capture_output=True, text=True, timeout=300, cwd=REPO)
-
-
-def spd_generate_main(*args: str) -> subprocess.CompletedProcess:
-    """spd-generate's main in this process (wrong-input cases: no fresh interpreter needed to see the error line)."""
-    from spd.cli.generate import main
-
-    return run_main(main, *args)
+from conftest import REPO
+from helpers.cli import spd_generate, spd_generate_command, spd_generate_main
 
 
 def test_json_output(tiny_testbed):
@@ -212,7 +194,7 @@ def test_hub_id_with_revision_resolves_through_the_hub_cache(tiny_testbed, tmp_p
     for revision in ("main", commit):
         proc = subprocess.run(
             [
-                *_cli(),
+                *spd_generate_command(),
                 "--target",
                 "spd-tests/tiny-target",
                 "--revision",
@@ -231,7 +213,7 @@ def test_hub_id_with_revision_resolves_through_the_hub_cache(tiny_testbed, tmp_p
         )
         assert proc.returncode == 0, proc.stderr
     missing = subprocess.run(
-        [*_cli(), "--target", "spd-tests/no-such-model", "--prompt", "x"],
+        [*spd_generate_command(), "--target", "spd-tests/no-such-model", "--prompt", "x"],
         capture_output=True,
         text=True,
         timeout=300,

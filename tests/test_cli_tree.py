@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from conftest import run_script
-from test_cli import spd_generate, spd_generate_main
+from helpers.cli import spd_generate, spd_generate_main
 
 
 def _ids(proc) -> list[int]:

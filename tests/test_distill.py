@@ -21,48 +21,15 @@ from spd.heads.speculator import Speculator
 from spd.target.staging import StagedModel
 
 from conftest import REPO, run_script, tiny_model
-
-
-def _args(tb, out, *extra):
-    return [
-        f"target={tb / 'target'}",
-        f"data={tb / 'corpus' / 'train.jsonl'}",
-        f"eval_data={tb / 'corpus' / 'validation.jsonl'}",
-        "n_stages=4",
-        "max_length=48",
-        "batch_size=3",
-        "max_steps=8",
-        "save_every=2",
-        "eval_every=0",
-        "eval_rows=6",
-        "log_every=2",
-        "lr=3e-3",
-        "warmup_steps=2",
-        f"output_dir={out}",
-        f"cache_dir={out.parent / 'cache'}",
-        *extra,
-    ]
-
-
-def _train(*args, check=True):
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "train" / "distill.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
-    )
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+from helpers.distill import distill_args, train
 
 
 def test_killed_and_resumed_run_ends_with_the_same_weights(tiny_testbed, tmp_path):
-    _train(*_args(tiny_testbed, tmp_path / "straight"))
+    train(*distill_args(tiny_testbed, tmp_path / "straight"))
     # Same run, killed (SIGKILL, no chance to clean up) once a checkpoint exists, then resumed.
     out = tmp_path / "killed"
     proc = subprocess.Popen(
-        [sys.executable, str(REPO / "train" / "distill.py"), *_args(tiny_testbed, out)],
+        [sys.executable, str(REPO / "train" / "distill.py"), *distill_args(tiny_testbed, out)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         cwd=REPO,
@@ -75,7 +42,7 @@ def test_killed_and_resumed_run_ends_with_the_same_weights(tiny_testbed, tmp_pat
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (out / "final").exists()
-    resumed = _train(*_args(tiny_testbed, out), "--resume")
+    resumed = train(*distill_args(tiny_testbed, out), "--resume")
     assert "[resume] step-" in resumed.stdout + resumed.stderr
     a = load_file(tmp_path / "straight" / "final" / "model.safetensors")
     b = load_file(out / "final" / "model.safetensors")
@@ -90,7 +57,7 @@ def test_killed_and_resumed_run_ends_with_the_same_weights(tiny_testbed, tmp_pat
 
 def test_final_head_reports_agreement_per_fill(tiny_testbed, tmp_path):
     out = tmp_path / "run"
-    _train(*_args(tiny_testbed, out, "max_steps=3", "save_every=0"))
+    train(*distill_args(tiny_testbed, out, "max_steps=3", "save_every=0"))
     ev = json.loads((out / "summary.json").read_text())["eval"]
     assert set(ev["top1_by_fill"]) == {"1", "2", "3", "4"}
     assert 0 <= ev["top1_full"] <= 1 and 1 <= ev["L_acc_est"] <= 4
@@ -123,7 +90,7 @@ def test_two_process_cpu_data_parallel(tiny_testbed, tmp_path):
             "--main_process_port",
             str(random.randint(20000, 40000)),
             str(REPO / "train" / "distill.py"),
-            *_args(tiny_testbed, out, "max_steps=4"),
+            *distill_args(tiny_testbed, out, "max_steps=4"),
         ],
         capture_output=True,
         text=True,
@@ -141,7 +108,9 @@ def test_bf16_teacher_on_cpu_trains_a_float32_head(tiny_testbed, tmp_path):
     """target_dtype=bfloat16 with bf16 autocast (the fast setting on CPUs with AMX): the run ends, the head is
     stored in float32 and it agrees with the target better than chance on held-out text."""
     out = tmp_path / "run"
-    _train(*_args(tiny_testbed, out, "max_steps=4", "save_every=0", "target_dtype=bfloat16", "mixed_precision=bf16"))
+    train(
+        *distill_args(tiny_testbed, out, "max_steps=4", "save_every=0", "target_dtype=bfloat16", "mixed_precision=bf16")
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["target_dtype"] == "bfloat16" and summary["step"] == 4
     assert 0 < summary["eval"]["top1_full"] <= 1 and math.isfinite(summary["eval"]["kd_loss"])
@@ -170,10 +139,10 @@ def test_a_list_of_datasets_trains_on_their_rows_mixed(tiny_testbed, tmp_path):
     out = tmp_path / "run"
     base = [
         a
-        for a in _args(tiny_testbed, out, "max_steps=2", "save_every=0", "draft_vocab_size=64")
+        for a in distill_args(tiny_testbed, out, "max_steps=2", "save_every=0", "draft_vocab_size=64")
         if not a.startswith("data=")
     ]
-    _train(*base, f"data=[{tiny_testbed / 'corpus' / 'train.jsonl'}, {chats}]")
+    train(*base, f"data=[{tiny_testbed / 'corpus' / 'train.jsonl'}, {chats}]")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["data"] == [str(tiny_testbed / "corpus" / "train.jsonl"), str(chats)]
     assert Speculator.from_pretrained(out / "final").config.draft_vocab_size == 64
@@ -193,9 +162,9 @@ def test_a_list_of_datasets_trains_on_their_rows_mixed(tiny_testbed, tmp_path):
     ],
 )
 def test_bad_input_is_one_clear_error(tiny_testbed, tmp_path, args, expected):
-    base = _args(tiny_testbed, tmp_path / "x")
+    base = distill_args(tiny_testbed, tmp_path / "x")
     keys = {a.split("=")[0] for a in args if "=" in a}
-    proc = _train(*[a for a in base if a.split("=")[0] not in keys], *args, check=False)
+    proc = train(*[a for a in base if a.split("=")[0] not in keys], *args, check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("error:") and expected in proc.stderr
     assert "Traceback" not in proc.stderr

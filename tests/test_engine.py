@@ -1,8 +1,6 @@
 """The pipelined engine: lossless greedy decoding, flush/rollback corner cases, the head fed the right depths,
 and lossless sampling (a chi-square test against the target's exact distribution)."""
 
-import copy
-
 import pytest
 import torch
 
@@ -12,8 +10,10 @@ from spd.decoding.engine import Engine
 from spd.decoding.loop import LocalStages
 from spd.errors import SpdInputError
 from spd.decoding.generation import generate_ar
-from spd.decoding.sampling import SamplingParams, warped_probs
+from spd.decoding.sampling import SamplingParams
 from spd.target.staging import StagedModel
+from helpers.proposers import ScriptedEngine, ScriptedProposer
+from helpers.stats import chi_square_p_value, sample_outcomes, sequence_probs
 
 VARIANTS = {"spd": "spd", "output": "output_state", "ppsd": "ppsd"}
 PROMPTS = [[5, 17, 3, 99, 42, 8], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [64, 3]]
@@ -24,44 +24,6 @@ def _engine(family="llama", n=4, variant="spd", layers=8, seed=0, head_seed=1, *
     torch.manual_seed(head_seed)
     head = new_head(staged, DistillConfig(n_stages=n, variant=VARIANTS[variant]))
     return Engine.chain(staged, head.eval())
-
-
-class ScriptedEngine(Engine):
-    """The real engine and head, but each proposal's token is replaced by a scripted right or wrong one (greedy).
-
-    ``right(position) -> bool`` decides; the right token is the autoregressive reference's, a wrong one
-    differs from it. Used to force the flush paths that a head would hit only by chance.
-    """
-
-    def __init__(self, engine, reference, prompt_len, right):
-        super().__init__(engine.staged, engine.proposer)
-        self.proposer = _ScriptedProposer(self.proposer, reference, prompt_len, right, engine.staged.vocab_size)
-
-
-class _ScriptedProposer:
-    """A real proposer whose one candidate per step is forced to the scripted token (all other log-probs -inf)."""
-
-    batches = False  # asked alone (a wrapper has no expand_many)
-
-    def __init__(self, inner, reference, prompt_len, right, vocab_size):
-        self.inner, self.reference, self.prompt_len, self.right = inner, reference, prompt_len, right
-        self.vocab_size = vocab_size
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def __copy__(self):  # a request's own copy (the batched pipeline's): its own inner proposer state too
-        return _ScriptedProposer(copy.copy(self.inner), self.reference, self.prompt_len, self.right, self.vocab_size)
-
-    def expand(self, tree, context, levels):
-        logprobs_LX = self.inner.expand(tree, context, levels)
-        position = len(context) + tree.depth + 1  # of the proposal
-        index = position - self.prompt_len
-        good = self.reference[index] if index < len(self.reference) else 0
-        token = good if self.right(position) else (good + 1) % self.vocab_size
-        forced_LX = torch.full_like(logprobs_LX, float("-inf"))
-        forced_LX[:, token] = 0.0
-        return forced_LX
 
 
 # ---------------------------------------------------------------------------------------- greedy
@@ -208,7 +170,7 @@ def test_the_chain_moves_no_rows_and_pp_flushes_nothing():
     reference = generate_ar(base.staged, [5, 17, 3, 99], 30).token_ids
     stages = _CountingStages(base.staged)
     engine = Engine.chain(base.staged, base.proposer.head, stages=stages)
-    engine.proposer = _ScriptedProposer(engine.proposer, reference, 4, lambda pos: pos % 5 != 0, base.staged.vocab_size)
+    engine.proposer = ScriptedProposer(engine.proposer, reference, 4, lambda pos: pos % 5 != 0, base.staged.vocab_size)
     out = engine.run([5, 17, 3, 99], 30, SamplingParams())
     assert out.token_ids == reference and out.stats.accepted > 10
     assert stages.moves == 0 and stages.flushes == out.stats.flushes > 0
@@ -268,54 +230,6 @@ def test_engine_proposals_equal_the_training_forward(variant, n):
 # -------------------------------------------------------------------------------------- sampling
 
 
-def _sequence_probs(staged, prompt, params, length):
-    """Exact probability of every continuation of ``length`` tokens under the warped target (AR chain rule)."""
-    vocab = staged.vocab_size
-    probs = {(): 1.0}
-    for _ in range(length):
-        nxt = {}
-        prefixes = list(probs)
-        ids = torch.tensor([prompt + list(p) for p in prefixes])
-        with torch.no_grad():
-            logits = staged.model(ids).logits[:, -1]
-        p_next = warped_probs(logits, params)
-        for i, prefix in enumerate(prefixes):
-            for tok in range(vocab):
-                nxt[prefix + (tok,)] = probs[prefix] * float(p_next[i, tok])
-        probs = nxt
-    return probs
-
-
-def _chi_square_p_value(counts: dict, probs: dict, samples: int) -> float:
-    """Pearson chi-square goodness of fit, cells with expected count < 5 pooled into one."""
-    stat, dof, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
-    for outcome, p in probs.items():
-        expected, observed = p * samples, counts.get(outcome, 0)
-        if expected < 5:
-            pooled_obs, pooled_exp = pooled_obs + observed, pooled_exp + expected
-            continue
-        stat += (observed - expected) ** 2 / expected
-        dof += 1
-    if pooled_exp > 0:
-        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
-        dof += 1
-    assert dof >= 10, "too few cells for a meaningful test"
-    return float(
-        torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
-    )
-
-
-def _sample_outcomes(engine, prompt: list[int], params: SamplingParams, length: int, samples: int):
-    """Counts of each ``length``-token continuation over seeds 0..samples-1, and every run's stats."""
-    counts, stats = {}, []
-    for seed in range(samples):
-        out = engine.run(prompt, length, SamplingParams(params.temperature, params.top_k, params.top_p, seed))
-        key = tuple(out.token_ids)
-        counts[key] = counts.get(key, 0) + 1
-        stats.append(out.stats)
-    return counts, stats
-
-
 @pytest.mark.parametrize(
     "n,params",
     [
@@ -337,11 +251,11 @@ def test_sampled_spd_follows_the_target_distribution(n, params):
         head.lm_head.weight.normal_(0, 0.5)  # a head whose q differs from p: many rejections and residual draws
     engine = Engine.chain(staged, head)
     prompt = [1, 4, 2]
-    exact = _sequence_probs(staged, prompt, params, length)
-    counts, stats = _sample_outcomes(engine, prompt, params, length, samples)
+    exact = sequence_probs(staged, prompt, params, length)
+    counts, stats = sample_outcomes(engine, prompt, params, length, samples)
     flushes, verified = sum(s.flushes for s in stats), sum(s.verified for s in stats)
     assert 0.1 * verified < flushes < 0.9 * verified  # both verification outcomes are exercised
-    assert _chi_square_p_value(counts, exact, samples) > 1e-3
+    assert chi_square_p_value(counts, exact, samples) > 1e-3
 
 
 def test_sampling_is_reproducible_for_a_seed():

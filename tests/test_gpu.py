@@ -31,8 +31,8 @@ from spd.decoding.proposers.serial_head import SerialHeadProposer
 from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, new_head
-from test_engine import _chi_square_p_value, _sample_outcomes, _sequence_probs
-from test_tree_engine import _noisy_copy
+from helpers.stats import chi_square_p_value, sample_outcomes, sequence_probs
+from helpers.proposers import noisy_copy
 
 DEVICE = os.environ.get("SPD_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
 
@@ -95,7 +95,7 @@ def test_greedy_chain_modes_equal_ar(family, dtype):
 def test_greedy_tree_equals_ar(llama, dtype):
     """Width 4 with an SPD head and with a draft model (the target with a noisy LM head), n = 4."""
     staged = StagedModel(_on_device(llama, dtype), 4)
-    draft = StagedModel(_on_device(_noisy_copy(llama, 0.3), dtype), 1)
+    draft = StagedModel(_on_device(noisy_copy(llama, 0.3), dtype), 1)
     engines = {
         "head": Engine.tree(staged, SpdHeadProposer(_head(staged, 4), staged, 4), 4),
         "draft": Engine.tree(staged, DraftModelProposer(draft, staged, 4), 4),
@@ -114,7 +114,7 @@ def test_greedy_tree_equals_ar(llama, dtype):
 def test_greedy_sd_equals_ar(llama, dtype):
     """Serial drafting with m = 3: a draft model, and a head trained as variant=eagle (untrained here)."""
     target = StagedModel(_on_device(llama, dtype), 1)
-    draft = StagedModel(_on_device(_noisy_copy(llama, 0.5), dtype), 1)
+    draft = StagedModel(_on_device(noisy_copy(llama, 0.5), dtype), 1)
     torch.manual_seed(4)
     eagle = new_head(target, DistillConfig(variant="eagle", draft_steps=3)).eval()
     for name, drafter in {"draft": draft, "eagle head": SerialHeadProposer(eagle, target)}.items():
@@ -134,7 +134,7 @@ def test_batched_requests_each_get_their_own_answer(llama, dtype, mode):
         engine = Engine.chain(staged, _head(staged, 4))
     else:
         engine = Engine.tree(
-            staged, DraftModelProposer(StagedModel(_on_device(_noisy_copy(llama, 0.5), dtype), 1), staged, 4), 4
+            staged, DraftModelProposer(StagedModel(_on_device(noisy_copy(llama, 0.5), dtype), 1), staged, 4), 4
         )
     batched = BatchedPipeline(engine, max_batch=6, kv_rows=2 * (38 + 30 + 4 * 4 + 1), prefill_chunk=8)
     settings = [
@@ -168,15 +168,15 @@ def test_sampled_decoding_follows_the_target_distribution(mode):
     model = tiny_model("llama", seed=3, layers=6, vocab=vocab, bos_token_id=0, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
         model.lm_head.weight.mul_(0.05)  # peaked but not degenerate next-token distributions
-    exact = _sequence_probs(StagedModel(model, 2), [1, 4, 2], params, length)  # on the CPU, in fp32
+    exact = sequence_probs(StagedModel(model, 2), [1, 4, 2], params, length)  # on the CPU, in fp32
     staged = StagedModel(_on_device(model, torch.float32), 2)
     head = _head(staged, 2, seed=4)
     with torch.no_grad():
         head.lm_head.weight.normal_(0, 0.5)  # q differs from p: rejections and residual draws
     engine = Engine.chain(staged, head) if mode == "spd" else Engine.tree(staged, SpdHeadProposer(head, staged, 2), 2)
-    counts, stats = _sample_outcomes(engine, [1, 4, 2], params, length, samples)
+    counts, stats = sample_outcomes(engine, [1, 4, 2], params, length, samples)
     assert sum(s.flushes for s in stats) > 0
-    assert _chi_square_p_value(counts, exact, samples) > 1e-3
+    assert chi_square_p_value(counts, exact, samples) > 1e-3
 
 
 @on_gpu

@@ -16,22 +16,20 @@ from spd.target.linear_state import LinearStateRing
 from spd.decoding.sampling import SamplingParams
 from spd.target.staging import StagedModel
 from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
-from test_engine import ScriptedEngine, _chi_square_p_value, _sample_outcomes, _sequence_probs
+from helpers.proposers import ScriptedEngine
+from helpers.stats import chi_square_p_value, sample_outcomes, sequence_probs
+from helpers.equivalence import (
+    PROMPT,
+    check_ar_pp_spd_equal_generate,
+    check_distributed_equals_single_process,
+    generate_reference,
+)
 
 HYBRIDS = ["qwen3_5", "qwen3_next"]
 # Chunked (multi-token) and recurrent (one-token) kernels differ by rounding; logits here are O(5). Hugging
 # Face's own cached forward differs from its uncached one by as much (4e-5 for Qwen3.5, 1e-3 for Qwen3-Next).
 TOLS = {"qwen3_5": 2e-4, "qwen3_next": 3e-3}
 TOL = TOLS["qwen3_5"]
-PROMPT = [3 + (7 * i) % 120 for i in range(40)]  # long enough for many flushes at every fill
-
-
-def _generate_reference(model, prompt, max_new):
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def _linear_layers(staged):
@@ -148,34 +146,17 @@ class _ForgetfulRing(LinearStateRing):
 # ----------------------------------------------------------------------------------- greedy decoding
 
 
-def check_ar_pp_spd_equal_generate(model, n: int, prompt: list[int], reference: list[int]) -> None:
-    """ar, pp and spd (a random head, and the same head scripted right and wrong in a pattern: flushes at every
-    fill, each rolling back a different number of tokens) give ``model.generate``'s greedy ``reference``."""
-    staged = StagedModel(model, n)
-    torch.manual_seed(1)
-    engine = Engine.chain(staged, new_head(staged, DistillConfig(n_stages=n)).eval())
-    new = len(reference)
-    assert generate_ar(staged, prompt, new).token_ids == reference
-    assert engine.run(prompt, new, SamplingParams(), use_head=False).token_ids == reference
-    assert engine.run(prompt, new, SamplingParams()).token_ids == reference
-    scripted = ScriptedEngine(engine, reference, len(prompt), right=lambda pos: pos % 5 not in (0, 2))
-    out = scripted.run(prompt, new, SamplingParams())
-    assert out.token_ids == reference
-    assert out.stats.flushes >= new // 6 and out.stats.accepted >= new // 5
-    assert len({i for i, v in enumerate(out.stats.verified_by_position) if v}) >= min(n, 3)
-
-
 @pytest.mark.parametrize("family", HYBRIDS)
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_hybrid_ar_pp_spd_greedy_equal_generate(family, n):
     model = tiny_model(family)
-    check_ar_pp_spd_equal_generate(model, n, PROMPT, _generate_reference(model, PROMPT, 48))
+    check_ar_pp_spd_equal_generate(model, n, PROMPT, generate_reference(model, PROMPT, 48))
 
 
 def test_a_rollback_that_keeps_the_rejected_state_is_caught(monkeypatch):
     """The greedy test above fails if flushes do not restore the linear state (the test can fail)."""
     model = tiny_model("qwen3_5")
-    reference = _generate_reference(model, PROMPT, 48)
+    reference = generate_reference(model, PROMPT, 48)
     staged = StagedModel(model, 4)
     torch.manual_seed(1)
     engine = Engine.chain(staged, new_head(staged, DistillConfig(n_stages=4)).eval())
@@ -203,11 +184,11 @@ def test_sampled_spd_on_a_hybrid_target_follows_the_target_distribution():
         head.lm_head.weight.normal_(0, 0.5)
     engine = Engine.chain(staged, head)
     prompt = [1, 4, 2, 5, 3]
-    exact = _sequence_probs(staged, prompt, params, length)
-    counts, stats = _sample_outcomes(engine, prompt, params, length, samples)
+    exact = sequence_probs(staged, prompt, params, length)
+    counts, stats = sample_outcomes(engine, prompt, params, length, samples)
     flushes, verified = sum(s.flushes for s in stats), sum(s.verified for s in stats)
     assert 0.1 * verified < flushes < 0.9 * verified
-    assert _chi_square_p_value(counts, exact, samples) > 1e-3
+    assert chi_square_p_value(counts, exact, samples) > 1e-3
 
 
 # ----------------------------------------------------------------------------------------- tree mode
@@ -279,14 +260,14 @@ def test_tree_nodes_carry_their_own_linear_state(family):
 def test_hybrid_tree_greedy_equals_generate(family, n):
     """Draft trees (the target itself: hits and prunes every step; a noisy copy: hits, misses, shallow prunes) and
     SPD-head trees (a random head scripted right and wrong at set positions, W = 1 and 4) equal model.generate."""
-    from test_tree_engine import ScriptedSource, _noisy_copy
+    from helpers.proposers import ScriptedSource, noisy_copy
 
     model = tiny_model(family)
-    reference = _generate_reference(model, PROMPT, 40)
+    reference = generate_reference(model, PROMPT, 40)
     staged = StagedModel(model, n)
     torch.manual_seed(1)
     head = new_head(staged, DistillConfig(n_stages=n)).eval()
-    noisy = StagedModel(_noisy_copy(model, 0.5), 1)
+    noisy = StagedModel(noisy_copy(model, 0.5), 1)
     runs = [
         (DraftModelProposer(StagedModel(model, 1), staged, 4), 4, "perfect"),
         (DraftModelProposer(noisy, staged, 4), 4, "noisy"),
@@ -315,8 +296,7 @@ def test_hybrid_tree_greedy_equals_generate(family, n):
 def test_sampled_tree_on_a_hybrid_target_follows_the_target_distribution():
     """Sampled children (W = 3, K = 2) from a noisy draft at T = 1 vs the exact target distribution (chi-square), and
     the independent-branches rule on the same target fails it (negative control)."""
-    from test_tree_engine import _noisy_copy
-    from test_tree_sampling import IndependentBranches
+    from helpers.proposers import IndependentBranches, noisy_copy
 
     vocab, length, samples = 6, 3, 800
     params = SamplingParams(temperature=1.0)
@@ -324,18 +304,18 @@ def test_sampled_tree_on_a_hybrid_target_follows_the_target_distribution():
     staged = StagedModel(model, 2)
     with torch.no_grad():
         staged.lm_head.weight.mul_(0.3)
-    draft = StagedModel(_noisy_copy(model, 1.5), 1)
+    draft = StagedModel(noisy_copy(model, 1.5), 1)
     prompt = [1, 4, 2]
-    exact = _sequence_probs(staged, prompt, params, length)
-    counts, stats = _sample_outcomes(
+    exact = sequence_probs(staged, prompt, params, length)
+    counts, stats = sample_outcomes(
         Engine.tree(staged, DraftModelProposer(draft, staged, 2), 3), prompt, params, length, samples
     )
     assert sum(s.flushes for s in stats) > 0.1 * samples and sum(s.accepted for s in stats) > 0.1 * samples
-    assert _chi_square_p_value(counts, exact, samples) > 1e-3
-    control, _ = _sample_outcomes(
+    assert chi_square_p_value(counts, exact, samples) > 1e-3
+    control, _ = sample_outcomes(
         IndependentBranches(staged, DraftModelProposer(draft, staged, 2), 3), prompt, params, length, samples
     )
-    assert _chi_square_p_value(control, exact, samples) < 1e-3
+    assert chi_square_p_value(control, exact, samples) < 1e-3
 
 
 # ------------------------------------------------------------- distributed runtime and training (slow)
@@ -358,81 +338,6 @@ def hybrid_target(tiny_testbed, tmp_path_factory):
     return out
 
 
-def check_distributed_equals_single_process(
-    target, tmp_path, temperature: float = 0.0, early: bool = False, max_batch: int = 0
-) -> None:
-    """Stage processes (torchrun, n = 4) give the single-process engines' tokens in spd, pp and a W = 2 tree with a
-    random head on ``target`` (many flushes: each rolls every stage back). ``max_batch``: the prompts as requests of
-    the batched pipeline (``--max-batch``), equal to the in-process batched pipeline's."""
-    import json
-
-    from spd.heads.loading import load_speculator
-    from spd.target.staging import load_tokenizer
-    from test_runtime import PROMPTS, _torchrun
-
-    n = 4
-    staged = StagedModel.from_pretrained(target, n_stages=n)
-    torch.manual_seed(7)
-    new_head(staged, DistillConfig(n_stages=n, target=str(target))).save_pretrained(tmp_path / "head")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    out = tmp_path / "out.json"
-    proc = _torchrun(
-        n,
-        "--target",
-        str(target),
-        "--speculator",
-        str(tmp_path / "head"),
-        "--mode",
-        "spd",
-        "pp",
-        "tree",
-        "--tree-width",
-        "2",
-        "--tree-children",
-        "2",
-        "--prompts",
-        str(prompts),
-        "--max-new-tokens",
-        "20",
-        "--temperature",
-        str(temperature),
-        "--top-k",
-        "20",
-        "--seed",
-        "5",
-        "--out",
-        str(out),
-        *(["--early-launch"] if early else []),
-        *(["--max-batch", str(max_batch)] if max_batch else []),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert not max_batch or f"largest batch {max_batch}" in proc.stderr
-    report = json.loads(out.read_text())
-    tok = load_tokenizer(target)
-    head = load_speculator(tmp_path / "head")
-    engine = Engine.chain(staged, head, tok)
-    tree = Engine.tree(staged, SpdHeadProposer(head, staged, 2), 2, tok)
-    torch.set_num_threads(1)  # as each stage process
-    for mode, eng in (("spd", engine), ("pp", engine), ("tree", tree)):
-        ids = [tok(p)["input_ids"] for p in PROMPTS]
-        if max_batch:
-            sampling = [SamplingParams(temperature, 20, 1.0, 5 + i) for i in range(len(ids))]
-            want = [
-                o.token_ids
-                for o in BatchedPipeline(eng, max_batch).generate(
-                    ids, 20, sampling, default_eos(staged.model, tok), mode=mode
-                )
-            ]
-        else:
-            want = [
-                eng.generate(p, 20, mode=mode, temperature=temperature, top_k=20, seed=5 + i).token_ids
-                for i, p in enumerate(ids)
-            ]
-        assert [r["token_ids"] for r in report["results"][mode]] == want, mode
-    assert sum(r["stats"]["flushes"] for r in report["results"]["spd"]) > 5
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature,early,max_batch", [(0.0, False, 0), (1.0, True, 0), (1.0, False, 3)])
 def test_distributed_runtime_on_a_hybrid_target_equals_single_process(
@@ -453,12 +358,12 @@ def test_distributed_draft_tree_on_a_hybrid_target_prunes_the_node_states(hybrid
     import json
 
     from spd.target.staging import load_tokenizer
-    from test_runtime import PROMPTS, _torchrun
-    from test_tree_engine import _noisy_copy
+    from helpers.runtime import PROMPTS, torchrun
+    from helpers.proposers import noisy_copy
 
     n = 4
     model = StagedModel.from_pretrained(hybrid_target, n_stages=1).model
-    _noisy_copy(model, 0.5).save_pretrained(tmp_path / "noisy")
+    noisy_copy(model, 0.5).save_pretrained(tmp_path / "noisy")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     tok = load_tokenizer(hybrid_target)
@@ -467,7 +372,7 @@ def test_distributed_draft_tree_on_a_hybrid_target_prunes_the_node_states(hybrid
     for draft, hits_only in ((hybrid_target, True), (tmp_path / "noisy", False)):
         out = tmp_path / "out.json"
         batch = [] if hits_only else ["--max-batch", "3"]
-        proc = _torchrun(
+        proc = torchrun(
             n,
             "--target",
             str(hybrid_target),
@@ -512,10 +417,10 @@ def test_distributed_draft_tree_on_a_hybrid_target_prunes_the_node_states(hybrid
 def test_trainer_distils_a_head_for_a_hybrid_target(tiny_testbed, hybrid_target, tmp_path):
     """train/distill.py on a hybrid target (anchors on linear and full layers); the head decodes losslessly."""
     from spd.heads.speculator import Speculator
-    from test_distill import _train
+    from helpers.distill import train
 
     out = tmp_path / "run"
-    _train(
+    train(
         f"target={hybrid_target}",
         f"data={tiny_testbed / 'corpus' / 'train.jsonl'}",
         f"eval_data={tiny_testbed / 'corpus' / 'validation.jsonl'}",

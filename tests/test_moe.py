@@ -19,11 +19,11 @@ from spd.decoding.sampling import SamplingParams
 from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, new_head
-from test_hybrid import (
+from helpers.equivalence import (
     PROMPT,
-    _generate_reference,
     check_ar_pp_spd_equal_generate,
     check_distributed_equals_single_process,
+    generate_reference,
 )
 
 MOES = ["qwen3_moe", "qwen3_5_moe"]
@@ -35,7 +35,7 @@ TOLS = {"qwen3_moe": 1e-5, "qwen3_5_moe": 2e-4}
 def moe(request):
     """(family, model, greedy reference for PROMPT)."""
     model = tiny_model(request.param)
-    return request.param, model, _generate_reference(model, PROMPT, 40)
+    return request.param, model, generate_reference(model, PROMPT, 40)
 
 
 def test_the_fixtures_are_mixtures_of_experts():
@@ -165,10 +165,10 @@ def test_distributed_runtime_on_a_moe_target_equals_single_process(moe_targets, 
 def test_trainer_distils_a_head_for_a_moe_target(tiny_testbed, moe_targets, tmp_path, family):
     """train/distill.py on an MoE target; the head decodes losslessly (spd and tree)."""
     from spd.heads.speculator import Speculator
-    from test_distill import _train
+    from helpers.distill import train
 
     out, target = tmp_path / "run", moe_targets[family]
-    _train(
+    train(
         f"target={target}",
         f"data={tiny_testbed / 'corpus' / 'train.jsonl'}",
         f"eval_data={tiny_testbed / 'corpus' / 'validation.jsonl'}",

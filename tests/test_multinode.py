@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import REPO
 from bench.netns import Lan, torchrun_command, unavailable
-from test_runtime import PROMPTS, _reference
+from helpers.runtime import PROMPTS, reference_outputs
 
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
@@ -100,7 +100,7 @@ def test_two_hosts_give_the_single_process_tokens(tiny_testbed, heads, hosts, tm
         assert returncode == 0, err[-3000:]
     report = json.loads(out.read_text())
     for mode in ("spd", "pp", "tree"):
-        want = _reference(tiny_testbed, heads[2], 2, mode, 0.0, 0, None, 16)
+        want = reference_outputs(tiny_testbed, heads[2], 2, mode, 0.0, 0, None, 16)
         assert [r["token_ids"] for r in report["results"][mode]] == [o.token_ids for o in want], mode
 
 
@@ -134,7 +134,7 @@ def test_three_hosts_give_the_single_process_tokens(tiny_testbed, heads, hosts, 
         assert returncode == 0, err[-3000:]
     report = json.loads(out.read_text())
     for mode in ("spd", "tree"):
-        want = _reference(tiny_testbed, heads[4], 4, mode, 0.0, 0, None, 16)
+        want = reference_outputs(tiny_testbed, heads[4], 4, mode, 0.0, 0, None, 16)
         assert [r["token_ids"] for r in report["results"][mode]] == [o.token_ids for o in want], mode
 
 
@@ -420,7 +420,7 @@ def test_a_server_with_stages_on_another_machine_serves_their_tokens_and_503_onc
         _, err = twice.communicate(timeout=60)
         errors = _errors(err.splitlines())
         assert twice.returncode == 2 and len(errors) == 1 and "already run by another machine" in errors[0], err
-        want = _reference(tiny_testbed, heads[4], 4, "spd", 0.0, 0, None, 16)
+        want = reference_outputs(tiny_testbed, heads[4], 4, "spd", 0.0, 0, None, 16)
         from spd.target.staging import load_target_tokenizer
 
         tok = load_target_tokenizer(target)

@@ -13,7 +13,7 @@ from spd.decoding.engine import Engine
 from spd.errors import SpdInputError
 from spd.decoding.generation import default_eos, generate_ar
 from spd.target.staging import StagedModel
-from test_cli import spd_generate, spd_generate_main
+from helpers.cli import spd_generate, spd_generate_main
 
 PROMPT = [5, 17, 3, 99, 42, 8, 11, 12]
 MAX_NEW = 32
@@ -171,7 +171,7 @@ def test_bad_prompt_ids_are_one_clear_line_and_exit_2(model_only, args, expected
 def test_spd_generate_distributed_with_prompt_ids_and_no_tokenizer(model_only):
     """A target without a tokenizer across processes: token-id prompt, the generation config's EOS (rank 0 loads
     only its part of the model, generation_config.json included), acceptance flags in JSON and in colour."""
-    from test_cli import spd_generate
+    from helpers.cli import spd_generate
 
     common = [
         "--target",

@@ -22,65 +22,8 @@ from spd.runtime.stage import EpochLog, _level_now, pack_level
 from spd.heads.loading import load_speculator
 from spd.target.staging import StagedModel, load_tokenizer
 from spd.decoding.tree import TokenTree
-from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
-
-PROMPTS = [
-    "def main(argv):\n    ",
-    "import os\n",
-    "class A:\n    def __init__(self):",
-    # long enough that the prefill's activations do not fit one message slot (the spilled path)
-    "import sys\nimport os\n\n\ndef parse(argv):\n    options = {}\n    for arg in argv[1:]:\n"
-    "        key, _, value = arg.partition('=')\n        options[key.lstrip('-')] = value\n"
-    "    return options\n\n\nclass Runner:\n    def __init__(self, options):\n        self.",
-]
-
-
-def _torchrun(n: int, *args: str, timeout: int = 400, **popen) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(n + 1),
-        "--master-port",
-        str(_port()),
-        "-m",
-        "spd.cli.run_pipeline",
-        *args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env, **popen)
-
-
-def _port() -> int:
-    from spd.runtime.world import free_port
-
-    return free_port()
-
-
-def _reference(tiny_testbed, head_dir, n, mode, temperature, top_k, seed, max_new, width=2, draft=None):
-    """The single-process engine's outputs for PROMPTS (tree mode: SPD-head tree of ``width``, or a draft tree)."""
-    torch.set_num_threads(1)
-    staged = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=n)
-    tok = load_tokenizer(tiny_testbed / "target")
-    if mode == "tree" and draft is not None:
-        source = DraftModelProposer(StagedModel.from_pretrained(draft, n_stages=1), staged, 4)
-        engine = Engine.tree(staged, source, width, tok)
-    elif mode == "tree":
-        engine = Engine.tree(staged, SpdHeadProposer(load_speculator(head_dir), staged, 4), width, tok)
-    else:
-        engine = Engine.chain(staged, load_speculator(head_dir), tok)
-    return [
-        engine.generate(
-            tok(p)["input_ids"],
-            max_new,
-            mode=mode,
-            temperature=temperature,
-            top_k=top_k,
-            seed=None if seed is None else seed + i,
-        )
-        for i, p in enumerate(PROMPTS)
-    ]
+from spd.decoding.proposers import SpdHeadProposer
+from helpers.runtime import PROMPTS, master_port, reference_outputs, torchrun
 
 
 # Every n, greedy and seeded sampling (a world of n + 1 processes costs CI time on 2 cores; sampling at n = 4 runs
@@ -114,12 +57,12 @@ def test_distributed_runtime_equals_single_process_engine(tiny_testbed, heads, t
         "--out",
         str(out),
     ]
-    proc = _torchrun(n, *args)
+    proc = torchrun(n, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     for mode in ("spd", "pp", "tree"):
         got = [r["token_ids"] for r in report["results"][mode]]
-        want = _reference(tiny_testbed, heads[n], n, mode, temperature, 20, 5, 24)
+        want = reference_outputs(tiny_testbed, heads[n], n, mode, temperature, 20, 5, 24)
         assert got == [out.token_ids for out in want], mode
         # The same verification outcomes, token by token.
         flags = [r["stats"]["token_acceptance"] for r in report["results"][mode]]
@@ -148,7 +91,7 @@ def test_distributed_runtime_batches_requests_as_the_in_process_batch_does(tiny_
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in BATCH_PROMPTS))
     out = tmp_path / "out.json"
-    proc = _torchrun(
+    proc = torchrun(
         n,
         "--target",
         str(tiny_testbed / "target"),
@@ -218,7 +161,7 @@ def test_distributed_runtime_batches_the_heads_asked_through_their_engine_calls(
     from spd.decoding.sampling import SamplingParams
     from spd.decoding.proposers import HeadProposer
     from spd.heads.published.authors_head import load_authors_head
-    from test_authors import FIXTURES, _head_file
+    from helpers.authors import FIXTURES, head_file
 
     n = 4
     staged = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=n)
@@ -252,7 +195,7 @@ def test_distributed_runtime_batches_the_heads_asked_through_their_engine_calls(
             "--target",
             str(authors_target),
             "--speculator",
-            str(_head_file("v10_qwen3_n4_l1")),
+            str(head_file("v10_qwen3_n4_l1")),
             "--mode",
             "spd",
             "tree",
@@ -262,7 +205,7 @@ def test_distributed_runtime_batches_the_heads_asked_through_their_engine_calls(
     }
 
     def run(name):
-        return _torchrun(n, *runs[name], *common, "--out", str(tmp_path / f"{name}.json"))
+        return torchrun(n, *runs[name], *common, "--out", str(tmp_path / f"{name}.json"))
 
     for proc in two_at_a_time(run, runs):
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -272,7 +215,7 @@ def test_distributed_runtime_batches_the_heads_asked_through_their_engine_calls(
     ids = [tok(p)["input_ids"] for p in texts]
     sampling = [SamplingParams(1.0, 20, 1.0, 7 + i) for i in range(len(ids))]
     authors_staged = StagedModel.from_pretrained(authors_target, n_stages=n)
-    authors_head = load_authors_head(str(_head_file("v10_qwen3_n4_l1")), authors_staged)
+    authors_head = load_authors_head(str(head_file("v10_qwen3_n4_l1")), authors_staged)
     cases = [
         ("ppsd", "spd", Engine.chain(staged, load_speculator(tmp_path / "ppsd"), tok), staged),
         ("authors", "spd", Engine.chain(authors_staged, authors_head, tok), authors_staged),
@@ -352,7 +295,7 @@ def test_distributed_output_state_head_equals_single_process_engine(tiny_testbed
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "out.json"
-    proc = _torchrun(
+    proc = torchrun(
         2,
         "--target",
         str(tiny_testbed / "target"),
@@ -369,7 +312,7 @@ def test_distributed_output_state_head_equals_single_process_engine(tiny_testbed
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    want = _reference(tiny_testbed, tmp_path / "head", 2, "spd", 0.0, 0, None, 16)
+    want = reference_outputs(tiny_testbed, tmp_path / "head", 2, "spd", 0.0, 0, None, 16)
     assert [r["token_ids"] for r in report["results"]["spd"]] == [o.token_ids for o in want]
     assert [r["stats"]["token_acceptance"] for r in report["results"]["spd"]] == [
         o.stats.token_acceptance for o in want
@@ -380,7 +323,7 @@ def test_one_new_token_per_prompt_is_summarised_without_a_decode_rate(tiny_testb
     """Prefill only (the first token comes from the prefill's logits): no decode step, no rate to print."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
-    proc = _torchrun(
+    proc = torchrun(
         2, "--target", str(tiny_testbed / "target"), "--mode", "pp", "--prompts", str(prompts), "--max-new-tokens", "1"
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -395,7 +338,7 @@ def test_distributed_draft_tree_equals_single_process_engine(tiny_testbed, tmp_p
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "out.json"
     draft = tiny_testbed / "draft"
-    proc = _torchrun(
+    proc = torchrun(
         4,
         "--target",
         str(tiny_testbed / "target"),
@@ -423,7 +366,7 @@ def test_distributed_draft_tree_equals_single_process_engine(tiny_testbed, tmp_p
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     got = [r["token_ids"] for r in report["results"]["tree"]]
-    want = _reference(tiny_testbed, None, 4, "tree", temperature, 20, 5, 24, width="auto", draft=draft)
+    want = reference_outputs(tiny_testbed, None, 4, "tree", temperature, 20, 5, 24, width="auto", draft=draft)
     assert got == [out.token_ids for out in want]
     assert [r["stats"]["token_acceptance"] for r in report["results"]["tree"]] == [
         out.stats.token_acceptance for out in want
@@ -496,7 +439,7 @@ def test_link_messages_arrive_intact_inline_and_spilled():
             "--nproc-per-node",
             "2",
             "--master-port",
-            str(_port()),
+            str(master_port()),
             str(REPO / "tests" / "link_roundtrip.py"),
         ],
         capture_output=True,
@@ -651,7 +594,7 @@ def test_killed_stage_makes_every_rank_exit_cleanly(tiny_testbed, heads, tmp_pat
         "--nproc-per-node",
         "5",
         "--master-port",
-        str(_port()),
+        str(master_port()),
         "--monitor-interval",
         "10",
         "-m",
@@ -696,7 +639,7 @@ def test_killed_stage_makes_every_rank_exit_cleanly(tiny_testbed, heads, tmp_pat
 
 
 def test_spd_generate_runtime_distributed_matches_local(tiny_testbed, heads):
-    from test_cli import spd_generate
+    from helpers.cli import spd_generate
 
     common = [
         "--target",

@@ -18,10 +18,10 @@ from spd.decoding.proposers.serial_head import SerialHeadProposer
 from spd.decoding.proposers import Proposer
 from spd.heads.speculator import Speculator
 from spd.target.staging import StagedModel
-from test_cli import spd_generate
-from test_distill import _args, _train
-from test_engine import _chi_square_p_value, _sample_outcomes, _sequence_probs
-from test_tree_engine import _noisy_copy
+from helpers.cli import spd_generate
+from helpers.distill import distill_args, train
+from helpers.stats import chi_square_p_value, sample_outcomes, sequence_probs
+from helpers.proposers import noisy_copy
 
 PROMPTS = [[5, 17, 3, 99, 42, 8], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 
@@ -36,7 +36,7 @@ def target_model():
 def test_greedy_sd_equals_ar(target_model, m, noise):
     """A perfect draft (noise 0: every draft accepted, bonus tokens), a partial one and a bad one."""
     target = StagedModel(target_model, 1)
-    sd = SpeculativeDecoder(target, StagedModel(_noisy_copy(target_model, noise), 1), m)
+    sd = SpeculativeDecoder(target, StagedModel(noisy_copy(target_model, noise), 1), m)
     for prompt in PROMPTS:
         out = sd.run(prompt, 30, SamplingParams())
         assert out.token_ids == generate_ar(target, prompt, 30).token_ids
@@ -128,7 +128,7 @@ def test_budget_and_eos_inside_an_iteration(target_model, max_new):
 
 def test_context_full(target_model):
     target = StagedModel(target_model, 1)  # max_position_embeddings = 256
-    sd = SpeculativeDecoder(target, StagedModel(_noisy_copy(target_model, 0.5), 1), 7)
+    sd = SpeculativeDecoder(target, StagedModel(noisy_copy(target_model, 0.5), 1), 7)
     prompt = [3 + i % 100 for i in range(250)]
     out = sd.run(prompt, 40, SamplingParams())
     assert out.token_ids == generate_ar(target, prompt, 40).token_ids
@@ -163,14 +163,14 @@ def test_sampled_sd_follows_the_target_distribution(cls, params, kind):
     length, samples = 3, 800
     model, target = _small_vocab_target()
     drafter = (
-        StagedModel(_noisy_copy(model, 1.0), 1)
+        StagedModel(noisy_copy(model, 1.0), 1)
         if kind == "draft"
         else SerialHeadProposer(_eagle_head(target, 2, spread=0.2), target)
     )
     sd = cls(target, drafter, 2)
     prompt = [1, 4, 2]
-    counts, stats = _sample_outcomes(sd, prompt, params, length, samples)
-    p_value = _chi_square_p_value(counts, _sequence_probs(target, prompt, params, length), samples)
+    counts, stats = sample_outcomes(sd, prompt, params, length, samples)
+    p_value = chi_square_p_value(counts, sequence_probs(target, prompt, params, length), samples)
     if cls is NoResidual:
         assert p_value < 1e-3
         return
@@ -180,7 +180,7 @@ def test_sampled_sd_follows_the_target_distribution(cls, params, kind):
 
 
 def test_sampling_is_reproducible_for_a_seed(target_model):
-    sd = SpeculativeDecoder(StagedModel(target_model, 1), StagedModel(_noisy_copy(target_model, 0.5), 1), 3)
+    sd = SpeculativeDecoder(StagedModel(target_model, 1), StagedModel(noisy_copy(target_model, 0.5), 1), 3)
     params = SamplingParams(temperature=1.0, top_k=20, seed=11)
     assert sd.run([5, 6, 7], 30, params).token_ids == sd.run([5, 6, 7], 30, params).token_ids
 
@@ -260,7 +260,7 @@ def test_eagle_variant_trains_loads_and_drafts(tiny_testbed, tmp_path):
     expected acceptance length in its summary; spd-generate / the bench run it in --mode sd (greedy == ar), and
     the modes that take other heads refuse it (and sd refuses a pipeline head) with one line."""
     out = tmp_path / "eagle"
-    _train(*_args(tiny_testbed, out, "variant=eagle", "draft_steps=3", "max_steps=3", "save_every=0"))
+    train(*distill_args(tiny_testbed, out, "variant=eagle", "draft_steps=3", "max_steps=3", "save_every=0"))
     head = Speculator.from_pretrained(out / "final")
     cfg = head.config
     assert (cfg.schedule, cfg.n_stages, cfg.max_depth, cfg.draft_steps) == ("serial", 1, 1, 3)  # n_stages=4 ignored

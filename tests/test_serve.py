@@ -17,37 +17,9 @@ import httpx
 import pytest
 
 from conftest import REPO, two_at_a_time
-from bench.bench_serve import ServerProcess
-from test_cli import spd_generate
+from helpers.serve import PROMPT, Server, cli_json
 
 openai = pytest.importorskip("openai")
-
-PROMPT = "def main(argv):\n"
-
-
-class Server(ServerProcess):
-    """``spd-serve`` in its own process on a free port, with the clients the tests use."""
-
-    def client(self, **kwargs):
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kwargs)
-
-    def post(self, path: str, body, **kwargs) -> httpx.Response:
-        data = body if isinstance(body, (str, bytes)) else json.dumps(body)
-        return httpx.post(
-            f"{self.url}{path}", content=data, headers={"content-type": "application/json"}, timeout=120, **kwargs
-        )
-
-    def metrics(self) -> dict[str, float]:
-        """Samples of /metrics by name and labels, e.g. 'spd_requests_total{endpoint="chat",outcome="ok"}'."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = httpx.get(f"{self.url}/metrics").text
-        samples = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-                samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return samples
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +27,6 @@ def spd_server(tiny_testbed, tiny_heads):
     server = Server("--target", str(tiny_testbed / "target"), "--mode", "spd", "--speculator", str(tiny_heads[4]))
     yield server
     server.stop()
-
-
-def cli_json(tiny_testbed, *args: str) -> dict:
-    proc = spd_generate("--target", str(tiny_testbed / "target"), "--json", *args)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
 
 
 # ------------------------------------------------------------------------------ output == spd-generate

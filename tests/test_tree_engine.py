@@ -16,18 +16,9 @@ from spd.decoding.sampling import SamplingParams
 from spd.target.staging import StagedModel, load_tokenizer
 from spd.decoding.proposers import Proposer
 from spd.decoding.proposers import DraftModelProposer, HeadProposer, SpdHeadProposer
+from helpers.proposers import ScriptedSource, noisy_copy
 
 PROMPTS = [[5, 17, 3, 99, 42, 8], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
-
-
-def _noisy_copy(model, noise: float, seed: int = 1):
-    """The target itself with noise on its LM head: a draft that agrees with the target only partly."""
-    draft = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        w = draft.lm_head.weight
-        w.add_(noise * w.std() * torch.randn(w.shape, generator=gen))
-    return draft
 
 
 @pytest.fixture(scope="module")
@@ -37,38 +28,8 @@ def target_model():
 
 def _draft_engine(target_model, n, width, children, draft_model=None, noise=0.3):
     staged = StagedModel(target_model, n)
-    draft = StagedModel(draft_model if draft_model is not None else _noisy_copy(target_model, noise), 1)
+    draft = StagedModel(draft_model if draft_model is not None else noisy_copy(target_model, noise), 1)
     return Engine.tree(staged, DraftModelProposer(draft, staged, children), width)
-
-
-class ScriptedSource:
-    """A real source whose log-probabilities on the reference path are forced right (the reference token ranked
-    ``rank``-th after the node, the ``rank`` tokens before it at log-prob 0 and it just below, so the path is always
-    kept) or wrong (the reference token removed), by ``right(position)``."""
-
-    batches = False  # asked alone (a wrapper has no expand_many)
-
-    def __init__(self, inner, sequence, right, rank=0):
-        self.inner, self.sequence, self.right, self.rank = inner, sequence, right, rank
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def expand(self, tree, context, levels):
-        logprobs_LX = self.inner.expand(tree, context, levels).clone()
-        committed = len(context)
-        for row, node in enumerate(tree.bottom_level().tolist()):
-            path = tree.path(node).tolist()
-            position = committed + len(path)  # of the node's children
-            if self.sequence[committed:position] != path or position >= len(self.sequence):
-                continue
-            good = self.sequence[position]
-            logprobs_LX[row, good] = float("-inf")
-            if self.right(position):
-                if self.rank:
-                    logprobs_LX[row, torch.topk(logprobs_LX[row], self.rank).indices] = 0.0
-                logprobs_LX[row, good] = -1e-6 if self.rank else 0.0
-        return logprobs_LX
 
 
 def _scripted(target_model, n, right, width=1, children=1, max_new=24, prompt=(5, 17, 3, 99), eos=None, rank=0):
@@ -106,7 +67,7 @@ def test_greedy_tree_equals_ar_on_the_testbed(tiny_testbed):
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 def test_greedy_tree_equals_ar_with_drafts_of_every_quality(target_model, n):
     """A perfect draft (only hits), a noisy one (hits, misses, prunes that leave the tree shallow), a random one."""
-    perfect, noisy, random = target_model, _noisy_copy(target_model, 0.5), tiny_model("llama", seed=5, layers=2)
+    perfect, noisy, random = target_model, noisy_copy(target_model, 0.5), tiny_model("llama", seed=5, layers=2)
     runs = [(perfect, 1, 1), (perfect, 16, 4), (noisy, 4, 4), (noisy, 16, 4), (random, 4, 4)]
     staged = StagedModel(target_model, n)
     refs = [generate_ar(staged, prompt, 24).token_ids for prompt in PROMPTS[:2]]
@@ -129,7 +90,7 @@ def test_greedy_tree_equals_ar_with_drafts_of_every_quality(target_model, n):
 def test_greedy_tree_equals_ar_other_families(family, overrides):
     model = tiny_model(family, **overrides)
     engine = Engine.tree(
-        StagedModel(model, 4), DraftModelProposer(StagedModel(_noisy_copy(model, 0.3), 1), StagedModel(model, 4), 4), 4
+        StagedModel(model, 4), DraftModelProposer(StagedModel(noisy_copy(model, 0.3), 1), StagedModel(model, 4), 4), 4
     )
     for prompt in PROMPTS[:2]:
         out = engine.run(prompt, 24, SamplingParams())

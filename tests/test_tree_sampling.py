@@ -17,8 +17,8 @@ from spd.decoding.tree import TokenTree, grow_sampled, grow_top_k, verify_sample
 from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
 from spd.decoding.engine import Engine
 from spd.decoding.tree_width import AdaptiveWidth, FixedWidth, parse_tree_width, tree_width
-from test_engine import _chi_square_p_value, _sample_outcomes, _sequence_probs
-from test_tree_engine import _noisy_copy
+from helpers.stats import chi_square_p_value, sample_outcomes, sequence_probs
+from helpers.proposers import IndependentBranches, noisy_copy
 
 T1 = SamplingParams(temperature=1.0)
 T07 = SamplingParams(temperature=0.7, top_k=4, top_p=0.9)
@@ -48,7 +48,7 @@ def test_children_are_drawn_in_order_without_replacement():
     for pair in zip(first, second):
         counts[pair] = counts.get(pair, 0) + 1
     exact = {(a, b): float(q[a] * q[b] / (1 - q[a])) for a in range(vocab) for b in range(vocab) if a != b}
-    assert _chi_square_p_value(counts, exact, rows) > 1e-3
+    assert chi_square_p_value(counts, exact, rows) > 1e-3
     # The parent's q is kept for verification, over the target's vocabulary; edge log-probs are log q.
     torch.testing.assert_close(tree.drafts[int(tree.parents_N[new[0]])], q)
     torch.testing.assert_close(tree.logprobs_N[new], q.log()[tree.tokens_N[new]])
@@ -102,9 +102,9 @@ def test_recursive_rejection_without_replacement_is_exact_and_the_iid_rule_is_no
     p = torch.softmax(torch.randn(vocab, generator=gen), -1)
     q = torch.softmax(2 * torch.randn(vocab, generator=gen), -1)  # a draft quite unlike the target
     exact = {(t,): float(p[t]) for t in range(vocab)}
-    assert _chi_square_p_value(_rule_outcomes(p, q, trials, True), exact, trials) > 1e-3
+    assert chi_square_p_value(_rule_outcomes(p, q, trials, True), exact, trials) > 1e-3
     # Negative control: the same draws verified as if they were i.i.d. from q.
-    assert _chi_square_p_value(_rule_outcomes(p, q, trials, False), exact, trials) < 1e-6
+    assert chi_square_p_value(_rule_outcomes(p, q, trials, False), exact, trials) < 1e-6
     with pytest.raises(SpdInputError, match="one \\(V,\\) draft distribution"):
         verify_sampled_recursive(p, [1, 2], torch.stack([q, q]), gen, without_replacement=True)
 
@@ -122,7 +122,7 @@ def _target(n: int, scale: float) -> tuple[torch.nn.Module, StagedModel]:
 
 def _source(kind: str, model, staged, n: int, children: int):
     if kind == "draft":
-        return DraftModelProposer(StagedModel(_noisy_copy(model, 1.0), 1), staged, children)
+        return DraftModelProposer(StagedModel(noisy_copy(model, 1.0), 1), staged, children)
     torch.manual_seed(4)
     head = new_head(staged, DistillConfig(n_stages=n)).eval()
     with torch.no_grad():
@@ -130,23 +130,11 @@ def _source(kind: str, model, staged, n: int, children: int):
     return SpdHeadProposer(head, staged, children)
 
 
-class IndependentBranches(Engine):
-    """Negative control: every child checked on its own with min(1, p/q), the first accepted one wins (the
-    reference code's rule at T > 0, docs/method.md §6) - not lossless."""
-
-    @staticmethod
-    def _verify_sampled(p_V, tokens_C, q_V, generator):
-        for i, x in enumerate(tokens_C.tolist()):
-            if float(torch.rand((), generator=generator, dtype=torch.float64)) * float(q_V[x]) < float(p_V[x]):
-                return i, x
-        return None, int(torch.multinomial(p_V, 1, generator=generator))
-
-
 def _chi_square(engine_cls, kind, n, params, scale, width=3, children=3):
     model, staged = _target(n, scale)
     engine = engine_cls.tree(staged, _source(kind, model, staged, n, children), width, candidates="sampled")
-    counts, stats = _sample_outcomes(engine, PROMPT, params, LENGTH, SAMPLES)
-    return _chi_square_p_value(counts, _sequence_probs(staged, PROMPT, params, LENGTH), SAMPLES), stats
+    counts, stats = sample_outcomes(engine, PROMPT, params, LENGTH, SAMPLES)
+    return chi_square_p_value(counts, sequence_probs(staged, PROMPT, params, LENGTH), SAMPLES), stats
 
 
 @pytest.mark.parametrize("kind", ["draft", "head"])
@@ -174,12 +162,12 @@ def test_top_k_tree_follows_the_target_distribution(n, width, children, params):
     """The deterministic rule (--tree-candidates top-k) at T > 0: children are the source's top-K."""
     model, staged = _target(n, 0.2 if n == 2 else 0.05)
     engine = Engine.tree(staged, _source("draft", model, staged, n, children), width, candidates="top-k")
-    counts, stats = _sample_outcomes(engine, PROMPT, params, LENGTH, SAMPLES)
+    counts, stats = sample_outcomes(engine, PROMPT, params, LENGTH, SAMPLES)
     flushes, verified = sum(s.flushes for s in stats), sum(s.verified for s in stats)
     later_sibling = sum(sum(s.accepted_by_sibling[1:]) for s in stats)
     assert 0.1 * verified < flushes < 0.9 * verified and later_sibling > 0  # every verification outcome occurs
     assert all(s.candidates == "top-k" for s in stats)
-    assert _chi_square_p_value(counts, _sequence_probs(staged, PROMPT, params, LENGTH), SAMPLES) > 1e-3
+    assert chi_square_p_value(counts, sequence_probs(staged, PROMPT, params, LENGTH), SAMPLES) > 1e-3
 
 
 def test_adaptive_width_follows_the_target_distribution():
@@ -187,9 +175,9 @@ def test_adaptive_width_follows_the_target_distribution():
     model, staged = _target(2, 0.2)
     policy = AdaptiveWidth(max_width=4, children=3, window=1)
     engine = Engine.tree(staged, _source("draft", model, staged, 2, 3), policy)
-    counts, stats = _sample_outcomes(engine, PROMPT, T1, LENGTH, SAMPLES)
+    counts, stats = sample_outcomes(engine, PROMPT, T1, LENGTH, SAMPLES)
     assert len({s.mean_width for s in stats}) > 1  # the width did move
-    assert _chi_square_p_value(counts, _sequence_probs(staged, PROMPT, T1, LENGTH), SAMPLES) > 1e-3
+    assert chi_square_p_value(counts, sequence_probs(staged, PROMPT, T1, LENGTH), SAMPLES) > 1e-3
 
 
 # ------------------------------------------------------------------------------ the rule per request
@@ -199,7 +187,7 @@ def test_the_rule_follows_the_request():
     """auto: top-K when greedy (output == ar), sampled at T > 0; a seed reproduces; bad names are refused."""
     model = tiny_model("llama", seed=0, layers=8)
     staged = StagedModel(model, 4)
-    engine = Engine.tree(staged, DraftModelProposer(StagedModel(_noisy_copy(model, 0.3), 1), staged, 4), 4)
+    engine = Engine.tree(staged, DraftModelProposer(StagedModel(noisy_copy(model, 0.3), 1), staged, 4), 4)
     greedy = engine.run([5, 17, 3], 20, SamplingParams())
     assert greedy.stats.candidates == "top-k" and greedy.token_ids == generate_ar(staged, [5, 17, 3], 20).token_ids
     params = SamplingParams(temperature=1.0, top_k=20, seed=3)

@@ -113,7 +113,7 @@ def test_bench_uneven_pp(tiny_testbed, tmp_path):
 
 def test_server_takes_boundaries(tiny_testbed):
     """spd-serve --boundaries serves the standard pipeline over an uneven cut, with ar's text."""
-    from test_serve import PROMPT, Server, cli_json
+    from helpers.serve import PROMPT, Server, cli_json
 
     server = Server("--target", str(tiny_testbed / "target"), "--mode", "pp", "--boundaries", "3,5")
     try:
