@@ -42,6 +42,7 @@ def _cli(*args, env=None) -> subprocess.CompletedProcess:
 # ----------------------------------------------------------------------------- exactness against their code
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", HEADS)
 def test_greedy_generate_reproduces_the_authors_code(name):
     """Tokens, per-token acceptance and step counts of their greedy generate, for every fixture run of a head."""
@@ -65,6 +66,7 @@ def test_greedy_generate_reproduces_the_authors_code(name):
         assert out.stats.flushes == rec["num_rejections"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", HEADS)
 def test_their_head_as_a_tree_source_of_width_1_is_their_chain(name):
     """Our tree engine with their head at W = 1 reproduces their greedy generate (tokens, flags, steps); at W = 4
@@ -102,6 +104,7 @@ def test_draft_vocabulary_maps_back_to_target_ids():
     assert torch.isinf(logits[0, outside]).all() and torch.isfinite(logits[0, ids]).all()
 
 
+@pytest.mark.slow
 def test_loaded_through_every_entry_point(tmp_path):
     """load_speculator, Engine.from_pretrained and spd-generate --speculator all take the file."""
     name = "v11_qwen3_n4_l1_draft"
@@ -151,6 +154,7 @@ def test_hub_reference_syntax():
         parse_hub_reference("hf://a/f.pt")
 
 
+@pytest.mark.slow
 def test_hub_reference_resolves_through_an_offline_hub_cache(tmp_path):
     """hf://OWNER/REPO@BRANCH/FILE.pt through huggingface_hub's real cache layout, HF_HUB_OFFLINE=1."""
     name = "v10_qwen3_n4_l1"
@@ -195,6 +199,7 @@ def test_hub_reference_resolves_through_an_offline_hub_cache(tmp_path):
 # ---------------------------------------------------------------------------------------------- converter
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["v10_qwen3_n8_l2_draft", "v11_qwen35_n4_l1"])
 def test_converter_round_trip_is_bit_exact(tmp_path, name):
     proc = _cli("-m", "spd.cli.convert", str(head_file(name)), str(tmp_path / "dir"))
@@ -215,6 +220,7 @@ def test_converter_round_trip_is_bit_exact(tmp_path, name):
     assert out.stats.token_acceptance[1:] == rec["accepted"][1:]
 
 
+@pytest.mark.slow
 def test_our_head_in_their_layout_computes_what_ours_does(tmp_path):
     """Our one-layer head on a Qwen3 target, written as their v10 file and loaded back as an authors' head:
     their training forward equals ours at every fill (the final-norm ratio folded into the LM head)."""
@@ -247,6 +253,7 @@ def test_our_head_in_their_layout_computes_what_ours_does(tmp_path):
         torch.testing.assert_close(theirs.train_logits(hidden, fill), ours, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_converter_refuses_what_their_layout_cannot_express(tmp_path, tiny_testbed):
     from spd.training.distill import DistillConfig, new_head
 
@@ -339,6 +346,7 @@ def test_bad_files_are_refused_with_one_sentence(tmp_path):
     assert not Path("/tmp/spd-should-not-exist").exists()
 
 
+@pytest.mark.slow
 def test_bad_files_in_the_cli_are_one_error_line(tmp_path):
     bad = _bad_files(tmp_path)
     # One spd-generate per bad file, two at a time (each spends its time importing torch and transformers).
@@ -410,6 +418,7 @@ def test_distributed_runtime_with_an_authors_head_on_a_hybrid_target():
     assert out["stats"]["flushes"] == rec["num_rejections"] > 5
 
 
+@pytest.mark.slow
 def test_tree_mode_takes_their_heads_in_the_cli():
     """spd-generate --mode tree with their file: the W = 4 tree's tokens equal --mode spd's (the greedy output)."""
     import json

@@ -206,6 +206,7 @@ def test_backend_trains_checkpoints_resumes_and_loads(backend, tiny_testbed, tmp
     _assert_same_weights(final, load_file(out / "final" / "model.safetensors"), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_processes_that_would_each_train_alone_are_refused(tiny_testbed, tmp_path):
     """Two processes that accelerate sets up as two single-process runs (here: --multi_gpu on a machine without
     GPUs, without ACCELERATE_USE_CPU) stop with one error instead of writing over each other's files."""

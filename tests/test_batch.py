@@ -280,6 +280,7 @@ def test_a_draft_model_proposes_for_every_request_in_one_call(target_model, monk
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "head_kind,width",
     [
@@ -461,6 +462,7 @@ def _hybrid_batch(mode: str, n: int):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,n", [("spd", 4), ("tree", 2)])
 def test_hybrid_targets_batch_with_each_requests_own_linear_state(mode, n, monkeypatch):
     """Qwen3.5 (linear-attention layers beside attention ones): 8 requests, at most 6 at once, each with its own
@@ -621,6 +623,7 @@ class NodeBudgetBatch(BatchedPipeline):
         super().__init__(engine, tree_nodes=18, **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [BatchedPipeline, UnfairBatch, NodeBudgetBatch])
 def test_sampled_tree_in_a_mixed_batch_follows_the_target_distribution(cls):
     """3-token continuations of one prompt from 600 seeds, each run in a batch beside requests with other prompts,
@@ -678,6 +681,7 @@ def test_bad_settings_and_requests_are_refused_in_one_line(target_model):
 
 
 # --------------------------------------------------------------------------------------- the benchmark
+@pytest.mark.slow
 def test_the_batch_benchmark_over_the_runtime_reports_each_stage(tiny_testbed, tiny_heads, tmp_path):
     """bench/bench_batch.py over the distributed runtime (2 stage processes, each call sleeping 1 ms): the same
     tokens from both systems, and per step the CPU of each stage process and each stage's clock (its ragged calls,
@@ -795,6 +799,7 @@ def test_the_batch_benchmark_counts_the_cpu_of_its_stage_processes():
     assert used["driver"] > 0 and len(used["stages"]) == 1 and 0.45 <= used["stages"][0] < 5
 
 
+@pytest.mark.slow
 def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_heads, tmp_path):
     """bench/bench_batch.py on the miniature testbed: every system serves the same requests (the same tokens),
     the table and the JSON carry both clocks, and the model clock follows a + b * tokens; with a draft model's

@@ -72,6 +72,7 @@ def _rows(tb, data=None):
     return [ds[i] for i in range(len(ds))], tok
 
 
+@pytest.mark.slow
 def test_capture_holds_the_targets_states_and_rows(tiny_testbed, subset, captured):
     ds = CapturedDataset(captured)
     manifest = ds.manifest
@@ -154,6 +155,7 @@ def _common(out):
     ]
 
 
+@pytest.mark.slow
 def test_offline_training_equals_online_training(tiny_testbed, subset, captured, tmp_path):
     """Five optimizer steps on the same rows: the trainer online and from the capture ends with the same head."""
     tb = tiny_testbed
@@ -168,6 +170,7 @@ def test_offline_training_equals_online_training(tiny_testbed, subset, captured,
     assert summary["config"]["target"] == str(tb / "target")  # the head records the captured target
 
 
+@pytest.mark.slow
 def test_killed_capture_resumes_to_the_same_files(tiny_testbed, subset, tmp_path, captured):
     out = tmp_path / "cap"
     args = [
@@ -227,6 +230,7 @@ def test_killed_capture_resumes_to_the_same_files(tiny_testbed, subset, tmp_path
     assert other.returncode == 2 and "other settings" in other.stderr and "teacher" in other.stderr
 
 
+@pytest.mark.slow
 def test_topk_teacher_capture_trains(tiny_testbed, tmp_path):
     out = tmp_path / "topk"
     _capture(tiny_testbed, out, "--max-rows", "24", "--teacher", "topk", "--topk", "8")
@@ -260,6 +264,7 @@ def test_topk_loss_with_every_token_is_the_full_loss():
     assert float(top3.loss_sum) == pytest.approx(float((pb * (pb.log() - qb.log())).sum()), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_offline_training_refuses_bad_input(tiny_testbed, captured, tmp_path):
     proc = _train(
         f"data={captured}",
@@ -344,6 +349,7 @@ def draft_head(tiny_testbed, tmp_path_factory):
     return out / "final"
 
 
+@pytest.mark.slow
 def test_draft_vocab_head_round_trip(tiny_testbed, draft_head):
     head = load_speculator(str(draft_head))
     tok = load_tokenizer(str(tiny_testbed / "target"))

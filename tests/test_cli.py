@@ -38,6 +38,7 @@ def test_json_output(tiny_testbed):
     assert stats["token_acceptance"] == [False] * stats["new_tokens"]  # ar speculates nothing
 
 
+@pytest.mark.slow
 def test_streams_text_and_matches_json(tiny_testbed, tmp_path):
     prompt = tmp_path / "p.txt"
     prompt.write_text("def main():\n")
@@ -49,6 +50,7 @@ def test_streams_text_and_matches_json(tiny_testbed, tmp_path):
     assert "tokens/s" in streamed.stderr
 
 
+@pytest.mark.slow
 def test_sampling_with_seed_is_reproducible(tiny_testbed):
     args = [
         "--target",
@@ -121,6 +123,7 @@ def test_prompt_longer_than_the_context(tiny_testbed):
     assert proc.stderr.startswith("error: the prompt has") and "context" in proc.stderr
 
 
+@pytest.mark.slow
 def test_target_without_tokenizer(tiny_testbed, tmp_path):
     model_only = tmp_path / "model_only"
     model_only.mkdir()
@@ -142,6 +145,7 @@ def test_target_without_tokenizer(tiny_testbed, tmp_path):
     assert ok.returncode == 0, ok.stderr
 
 
+@pytest.mark.slow
 def test_show_acceptance_colours_exactly_the_accepted_tokens(tiny_testbed):
     """Each streamed piece is green exactly when its token was an accepted speculation (stats.token_acceptance)."""
     from transformers import AutoTokenizer
@@ -185,6 +189,7 @@ def _fake_hub_cache(root: Path, repo_id: str, source: Path) -> str:
     return commit
 
 
+@pytest.mark.slow
 def test_hub_id_with_revision_resolves_through_the_hub_cache(tiny_testbed, tmp_path):
     """The hub code path for real: a repo id and a revision, resolved offline from a hub cache."""
     import os
@@ -227,6 +232,7 @@ def test_hub_id_with_revision_resolves_through_the_hub_cache(tiny_testbed, tmp_p
 # ----------------------------------------------------------------------------------- spd and pp modes
 
 
+@pytest.mark.slow
 def test_spd_mode_is_lossless_and_reports_pipeline_stats(tiny_testbed, tiny_heads):
     common = [
         "--target",
@@ -310,6 +316,7 @@ def test_head_for_another_target_is_refused(tiny_testbed, tiny_heads, tmp_path):
     assert proc.stderr.startswith("error: the speculator does not fit this target"), proc.stderr
 
 
+@pytest.mark.slow
 def test_bench_runs_modes_and_heads(tiny_testbed, tiny_heads, tmp_path):
     """Every kind of run, solo and (side by side) with --batch: the batched pipeline gives every prompt the numbers
     it gets alone, at T = 0 and sampled."""
@@ -380,6 +387,7 @@ def test_bench_runs_modes_and_heads(tiny_testbed, tiny_heads, tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("error: --batch must be a positive number"), bad.stderr
 
 
+@pytest.mark.slow
 def test_killed_bench_resumes_to_the_same_numbers(tiny_testbed, tiny_heads, tmp_path):
     """A benchmark killed mid-way and run again gives the numbers of an unbroken run (T = 0 and sampled)."""
     from conftest import run_script

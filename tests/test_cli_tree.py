@@ -14,6 +14,7 @@ def _ids(proc) -> list[int]:
     return json.loads(proc.stdout)["token_ids"]
 
 
+@pytest.mark.slow
 def test_tree_mode_with_a_draft_model_is_lossless_and_reports_tree_stats(tiny_testbed):
     common = [
         "--target",
@@ -59,6 +60,7 @@ def test_tree_mode_with_a_draft_model_is_lossless_and_reports_tree_stats(tiny_te
     assert stats["equivalent_accept_length"] == pytest.approx(4 * (stats["new_tokens"] - 1) / stats["steps"], abs=1e-3)
 
 
+@pytest.mark.slow
 def test_tree_mode_auto_width_and_candidate_rules(tiny_testbed):
     common = [
         "--target",
@@ -117,6 +119,7 @@ def test_tree_mode_streams_text_with_a_summary(tiny_testbed):
     assert "[tree]" in proc.stderr and "2 stages" in proc.stderr and "tree W=4 K=4" in proc.stderr
 
 
+@pytest.mark.slow
 def test_tree_mode_with_an_spd_head_of_width_four(tiny_testbed, tiny_heads):  # noqa: F811
     common = ["--target", str(tiny_testbed / "target"), "--prompt", "class A:\n", "--max-new-tokens", "16", "--json"]
     proc = spd_generate(*common, "--mode", "tree", "--speculator", str(tiny_heads[4]), "--tree-width", "4")

@@ -92,6 +92,7 @@ def test_prepared_dataset_is_cached(tok, tmp_path):
     assert len(lines) == 1  # the second call read the cache and reported nothing
 
 
+@pytest.mark.slow
 def test_prepare_script(tiny_testbed, tmp_path):
     from conftest import run_script
 
@@ -113,6 +114,7 @@ def test_prepare_script(tiny_testbed, tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error:") and "does not exist" in bad.stderr
 
 
+@pytest.mark.slow
 def test_concurrent_preparation_of_one_cache_entry(tmp_path, tiny_testbed):
     """Two processes preparing the same data at once (two presets launched side by side) both succeed."""
     import subprocess

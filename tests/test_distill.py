@@ -24,6 +24,7 @@ from conftest import REPO, run_script, tiny_model
 from helpers.distill import distill_args, train
 
 
+@pytest.mark.slow
 def test_killed_and_resumed_run_ends_with_the_same_weights(tiny_testbed, tmp_path):
     train(*distill_args(tiny_testbed, tmp_path / "straight"))
     # Same run, killed (SIGKILL, no chance to clean up) once a checkpoint exists, then resumed.
@@ -288,6 +289,7 @@ def test_deepspeed_zero2_config_is_accepted_by_accelerate():
     assert plugin.zero_stage == 2
 
 
+@pytest.mark.slow
 def test_publish_head_writes_bf16_and_keeps_the_model_card(tmp_path):
     """train/publish_head.py: a head in bf16 beside an existing README.md, loadable, its weights the rounded
     originals; a directory that is not a head is one error line."""

@@ -29,6 +29,7 @@ def _engine(family="llama", n=4, variant="spd", layers=8, seed=0, head_seed=1, *
 # ---------------------------------------------------------------------------------------- greedy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_spd_equals_ar(n, variant):
@@ -230,6 +231,7 @@ def test_engine_proposals_equal_the_training_forward(variant, n):
 # -------------------------------------------------------------------------------------- sampling
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "n,params",
     [

@@ -251,6 +251,7 @@ def test_testbed_builder_refuses_paths_it_did_not_write(tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "testbed.json (not a file)" in proc.stderr
 
 
+@pytest.mark.slow
 def test_testbed_force_writes_beside_foreign_files_and_rebuilds_only_its_own(tiny_testbed, tmp_path):
     out = tmp_path / "tb"
     shutil.copytree(tiny_testbed, out)
@@ -355,6 +356,7 @@ class _Payload:
         return (os.system, ("echo pwned > /tmp/spd-fill-rng-ran-code",))
 
 
+@pytest.mark.slow
 def test_resume_replaces_its_checkpoint_in_place_and_loads_rng_state_without_code(tiny_testbed, tmp_path):
     out = tmp_path / "run"
     proc = _train(*_train_args(tiny_testbed, out))
@@ -416,6 +418,7 @@ def small_capture(tiny_testbed, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_a_damaged_capture_is_one_error_line_before_training(small_capture, tmp_path):
     cases = {}
     corrupt = tmp_path / "corrupt"
@@ -463,6 +466,7 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     )
 
 
+@pytest.mark.slow
 def test_resumed_capture_checks_free_disk_space(tiny_testbed, small_capture, tmp_path):
     """The space the remaining shards need is checked on resume too, as at the start."""
     disk = tmp_path / "disk"

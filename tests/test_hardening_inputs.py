@@ -221,6 +221,7 @@ def _hostile_peer_main() -> int:
     return 0
 
 
+@pytest.mark.slow
 def test_a_hostile_header_from_a_real_peer_is_refused_without_allocating():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
     proc = subprocess.run(
@@ -249,6 +250,7 @@ def test_a_hostile_header_from_a_real_peer_is_refused_without_allocating():
     ), proc.stdout + proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_local_world_started_without_a_launcher_runs_on_loopback(tiny_testbed):
     """Three processes given only MASTER_ADDR=127.0.0.1 and a port: rank 0 serves the store on loopback."""
     port = free_port()
@@ -315,6 +317,7 @@ def test_a_device_that_cannot_be_had_is_one_sentence():
             check_device("cuda")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
 def test_cuda_on_a_cpu_machine_is_one_error_line_in_the_clis(tiny_testbed):
     """spd-generate, spd-serve over the distributed runtime and bench/bench.py with --device cuda here: exit 2 and one

@@ -146,6 +146,7 @@ class _ForgetfulRing(LinearStateRing):
 # ----------------------------------------------------------------------------------- greedy decoding
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", HYBRIDS)
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_hybrid_ar_pp_spd_greedy_equal_generate(family, n):
@@ -255,6 +256,7 @@ def test_tree_nodes_carry_their_own_linear_state(family):
             caches[0].linear.truncate(caches[0].linear.length + 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", HYBRIDS)
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_hybrid_tree_greedy_equals_generate(family, n):

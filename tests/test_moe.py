@@ -68,6 +68,7 @@ def test_moe_ar_pp_spd_greedy_equal_generate(moe, n):
     check_ar_pp_spd_equal_generate(model, n, PROMPT, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4, 8])
 @pytest.mark.parametrize("width", [1, 4])
 def test_moe_tree_greedy_equals_generate(moe, n, width):

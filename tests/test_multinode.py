@@ -69,6 +69,7 @@ def _job(hosts, nprocs, args, local_addr=True, timeout=300, per_host_args=None):
     return results, time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_two_hosts_give_the_single_process_tokens(tiny_testbed, heads, hosts, tmp_path):
     """Host 0 runs rank 0 and stage 1, host 1 stage 2, over the veth link; gloo finds the link's interface by
     itself (the route to the master address), with no GLOO_SOCKET_IFNAME."""
@@ -104,6 +105,7 @@ def test_two_hosts_give_the_single_process_tokens(tiny_testbed, heads, hosts, tm
         assert [r["token_ids"] for r in report["results"][mode]] == [o.token_ids for o in want], mode
 
 
+@pytest.mark.slow
 def test_three_hosts_give_the_single_process_tokens(tiny_testbed, heads, hosts, tmp_path):
     """Rank 0 on host 0, stages 1-2 on host 1, stages 3-4 on host 2 (n = 4): chain and tree over two hops
     between machines and one inside each."""
@@ -138,6 +140,7 @@ def test_three_hosts_give_the_single_process_tokens(tiny_testbed, heads, hosts, 
         assert [r["token_ids"] for r in report["results"][mode]] == [o.token_ids for o in want], mode
 
 
+@pytest.mark.slow
 def test_a_job_that_cannot_meet_says_so_at_once_on_every_host(tiny_testbed, hosts):
     """Without --local-addr every host is told to meet at 'localhost': one error line on each host within
     seconds, instead of a silent wait for the whole join timeout."""
@@ -211,6 +214,7 @@ def _decoding_job(tiny_testbed, heads, hosts, tmp_path):
     return procs, lines
 
 
+@pytest.mark.slow
 def test_a_killed_stage_process_ends_the_ranks_on_the_other_host_with_an_error_line(
     tiny_testbed, heads, hosts, tmp_path
 ):
@@ -234,6 +238,7 @@ def test_a_killed_stage_process_ends_the_ranks_on_the_other_host_with_an_error_l
             proc.wait()
 
 
+@pytest.mark.slow
 def test_a_link_taken_down_mid_job_ends_the_ranks_on_both_hosts_with_an_error_line(
     tiny_testbed, heads, lan, hosts, tmp_path
 ):
@@ -260,6 +265,7 @@ def test_a_link_taken_down_mid_job_ends_the_ranks_on_both_hosts_with_an_error_li
         lan.set_link(1, up=True)
 
 
+@pytest.mark.slow
 def test_a_host_with_other_weights_is_refused_at_start_on_every_host(tiny_testbed, hosts, tmp_path):
     """Host 1 holds another training of the same architecture (one weight changed): every rank refuses the job
     at start with one line naming the target, instead of decoding with mixed weights."""
@@ -285,6 +291,7 @@ def test_a_host_with_other_weights_is_refused_at_start_on_every_host(tiny_testbe
     assert wall < 90
 
 
+@pytest.mark.slow
 def test_the_prefill_benchmark_measures_capped_links(tiny_testbed, tmp_path):
     out = tmp_path / "prefill.json"
     proc = subprocess.run(
@@ -354,6 +361,7 @@ def _spd_cli(lan, host: int, name: str, *args: str, **popen) -> subprocess.Popen
     )
 
 
+@pytest.mark.slow
 def test_a_server_with_stages_on_another_machine_serves_their_tokens_and_503_once_that_machine_is_gone(
     tiny_testbed, heads, lan, hosts
 ):
@@ -458,6 +466,7 @@ def test_a_server_with_stages_on_another_machine_serves_their_tokens_and_503_onc
                 proc.wait()
 
 
+@pytest.mark.slow
 def test_a_server_whose_other_machines_never_join_says_so_and_exits(tiny_testbed, hosts, lan):
     """No spd-stage ever comes: after --join-timeout-s the server exits with one line naming the missing stages
     and the command that runs them; its own stage process goes with it."""

@@ -85,6 +85,7 @@ def test_python_api_without_a_tokenizer_stops_where_model_generate_stops(model_o
         tree.generate("def main():")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ar", "pp", "spd", "tree"])
 def test_cli_prompt_ids_stop_where_model_generate_stops(model_only, mode):
     args = {
@@ -114,6 +115,7 @@ def test_cli_prompt_ids_stop_where_model_generate_stops(model_only, mode):
     assert len(flags) == stats["new_tokens"] and sum(flags) == stats.get("accepted", 0)
 
 
+@pytest.mark.slow
 def test_cli_streams_token_ids_and_colours_exactly_the_accepted_ones(model_only):
     common = [
         "--target",
@@ -168,6 +170,7 @@ def test_bad_prompt_ids_are_one_clear_line_and_exit_2(model_only, args, expected
     assert len(lines) == 1 and lines[0].startswith("error:") and expected in lines[0], proc.stderr
 
 
+@pytest.mark.slow
 def test_spd_generate_distributed_with_prompt_ids_and_no_tokenizer(model_only):
     """A target without a tokenizer across processes: token-id prompt, the generation config's EOS (rank 0 loads
     only its part of the model, generation_config.json included), acceptance flags in JSON and in colour."""

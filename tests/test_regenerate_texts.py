@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from conftest import run_script, two_at_a_time
 
 
+@pytest.mark.slow
 def test_texts_are_the_targets_own_greedy_continuations(tiny_testbed, tmp_path):
     """Every prefix is continued once, greedily, exactly as the target continues it alone; a second run adds nothing."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -57,6 +59,7 @@ def test_texts_are_the_targets_own_greedy_continuations(tiny_testbed, tmp_path):
     assert "0 answered now, 5 already there" in again.stdout
 
 
+@pytest.mark.slow
 def test_texts_bad_input_is_one_clear_error(tiny_testbed, tmp_path):
     """A missing file, N = 0 or rows without text: exit 2 and one error line, nothing written; ``--texts`` with
     ``--prompts``, or neither: a usage error (exit 2)."""

@@ -3,6 +3,8 @@ benchmark, the Table-1-shaped markdown / JSON / plot; a second run reuses what e
 
 import json
 
+import pytest
+
 from conftest import run_script
 
 
@@ -37,6 +39,7 @@ def _reproduce(tiny_testbed, tmp_path, *extra, check=True):
     )
 
 
+@pytest.mark.slow
 def test_reproduce_trains_what_is_missing_and_writes_the_table(tiny_testbed, tmp_path):
     proc = _reproduce(tiny_testbed, tmp_path)
     runs, out = tmp_path / "runs", tmp_path / "out"

@@ -28,6 +28,7 @@ from helpers.runtime import PROMPTS, master_port, reference_outputs, torchrun
 
 # Every n, greedy and seeded sampling (a world of n + 1 processes costs CI time on 2 cores; sampling at n = 4 runs
 # in the batched test below); each run serves spd, pp and the SPD-head tree on the same processes.
+@pytest.mark.slow
 @pytest.mark.parametrize("n,temperature", [(2, 1.0), (4, 0.0), (8, 0.0)])
 def test_distributed_runtime_equals_single_process_engine(tiny_testbed, heads, tmp_path, n, temperature):
     prompts = tmp_path / "prompts.jsonl"
@@ -78,6 +79,7 @@ def test_distributed_runtime_equals_single_process_engine(tiny_testbed, heads, t
 BATCH_PROMPTS = [p[:k] for p in PROMPTS for k in (7, 19, 40, 400)]
 
 
+@pytest.mark.slow
 def test_distributed_runtime_batches_requests_as_the_in_process_batch_does(tiny_testbed, heads, tmp_path):
     """run_pipeline --max-batch: the ragged batches travel stage to stage (spd/runtime/batch.py) and every request
     gets exactly the tokens and verification outcomes of the in-process batched pipeline (the same ragged calls,
@@ -151,6 +153,7 @@ def test_distributed_runtime_batches_requests_as_the_in_process_batch_does(tiny_
     assert flushes > 10  # rejections happened, each on its own request's region
 
 
+@pytest.mark.slow
 def test_distributed_runtime_batches_the_heads_asked_through_their_engine_calls(tiny_testbed, tmp_path):
     """run_pipeline --max-batch with a PPSD head (its query after the stages: serial with them) and with an SPD
     authors' head (chain and W = 2 tree), sampled: every request gets exactly the tokens and verification outcomes
@@ -284,6 +287,7 @@ def test_a_batch_manifest_round_trips_and_a_corrupt_one_is_refused(tiny_testbed)
             decode_manifest(corrupt, 2, 64, 64, staged.num_layers)
 
 
+@pytest.mark.slow
 def test_distributed_output_state_head_equals_single_process_engine(tiny_testbed, tmp_path):
     """A head on the stages' output states: the last stage reports anchors (H^L among them) at prefill as well as
     the last position's H^L, in two messages."""
@@ -319,6 +323,7 @@ def test_distributed_output_state_head_equals_single_process_engine(tiny_testbed
     ]
 
 
+@pytest.mark.slow
 def test_one_new_token_per_prompt_is_summarised_without_a_decode_rate(tiny_testbed, tmp_path):
     """Prefill only (the first token comes from the prefill's logits): no decode step, no rate to print."""
     prompts = tmp_path / "prompts.jsonl"
@@ -330,6 +335,7 @@ def test_one_new_token_per_prompt_is_summarised_without_a_decode_rate(tiny_testb
     assert "pp: 2 prompts, 2 tokens" in proc.stdout and "(decode -), L'_acc -" in proc.stdout
 
 
+@pytest.mark.slow
 def test_distributed_draft_tree_equals_single_process_engine(tiny_testbed, tmp_path):
     """The training-free mode: a draft model on rank 0 feeding a sampled tree of adaptive width through 4 stage
     processes (the greedy draft tree across processes: test_bench_runtime_compares_the_tree_with_pp_in_one_world)."""
@@ -375,6 +381,7 @@ def test_distributed_draft_tree_equals_single_process_engine(tiny_testbed, tmp_p
     assert [r["stats"]["mean_width"] for r in report["results"]["tree"]] == [round(o.stats.mean_width, 4) for o in want]
 
 
+@pytest.mark.slow
 def test_bench_runtime_compares_the_tree_with_pp_in_one_world(tiny_testbed, tmp_path):
     """bench/bench_runtime.py --tree-width: one world per n runs tree then pp; its row compares them."""
     prompts = tmp_path / "prompts.jsonl"
@@ -430,6 +437,7 @@ def test_bench_runtime_compares_the_tree_with_pp_in_one_world(tiny_testbed, tmp_
     ]
 
 
+@pytest.mark.slow
 def test_link_messages_arrive_intact_inline_and_spilled():
     proc = subprocess.run(
         [
@@ -580,6 +588,7 @@ def _rank_of(pid: int) -> int | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to find the stage process")
 def test_killed_stage_makes_every_rank_exit_cleanly(tiny_testbed, heads, tmp_path):
     marker = f"--prompts={tmp_path}/kill.jsonl"  # unique in this test's command lines
@@ -638,6 +647,7 @@ def test_killed_stage_makes_every_rank_exit_cleanly(tiny_testbed, heads, tmp_pat
     assert _pids_with(marker) == [], "orphan processes left behind"
 
 
+@pytest.mark.slow
 def test_spd_generate_runtime_distributed_matches_local(tiny_testbed, heads):
     from helpers.cli import spd_generate
 

@@ -146,6 +146,7 @@ class NoResidual(SpeculativeDecoder):
         return None, int(torch.multinomial(p_V, 1, generator=generator))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "cls,params,kind",
     [
@@ -219,6 +220,7 @@ def _refused_in_one_line(tiny_testbed, cases) -> None:
         assert bad.returncode == 2 and len(lines) == 1 and expected in lines[0], bad.stderr
 
 
+@pytest.mark.slow
 def test_cli_and_bench(tiny_testbed, tmp_path):
     assert _cli_sd_equals_ar(tiny_testbed, "--draft-model", str(tiny_testbed / "draft"))["source"] == "draft"
     draft = ["--mode", "sd", "--draft-model", str(tiny_testbed / "draft")]
@@ -255,6 +257,7 @@ def test_cli_and_bench(tiny_testbed, tmp_path):
     assert results["T=1"]["sd3"]["summary"]["theoretical_speedup"] > 0
 
 
+@pytest.mark.slow
 def test_eagle_variant_trains_loads_and_drafts(tiny_testbed, tmp_path):
     """train/distill.py variant=eagle: a one-stage head trained for 1..draft_steps drafts in flight, with the
     expected acceptance length in its summary; spd-generate / the bench run it in --mode sd (greedy == ar), and

@@ -32,6 +32,7 @@ def spd_server(tiny_testbed, tiny_heads):
 # ------------------------------------------------------------------------------ output == spd-generate
 
 
+@pytest.mark.slow
 def test_completion_equals_spd_generate(spd_server, tiny_testbed, tiny_heads):
     expected = cli_json(
         tiny_testbed, "--mode", "spd", "--speculator", str(tiny_heads[4]), "--prompt", PROMPT, "--max-new-tokens", "24"
@@ -76,6 +77,7 @@ def test_token_id_prompt_and_seeded_sampling_equal_spd_generate(spd_server, tiny
     assert out["spd"]["token_acceptance"] == expected["stats"]["token_acceptance"]
 
 
+@pytest.mark.slow
 def test_ignore_eos_runs_past_the_eos_token(spd_server):
     # A seeded T = 1 request that ends at EOS; the same request with ignore_eos runs on to max_tokens, drawing
     # the same tokens up to there.
@@ -195,6 +197,7 @@ def test_sixteen_concurrent_clients_all_answered_correctly(spd_server):
     assert answers == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("runtime", ["local", "distributed"])
 def test_batched_server_answers_each_client_as_the_one_at_a_time_server(spd_server, tiny_testbed, tiny_heads, runtime):
     """--max-batch 4 with a KV pool that holds fewer: 16 concurrent clients (greedy and seeded sampling, a stop string,
@@ -416,6 +419,7 @@ def test_client_disconnect_cancels_the_generation(spd_server):
 # ------------------------------------------------------------------------------- queue, pp, tree mode
 
 
+@pytest.mark.slow
 def test_full_queue_gets_503_with_retry_after(tiny_testbed):
     server = Server("--target", str(tiny_testbed / "target"), "--mode", "pp", "--stages", "4", "--max-queue", "1")
     try:
@@ -441,6 +445,7 @@ def test_full_queue_gets_503_with_retry_after(tiny_testbed):
         server.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mode,flags", [("tree", ["--stages", "2", "--tree-width", "3"]), ("sd", ["--draft-steps", "3"])]
 )
@@ -651,6 +656,7 @@ BAD_FLAGS = [
 ]
 
 
+@pytest.mark.slow
 def test_cli_bad_flags_one_line_exit_2(tiny_testbed):
     """Each bad flag or combination: exit 2 with one line on stderr (independent processes, two at a time)."""
 
@@ -798,6 +804,7 @@ def test_text_tracker_is_linear_in_stop_string_length(tiny_testbed):
     assert not tracker.stopped and streamed == tokenizer.decode(ids, skip_special_tokens=True)
 
 
+@pytest.mark.slow
 def test_load_benchmark_runs_side_by_side(tiny_testbed, tiny_heads, tmp_path):
     out = tmp_path / "load.json"
     proc = subprocess.run(

@@ -184,6 +184,7 @@ def test_body_over_the_cap_by_content_length_is_refused_before_it_is_read(server
     still_serving(server)
 
 
+@pytest.mark.slow
 def test_chunked_body_over_the_cap_is_refused_as_it_arrives(server):
     head = (
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -402,6 +403,7 @@ def test_65_concurrent_streams_then_disconnects(server):
 # ------------------------------------------------------------------------------------- a dead engine
 
 
+@pytest.mark.slow
 def test_a_dead_engine_thread_fails_health_and_requests_not_hangs(tiny_testbed):
     # --idle-ping-s -1 used to be accepted and killed the engine thread at its first wait; the flag is refused
     # now (test_serve.py), so the same death is brought about through the Python API, as before the fix.
@@ -490,6 +492,7 @@ def _signal_then_all_gone(
     assert proc.poll() is not None and not left, f"still running {within_s} s after signal {sig}: {left}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_a_server_stopped_while_loading_leaves_no_stage_process(tiny_testbed, sig):
     # The stage processes start as soon as rank 0's layers are loaded; the signal lands while they load and join.
@@ -557,6 +560,7 @@ def test_sigterm_to_spd_generate_distributed_stops_its_ranks(tiny_testbed):
         proc.wait()
 
 
+@pytest.mark.slow
 def test_spd_generate_distributed_listens_on_loopback_only(tiny_testbed):
     """The local world's rendezvous store and gloo sockets listen on 127.0.0.1, never on every interface."""
     import shutil

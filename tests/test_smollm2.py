@@ -51,6 +51,7 @@ def _chat_ids(tokenizer, text: str) -> list[int]:
     return chat_ids(tokenizer, text)
 
 
+@pytest.mark.slow
 def test_materialized_equals_gguf(smollm2, target):
     """The save_pretrained directory gives the GGUF-loaded model's logits, bit for bit, and its chat template."""
     from spd.target.gguf import load_gguf
@@ -79,6 +80,7 @@ def test_materialized_equals_gguf(smollm2, target):
     assert (smollm2 / "target" / "model.safetensors").stat().st_mtime_ns == before
 
 
+@pytest.mark.slow
 def test_ar_equals_generate_and_cuts_equal_full_forward(target):
     """ar == model.generate on chat prompts; the uneven cuts (n = 4, 8) and an equal one (n = 5) give the full
     forward's logits."""
@@ -101,6 +103,7 @@ def test_ar_equals_generate_and_cuts_equal_full_forward(target):
         torch.testing.assert_close(logits, full, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_trained_head_every_mode_equals_ar(smollm2, target, tmp_path):
     """Regenerate a little chat data, train an n = 4 head on the uneven cut for a few steps with the real trainer,
     then spd, pp, tree (W = 3) and sd (an EAGLE-style head) decode exactly as ar."""
@@ -220,6 +223,7 @@ def test_trained_head_every_mode_equals_ar(smollm2, target, tmp_path):
     assert all(r["tokens_equal_ar"] and r["decode_tokens"] == 5 for r in rows) and rows[1]["l_acc"] == 1.0
 
 
+@pytest.mark.slow
 def test_regeneration_resumes_after_kill(smollm2, tmp_path):
     """A regeneration killed after its first batch keeps what it wrote and finishes every prompt exactly once."""
     out = tmp_path / "chats.jsonl"
@@ -260,6 +264,7 @@ def test_regeneration_resumes_after_kill(smollm2, tmp_path):
 PUBLISHED = REPO / "heads" / "smollm2-135m-instruct-spd-n8"
 
 
+@pytest.mark.slow
 def test_published_head_equals_ar_on_a_chat_prompt(smollm2, target):
     """The head shipped in heads/ loads as --speculator DIR, fits the target's n = 8 cut, and spd (chain and W = 4
     tree) gives ar's tokens on a chat prompt while accepting some of its proposals."""

@@ -35,6 +35,7 @@ def _wide_tree(rows: int) -> TokenTree:
     return tree
 
 
+@pytest.mark.slow
 def test_children_are_drawn_in_order_without_replacement():
     """Over many nodes with one q: the ordered pair of children has P(x1) P(x2 | x1) = q1 q2 / (1 - q1)."""
     vocab, rows = 5, 20000
@@ -96,6 +97,7 @@ def _rule_outcomes(p, q, trials, without_replacement):
     return counts
 
 
+@pytest.mark.slow
 def test_recursive_rejection_without_replacement_is_exact_and_the_iid_rule_is_not():
     vocab, trials = 12, 12000
     gen = torch.Generator().manual_seed(5)
@@ -137,6 +139,7 @@ def _chi_square(engine_cls, kind, n, params, scale, width=3, children=3):
     return chi_square_p_value(counts, sequence_probs(staged, PROMPT, params, LENGTH), SAMPLES), stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["draft", "head"])
 @pytest.mark.parametrize("n,params,scale", [(2, T1, 1.0), (3, T07, 0.2)])
 def test_sampled_tree_follows_the_target_distribution(kind, n, params, scale):
@@ -149,6 +152,7 @@ def test_sampled_tree_follows_the_target_distribution(kind, n, params, scale):
     assert p_value > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["draft", "head"])
 def test_negative_control_fails_the_same_test(kind):
     """Checking each child on its own (IndependentBranches) over-samples the children: the test rejects it. (The
@@ -157,6 +161,7 @@ def test_negative_control_fails_the_same_test(kind):
     assert p_value < 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n,width,children,params", [(2, 3, 2, T1), (3, 2, 3, T07)])
 def test_top_k_tree_follows_the_target_distribution(n, width, children, params):
     """The deterministic rule (--tree-candidates top-k) at T > 0: children are the source's top-K."""
@@ -170,6 +175,7 @@ def test_top_k_tree_follows_the_target_distribution(n, width, children, params):
     assert chi_square_p_value(counts, sequence_probs(staged, PROMPT, params, LENGTH), SAMPLES) > 1e-3
 
 
+@pytest.mark.slow
 def test_adaptive_width_follows_the_target_distribution():
     """A width that changes after every verification (window 1) keeps sampled trees exact."""
     model, staged = _target(2, 0.2)

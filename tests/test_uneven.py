@@ -67,6 +67,7 @@ def test_head_carries_its_cut(tmp_path):
         Engine.from_pretrained(str(tmp_path / "target"), speculator=str(tmp_path / "head"), boundaries=[0, 1, 2, 3, 7])
 
 
+@pytest.mark.slow
 def test_cli_and_bench_take_boundaries(tmp_path):
     """spd-generate --boundaries and bench pp:B1,B2,... run the uneven cut; the head's cut is the default."""
     staged = StagedModel(tiny_model("llama", layers=7), boundaries=[0, 2, 4, 6, 7])
@@ -86,6 +87,7 @@ def test_cli_and_bench_take_boundaries(tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: 4 stages do not divide")
 
 
+@pytest.mark.slow
 def test_bench_uneven_pp(tiny_testbed, tmp_path):
     """bench pp:B1,B2 runs the standard pipeline over an uneven cut and matches ar."""
     out = tmp_path / "bench.json"
@@ -111,6 +113,7 @@ def test_bench_uneven_pp(tiny_testbed, tmp_path):
     assert row["summary"]["identical_to_ar"] == 2
 
 
+@pytest.mark.slow
 def test_server_takes_boundaries(tiny_testbed):
     """spd-serve --boundaries serves the standard pipeline over an uneven cut, with ar's text."""
     from helpers.serve import PROMPT, Server, cli_json
@@ -125,6 +128,7 @@ def test_server_takes_boundaries(tiny_testbed):
         server.stop()
 
 
+@pytest.mark.slow
 def test_distributed_runtime_takes_boundaries(tiny_testbed):
     """--runtime distributed over an uneven cut: each stage process loads its own layers; the tokens are ar's."""
     common = [
