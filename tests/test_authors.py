@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, two_at_a_time
+from conftest import REPO, run_main
 from spd.decoding.engine import Engine
 from spd.errors import SpdInputError
 from spd.heads.published.authors_file import load_authors_file, parse_hub_reference
@@ -346,14 +346,14 @@ def test_bad_files_are_refused_with_one_sentence(tmp_path):
     assert not Path("/tmp/spd-should-not-exist").exists()
 
 
-@pytest.mark.slow
 def test_bad_files_in_the_cli_are_one_error_line(tmp_path):
+    from spd.cli.generate import main as generate_main
+
     bad = _bad_files(tmp_path)
-    # One spd-generate per bad file, two at a time (each spends its time importing torch and transformers).
-    procs = two_at_a_time(
-        lambda path: _cli(
-            "-m",
-            "spd.cli.generate",
+    # spd-generate's main(argv) per bad file, in this process: a payload that ran would show here as well.
+    procs = [
+        run_main(
+            generate_main,
             "--target",
             str(FIXTURES / "targets" / "qwen3"),
             "--mode",
@@ -366,9 +366,9 @@ def test_bad_files_in_the_cli_are_one_error_line(tmp_path):
             "5,6,7,8,9",
             "--max-new-tokens",
             "4",
-        ),
-        [p for p, _ in bad.values()],
-    )
+        )
+        for path, _ in bad.values()
+    ]
     for (kind, (_, message)), proc in zip(bad.items(), procs):
         assert proc.returncode == 2, (kind, proc.stderr)
         assert proc.stderr.startswith("error:") and message in proc.stderr and "Traceback" not in proc.stderr, kind

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import REPO, two_at_a_time
+from conftest import REPO, run_main, two_at_a_time
 from helpers.serve import PROMPT, Server, cli_json
 
 openai = pytest.importorskip("openai")
@@ -656,25 +656,15 @@ BAD_FLAGS = [
 ]
 
 
-@pytest.mark.slow
 def test_cli_bad_flags_one_line_exit_2(tiny_testbed):
-    """Each bad flag or combination: exit 2 with one line on stderr (independent processes, two at a time)."""
+    """Each bad flag or combination: exit 2 with one line on stderr (spd-serve's main(argv), in this process)."""
+    from spd.cli.serve import main as serve_main
 
     def run(case):
         args, needle = case
-        return (
-            args,
-            needle,
-            subprocess.run(
-                [sys.executable, "-m", "spd.cli.serve", "--target", str(tiny_testbed / "target"), *args],
-                capture_output=True,
-                text=True,
-                cwd=REPO,
-                timeout=120,
-            ),
-        )
+        return args, needle, run_main(serve_main, "--target", str(tiny_testbed / "target"), *args)
 
-    for args, needle, proc in two_at_a_time(run, BAD_FLAGS):
+    for args, needle, proc in map(run, BAD_FLAGS):
         assert proc.returncode == 2, (args, proc.stderr)
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], (args, proc.stderr)
