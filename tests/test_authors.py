@@ -253,15 +253,14 @@ def test_our_head_in_their_layout_computes_what_ours_does(tmp_path):
         torch.testing.assert_close(theirs.train_logits(hidden, fill), ours, atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.slow
 def test_converter_refuses_what_their_layout_cannot_express(tmp_path, tiny_testbed):
+    from spd.cli.convert import main as convert_main
     from spd.training.distill import DistillConfig, new_head
 
     staged = staged_target("qwen3", 4)
     new_head(staged, DistillConfig(n_stages=4, num_layers=2)).save_pretrained(tmp_path / "deep")
-    proc = _cli(
-        "-m",
-        "spd.cli.convert",
+    proc = run_main(
+        convert_main,
         str(tmp_path / "deep"),
         str(tmp_path / "x.pt"),
         "--target",
@@ -270,16 +269,15 @@ def test_converter_refuses_what_their_layout_cannot_express(tmp_path, tiny_testb
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "it has 2 layers" in proc.stderr
     llama = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=4)
     new_head(llama, DistillConfig(n_stages=4)).save_pretrained(tmp_path / "llama")
-    proc = _cli(
-        "-m",
-        "spd.cli.convert",
+    proc = run_main(
+        convert_main,
         str(tmp_path / "llama"),
         str(tmp_path / "x.pt"),
         "--target",
         str(tiny_testbed / "target"),
     )
     assert proc.returncode == 2 and "no q/k norms" in proc.stderr and "Traceback" not in proc.stderr
-    proc = _cli("-m", "spd.cli.convert", str(tmp_path / "llama"), str(tmp_path / "x.pt"))
+    proc = run_main(convert_main, str(tmp_path / "llama"), str(tmp_path / "x.pt"))
     assert proc.returncode == 2 and "--target" in proc.stderr
 
 
