@@ -36,14 +36,19 @@ for run in $RUNS; do
         train/distill.py --config configs/smollm2-n8-text.yaml --resume max_steps="$STEPS" max_minutes=240 \
         eval_every="$STEPS" save_every=25 output_dir="$OUT/$run" ${ARGS[$run]}
 done
+# The table, and every run's summary in one file ($OUT/ablation.json: the results page cites a copy of it).
 "$PY/python" - "$OUT" <<'EOF'
 import json, sys
 from pathlib import Path
+out = Path(sys.argv[1])
+runs = {path.parent.name: json.loads(path.read_text()) for path in sorted(out.glob("*/summary.json"))}
+tmp = out / "ablation.json.tmp"
+tmp.write_text(json.dumps(runs, indent=1) + "\n")
+tmp.replace(out / "ablation.json")
 print("| run | steps | held-out top-1 | top-1 at fill 1 | L'_acc estimate | minutes |")
 print("| --- | --- | --- | --- | --- | --- |")
-for path in sorted(Path(sys.argv[1]).glob("*/summary.json")):
-    s = json.loads(path.read_text())
+for name, s in runs.items():
     e = s["eval"]
-    print(f"| {path.parent.name} | {s['step']} | {e['top1_full']:.3f} | {e['top1_by_fill'].get('1', e['top1_by_fill'].get(1)):.3f} "
+    print(f"| {name} | {s['step']} | {e['top1_full']:.3f} | {e['top1_by_fill']['1']:.3f} "
           f"| {e['L_acc_est']:.2f} | {s['train_minutes']:.1f} |")
 EOF
