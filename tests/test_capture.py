@@ -21,6 +21,7 @@ from spd.heads.loading import load_speculator
 from spd.target.staging import StagedModel, load_tokenizer
 
 from conftest import REPO
+from helpers.distill import train
 
 MAX_LENGTH = 48
 
@@ -126,19 +127,6 @@ def test_offline_step_equals_online_step(tiny_testbed, subset, captured):
         torch.testing.assert_close(results[1][2][name], grad, atol=1e-6, rtol=1e-4)
 
 
-def _train(*args, check=True):
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "train" / "distill.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
-    )
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
 def _common(out):
     return [
         "n_stages=4",
@@ -159,8 +147,8 @@ def _common(out):
 def test_offline_training_equals_online_training(tiny_testbed, subset, captured, tmp_path):
     """Five optimizer steps on the same rows: the trainer online and from the capture ends with the same head."""
     tb = tiny_testbed
-    _train(f"target={tb / 'target'}", f"data={subset}", "eval_data=none", *_common(tmp_path / "online"))
-    _train(f"data={captured}", "eval_data=none", *_common(tmp_path / "offline"))
+    train(f"target={tb / 'target'}", f"data={subset}", "eval_data=none", *_common(tmp_path / "online"))
+    train(f"data={captured}", "eval_data=none", *_common(tmp_path / "offline"))
     online = load_file(tmp_path / "online" / "final" / "model.safetensors")
     offline = load_file(tmp_path / "offline" / "final" / "model.safetensors")
     assert online.keys() == offline.keys()
@@ -238,9 +226,9 @@ def test_topk_teacher_capture_trains(tiny_testbed, tmp_path):
     row = ds[0]
     assert row["topk_ids"].shape == (len(row["input_ids"]), 8)
     assert bool((row["topk_logprobs"][:, :-1] >= row["topk_logprobs"][:, 1:]).all())
-    _train(f"data={out}", "eval_data=none", *_common(tmp_path / "run"))
+    train(f"data={out}", "eval_data=none", *_common(tmp_path / "run"))
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
-    bad = _train(f"data={out}", "eval_data=none", "tau=2", *_common(tmp_path / "run2"), check=False)
+    bad = train(f"data={out}", "eval_data=none", "tau=2", *_common(tmp_path / "run2"), check=False)
     assert bad.returncode == 2 and "tau=1" in bad.stderr
 
 
@@ -266,14 +254,14 @@ def test_topk_loss_with_every_token_is_the_full_loss():
 
 @pytest.mark.slow
 def test_offline_training_refuses_bad_input(tiny_testbed, captured, tmp_path):
-    proc = _train(
+    proc = train(
         f"data={captured}",
         f"eval_data={tiny_testbed / 'corpus' / 'validation.jsonl'}",
         *_common(tmp_path / "a"),
         check=False,
     )
     assert proc.returncode == 2 and "eval_data must be one too" in proc.stderr
-    proc = _train(f"data={captured}", "eval_data=none", *_common(tmp_path / "b"), "n_stages=8", check=False)
+    proc = train(f"data={captured}", "eval_data=none", *_common(tmp_path / "b"), "n_stages=8", check=False)
     assert proc.returncode == 2 and "capture with --stages 8" in proc.stderr
     proc = subprocess.run(
         [
@@ -338,7 +326,7 @@ def draft_head(tiny_testbed, tmp_path_factory):
     """A head with a 64-token draft vocabulary trained briefly from the target online."""
     out = tmp_path_factory.mktemp("draft") / "run"
     tb = tiny_testbed
-    _train(
+    train(
         f"target={tb / 'target'}",
         f"data={tb / 'corpus' / 'train.jsonl'}",
         "eval_data=none",
