@@ -40,11 +40,10 @@ done
 "$PY/python" - "$OUT" <<'EOF'
 import json, sys
 from pathlib import Path
+from spd.files import write_json_atomic
 out = Path(sys.argv[1])
 runs = {path.parent.name: json.loads(path.read_text()) for path in sorted(out.glob("*/summary.json"))}
-tmp = out / "ablation.json.tmp"
-tmp.write_text(json.dumps(runs, indent=1) + "\n")
-tmp.replace(out / "ablation.json")
+write_json_atomic(out / "ablation.json", runs, indent=1)
 print("| run | steps | held-out top-1 | top-1 at fill 1 | L'_acc estimate | minutes |")
 print("| --- | --- | --- | --- | --- | --- |")
 for name, s in runs.items():
