@@ -28,6 +28,7 @@ from torch import nn
 
 from ..errors import SpdInputError, first_line
 from .linear_state import LinearStateRing
+from .precision import warn_if_slow
 from .sdpa import decode_kernels
 from ..paths import check_model_source
 
@@ -763,6 +764,8 @@ def load_causal_lm(
     source = str(name_or_path)
     check_model_source(source, "model")
     device = check_device(device)
+    if isinstance(dtype, torch.dtype):
+        warn_if_slow(dtype, device, f"'{source}'")
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source, revision=revision, dtype=dtype, attn_implementation="sdpa", **kwargs

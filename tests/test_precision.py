@@ -1,0 +1,34 @@
+"""The warning for a half-precision dtype this CPU computes only by emulation (spd/target/precision.py)."""
+
+import torch
+
+from conftest import tiny_model
+from spd.target import precision
+from spd.target.staging import load_causal_lm
+
+
+def test_warns_only_for_an_emulated_dtype_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(precision, "cpu_computes_natively", lambda dtype: dtype == torch.float32)
+    message = precision.slow_dtype_warning(torch.bfloat16, "cpu", "the target")
+    assert message.startswith("warning: this CPU has no native bfloat16 arithmetic")
+    assert "the target in bfloat16" in message and "float32" in message and "\n" not in message
+    assert precision.slow_dtype_warning(torch.float32, "cpu") is None
+    assert precision.slow_dtype_warning(torch.bfloat16, "cuda") is None  # a GPU: no warning, whatever the CPU
+    monkeypatch.setattr(precision, "cpu_computes_natively", lambda dtype: True)
+    assert precision.slow_dtype_warning(torch.bfloat16, "cpu") is None
+
+
+def test_float32_is_always_native():
+    assert precision.cpu_computes_natively(torch.float32)
+    assert isinstance(precision.cpu_computes_natively(torch.bfloat16), bool)
+
+
+def test_loading_a_model_in_an_emulated_dtype_warns_once(tmp_path, monkeypatch, capsys):
+    tiny_model("llama").save_pretrained(tmp_path / "m")
+    monkeypatch.setattr(precision, "cpu_computes_natively", lambda dtype: dtype == torch.float32)
+    monkeypatch.setattr(precision, "_WARNED", set())
+    load_causal_lm(tmp_path / "m", dtype=torch.bfloat16)
+    load_causal_lm(tmp_path / "m", dtype=torch.bfloat16)
+    load_causal_lm(tmp_path / "m", dtype=torch.float32)
+    err = capsys.readouterr().err
+    assert err.count("warning: this CPU has no native bfloat16 arithmetic") == 1
