@@ -13,6 +13,7 @@ def test_warns_only_for_an_emulated_dtype_on_the_cpu(monkeypatch):
     assert message.startswith("warning: this CPU has no native bfloat16 arithmetic")
     assert "the target in bfloat16" in message and "float32" in message and "\n" not in message
     assert precision.slow_dtype_warning(torch.float32, "cpu") is None
+    assert "(no AVX512-FP16 or AMX-FP16)" in precision.slow_dtype_warning(torch.float16, "cpu")
     assert precision.slow_dtype_warning(torch.bfloat16, "cuda") is None  # a GPU: no warning, whatever the CPU
     monkeypatch.setattr(precision, "cpu_computes_natively", lambda dtype: True)
     assert precision.slow_dtype_warning(torch.bfloat16, "cpu") is None
@@ -32,3 +33,11 @@ def test_loading_a_model_in_an_emulated_dtype_warns_once(tmp_path, monkeypatch, 
     load_causal_lm(tmp_path / "m", dtype=torch.float32)
     err = capsys.readouterr().err
     assert err.count("warning: this CPU has no native bfloat16 arithmetic") == 1
+
+
+def test_a_dtype_named_as_a_string_warns_too(tmp_path, monkeypatch, capsys):
+    tiny_model("llama").save_pretrained(tmp_path / "m")
+    monkeypatch.setattr(precision, "cpu_computes_natively", lambda dtype: dtype == torch.float32)
+    monkeypatch.setattr(precision, "_WARNED", set())
+    load_causal_lm(tmp_path / "m", dtype="bfloat16")
+    assert capsys.readouterr().err.count("warning: this CPU has no native bfloat16 arithmetic") == 1

@@ -32,8 +32,9 @@ def slow_dtype_warning(dtype: torch.dtype, device: torch.device | str, what: str
     if torch.device(device).type != "cpu" or cpu_computes_natively(dtype):
         return None
     name = str(dtype).removeprefix("torch.")
+    units = "AVX512-BF16 or AMX" if dtype == torch.bfloat16 else "AVX512-FP16 or AMX-FP16"
     return (
-        f"warning: this CPU has no native {name} arithmetic (no AVX512-BF16 or AMX), so {what} in {name} runs "
+        f"warning: this CPU has no native {name} arithmetic (no {units}), so {what} in {name} runs "
         f"several times slower than in float32; choose float32 on this machine"
     )
 

@@ -764,8 +764,9 @@ def load_causal_lm(
     source = str(name_or_path)
     check_model_source(source, "model")
     device = check_device(device)
-    if isinstance(dtype, torch.dtype):
-        warn_if_slow(dtype, device, f"'{source}'")
+    named = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype  # "bfloat16" as well as torch.bfloat16
+    if isinstance(named, torch.dtype):
+        warn_if_slow(named, device, f"'{source}'")
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source, revision=revision, dtype=dtype, attn_implementation="sdpa", **kwargs

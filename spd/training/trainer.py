@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SpdInputError, first_line
+from ..target.precision import warn_if_slow
 from .distill import (
     DistillConfig,
     clean_checkpoints,
@@ -177,8 +178,6 @@ class Trainer:
         on_gpu = torch.cuda.is_available()
         mixed = cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if on_gpu else "no")
         if mixed == "bf16" and not on_gpu:
-            from ..target.precision import warn_if_slow
-
             warn_if_slow(torch.bfloat16, "cpu", "the head's step under mixed_precision=bf16")
         # DDP, DeepSpeed ZeRO-2 or FSDP2 as `accelerate launch` asked, on GPUs or CPU (spd/training/backends.py)
         project = ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir) / "logs"))
