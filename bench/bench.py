@@ -11,7 +11,9 @@ sharing the target's tokenizer, or an SPD head directory for the head with width
 ``NAME=SPEC``; ``sd:SOURCE:M`` is serial speculative decoding of the whole target, SOURCE (a draft model,
 or a head trained with ``variant=eagle``) drafting M tokens per target forward (its L'_acc is the mean
 acceptance length, bonus token included,
-and its theoretical speedup ``L_acc * L / (L_s * M + L)``). Prompts are jsonl rows with ``"prompt"`` (raw text) or ``"messages"``/``"conversations"``
+and its theoretical speedup ``L_acc * L / (L_s * M + L)``). Each of these is short for spd-generate's decoding flags
+(:class:`spd.decoding.spec.DecodingSpec`), which a run may also give in quotes, with the same parsers and checks:
+``--run "w2=--mode tree --speculator runs/testbed-n4/final --tree-width 2"``. Prompts are jsonl rows with ``"prompt"`` (raw text) or ``"messages"``/``"conversations"``
 (rendered with the tokenizer's chat template, a trailing assistant turn dropped). Every run sees every
 prompt at every temperature, in interleaved order. At T=0 each run's tokens are compared with ``ar``'s
 (the lossless check). Sampling uses ``--seed`` + the prompt index, so runs are reproducible.
@@ -49,45 +51,84 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from spd.decoding.spec import DecodingSpec
 from spd.errors import SpdInputError, run_cli
 from spd.files import write_json_atomic
 from spd.journal import Journal
 from spd.paths import default_testbed_dir
 
 
+# The fields a run sets; the rest (target, device, dtype, tree_max_width, ...) are the benchmark's own flags.
+RUN_FIELDS = (
+    "mode",
+    "stages",
+    "boundaries",
+    "speculator",
+    "draft_model",
+    "draft_steps",
+    "tree_width",
+    "tree_children",
+    "tree_candidates",
+)
+RUN_HELP = (
+    "ar, pp:N, pp:B1,B2,..., spd:HEAD_DIR, tree:SOURCE:N:W:K[:RULE] (W a number or auto, RULE sampled or "
+    "top-k), sd:SOURCE:M, or spd-generate's flags in quotes ('--mode tree --draft-model DIR --stages 4'), "
+    "each optionally NAME=..."
+)
+
+
 @dataclass
-class RunSpec:
+class Run:
+    """One line of the benchmark: a name and its decoding settings (the fields of :data:`RUN_FIELDS`)."""
+
     name: str
-    mode: str  # ar / pp / spd / tree
-    stages: int = 1
-    head: str | None = None
-    source: str | None = None  # tree: a draft model or an SPD head directory
-    width: int | str = 1  # tree: W, or "auto"
-    children: int = 1  # tree: K
-    candidates: str = "auto"  # tree at T > 0: sampled (auto) or top-k
-    draft_steps: int = 0  # sd: m
-    boundaries: list[int] | None = None  # pp / tree: an explicit (uneven) cut; spd: the head's own
+    spec: DecodingSpec
+
+    @property
+    def mode(self) -> str:
+        return self.spec.mode
+
+    @property
+    def source(self) -> str | None:
+        """The head or draft model the run proposes with."""
+        return self.spec.speculator or self.spec.draft_model
 
 
-def parse_run(text: str) -> RunSpec:
-    """``ar`` | ``pp:N`` | ``spd:HEAD`` | ``tree:SOURCE:N:W:K``, optionally prefixed by ``NAME=``."""
-    name, _, spec = text.rpartition("=") if "=" in text else ("", "", text)
+def parse_run(text: str) -> Run:
+    """A ``--run``: ``ar`` | ``pp:N`` | ``pp:B1,B2,...`` | ``spd:HEAD`` | ``tree:SOURCE:N:W:K[:RULE]`` |
+    ``sd:SOURCE:M`` | spd-generate's decoding flags, optionally prefixed by ``NAME=``; checked as
+    :meth:`DecodingSpec.check` checks spd-generate's."""
+    # NAME=SPEC: the name ends at the last "=" before the flags (a short SPEC holds no "=")
+    named = text[: text.index("--")] if "--" in text else text
+    split = named.rfind("=")
+    name, spec = (text[:split], text[split + 1 :]) if split >= 0 else ("", text)
+    run = _flag_run(name, spec) if spec.lstrip().startswith("--") else _short_run(name, spec)
+    if run is None:
+        raise SpdInputError(f"--run '{text}' is not a run; expected {RUN_HELP}")
+    run.spec.check()
+    return run
+
+
+def _short_run(name: str, spec: str) -> Run | None:
+    """The short notation, or None when ``spec`` is not one."""
     mode, _, arg = spec.partition(":")
     if mode == "ar" and not arg:
-        return RunSpec(name or "ar", "ar")
+        return Run(name or "ar", DecodingSpec("ar"))
     if mode == "pp" and arg.isdigit() and int(arg) >= 1:
-        return RunSpec(name or f"pp n={arg}", "pp", int(arg))
+        return Run(name or f"pp n={arg}", DecodingSpec("pp", stages=int(arg)))
     if mode == "pp" and "," in arg:  # pp:8,16,23 - the standard pipeline over an uneven cut
         from spd.target.staging import parse_boundaries
 
         inner = [b for b in parse_boundaries(arg) if b != 0]
-        return RunSpec(name or f"pp b={arg}", "pp", 0, boundaries=[0] + inner)  # n: from the cut
+        return Run(name or f"pp b={arg}", DecodingSpec("pp", boundaries=[0] + inner))  # n: from the cut
     if mode == "spd" and arg:
-        return RunSpec(name or arg, "spd", 0, arg)
+        return Run(name or arg, DecodingSpec("spd", speculator=arg))
     if mode == "sd":
         source, _, steps = arg.rpartition(":")
         if source and steps.isdigit() and int(steps) >= 1:
-            return RunSpec(name or f"sd {source} m={steps}", "sd", 1, None, source, draft_steps=int(steps))
+            return Run(
+                name or f"sd {source} m={steps}", DecodingSpec("sd", **_proposer(source), draft_steps=int(steps))
+            )
     if mode == "tree":
         rule = "auto"
         if arg.rsplit(":", 1)[-1] in ("sampled", "top-k", "auto"):
@@ -101,20 +142,53 @@ def parse_run(text: str) -> RunSpec:
         ):
             n, children = int(numbers[0]), int(numbers[2])
             width = "auto" if numbers[1] == "auto" else int(numbers[1])
-            return RunSpec(
-                name or f"tree {source} n={n} W={width} K={children}" + ("" if rule == "auto" else f" {rule}"),
+            spec = DecodingSpec(
                 "tree",
-                n,
-                None,
-                source,
-                width,
-                children,
-                rule,
+                stages=n,
+                **_proposer(source),
+                tree_width=width,
+                tree_children=children,
+                tree_candidates=rule,
             )
-    raise SpdInputError(
-        f"--run '{text}' is not a run; expected ar, pp:N, pp:B1,B2,..., spd:HEAD_DIR, tree:SOURCE:N:W:K[:RULE] "
-        "(W a number or auto, RULE sampled or top-k) or sd:SOURCE:M (optionally NAME=...)"
+            return Run(
+                name or f"tree {source} n={n} W={width} K={children}" + ("" if rule == "auto" else f" {rule}"), spec
+            )
+    return None
+
+
+def _flag_run(name: str, spec: str) -> Run:
+    """A run given as spd-generate's decoding flags (those of :data:`RUN_FIELDS`), parsed by the flags'
+    own parsers."""
+    import shlex
+
+    parser = _RunFlags(prog="--run", add_help=False)
+    DecodingSpec.add_flags(
+        parser, exclude=tuple(f.name for f in dataclasses.fields(DecodingSpec) if f.name not in RUN_FIELDS)
     )
+    try:
+        words = shlex.split(spec)
+    except ValueError as exc:
+        raise SpdInputError(f"--run '{spec}' is not a run ({exc}); expected {RUN_HELP}") from None
+    flags = parser.parse_args(words)
+    decoding = DecodingSpec(**{f: getattr(flags, f) for f in RUN_FIELDS})
+    if decoding.mode == "spd" and (decoding.stages is not None or decoding.boundaries is not None):
+        raise SpdInputError(
+            f"--run '{spec}': an spd run has its head's stages and cut; leave out --stages and --boundaries"
+        )
+    return Run(name or " ".join(words), decoding)
+
+
+class _RunFlags(argparse.ArgumentParser):
+    """A run's flags: a wrong one is one :class:`SpdInputError` (argparse would exit)."""
+
+    def error(self, message):
+        raise SpdInputError(f"--run: {message}")
+
+
+def _proposer(source: str) -> dict:
+    """A SOURCE of the short notation as the spec's field: ``speculator`` for one of our heads, else
+    ``draft_model``."""
+    return {"speculator": source} if _is_head(source) else {"draft_model": source}
 
 
 def parse_args(argv=None):
@@ -134,7 +208,7 @@ def parse_args(argv=None):
         "--run",
         action="append",
         default=[],
-        help="ar | pp:N | spd:HEAD | tree:SOURCE:N:W:K[:RULE] | sd:SOURCE:M (repeatable)",
+        help=RUN_HELP + " (repeatable)",
     )
     p.add_argument("--tree-max-width", type=int, default=8, help="tree runs with W = auto: the largest width")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0])
@@ -245,7 +319,7 @@ def main(argv=None) -> int:
     return run_cli(lambda: _bench(args, _runs(args)))
 
 
-def _runs(args) -> list[RunSpec]:
+def _runs(args) -> list[Run]:
     """The runs --run names (default: ar and pp:4), once --batch is checked."""
     runs = [parse_run(r) for r in (args.run or ["ar", "pp:4"])]
     if args.batch < 1:
@@ -253,7 +327,7 @@ def _runs(args) -> list[RunSpec]:
     return runs
 
 
-def _bench(args, runs: list[RunSpec]) -> int:
+def _bench(args, runs: list[Run]) -> int:
     import torch
     import transformers
 
@@ -282,40 +356,40 @@ def _bench(args, runs: list[RunSpec]) -> int:
     # uneven n = 4 head runs the head's pipeline), else the equal one.
     head_cuts = {
         len(b) - 1: b
-        for b in (_head_boundaries(r.head or r.source) for r in runs if r.mode in ("spd", "tree"))
+        for b in (_head_boundaries(r.spec.speculator) for r in runs if r.mode in ("spd", "tree"))
         if b is not None
     }
     engines: dict[str, object] = {}
     info: dict[str, dict] = {}
     for run in runs:
         if run.mode == "sd":
-            head = load_speculator(run.source, dtype=dtype, device=device) if _is_head(run.source) else None
-            spec = DecodingSpec("sd", draft_model=None if head else run.source, draft_steps=run.draft_steps)
-            engines[run.name] = build_engine(spec, staged(1), head, tokenizer, dtype, device)
+            steps = run.spec.draft_steps
+            head = load_speculator(run.spec.speculator, dtype=dtype, device=device) if run.spec.speculator else None
+            engines[run.name] = build_engine(run.spec, staged(1), head, tokenizer, dtype, device)
             info[run.name] = {
                 "mode": "sd",
                 "stages": 1,
                 "head": run.source if head else None,
                 "draft": None if head else run.source,
-                "draft_steps": run.draft_steps,
-                "variant": f"sd-{'eagle' if head else 'draft'} m={run.draft_steps}",
+                "draft_steps": steps,
+                "variant": f"sd-{'eagle' if head else 'draft'} m={steps}",
                 "speculator_layers": engines[run.name].draft_layers,
             }
             continue
         if run.mode == "tree":
             engines[run.name], info[run.name] = _tree_run(
                 run,
-                staged(run.stages, run.boundaries or head_cuts.get(run.stages)),
+                staged(_stages(run), run.spec.boundaries or head_cuts.get(_stages(run))),
                 tokenizer,
                 args.tree_max_width,
                 dtype,
                 device,
             )
             continue
-        head = load_speculator(run.head, dtype=dtype, device=device) if run.head else None
-        n = head.config.n_stages if head is not None else run.stages
-        cut = head.config.boundaries if head is not None else run.boundaries or head_cuts.get(n)
-        engines[run.name] = build_engine(DecodingSpec(run.mode), staged(n, cut), head, tokenizer, dtype, device)
+        head = load_speculator(run.spec.speculator, dtype=dtype, device=device) if run.spec.speculator else None
+        n = head.config.n_stages if head is not None else _stages(run)
+        cut = head.config.boundaries if head is not None else run.spec.boundaries or head_cuts.get(n)
+        engines[run.name] = build_engine(run.spec, staged(n, cut), head, tokenizer, dtype, device)
         n = engines[run.name].staged.n_stages
         variant = (
             "ar"
@@ -328,12 +402,12 @@ def _bench(args, runs: list[RunSpec]) -> int:
             "mode": run.mode,
             "stages": n,
             "boundaries": engines[run.name].staged.boundaries,
-            "head": run.head,
+            "head": run.spec.speculator,
             "variant": variant,
             "speculator_layers": head.config.num_layers if head is not None else 0,
         }
     if "ar" not in {r.mode for r in runs} and 0.0 in args.temperatures:
-        runs.append(RunSpec("ar", "ar"))  # the lossless reference at T=0
+        runs.append(Run("ar", DecodingSpec("ar")))  # the lossless reference at T=0
         engines["ar"] = build_engine(DecodingSpec("ar"), base, None, tokenizer, dtype, device)
         info["ar"] = {"mode": "ar", "stages": 1, "head": None, "variant": "ar", "speculator_layers": 0}
 
@@ -362,7 +436,7 @@ def _bench(args, runs: list[RunSpec]) -> int:
             if t == key_t:
                 per_run[name][i], tokens[name][i] = entry["record"], entry["tokens"]
 
-        def finished(run: RunSpec, i: int, out) -> None:
+        def finished(run: Run, i: int, out) -> None:
             record = _record(out, run, info[run.name])
             per_run[run.name][i], tokens[run.name][i] = record, out.token_ids
             journal.append({"T": key_t, "prompt": i, "run": run.name, "record": record, "tokens": out.token_ids})
@@ -451,7 +525,7 @@ def _bench(args, runs: list[RunSpec]) -> int:
 BATCHED_MODES = ("spd", "pp", "tree")  # what the batched pipeline runs
 
 
-def _record(out, run: RunSpec, info: dict) -> dict:
+def _record(out, run: Run, info: dict) -> dict:
     """A prompt's numbers: its stats, with the fields every run's summary reads."""
     record = out.stats.as_dict()
     if run.mode == "sd":  # an iteration (one target forward) is its step; L_acc its acceptance length
@@ -468,7 +542,7 @@ def _record(out, run: RunSpec, info: dict) -> dict:
 
 def _run_batched(
     engine,
-    run: RunSpec,
+    run: Run,
     prompts: list[list[int]],
     records: dict[int, dict],
     args,
@@ -554,7 +628,7 @@ def _journal_path(out: str) -> Path:
     return Path(f"{out}.progress.jsonl")
 
 
-def _settings(args, runs: list[RunSpec], prompts: list[list[int]]) -> dict:
+def _settings(args, runs: list[Run], prompts: list[list[int]]) -> dict:
     """What decides a benchmark's numbers: a journal resumes only a run with exactly these."""
     digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
     return {
@@ -569,7 +643,7 @@ def _settings(args, runs: list[RunSpec], prompts: list[list[int]]) -> dict:
         "top_p": args.top_p,
         "seed": args.seed,
         "tree_max_width": args.tree_max_width,
-        "runs": [dataclasses.asdict(r) for r in runs],
+        "runs": [{"name": r.name, **{f: getattr(r.spec, f) for f in RUN_FIELDS}} for r in runs],
         **({"batch": args.batch} if args.batch > 1 else {}),
     }
 
@@ -581,6 +655,15 @@ def _head_boundaries(source: str | None) -> list[int] | None:
     return json.loads((Path(source).expanduser() / "config.json").read_text()).get("boundaries")
 
 
+def _stages(run: Run) -> int:
+    """A pp or tree run's number of stages where it gives no cut: ``stages``, else its head's n, else 1
+    (spd-generate's default)."""
+    if run.spec.stages is not None:
+        return run.spec.stages
+    cut = _head_boundaries(run.spec.speculator)
+    return len(cut) - 1 if cut else 1
+
+
 def _is_head(source: str) -> bool:
     """Whether a run's SOURCE directory holds one of our heads (else it is a draft model)."""
     from spd.heads.config import SpeculatorConfig
@@ -589,34 +672,26 @@ def _is_head(source: str) -> bool:
     return config.is_file() and json.loads(config.read_text()).get("model_type") == SpeculatorConfig.model_type
 
 
-def _tree_run(run: RunSpec, staged, tokenizer, max_width: int, dtype, device):
-    """The tree engine of a ``tree:SOURCE:N:W:K[:RULE]`` run and its info row."""
+def _tree_run(run: Run, staged, tokenizer, max_width: int, dtype, device):
+    """The tree engine of a tree run and its info row."""
     from spd.decoding.factory import build_engine
-    from spd.decoding.spec import DecodingSpec
     from spd.heads.loading import load_speculator
 
-    is_head = _is_head(run.source)
-    head = load_speculator(run.source, dtype=dtype, device=device) if is_head else None
-    spec = DecodingSpec(
-        "tree",
-        draft_model=None if is_head else run.source,
-        tree_width=run.width,
-        tree_children=run.children,
-        tree_candidates=run.candidates,
-        tree_max_width=max_width,
-    )
+    spec = dataclasses.replace(run.spec, tree_max_width=max_width)
+    head = load_speculator(spec.speculator, dtype=dtype, device=device) if spec.speculator else None
     engine = build_engine(spec, staged, head, tokenizer, dtype, device)
-    kind, layers = ("spd", head.config.num_layers) if is_head else ("draft", 0)
+    kind, layers = ("spd", head.config.num_layers) if head is not None else ("draft", 0)
+    width, children = spec.tree_width, spec.tree_children
     info = {
         "mode": "tree",
-        "stages": run.stages,
-        "head": run.source if is_head else None,
-        "draft": None if is_head else run.source,
-        "width": run.width,
-        "children": run.children,
-        "candidates": run.candidates,
-        "max_width": max_width if run.width == "auto" else None,
-        "variant": f"tree-{kind} W={run.width} K={run.children}",
+        "stages": engine.staged.n_stages,
+        "head": spec.speculator,
+        "draft": spec.draft_model,
+        "width": width,
+        "children": children,
+        "candidates": spec.tree_candidates,
+        "max_width": max_width if width == "auto" else None,
+        "variant": f"tree-{kind} W={width} K={children}",
         "speculator_layers": layers,
     }
     return engine, info

@@ -2,6 +2,7 @@
 explicit, the head carries it, and every mode stays lossless over it."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -105,12 +106,15 @@ def test_bench_uneven_pp(tiny_testbed, tmp_path):
         "ar",
         "--run",
         "pp:3,5",
+        "--run",
+        "flags=--mode pp --boundaries 3,5",
         "--out",
         str(out),
     )
-    row = json.loads(out.read_text())["results"]["T=0"]["pp b=3,5"]
-    assert row["boundaries"] == [0, 3, 5, 8] and row["stages"] == 3
-    assert row["summary"]["identical_to_ar"] == 2
+    results = json.loads(out.read_text())["results"]["T=0"]
+    for row in (results["pp b=3,5"], results["flags"]):  # the short notation and spd-generate's flags
+        assert row["boundaries"] == [0, 3, 5, 8] and row["stages"] == 3
+        assert row["summary"]["identical_to_ar"] == 2
 
 
 @pytest.mark.slow
@@ -154,7 +158,32 @@ def test_bench_run_specs():
     from bench.bench import parse_run
 
     tree = parse_run("t=tree:runs/h:4:3:2")
-    assert (tree.source, tree.stages, tree.width, tree.children, tree.boundaries) == ("runs/h", 4, 3, 2, None)
+    fields = (tree.source, tree.spec.stages, tree.spec.tree_width, tree.spec.tree_children, tree.spec.boundaries)
+    assert fields == ("runs/h", 4, 3, 2, None)
     sd = parse_run("sd:runs/d:3")
-    assert (sd.source, sd.draft_steps, sd.boundaries) == ("runs/d", 3, None)
-    assert parse_run("pp:8,16,23").boundaries == [0, 8, 16, 23]
+    assert (sd.source, sd.spec.draft_steps, sd.spec.boundaries) == ("runs/d", 3, None)
+    assert parse_run("pp:8,16,23").spec.boundaries == [0, 8, 16, 23]
+
+
+def test_bench_runs_are_decoding_specs():
+    """A --run is spd-generate's decoding settings: the short notation and the quoted flags give the same spec,
+    checked by the same checks; a wrong flag is one error."""
+    from bench.bench import parse_run
+
+    short = parse_run("t=tree:runs/d:4:3:2:top-k")
+    flags = parse_run(
+        "t=--mode tree --draft-model runs/d --stages 4 --tree-width 3 --tree-children 2 --tree-candidates top-k"
+    )
+    assert (short.name, short.spec) == (flags.name, flags.spec)
+    assert parse_run("--mode pp --stages 2").name == "--mode pp --stages 2"
+    assert parse_run("pp n=2=--mode pp --stages 2").name == parse_run("pp n=2=pp:2").name == "pp n=2"
+    assert parse_run("--mode pp --boundaries 3,5").spec.boundaries == parse_run("pp:3,5").spec.boundaries[1:]
+    for bad, says in [
+        ("--mode spd", "--mode spd needs --speculator"),
+        ("--mode pp --stages 0", "--run: argument --stages: expected a positive integer, got 0"),
+        ("--mode ar --tree-wdth 2", "--run: unrecognized arguments: --tree-wdth 2"),
+        ("--mode spd --speculator h --stages 4", "an spd run has its head's stages and cut"),
+        ("--mode pp --target other", "--run: unrecognized arguments: --target other"),
+    ]:
+        with pytest.raises(SpdInputError, match=re.escape(says)):
+            parse_run(bad)
