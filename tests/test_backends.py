@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from spd.heads.loading import load_speculator
 
 from conftest import REPO
+from helpers.distill import distill_args
 
 STEPS = 8
 # The files each back-end writes into a checkpoint for each of its two processes (besides accelerate's RNG states,
@@ -44,28 +45,6 @@ SHARDS = {
 }
 
 
-def _args(tb, out, *extra):
-    return [
-        f"target={tb / 'target'}",
-        f"data={tb / 'corpus' / 'train.jsonl'}",
-        f"eval_data={tb / 'corpus' / 'validation.jsonl'}",
-        "n_stages=4",
-        "max_length=48",
-        "batch_size=3",
-        f"max_steps={STEPS}",
-        "save_every=2",
-        "keep_checkpoints=2",
-        "eval_every=0",
-        "eval_rows=6",
-        "log_every=2",
-        "lr=3e-3",
-        "warmup_steps=2",
-        f"output_dir={out}",
-        f"cache_dir={out.parent / 'cache'}",
-        *extra,
-    ]
-
-
 def _command(launch: list[str], tb, out, *extra) -> list[str]:
     return [
         sys.executable,
@@ -77,7 +56,7 @@ def _command(launch: list[str], tb, out, *extra) -> list[str]:
         "--main_process_port",
         str(random.randint(20000, 40000)),
         str(REPO / "train" / "distill.py"),
-        *_args(tb, out, *extra),
+        *distill_args(tb, out, *extra, max_steps=STEPS, keep_checkpoints=2),
     ]
 
 

@@ -10,29 +10,14 @@ import sys
 import pytest
 
 from conftest import REPO
+from helpers.distill import distill_args
 
 STEPS = 4
 
 
 def _args(tb, out, *extra):
-    return [
-        f"target={tb / 'target'}",
-        f"data={tb / 'corpus' / 'train.jsonl'}",
-        f"eval_data={tb / 'corpus' / 'validation.jsonl'}",
-        "n_stages=4",
-        "max_length=48",
-        "batch_size=3",
-        f"max_steps={STEPS}",
-        "save_every=0",
-        "eval_every=2",
-        "eval_rows=6",
-        "log_every=1",
-        "lr=3e-3",
-        "warmup_steps=2",
-        f"output_dir={out}",
-        f"cache_dir={out.parent / 'cache'}",
-        *extra,
-    ]
+    """A short run that evaluates every 2 steps and logs every step."""
+    return distill_args(tb, out, *extra, max_steps=STEPS, save_every=0, eval_every=2, log_every=1)
 
 
 def _train(tmp_path, *args, env=None):

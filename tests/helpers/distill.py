@@ -6,25 +6,28 @@ import sys
 from conftest import REPO
 
 
-def distill_args(tb, out, *extra):
-    return [
-        f"target={tb / 'target'}",
-        f"data={tb / 'corpus' / 'train.jsonl'}",
-        f"eval_data={tb / 'corpus' / 'validation.jsonl'}",
-        "n_stages=4",
-        "max_length=48",
-        "batch_size=3",
-        "max_steps=8",
-        "save_every=2",
-        "eval_every=0",
-        "eval_rows=6",
-        "log_every=2",
-        "lr=3e-3",
-        "warmup_steps=2",
-        f"output_dir={out}",
-        f"cache_dir={out.parent / 'cache'}",
-        *extra,
-    ]
+def distill_args(tb, out, *extra, **settings):
+    """train/distill.py's ``key=value`` arguments for a short run on the miniature testbed ``tb`` into ``out``:
+    ``settings`` replace the defaults below, ``extra`` ("key=value" strings) follow them."""
+    values = {
+        "target": tb / "target",
+        "data": tb / "corpus" / "train.jsonl",
+        "eval_data": tb / "corpus" / "validation.jsonl",
+        "n_stages": 4,
+        "max_length": 48,
+        "batch_size": 3,
+        "max_steps": 8,
+        "save_every": 2,
+        "eval_every": 0,
+        "eval_rows": 6,
+        "log_every": 2,
+        "lr": "3e-3",
+        "warmup_steps": 2,
+        "output_dir": out,
+        "cache_dir": out.parent / "cache",
+    }
+    values.update(settings)
+    return [f"{key}={value}" for key, value in values.items()] + list(extra)
 
 
 def train(*args, check=True):
