@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 from collections.abc import Callable
 
@@ -26,6 +27,9 @@ def run_cli(main: Callable[..., int], *args, flush: bool = False, interrupted: i
     """Run a program's body, ``main(*args)``, and return its exit status; a wrong input (:class:`SpdInputError`)
     is reported by :func:`cli_error` (``error: <message>``, status 2) instead of a traceback.
 
+    A full disk (``ENOSPC``) is reported the same way, naming the file that could not be written: every writer
+    here writes beside and renames, so what was there before is intact and a resumable job continues when run again.
+
     ``flush`` flushes that line at once (programs whose processes share a terminal); with ``interrupted``, Ctrl-C
     (KeyboardInterrupt) ends the program quietly with that status (130 by convention).
     """
@@ -33,6 +37,11 @@ def run_cli(main: Callable[..., int], *args, flush: bool = False, interrupted: i
         return main(*args)
     except SpdInputError as exc:
         return cli_error(exc, flush=flush)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        where = f" writing '{exc.filename}'" if exc.filename else ""
+        return cli_error(f"the disk is full{where}; free some space and run the same command again", flush=flush)
     except KeyboardInterrupt:
         if interrupted is None:
             raise

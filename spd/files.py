@@ -11,6 +11,7 @@ file as it was. Directories are put in place the same way, whole (:func:`rename_
 - :func:`temp_dir_beside`, :func:`rename_dir`, :func:`replace_dir`: a new directory written aside, then put in
   place as a new one or swapped for an existing one.
 - :func:`temp_pattern`: the names those temporaries have, for removing what a killed writer left.
+- :func:`check_free_space`: refuse, before a long job writes, what will not fit on the disk.
 """
 
 from __future__ import annotations
@@ -160,3 +161,17 @@ def replace_dir(
     fsync_path(final.parent)
     if moved:
         discard(aside)
+
+
+def check_free_space(path: str | os.PathLike, need: int, what: str, remedy: str) -> None:
+    """Refuse, in one :class:`~spd.errors.SpdInputError`, to start writing ``what`` (``need`` bytes) under ``path``
+    when the disk there has less free; ``remedy`` says what to do instead."""
+    from .errors import SpdInputError
+
+    free = shutil.disk_usage(path).free
+    if need > free:
+        # MiB below 1 GiB: "0.00 GiB" would not say how far off it is.
+        size = (lambda b: f"{b / 2**30:.2f} GiB") if need >= 2**30 else (lambda b: f"{b / 2**20:.1f} MiB")
+        raise SpdInputError(
+            f"{what} needs {size(need)} but only {size(free)} are free under '{path}'; free some space, or {remedy}"
+        )

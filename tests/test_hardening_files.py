@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_script
+from helpers.distill import distill_args, train
 from spd.errors import SpdInputError
 from spd.heads.published.convert import to_authors_file, to_directory
 
@@ -323,32 +324,11 @@ def test_checkpoint_replacement_never_loses_the_newest_checkpoint(tmp_path):
 
 
 def _train(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "train" / "distill.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
-    )
+    return train(*args, check=False)
 
 
 def _train_args(tb, out, *extra):
-    return [
-        f"target={tb / 'target'}",
-        f"data={tb / 'corpus' / 'train.jsonl'}",
-        "eval_data=none",
-        "n_stages=4",
-        "max_length=48",
-        "batch_size=3",
-        "max_steps=4",
-        "save_every=2",
-        "eval_every=0",
-        "lr=3e-3",
-        "warmup_steps=1",
-        f"output_dir={out}",
-        f"cache_dir={out.parent / 'cache'}",
-        *extra,
-    ]
+    return distill_args(tb, out, *extra, eval_data="none", max_steps=4, warmup_steps=1)
 
 
 class _Payload:
@@ -464,6 +444,29 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
         ).returncode
         == 0
     )
+
+
+@pytest.mark.slow
+def test_training_checks_free_disk_space(tiny_testbed, tmp_path):
+    """A run whose checkpoints and head will not fit where output_dir is is refused in one line before its first
+    step, and writes nothing there."""
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "64k"):
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        proc = _train(*_train_args(tiny_testbed, disk / "run", f"cache_dir={tmp_path / 'cache'}"))
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        line = proc.stderr.strip().splitlines()[-1]
+        assert line.startswith("error: this run (3 checkpoint(s) of ") and "MiB are free under" in line, line
+        assert "keep_checkpoints=1" in line
+        assert [p.name for p in (disk / "run").iterdir()] == []
+        # A disk that fills while the job writes (here the tokenized data's cache) is one line as well.
+        proc = _train(*_train_args(tiny_testbed, tmp_path / "run", f"cache_dir={disk / 'cache'}"))
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        line = proc.stderr.strip().splitlines()[-1]
+        assert line.startswith("error: the disk is full") and line.endswith("run the same command again"), line
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
 
 
 @pytest.mark.slow

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..errors import SpdInputError, first_line
-from ..files import atomic_path, temp_pattern, write_json_atomic
+from ..files import atomic_path, check_free_space, temp_pattern, write_json_atomic
 from ..target.staging import TargetShape
 
 MANIFEST = "capture.json"
@@ -297,14 +297,7 @@ def _remove_leftovers(out: Path) -> None:
 
 
 def _check_free(out: Path, need: int, what: str) -> None:
-    free = shutil.disk_usage(out).free
-    if need > free:
-        # MiB below 1 GiB: "0.00 GiB" would not say how far off it is.
-        size = (lambda b: f"{b / 2**30:.2f} GiB") if need >= 2**30 else (lambda b: f"{b / 2**20:.1f} MiB")
-        raise SpdInputError(
-            f"{what} needs {size(need)} but only {size(free)} are free under '{out}'; free some space, "
-            "or capture fewer rows (--max-tokens) or fewer anchors"
-        )
+    check_free_space(out, need, what, "capture fewer rows (--max-tokens) or fewer anchors")
 
 
 def _diff(old: dict, new: dict) -> str:

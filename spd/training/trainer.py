@@ -30,6 +30,7 @@ from .distill import (
     distill_step,
     evaluate,
     latest_checkpoint,
+    list_checkpoints,
     new_head,
     save_head_atomic,
     scale_fc_init,
@@ -165,6 +166,7 @@ class Trainer:
         self._prepare()
         self.step, self.batches_done, self.elapsed_before, self.t0 = 0, 0, 0.0, time.time()
         self._resume(resume)
+        self._check_disk()
         if log_with:
             self._init_trackers()
 
@@ -304,6 +306,28 @@ class Trainer:
                 f"{first_line(exc)}); remove it to resume from the one before"
             ) from None
         self.say(f"[resume] {ckpt.name}: step {self.step}, {self.batches_done} batches done")
+
+    def checkpoint_bytes(self) -> tuple[int, int]:
+        """About what one checkpoint and the final head take on disk: the head's weights twice (the accelerator's
+        state and the head beside it) and AdamW's two fp32 moments of every trained parameter; the head once."""
+        head = self.accelerator.unwrap_model(self.head)
+        weights = sum(t.numel() * t.element_size() for t in head.state_dict().values())
+        moments = 2 * 4 * sum(p.numel() for p in head.parameters() if p.requires_grad)
+        return 2 * weights + moments, weights
+
+    def _check_disk(self) -> None:
+        """Refuse, in one line and before the first step, a run whose checkpoints (``keep_checkpoints`` and the one
+        being written) and final head will not fit on the disk of ``output_dir``."""
+        from ..files import check_free_space
+
+        checkpoint, head = self.checkpoint_bytes()
+        new = max(1, self.cfg.keep_checkpoints + 1 - len(list_checkpoints(self.out)))  # those a resume keeps count
+        check_free_space(
+            self.out,
+            new * checkpoint + head,
+            f"this run ({new} checkpoint(s) of {checkpoint / 2**20:.1f} MiB and the final head)",
+            "set output_dir on a larger disk or keep fewer checkpoints (keep_checkpoints=1)",
+        )
 
     def _init_trackers(self) -> None:
         # TensorBoard writes to <output_dir>/logs/<wandb_project>, wandb to <output_dir>/wandb/<run>. TensorBoard's
