@@ -12,6 +12,7 @@ file as it was. Directories are put in place the same way, whole (:func:`rename_
   place as a new one or swapped for an existing one.
 - :func:`temp_pattern`: the names those temporaries have, for removing what a killed writer left.
 - :func:`check_free_space`: refuse, before a long job writes, what will not fit on the disk.
+- :func:`complete_lines`: an append-only jsonl file read back for a resume, a last line a kill cut short dropped.
 """
 
 from __future__ import annotations
@@ -175,3 +176,23 @@ def check_free_space(path: str | os.PathLike, need: int, what: str, remedy: str)
         raise SpdInputError(
             f"{what} needs {size(need)} but only {size(free)} are free under '{path}'; free some space, or {remedy}"
         )
+
+
+def complete_lines(path: str | os.PathLike) -> str:
+    """The complete lines of the append-only file ``path``, whose writer appends whole lines and syncs them: a last
+    line without its newline (a kill mid-write) is cut off the file, with a warning on stderr, so the line is
+    written again whole by the job that resumes."""
+    import sys
+
+    path = Path(path)
+    data = path.read_bytes()
+    good = data[: data.rfind(b"\n") + 1]
+    if len(good) != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(len(good))
+        print(
+            f"warning: {path}: dropped a last line that a kill cut short ({len(data) - len(good)} bytes); "
+            "its work is done again",
+            file=sys.stderr,
+        )
+    return good.decode("utf-8", errors="replace")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SpdInputError
+from .files import complete_lines
 
 
 class Journal:
@@ -48,12 +49,7 @@ class Journal:
             os.fsync(f.fileno())
 
     def _load(self) -> None:
-        data = self.path.read_bytes()
-        good = data[: data.rfind(b"\n") + 1]
-        if len(good) != len(data):  # a kill mid-write: the partial line goes
-            with open(self.path, "r+b") as f:
-                f.truncate(len(good))
-        lines = good.decode("utf-8", errors="replace").splitlines()
+        lines = complete_lines(self.path).splitlines()  # a kill mid-write: the partial line goes
         try:
             header = json.loads(lines[0])["settings"] if lines else None
             entries = [json.loads(line) for line in lines[1:]]

@@ -431,6 +431,7 @@ def test_killed_bench_resumes_to_the_same_numbers(tiny_testbed, tiny_heads, tmp_
     assert other.returncode == 2 and "other settings (seed: 0 there, 7 now)" in other.stderr, other.stderr
     resumed = run_script("bench/bench.py", *args, "--out", str(out))
     assert "[bench] resuming" in resumed.stderr and not journal.exists()
+    assert "dropped a last line that a kill cut short (" in other.stderr  # the first to read it
 
     def timing(key):  # the machine's, not the method's
         return key.endswith(("time_s", "_per_s", "_ms"))

@@ -70,7 +70,7 @@ def test_mt_bench_and_gsm8k_files_join_the_filter(tmp_path):
     assert bench.overlaps("Janet's ducks lay 16 eggs per day and she eats three for breakfast")
 
 
-def test_sampling_resumes_without_losing_or_repeating_a_row(chat_model, tmp_path):
+def test_sampling_resumes_without_losing_or_repeating_a_row(chat_model, tmp_path, capsys):
     """Eight requests in batches of four, written at once or as four then (after a torn line) eight: the same rows,
     each id once; rejected samples stay in the file with their reason, kept ones are unique."""
     model, tokenizer = chat_model
@@ -84,6 +84,7 @@ def test_sampling_resumes_without_losing_or_repeating_a_row(chat_model, tmp_path
         model, tokenizer, "code", 8, resumed, bench, batch_size=4, max_new_tokens=12, progress=False
     )
     assert stats["skipped_done"] == 4 and stats["sampled"] == 4
+    assert f"warning: {resumed}: dropped a last line that a kill cut short (23 bytes)" in capsys.readouterr().err
     rows = [json.loads(line) for line in resumed.read_text().splitlines()]
     assert rows == [json.loads(line) for line in straight.read_text().splitlines()]
     assert [r["id"] for r in rows] == [f"code-0-{i}" for i in range(8)]

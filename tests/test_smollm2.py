@@ -253,6 +253,7 @@ def test_regeneration_resumes_after_kill(smollm2, tmp_path):
         f.write('{"id": "cut sh')  # a line a kill cut short
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
+    assert "dropped a last line that a kill cut short (14 bytes)" in done.stderr
     rows = out.read_text().splitlines()
     assert rows[: len(first)] == first
     ids = [json.loads(r)["id"] for r in rows]

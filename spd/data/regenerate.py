@@ -23,19 +23,15 @@ from pathlib import Path
 import torch
 
 from ..errors import SpdInputError
+from ..files import complete_lines
 
 
 def read_done(path: Path) -> set[str]:
-    """Ids already in ``path``; a partial last line (a kill mid-write) is cut off the file."""
+    """Ids already in ``path``; a partial last line (a kill mid-write) is cut off the file, with a warning."""
     if not path.exists():
         return set()
-    data = path.read_bytes()
-    good = data[: data.rfind(b"\n") + 1]
-    if len(good) != len(data):
-        with open(path, "r+b") as f:
-            f.truncate(len(good))
     done = set()
-    for number, line in enumerate(good.decode("utf-8").splitlines(), 1):
+    for number, line in enumerate(complete_lines(path).splitlines(), 1):
         try:
             done.add(json.loads(line)["id"])
         except (ValueError, KeyError, TypeError) as exc:
