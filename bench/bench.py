@@ -105,7 +105,10 @@ def parse_run(text: str) -> Run:
     run = _flag_run(name, spec) if spec.lstrip().startswith("--") else _short_run(name, spec)
     if run is None:
         raise SpdInputError(f"--run '{text}' is not a run; expected {RUN_HELP}")
-    run.spec.check()
+    try:
+        run.spec.check()
+    except SpdInputError as exc:
+        raise SpdInputError(f"--run '{text}': {exc}") from None
     return run
 
 
