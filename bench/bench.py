@@ -112,6 +112,13 @@ def parse_run(text: str) -> Run:
     return run
 
 
+def run_flags(run: Run) -> list[str]:
+    """The run as spd-generate's and spd-serve's flags: its mode and each field it sets to other than the
+    default."""
+    default = DecodingSpec(run.spec.mode)
+    return run.spec.argv(tuple(f for f in RUN_FIELDS if f == "mode" or getattr(run.spec, f) != getattr(default, f)))
+
+
 def _short_run(name: str, spec: str) -> Run | None:
     """The short notation, or None when ``spec`` is not one."""
     mode, _, arg = spec.partition(":")

@@ -3,8 +3,9 @@
     python bench/bench_serve.py --run spd:runs/quickstart-n4/final --run pp:4 --requests 50 --concurrency 8 \\
         --runtime distributed --emulate-stage-ms 20 --emulate-link-ms 1 --out docs/results/serve-load.json
 
-Each ``--run`` starts its own server (``spd:HEAD_DIR``: SPD with that head, n from the head; ``pp:N``: the
-standard pipeline with N stages), sends the same requests (testbed prompts, greedy, streamed so that the
+Each ``--run`` (written as ``bench/bench.py --run`` takes it: ``spd:HEAD_DIR``, SPD with that head, n from the
+head; ``pp:N``, the standard pipeline with N stages; a tree, or spd-serve's decoding flags in quotes) starts its
+own server, sends the same requests (testbed prompts, greedy, streamed so that the
 time to the first token is seen) from ``--concurrency`` client threads, and stops it. Reported per run:
 request latency (arrival to last token: queueing included, since requests run one at a time) p50/p95, time
 to first token p50/p95, the pipeline's own time per request (the ``spd`` extension's ``wall_time_s``)
@@ -29,7 +30,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # bench.report (the scripts are not installed)
 
+from bench.bench import RUN_HELP, parse_run, run_flags  # noqa: E402
 from bench.report import markdown_table, write_result  # noqa: E402
+from spd.errors import SpdInputError  # noqa: E402
 
 
 class ServerProcess:
@@ -151,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="testbed/target")
     p.add_argument("--prompts", default="testbed/prompts.jsonl", help='jsonl with a "prompt" field per row')
-    p.add_argument("--run", action="append", required=True, help="spd:HEAD_DIR or pp:N (repeatable)")
+    p.add_argument(
+        "--run", action="append", required=True, help="a run as bench/bench.py takes it: " + RUN_HELP + " (repeatable)"
+    )
     p.add_argument("--requests", type=int, default=50)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -162,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
+    try:
+        flags = {spec: run_flags(parse_run(spec)) for spec in args.run}
+    except SpdInputError as exc:
+        p.error(str(exc))
+    if not Path(args.prompts).is_file():
+        p.error(f"the prompts file '{args.prompts}' does not exist; expected a jsonl file with a \"prompt\" per row")
     rows = [json.loads(line)["prompt"] for line in Path(args.prompts).open(encoding="utf-8") if line.strip()]
     prompts = [rows[i % len(rows)] for i in range(args.requests)]
     common = ["--target", args.target, "--runtime", args.runtime, "--max-queue", str(max(64, args.requests))]
@@ -169,13 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         common += ["--emulate-stage-ms", str(args.emulate_stage_ms), "--emulate-link-ms", str(args.emulate_link_ms)]
     runs = []
     for spec in args.run:
-        kind, _, value = spec.partition(":")
-        if kind == "spd":
-            server_args = [*common, "--mode", "spd", "--speculator", value]
-        elif kind == "pp":
-            server_args = [*common, "--mode", "pp", "--stages", value]
-        else:
-            p.error(f"--run expects spd:HEAD_DIR or pp:N, got '{spec}'")
+        server_args = [*common, *flags[spec]]
         print(
             f"[bench_serve] {spec}: {args.requests} requests, {args.concurrency} clients", file=sys.stderr, flush=True
         )

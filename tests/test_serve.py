@@ -830,3 +830,17 @@ def test_load_benchmark_runs_side_by_side(tiny_testbed, tiny_heads, tmp_path):
         assert run["requests"] == 6 and run["completion_tokens"] == 48
         assert 0 < run["latency_s"]["p50"] <= run["latency_s"]["p95"]
     assert "| pp:4 |" in proc.stdout
+
+
+def test_load_benchmark_takes_the_runs_bench_takes_and_refuses_bad_ones(tmp_path):
+    """bench_serve's --run is bench/bench.py's: the same check, one line and exit 2 before any server starts."""
+    from bench import bench_serve
+
+    from conftest import run_main
+
+    bad = run_main(bench_serve.main, "--run", "--mode spd", "--prompts", str(tmp_path / "none.jsonl"))
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith(
+        "error: --run '--mode spd': --mode spd needs --speculator DIR_OR_ID (a head trained by train/distill.py)"
+    )
+    missing = run_main(bench_serve.main, "--run", "pp:4", "--prompts", str(tmp_path / "none.jsonl"))
+    assert missing.returncode == 2 and "the prompts file" in missing.stderr and "does not exist" in missing.stderr
