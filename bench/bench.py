@@ -387,9 +387,10 @@ def _bench(args, runs: list[Run]) -> int:
             }
             continue
         if run.mode == "tree":
+            n = _stages(run)
             engines[run.name], info[run.name] = _tree_run(
                 run,
-                staged(_stages(run), run.spec.boundaries or head_cuts.get(_stages(run))),
+                staged(n, run.spec.boundaries or head_cuts.get(n)),
                 tokenizer,
                 args.tree_max_width,
                 dtype,
