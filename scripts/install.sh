@@ -33,3 +33,15 @@ fi
 echo "[install] installing spd[$EXTRAS]"
 pip_q -e ".[$EXTRAS]"
 "$PY" -c "import spd, torch, transformers; print(f'[install] spd {spd.__version__}, torch {torch.__version__}, transformers {transformers.__version__}')"
+# The repository's own modules compiled once (Python reads these even where PYTHONDONTWRITEBYTECODE is set, so each
+# of the many processes the tests start does not compile them again).
+"$PY" -m compileall -q -j 0 spd bench data train tests >/dev/null
+# DeepSpeed builds its CPU collective op (a C++ extension, about a minute on 2 cores) the first time a job uses it;
+# build it here, once per machine (cached under ~/.cache/torch_extensions), rather than inside the first ZeRO job.
+if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('deepspeed') is None)" 2>/dev/null \
+    && ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+    DS_ACCELERATOR=cpu "$PY" -W ignore -c "
+from deepspeed.accelerator import get_accelerator
+builder = get_accelerator().create_op_builder('ShareMemCommBuilder')
+builder and builder.load(verbose=False)" >/dev/null 2>&1 || echo "[install] warning: DeepSpeed's CPU op did not build; a ZeRO job will try again"
+fi

@@ -243,7 +243,7 @@ def test_spd_mode_is_lossless_and_reports_pipeline_stats(tiny_testbed, tiny_head
         "24",
         "--json",
     ]
-    ar = json.loads(spd_generate(*common).stdout)
+    ar = json.loads(spd_generate_main(*common).stdout)
     proc = spd_generate(*common, "--mode", "spd", "--speculator", str(tiny_heads[4]))  # --stages from the head
     assert proc.returncode == 0, proc.stderr
     spd = json.loads(proc.stdout)
@@ -254,7 +254,7 @@ def test_spd_mode_is_lossless_and_reports_pipeline_stats(tiny_testbed, tiny_head
         assert key in stats
     assert stats["equivalent_accept_length"] == pytest.approx(4 * (stats["new_tokens"] - 1) / stats["steps"], abs=1e-3)
     assert len(stats["token_acceptance"]) == stats["new_tokens"] and sum(stats["token_acceptance"]) == stats["accepted"]
-    pp = json.loads(spd_generate(*common, "--mode", "pp", "--stages", "4").stdout)
+    pp = json.loads(spd_generate_main(*common, "--mode", "pp", "--stages", "4").stdout)
     assert pp["token_ids"] == ar["token_ids"]
     assert pp["stats"]["steps"] == 4 * (pp["stats"]["new_tokens"] - 1)
 

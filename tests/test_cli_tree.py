@@ -25,7 +25,7 @@ def test_tree_mode_with_a_draft_model_is_lossless_and_reports_tree_stats(tiny_te
         "24",
         "--json",
     ]
-    ar = json.loads(spd_generate(*common).stdout)
+    ar = json.loads(spd_generate_main(*common).stdout)
     proc = spd_generate(
         *common,
         "--mode",
@@ -79,7 +79,7 @@ def test_tree_mode_auto_width_and_candidate_rules(tiny_testbed):
     ]
     auto = json.loads(spd_generate(*common, "--tree-width", "auto", "--tree-max-width", "16").stdout)
     ar = json.loads(
-        spd_generate(
+        spd_generate_main(
             "--target",
             str(tiny_testbed / "target"),
             "--prompt",
@@ -92,10 +92,10 @@ def test_tree_mode_auto_width_and_candidate_rules(tiny_testbed):
     assert auto["token_ids"] == ar["token_ids"]
     assert auto["stats"]["width"] == "auto" and 1 <= auto["stats"]["mean_width"] <= 16
     assert auto["stats"]["candidates"] == "top-k"  # greedy
-    sampled = json.loads(spd_generate(*common, "--temperature", "0.8", "--seed", "3").stdout)
+    sampled = json.loads(spd_generate_main(*common, "--temperature", "0.8", "--seed", "3").stdout)
     assert sampled["stats"]["candidates"] == "sampled"
     top_k = json.loads(
-        spd_generate(*common, "--temperature", "0.8", "--seed", "3", "--tree-candidates", "top-k").stdout
+        spd_generate_main(*common, "--temperature", "0.8", "--seed", "3", "--tree-candidates", "top-k").stdout
     )
     assert top_k["stats"]["candidates"] == "top-k"
 
@@ -123,7 +123,7 @@ def test_tree_mode_streams_text_with_a_summary(tiny_testbed):
 def test_tree_mode_with_an_spd_head_of_width_four(tiny_testbed, tiny_heads):  # noqa: F811
     common = ["--target", str(tiny_testbed / "target"), "--prompt", "class A:\n", "--max-new-tokens", "16", "--json"]
     proc = spd_generate(*common, "--mode", "tree", "--speculator", str(tiny_heads[4]), "--tree-width", "4")
-    assert _ids(proc) == _ids(spd_generate(*common))
+    assert _ids(proc) == _ids(spd_generate_main(*common))
     stats = json.loads(proc.stdout)["stats"]
     assert stats["source"] == "head" and stats["stages"] == 4 and stats["schedule"] == "input"
 

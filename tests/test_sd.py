@@ -18,7 +18,7 @@ from spd.decoding.proposers.serial_head import SerialHeadProposer
 from spd.decoding.proposers import Proposer
 from spd.heads.speculator import Speculator
 from spd.target.staging import StagedModel
-from helpers.cli import spd_generate
+from helpers.cli import spd_generate, spd_generate_main
 from helpers.distill import distill_args, train
 from helpers.stats import chi_square_p_value, sample_outcomes, sequence_probs
 from helpers.proposers import noisy_copy
@@ -207,7 +207,7 @@ def _cli_sd_equals_ar(tiny_testbed, *drafter: str) -> dict:
     sd = spd_generate(*common, "--mode", "sd", *drafter, "--draft-steps", "3")
     assert sd.returncode == 0, sd.stderr
     got = json.loads(sd.stdout)
-    assert got["token_ids"] == json.loads(spd_generate(*common).stdout)["token_ids"]
+    assert got["token_ids"] == json.loads(spd_generate_main(*common).stdout)["token_ids"]
     assert got["stats"]["mode"] == "sd" and got["stats"]["draft_steps"] == 3
     return got["stats"]
 

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from bench.bench_serve import ServerProcess
-from helpers.cli import spd_generate
+from helpers.cli import spd_generate_main
 
 openai = pytest.importorskip("openai")
 
@@ -40,6 +40,7 @@ class Server(ServerProcess):
 
 
 def cli_json(tiny_testbed, *args: str) -> dict:
-    proc = spd_generate("--target", str(tiny_testbed / "target"), "--json", *args)
+    """spd-generate's JSON for ``args`` (its main in this process: the reference a server's answer must equal)."""
+    proc = spd_generate_main("--target", str(tiny_testbed / "target"), "--json", *args)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
