@@ -1,4 +1,5 @@
-"""spd-generate --mode tree and the bench's tree runs, as a user runs them (fresh processes)."""
+"""spd-generate --mode tree and the bench's tree runs, as a user runs them (fresh processes; the ar runs they are compared
+with come from spd-generate's main in this process)."""
 
 import json
 import shutil
