@@ -35,7 +35,7 @@ to ``base + 1``). Memory per stage: one conv state (``C x K``) and one recurrent
 
 The class implements the calls Hugging Face's ``Qwen3_5GatedDeltaNet`` (and ``Qwen3NextGatedDeltaNet``)
 make on their ``cache_params``: ``get_conv_state``, ``update_conv_state``, ``get_recurrent_state``,
-``update_recurrent_state``, ``is_recording_past``.
+``update_recurrent_state``, and those of :class:`NoPastRecording`.
 
 Shapes: R ring slots, B batch, C conv channels, K conv kernel, H value heads, Dk/Dv head dims, P pool slots for
 tree nodes, T nodes of the call.
@@ -46,7 +46,23 @@ from __future__ import annotations
 import torch
 
 
-class LinearStateRing:
+class NoPastRecording:
+    """The calls of transformers' linear-attention layers that every cache of spd answers the same way: none records
+    its past (spd rolls back through its own ring), so no intermediate recurrent state is to be kept, and none needs
+    the token count that transformers >= 5.25 keeps after an in-place conv update (spd's caches count in
+    ``advance``)."""
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        pass
+
+
+class LinearStateRing(NoPastRecording):
     """Conv and recurrent states of one stage's linear-attention layers at its last ``depth`` lengths."""
 
     def __init__(self, layer_ids: list[int], depth: int):
@@ -284,11 +300,8 @@ class LinearStateRing:
         ring[self._slots()[1]].copy_(state_BHDkDv)
         return ring[self._slots()[1]]
 
-    def is_recording_past(self, layer_idx: int) -> bool:
-        return False
 
-
-class StackedStates:
+class StackedStates(NoPastRecording):
     """The linear-attention states of several stage caches (one per request of a ragged call, :mod:`spd.target.ragged`)
     as one batch, for a layer call in which each member runs one-token sequences from its own states: a chain's next
     token (``count`` 1), or the nodes of one depth of a tree (``count`` nodes; :meth:`LinearStateRing.select_nodes`
@@ -324,6 +337,3 @@ class StackedStates:
             member.update_recurrent_state(state_BHDkDv[offset : offset + count], layer_idx)
             offset += count
         return state_BHDkDv
-
-    def is_recording_past(self, layer_idx: int) -> bool:
-        return False

@@ -31,7 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..errors import SpdInputError
 from .kv_pool import KVPool
-from .linear_state import StackedStates
+from .linear_state import NoPastRecording, StackedStates
 from .sdpa import decode_kernels
 from .staging import (
     LINEAR_LAYER_TYPE,
@@ -62,7 +62,7 @@ class Segment:
         return self.hidden_1TD.shape[1]
 
 
-class _PooledWrite:
+class _PooledWrite(NoPastRecording):
     """The cache a layer sees in a ragged call: ``update`` writes the packed keys/values into each request's rows of
     the pool and returns the rows the call reads: the whole buffer for several segments (their blocks gather their
     requests' rows from it), a lone segment's own rows."""
@@ -77,9 +77,6 @@ class _PooledWrite:
         self.keys_LBHkCDh[i, 0].index_copy_(1, self.rows_S, key_BHkSDh[0])
         self.values_LBHkCDh[i, 0].index_copy_(1, self.rows_S, value_BHkSDh[0])
         return (self.keys_LBHkCDh[i, :, :, self.lo : self.hi], self.values_LBHkCDh[i, :, :, self.lo : self.hi])
-
-    def is_recording_past(self, layer_idx: int) -> bool:
-        return False
 
 
 class _Packed(NamedTuple):

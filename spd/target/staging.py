@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..errors import SpdInputError, first_line
-from .linear_state import LinearStateRing
+from .linear_state import LinearStateRing, NoPastRecording
 from .precision import warn_if_slow
 from .sdpa import decode_kernels
 from ..paths import check_model_source
@@ -41,7 +41,7 @@ _SUPPORTED_LAYER_TYPES = (*_ATTENTION_LAYER_TYPES, LINEAR_LAYER_TYPE)
 _MASK_FORMATS = ("sdpa", "eager")
 
 
-class StageKVCache:
+class StageKVCache(NoPastRecording):
     """Cache of one stage's layers: preallocated KV buffers, a committed length, O(1) truncation; on hybrid
     targets also the linear-attention layers' state (:class:`spd.target.linear_state.LinearStateRing`).
 
@@ -160,9 +160,6 @@ class StageKVCache:
 
     def update_recurrent_state(self, state: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
         return self.linear.update_recurrent_state(state, layer_idx, state_idx, **kwargs)
-
-    def is_recording_past(self, layer_idx: int) -> bool:
-        return False
 
     def keep(self, start: int, indices: torch.Tensor | list[int]) -> None:
         """Keep rows ``start + indices`` (in that order) at rows ``start, start+1, ...``; drop the other rows >= start.
