@@ -26,11 +26,11 @@ from helpers.distill import distill_args, train
 
 @pytest.mark.slow
 def test_killed_and_resumed_run_ends_with_the_same_weights(tiny_testbed, tmp_path):
-    train(*distill_args(tiny_testbed, tmp_path / "straight"))
+    train(*distill_args(tiny_testbed, tmp_path / "straight", eval_every=2))
     # Same run, killed (SIGKILL, no chance to clean up) once a checkpoint exists, then resumed.
     out = tmp_path / "killed"
     proc = subprocess.Popen(
-        [sys.executable, str(REPO / "train" / "distill.py"), *distill_args(tiny_testbed, out)],
+        [sys.executable, str(REPO / "train" / "distill.py"), *distill_args(tiny_testbed, out, eval_every=2)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         cwd=REPO,
@@ -43,7 +43,7 @@ def test_killed_and_resumed_run_ends_with_the_same_weights(tiny_testbed, tmp_pat
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (out / "final").exists()
-    resumed = train(*distill_args(tiny_testbed, out), "--resume")
+    resumed = train(*distill_args(tiny_testbed, out, eval_every=2), "--resume")
     assert "[resume] step-" in resumed.stdout + resumed.stderr
     a = load_file(tmp_path / "straight" / "final" / "model.safetensors")
     b = load_file(out / "final" / "model.safetensors")
@@ -52,15 +52,26 @@ def test_killed_and_resumed_run_ends_with_the_same_weights(tiny_testbed, tmp_pat
         assert torch.equal(a[key], b[key]), key
     summary = json.loads((out / "summary.json").read_text())
     assert summary["step"] == 8
+    # The data curve survives the kill: the same evaluations at the same supervised token counts.
+    straight = json.loads((tmp_path / "straight" / "summary.json").read_text())
+    curve = [{k: v for k, v in e.items() if k != "train_minutes"} for e in summary["evals"]]
+    assert curve == [{k: v for k, v in e.items() if k != "train_minutes"} for e in straight["evals"]]
+    assert [e["step"] for e in curve] == [2, 4, 6, 8] and summary["tokens_seen"] == straight["tokens_seen"]
     loaded = Speculator.from_pretrained(out / "final")
     assert loaded.config.n_stages == 4
 
 
 def test_final_head_reports_agreement_per_fill(tiny_testbed, tmp_path):
     out = tmp_path / "run"
-    train(*distill_args(tiny_testbed, out, "max_steps=3", "save_every=0"))
-    ev = json.loads((out / "summary.json").read_text())["eval"]
+    train(*distill_args(tiny_testbed, out, "max_steps=3", "save_every=0", eval_every=1))
+    summary = json.loads((out / "summary.json").read_text())
+    ev = summary["eval"]
     assert set(ev["top1_by_fill"]) == {"1", "2", "3", "4"}
+    # Every evaluation, with the supervised tokens trained on by then (3 rows of at most 48 tokens a step).
+    assert [e["step"] for e in summary["evals"]] == [1, 2, 3]
+    seen = [e["tokens_seen"] for e in summary["evals"]]
+    assert 0 < seen[0] < seen[1] < seen[2] == summary["tokens_seen"] <= 3 * 3 * 48
+    assert summary["evals"][-1]["top1_full"] == ev["top1_full"]
     assert 0 <= ev["top1_full"] <= 1 and 1 <= ev["L_acc_est"] <= 4
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-3"]
 

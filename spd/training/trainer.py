@@ -147,7 +147,8 @@ def train(cfg: DistillConfig, resume: bool) -> dict:
 
 class Trainer:
     """One training run (see :func:`train`): the accelerator, the target and data, the head and its optimizer, and
-    the position the run has reached (step, batches done, minutes before a resume)."""
+    the position the run has reached (step, batches done, minutes before a resume), and every evaluation so far with
+the supervised tokens seen by then (``evals``: a data curve from one run, kept across resumes)."""
 
     def __init__(self, cfg: DistillConfig, resume: bool, log_with: list[str]):
         from accelerate.utils import broadcast_object_list, set_seed
@@ -165,6 +166,9 @@ class Trainer:
         self.cfg = self._load(cfg)
         self._prepare()
         self.step, self.batches_done, self.elapsed_before, self.t0 = 0, 0, 0.0, time.time()
+        # Supervised tokens trained on by this process (a resume puts the run's total on the main process), and the
+        # evaluations so far.
+        self.tokens_here, self.evals = 0, []
         self._resume(resume)
         self._check_disk()
         if log_with:
@@ -298,6 +302,9 @@ class Trainer:
             accelerator.load_state(str(ckpt))
             state = json.loads((ckpt / "trainer_state.json").read_text())
             self.step, self.batches_done, self.elapsed_before = state["step"], state["batches_done"], state["elapsed_s"]
+            # Checkpoints written before these were recorded resume with the count from here on and no history.
+            self.tokens_here = state.get("tokens_seen", 0) if self.main else 0
+            self.evals = list(state.get("evals", []))
             # weights_only: the RNG state is a tensor; a file holding anything else must not run code.
             self.fill_gen.set_state(torch.load(ckpt / f"fill_rng_{accelerator.process_index}.pt", weights_only=True))
         except (OSError, ValueError, KeyError, TypeError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
@@ -347,6 +354,7 @@ class Trainer:
         from .backends import plain_head
 
         accelerator = self.accelerator
+        tokens = self.tokens_seen()  # a collective: every process
         final = self.out / "checkpoints" / f"step-{self.step}"
         tmp = final.with_name(f"{final.name}.{self.tag}.tmp")
         accelerator.save_state(str(tmp))
@@ -357,18 +365,34 @@ class Trainer:
             save_head_atomic(whole, tmp / "head")
             write_json_atomic(
                 tmp / "trainer_state.json",
-                {"step": self.step, "batches_done": self.batches_done, "elapsed_s": self.elapsed_s()},
+                {
+                    "step": self.step,
+                    "batches_done": self.batches_done,
+                    "elapsed_s": self.elapsed_s(),
+                    "tokens_seen": tokens,
+                    "evals": self.evals,
+                },
             )
             # Synced, then renamed over an older step-N (moved aside first, removed last): a checkpoint exists only
             # once it is complete, and a kill at any point leaves the newest complete one loadable.
             commit_checkpoint(tmp, final, self.cfg.keep_checkpoints, self.tag)
         accelerator.wait_for_everyone()
 
+    def tokens_seen(self) -> int:
+        """Supervised tokens trained on so far, over every process and resume (a collective: call on every process)."""
+        count = torch.tensor([self.tokens_here], dtype=torch.int64, device=self.accelerator.device)
+        return int(self.accelerator.reduce(count, reduction="sum").item())
+
     def run_eval(self) -> dict:
         cfg = self.cfg
+        tokens = self.tokens_seen()
         metrics = evaluate(
             self.accelerator.unwrap_model(self.head), self.staged, self.eval_batches, cfg.tau, cfg.kd_chunk
         )
+        if not self.evals or self.evals[-1]["step"] != self.step:  # a resume may evaluate its last step again
+            self.evals.append(
+                {"step": self.step, "tokens_seen": tokens, "train_minutes": self.elapsed_s() / 60, **metrics}
+            )
         full, length = ("first draft", "L_acc (sd)") if cfg.variant == "eagle" else ("full pipeline", "L'_acc")
         self.say(
             f"[eval] step {self.step}: kd_loss {metrics['kd_loss']:.4f}, top-1 ({full}) "
@@ -419,6 +443,7 @@ class Trainer:
                     self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
             self.batches_done += 1
+            self.tokens_here += int(batch["supervised"].sum())
             self.window[0] += float(result.loss_sum.detach())
             self.window[1] += result.agree
             self.window[2] += result.count
@@ -458,6 +483,7 @@ class Trainer:
         accelerator, out = self.accelerator, self.out
         self.save_checkpoint()
         metrics = self.run_eval() if self.eval_batches else {}
+        tokens = self.tokens_seen()  # a collective: every process
         whole = plain_head(accelerator, self.head)
         if self.main:
             save_head_atomic(whole, out / "final")
@@ -467,8 +493,10 @@ class Trainer:
                 "train_minutes": self.elapsed_s() / 60,
                 "loop_minutes": loop_minutes,
                 "processes": accelerator.num_processes,
+                "tokens_seen": tokens,
                 "config": dataclasses.asdict(self.cfg),
                 "eval": metrics,
+                "evals": self.evals,  # every evaluation of the run, with the supervised tokens seen by then
             }
             write_json_atomic(out / "summary.json", summary)
             self.say(f"[done] head written to {out / 'final'}")
