@@ -20,7 +20,7 @@ from spd.heads.config import check_compatible
 from spd.heads.speculator import Speculator
 from spd.target.staging import StagedModel
 
-from conftest import REPO, run_script, tiny_model
+from conftest import REPO, run_main, run_script, tiny_model
 from helpers.distill import distill_args, train
 
 
@@ -63,7 +63,7 @@ def test_killed_and_resumed_run_ends_with_the_same_weights(tiny_testbed, tmp_pat
 
 def test_final_head_reports_agreement_per_fill(tiny_testbed, tmp_path):
     out = tmp_path / "run"
-    train(*distill_args(tiny_testbed, out, "max_steps=3", "save_every=0", eval_every=1))
+    train(*distill_args(tiny_testbed, out, "max_steps=3", "save_every=0", eval_steps="[1,2]"))
     summary = json.loads((out / "summary.json").read_text())
     ev = summary["eval"]
     assert set(ev["top1_by_fill"]) == {"1", "2", "3", "4"}
@@ -160,6 +160,18 @@ def test_a_list_of_datasets_trains_on_their_rows_mixed(tiny_testbed, tmp_path):
     assert Speculator.from_pretrained(out / "final").config.draft_vocab_size == 64
 
 
+def _bad_input(tiny_testbed, tmp_path, args, expected, in_process):
+    from spd.cli.distill import main
+
+    base = distill_args(tiny_testbed, tmp_path / "x")
+    keys = {a.split("=")[0] for a in args if "=" in a}
+    argv = [*[a for a in base if a.split("=")[0] not in keys], *args]
+    proc = run_main(main, *argv) if in_process else train(*argv, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error:") and expected in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize(
     "args,expected",
     [
@@ -168,18 +180,21 @@ def test_a_list_of_datasets_trains_on_their_rows_mixed(tiny_testbed, tmp_path):
         (["target_dtype=float16"], "target_dtype must be auto, float32 or bfloat16"),
         (["max_steps=ten"], "bad value for max_steps"),
         (["variant=medusa"], "variant must be one of"),
-        (["n_stages=3"], "do not divide"),
-        (["data=/no/such/data.jsonl"], "does not exist"),
+        (["eval_steps=[0, 5]"], "eval_steps must be a list of steps of at least 1"),
         (["--config", "/no/such.yaml"], "config file"),
     ],
 )
-def test_bad_input_is_one_clear_error(tiny_testbed, tmp_path, args, expected):
-    base = distill_args(tiny_testbed, tmp_path / "x")
-    keys = {a.split("=")[0] for a in args if "=" in a}
-    proc = train(*[a for a in base if a.split("=")[0] not in keys], *args, check=False)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith("error:") and expected in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_bad_settings_are_one_clear_error(tiny_testbed, tmp_path, args, expected):
+    """Refused while the settings are read, before anything is loaded: main(argv) in this process."""
+    _bad_input(tiny_testbed, tmp_path, args, expected, in_process=True)
+
+
+@pytest.mark.parametrize(
+    "args,expected", [(["n_stages=3"], "do not divide"), (["data=/no/such/data.jsonl"], "does not exist")]
+)
+def test_bad_target_or_data_is_one_clear_error(tiny_testbed, tmp_path, args, expected):
+    """Refused once the accelerator, the target and the data load: in a process of its own, as a user runs it."""
+    _bad_input(tiny_testbed, tmp_path, args, expected, in_process=False)
 
 
 def test_presets_load_and_override(tmp_path):

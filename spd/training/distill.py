@@ -85,6 +85,7 @@ class DistillConfig:
     seed: int = 0
     # evaluation, logging, checkpoints
     eval_every: int = 200  # optimizer steps (0 = only at the end)
+    eval_steps: list[int] | None = None  # evaluate at these steps as well (e.g. [25, 50, 100]: points of a data curve)
     eval_rows: int = 64  # held-out rows used per evaluation
     log_every: int = 10
     wandb: bool = False  # log to Weights & Biases; its run files go to <output_dir>/wandb (needs wandb)
@@ -130,6 +131,12 @@ class DistillConfig:
         for name in ("warmup_steps", "eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise SpdInputError(f"{name} must be 0 or more, got {getattr(self, name)}")
+        if self.eval_steps is not None and not all(
+            isinstance(step, int) and not isinstance(step, bool) and step >= 1 for step in self.eval_steps
+        ):
+            raise SpdInputError(
+                f"eval_steps must be a list of steps of at least 1, e.g. [25, 50], got {self.eval_steps}"
+            )
         if self.draft_vocab_size < 0:
             raise SpdInputError(
                 f"draft_vocab_size must be 0 (the whole vocabulary) or positive, got {self.draft_vocab_size}"

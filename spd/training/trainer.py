@@ -147,8 +147,8 @@ def train(cfg: DistillConfig, resume: bool) -> dict:
 
 class Trainer:
     """One training run (see :func:`train`): the accelerator, the target and data, the head and its optimizer, and
-    the position the run has reached (step, batches done, minutes before a resume), and every evaluation so far with
-the supervised tokens seen by then (``evals``: a data curve from one run, kept across resumes)."""
+        the position the run has reached (step, batches done, minutes before a resume), and every evaluation so far with
+    the supervised tokens seen by then (``evals``: a data curve from one run, kept across resumes)."""
 
     def __init__(self, cfg: DistillConfig, resume: bool, log_with: list[str]):
         from accelerate.utils import broadcast_object_list, set_seed
@@ -466,7 +466,8 @@ the supervised tokens seen by then (``evals``: a data curve from one run, kept a
             self.bar.set_postfix(loss=f"{logs['train/kd_loss']:.3f}", top1=f"{logs['train/top1']:.3f}")
             self.accelerator.log(logs, step=self.step)
             self.window = [0.0, 0, 0]
-        if self.eval_batches and cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total_steps:
+        at = (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step in (cfg.eval_steps or ())
+        if self.eval_batches and at and self.step < self.total_steps:
             self.run_eval()
         timed_out = cfg.max_minutes is not None and self.elapsed_s() > cfg.max_minutes * 60
         if self.step >= self.total_steps or timed_out:
