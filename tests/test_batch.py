@@ -806,7 +806,8 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
     tree instead of the head, too."""
     import json
 
-    from conftest import run_script, two_at_a_time
+    from bench.bench_batch import main as bench_batch_main
+    from conftest import run_main, run_script, two_at_a_time
 
     out, tree_out, head_tree_out = (tmp_path / name for name in ("batch.json", "batch_tree.json", "head_tree.json"))
     common = [
@@ -929,5 +930,5 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
         ["--speculator", str(tiny_heads[4]), "--tree-width", "0"],
         ["--speculator", str(tiny_heads[4]), "--tree-nodes", "8"],
     ):
-        bad = run_script("bench/bench_batch.py", *args, check=False)
+        bad = run_main(bench_batch_main, *args)  # refused before anything runs
         assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error:"), bad.stderr

@@ -381,16 +381,20 @@ def test_bench_runs_modes_and_heads(tiny_testbed, tiny_heads, tmp_path):
         for name in ("pp n=2", "h2", "t2"):
             assert together[t][name]["summary"]["batch"] == 2 and together[t][name]["summary"]["mean_batch_size"] > 1
         assert "batch" not in together[t]["ar"]["summary"]  # the reference runs alone
-    bad = run_script("bench/bench.py", "--run", "spd", "--prompts", str(prompts), check=False)
+    from bench.bench import main as bench_main
+    from conftest import run_main
+
+    bad = run_main(bench_main, "--run", "spd", "--prompts", str(prompts))
     assert bad.returncode == 2 and bad.stderr.startswith("error: --run 'spd' is not a run")
-    bad = run_script("bench/bench.py", *args, "--batch", "0", check=False)
+    bad = run_main(bench_main, *args, "--batch", "0")
     assert bad.returncode == 2 and bad.stderr.startswith("error: --batch must be a positive number"), bad.stderr
 
 
 @pytest.mark.slow
 def test_killed_bench_resumes_to_the_same_numbers(tiny_testbed, tiny_heads, tmp_path):
     """A benchmark killed mid-way and run again gives the numbers of an unbroken run (T = 0 and sampled)."""
-    from conftest import run_script
+    from bench.bench import main as bench_main
+    from conftest import run_main, run_script
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"import os\nx = {i}\n"}) + "\n" for i in range(8)))
@@ -427,7 +431,7 @@ def test_killed_bench_resumes_to_the_same_numbers(tiny_testbed, tiny_heads, tmp_
     assert not out.exists() and journal.exists(), "the benchmark finished before it could be killed"
     with open(journal, "a") as f:
         f.write('{"T": "T=0", "prom')  # a line the kill cut short
-    other = run_script("bench/bench.py", *args, "--out", str(out), "--seed", "7", check=False)
+    other = run_main(bench_main, *args, "--out", str(out), "--seed", "7")  # refused before anything runs
     assert other.returncode == 2 and "other settings (seed: 0 there, 7 now)" in other.stderr, other.stderr
     resumed = run_script("bench/bench.py", *args, "--out", str(out))
     assert "[bench] resuming" in resumed.stderr and not journal.exists()

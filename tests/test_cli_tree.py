@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from conftest import run_script
+from conftest import run_main, run_script
 from helpers.cli import spd_generate, spd_generate_main
 
 
@@ -238,5 +238,7 @@ def test_bench_compares_tree_runs_with_the_pipeline(tiny_testbed, tiny_heads, tm
     assert 1 <= results["T=1"]["auto"]["summary"]["mean_width"] <= 8
     assert greedy["pp n=4"]["summary"]["steps_per_token"] == 4.0
     assert 1.0 <= greedy["w4"]["summary"]["mean_tree_size"] <= 1 + 4 * 4
-    bad = run_script("bench/bench.py", "--run", f"tree:{draft}:4:4", "--prompts", str(prompts), check=False)
+    from bench.bench import main as bench_main
+
+    bad = run_main(bench_main, "--run", f"tree:{draft}:4:4", "--prompts", str(prompts))
     assert bad.returncode == 2 and bad.stderr.startswith("error: --run") and "tree:SOURCE:N:W:K" in bad.stderr

@@ -198,11 +198,16 @@ def test_bad_target_or_data_is_one_clear_error(tiny_testbed, tmp_path, args, exp
 
 
 def test_presets_load_and_override(tmp_path):
-    for preset in ("testbed-n4", "testbed-n4-regen", "testbed-n8", "qwen3-8b-n8", "smollm2-n8-text"):
+    for preset in ("testbed-n4", "testbed-n4-regen", "testbed-n8", "qwen3-8b-n8", "smollm2-n8-text", "smollm2-n8-mix"):
         cfg = load_config(
             str(REPO / "configs" / f"{preset}.yaml"), ["output_dir=/tmp/x", "lr=2e-4", "boundaries=[1,2]"]
         )
         assert cfg.output_dir == "/tmp/x" and cfg.lr == 2e-4 and cfg.boundaries == [1, 2]
+    # The serial baseline learns from the published SPD head's data, rows and budget.
+    spd, eagle = (load_config(str(REPO / "configs" / f"smollm2-{p}.yaml"), []) for p in ("n8-mix", "eagle-mix"))
+    assert eagle.variant == "eagle" and eagle.n_stages == 1 and eagle.boundaries is None
+    same = ("data", "eval_data", "max_length", "batch_size", "lr", "warmup_steps", "max_steps", "target_dtype")
+    assert all(getattr(eagle, key) == getattr(spd, key) for key in (*same, "draft_vocab_size", "mixed_precision"))
     no_eval = tmp_path / "no-eval.yaml"
     no_eval.write_text("target: /m/target\ndata: '{target}/../d.jsonl'\neval_data: null\n")
     assert (load_config(str(no_eval), []).data, load_config(str(no_eval), []).eval_data) == ("/m/d.jsonl", None)

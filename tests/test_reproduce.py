@@ -5,12 +5,15 @@ import json
 
 import pytest
 
-from conftest import run_script
+from conftest import run_main, run_script
 
 
 def _reproduce(tiny_testbed, tmp_path, *extra, check=True):
-    return run_script(
-        "bench/reproduce.py",
+    return run_script("bench/reproduce.py", *_args(tiny_testbed, tmp_path, *extra), check=check)
+
+
+def _args(tiny_testbed, tmp_path, *extra):
+    return (
         "--testbed",
         str(tiny_testbed),
         "--stages",
@@ -35,7 +38,6 @@ def _reproduce(tiny_testbed, tmp_path, *extra, check=True):
         "--out",
         str(tmp_path / "out"),
         *extra,
-        check=check,
     )
 
 
@@ -73,7 +75,9 @@ def test_reproduce_trains_what_is_missing_and_writes_the_table(tiny_testbed, tmp
     table = json.loads((tmp_path / "again" / "table.json").read_text())
     assert "--batch 2" in table["bench_command"] and len(table["rows"]) == 9
     assert all(row["T=0"]["identical_to_ar"] == 2 for row in table["rows"])
-    bad = _reproduce(tiny_testbed, tmp_path, "--stages", "9", check=False)
+    from bench.reproduce import main
+
+    bad = run_main(main, *_args(tiny_testbed, tmp_path, "--stages", "9"))  # refused before anything runs
     assert (
         bad.returncode == 2 and bad.stderr.strip() == "error: --stages [9] must be between 1 and the target's 8 layers"
     )

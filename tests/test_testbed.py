@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from spd.testbed import ModelSpec, build_testbed, stdlib_dir, stdlib_source_files
 from spd.testbed import TestbedConfig as Config
 
-from conftest import REPO, run_script
+from conftest import REPO, run_main, run_script
 
 
 def test_miniature_build_writes_loadable_models(tiny_testbed):
@@ -117,7 +117,9 @@ def test_stdlib_files_exclude_tests():
 
 
 def test_bad_budget_is_a_clear_error():
-    proc = run_script("data/build_testbed.py", "--out", "/tmp/unused", "--minutes", "0", check=False)
+    from data.build_testbed import main
+
+    proc = run_main(main, "--out", "/tmp/unused", "--minutes", "0")
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "--minutes" in proc.stderr
 

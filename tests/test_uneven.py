@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import run_script, tiny_model
+from helpers.cli import spd_generate_main
 from spd.training.distill import DistillConfig, new_head
 from spd.decoding.engine import Engine
 from spd.errors import SpdInputError
@@ -84,7 +85,7 @@ def test_cli_and_bench_take_boundaries(tmp_path):
     )
     assert pp["token_ids"] == spd["token_ids"] == ar["token_ids"]
     assert pp["stats"]["stages"] == spd["stats"]["stages"] == 4
-    bad = run_script("spd/cli/generate.py", *common, "--mode", "pp", "--stages", "4", check=False)
+    bad = spd_generate_main(*common, "--mode", "pp", "--stages", "4")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: 4 stages do not divide")
 
 
