@@ -227,35 +227,14 @@ def _open_distributed(
 ) -> Pipeline:
     """Rank 0 here, the stage processes of this machine spawned now, the other machines' stages awaited at
     ``--stage-addr`` (spd/runtime/join.py); a 2-token warm-up request proves the pipeline works."""
-    from ..runtime.handshake import check_same_job, job_identity
-    from ..runtime.join import StageJob, parse_address, publish_job
-    from ..runtime.loading import load_partial
-    from ..runtime.protocol import PipelineLost, RuntimeConfig
-    from ..runtime.remote import RemoteStages
-    from ..runtime.world import bound_store, free_port, is_loopback, loopback_interface, route_interface
     from ..heads.loading import load_speculator
+    from ..runtime.join import StageJob, publish_job
+    from ..runtime.loading import load_partial
+    from ..runtime.protocol import RuntimeConfig
+    from ..runtime.world import bound_store
     from ..target.staging import check_device
 
-    if spec.mode not in ("spd", "pp", "tree"):
-        raise SpdInputError(f"--runtime distributed runs --mode spd, pp or tree, not '{spec.mode}'")
-    local = n if spec.local_stages is None else spec.local_stages
-    if not 0 <= local <= n:
-        raise SpdInputError(f"--local-stages must be in 0..{n} (the pipeline has {n} stages), got {local}")
-    if local < n and spec.stage_addr is None:
-        raise SpdInputError(
-            f"stages {local + 1}..{n} run on other machines, which join at this machine's address "
-            "on the stage network: pass --stage-addr ADDR[:PORT]"
-        )
-    if spec.stage_addr is not None:
-        host, port = parse_address(spec.stage_addr)
-        if is_loopback(host):
-            raise SpdInputError(
-                f"--stage-addr {spec.stage_addr} is a loopback address, which the other machines "
-                "cannot reach; give this machine's address on the stage network"
-            )
-        interface = route_interface(host)
-    else:
-        host, port, interface = "127.0.0.1", free_port(), loopback_interface()
+    local, host, port, interface = _stage_network(spec, n)
     backend = "nccl" if check_device(spec.device).type == "cuda" else "gloo"
     config = RuntimeConfig(
         backend=backend,
@@ -297,6 +276,55 @@ def _open_distributed(
             file=sys.stderr,
             flush=True,
         )
+
+    def pipeline_over(control, procs) -> Pipeline:
+        """Rank 0's pipeline over the joined stages, once they are proved to run this very job."""
+        from ..runtime.handshake import check_same_job, job_identity
+        from ..runtime.remote import RemoteStages
+
+        check_same_job(job_identity(spec.target, spec.revision, staged, dtype, config), control)
+        remote = RemoteStages(staged, config, control)
+        engine = _engine(spec, staged, head, tokenizer, dtype, remote)
+        return Pipeline(spec, engine, staged, tokenizer, n, remote, procs)
+
+    return _start_stages(spec, job, store, (host, port), local, timeout, pipeline_over)
+
+
+def _stage_network(spec: PipelineSpec, n: int) -> tuple[int, str, int, str | None]:
+    """How many stages run on this machine, and the address (host, port) and network interface the stages meet
+    on: ``--stage-addr``'s when other machines join, else a free loopback port. Wrong settings are one error."""
+    from ..runtime.join import parse_address
+    from ..runtime.world import free_port, is_loopback, loopback_interface, route_interface
+
+    if spec.mode not in ("spd", "pp", "tree"):
+        raise SpdInputError(f"--runtime distributed runs --mode spd, pp or tree, not '{spec.mode}'")
+    local = n if spec.local_stages is None else spec.local_stages
+    if not 0 <= local <= n:
+        raise SpdInputError(f"--local-stages must be in 0..{n} (the pipeline has {n} stages), got {local}")
+    if local < n and spec.stage_addr is None:
+        raise SpdInputError(
+            f"stages {local + 1}..{n} run on other machines, which join at this machine's address "
+            "on the stage network: pass --stage-addr ADDR[:PORT]"
+        )
+    if spec.stage_addr is None:
+        return local, "127.0.0.1", free_port(), loopback_interface()
+    host, port = parse_address(spec.stage_addr)
+    if is_loopback(host):
+        raise SpdInputError(
+            f"--stage-addr {spec.stage_addr} is a loopback address, which the other machines "
+            "cannot reach; give this machine's address on the stage network"
+        )
+    return local, host, port, route_interface(host)
+
+
+def _start_stages(spec: PipelineSpec, job, store, address: tuple[str, int], local: int, timeout, pipeline_over):
+    """Spawn this machine's stage processes (ranks 1..``local``), wait for every stage to join, build the pipeline
+    with ``pipeline_over(control, procs)`` and prove it with a 2-token request. A stage that dies or never joins is
+    one error, and no stage process outlives a failed start."""
+    from ..runtime.protocol import PipelineLost
+
+    host, port = address
+    n = job.stages
     cmd = job.stage_command(spec.target, spec.revision)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     procs: list[subprocess.Popen] = []
@@ -310,12 +338,8 @@ def _open_distributed(
                     stdout=subprocess.DEVNULL,
                 )
             )
-        control = _join(procs, store, n, backend, timeout, spec.join_timeout_s)
-        check_same_job(job_identity(spec.target, spec.revision, staged, dtype, config), control)
-        remote = RemoteStages(staged, config, control)
-        pipeline = Pipeline(
-            spec, _engine(spec, staged, head, tokenizer, dtype, remote), staged, tokenizer, n, remote, procs
-        )
+        control = _join(procs, store, n, job.backend, timeout, spec.join_timeout_s)
+        pipeline = pipeline_over(control, procs)
         pipeline.generate([0], 2, lambda token, accepted: None)
         return pipeline
     except (PipelineLost, RuntimeError) as exc:
