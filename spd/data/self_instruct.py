@@ -144,6 +144,25 @@ def _verdict(text: str, finished: bool, seen: set[str], benchmarks: BenchmarkFil
     return None
 
 
+def _check_sampling(topic: str, count: int, batch_size: int, max_new_tokens: int, temperature: float, top_p: float):
+    if topic not in TOPICS:
+        raise SpdInputError(f"unknown topic '{topic}'; expected one of {', '.join(TOPICS)}")
+    if count < 1 or batch_size < 1 or max_new_tokens < 1:
+        raise SpdInputError(
+            f"count, batch size and max new tokens must be positive, got {count}, {batch_size} and {max_new_tokens}"
+        )
+    if not (0 < temperature < float("inf") and 0 < top_p <= 1):
+        raise SpdInputError(f"temperature must be positive and top_p in (0, 1], got {temperature} and {top_p}")
+
+
+def _kept(out: Path) -> set[str]:
+    """The requests ``out`` keeps already (normalised): a new sample equal to one of them is a duplicate."""
+    if not out.exists():
+        return set()
+    rows = (json.loads(line) for line in out.read_text(encoding="utf-8").splitlines())
+    return {_normal(row["prompt"]) for row in rows if row.get("keep")}
+
+
 @torch.no_grad()
 def write_instructions(
     model,
@@ -162,23 +181,11 @@ def write_instructions(
     """Sample ``count`` requests of ``topic`` (a key of :data:`TOPICS`) into ``out``; return statistics."""
     from tqdm import tqdm
 
-    if topic not in TOPICS:
-        raise SpdInputError(f"unknown topic '{topic}'; expected one of {', '.join(TOPICS)}")
-    if count < 1 or batch_size < 1 or max_new_tokens < 1:
-        raise SpdInputError(
-            f"count, batch size and max new tokens must be positive, got {count}, {batch_size} and {max_new_tokens}"
-        )
-    if not (0 < temperature < float("inf") and 0 < top_p <= 1):
-        raise SpdInputError(f"temperature must be positive and top_p in (0, 1], got {temperature} and {top_p}")
+    _check_sampling(topic, count, batch_size, max_new_tokens, temperature, top_p)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = read_done(out)
-    seen = set()
-    if out.exists():
-        for line in out.read_text(encoding="utf-8").splitlines():
-            row = json.loads(line)
-            if row.get("keep"):
-                seen.add(_normal(row["prompt"]))
+    seen = _kept(out)
     prefix = user_turn_ids(tokenizer, TOPICS[topic])
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos])
