@@ -178,42 +178,7 @@ def capture(
             "the rest of the capture",
         )
     else:
-        out.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(out)
-        free = shutil.disk_usage(out).free
-        report(
-            f"[capture] {len(lengths)} rows, {total_tokens} tokens, {len(shards)} shards, states {states} in "
-            f"{settings.dtype}, teacher {settings.teacher}: needs {need / 2**30:.2f} GiB on disk "
-            f"({free / 2**30:.1f} GiB free)"
-        )
-        _check_free(out, need, "the capture")
-        teacher = {
-            "norm_scale": staged.norm_scale().to(dtype).contiguous(),
-            "lm_head": staged.lm_head.weight.detach().to(dtype).contiguous(),
-        }
-        with atomic_path(out / TEACHER_FILE) as tmp:
-            save_file(teacher, str(tmp))
-        if tokens is not None:
-            write_json_atomic(out / TOKENS_FILE, tokens)
-        config = staged.config.to_dict()
-        manifest = {
-            "format": FORMAT,
-            "settings": asdict(settings),
-            "target_config": config,
-            "num_layers": num_layers,
-            "hidden_size": hidden_size,
-            "vocab_size": staged.vocab_size,
-            "norm_eps": staged.norm_eps,
-            "pad_id": pad_id,
-            "states": states,
-            "source": source or {},
-            "rows": len(lengths),
-            "tokens": total_tokens,
-            "bytes": need,
-            "shards": [],
-            "complete": False,
-        }
-        write_json_atomic(manifest_path, manifest)
+        manifest = _begin(out, staged, settings, lengths, len(shards), need, pad_id, source, tokens, report)
 
     for index in range(len(manifest["shards"]), len(shards)):
         start, end = shards[index]
@@ -229,6 +194,53 @@ def capture(
     manifest["complete"] = True
     write_json_atomic(manifest_path, manifest)
     report(f"[capture] done: {out} ({sum(p.stat().st_size for p in out.iterdir()) / 2**30:.2f} GiB)")
+    return manifest
+
+
+def _begin(out: Path, staged, settings, lengths, shard_count, need, pad_id, source, tokens, report) -> dict:
+    """A new capture in ``out``: the disk checked, the teacher (and the token strings) written, and a manifest with
+    no shard yet; returns the manifest."""
+    from safetensors.torch import save_file
+
+    dtype = _DTYPES[settings.dtype]
+    states = stored_states(settings, staged.num_layers)
+    total_tokens = sum(lengths)
+    out.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(out)
+    free = shutil.disk_usage(out).free
+    report(
+        f"[capture] {len(lengths)} rows, {total_tokens} tokens, {shard_count} shards, states {states} in "
+        f"{settings.dtype}, teacher {settings.teacher}: needs {need / 2**30:.2f} GiB on disk "
+        f"({free / 2**30:.1f} GiB free)"
+    )
+    _check_free(out, need, "the capture")
+    teacher = {
+        "norm_scale": staged.norm_scale().to(dtype).contiguous(),
+        "lm_head": staged.lm_head.weight.detach().to(dtype).contiguous(),
+    }
+    with atomic_path(out / TEACHER_FILE) as tmp:
+        save_file(teacher, str(tmp))
+    if tokens is not None:
+        write_json_atomic(out / TOKENS_FILE, tokens)
+    config = staged.config.to_dict()
+    manifest = {
+        "format": FORMAT,
+        "settings": asdict(settings),
+        "target_config": config,
+        "num_layers": staged.num_layers,
+        "hidden_size": staged.config.hidden_size,
+        "vocab_size": staged.vocab_size,
+        "norm_eps": staged.norm_eps,
+        "pad_id": pad_id,
+        "states": states,
+        "source": source or {},
+        "rows": len(lengths),
+        "tokens": total_tokens,
+        "bytes": need,
+        "shards": [],
+        "complete": False,
+    }
+    write_json_atomic(out / MANIFEST, manifest)
     return manifest
 
 
