@@ -294,50 +294,10 @@ def run_distributed(args, prompt: str | list[int]) -> int:
     import os
     import subprocess
 
-    check_model_source(args.target, "target")
-    if args.draft_model is not None:
-        check_model_source(args.draft_model, "draft model")
-    stages = args.stages
-    if args.boundaries:  # the cut decides the world size; checked against the target's layers here
-        from spd.target.staging import split_layers, target_num_layers
-
-        num_layers = target_num_layers(args.target, args.revision)
-        stages = len(split_layers(num_layers, stages, args.boundaries)) - 1
-    if args.speculator is not None:
-        from spd.heads.loading import speculator_stages
-
-        head_stages = speculator_stages(args.speculator, args.speculator_revision)
-        stages = stages or head_stages
-        if head_stages != stages:
-            raise SpdInputError(
-                f"the speculator does not fit this target: it was trained for n = "
-                f"{head_stages} stages but the pipeline has {stages}"
-            )
-    stages = stages or 1
     from spd.runtime.world import free_port, local_world_env
 
-    spec = DecodingSpec.of(args, stages=stages)
-    cmd = [
-        sys.executable,
-        "-m",
-        "spd.cli.run_pipeline",
-        "--mode",
-        args.mode,
-        *spec.argv(RUNTIME_FLAGS),
-        *(["--prompt-ids", ",".join(map(str, prompt))] if isinstance(prompt, list) else ["--prompt", prompt]),
-        "--max-new-tokens",
-        str(args.max_new_tokens),
-        "--temperature",
-        str(args.temperature),
-        "--top-k",
-        str(args.top_k),
-        "--top-p",
-        str(args.top_p),
-    ]
-    cmd += ["--seed", str(args.seed)] if args.seed is not None else []
-    cmd += ["--chat"] if args.chat else []
-    cmd += ["--json"] if args.json else []
-    cmd += ["--show-acceptance"] if args.show_acceptance else []
+    stages = _world_stages(args)
+    cmd = _rank_command(args, prompt, stages)
     # One process per rank, started here rather than by torchrun: rank 0 then serves the rendezvous store on
     # loopback only (torchrun's agent store listens on every interface), and gloo binds to loopback too.
     env = {
@@ -379,6 +339,58 @@ def run_distributed(args, prompt: str | list[int]) -> int:
         if line.startswith("["):
             print(line, file=sys.stderr)
     return 0
+
+
+def _world_stages(args) -> int:
+    """The pipeline's stage count, checked here before any process starts: the cut's (against the target's layers),
+    else --stages, else the head's; a head made for another n is one error."""
+    check_model_source(args.target, "target")
+    if args.draft_model is not None:
+        check_model_source(args.draft_model, "draft model")
+    stages = args.stages
+    if args.boundaries:  # the cut decides the world size; checked against the target's layers here
+        from spd.target.staging import split_layers, target_num_layers
+
+        num_layers = target_num_layers(args.target, args.revision)
+        stages = len(split_layers(num_layers, stages, args.boundaries)) - 1
+    if args.speculator is not None:
+        from spd.heads.loading import speculator_stages
+
+        head_stages = speculator_stages(args.speculator, args.speculator_revision)
+        stages = stages or head_stages
+        if head_stages != stages:
+            raise SpdInputError(
+                f"the speculator does not fit this target: it was trained for n = "
+                f"{head_stages} stages but the pipeline has {stages}"
+            )
+    return stages or 1
+
+
+def _rank_command(args, prompt: str | list[int], stages: int) -> list[str]:
+    """The command line every rank runs (spd/cli/run_pipeline.py), the decoding flags derived from DecodingSpec."""
+    spec = DecodingSpec.of(args, stages=stages)
+    cmd = [
+        sys.executable,
+        "-m",
+        "spd.cli.run_pipeline",
+        "--mode",
+        args.mode,
+        *spec.argv(RUNTIME_FLAGS),
+        *(["--prompt-ids", ",".join(map(str, prompt))] if isinstance(prompt, list) else ["--prompt", prompt]),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--temperature",
+        str(args.temperature),
+        "--top-k",
+        str(args.top_k),
+        "--top-p",
+        str(args.top_p),
+    ]
+    cmd += ["--seed", str(args.seed)] if args.seed is not None else []
+    cmd += ["--chat"] if args.chat else []
+    cmd += ["--json"] if args.json else []
+    cmd += ["--show-acceptance"] if args.show_acceptance else []
+    return cmd
 
 
 def _collect_stderr(procs, grace_s: float) -> list[str]:
