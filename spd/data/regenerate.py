@@ -73,6 +73,25 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
 
 
 @torch.no_grad()
+def _left_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows padded on the left to the longest, and their attention mask."""
+    width = max(len(ids) for ids in rows)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, ids in enumerate(rows):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        attention[row, width - len(ids) :] = 1
+    return input_ids, attention
+
+
+def _answer_row(prompt: dict, reply: str, chat: bool) -> dict:
+    """The row written for one answer: a conversation (``chat``) or the prompt's text continued."""
+    if not chat:
+        return {"id": prompt["id"], "text": prompt["prompt"] + reply}
+    messages = [{"role": "user", "content": prompt["prompt"]}, {"role": "assistant", "content": reply}]
+    return {"id": prompt["id"], "messages": messages}
+
+
 def regenerate(
     model,
     tokenizer,
@@ -111,12 +130,8 @@ def regenerate(
     with open(out, "a", encoding="utf-8") as f:
         for first in range(0, len(todo), batch_size):
             batch = todo[first : first + batch_size]
-            width = max(len(ids) for _, ids in batch)
-            input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            attention = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, (_, ids) in enumerate(batch):  # left padding: every row's answer starts at `width`
-                input_ids[row, width - len(ids) :] = torch.tensor(ids)
-                attention[row, width - len(ids) :] = 1
+            input_ids, attention = _left_padded([ids for _, ids in batch], pad)
+            width = input_ids.shape[1]  # every row's answer starts here
             torch.manual_seed(seed + first)
             generated = model.generate(
                 input_ids=input_ids.to(device),
@@ -132,18 +147,7 @@ def regenerate(
                 stop = next((i for i, t in enumerate(ids) if t in eos_ids), None)
                 answer = ids if stop is None else ids[:stop]
                 new_tokens += len(answer)
-                reply = tokenizer.decode(answer, skip_special_tokens=True)
-                row = (
-                    {
-                        "id": prompt["id"],
-                        "messages": [
-                            {"role": "user", "content": prompt["prompt"]},
-                            {"role": "assistant", "content": reply},
-                        ],
-                    }
-                    if chat
-                    else {"id": prompt["id"], "text": prompt["prompt"] + reply}
-                )
+                row = _answer_row(prompt, tokenizer.decode(answer, skip_special_tokens=True), chat)
                 row.update(finish_reason="length" if stop is None else "stop", new_tokens=len(answer))
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
             f.flush()
