@@ -141,29 +141,7 @@ def serve(args) -> int:
     decoding = DecodingSpec.of(args)
     args.mode = decoding.mode  # the default follows --speculator and --draft-model
     decoding.check()
-    if not 0 <= args.port < 65536:
-        raise SpdInputError(f"--port must be in 0..65535, got {args.port}")
-    if args.idle_ping_s is not None and args.runtime == "distributed" and args.idle_ping_s >= args.timeout_s:
-        raise SpdInputError(
-            f"--idle-ping-s ({args.idle_ping_s:g}) must be less than --timeout-s "
-            f"({args.timeout_s:g}), or idle stages time out between pings"
-        )
-    if args.runtime != "distributed" and (args.local_stages is not None or args.stage_addr is not None):
-        raise SpdInputError(
-            "--local-stages and --stage-addr place stages on other machines; they need --runtime distributed"
-        )
-    from spd.serving.pipeline import check_batching
-
-    check_batching(args.max_batch, args.runtime, args.mode)  # before the model loads
-    if args.kv_rows is not None and args.max_batch == 1:
-        raise SpdInputError("--kv-rows sizes the KV pool of a batched server; it needs --max-batch above 1")
-    check_prefill_flags(args, "server")
-    api_key = args.api_key if args.api_key is not None else os.environ.get("SPD_API_KEY") or None
-    if api_key is not None and not api_key.strip():
-        raise SpdInputError(
-            "the API key (--api-key or SPD_API_KEY) is empty; expected a key clients will send as "
-            "'Authorization: Bearer KEY'"
-        )
+    api_key = _check_server_flags(args)
     try:
         import uvicorn
 
@@ -227,6 +205,34 @@ def serve(args) -> int:
     finally:
         scheduler.stop()
     return 0
+
+
+def _check_server_flags(args) -> str | None:
+    """The server's own flags checked before anything loads (one error each); returns the API key, if any."""
+    if not 0 <= args.port < 65536:
+        raise SpdInputError(f"--port must be in 0..65535, got {args.port}")
+    if args.idle_ping_s is not None and args.runtime == "distributed" and args.idle_ping_s >= args.timeout_s:
+        raise SpdInputError(
+            f"--idle-ping-s ({args.idle_ping_s:g}) must be less than --timeout-s "
+            f"({args.timeout_s:g}), or idle stages time out between pings"
+        )
+    if args.runtime != "distributed" and (args.local_stages is not None or args.stage_addr is not None):
+        raise SpdInputError(
+            "--local-stages and --stage-addr place stages on other machines; they need --runtime distributed"
+        )
+    from spd.serving.pipeline import check_batching
+
+    check_batching(args.max_batch, args.runtime, args.mode)  # before the model loads
+    if args.kv_rows is not None and args.max_batch == 1:
+        raise SpdInputError("--kv-rows sizes the KV pool of a batched server; it needs --max-batch above 1")
+    check_prefill_flags(args, "server")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("SPD_API_KEY") or None
+    if api_key is not None and not api_key.strip():
+        raise SpdInputError(
+            "the API key (--api-key or SPD_API_KEY) is empty; expected a key clients will send as "
+            "'Authorization: Bearer KEY'"
+        )
+    return api_key
 
 
 def _max_model_len(args, pipeline) -> int:
