@@ -499,30 +499,7 @@ class Speculator(PreTrainedModel):
         width = max(lengths)
         mask_B11K = (torch.arange(width)[None] < length_B[:, None]).to(dev)[:, None, None]
         cos_q, sin_q = self.rope((length_B - 1)[:, None].to(dev), dtype)
-        # Trailing rows by depth: their features, and where their keys go (query row, key slot). Without per-depth
-        # memory projections a row's key and value do not depend on its depth: every trailing row is one group.
-        by_depth: dict[int, tuple[list, list, list]] = {}
-        first = 0
-        for cache, rows, size in zip(caches, trailing, sizes):
-            rows_B = torch.arange(first, first + size)
-            for j, (depth, g_LD) in enumerate(rows):
-                gs, bs, slots = by_depth.setdefault(depth if cfg.memory_proj else cfg.max_depth, ([], [], []))
-                gs.append(g_LD)
-                bs.append(rows_B)
-                slots.append(torch.full((size,), cache.length + j))
-            first += size
-        groups = []
-        for depth, (gs, bs, slots) in by_depth.items():
-            slot_M = torch.cat(slots)
-            groups.append(
-                (
-                    depth,
-                    torch.cat(gs)[:, None],
-                    torch.cat(bs).to(dev),
-                    slot_M.to(dev),
-                    self.rope(slot_M[:, None].to(dev), dtype),
-                )
-            )
+        groups = self._trailing_groups(caches, trailing, sizes, dev, dtype)
         # The cached rows: every query row gets its request's cached keys and values in its first slots
         # (``cached_rows``, ``cached_slots``). Each layer lays every request's cached rows out one request after
         # another; ``pick`` repeats a request's for each of its query rows (None: every request has one query row).
@@ -560,6 +537,28 @@ class Speculator(PreTrainedModel):
                 )
                 h_B1D = layer.finish(h_B1D, attn)
         return h_B1D[:, 0]
+
+    def _trailing_groups(self, caches, trailing, sizes: list[int], dev, dtype) -> list[tuple]:
+        """:meth:`query_many`'s trailing rows by depth: per group ``(depth, features (M, 1, D), query row (M,), key
+        slot (M,), rope (cos, sin))``. Without per-depth memory projections a row's key and value do not depend on
+        its depth: every trailing row is one group."""
+        cfg = self.config
+        by_depth: dict[int, tuple[list, list, list]] = {}
+        first = 0
+        for cache, rows, size in zip(caches, trailing, sizes):
+            rows_B = torch.arange(first, first + size)
+            for j, (depth, g_LD) in enumerate(rows):
+                gs, bs, slots = by_depth.setdefault(depth if cfg.memory_proj else cfg.max_depth, ([], [], []))
+                gs.append(g_LD)
+                bs.append(rows_B)
+                slots.append(torch.full((size,), cache.length + j))
+            first += size
+        groups = []
+        for depth, (gs, bs, slots) in by_depth.items():
+            slot_M = torch.cat(slots)
+            rope = self.rope(slot_M[:, None].to(dev), dtype)
+            groups.append((depth, torch.cat(gs)[:, None], torch.cat(bs).to(dev), slot_M.to(dev), rope))
+        return groups
 
     def _query_pool(
         self,
