@@ -147,7 +147,7 @@ def train(cfg: DistillConfig, resume: bool) -> dict:
 
 class Trainer:
     """One training run (see :func:`train`): the accelerator, the target and data, the head and its optimizer, and
-        the position the run has reached (step, batches done, minutes before a resume), and every evaluation so far with
+    the position the run has reached (step, batches done, minutes before a resume), and every evaluation so far with
     the supervised tokens seen by then (``evals``: a data curve from one run, kept across resumes)."""
 
     def __init__(self, cfg: DistillConfig, resume: bool, log_with: list[str]):
