@@ -181,6 +181,7 @@ def _bad_input(tiny_testbed, tmp_path, args, expected, in_process):
         (["max_steps=ten"], "bad value for max_steps"),
         (["variant=medusa"], "variant must be one of"),
         (["eval_steps=[0, 5]"], "eval_steps must be a list of steps of at least 1"),
+        (["threads=0"], "threads must be at least 1"),
         (["--config", "/no/such.yaml"], "config file"),
     ],
 )
@@ -208,6 +209,10 @@ def test_presets_load_and_override(tmp_path):
     assert eagle.variant == "eagle" and eagle.n_stages == 1 and eagle.boundaries is None
     same = ("data", "eval_data", "max_length", "batch_size", "lr", "warmup_steps", "max_steps", "target_dtype")
     assert all(getattr(eagle, key) == getattr(spd, key) for key in (*same, "draft_vocab_size", "mixed_precision"))
+    # The one-epoch run is the published head's recipe over the whole mixture, evaluated along the way.
+    epoch = load_config(str(REPO / "configs" / "smollm2-n8-epoch.yaml"), [])
+    assert epoch.max_steps is None and epoch.epochs == 1 and epoch.eval_steps and epoch.save_every
+    assert all(getattr(epoch, key) == getattr(spd, key) for key in (*set(same) - {"max_steps"}, "boundaries"))
     no_eval = tmp_path / "no-eval.yaml"
     no_eval.write_text("target: /m/target\ndata: '{target}/../d.jsonl'\neval_data: null\n")
     assert (load_config(str(no_eval), []).data, load_config(str(no_eval), []).eval_data) == ("/m/d.jsonl", None)
@@ -215,6 +220,32 @@ def test_presets_load_and_override(tmp_path):
     bad.write_text("n_stages: 4\nlearning_rate: 1\n")
     with pytest.raises(SpdInputError, match="learning_rate"):
         load_config(str(bad), [])
+
+
+def test_cpu_training_threads(monkeypatch):
+    """accelerate launch's OMP_NUM_THREADS=1 default gives way to the machine's cores shared among its processes;
+    any other setting, a run not started by accelerate, a GPU and an explicit threads=N are kept."""
+    import psutil
+
+    from spd.training.backends import cpu_threads
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5}, raising=False)
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 6 if logical else 4)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    assert cpu_threads(None, cpu) is None and cpu_threads(3, cpu) == 3  # python train/distill.py: OMP_NUM_THREADS
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    assert cpu_threads(None, cpu) == 4  # the physical cores, not the 6 logical ones
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert cpu_threads(None, cpu) == 1 and cpu_threads(2, cpu) == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert cpu_threads(None, cpu) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert cpu_threads(None, cpu) is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert cpu_threads(None, gpu) is None and cpu_threads(5, gpu) == 5
 
 
 def test_head_must_fit_the_target():

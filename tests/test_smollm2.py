@@ -159,6 +159,7 @@ def test_trained_head_every_mode_equals_ar(smollm2, target, tmp_path):
             "eval_rows=2",
             "save_every=0",
             "warmup_steps=1",
+            "threads=1",  # the suite's workers share the cores
             f"output_dir={run}",
             f"cache_dir={tmp_path / 'cache'}",
         ],

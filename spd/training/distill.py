@@ -83,6 +83,9 @@ class DistillConfig:
     # AMX, bf16 with mixed_precision=bf16 makes a SmolLM2 step 2.2x faster (docs/smollm2.md, training at scale).
     target_dtype: str = "auto"
     seed: int = 0
+    # intra-op threads per process on a CPU; None: the machine's cores divided among its processes under
+    # `accelerate launch` (which would leave 1), else OMP_NUM_THREADS (spd/training/backends.py:cpu_threads)
+    threads: int | None = None
     # evaluation, logging, checkpoints
     eval_every: int = 200  # optimizer steps (0 = only at the end)
     eval_steps: list[int] | None = None  # evaluate at these steps as well (e.g. [25, 50, 100]: points of a data curve)
@@ -126,6 +129,8 @@ class DistillConfig:
                 raise SpdInputError(f"{name} must be a positive finite number, got {value}")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise SpdInputError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if self.threads is not None and (isinstance(self.threads, bool) or self.threads < 1):
+            raise SpdInputError(f"threads must be at least 1 (or unset), got {self.threads}")
         if self.max_minutes is not None and not (math.isfinite(self.max_minutes) and self.max_minutes > 0):
             raise SpdInputError(f"max_minutes must be a positive finite number, got {self.max_minutes}")
         for name in ("warmup_steps", "eval_every", "save_every"):

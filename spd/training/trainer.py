@@ -23,6 +23,7 @@ import torch
 
 from ..errors import SpdInputError, first_line
 from ..target.precision import warn_if_slow
+from .backends import cpu_threads
 from .distill import (
     DistillConfig,
     clean_checkpoints,
@@ -156,6 +157,10 @@ class Trainer:
         self.accelerator = self._accelerator(cfg, log_with)
         self.main = self.accelerator.is_main_process
         self.say = self.accelerator.print
+        threads = cpu_threads(cfg.threads, self.accelerator.device)
+        if threads is not None and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+            self.say(f"[threads] {threads} intra-op thread(s) per process (threads=N sets it)")
         set_seed(cfg.seed)
         self.out = Path(cfg.output_dir)
         if self.main:
