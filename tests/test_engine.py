@@ -306,6 +306,29 @@ def test_generate_api_modes_and_streamer():
         assert key in stats
 
 
+def test_the_mode_asked_for_is_the_engine_s_default(tiny_testbed, tiny_heads):
+    """Engine.from_pretrained and Engine.chain keep an explicit chain mode (pp with a head runs pp by default); spd
+    without a head, or a draft model in a chain, is refused; a fixed width of one is a chain."""
+    from spd.decoding.tree_width import FixedWidth
+
+    target, head = str(tiny_testbed / "target"), str(tiny_heads[4])
+    assert Engine.from_pretrained(target, head).mode == "spd"
+    pp = Engine.from_pretrained(target, head, mode="pp")
+    assert pp.mode == "pp" and pp.proposer is not None
+    assert pp.generate([5, 6, 7], max_new_tokens=6).stats.mode == "pp"
+    assert pp.generate([5, 6, 7], max_new_tokens=6, mode="spd").stats.mode == "spd"  # its head, asked for
+    assert Engine.chain(pp.staged, pp.proposer.head, mode="pp").mode == "pp"
+    for kwargs, message in (
+        ({"mode": "spd"}, "mode 'spd' needs a speculation head"),
+        ({"mode": "pp", "draft_model": str(tiny_testbed / "draft")}, "a draft model proposes in mode 'tree'"),
+    ):
+        with pytest.raises(SpdInputError, match=message):
+            Engine.from_pretrained(target, **kwargs)
+    with pytest.raises(SpdInputError, match="mode 'spd' needs a speculation head"):
+        Engine(pp.staged, None, mode="spd")
+    assert Engine(pp.staged, pp.proposer, FixedWidth(1, 1)).mode == "spd"
+
+
 # ------------------------------------------------------------------------------ token acceptance
 
 

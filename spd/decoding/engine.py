@@ -85,9 +85,12 @@ class Engine(Generates):
         *,
         mode: str | None = None,
     ):
-        mode = mode or ("tree" if width != 1 else "spd" if proposer is not None else "pp")
+        one_wide = width == 1 or (isinstance(width, FixedWidth) and width.max_width == width.max_children == 1)
+        mode = mode or ("tree" if not one_wide else "spd" if proposer is not None else "pp")
         if mode not in ("spd", "pp", "tree"):
             raise SpdInputError(f"unknown engine mode '{mode}'; expected one of: spd, pp, tree")
+        if mode == "spd" and proposer is None:
+            raise SpdInputError("mode 'spd' needs a speculation head; pass a speculator or use mode 'pp'")
         if candidates not in CANDIDATES:
             raise SpdInputError(f"unknown tree candidate rule '{candidates}'; expected one of: {', '.join(CANDIDATES)}")
         if mode == "tree":
@@ -104,7 +107,7 @@ class Engine(Generates):
                     "stage n) has no tree semantics; run it with --mode spd (or a tree width of 1)"
                 )
         else:
-            if width != 1:
+            if not one_wide:
                 raise SpdInputError(f"mode '{mode}' is a chain (width 1), got width {width!r}; use mode 'tree'")
             policy = FixedWidth(1, 1)
         self.staged, self.proposer, self.tokenizer, self.mode, self.candidates = (
@@ -124,9 +127,12 @@ class Engine(Generates):
 
     # ------------------------------------------------------------------------------------ building
     @classmethod
-    def chain(cls, staged: StagedModel, head=None, tokenizer=None, stages: LocalStages | None = None) -> "Engine":
-        """The chain engine with a loaded head (``spd`` and ``pp``) or none (``pp``)."""
-        return cls(staged, chain_proposer(staged, head, tokenizer), tokenizer=tokenizer, stages=stages)
+    def chain(
+        cls, staged: StagedModel, head=None, tokenizer=None, stages: LocalStages | None = None, mode: str | None = None
+    ) -> "Engine":
+        """The chain engine with a loaded head (``spd`` and ``pp``; ``mode``, the default of ``generate``, is
+        ``spd``) or none (``pp``)."""
+        return cls(staged, chain_proposer(staged, head, tokenizer), tokenizer=tokenizer, stages=stages, mode=mode)
 
     @classmethod
     def tree(
@@ -173,6 +179,10 @@ class Engine(Generates):
         mode = mode or ("spd" if speculator else "tree" if draft_model else "pp")
         if mode not in ("spd", "pp", "tree"):
             raise SpdInputError(f"unknown mode '{mode}' for Engine.from_pretrained; expected one of: spd, pp, tree")
+        if mode == "spd" and not speculator:
+            raise SpdInputError("mode 'spd' needs a speculation head; pass a speculator or use mode 'pp'")
+        if draft_model and mode != "tree":
+            raise SpdInputError(f"a draft model proposes in mode 'tree', not '{mode}' (--mode sd is spd-generate's)")
         stages, boundaries = pipeline_cut(stages, boundaries, speculator, speculator_revision, target, revision)
         staged = StagedModel.from_pretrained(
             target, n_stages=stages, boundaries=boundaries, revision=revision, dtype=dtype, device=device
@@ -180,7 +190,7 @@ class Engine(Generates):
         tok = load_target_tokenizer(target, revision, tokenizer)
         head = load_speculator(speculator, speculator_revision, dtype, device, target=staged) if speculator else None
         if mode != "tree":
-            return cls.chain(staged, head, tok)
+            return cls.chain(staged, head, tok, mode=mode)
         return cls.tree(
             staged, tree_proposer(staged, head, tok, draft_model, draft_revision, children, dtype, device), width, tok
         )
