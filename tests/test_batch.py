@@ -145,6 +145,12 @@ def test_sixteen_mixed_requests_each_get_their_own_answer(target_model):
     print(f"{near_ties} near-tie difference(s)")
 
 
+def test_a_batch_without_a_head_runs_pp_by_default(target_model):
+    staged = StagedModel(target_model, 4)
+    (out,) = BatchedPipeline(Engine.chain(staged)).generate([_prompt(3)], 12)
+    assert out.stats.mode == "pp" and out.token_ids == generate_ar(staged, _prompt(3), 12).token_ids
+
+
 def test_pp_and_spd_share_a_batch(target_model):
     """The standard pipeline and SPD requests in one batch, each equal to its solo greedy output."""
     staged = StagedModel(target_model, 4)
@@ -193,6 +199,71 @@ def test_the_head_s_memory_slots_are_taken_and_given_back(target_model):
             differences_are_near_ties(
                 staged, _prompt(i), generate_ar(staged, _prompt(i), 12).token_ids, request.output.token_ids
             )
+
+
+def _fails_once(monkeypatch, owner, name, after: int = 0):
+    """``owner.name`` raises on its call number ``after`` (from 0), and works before and after."""
+    original, calls = getattr(owner, name), [0]
+
+    def flaky(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == after + 1:
+            raise RuntimeError(f"{name} failed")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, flaky)
+    return calls
+
+
+def test_a_stage_call_that_raises_fails_the_requests_in_it_and_the_batch_goes_on(target_model, monkeypatch):
+    """The requests in a step whose stage call raised fail with its error and give their regions and head slots
+    back; the step raises; the next requests run as usual. A request whose admission raises fails alone."""
+    import spd.decoding.batch as batch_module
+
+    staged = StagedModel(target_model, 4)
+    torch.manual_seed(0)
+    engine = Engine.chain(staged, new_head(staged, DistillConfig(n_stages=4)).eval())
+    batched = BatchedPipeline(engine, max_batch=4, kv_rows=1024, prefill_chunk=16)
+    ended = []
+    first = [batched.submit(_prompt(i), 12, on_done=ended.append) for i in range(3)]
+    _fails_once(monkeypatch, batch_module, "run_ragged", after=6)
+    with pytest.raises(RuntimeError, match="run_ragged failed"):
+        batched.run()
+    assert [r.state for r in first] == ["failed"] * 3 and ended == first and not batched.busy
+    assert all("run_ragged failed" in str(r.error) for r in first)
+    assert batched.pool.free_rows == batched.pool.rows and batched.proposer_pool.free == [0, 1, 2, 3]
+    _fails_once(monkeypatch, batched.backend, "open")
+    again = [batched.submit(_prompt(i), 12) for i in range(3)]
+    batched.run()
+    assert again[0].state == "failed" and "open failed" in str(again[0].error)
+    for i, request in list(enumerate(again))[1:]:
+        assert request.state == "done"
+        differences_are_near_ties(
+            staged, _prompt(i), generate_ar(staged, _prompt(i), 12).token_ids, request.output.token_ids
+        )
+    assert batched.pool.free_rows == batched.pool.rows
+
+
+@pytest.mark.parametrize("proposer", ["head", "draft"])
+def test_a_joint_proposal_that_raises_is_asked_again_alone(target_model, monkeypatch, proposer):
+    """When the proposers' joint call raises part-way (the SPD head's memory, as it takes the rows committed since
+    each request's last query; the draft model's LM head, after its ragged call ran the new nodes), each request is
+    asked alone from where it was, and every request equals its solo greedy output."""
+    staged = StagedModel(target_model, 4)
+    if proposer == "head":
+        torch.manual_seed(0)
+        head = new_head(staged, DistillConfig(n_stages=4)).eval()
+        engine = Engine.chain(staged, head)
+        fail_at, calls = 2, _fails_once(monkeypatch, head, "append_memory_many", after=2)
+    else:
+        engine = _tree_engine(target_model, n=4, width=2)
+        fail_at, calls = 12, _fails_once(monkeypatch, engine.proposer.draft, "logits", after=12)
+    outs = BatchedPipeline(engine, max_batch=4, kv_rows=1024, prefill_chunk=16).generate(
+        [_prompt(i) for i in range(4)], 14
+    )
+    assert calls[0] > fail_at + 1  # called again after the failure
+    for i, out in enumerate(outs):
+        differences_are_near_ties(staged, _prompt(i), generate_ar(staged, _prompt(i), 14).token_ids, out.token_ids)
 
 
 class CheckedBatch(BatchedPipeline):

@@ -420,6 +420,54 @@ def test_client_disconnect_cancels_the_generation(spd_server):
 
 
 @pytest.mark.slow
+def test_a_batched_step_that_raises_fails_its_requests_and_the_server_goes_on(tiny_testbed, tiny_heads, monkeypatch):
+    """The engine thread of a batched server, in this process: the requests of a step whose stage call raised get a
+    500 with the error, and the server answers the next ones as usual (it is not down)."""
+    import asyncio
+
+    import spd.decoding.batch as batch_module
+    from spd.serving.metrics import ServerMetrics
+    from spd.serving.pipeline import PipelineSpec, open_pipeline
+    from spd.serving.scheduler import Job, Scheduler
+
+    pipeline = open_pipeline(
+        PipelineSpec(target=str(tiny_testbed / "target"), speculator=str(tiny_heads[4]), mode="spd")
+    )
+    scheduler = Scheduler(pipeline, ServerMetrics("t", "spd", 4, "local"), max_batch=4, idle_s=0.5)
+    original, calls = batch_module.run_ragged, [0]
+
+    def fails_first(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("the stage call failed")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(batch_module, "run_ragged", fails_first)
+
+    async def ask(prompts):
+        loop = asyncio.get_running_loop()
+        jobs = [Job(prompt_ids=p, max_new_tokens=8, sampling={}, stops=[], loop=loop) for p in prompts]
+        for job in jobs:
+            scheduler.submit(job)
+        ends = []
+        for job in jobs:
+            event = await asyncio.wait_for(job.events.get(), 120)
+            while event[0] not in ("done", "error"):
+                event = await asyncio.wait_for(job.events.get(), 120)
+            ends.append(event)
+        return ends
+
+    scheduler.start()
+    try:
+        first = asyncio.run(ask([[5, 6, 7], [8, 9]]))
+        assert first[0][:2] == ("error", 500) and "the stage call failed" in first[0][2]
+        assert all(end[0] in ("done", "error") for end in first)
+        again = asyncio.run(ask([[5, 6, 7], [8, 9], [10]]))
+        assert [end[0] for end in again] == ["done"] * 3 and scheduler.failure() is None
+    finally:
+        scheduler.stop()
+
+
 def test_full_queue_gets_503_with_retry_after(tiny_testbed):
     server = Server("--target", str(tiny_testbed / "target"), "--mode", "pp", "--stages", "4", "--max-queue", "1")
     try:

@@ -33,7 +33,9 @@ tree, width policy, sampling parameters and seed, and its own stage caches: a re
    stage runs once per step. (A node's result does not depend on its siblings, so running a level before or
    after the pruning of its siblings gives the same values.)
 4. Finished requests (EOS, budget, a stop string, a cancel) leave and give their region back; a request whose own
-   work raises fails alone, the others go on.
+   work raises (its admission, its proposer, its verification) fails alone, the others go on; a joint call that
+   raises is asked again request by request. A stage call that raises fails the requests in flight, all of which
+   were in it: each gives its region back, the step raises, and the batch takes new requests.
 
 A batch of one runs exactly the single-request engine's loop; the ragged call of one segment is the stage call of
 one request (a tree level that runs before its verification runs unpruned: the same values up to fp32's last
@@ -256,9 +258,9 @@ class BatchedPipeline:
         on_done: Callable[[BatchRequest], None] | None = None,
     ) -> BatchRequest:
         """Queue a request (token ids; no EOS unless given). ``mode``: ``spd`` or ``pp`` on a chain engine (default:
-        spd with a head), ``tree`` on a tree engine. Bad input raises here, with one line; the request then never
-        joins. ``on_token(token, accepted)`` is called for each committed token and may return True to end it;
-        ``on_done(request)`` when it ends."""
+        the engine's mode: spd with a head, pp without), ``tree`` on a tree engine. Bad input raises here, with one
+        line; the request then never joins. ``on_token(token, accepted)`` is called for each committed token and may
+        return True to end it; ``on_done(request)`` when it ends."""
         use_head = self._use_head(mode)
         proposer, stats = self.engine.request_parts(use_head)
         stages = self.backend.request_stages()
@@ -316,7 +318,16 @@ class BatchedPipeline:
         self.stage_tokens.append([0] * self.staged.n_stages)
         # 2. Every stage's work of every request, one ragged call per stage.
         advancing = [r for r in self.active if r.state == "running"]
-        self._run_stages(advancing, [r for r in self.active if r.state == "prefill"])
+        prefilling = [r for r in self.active if r.state == "prefill"]
+        try:
+            self._run_stages(advancing, prefilling)
+        except Exception as exc:
+            # Every request in flight was in the calls and its caches are part-way through them: each fails with the
+            # error and gives its region back, and the batch takes new requests (the caller decides whether the
+            # error ends everything, as a lost stage does).
+            self._fail(advancing + prefilling, exc)
+            self._leave()
+            raise
         for request in [r for r in self.active if r.state == "prefill"]:
             self._prefill_progress(request)
         # 3. The levels that move after a verification ran with the others: their second advance is done.
@@ -357,7 +368,7 @@ class BatchedPipeline:
     # ------------------------------------------------------------------------------------ pieces
     def _use_head(self, mode: str | None) -> bool:
         modes = ("tree",) if self.engine.mode == "tree" else ("spd", "pp")
-        mode = mode or modes[0]
+        mode = mode or self.engine.mode  # the engine's own: spd with a head, pp without
         if mode not in modes:
             raise SpdInputError(f"this batched pipeline runs mode {' or '.join(modes)}, not '{mode}'")
         return mode != "pp"
@@ -377,13 +388,17 @@ class BatchedPipeline:
                 return  # it waits for a region (the KV memory bound)
             self.queue.popleft()
             request.region = region
-            request.stages.caches = self.backend.open(region)
-            if (
-                request.proposer is not None and request.proposer.pooled
-            ):  # its proposer's cache in a pool of the batch's (given back at
-                if self.proposer_pool is None:  # the end): a draft model's KV at the same rows, a head's a slot
-                    self.proposer_pool = request.proposer.new_pool(self.pool.rows, self.max_batch)
-                request.proposer.use_pool(self.proposer_pool, region)
+            try:
+                request.stages.caches = self.backend.open(region)
+                if request.proposer is not None and request.proposer.pooled:
+                    # Its proposer's cache in a pool of the batch's (given back at the end): a draft model's KV at
+                    # the same rows, a head's a slot.
+                    if self.proposer_pool is None:
+                        self.proposer_pool = request.proposer.new_pool(self.pool.rows, self.max_batch)
+                    request.proposer.use_pool(self.proposer_pool, region)
+            except Exception as exc:  # this request's own failure: its region goes back, the others go on
+                self._fail([request], exc)
+                continue
             request.prefill_stage_anchors = anchors_by_stage(self.staged.boundaries, request.work.anchors)
             request.state = "prefill"
             self.active.append(request)
@@ -511,6 +526,16 @@ class BatchedPipeline:
         except Exception as exc:  # this request's own failure: the others go on
             request.error = exc
             self._end(request, "failed")
+
+    def _fail(self, requests: list[BatchRequest], exc: Exception) -> None:
+        """``requests`` fail with ``exc``; a region that cannot be given back (a lost stage) is left behind."""
+        for request in requests:
+            request.error = exc
+            try:
+                request.steps.close()  # its loop, stopped where it waited for the stages
+                self._end(request, "failed")
+            except Exception:  # noqa: BLE001 - the request has failed all the same
+                request.region, request.state = None, "failed"
 
     def _end(self, request: BatchRequest, state: str) -> None:
         request.state = state

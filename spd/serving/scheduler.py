@@ -297,14 +297,28 @@ class Scheduler:
             for request, job in in_flight.items():
                 if job.cancelled.is_set():
                     request.cancel()
-            self.pipeline.step(batch)
+            self._step(batch)
             metrics.batch_size.set(len(batch.active))
             metrics.running.set(len(batch.active))
             metrics.kv_tokens.set(batch.pool.rows - batch.pool.free_rows)
             if stopping:  # the requests in flight finish first
                 while batch.busy:
-                    self.pipeline.step(batch)
+                    self._step(batch)
                 return
+
+    def _step(self, batch) -> None:
+        """One step of the batch. A step that raised has failed the requests in flight (each answered with the
+        error); the server goes on with the next ones unless the pipeline is lost."""
+        try:
+            self.pipeline.step(batch)
+        except Exception as exc:
+            if self.pipeline.lost() is not None:
+                raise
+            print(
+                f"[spd-serve] a step failed, and with it its requests: {type(exc).__name__}: {first_line(exc)}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _join(self, job: Job, in_flight: dict) -> None:
         """Hand ``job`` to the batched pipeline (bad input is answered at once)."""

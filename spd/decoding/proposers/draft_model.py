@@ -145,8 +145,14 @@ class DraftModelProposer:
                 owners.append(item.proposer)
                 segments.append(nodes)
         if segments:
-            outs = run_ragged(pool, 0, segments)
-            logits_SV = draft.logits(torch.cat([out.hidden_BTD[0] for out in outs]))
+            held = [source.cache.length for source in owners]
+            try:
+                outs = run_ragged(pool, 0, segments)
+                logits_SV = draft.logits(torch.cat([out.hidden_BTD[0] for out in outs]))
+            except Exception:  # the nodes' rows go, so that each request asked alone runs them again
+                for source, length in zip(owners, held):
+                    source.cache.truncate(length)
+                raise
             for source, logits_TV in zip(owners, logits_SV.split([seg.size for seg in segments])):
                 source._took(logits_TV)
         return [

@@ -99,7 +99,8 @@ class SpdHeadProposer:
         """The head's log-probabilities after each bottom node, ``(L, X)``: one batched query over their paths."""
         head, cfg, cache = self.head, self.head.config, self.cache
         if self.pending:
-            head.append_memory(cache, head.features(cfg.max_depth, self._take_pending())[None])
+            head.append_memory(cache, head.features(cfg.max_depth, self._pending_rows())[None])
+            self.pending = []
         path, query = self._path(tree, context, levels)
         rows = [(depth, head.features(depth, anchors)) for depth, anchors in path]
         query_LD = rows[-1][1] if query is None else head.features(cfg.offset, query)
@@ -128,8 +129,10 @@ class SpdHeadProposer:
         cfg = head.config
         waiting = [item.proposer for item in items if item.proposer.pending]
         if waiting:  # the rows committed since each request's last query, all through the head at once
-            rows = head.features_many(cfg.max_depth, [source._take_pending() for source in waiting])
+            rows = head.features_many(cfg.max_depth, [source._pending_rows() for source in waiting])
             head.append_memory_many([source.cache for source in waiting], rows)
+            for source in waiting:  # cached only now: if anything above raised, each request asked alone has them
+                source.pending = []
         paths = [item.proposer._path(item.tree, item.context, item.levels) for item in items]
         trailing = head.trailing_features([path for path, _ in paths])
         queries = [
@@ -177,9 +180,10 @@ class SpdHeadProposer:
         the next query (:meth:`expand_many` caches the rows of many requests together)."""
         self.pending.append({a: root.anchors[a] for a in self.prefill_anchors})
 
-    def _take_pending(self) -> dict[int, torch.Tensor]:
-        """The anchors of the committed rows not yet cached, ``(P, D)`` each, oldest first; none are left after."""
-        pending, self.pending = self.pending, []
+    def _pending_rows(self) -> dict[int, torch.Tensor]:
+        """The anchors of the committed rows not yet cached, ``(P, D)`` each, oldest first (the caller empties
+        ``pending`` once they are in the cache)."""
+        pending = self.pending
         if len(pending) == 1:  # one row since the last query (the usual case): nothing to join
             return pending[0]
         return {a: torch.cat([anchors[a] for anchors in pending]) for a in pending[0]}
