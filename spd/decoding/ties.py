@@ -19,11 +19,12 @@ NEAR_TIE = 1e-4  # fp32: top-two logits this close may part two runs of the same
 
 
 def near_tie_tolerance(top: float, dtype: torch.dtype) -> float:
-    """How close the top-two logits may be where two runs of the same model part ways: NEAR_TIE in fp32, 8 bf16
-    spacings of the top logit in bf16 or fp16 (bf16 keeps 8 significant bits)."""
+    """How close the top-two logits may be where two runs of the same model part ways: NEAR_TIE in fp32, else 8
+    spacings of the top logit in the dtype (bf16 keeps 8 significant bits, fp16 11)."""
     if dtype == torch.float32:
         return NEAR_TIE
-    return 8 * 2.0 ** (math.floor(math.log2(max(abs(top), 1e-30))) - 7)
+    fraction_bits = 10 if dtype == torch.float16 else 7
+    return 8 * 2.0 ** (math.floor(math.log2(max(abs(top), 1e-30))) - fraction_bits)
 
 
 @dataclass(frozen=True)
