@@ -1,8 +1,10 @@
 """Autoregressive decoding on the staged target (the exact baseline), and the statistics every decoder returns.
 
 The AR decoder runs all stages for each new token with preallocated per-stage KV caches and no
-per-step allocation beyond the model's own activations; its greedy output is token-identical to
-``model.generate`` (tested).
+per-step allocation beyond the model's own activations; its greedy output is the argmax at every step, which is
+token-identical to ``model.generate(do_sample=False)`` (tested) where the model's generation config adds no logits
+processor of its own (``repetition_penalty``, ``no_repeat_ngram_size``, ``suppress_tokens``, ...): the target's
+greedy output, here and in every mode, is its plain argmax.
 """
 
 from __future__ import annotations
