@@ -69,14 +69,18 @@ def test_reproduce_trains_what_is_missing_and_writes_the_table(tiny_testbed, tmp
         assert set(row) >= {"T=0", "T=1"} and row["T=0"]["identical_to_ar"] == 2  # every greedy run is lossless
         assert row["T=1"]["acceptance_length"] >= 1 and row["T=1"]["theoretical_speedup"] > 0
     assert "| EAGLE-style (sd) | m=2 |" in (out / "table.md").read_text() and (out / "table.png").stat().st_size
-    # A second run trains nothing and captures nothing new; its pipeline rows run batched, still lossless.
-    again = _reproduce(tiny_testbed, tmp_path, "--temperatures", "0", "--batch", "2", "--out", str(tmp_path / "again"))
+    # A second run (its main in this process) trains nothing and captures nothing new; its pipeline rows run
+    # batched, still lossless.
+    from bench.reproduce import main
+
+    again = run_main(
+        main, *_args(tiny_testbed, tmp_path, "--temperatures", "0", "--batch", "2", "--out", str(tmp_path / "again"))
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
     assert again.stdout.count("trained already") == 7 and "training " not in again.stdout
     table = json.loads((tmp_path / "again" / "table.json").read_text())
     assert "--batch 2" in table["bench_command"] and len(table["rows"]) == 9
     assert all(row["T=0"]["identical_to_ar"] == 2 for row in table["rows"])
-    from bench.reproduce import main
-
     bad = run_main(main, *_args(tiny_testbed, tmp_path, "--stages", "9"))  # refused before anything runs
     assert (
         bad.returncode == 2 and bad.stderr.strip() == "error: --stages [9] must be between 1 and the target's 8 layers"

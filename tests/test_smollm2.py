@@ -25,6 +25,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]
 CHAT = ["Write a Python function that reverses a string.", "What is a list comprehension?"]
 
 
+def test_these_tests_share_one_worker(request):
+    """Under scripts/test.sh's two workers (--dist loadgroup) every test here runs on one of them, so the model is
+    materialised once (pytest 9.2 silently turns the grouping off: pyproject.toml keeps it below)."""
+    if not request.config.getoption("loadgroup", default=False):
+        pytest.skip("not run by pytest-xdist's --dist loadgroup")
+    assert request.node.nodeid.endswith("@smollm2")
+
+
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory) -> Path:
     """``data/smollm2.py --out DIR --no-data``, once per session: DIR/target is the materialised model."""
