@@ -33,7 +33,7 @@ def cpu_threads(threads: int | None, device: torch.device) -> int | None:
     """The intra-op threads one training process uses on a CPU, or None to keep torch's (from ``OMP_NUM_THREADS``).
 
     ``threads`` (the config's) when set. Otherwise, under ``accelerate launch``, which gives every process
-    ``OMP_NUM_THREADS=1`` unless told otherwise and so leaves a CPU's other cores idle (a SmolLM2 step took 1.85x as
+    ``OMP_NUM_THREADS=1`` unless told otherwise and so leaves a CPU's other cores idle (a SmolLM2 step took 1.6x as
     long on 2 cores), the cores this process may use divided by the processes on this machine; a value other than 1,
     or a run not started by accelerate, is kept. On a GPU only ``threads`` changes it."""
     if threads is not None:
