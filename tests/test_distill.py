@@ -248,6 +248,62 @@ def test_cpu_training_threads(monkeypatch):
     assert cpu_threads(None, gpu) is None and cpu_threads(5, gpu) == 5
 
 
+def test_batches_pad_to_a_multiple_and_the_padding_changes_no_loss():
+    """Rows padded to a multiple of 8 (never past the limit) give the loss and gradients of rows padded to the
+    longest: padding is neither attended to nor supervised, it only bounds the shapes the kernels see."""
+    from spd.training.distill import collate, distill_step, teacher_anchors, teacher_pass
+
+    rows = [{"input_ids": list(range(3, 3 + length)), "loss_mask": [0, 0] + [1] * (length - 2)} for length in (5, 11)]
+    assert collate(rows, 0)["input_ids"].shape == (2, 11)
+    assert collate(rows, 0, multiple=8)["input_ids"].shape == (2, 16)
+    assert collate(rows, 0, multiple=8, limit=13)["input_ids"].shape == (2, 13)
+    assert collate(rows, 0, multiple=8, limit=9)["input_ids"].shape == (2, 11)  # never shorter than a row
+    padded = collate(rows, 0, multiple=8)
+    assert padded["supervised"].sum() == collate(rows, 0)["supervised"].sum() == 3 + 9
+    assert not padded["valid"][:, 11:].any() and not padded["supervised"][:, 11:].any()
+
+    staged = StagedModel(tiny_model("llama"), 2)
+    torch.manual_seed(0)
+    head = new_head(staged, DistillConfig(n_stages=2))
+    fill_B = torch.tensor([1, 2])
+    results = []
+    for batch in (collate(rows, 0), padded):
+        head.zero_grad()
+        hidden = teacher_pass(staged, teacher_anchors(head, staged), batch)
+        loss, _ = distill_step(head, staged, hidden, batch, fill_B, tau=1.0, chunk=4)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in head.parameters() if p.grad is not None]))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_the_last_kd_chunk_is_padded_and_its_padding_left_out():
+    """Every chunk the LM heads see has a multiple of ``pad_to`` rows (the last padded with zero rows), and the loss,
+    its gradient and the agreements are those of the positions alone: the plain sum over every position."""
+    import torch.nn.functional as F
+
+    from spd.training import kd
+
+    torch.manual_seed(0)
+    student, teacher = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16)
+    rows_seen = []
+    student.register_forward_hook(lambda module, args, out: rows_seen.append(args[0].shape[0]))
+    s, t = torch.randn(13, 8, requires_grad=True), torch.randn(13, 8)
+    result = kd.kd_loss(s, t, student, teacher, 1.0, 8, pad_to=4)
+    assert rows_seen[0] == 8 and rows_seen[1] == 8  # 13 positions: 8, then 5 padded to 8
+    log_p, log_q = F.log_softmax(teacher(t), -1).detach(), F.log_softmax(student(s), -1)
+    expected = (log_p.exp() * (log_p - log_q)).sum()
+    torch.testing.assert_close(result.loss_sum, expected)
+    assert result.count == 13 and result.agree == int((log_q.argmax(-1) == log_p.argmax(-1)).sum())
+    (grad,) = torch.autograd.grad(result.loss_sum, s)
+    torch.testing.assert_close(grad, torch.autograd.grad(expected, s)[0])
+    top = log_p.topk(16)
+    topk = kd.kd_loss_topk(s, top.indices, top.values, student, 8, pad_to=4)
+    torch.testing.assert_close(topk.loss_sum, expected, rtol=1e-4, atol=1e-5)
+    assert topk.agree == result.agree
+
+
 def test_head_must_fit_the_target():
     staged = StagedModel(tiny_model("llama"), 4)
     head = new_head(staged, DistillConfig(n_stages=4))

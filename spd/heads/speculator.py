@@ -246,6 +246,7 @@ class Speculator(PreTrainedModel):
         tau: float = 1.0,
         chunk_size: int = 512,
         topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+        pad_to: int = 1,
     ) -> KDResult:
         """Training forward plus the chunked KD loss against the target (``teacher_logits(H^L)``), or against
         a stored top-k teacher ``topk = (ids_BNK, logprobs_BNK)`` (spd.training.capture).
@@ -256,7 +257,12 @@ class Speculator(PreTrainedModel):
         out_BND = self.forward_train(hidden, fill_B, valid_BN)
         if topk is not None:
             return kd_loss_topk(
-                out_BND[supervised_BN], topk[0][supervised_BN], topk[1][supervised_BN], self.logits, chunk_size
+                out_BND[supervised_BN],
+                topk[0][supervised_BN],
+                topk[1][supervised_BN],
+                self.logits,
+                chunk_size,
+                pad_to,
             )
         teacher_BND = hidden[self.config.target_num_layers]
         return kd_loss(
@@ -267,6 +273,7 @@ class Speculator(PreTrainedModel):
             tau,
             chunk_size,
             self.draft_ids,
+            pad_to,
         )
 
     # ------------------------------------------------------------------------------ training path

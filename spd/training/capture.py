@@ -487,11 +487,11 @@ class CapturedDataset(torch.utils.data.Dataset):
         return row
 
 
-def collate_captured(rows: list[dict], pad_id: int = 0) -> dict:
+def collate_captured(rows: list[dict], pad_id: int = 0, multiple: int = 1, limit: int | None = None) -> dict:
     """Right-pad captured rows: the batch of :func:`spd.training.distill.collate` plus ``hidden`` (and the top-k teacher)."""
     from .distill import collate
 
-    batch = collate(rows, pad_id)
+    batch = collate(rows, pad_id, multiple, limit)
     b, n = batch["input_ids"].shape
     padded = {f"hidden.{a}": h for a, h in rows[0]["hidden"].items()}
     if "topk_ids" in rows[0]:

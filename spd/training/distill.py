@@ -63,6 +63,10 @@ class DistillConfig:
     data_revision: str | None = None
     eval_data: str | None = field(default_factory=lambda: _testbed("corpus", "validation.jsonl"))
     max_length: int = 2048  # tokens per training row
+    # each batch right-padded to a multiple of this many tokens (never past max_length), and the KD loss's last chunk
+    # of positions too: few distinct shapes, so a CPU's kernel cache and heap stay flat over a long run
+    # (docs/training.md, "Memory on a long CPU run"); 1: no padding beyond the batch's longest row
+    pad_to_multiple_of: int = 64
     overflow: str = "auto"  # drop | truncate | split | auto (drop chats, split text)
     cache_dir: str = field(default_factory=default_cache_dir)  # prepared datasets ($SPD_CACHE, ~/.cache/spd)
     # optimisation (paper: lr 1e-4, linear decay, 1 epoch)
@@ -115,6 +119,7 @@ class DistillConfig:
             "batch_size",
             "grad_accum",
             "max_length",
+            "pad_to_multiple_of",
             "kd_chunk",
             "eval_rows",
             "log_every",
@@ -392,9 +397,15 @@ def scale_fc_init(head: Speculator, rms: dict[int, float]) -> None:
 # --------------------------------------------------------------------------------------------- batches
 
 
-def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad rows to one length; ``supervised_BN[b, t]`` marks positions whose next token has a loss."""
-    n = max(len(r["input_ids"]) for r in rows)
+def collate(rows: list[dict], pad_id: int, multiple: int = 1, limit: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-pad rows to one length, the longest row's rounded up to a ``multiple`` (but not past ``limit``, nor
+    shorter than the longest row); ``supervised_BN[b, t]`` marks positions whose next token has a loss.
+
+    Padding is neither attended to (it comes after every real token, under a causal mask) nor supervised: it
+    changes no loss, only how many shapes the kernels see."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    rounded = -(-longest // multiple) * multiple
+    n = max(longest, rounded if limit is None else min(rounded, limit))
     ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
     valid = torch.zeros(len(rows), n, dtype=torch.bool)
     supervised = torch.zeros(len(rows), n, dtype=torch.bool)
@@ -433,13 +444,15 @@ def distill_step(
     fill_B: torch.Tensor,
     tau: float,
     chunk: int,
+    pad_to: int = 1,
 ):
-    """The head's KD loss for one batch: (mean over supervised positions, KDResult).
+    """The head's KD loss for one batch: (mean over supervised positions, KDResult); the loss's last chunk of
+    positions padded to a multiple of ``pad_to`` (``pad_to_multiple_of``: fewer shapes, the same loss).
 
     ``head`` may be wrapped (DDP/DeepSpeed): its ``forward`` computes the loss, so the wrapper sees it all.
     """
     topk = (batch["topk_ids"], batch["topk_logprobs"]) if "topk_ids" in batch else None
-    result = head(hidden, fill_B, batch["valid"], batch["supervised"], staged.logits, tau, chunk, topk)
+    result = head(hidden, fill_B, batch["valid"], batch["supervised"], staged.logits, tau, chunk, topk, pad_to)
     return result.loss_sum / max(1, result.count), result
 
 

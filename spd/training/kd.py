@@ -31,8 +31,8 @@ class KDResult:
     agree: int  # positions where argmax(student) == argmax(teacher)
 
 
-def _chunk_kl(student_CD, teacher_CD, student_head, teacher_head, tau: float, draft_ids_K):
-    """tau^2 * KL(p_teacher || p_student) summed over a chunk, and the number of top-1 agreements.
+def _chunk_kl(student_CD, teacher_CD, rows: int, student_head, teacher_head, tau: float, draft_ids_K):
+    """tau^2 * KL(p_teacher || p_student) summed over the first ``rows`` of a chunk, and their top-1 agreements.
 
     With a draft vocabulary (``draft_ids_K``: the target ids of the student's K outputs) the teacher is
     restricted to those ids and renormalised; agreement compares the student's choice, mapped to a target id,
@@ -46,17 +46,19 @@ def _chunk_kl(student_CD, teacher_CD, student_head, teacher_head, tau: float, dr
         log_p_CV = F.log_softmax(teacher_CV / tau, dim=-1)
     student_CV = student_head(student_CD).float()
     log_q_CV = F.log_softmax(student_CV / tau, dim=-1)
-    kl = (log_p_CV.exp() * (log_p_CV - log_q_CV)).sum() * tau**2
+    kl = (log_p_CV.exp() * (log_p_CV - log_q_CV))[:rows].sum() * tau**2
     choice_C = student_CV.argmax(-1)
     if draft_ids_K is not None:
         choice_C = draft_ids_K[choice_C]
-    agree = (choice_C == teacher_top_C).sum()
+    agree = (choice_C == teacher_top_C)[:rows].sum()
     return kl, agree
 
 
-def _chunk_kl_topk(student_CD, topk_ids_CK, topk_logprobs_CK, student_head):
-    """KL over k + 1 buckets (the teacher's top k and the rest of the mass), and top-1 agreements."""
-    student_CV = student_head(student_CD).float()
+def _chunk_kl_topk(student_CD, topk_ids_CK, topk_logprobs_CK, rows: int, student_head):
+    """KL over k + 1 buckets (the teacher's top k and the rest of the mass) over the first ``rows`` of a chunk, and
+    their top-1 agreements."""
+    student_CV = student_head(student_CD).float()[:rows]
+    topk_ids_CK, topk_logprobs_CK = topk_ids_CK[:rows], topk_logprobs_CK[:rows]
     log_q_CV = F.log_softmax(student_CV, dim=-1)
     log_q_CK = log_q_CV.gather(-1, topk_ids_CK)
     p_CK = topk_logprobs_CK.exp()
@@ -69,12 +71,25 @@ def _chunk_kl_topk(student_CD, topk_ids_CK, topk_logprobs_CK, student_head):
     return kl, agree
 
 
-def _chunked(fn, chunk_size: int, grad: bool, *tensors_and_rest, n_tensors: int) -> tuple[torch.Tensor, int]:
+def _padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows``."""
+    return t if t.shape[0] == rows else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def _chunked(
+    fn, chunk_size: int, pad_to: int, grad: bool, *tensors_and_rest, n_tensors: int
+) -> tuple[torch.Tensor, int]:
+    """``fn`` over chunks of ``chunk_size`` rows, the last padded with zero rows to a multiple of ``pad_to`` (which
+    ``fn`` leaves out of its sums): that chunk's size, different in every batch, would otherwise give the LM heads'
+    matmuls a new shape each step, and a CPU's kernel cache and heap grow with every shape (docs/training.md)."""
     tensors, rest = tensors_and_rest[:n_tensors], tensors_and_rest[n_tensors:]
     loss_sum = tensors[0].new_zeros((), dtype=torch.float32)
     agree = 0
-    for start in range(0, tensors[0].shape[0], chunk_size):
-        args = (*(t[start : start + chunk_size] for t in tensors), *rest)
+    total = tensors[0].shape[0]
+    for start in range(0, total, chunk_size):
+        rows = min(chunk_size, total - start)
+        padded = min(chunk_size, -(-rows // pad_to) * pad_to)
+        args = (*(_padded_rows(t[start : start + rows], padded) for t in tensors), rows, *rest)
         if grad:
             kl, n_agree = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
         else:
@@ -92,6 +107,7 @@ def kd_loss(
     tau: float = 1.0,
     chunk_size: int = 512,
     draft_ids_K: torch.Tensor | None = None,
+    pad_to: int = 1,
 ) -> KDResult:
     """Forward KL over the vocabulary (or the draft vocabulary ``draft_ids_K``) for supervised positions.
 
@@ -102,7 +118,17 @@ def kd_loss(
     """
     grad = torch.is_grad_enabled() and student_ND.requires_grad
     loss_sum, agree = _chunked(
-        _chunk_kl, chunk_size, grad, student_ND, teacher_ND, student_head, teacher_head, tau, draft_ids_K, n_tensors=2
+        _chunk_kl,
+        chunk_size,
+        pad_to,
+        grad,
+        student_ND,
+        teacher_ND,
+        student_head,
+        teacher_head,
+        tau,
+        draft_ids_K,
+        n_tensors=2,
     )
     return KDResult(loss_sum, int(student_ND.shape[0]), agree)
 
@@ -113,10 +139,11 @@ def kd_loss_topk(
     topk_logprobs_NK: torch.Tensor,
     student_head,
     chunk_size: int = 512,
+    pad_to: int = 1,
 ) -> KDResult:
     """KD against a stored top-k teacher (temperature 1): KL over the top k tokens and the rest of the mass."""
     grad = torch.is_grad_enabled() and student_ND.requires_grad
     loss_sum, agree = _chunked(
-        _chunk_kl_topk, chunk_size, grad, student_ND, topk_ids_NK, topk_logprobs_NK, student_head, n_tensors=3
+        _chunk_kl_topk, chunk_size, pad_to, grad, student_ND, topk_ids_NK, topk_logprobs_NK, student_head, n_tensors=3
     )
     return KDResult(loss_sum, int(student_ND.shape[0]), agree)

@@ -115,7 +115,8 @@ def load_target_and_data(cfg, accelerator):
                 "draft tokens); capture with --teacher full"
             )
         pad_id = train_ds.manifest["pad_id"]
-        return target, train_ds, eval_ds, partial(collate_captured, pad_id=pad_id), target.token_strings
+        collate_fn = partial(collate_captured, pad_id=pad_id, multiple=cfg.pad_to_multiple_of, limit=cfg.max_length)
+        return target, train_ds, eval_ds, collate_fn, target.token_strings
     on_gpu = torch.cuda.is_available()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
         cfg.target_dtype, torch.bfloat16 if on_gpu else torch.float32
@@ -137,7 +138,8 @@ def load_target_and_data(cfg, accelerator):
             else None
         )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return staged, train_ds, eval_ds, partial(collate, pad_id=pad_id), tokenizer.convert_ids_to_tokens
+    collate_fn = partial(collate, pad_id=pad_id, multiple=cfg.pad_to_multiple_of, limit=cfg.max_length)
+    return staged, train_ds, eval_ds, collate_fn, tokenizer.convert_ids_to_tokens
 
 
 def train(cfg: DistillConfig, resume: bool) -> dict:
@@ -438,7 +440,14 @@ class Trainer:
                 hidden = teacher_pass(self.staged, self.anchors, batch)
                 fill_B = sample_fills(batch["input_ids"].shape[0], max_fill, self.fill_gen, p_full)
                 loss, result = distill_step(
-                    head, self.staged, hidden, batch, fill_B.to(accelerator.device), cfg.tau, cfg.kd_chunk
+                    head,
+                    self.staged,
+                    hidden,
+                    batch,
+                    fill_B.to(accelerator.device),
+                    cfg.tau,
+                    cfg.kd_chunk,
+                    cfg.pad_to_multiple_of,
                 )
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
