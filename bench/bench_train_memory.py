@@ -23,6 +23,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.report import markdown_table, write_result  # noqa: E402
+
 STEP = re.compile(r"distill:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)")
 
 
@@ -119,18 +122,20 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="spd-train-memory-") as tmp:
         for pad in args.pad:
             runs.append(run(args.config, args.steps, pad, Path(tmp) / f"pad{pad}", args.overrides))
-    print(
-        "| pad_to_multiple_of | MiB at step 1 | MiB at the end | MiB per step | s/step (first 20) | s/step (last 20) |"
-    )
-    print("| --- | --- | --- | --- | --- | --- |")
-    for r in runs:
-        print(
-            f"| {r['pad_to_multiple_of']} | {r['rss_mib_first']:.0f} | {r['rss_mib_last']:.0f} | "
-            f"{r['rss_growth_mib_per_step']:.2f} | {r['s_per_step_first_20']:.2f} | {r['s_per_step_last_20']:.2f} |"
+    header = ("pad_to_multiple_of", "MiB at step 1", "MiB at the end", "MiB per step", "s/step, first 20", "last 20")
+    rows = [
+        (
+            r["pad_to_multiple_of"],
+            f"{r['rss_mib_first']:.0f}",
+            f"{r['rss_mib_last']:.0f}",
+            f"{r['rss_growth_mib_per_step']:.2f}",
+            f"{r['s_per_step_first_20']:.2f}",
+            f"{r['s_per_step_last_20']:.2f}",
         )
+        for r in runs
+    ]
+    print(markdown_table(header, rows, rule=" --- "))
     if args.out:
-        from spd.files import write_json_atomic
-
         report = {
             "command": "python " + " ".join([os.path.relpath(__file__, REPO), *(argv or sys.argv[1:])]),
             "config": args.config,
@@ -138,7 +143,7 @@ def main(argv=None) -> int:
             "cpu_count": os.cpu_count(),
             "runs": runs,
         }
-        write_json_atomic(Path(args.out), report)
+        write_result(args.out, report)
         print(f"[out] {args.out}")
     return 0
 
