@@ -204,12 +204,12 @@ def test_presets_load_and_override(tmp_path):
             str(REPO / "configs" / f"{preset}.yaml"), ["output_dir=/tmp/x", "lr=2e-4", "boundaries=[1,2]"]
         )
         assert cfg.output_dir == "/tmp/x" and cfg.lr == 2e-4 and cfg.boundaries == [1, 2]
-    # The serial baseline learns from the published SPD head's data, rows and budget.
+    # The serial baseline learns from the SPD mix preset's data, rows and budget.
     spd, eagle = (load_config(str(REPO / "configs" / f"smollm2-{p}.yaml"), []) for p in ("n8-mix", "eagle-mix"))
     assert eagle.variant == "eagle" and eagle.n_stages == 1 and eagle.boundaries is None
     same = ("data", "eval_data", "max_length", "batch_size", "lr", "warmup_steps", "max_steps", "target_dtype")
     assert all(getattr(eagle, key) == getattr(spd, key) for key in (*same, "draft_vocab_size", "mixed_precision"))
-    # The one-epoch run is the published head's recipe over the whole mixture, evaluated along the way.
+    # The one-epoch run (the published head) is the mix preset over the whole mixture, evaluated along the way.
     epoch = load_config(str(REPO / "configs" / "smollm2-n8-epoch.yaml"), [])
     assert epoch.max_steps is None and epoch.epochs == 1 and epoch.eval_steps and epoch.save_every
     assert all(getattr(epoch, key) == getattr(spd, key) for key in (*set(same) - {"max_steps"}, "boundaries"))
