@@ -25,6 +25,7 @@ from ..paths import default_cache_dir, default_testbed_dir
 from ..heads.config import SpeculatorConfig, default_anchors
 from ..heads.speculator import Speculator
 from ..target.staging import StagedModel
+from .kd import padded_length
 
 VARIANTS = {  # variant -> (schedule, max_depth or None for n); docs/method.md §3
     "spd": ("input", None),
@@ -403,9 +404,7 @@ def collate(rows: list[dict], pad_id: int, multiple: int = 1, limit: int | None 
 
     Padding is neither attended to (it comes after every real token, under a causal mask) nor supervised: it
     changes no loss, only how many shapes the kernels see."""
-    longest = max(len(r["input_ids"]) for r in rows)
-    rounded = -(-longest // multiple) * multiple
-    n = max(longest, rounded if limit is None else min(rounded, limit))
+    n = padded_length(max(len(r["input_ids"]) for r in rows), multiple, limit)
     ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
     valid = torch.zeros(len(rows), n, dtype=torch.bool)
     supervised = torch.zeros(len(rows), n, dtype=torch.bool)

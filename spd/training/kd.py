@@ -71,6 +71,13 @@ def _chunk_kl_topk(student_CD, topk_ids_CK, topk_logprobs_CK, rows: int, student
     return kl, agree
 
 
+def padded_length(length: int, multiple: int, limit: int | None = None) -> int:
+    """``length`` rounded up to a ``multiple``, but not past ``limit`` (nor below ``length``): the one padding rule
+    of a batch's rows and of the KD loss's last chunk of positions (``pad_to_multiple_of``)."""
+    rounded = -(-length // multiple) * multiple
+    return max(length, rounded if limit is None else min(rounded, limit))
+
+
 def _padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t`` with zero rows appended up to ``rows``."""
     return t if t.shape[0] == rows else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
@@ -88,7 +95,7 @@ def _chunked(
     total = tensors[0].shape[0]
     for start in range(0, total, chunk_size):
         rows = min(chunk_size, total - start)
-        padded = min(chunk_size, -(-rows // pad_to) * pad_to)
+        padded = padded_length(rows, pad_to, chunk_size)
         args = (*(_padded_rows(t[start : start + rows], padded) for t in tensors), rows, *rest)
         if grad:
             kl, n_agree = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
