@@ -213,6 +213,11 @@ def test_presets_load_and_override(tmp_path):
     epoch = load_config(str(REPO / "configs" / "smollm2-n8-epoch.yaml"), [])
     assert epoch.max_steps is None and epoch.epochs == 1 and epoch.eval_steps and epoch.save_every
     assert all(getattr(epoch, key) == getattr(spd, key) for key in (*set(same) - {"max_steps"}, "boundaries"))
+    # The n = 4 head is the same epoch on the n = 4 cut of the capture-based n = 4 preset.
+    n4, n4_capture = (load_config(str(REPO / "configs" / f"smollm2-{p}.yaml"), []) for p in ("n4-epoch", "n4"))
+    assert n4.n_stages == 4 and n4.boundaries == n4_capture.boundaries == [0, 8, 16, 23, 30]
+    kept = ("data", "eval_data", "epochs", "lr", "warmup_steps", "batch_size", "target_dtype", "draft_vocab_size")
+    assert all(getattr(n4, key) == getattr(epoch, key) for key in kept)
     no_eval = tmp_path / "no-eval.yaml"
     no_eval.write_text("target: /m/target\ndata: '{target}/../d.jsonl'\neval_data: null\n")
     assert (load_config(str(no_eval), []).data, load_config(str(no_eval), []).eval_data) == ("/m/d.jsonl", None)
