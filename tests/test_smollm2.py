@@ -271,13 +271,17 @@ def test_regeneration_resumes_after_kill(smollm2, tmp_path):
     assert "0 answered now, 6 already there" in again.stdout
 
 
-PUBLISHED = REPO / "heads" / "smollm2-135m-instruct-spd-n8"
+PUBLISHED = {
+    8: (REPO / "heads" / "smollm2-135m-instruct-spd-n8", [0, 4, 8, 12, 16, 20, 24, 27, 30]),
+    4: (REPO / "heads" / "smollm2-135m-instruct-spd-n4", [0, 8, 16, 23, 30]),
+}
 
 
 @pytest.mark.slow
-def test_published_head_equals_ar_on_a_chat_prompt(smollm2, target):
-    """The head shipped in heads/ loads as --speculator DIR, fits the target's n = 8 cut, and spd (chain and W = 4
-    tree) gives ar's tokens on a chat prompt while accepting some of its proposals."""
+@pytest.mark.parametrize("n", sorted(PUBLISHED))
+def test_published_head_equals_ar_on_a_chat_prompt(smollm2, target, n):
+    """Each head shipped in heads/ loads as --speculator DIR, fits the target's cut at its n, and spd (chain and
+    W = 4 tree) gives ar's tokens on a chat prompt while accepting some of its proposals."""
     from spd.decoding.engine import Engine
     from spd.decoding.generation import generate_ar
     from spd.decoding.sampling import SamplingParams
@@ -286,9 +290,10 @@ def test_published_head_equals_ar_on_a_chat_prompt(smollm2, target):
     from spd.heads.loading import load_speculator
     from spd.target.staging import StagedModel
 
-    assert sum(p.stat().st_size for p in PUBLISHED.iterdir()) < 50 * 2**20
-    head = load_speculator(str(PUBLISHED))
-    assert head.config.n_stages == 8 and head.config.boundaries == [0, 4, 8, 12, 16, 20, 24, 27, 30]
+    path, boundaries = PUBLISHED[n]
+    assert sum(p.stat().st_size for p in path.iterdir()) < 50 * 2**20
+    head = load_speculator(str(path))
+    assert head.config.n_stages == n and head.config.boundaries == boundaries
     model, tokenizer = target
     staged = StagedModel(model, boundaries=head.config.boundaries)
     check_compatible(head.config, staged, "spd")
