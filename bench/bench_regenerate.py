@@ -25,7 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.report import markdown_table, write_result  # noqa: E402
+from bench.report import command_line, markdown_table, write_result  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
 
@@ -100,7 +100,7 @@ def measure(args, argv) -> int:
     print(markdown_table(header, rows, rule=" --- "))
     if args.out:
         report = {
-            "command": "python " + " ".join([os.path.relpath(__file__, REPO), *(argv or sys.argv[1:])]),
+            "command": command_line(__file__, argv),
             "target": args.target,
             "prompts": len(prompts),
             "skip": args.skip,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.report import markdown_table, write_result  # noqa: E402
+from bench.report import command_line, markdown_table, write_result  # noqa: E402
 
 STEP = re.compile(r"distill:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)")
 
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     print(markdown_table(header, rows, rule=" --- "))
     if args.out:
         report = {
-            "command": "python " + " ".join([os.path.relpath(__file__, REPO), *(argv or sys.argv[1:])]),
+            "command": command_line(__file__, argv),
             "config": args.config,
             "steps": args.steps,
             "cpu_count": os.cpu_count(),

@@ -10,10 +10,17 @@ A script run as ``python bench/<name>.py`` has ``bench/`` first on ``sys.path``,
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from spd.files import write_json_atomic
+
+
+def command_line(script: str, argv: Sequence[str] | None) -> str:
+    """How a benchmark was run, for its JSON: ``python bench/<name>.py`` (``script`` is its ``__file__``) and its
+    arguments (``argv``, or the process's own when it was started as a program)."""
+    return "python " + " ".join([os.path.relpath(script, Path(__file__).resolve().parents[1]), *(argv or sys.argv[1:])])
 
 
 def write_result(path: str | os.PathLike, result, indent: int = 1) -> Path:

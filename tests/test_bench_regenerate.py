@@ -51,6 +51,7 @@ def test_each_setting_answers_the_same_prompts_and_is_compared_with_the_first(ch
     assert done.returncode == 0, done.stderr
     assert "| dtype | batch | tokens |" in done.stdout
     report = json.loads(out.read_text())
+    assert report["command"].startswith("python bench/bench_regenerate.py --target ")
     assert report["prompts"] == 3 and report["skip"] == 2 and report["max_new_tokens"] == 4
     first, again, single = report["runs"]
     assert [r["batch_size"] for r in report["runs"]] == [3, 3, 1]
