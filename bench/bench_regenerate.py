@@ -5,12 +5,12 @@
         --out docs/results/bench_regenerate_smollm2.json
 
 Each setting ``DTYPE:BATCH`` answers the same prompts (the standard library's coding instructions that
-``data/regenerate.py --prompts stdlib --skip 64`` answers first) greedily from scratch (:func:`spd.data.regenerate.regenerate`,
-what ``data/regenerate.py`` runs: prompts sorted by length, left padding, ``model.generate`` per batch), one setting
-at a time in this process, the model loaded afresh in its dtype. It prints and writes, per setting: the answered
-tokens, the seconds spent answering (loading left out), tokens/s and its ratio to the first setting, the answers
-that stopped at EOS, and how many answers equal the first setting's token for token (lower precision changes an
-answer only where two tokens are near ties).
+``data/regenerate.py --prompts stdlib --skip 64`` answers first) greedily from scratch
+(:func:`spd.data.regenerate.regenerate`, what ``data/regenerate.py`` runs: prompts sorted by length, left padding,
+``model.generate`` per batch), one setting at a time in this process, the model loaded afresh in its dtype. It
+prints and writes, per setting: the answered tokens, the seconds spent answering (loading left out), tokens/s and
+its ratio to the first setting, the answers that stopped at EOS, and how many answers equal the first setting's
+token for token (lower precision changes an answer only where two tokens are near ties).
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ def parse_setting(text: str) -> tuple[str, int]:
     return dtype, int(batch)
 
 
-def answer(target: str, prompts: list[dict], dtype: str, batch: int, max_new_tokens: int, out: Path) -> dict:
+def answer(
+    target: str, prompts: list[dict], dtype: str, batch: int, max_new_tokens: int, out: Path
+) -> tuple[dict, dict[str, str]]:
     """One setting: the prompts answered into ``out``; its statistics and its answers by id."""
     import torch
 
