@@ -15,10 +15,21 @@ each, and the row written is ``{"id", "text": prefix + continuation}``. Answers 
 is set; they are written in batches and a run that is interrupted continues where it stopped (the ids already in
 ``--out`` are skipped). The rows train a head directly: ``accelerate launch train/distill.py ... data=chats.jsonl``.
 Take the prefixes from the training split only, never from the prompts the head will be benchmarked on.
+
+A large target can answer from an OpenAI-compatible server instead (vLLM, SGLang, spd-serve); nothing is loaded here:
+
+    python data/regenerate.py --server http://localhost:8000 --concurrency 16 --prompts stdlib --out chats.jsonl
+
+Each prompt is one /v1/chat/completions request (``--texts``: /v1/completions), at most ``--concurrency`` in flight,
+``--model`` (default: the first model the server lists); the rows are the same, appended as the answers arrive (in
+any order), and a rerun continues as above. Sampled answers (``--temperature``) carry a seed per row, so a rerun
+asks for the same ones. A request that fails for want of the server (no connection, a timeout, HTTP 429 or 5xx) is
+retried ``--retries`` times with a growing wait; then the run stops with one error, the rows written so far kept.
 """
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -95,8 +106,28 @@ def read_texts(spec: str, seed: int, max_chars: int) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True, help="the target: a model directory or hub id")
+    p.add_argument("--target", default=None, help="the target: a model directory or hub id (not with --server)")
     p.add_argument("--revision", default=None)
+    p.add_argument(
+        "--server",
+        default=None,
+        help="an OpenAI-compatible server's URL (vLLM, SGLang, spd-serve), e.g. http://localhost:8000: it answers, "
+        "instead of a target loaded here",
+    )
+    p.add_argument(
+        "--model", default=None, help="with --server: the served model's name (default: the first at /v1/models)"
+    )
+    p.add_argument("--concurrency", type=int, default=8, help="with --server: requests in flight at once")
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=5,
+        help="with --server: tries after the first of a request that failed for want of the server (no connection, "
+        "a timeout, HTTP 429 or 5xx), each after twice the wait of the one before (1 s first)",
+    )
+    p.add_argument(
+        "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="with --server: its key (default: $OPENAI_API_KEY)"
+    )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompts", help='chat target: a jsonl file of {"prompt"} rows, or stdlib[:N]')
     source.add_argument("--texts", help='base model: FILE[:N], N prefixes of a jsonl file\'s {"text"} rows to continue')
@@ -132,6 +163,15 @@ def main(argv=None) -> int:
         p.error("--prefix-chars must be a positive integer")
     if not 0 <= args.temperature < float("inf"):
         p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.server is None and args.target is None:
+        p.error("--target is required: the model that answers (or --server URL: a server that does)")
+    if args.server is not None:
+        if args.target is not None:
+            p.error("--target is loaded only without --server; with --server the server answers (--model names it)")
+        if not args.server.startswith(("http://", "https://")):
+            p.error(f"--server {args.server}: expected an http:// or https:// URL")
+        if args.concurrency < 1 or args.retries < 0:
+            p.error("--concurrency must be a positive integer and --retries 0 or more")
 
     from spd.errors import run_cli
 
@@ -140,22 +180,55 @@ def main(argv=None) -> int:
 
 def _answer(args) -> int:
     """Answer the prompts (or continue the texts) that ``args.out`` lacks; print how many and how fast."""
-    import torch
-
-    from spd.data.regenerate import regenerate
     from spd.errors import SpdInputError
-    from spd.target.staging import load_causal_lm, load_tokenizer
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     prompts = (
         read_prompts(args.prompts) if args.texts is None else read_texts(args.texts, args.seed, args.prefix_chars)
     )[args.skip :]
     if not prompts:
         raise SpdInputError(f"--skip {args.skip} leaves no prompts to answer")
+    stats = _answer_served(args, prompts) if args.server else _answer_here(args, prompts)
+    print(
+        f"{args.out}: {stats['generated']} answered now, {stats['skipped_done']} already there; "
+        f"{stats['new_tokens']} tokens in {stats['seconds']} s ({stats['tokens_per_s']} tokens/s)"
+    )
+    return 0
+
+
+def _answer_served(args, prompts: list[dict]) -> dict:
+    """The answers of the server at ``args.server``."""
+    from spd.data.client import Client
+    from spd.data.regenerate import regenerate_served
+
+    client = Client(args.server, args.api_key, retries=args.retries, connections=args.concurrency)
+    try:
+        return regenerate_served(
+            client,
+            args.model or client.first_model(),
+            prompts,
+            args.out,
+            concurrency=args.concurrency,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            chat=args.texts is None,
+        )
+    finally:
+        client.close()
+
+
+def _answer_here(args, prompts: list[dict]) -> dict:
+    """The answers of the target loaded in this process."""
+    import torch
+
+    from spd.data.regenerate import regenerate
+    from spd.target.staging import load_causal_lm, load_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = load_causal_lm(args.target, revision=args.revision, dtype=getattr(torch, args.dtype)).eval()
     tokenizer = load_tokenizer(args.target, args.revision)
-    stats = regenerate(
+    return regenerate(
         model,
         tokenizer,
         prompts,
@@ -166,11 +239,6 @@ def _answer(args) -> int:
         seed=args.seed,
         chat=args.texts is None,
     )
-    print(
-        f"{args.out}: {stats['generated']} answered now, {stats['skipped_done']} already there; "
-        f"{stats['new_tokens']} tokens in {stats['seconds']} s ({stats['tokens_per_s']} tokens/s)"
-    )
-    return 0
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ The prefixes of a text corpus come from :func:`text_prefixes`.
 
 Batched (prompts of similar length together, left padding) and resumable: each finished batch is appended
 and fsynced, a restart skips the ids already written and drops a last line a kill cut short.
+:func:`regenerate_served` writes the same rows with the answers of an OpenAI-compatible server (a large target
+served by vLLM, SGLang or spd-serve), one request per prompt, each row appended as its answer arrives.
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import SpdInputError
 from ..files import complete_lines
+from .client import Client, as_completed, request_seed
+
+if TYPE_CHECKING:
+    import torch  # imported where it is used: the served path (regenerate_served) never needs it
 
 
 def read_done(path: Path) -> set[str]:
@@ -72,9 +77,10 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
     return list(ids)
 
 
-@torch.no_grad()
 def _left_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token rows padded on the left to the longest, and their attention mask."""
+    import torch
+
     width = max(len(ids) for ids in rows)
     input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
@@ -106,6 +112,7 @@ def regenerate(
 ) -> dict:
     """Append the target's answer to every prompt ``{"id", "prompt"}`` not yet in ``out`` (``chat``: the prompt as
     a user turn; otherwise its continuation of the prompt as plain text); return statistics."""
+    import torch
     from tqdm import tqdm
 
     if chat and tokenizer.chat_template is None:
@@ -155,6 +162,64 @@ def regenerate(
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
     bar.close()
+    seconds = time.perf_counter() - start
+    return {
+        "prompts": len(prompts),
+        "skipped_done": len(done),
+        "generated": len(todo),
+        "new_tokens": new_tokens,
+        "seconds": round(seconds, 1),
+        "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None,
+    }
+
+
+def regenerate_served(
+    client: Client,
+    model: str,
+    prompts: Sequence[dict],
+    out: str | os.PathLike,
+    concurrency: int = 8,
+    max_new_tokens: int = 384,
+    temperature: float = 0.0,
+    seed: int = 0,
+    progress: bool = True,
+    chat: bool = True,
+) -> dict:
+    """:func:`regenerate`'s rows from the server behind ``client`` serving ``model``: each prompt not yet in ``out``
+    one request (``chat``: a user turn to /v1/chat/completions, which renders the chat template with its default
+    system prompt as :func:`chat_ids` does; otherwise the text to /v1/completions), at most ``concurrency`` in
+    flight, each row appended and fsynced as its answer arrives; return statistics."""
+    from tqdm import tqdm
+
+    if concurrency < 1 or max_new_tokens < 1:
+        raise SpdInputError(f"concurrency and max new tokens must be positive, got {concurrency} and {max_new_tokens}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = read_done(out)
+    todo = [p for p in prompts if p["id"] not in done]
+
+    def ask(prompt: dict):
+        body = {"model": model, "max_tokens": max_new_tokens, "temperature": temperature}
+        if chat:
+            body["messages"] = [{"role": "user", "content": prompt["prompt"]}]
+        else:
+            body["prompt"] = prompt["prompt"]
+        if temperature > 0:
+            body["seed"] = request_seed(seed, prompt["id"])
+        return client.complete(body, chat)
+
+    new_tokens, start = 0, time.perf_counter()
+    bar = tqdm(total=len(todo), desc="regenerating", unit="prompt", disable=not progress)
+    with bar, open(out, "a", encoding="utf-8") as f:  # the bar ends its line before an error is printed
+        for prompt, answer in as_completed(ask, todo, concurrency):
+            row = _answer_row(prompt, answer.text, chat)
+            row.update(finish_reason=answer.finish_reason, new_tokens=answer.new_tokens)
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            new_tokens += answer.new_tokens
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
     seconds = time.perf_counter() - start
     return {
         "prompts": len(prompts),

@@ -7,6 +7,8 @@ request, a repeat of an earlier one (compared after case folding and collapsing 
 a run of :data:`SHINGLE` words with a benchmark prompt (HumanEval, and the MT-Bench and GSM8K files when given),
 so that no training prompt comes from the sets the head is measured on. Batches are appended and fsynced; a
 restart skips the ids already written and drops a last line a kill cut short (:func:`spd.data.regenerate.read_done`).
+:func:`write_instructions_served` samples the same prefix from an OpenAI-compatible server instead (vLLM, SGLang,
+spd-serve), the prefix's token ids sent to /v1/completions, one request per sample.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SpdInputError
+from .client import Client, as_completed, request_seed
 from .regenerate import read_done
 
 # The system turn of each topic; None keeps the chat template's own default system prompt.
@@ -144,12 +147,27 @@ def _verdict(text: str, finished: bool, seen: set[str], benchmarks: BenchmarkFil
     return None
 
 
-def _check_sampling(topic: str, count: int, batch_size: int, max_new_tokens: int, temperature: float, top_p: float):
+def _sample_row(
+    row_id: str, topic: str, text: str, finished: bool, seen: set[str], benchmarks: BenchmarkFilter
+) -> dict:
+    """The row written for one sample, its verdict given (a kept request joins ``seen``)."""
+    why = _verdict(text, finished, seen, benchmarks)
+    if why is None:
+        seen.add(_normal(text))
+    return {"id": row_id, "topic": topic, "prompt": text, "keep": why is None, "why": why}
+
+
+def _append(f, row: dict) -> None:
+    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def _check_sampling(topic: str, count: int, at_once: int, max_new_tokens: int, temperature: float, top_p: float):
     if topic not in TOPICS:
         raise SpdInputError(f"unknown topic '{topic}'; expected one of {', '.join(TOPICS)}")
-    if count < 1 or batch_size < 1 or max_new_tokens < 1:
+    if count < 1 or at_once < 1 or max_new_tokens < 1:
         raise SpdInputError(
-            f"count, batch size and max new tokens must be positive, got {count}, {batch_size} and {max_new_tokens}"
+            f"count, batch size (or concurrency) and max new tokens must be positive, got {count}, {at_once} and "
+            f"{max_new_tokens}"
         )
     if not (0 < temperature < float("inf") and 0 < top_p <= 1):
         raise SpdInputError(f"temperature must be positive and top_p in (0, 1], got {temperature} and {top_p}")
@@ -221,18 +239,10 @@ def write_instructions(
             for row_id, tokens in zip(batch, generated):
                 stop = next((k for k, t in enumerate(tokens) if t in eos_ids), None)
                 text = tokenizer.decode(tokens if stop is None else tokens[:stop], skip_special_tokens=True).strip()
-                why = _verdict(text, stop is not None, seen, benchmarks)
-                if why is None:
-                    seen.add(_normal(text))
-                    kept += 1
+                row = _sample_row(row_id, topic, text, stop is not None, seen, benchmarks)
+                kept += row["keep"]
                 new += 1
-                f.write(
-                    json.dumps(
-                        {"id": row_id, "topic": topic, "prompt": text, "keep": why is None, "why": why},
-                        ensure_ascii=False,
-                    )
-                    + "\n"
-                )
+                _append(f, row)
             f.flush()
             os.fsync(f.fileno())
             bar.update(len(batch))
@@ -243,5 +253,71 @@ def write_instructions(
         "sampled": new,
         "kept": kept,
         "skipped_done": len(done & set(ids)),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def write_instructions_served(
+    client: Client,
+    model: str,
+    tokenizer,
+    topic: str,
+    count: int,
+    out: str | os.PathLike,
+    benchmarks: BenchmarkFilter,
+    concurrency: int = 8,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    top_p: float = 0.95,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    """:func:`write_instructions`'s rows sampled by the server behind ``client`` serving ``model``: the prefix
+    (:func:`user_turn_ids`, rendered with the target's ``tokenizer`` here) as token ids to /v1/completions, each
+    sample seeded by its id, at most ``concurrency`` in flight, each row appended as it arrives; return statistics.
+
+    A sample ends at the model's EOS (the end of the user turn), where servers stop by default (the generation
+    config's EOS, as the in-process path): ``finish_reason`` "stop" is a finished request, "length" one cut off.
+    """
+    from tqdm import tqdm
+
+    _check_sampling(topic, count, concurrency, max_new_tokens, temperature, top_p)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = read_done(out)
+    seen = _kept(out)
+    prefix = user_turn_ids(tokenizer, TOPICS[topic])
+    ids = [f"{topic}-{seed}-{i}" for i in range(count)]
+    todo = [i for i in ids if i not in done]
+
+    def ask(row_id: str):
+        body = {
+            "model": model,
+            "prompt": prefix,  # token ids: exactly the rendered prefix, no BOS added or text re-tokenized
+            "max_tokens": max_new_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "seed": request_seed(seed, row_id),
+        }
+        return client.complete(body, chat=False)
+
+    kept, start = 0, time.perf_counter()
+    bar = tqdm(
+        total=count, initial=count - len(todo), desc=f"instructions ({topic})", unit="prompt", disable=not progress
+    )
+    with bar, open(out, "a", encoding="utf-8") as f:  # the bar ends its line before an error is printed
+        for row_id, answer in as_completed(ask, todo, concurrency):
+            row = _sample_row(row_id, topic, answer.text.strip(), answer.finish_reason == "stop", seen, benchmarks)
+            kept += row["keep"]
+            _append(f, row)
+            f.flush()
+            os.fsync(f.fileno())
+            bar.update(1)
+            bar.set_postfix(kept=kept)
+    return {
+        "topic": topic,
+        "sampled": len(todo),
+        "kept": kept,
+        "skipped_done": count - len(todo),
         "seconds": round(time.perf_counter() - start, 1),
     }
