@@ -77,6 +77,32 @@ def test_final_head_reports_agreement_per_fill(tiny_testbed, tmp_path):
 
 
 @pytest.mark.slow
+def test_named_eval_sets_are_each_measured_and_together(tiny_testbed, tmp_path):
+    """eval_data={text: A, code: B}: each set is evaluated on its own (the numbers a run with that set alone gives)
+    and the two together (positions add up), at every evaluation, step 0 (before training) included."""
+    val = tiny_testbed / "corpus" / "validation.jsonl"
+    code = tmp_path / "code.jsonl"
+    code.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n" for i in range(5)))
+    cfg = load_config(None, [f"eval_data={{text: {val}, code: {code}}}"])
+    assert cfg.eval_data == {"text": str(val), "code": str(code)}
+    named, alone = tmp_path / "named", tmp_path / "alone"
+    named_sets = f"eval_data={{text: {val}, code: {code}}}"
+    train(*distill_args(tiny_testbed, named, "max_steps=2", "save_every=0", "eval_steps=[0]", named_sets))
+    train(*distill_args(tiny_testbed, alone, "max_steps=2", "save_every=0", eval_data=val))
+    evals = json.loads((named / "summary.json").read_text())["evals"]
+    single = json.loads((alone / "summary.json").read_text())["evals"]
+    # Step 0 is the head before training (init_from's, here a fresh one); every evaluation has both sets.
+    assert [e["step"] for e in evals] == [0, 2] and all(set(e["sets"]) == {"text", "code"} for e in evals)
+    assert evals[0]["tokens_seen"] == 0 and evals[0]["sets"]["text"] != evals[1]["sets"]["text"]
+    sets = evals[-1]["sets"]
+    assert sets["text"]["top1_full"] == pytest.approx(single[-1]["top1_full"])
+    assert sets["text"]["L_acc_est"] == pytest.approx(single[-1]["L_acc_est"])
+    assert evals[-1]["positions"] == sets["text"]["positions"] + sets["code"]["positions"] > 0
+    with pytest.raises(SpdInputError, match="eval_data"):
+        load_config(None, ["eval_data={text: }"])
+
+
+@pytest.mark.slow
 def test_two_process_cpu_data_parallel(tiny_testbed, tmp_path):
     """Two real processes on gloo, launched by accelerate (torchrun underneath), both ranks training.
 
@@ -180,7 +206,7 @@ def _bad_input(tiny_testbed, tmp_path, args, expected, in_process):
         (["target_dtype=float16"], "target_dtype must be auto, float32 or bfloat16"),
         (["max_steps=ten"], "bad value for max_steps"),
         (["variant=medusa"], "variant must be one of"),
-        (["eval_steps=[0, 5]"], "eval_steps must be a list of steps of at least 1"),
+        (["eval_steps=[-1, 5]"], "eval_steps must be a list of steps of at least 0"),
         (["threads=0"], "threads must be at least 1"),
         (["--config", "/no/such.yaml"], "config file"),
     ],
@@ -324,6 +350,61 @@ def test_head_must_fit_the_target():
         check_compatible(head.config, StagedModel(tiny_model("llama"), boundaries=[0, 1, 2, 3, 8]))
     with pytest.raises(SpdInputError, match="target layers"):
         check_compatible(head.config, StagedModel(tiny_model("llama", layers=4), 4))
+
+
+def test_a_head_moved_to_another_draft_vocabulary_keeps_what_it_learned():
+    """with_draft_vocab: a token both vocabularies hold keeps the head's trained LM-head row (so its logit is
+    unchanged), a new token starts from the target's row, every other weight is the head's."""
+    from spd.training.distill import with_draft_vocab
+
+    staged = StagedModel(tiny_model("llama"), 4)
+    old_ids = torch.arange(0, 60, 2)  # even ids
+    head = new_head(staged, DistillConfig(n_stages=4), old_ids, None)
+    with torch.no_grad():
+        head.lm_head.weight.add_(torch.randn_like(head.lm_head.weight))  # "trained": far from the target's rows
+    new_ids = torch.arange(30, 70)  # half of it new (odd ids, and 60 and up)
+    moved = with_draft_vocab(head, staged, new_ids, "abc")
+    assert moved.config.draft_vocab_size == 40 and moved.config.draft_vocab_sha256 == "abc"
+    assert torch.equal(moved.draft_ids, new_ids)
+    for row, token in enumerate(new_ids.tolist()):
+        source = head.lm_head.weight[token // 2] if token < 60 and token % 2 == 0 else staged.lm_head.weight[token]
+        torch.testing.assert_close(moved.lm_head.weight[row], source)
+    same = {k: v for k, v in head.state_dict().items() if k not in ("lm_head.weight", "draft_ids")}
+    assert all(torch.equal(moved.state_dict()[k], v) for k, v in same.items())
+    hidden = torch.randn(1, 3, staged.config.hidden_size)
+    both = torch.tensor([30, 32, 58])
+    torch.testing.assert_close(moved.vocab_logits(hidden)[..., both], head.vocab_logits(hidden)[..., both])
+
+
+@pytest.mark.slow
+def test_init_from_with_a_draft_vocabulary_trains_on_the_new_datas_tokens(tiny_testbed, tmp_path):
+    """init_from + draft_vocab_size: the head starts on the new data's most frequent tokens and trains."""
+    from spd.heads.draft_vocab import select_draft_vocab, token_counts
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    train(*distill_args(tiny_testbed, first, "max_steps=2", "save_every=0", "draft_vocab_size=40", eval_data="none"))
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"f{i}?"}, {"role": "assistant", "content": f"{i}!"}]})
+            + "\n"
+            for i in range(40)
+        )
+    )
+    proc = train(
+        *distill_args(tiny_testbed, second, "max_steps=2", "save_every=0", "draft_vocab_size=24", eval_data="none"),
+        f"init_from={first / 'final'}",
+        f"data={chats}",
+    )
+    assert "moved to the data's draft vocabulary of 24 tokens" in proc.stdout + proc.stderr
+    head = Speculator.from_pretrained(second / "final")
+    from spd.data.prepare import DataConfig, prepare_dataset
+    from spd.target.staging import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_testbed / "target"))
+    ds = prepare_dataset(str(chats), tokenizer, DataConfig(max_length=48), str(tmp_path / "cache"))
+    counts = token_counts(zip(ds["input_ids"], ds["loss_mask"]), head.config.vocab_size)
+    assert torch.equal(head.draft_ids, select_draft_vocab(counts, 24))
 
 
 def test_fc_init_options():

@@ -8,6 +8,7 @@ Shape suffixes: B batch, N positions, D hidden, V vocabulary.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -62,7 +63,9 @@ class DistillConfig:
     # (data/capture.py: no target needed)
     data: str | list[str] = field(default_factory=lambda: _testbed("corpus", "train.jsonl"))
     data_revision: str | None = None
-    eval_data: str | None = field(default_factory=lambda: _testbed("corpus", "validation.jsonl"))
+    # held-out data: one dataset (or capture), or named sets ({chat: a.jsonl, math: b.jsonl}), each evaluated on its
+    # own (eval_rows rows each) and together
+    eval_data: str | dict[str, str] | None = field(default_factory=lambda: _testbed("corpus", "validation.jsonl"))
     max_length: int = 2048  # tokens per training row
     # each batch right-padded to a multiple of this many tokens (never past max_length), and the KD loss's last chunk
     # of positions too: few distinct shapes, so a CPU's kernel cache and heap stay flat over a long run
@@ -93,7 +96,8 @@ class DistillConfig:
     threads: int | None = None
     # evaluation, logging, checkpoints
     eval_every: int = 200  # optimizer steps (0 = only at the end)
-    eval_steps: list[int] | None = None  # evaluate at these steps as well (e.g. [25, 50, 100]: points of a data curve)
+    # evaluate at these steps as well (e.g. [25, 50, 100]: points of a data curve; 0: the head before training)
+    eval_steps: list[int] | None = None
     eval_rows: int = 64  # held-out rows used per evaluation
     log_every: int = 10
     wandb: bool = False  # log to Weights & Biases; its run files go to <output_dir>/wandb (needs wandb)
@@ -143,10 +147,11 @@ class DistillConfig:
             if getattr(self, name) < 0:
                 raise SpdInputError(f"{name} must be 0 or more, got {getattr(self, name)}")
         if self.eval_steps is not None and not all(
-            isinstance(step, int) and not isinstance(step, bool) and step >= 1 for step in self.eval_steps
+            isinstance(step, int) and not isinstance(step, bool) and step >= 0 for step in self.eval_steps
         ):
             raise SpdInputError(
-                f"eval_steps must be a list of steps of at least 1, e.g. [25, 50], got {self.eval_steps}"
+                f"eval_steps must be a list of steps of at least 0 (0: the head before training), e.g. [0, 25, 50], "
+                f"got {self.eval_steps}"
             )
         if self.draft_vocab_size < 0:
             raise SpdInputError(
@@ -200,6 +205,15 @@ def _coerce(value, type_text: str):
                 raise ValueError("expected a non-empty list of paths or dataset ids")
             return value[0] if len(value) == 1 else list(value)
         return str(value)
+    if base == "str | dict[str, str]":  # one held-out set, or named ones ({chat: a.jsonl} on the command line)
+        import yaml
+
+        value = yaml.safe_load(value) if isinstance(value, str) and value.lstrip().startswith("{") else value
+        if isinstance(value, dict):
+            if not value or not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in value.items()):
+                raise ValueError("expected a non-empty mapping of set names to paths, e.g. {chat: chat.jsonl}")
+            return dict(value)
+        return str(value)
     if base.startswith("list"):
         import yaml
 
@@ -250,7 +264,13 @@ def load_config(path: str | None, overrides: list[str]) -> DistillConfig:
 
     for key in ("data", "eval_data"):
         if key in raw:  # a key left out keeps its default; an explicit null stays null
-            raw[key] = [beside(v) for v in raw[key]] if isinstance(raw[key], list) else beside(raw[key])
+            value = raw[key]
+            if isinstance(value, list):
+                raw[key] = [beside(v) for v in value]
+            elif isinstance(value, dict):
+                raw[key] = {name: beside(v) for name, v in value.items()}
+            else:
+                raw[key] = beside(value)
     values = {}
     for key, value in raw.items():
         try:
@@ -321,6 +341,32 @@ def new_head(
             for layer in head.layers:
                 copy_target_layer(layer, staged, cfg.layer_init_from)
     return head
+
+
+def with_draft_vocab(head: Speculator, staged: StagedModel, draft_ids: torch.Tensor, sha256: str | None) -> Speculator:
+    """``head`` over the draft vocabulary ``draft_ids`` (sorted target ids): every other weight as it was, the LM-head
+    row of a token ``head`` had kept as trained, a new token's row the target's own (as :func:`new_head` starts)."""
+    device = head.lm_head.weight.device
+    draft_ids = draft_ids.to(device)
+    config = copy.deepcopy(head.config)
+    config.draft_vocab_size, config.draft_vocab_sha256 = len(draft_ids), sha256
+    moved = Speculator(config).to(device=device, dtype=head.lm_head.weight.dtype)
+    state = {k: v for k, v in head.state_dict().items() if k not in ("lm_head.weight", "draft_ids")}
+    missing, unexpected = moved.load_state_dict(state, strict=False)
+    assert set(missing) == {"lm_head.weight", "draft_ids"} and not unexpected, (missing, unexpected)
+    with torch.no_grad():
+        moved.draft_ids.copy_(draft_ids)
+        rows_D = staged.lm_head.weight[draft_ids.to(staged.lm_head.weight.device)].to(
+            device, moved.lm_head.weight.dtype
+        )
+        old_ids = head.draft_ids if head.draft_ids is not None else torch.arange(head.lm_head.weight.shape[0])
+        old_ids = old_ids.to(device)
+        # position of each new id in the old (sorted) vocabulary, and whether it is there
+        where = torch.searchsorted(old_ids, draft_ids).clamp(max=len(old_ids) - 1)
+        known = old_ids[where] == draft_ids
+        rows_D[known] = head.lm_head.weight[where[known]]
+        moved.lm_head.weight.copy_(rows_D)
+    return moved
 
 
 # head layer parameter -> the Hugging Face decoder layer's (Llama/Qwen3 layout); norms are read off separately
@@ -506,8 +552,25 @@ def evaluate(head: Speculator, staged: StagedModel, batches: list[dict], tau: fl
     ``kd_loss`` is their mean, ``top1_full`` the first draft's agreement and ``L_acc_est`` the expected
     acceptance length of ``--mode sd --draft-steps draft_steps`` (bonus included; ``alpha_est`` = L_acc / (m + 1)).
     """
-    cfg = head.config
-    n = cfg.max_fill
+    return eval_metrics(eval_sums(head, staged, batches, tau, chunk), head.config)
+
+
+@torch.no_grad()
+def evaluate_sets(head: Speculator, staged: StagedModel, sets: dict[str, list[dict]], tau: float, chunk: int) -> dict:
+    """:func:`evaluate` over every named set's batches together, with each set's own metrics under ``"sets"``."""
+    per_set = {name: eval_sums(head, staged, batches, tau, chunk) for name, batches in sets.items()}
+    together = {
+        a: [sum(sums[a][i] for sums in per_set.values()) for i in range(3)] for a in next(iter(per_set.values()))
+    }
+    return {
+        **eval_metrics(together, head.config),
+        "sets": {name: eval_metrics(sums, head.config) for name, sums in per_set.items()},
+    }
+
+
+def eval_sums(head: Speculator, staged: StagedModel, batches: list[dict], tau: float, chunk: int) -> dict:
+    """Per fill a = 1..n: [KD loss summed over positions, positions, positions where the head's top-1 agrees]."""
+    n = head.config.max_fill
     was_training = head.training
     head.eval()
     sums = {a: [0.0, 0, 0] for a in range(1, n + 1)}
@@ -521,6 +584,12 @@ def evaluate(head: Speculator, staged: StagedModel, batches: list[dict], tau: fl
             sums[a][1] += r.count
             sums[a][2] += r.agree
     head.train(was_training)
+    return sums
+
+
+def eval_metrics(sums: dict, cfg) -> dict:
+    """The metrics of :func:`evaluate` from :func:`eval_sums`' sums (``cfg``: the head's config)."""
+    n = cfg.max_fill
     agreement = {a: s[2] / max(1, s[1]) for a, s in sums.items()}
     if cfg.schedule == "serial":
         length = expected_serial_length(agreement, n)

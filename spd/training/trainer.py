@@ -30,6 +30,7 @@ from .distill import (
     commit_checkpoint,
     distill_step,
     evaluate,
+    evaluate_sets,
     latest_checkpoint,
     list_checkpoints,
     new_head,
@@ -37,6 +38,7 @@ from .distill import (
     scale_fc_init,
     teacher_anchors,
     teacher_pass,
+    with_draft_vocab,
     to_device,
     training_fills,
 )
@@ -71,8 +73,15 @@ def check_trackers(cfg) -> list[str]:
     return [name for name, on in (("wandb", cfg.wandb), ("tensorboard", cfg.tensorboard)) if on]
 
 
+def eval_sets(eval_data: str | dict[str, str] | None) -> dict[str, str]:
+    """``eval_data`` as named held-out sets (one unnamed set, ``""``, for a single path; none for None)."""
+    if not eval_data:
+        return {}
+    return dict(eval_data) if isinstance(eval_data, dict) else {"": eval_data}
+
+
 def load_target_and_data(cfg, accelerator):
-    """The frozen target and the rows: (target, train rows, eval rows or None, collate_fn, token_strings).
+    """The frozen target and the rows: (target, train rows, eval rows by set name, collate_fn, token_strings).
 
     ``token_strings(ids)`` gives the target tokenizer's strings of ``ids`` (None if unknown), read only when
     a draft vocabulary needs them.
@@ -95,16 +104,16 @@ def load_target_and_data(cfg, accelerator):
     if len(sources) == 1 and is_capture(sources[0]):
         target = CapturedTarget(sources[0], device=accelerator.device, **stages)
         train_ds = CapturedDataset(sources[0])
-        eval_ds = None
-        if cfg.eval_data:
-            if not is_capture(cfg.eval_data):
+        eval_ds = {}
+        for name, path in eval_sets(cfg.eval_data).items():
+            if not is_capture(path):
                 raise SpdInputError(
                     f"data is a capture, so eval_data must be one too (data/capture.py over the "
-                    f"held-out rows), got '{cfg.eval_data}'; or pass eval_data=none"
+                    f"held-out rows), got '{path}'; or pass eval_data=none"
                 )
-            eval_ds = CapturedDataset(cfg.eval_data)
-            if eval_ds.manifest["target_config"] != train_ds.manifest["target_config"]:
-                raise SpdInputError(f"the captures '{cfg.data}' and '{cfg.eval_data}' come from different targets")
+            eval_ds[name] = CapturedDataset(path)
+            if eval_ds[name].manifest["target_config"] != train_ds.manifest["target_config"]:
+                raise SpdInputError(f"the captures '{cfg.data}' and '{path}' come from different targets")
         if train_ds.teacher == "topk" and cfg.tau != 1:
             raise SpdInputError(
                 f"a top-k capture holds the teacher at temperature 1; train it with tau=1, got {cfg.tau}"
@@ -132,11 +141,10 @@ def load_target_and_data(cfg, accelerator):
             prepare_dataset(source, tokenizer, data_cfg, cfg.cache_dir, report=accelerator.print) for source in sources
         ]
         train_ds = parts[0] if len(parts) == 1 else concatenate_datasets(parts)  # shuffled by the loader
-        eval_ds = (
-            prepare_dataset(cfg.eval_data, tokenizer, data_cfg, cfg.cache_dir, report=accelerator.print)
-            if cfg.eval_data
-            else None
-        )
+        eval_ds = {
+            name: prepare_dataset(path, tokenizer, data_cfg, cfg.cache_dir, report=accelerator.print)
+            for name, path in eval_sets(cfg.eval_data).items()
+        }
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     collate_fn = partial(collate, pad_id=pad_id, multiple=cfg.pad_to_multiple_of, limit=cfg.max_length)
     return staged, train_ds, eval_ds, collate_fn, tokenizer.convert_ids_to_tokens
@@ -226,29 +234,49 @@ class Trainer:
                     f"head needs {missing} as well; capture with --stages {self.staged.n_stages} "
                     "(or --anchors)"
                 )
-        self.eval_batches = []
-        if eval_ds is not None:
-            rows = [eval_ds[i] for i in range(min(cfg.eval_rows, len(eval_ds)))]
-            self.eval_batches = [
+        self.eval_batches = {}  # held-out batches by set name
+        for name, ds in eval_ds.items():
+            rows = [ds[i] for i in range(min(cfg.eval_rows, len(ds)))]
+            self.eval_batches[name] = [
                 to_device(self.collate_fn(rows[i : i + cfg.batch_size]), self.accelerator.device)
                 for i in range(0, len(rows), cfg.batch_size)
             ]
         return cfg
 
     def _new_head(self, cfg: DistillConfig, token_strings):
-        """``init_from``'s head, or a new one (over a draft vocabulary of the data's most frequent tokens if asked)."""
+        """``init_from``'s head, or a new one (over a draft vocabulary of the data's most frequent tokens if asked).
+
+        ``init_from`` with ``draft_vocab_size`` moves the head to the draft vocabulary of the new data
+        (:func:`~spd.training.distill.with_draft_vocab`): a head trained on one kind of text starts on another
+        without a ceiling set by the tokens it cannot propose."""
         from ..heads.config import check_compatible
-        from ..heads.draft_vocab import check_draft_vocab, select_draft_vocab, token_counts, tokens_sha256
+        from ..heads.draft_vocab import check_draft_vocab
         from ..heads.speculator import Speculator
 
-        staged, train_ds = self.staged, self.train_ds
+        staged = self.staged
         if cfg.init_from:
             head = Speculator.from_pretrained(cfg.init_from, dtype=torch.float32).to(self.accelerator.device)
             check_compatible(head.config, staged)
             check_draft_vocab(head, staged.vocab_size)
+            if cfg.draft_vocab_size:
+                draft_ids, sha = self._draft_vocab(cfg, token_strings)
+                old_ids = head.draft_ids.cpu() if head.draft_ids is not None else draft_ids
+                kept = int(torch.isin(draft_ids, old_ids).sum())
+                head = with_draft_vocab(head, staged, draft_ids, sha)
+                self.say(
+                    f"[init] {cfg.init_from} moved to the data's draft vocabulary of {len(draft_ids)} tokens: "
+                    f"{kept} keep their trained rows, {len(draft_ids) - kept} start from the target's LM head"
+                )
             return head
         if not cfg.draft_vocab_size:
             return new_head(staged, cfg).float()
+        return new_head(staged, cfg, *self._draft_vocab(cfg, token_strings)).float()
+
+    def _draft_vocab(self, cfg: DistillConfig, token_strings) -> tuple[torch.Tensor, str | None]:
+        """The ``draft_vocab_size`` most frequent supervised tokens of the training data, and their strings' hash."""
+        from ..heads.draft_vocab import select_draft_vocab, token_counts, tokens_sha256
+
+        train_ds = self.train_ds
         rows = (
             train_ds.row_tokens()
             if self.offline
@@ -256,10 +284,9 @@ class Trainer:
                 pair for batch in train_ds.iter(batch_size=4096) for pair in zip(batch["input_ids"], batch["loss_mask"])
             )
         )
-        draft_ids = select_draft_vocab(token_counts(rows, staged.vocab_size), cfg.draft_vocab_size)
+        draft_ids = select_draft_vocab(token_counts(rows, self.staged.vocab_size), cfg.draft_vocab_size)
         strings = token_strings(draft_ids.tolist())
-        sha = tokens_sha256(strings) if strings is not None and None not in strings else None
-        return new_head(staged, cfg, draft_ids, sha).float()
+        return draft_ids, tokens_sha256(strings) if strings is not None and None not in strings else None
 
     def _prepare(self) -> None:
         """The FC scaling (``fc_init=scaled``), the loader, the optimizer and the schedule, under the accelerator."""
@@ -393,9 +420,11 @@ class Trainer:
     def run_eval(self) -> dict:
         cfg = self.cfg
         tokens = self.tokens_seen()
-        metrics = evaluate(
-            self.accelerator.unwrap_model(self.head), self.staged, self.eval_batches, cfg.tau, cfg.kd_chunk
-        )
+        head = self.accelerator.unwrap_model(self.head)
+        if isinstance(cfg.eval_data, dict):
+            metrics = evaluate_sets(head, self.staged, self.eval_batches, cfg.tau, cfg.kd_chunk)
+        else:
+            metrics = evaluate(head, self.staged, *self.eval_batches.values(), cfg.tau, cfg.kd_chunk)
         if not self.evals or self.evals[-1]["step"] != self.step:  # a resume may evaluate its last step again
             self.evals.append(
                 {"step": self.step, "tokens_seen": tokens, "train_minutes": self.elapsed_s() / 60, **metrics}
@@ -406,8 +435,11 @@ class Trainer:
             f"{metrics['top1_full']:.4f}, by fill {metrics['top1_by_fill']}, {length} est "
             f"{metrics['L_acc_est']:.3f}"
         )
+        for name, m in metrics.get("sets", {}).items():
+            self.say(f"[eval] step {self.step}: {name}: top-1 {m['top1_full']:.4f}, {length} est {m['L_acc_est']:.3f}")
         logs = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, float)}
         logs.update({f"eval/top1_fill{fill}": v for fill, v in metrics["top1_by_fill"].items()})
+        logs.update({f"eval/{name}/L_acc_est": m["L_acc_est"] for name, m in metrics.get("sets", {}).items()})
         self.accelerator.log(logs, step=self.step)
         return metrics
 
@@ -421,6 +453,8 @@ class Trainer:
         self.bar = tqdm(total=self.total_steps, initial=self.step, desc="distill", unit="step", disable=not self.main)
         self.window = [0.0, 0, 0]  # KD loss, agreeing positions, positions since the last log line
         stop = self.step >= self.total_steps
+        if self.eval_batches and self.step == 0 and 0 in (self.cfg.eval_steps or ()):
+            self.run_eval()  # the starting head (init_from's), the baseline its training is measured against
         while not stop:
             stop = self.epoch()
         self.bar.close()
