@@ -5,8 +5,9 @@ model's own continuations of prefixes of a text corpus, stored as text.
     python data/regenerate.py --target my-chat-model --prompts prompts.jsonl --out chats.jsonl --temperature 0.7
     python data/regenerate.py --target testbed/target --texts testbed/corpus/train.jsonl:8192 --out texts.jsonl
 
-``--prompts`` is a jsonl file of ``{"prompt": ...}`` rows (an ``"id"`` is optional; the row number is used
-otherwise; rows with ``"keep": false``, the samples data/self_instruct.py rejected, are left out) or
+``--prompts`` is a jsonl file of ``{"prompt": ...}`` rows or of ``{"messages": [...]}`` rows (the first user turn is
+the prompt; an ``"id"`` is optional, the row number is used otherwise; rows with ``"keep": false``, the samples
+data/self_instruct.py rejected, are left out) or
 ``stdlib[:N]``: N coding instructions made from the Python standard library's documented functions
 (spd/data/instructions.py); ``--skip N`` leaves out the first N. ``--texts FILE[:N]`` is for a base model (no chat
 template): N prefixes (default: one per row) of the ``"text"`` of FILE's jsonl rows, each a run of whole lines from a line drawn with
@@ -49,6 +50,16 @@ def json_lines(path: str, key: str):
         yield number, row
 
 
+def _prompt_of(row) -> str | None:
+    """A row's request: its ``"prompt"``, or the first user turn of its ``"messages"`` (an evaluation set's shape)."""
+    if not isinstance(row, dict):
+        return None
+    if "prompt" in row or not isinstance(row.get("messages"), list):
+        return row.get("prompt")
+    user = [m for m in row["messages"] if isinstance(m, dict) and m.get("role") == "user"]
+    return user[0].get("content") if user else None
+
+
 def read_prompts(spec: str) -> list[dict]:
     """``{"id", "prompt"}`` rows from a jsonl file or ``stdlib[:N]``."""
     from spd.errors import SpdInputError
@@ -66,9 +77,12 @@ def read_prompts(spec: str) -> list[dict]:
     for number, row in json_lines(spec, "prompt"):
         if isinstance(row, dict) and row.get("keep") is False:  # a sample data/self_instruct.py rejected
             continue
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-            raise SpdInputError(f'{spec}:{number} has no non-empty "prompt" string')
-        rows.append({"id": str(row.get("id", number)), "prompt": row["prompt"]})
+        prompt = _prompt_of(row)
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise SpdInputError(
+                f'{spec}:{number} has no non-empty "prompt" string (or "messages" list with a user turn)'
+            )
+        rows.append({"id": str(row.get("id", number)), "prompt": prompt})
     if not rows:
         raise SpdInputError(f"the prompts file '{spec}' has no prompts")
     if len({r["id"] for r in rows}) != len(rows):

@@ -110,6 +110,14 @@ def test_regenerate_skips_rejected_samples_and_bad_topics_are_one_error(tmp_path
         + "\n"
     )
     assert [r["id"] for r in read_prompts(str(prompts))] == ["a"]
+    # An evaluation set's rows (docs/results/self-eval/): the first user turn of "messages" is the prompt.
+    chats = tmp_path / "chats.jsonl"
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
+    chats.write_text(json.dumps({"id": "c", "messages": turns}) + "\n" + json.dumps({"messages": turns[:1]}) + "\n")
+    with pytest.raises(SpdInputError, match=r'chats.jsonl:2 has no non-empty "prompt" string \(or "messages"'):
+        read_prompts(str(chats))
+    chats.write_text(json.dumps({"id": "c", "messages": turns}) + "\n")
+    assert read_prompts(str(chats)) == [{"id": "c", "prompt": "Hi?"}]
     with pytest.raises(SpdInputError, match="unknown topic"):
         write_instructions(None, None, "poetry", 1, tmp_path / "x.jsonl", BenchmarkFilter([]))
     proc = run_script(
