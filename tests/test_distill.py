@@ -244,6 +244,12 @@ def test_presets_load_and_override(tmp_path):
     assert n4.n_stages == 4 and n4.boundaries == n4_capture.boundaries == [0, 8, 16, 23, 30]
     kept = ("data", "eval_data", "epochs", "lr", "warmup_steps", "batch_size", "target_dtype", "draft_vocab_size")
     assert all(getattr(n4, key) == getattr(epoch, key) for key in kept)
+    # The chat, math and code heads start from the epoch heads, on their cuts, measured per kind of request.
+    for n, start in ((8, epoch), (4, n4)):
+        self_cfg = load_config(str(REPO / "configs" / f"smollm2-n{n}-self.yaml"), [])
+        assert self_cfg.init_from == f"runs/smollm2-n{n}-epoch/final" and self_cfg.boundaries == start.boundaries
+        assert set(self_cfg.eval_data) == {"chat", "math", "code", "stdlib"} and 0 in self_cfg.eval_steps
+        assert self_cfg.draft_vocab_size == start.draft_vocab_size and len(self_cfg.data) > 1
     no_eval = tmp_path / "no-eval.yaml"
     no_eval.write_text("target: /m/target\ndata: '{target}/../d.jsonl'\neval_data: null\n")
     assert (load_config(str(no_eval), []).data, load_config(str(no_eval), []).eval_data) == ("/m/d.jsonl", None)

@@ -165,3 +165,67 @@ def test_own_evaluation_prompts_are_excluded_also_from_rows_written_before(tmp_p
     bad.write_text('{"question": "no prompt here"}\n')
     with pytest.raises(SpdInputError, match="line 1 has no prompt"):
         prompt_texts(bad)
+
+
+@pytest.mark.slow
+def test_the_self_data_job_writes_every_topic_and_holds_out_the_eval_sets(tiny_testbed, tmp_path):
+    """scripts/smollm2_self_data.sh on the testbed's chat target, tiny counts: requests, greedy and sampled answers and
+    the held-out answers per topic, and no kept request overlaps docs/results/self-eval/ (each step's resume is the
+    scripts' own, tested beside them)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from spd.data.self_instruct import prompt_texts
+
+    (tmp_path / "target").symlink_to(tiny_testbed / "target")
+    env = {
+        **os.environ,
+        "SPD_SMOLLM2": str(tmp_path),
+        "SPD_VENV": str(__import__("pathlib").Path(sys.executable).parents[1]),
+        "SPD_SELF_COUNTS": "chat:6 math:4 code:4",
+        "ROUNDS": "1",
+        "SPD_THREADS": "1",
+    }
+
+    def job():
+        return subprocess.run(
+            ["bash", str(REPO / "scripts" / "smollm2_self_data.sh")],
+            capture_output=True, text=True, timeout=900, env=env, cwd=REPO,
+        )  # fmt: skip
+
+    # A random tiny model seldom ends a request within 64 tokens, so most of its samples are cut off: the first rows
+    # of each topic are written as if sampled before, one of them a held-out evaluation request, which the job must
+    # turn away ("rows already in --out are checked again").
+    out = tmp_path / "data" / "self"
+    out.mkdir(parents=True)
+    evals = {t: prompt_texts(REPO / "docs" / "results" / "self-eval" / f"{t}.jsonl") for t in ("chat", "math", "code")}
+    for topic in ("chat", "math", "code"):
+        rows = [
+            {
+                "id": f"{topic}-1-{i}",
+                "topic": topic,
+                "prompt": f"Question {i} about {topic}?",
+                "keep": True,
+                "why": None,
+            }
+            for i in range(3)
+        ]
+        rows[0]["prompt"] = evals[topic][-1]
+        (out / f"prompts-{topic}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = job()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    held_out = BenchmarkFilter([text for texts in evals.values() for text in texts])
+    for topic, count in (("chat", 6), ("math", 4), ("code", 4)):
+        rows = [json.loads(line) for line in (out / f"prompts-{topic}.jsonl").read_text().splitlines()]
+        assert len(rows) == count and all(r["topic"] == topic for r in rows)
+        assert (rows[0]["keep"], rows[0]["why"]) == (False, "benchmark overlap")
+        kept = {r["id"] for r in rows if r["keep"]}
+        assert {f"{topic}-1-1", f"{topic}-1-2"} <= kept
+        assert not any(held_out.overlaps(r["prompt"]) for r in rows if r["keep"])
+        for answers in (f"greedy-{topic}.jsonl", f"t0.8-{topic}.jsonl"):
+            ids = [json.loads(line)["id"] for line in (out / answers).read_text().splitlines()]
+            assert sorted(ids) == sorted(kept)
+        heldout = [json.loads(line)["id"] for line in (out / f"heldout-{topic}.jsonl").read_text().splitlines()]
+        assert len(heldout) == len(evals[topic])
