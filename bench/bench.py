@@ -51,6 +51,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from spd.decoding.modes import RULES
 from spd.decoding.spec import DecodingSpec
 from spd.errors import SpdInputError, run_cli
 from spd.files import write_json_atomic
@@ -343,8 +344,7 @@ def _bench(args, runs: list[Run]) -> int:
 
     from spd.decoding.factory import build_engine
     from spd.decoding.spec import DecodingSpec
-    from spd.heads.loading import load_speculator
-    from spd.target.staging import StagedModel, load_tokenizer, split_layers
+    from spd.target.staging import StagedModel, load_tokenizer
 
     transformers.utils.logging.set_verbosity_error()
     if args.threads:
@@ -353,15 +353,6 @@ def _bench(args, runs: list[Run]) -> int:
     dataset, prompts = load_prompts(args.prompts, tokenizer, args.num_prompts)
     dtype, device = getattr(torch, args.dtype), args.device
     base = StagedModel.from_pretrained(args.target, n_stages=1, dtype=dtype, device=device)
-    staged_by_cut: dict[tuple[int, ...], StagedModel] = {(0, base.num_layers): base}
-
-    def staged(n: int, boundaries: list[int] | None = None) -> StagedModel:
-        """The target cut into n stages (equal) or at ``boundaries``; one model, one wrapper per cut."""
-        cut = tuple(split_layers(base.num_layers, None if boundaries else n, boundaries))
-        if cut not in staged_by_cut:
-            staged_by_cut[cut] = StagedModel(base.model, boundaries=list(cut))
-        return staged_by_cut[cut]
-
     # A run without an explicit cut takes the cut of a head with the same n in this benchmark (pp:4 next to an
     # uneven n = 4 head runs the head's pipeline), else the equal one.
     head_cuts = {
@@ -372,54 +363,10 @@ def _bench(args, runs: list[Run]) -> int:
     engines: dict[str, object] = {}
     info: dict[str, dict] = {}
     for run in runs:
-        if run.mode == "sd":
-            steps = run.spec.draft_steps
-            head = load_speculator(run.spec.speculator, dtype=dtype, device=device) if run.spec.speculator else None
-            engines[run.name] = build_engine(run.spec, staged(1), head, tokenizer, dtype, device)
-            info[run.name] = {
-                "mode": "sd",
-                "stages": 1,
-                "head": run.source if head else None,
-                "draft": None if head else run.source,
-                "draft_steps": steps,
-                "variant": f"sd-{'eagle' if head else 'draft'} m={steps}",
-                "speculator_layers": engines[run.name].draft_layers,
-            }
-            continue
-        if run.mode == "tree":
-            n = _stages(run)
-            engines[run.name], info[run.name] = _tree_run(
-                run,
-                staged(n, run.spec.boundaries or head_cuts.get(n)),
-                tokenizer,
-                args.tree_max_width,
-                dtype,
-                device,
-            )
-            continue
-        head = load_speculator(run.spec.speculator, dtype=dtype, device=device) if run.spec.speculator else None
-        n = head.config.n_stages if head is not None else _stages(run)
-        cut = head.config.boundaries if head is not None else run.spec.boundaries or head_cuts.get(n)
-        engines[run.name] = build_engine(run.spec, staged(n, cut), head, tokenizer, dtype, device)
-        n = engines[run.name].staged.n_stages
-        variant = (
-            "ar"
-            if run.mode == "ar"
-            else "pp"
-            if head is None
-            else ("ppsd" if head.config.max_depth == 1 else f"spd-{head.config.schedule}")
-        )
-        info[run.name] = {
-            "mode": run.mode,
-            "stages": n,
-            "boundaries": engines[run.name].staged.boundaries,
-            "head": run.spec.speculator,
-            "variant": variant,
-            "speculator_layers": head.config.num_layers if head is not None else 0,
-        }
+        engines[run.name], info[run.name] = _load_run(run, args, base, tokenizer, head_cuts)
     if "ar" not in {r.mode for r in runs} and 0.0 in args.temperatures:
         runs.append(Run("ar", DecodingSpec("ar")))  # the lossless reference at T=0
-        engines["ar"] = build_engine(DecodingSpec("ar"), base, None, tokenizer, dtype, device)
+        engines["ar"] = build_engine(DecodingSpec("ar"), base, None, tokenizer)
         info["ar"] = {"mode": "ar", "stages": 1, "head": None, "variant": "ar", "speculator_layers": 0}
 
     results: dict[str, dict] = {}
@@ -533,7 +480,7 @@ def _bench(args, runs: list[Run]) -> int:
     return 0
 
 
-BATCHED_MODES = ("spd", "pp", "tree")  # what the batched pipeline runs
+BATCHED_MODES = tuple(name for name, mode in RULES.items() if mode.batched)  # what the batched pipeline runs
 
 
 def _record(out, run: Run, info: dict) -> dict:
@@ -683,17 +630,55 @@ def _is_head(source: str) -> bool:
     return config.is_file() and json.loads(config.read_text()).get("model_type") == SpeculatorConfig.model_type
 
 
-def _tree_run(run: Run, staged, tokenizer, max_width: int, dtype, device):
-    """The tree engine of a tree run and its info row."""
-    from spd.decoding.factory import build_engine
-    from spd.heads.loading import load_speculator
+def _load_run(run: Run, args, base, tokenizer, head_cuts: dict[int, list[int]]) -> tuple[object, dict]:
+    """A run's engine over the benchmark's one target model (the loader's cut, head and draft model) and its info
+    row."""
+    from spd.decoding.factory import load_pipeline
+    from spd.decoding.loader import resolve_cut
 
-    spec = dataclasses.replace(run.spec, tree_max_width=max_width)
-    head = load_speculator(spec.speculator, dtype=dtype, device=device) if spec.speculator else None
-    engine = build_engine(spec, staged, head, tokenizer, dtype, device)
+    spec = dataclasses.replace(
+        run.spec, target=args.target, dtype=args.dtype, device=args.device, tree_max_width=args.tree_max_width
+    )
+    if run.mode in ("pp", "tree") and spec.boundaries is None:
+        spec.boundaries = head_cuts.get(_stages(run))
+    cut = resolve_cut(spec)
+    parts = load_pipeline(spec, tokenizer, cut, cut.over(base.model))
+    engine, head = parts.engine, parts.head
+    if run.mode == "sd":
+        steps = spec.draft_steps
+        return engine, {
+            "mode": "sd",
+            "stages": 1,
+            "head": run.source if head else None,
+            "draft": None if head else run.source,
+            "draft_steps": steps,
+            "variant": f"sd-{'eagle' if head else 'draft'} m={steps}",
+            "speculator_layers": engine.draft_layers,
+        }
+    if run.mode == "tree":
+        return engine, _tree_info(spec, engine, head)
+    variant = (
+        "ar"
+        if run.mode == "ar"
+        else "pp"
+        if head is None
+        else ("ppsd" if head.config.max_depth == 1 else f"spd-{head.config.schedule}")
+    )
+    return engine, {
+        "mode": run.mode,
+        "stages": engine.staged.n_stages,
+        "boundaries": engine.staged.boundaries,
+        "head": run.spec.speculator,
+        "variant": variant,
+        "speculator_layers": head.config.num_layers if head is not None else 0,
+    }
+
+
+def _tree_info(spec: DecodingSpec, engine, head) -> dict:
+    """A tree run's info row."""
     kind, layers = ("spd", head.config.num_layers) if head is not None else ("draft", 0)
-    width, children = spec.tree_width, spec.tree_children
-    info = {
+    width, children, max_width = spec.tree_width, spec.tree_children, spec.tree_max_width
+    return {
         "mode": "tree",
         "stages": engine.staged.n_stages,
         "head": spec.speculator,
@@ -705,7 +690,6 @@ def _tree_run(run: Run, staged, tokenizer, max_width: int, dtype, device):
         "variant": f"tree-{kind} W={width} K={children}",
         "speculator_layers": layers,
     }
-    return engine, info
 
 
 def render_table(results: dict) -> str:

@@ -619,10 +619,9 @@ def _bench(args) -> int:
     import torch
     import transformers
 
-    from spd.decoding.factory import build_engine
+    from spd.decoding.factory import build_engine, load_pipeline
     from spd.decoding.spec import DecodingSpec
-    from spd.heads.loading import load_speculator, pipeline_cut
-    from spd.target.staging import StagedModel, load_tokenizer
+    from spd.target.staging import load_tokenizer
     from bench.bench import load_prompts
 
     transformers.utils.logging.set_verbosity_error()
@@ -662,10 +661,10 @@ def _bench(args) -> int:
         if args.stage_ms is None:
             args.stage_ms, args.token_ms = args.emulate_stage_ms, args.emulate_token_ms
     else:
-        stages, boundaries = pipeline_cut(args.stages, None, args.speculator, None, args.target, None)
-        staged = StagedModel.from_pretrained(args.target, n_stages=stages, boundaries=boundaries)
-        head = load_speculator(args.speculator, target=staged) if args.speculator is not None else None
-        engine = build_engine(decoding, staged, head, tokenizer)
+        parts = load_pipeline(
+            DecodingSpec.of(decoding, target=args.target, stages=args.stages, speculator=args.speculator), tokenizer
+        )
+        engine, staged = parts.engine, parts.staged
     engines = {mode: engine, "pp": engine}
     if tree:  # the standard pipeline over the same stages
         engines["pp"] = build_engine(DecodingSpec("pp"), staged, None, tokenizer, stages=engine.stages)

@@ -150,13 +150,16 @@ def cuts(model, args, device) -> list[tuple[StagedModel, object]]:
     into each ``--stages`` n with an untrained head."""
     if args.speculator is None:
         return [(staged := cut(model, n), new_head(staged, DistillConfig(n_stages=n)).eval()) for n in args.stages]
-    from spd.heads.loading import load_speculator, pipeline_cut
+    from spd.decoding.loader import load_parts, resolve_cut
+    from spd.decoding.spec import DecodingSpec
 
     pairs = []
     for path in args.speculator:
-        stages, boundaries = pipeline_cut(None, None, path, None, args.target)
-        staged = StagedModel(model, n_stages=stages, boundaries=boundaries)
-        pairs.append((staged, load_speculator(path, dtype=model.dtype, device=device, target=staged)))
+        dtype = str(model.dtype).removeprefix("torch.")
+        spec = DecodingSpec("spd", target=args.target, speculator=path, dtype=dtype, device=str(device))
+        head_cut = resolve_cut(spec)  # the head's own cut, checked against the target
+        parts = load_parts(spec, None, head_cut, head_cut.over(model))
+        pairs.append((parts.staged, parts.head))
     return pairs
 
 

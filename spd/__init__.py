@@ -7,8 +7,9 @@ The public API, imported on first use (``import spd`` stays light: no torch unti
     print(engine.generate("def fib(n):", max_new_tokens=64).text)
 
 - :class:`Engine` - the pipelined engine (``pp``, ``spd``, ``tree``; ``ar`` for reference), and
-  :class:`SpeculativeDecoder` - serial drafting (``sd``); :func:`build_engine` with a :class:`DecodingSpec` builds
-  either from loaded parts, as the CLIs do;
+  :class:`SpeculativeDecoder` - serial drafting (``sd``); :func:`load_pipeline` with a :class:`DecodingSpec` resolves
+  the cut, loads the target and the head or draft model and builds either, as every program does;
+  :func:`build_engine` builds one from loaded parts;
 - :class:`BatchedPipeline` - many requests at once through one engine's target;
 - :class:`StagedModel` - a Hugging Face causal LM cut into pipeline stages; :func:`generate_ar` - its plain
   autoregressive decoding;
@@ -28,6 +29,7 @@ _EXPORTS = {
     "Engine": "spd.decoding.engine",
     "SpeculativeDecoder": "spd.decoding.sd",
     "build_engine": "spd.decoding.factory",
+    "load_pipeline": "spd.decoding.factory",
     "DecodingSpec": "spd.decoding.factory",
     "BatchedPipeline": "spd.decoding.batch",
     "SamplingParams": "spd.decoding.sampling",

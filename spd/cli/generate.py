@@ -29,8 +29,6 @@ from pathlib import Path
 
 from spd.decoding.spec import DecodingSpec, finite_float, positive_int
 from spd.errors import SpdInputError, run_cli
-from spd.paths import check_model_source
-from spd.heads.published.authors_file import is_authors_file
 
 
 class _Parser(argparse.ArgumentParser):
@@ -211,18 +209,11 @@ def run(args) -> int:
     prompt = _read_prompt(args)
     if args.runtime == "distributed":
         return run_distributed(args, prompt)
-    check_model_source(args.target, "target")
-    if args.speculator is not None and not is_authors_file(args.speculator):
-        check_model_source(args.speculator, "speculator")
-    if args.draft_model is not None:
-        check_model_source(args.draft_model, "draft model")
-    import torch
+    from spd.decoding.factory import load_pipeline
+    from spd.decoding.loader import resolve_cut
 
-    from spd.decoding.factory import build_engine
-    from spd.decoding.spec import DecodingSpec
-    from spd.heads.loading import load_speculator, pipeline_cut
-    from spd.target.staging import StagedModel
-
+    spec = DecodingSpec.of(args)
+    cut = resolve_cut(spec)  # the sources, the cut and the head's fit: one line each, before anything loads
     _quiet_libraries()
     tokenizer = load_cli_tokenizer(args, prompt)
     if isinstance(prompt, list):
@@ -238,18 +229,9 @@ def run(args) -> int:
         prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         prompt_ids = tokenizer(prompt)["input_ids"]
-    dtype = getattr(torch, args.dtype)
-    stages, boundaries = pipeline_cut(
-        args.stages, args.boundaries, args.speculator, args.speculator_revision, args.target, args.revision
-    )
-    staged = StagedModel.from_pretrained(
-        args.target, n_stages=stages, boundaries=boundaries, revision=args.revision, dtype=dtype, device=args.device
-    )
-    head = None
-    if args.speculator is not None:
-        head = load_speculator(args.speculator, args.speculator_revision, dtype, args.device, target=staged)
-    check_prompt_ids(prompt_ids, staged.vocab_size)
-    engine = build_engine(DecodingSpec.of(args), staged, head, tokenizer, dtype, args.device)
+    parts = load_pipeline(spec, tokenizer, cut)
+    check_prompt_ids(prompt_ids, parts.staged.vocab_size)
+    engine = parts.engine
     streamer = None if args.json else TokenStreamer(tokenizer, sys.stdout, colour=args.show_acceptance)
     out = engine.generate(
         prompt_ids,
@@ -342,28 +324,11 @@ def run_distributed(args, prompt: str | list[int]) -> int:
 
 
 def _world_stages(args) -> int:
-    """The pipeline's stage count, checked here before any process starts: the cut's (against the target's layers),
-    else --stages, else the head's; a head made for another n is one error."""
-    check_model_source(args.target, "target")
-    if args.draft_model is not None:
-        check_model_source(args.draft_model, "draft model")
-    stages = args.stages
-    if args.boundaries:  # the cut decides the world size; checked against the target's layers here
-        from spd.target.staging import split_layers, target_num_layers
+    """The pipeline's stage count, checked here before any process starts (the loader's cut: a head made for
+    another target or n is one error)."""
+    from spd.decoding.loader import resolve_cut
 
-        num_layers = target_num_layers(args.target, args.revision)
-        stages = len(split_layers(num_layers, stages, args.boundaries)) - 1
-    if args.speculator is not None:
-        from spd.heads.loading import speculator_stages
-
-        head_stages = speculator_stages(args.speculator, args.speculator_revision)
-        stages = stages or head_stages
-        if head_stages != stages:
-            raise SpdInputError(
-                f"the speculator does not fit this target: it was trained for n = "
-                f"{head_stages} stages but the pipeline has {stages}"
-            )
-    return stages or 1
+    return resolve_cut(DecodingSpec.of(args)).n_stages
 
 
 def _rank_command(args, prompt: str | list[int], stages: int) -> list[str]:

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from spd.decoding.modes import PIPELINED, check_proposer
 from spd.decoding.spec import DecodingSpec, check_runtime_numbers, default_mode
 from spd.errors import SpdInputError, cli_error, run_cli
 from spd.cli.batch_flags import add_prefill_flags, check_prefill_flags
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode",
         nargs="+",
         default=None,
-        choices=("spd", "pp", "tree"),
+        choices=PIPELINED,
         help="one or more modes, run one after another on the same processes (default: spd with "
         "--speculator, tree with only --draft-model, else spd, which needs --speculator)",
     )
@@ -150,8 +151,14 @@ def _run_world(args, config) -> int:
         if rank != 0:
             from spd.runtime.loading import load_partial
 
-            # Load before joining: once the world is complete every stage is ready for the first request.
-            staged = load_partial(args.target, n, rank, args.revision, dtype, device, _boundaries(args, n))
+            from spd.heads.loading import pipeline_cut
+
+            # Load before joining: once the world is complete every stage is ready for the first request. Rank 0
+            # checks the head against the cut (_cut); a stage needs only the boundaries, derived the same way.
+            _, boundaries = pipeline_cut(
+                n, args.boundaries, args.speculator, args.speculator_revision, args.target, args.revision
+            )
+            staged = load_partial(args.target, n, rank, args.revision, dtype, device, boundaries)
         rank, world, control = init_distributed(config)
         if rank == 0:
             _driver(args, n, config, control, device, dtype)
@@ -168,51 +175,50 @@ def _run_world(args, config) -> int:
         return 1
 
 
-def _boundaries(args, n: int) -> list[int] | None:
-    """The cut every rank loads: --boundaries, else the speculator's own cut when it has n stages, else equal."""
-    from spd.heads.loading import pipeline_cut
+def _cut(args, n: int):
+    """Rank 0's cut (the loader's: --boundaries, else the speculator's own cut, else equal) for a world of ``n``
+    stages, the head checked against it."""
+    from spd.decoding.loader import resolve_cut
 
-    stages, boundaries = pipeline_cut(
-        n, args.boundaries, args.speculator, args.speculator_revision, args.target, args.revision
-    )
-    return boundaries
+    return resolve_cut(_spec(args, n))
+
+
+def _spec(args, n: int, mode: str | None = None, device=None) -> DecodingSpec:
+    """The decoding settings of this world (``mode``: one of its --mode values)."""
+    overrides = {"device": str(device)} if device is not None else {}
+    return DecodingSpec.of(args, mode=mode or args.mode[0], stages=n, **overrides)
 
 
 def _driver(args, n: int, config, control, device, dtype) -> None:
     from spd.decoding.factory import build_engine
-    from spd.decoding.spec import DecodingSpec
+    from spd.decoding.loader import load_parts
     from spd.target.staging import load_target_tokenizer
     from spd.runtime.handshake import check_same_job, job_identity
     from spd.runtime.loading import load_partial
     from spd.runtime.protocol import PipelineLost
     from spd.runtime.remote import RemoteStages
     from spd.decoding.batch import check_step_tokens, full_batch_width
-    from spd.heads.loading import load_speculator
 
-    if "spd" in args.mode and args.speculator is None:
-        raise SpdInputError("--mode spd needs --speculator DIR_OR_ID")
-    if "tree" in args.mode and (args.draft_model is None) == (args.speculator is None):
-        raise SpdInputError("--mode tree needs one token source: --draft-model DIR_OR_ID or --speculator DIR_OR_ID")
+    for mode in args.mode:
+        check_proposer(mode, args.speculator is not None, args.draft_model is not None)
     tokenizer = load_target_tokenizer(args.target, args.revision, args.tokenizer)  # None: a target without one
     if tokenizer is None and args.prompt_ids is None:
         raise SpdInputError(f"the target '{args.target}' has no tokenizer; pass --tokenizer DIR_OR_ID or --prompt-ids")
     prompts = _prompts(args, tokenizer)
-    staged = load_partial(args.target, n, 0, args.revision, dtype, device, _boundaries(args, n))
+    cut = _cut(args, n)
+    staged = load_partial(args.target, n, 0, args.revision, dtype, device, cut.boundaries)
     check_same_job(job_identity(args.target, args.revision, staged, dtype, config), control)
-    head = (
-        load_speculator(args.speculator, args.speculator_revision, dtype, device, target=staged)
-        if args.speculator
-        else None
-    )
+    parts = load_parts(_spec(args, n, device=device), tokenizer, cut, staged)
+    head, draft = parts.head, parts.draft
     remote = RemoteStages(staged, config, control)
     results: dict[str, list[dict]] = {}
     clocks: dict[str, dict] = {}  # per mode, where each rank's time went (--out)
     lost = False
     try:
-        chain = build_engine(DecodingSpec.of(args, mode="pp"), staged, head, tokenizer, dtype, device, remote)
+        chain = build_engine(_spec(args, n, "pp"), staged, head, tokenizer, stages=remote)
         tree = None
         if "tree" in args.mode:
-            tree = build_engine(DecodingSpec.of(args, mode="tree"), staged, head, tokenizer, dtype, device, remote)
+            tree = build_engine(_spec(args, n, "tree"), staged, head, tokenizer, draft, remote)
         for engine in (chain, tree):  # a budget too small for a full batch, before any mode runs
             if engine is not None and args.max_batch > 1:
                 width = full_batch_width(

@@ -6,8 +6,8 @@ tree. A chain (``pp``, ``spd``) is the loop at width 1 (every tree level one tok
 output-state ablation, PPSD and the SPD authors' heads) or with none (``pp``). A tree (``tree``) is the loop with a
 proposer of width ``W`` (``--tree-width``, fixed or adaptive: :mod:`spd.decoding.tree_width`) and at most ``K``
 children per node (``--tree-children``): an SPD head or a draft model (:mod:`spd.decoding.proposers`).
-:meth:`Engine.from_pretrained` loads a target and its proposer by name; :meth:`Engine.chain` and
-:meth:`Engine.tree` build one from loaded parts.
+:meth:`Engine.from_pretrained` loads a target and its proposer by name (through :mod:`spd.decoding.loader`, as
+every program does); :meth:`Engine.build`, :meth:`Engine.chain` and :meth:`Engine.tree` build one from loaded parts.
 
 The target is cut into ``n`` stages, each with its own KV cache. Every **step** each in-flight token
 advances by one stage; the token that completes stage ``n`` exits, its final hidden state gives the
@@ -51,10 +51,11 @@ from ..heads.speculator import Speculator
 from ..target.staging import StagedModel, load_target_tokenizer
 from .generation import GenerationOutput, OnToken
 from .loop import LocalStages, StepLoop, verify_sampled
-from .proposers import DraftModelProposer, HeadProposer, Proposer, SpdHeadProposer, load_draft_model
+from .proposers import Draft, DraftModelProposer, HeadProposer, Proposer, SpdHeadProposer, load_draft_model
 from .request import Generates
 from .sampling import SamplingParams
-from .spec import CANDIDATES
+from .modes import NEEDS_HEAD, NEEDS_PROPOSER, check_engine_mode
+from .spec import CANDIDATES, DecodingSpec
 from .stats import PipelineStats, TreeStats
 from .tree_width import AdaptiveWidth, FixedWidth, tree_width
 
@@ -87,15 +88,10 @@ class Engine(Generates):
     ):
         one_wide = width == 1 or (isinstance(width, FixedWidth) and width.max_width == width.max_children == 1)
         mode = mode or ("tree" if not one_wide else "spd" if proposer is not None else "pp")
-        if mode not in ("spd", "pp", "tree"):
-            raise SpdInputError(f"unknown engine mode '{mode}'; expected one of: spd, pp, tree")
-        if mode == "spd" and proposer is None:
-            raise SpdInputError("mode 'spd' needs a speculation head; pass a speculator or use mode 'pp'")
+        check_engine_mode(mode, head=proposer is not None)
         if candidates not in CANDIDATES:
             raise SpdInputError(f"unknown tree candidate rule '{candidates}'; expected one of: {', '.join(CANDIDATES)}")
         if mode == "tree":
-            if proposer is None:
-                raise SpdInputError("the tree mode needs a proposer: an SPD head or a draft model")
             policy = (
                 width
                 if isinstance(width, (FixedWidth, AdaptiveWidth))
@@ -145,8 +141,26 @@ class Engine(Generates):
         candidates: str = "auto",
         max_width: int = 8,
     ) -> "Engine":
-        """The tree engine with a proposer (:func:`tree_proposer` makes one from a head or a draft model's name)."""
+        """The tree engine with a proposer (:func:`tree_proposer_of` makes one from a head or a draft model)."""
         return cls(staged, proposer, width, tokenizer, stages, candidates, max_width, mode="tree")
+
+    @classmethod
+    def build(
+        cls,
+        spec: DecodingSpec,
+        staged: StagedModel,
+        head=None,
+        tokenizer=None,
+        draft: Draft | None = None,
+        stages: LocalStages | None = None,
+        mode: str | None = None,
+    ) -> "Engine":
+        """The engine of ``spec.mode`` over loaded parts: a tree with the head or the draft model (``spec``'s width,
+        children and candidate rule), else a chain with the head (``mode``: its default, as :meth:`chain`)."""
+        if spec.mode != "tree":
+            return cls.chain(staged, head, tokenizer, stages=stages, mode=mode)
+        proposer = tree_proposer_of(staged, head, tokenizer, draft, spec.tree_children)
+        return cls.tree(staged, proposer, spec.tree_width, tokenizer, stages, spec.tree_candidates, spec.tree_max_width)
 
     @classmethod
     def from_pretrained(
@@ -174,26 +188,29 @@ class Engine(Generates):
         head's cut, else 1) or at ``boundaries`` (e.g. ``[0, 8, 16, 23, 30]``). The tokenizer is ``tokenizer`` or
         the target's; a target without one gives an engine for token-id prompts.
         """
-        from ..heads.loading import load_speculator, pipeline_cut
+        from .loader import load_parts, resolve_cut
 
         mode = mode or ("spd" if speculator else "tree" if draft_model else "pp")
-        if mode not in ("spd", "pp", "tree"):
-            raise SpdInputError(f"unknown mode '{mode}' for Engine.from_pretrained; expected one of: spd, pp, tree")
-        if mode == "spd" and not speculator:
-            raise SpdInputError("mode 'spd' needs a speculation head; pass a speculator or use mode 'pp'")
-        if draft_model and mode != "tree":
-            raise SpdInputError(f"a draft model proposes in mode 'tree', not '{mode}' (--mode sd is spd-generate's)")
-        stages, boundaries = pipeline_cut(stages, boundaries, speculator, speculator_revision, target, revision)
-        staged = StagedModel.from_pretrained(
-            target, n_stages=stages, boundaries=boundaries, revision=revision, dtype=dtype, device=device
+        check_engine_mode(mode, head=bool(speculator), draft_model=bool(draft_model))
+        spec = DecodingSpec(
+            mode,
+            target=target,
+            revision=revision,
+            tokenizer=tokenizer,
+            stages=stages,
+            boundaries=boundaries,
+            speculator=speculator,
+            speculator_revision=speculator_revision,
+            draft_model=draft_model,
+            draft_revision=draft_revision,
+            tree_width=width,
+            tree_children=children,
+            device=str(device),
+            dtype=str(dtype).removeprefix("torch."),
         )
-        tok = load_target_tokenizer(target, revision, tokenizer)
-        head = load_speculator(speculator, speculator_revision, dtype, device, target=staged) if speculator else None
-        if mode != "tree":
-            return cls.chain(staged, head, tok, mode=mode)
-        return cls.tree(
-            staged, tree_proposer(staged, head, tok, draft_model, draft_revision, children, dtype, device), width, tok
-        )
+        cut = resolve_cut(spec)  # the sources and the head's fit, before anything loads
+        parts = load_parts(spec, load_target_tokenizer(target, revision, tokenizer), cut)
+        return cls.build(spec, parts.staged, parts.head, parts.tokenizer, parts.draft, mode=mode)
 
     # ------------------------------------------------------------------------------------- public
     def check_mode(self, mode: str) -> None:
@@ -237,7 +254,7 @@ class Engine(Generates):
             )
             return proposer, stats
         if use_head and proposer is None:
-            raise SpdInputError("mode 'spd' needs a speculation head; pass a speculator or use mode 'pp'")
+            raise SpdInputError(NEEDS_HEAD)
         proposer = proposer if use_head else None
         stats = PipelineStats(
             mode="spd" if proposer is not None else "pp",
@@ -265,6 +282,18 @@ def chain_proposer(staged: StagedModel, head, tokenizer=None) -> Proposer | None
     return kind(head, staged, children=1, mode="spd", tokenizer=tokenizer)
 
 
+def tree_proposer_of(staged: StagedModel, head, tokenizer, draft: Draft | None, children: int) -> Proposer:
+    """The proposer of a tree: an SPD head (any other head through its engine calls), or else a loaded draft model
+    (refused unless it shares the target's tokenizer)."""
+    if head is not None and not isinstance(head, Speculator):
+        return HeadProposer(head, staged, children, tokenizer=tokenizer)
+    if head is not None:
+        return SpdHeadProposer(head, staged, children, tokenizer=tokenizer)
+    if draft is None:
+        raise SpdInputError(NEEDS_PROPOSER)
+    return DraftModelProposer(draft.model, staged, children, tokenizer, draft.tokenizer)
+
+
 def tree_proposer(
     staged: StagedModel,
     head,
@@ -275,13 +304,6 @@ def tree_proposer(
     dtype: torch.dtype,
     device: str | torch.device,
 ) -> Proposer:
-    """The proposer of a tree: an SPD head (any other head through its engine calls), or else a draft model by name
-    (refused unless it shares the target's tokenizer)."""
-    if head is not None and not isinstance(head, Speculator):
-        return HeadProposer(head, staged, children, tokenizer=tokenizer)
-    if head is not None:
-        return SpdHeadProposer(head, staged, children, tokenizer=tokenizer)
-    if draft_model is None:
-        raise SpdInputError("the tree mode needs a speculator (a head) or a draft model")
-    draft, draft_tokenizer = load_draft_model(draft_model, draft_revision, dtype, device)
-    return DraftModelProposer(draft, staged, children, tokenizer, draft_tokenizer)
+    """:func:`tree_proposer_of` with a draft model named by directory or hub id (loaded here when there is no head)."""
+    draft = load_draft_model(draft_model, draft_revision, dtype, device) if head is None and draft_model else None
+    return tree_proposer_of(staged, head, tokenizer, draft, children)

@@ -1,5 +1,5 @@
 """The one place a decoding mode becomes an engine: ``spd-generate``, ``spd-serve``, the runtime's rank 0 and the
-benchmark all call :func:`build_engine`.
+benchmarks all call :func:`load_pipeline` (load and build) or :func:`build_engine` (build from loaded parts).
 
 ``ar``, ``pp``, ``spd`` and ``tree`` are :class:`~spd.decoding.engine.Engine`: a chain (``ar``, ``pp``, ``spd``: the
 mode picks the proposer) or a tree with the head of width W or a draft model; ``sd`` is serial
@@ -9,22 +9,17 @@ drafting (:class:`~spd.decoding.sd.SpeculativeDecoder`) with a head trained with
 
 from __future__ import annotations
 
-import torch
-
 from ..errors import SpdInputError
-from .spec import MODES, DecodingSpec
+from ..target.staging import StagedModel
+from .loader import PipelineCut, PipelineParts, load_parts
+from .modes import MODES
+from .proposers import Draft
+from .spec import DecodingSpec
 
 
-def build_engine(
-    spec: DecodingSpec,
-    staged,
-    head,
-    tokenizer,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    stages=None,
-):
-    """The engine for ``spec.mode`` over ``staged`` with ``head`` (a loaded head or None)."""
+def build_engine(spec: DecodingSpec, staged: StagedModel, head, tokenizer, draft: Draft | None = None, stages=None):
+    """The engine for ``spec.mode`` over loaded parts: ``staged``, ``head`` (a loaded head or None) and ``draft`` (a
+    loaded draft model or None)."""
     if spec.mode not in MODES:
         raise SpdInputError(f"--mode '{spec.mode}' is not a decoding mode; expected one of {', '.join(MODES)}")
     if spec.mode == "sd":
@@ -33,18 +28,23 @@ def build_engine(
                 "--mode sd runs the whole target in one process; it has no pipeline stages to "
                 "distribute (use --mode spd, pp or tree)"
             )
-        from .sd import build_sd_engine
+        from .sd import sd_engine
 
-        return build_sd_engine(
-            staged, tokenizer, spec.draft_model, spec.draft_revision, spec.draft_steps, dtype, device, head=head
-        )
-    from .engine import Engine, tree_proposer
+        return sd_engine(staged, tokenizer, spec.draft_steps, head=head, draft=draft)
+    from .engine import Engine
 
-    if spec.mode == "tree":
-        proposer = tree_proposer(
-            staged, head, tokenizer, spec.draft_model, spec.draft_revision, spec.tree_children, dtype, device
-        )
-        return Engine.tree(
-            staged, proposer, spec.tree_width, tokenizer, stages, spec.tree_candidates, spec.tree_max_width
-        )
-    return Engine.chain(staged, head, tokenizer, stages=stages)
+    return Engine.build(spec, staged, head, tokenizer, draft, stages)
+
+
+def load_pipeline(
+    spec: DecodingSpec,
+    tokenizer=None,
+    cut: PipelineCut | None = None,
+    staged: StagedModel | None = None,
+    stages=None,
+) -> PipelineParts:
+    """Resolve the cut, load the target (unless ``staged`` is given) and the head or draft model, and build the
+    engine of ``spec.mode`` (:func:`spd.decoding.loader.load_parts`, then :func:`build_engine`)."""
+    parts = load_parts(spec, tokenizer, cut, staged)
+    parts.engine = build_engine(spec, parts.staged, parts.head, tokenizer, parts.draft, stages)
+    return parts

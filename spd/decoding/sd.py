@@ -54,7 +54,9 @@ from ..heads.speculator import Speculator
 from ..target.staging import StagedModel, load_target_tokenizer
 from .proposers import Proposer, SerialHeadProposer
 from .tree import Level, TokenTree, verify_sampled_recursive
-from .proposers import DraftModelProposer, load_draft_model
+from .proposers import Draft, DraftModelProposer, load_draft_model
+from .modes import check_proposer
+from .spec import DecodingSpec
 
 
 @dataclass
@@ -193,14 +195,25 @@ class SpeculativeDecoder(Generates):
     ) -> "SpeculativeDecoder":
         """Load a target and a drafter (directories or hub ids): a ``draft`` model sharing the target's tokenizer,
         or a ``head`` trained with variant=eagle."""
-        staged = StagedModel.from_pretrained(target, n_stages=1, revision=revision, dtype=dtype, device=device)
-        tok = load_target_tokenizer(target, revision, tokenizer)
-        loaded = None
-        if head is not None:
-            from ..heads.loading import load_speculator
+        from .loader import load_parts, resolve_cut
 
-            loaded = load_speculator(head, head_revision, dtype, device, target=staged)
-        return build_sd_engine(staged, tok, draft, draft_revision, draft_steps, dtype, device, head=loaded)
+        spec = DecodingSpec(
+            "sd",
+            target=target,
+            revision=revision,
+            tokenizer=tokenizer,
+            speculator=head,
+            speculator_revision=head_revision,
+            draft_model=draft,
+            draft_revision=draft_revision,
+            draft_steps=draft_steps,
+            device=str(device),
+            dtype=str(dtype).removeprefix("torch."),
+        )
+        check_proposer("sd", head is not None, draft is not None)
+        cut = resolve_cut(spec)  # the sources and the head's fit, before anything loads
+        parts = load_parts(spec, load_target_tokenizer(target, revision, tokenizer), cut)
+        return sd_engine(parts.staged, parts.tokenizer, draft_steps, head=parts.head, draft=parts.draft)
 
     @torch.inference_mode()
     def run(
@@ -349,6 +362,17 @@ class SpeculativeDecoder(Generates):
         return verify_sampled_recursive(p_V, [token], q_V, generator)
 
 
+def sd_engine(
+    staged: StagedModel, tokenizer, draft_steps: int, head: Speculator | None = None, draft: Draft | None = None
+) -> SpeculativeDecoder:
+    """Serial speculative decoding of ``staged`` with one loaded drafter: ``head`` (trained with variant=eagle) or
+    ``draft`` (a draft model, refused unless it shares the target's tokenizer)."""
+    check_proposer("sd", head is not None, draft is not None)
+    if head is not None:
+        return SpeculativeDecoder(staged, SerialHeadProposer(head, staged), draft_steps, tokenizer)
+    return SpeculativeDecoder(staged, draft.model, draft_steps, tokenizer, draft_tokenizer=draft.tokenizer)
+
+
 def build_sd_engine(
     staged: StagedModel,
     tokenizer,
@@ -359,14 +383,7 @@ def build_sd_engine(
     device: str | torch.device,
     head: Speculator | None = None,
 ) -> SpeculativeDecoder:
-    """Serial speculative decoding of ``staged`` with a draft model (refused unless it shares the tokenizer) or
-    with ``head``, a loaded head trained with variant=eagle."""
-    if (head is None) == (draft_model is None):
-        raise SpdInputError(
-            "--mode sd takes one drafter: --draft-model DIR_OR_ID (a small causal LM with the "
-            "target's tokenizer) or --speculator DIR_OR_ID (a head trained with variant=eagle)"
-        )
-    if head is not None:
-        return SpeculativeDecoder(staged, SerialHeadProposer(head, staged), draft_steps, tokenizer)
-    draft, draft_tokenizer = load_draft_model(draft_model, draft_revision, dtype, device)
-    return SpeculativeDecoder(staged, draft, draft_steps, tokenizer, draft_tokenizer=draft_tokenizer)
+    """:func:`sd_engine` with a draft model named by directory or hub id (loaded here when there is no head)."""
+    check_proposer("sd", head is not None, draft_model is not None)
+    draft = load_draft_model(draft_model, draft_revision, dtype, device) if head is None else None
+    return sd_engine(staged, tokenizer, draft_steps, head=head, draft=draft)

@@ -18,10 +18,9 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from ..errors import SpdInputError
 from ..paths import default_testbed_dir
+from .modes import MODES, check_mode, check_proposer, check_unused, require_pipelined
 
-MODES = ("ar", "pp", "spd", "tree", "sd")
 CANDIDATES = ("auto", "sampled", "top-k")  # how a tree's children are chosen at T > 0 (greedy: always top-k)
-PIPELINED = ("spd", "pp", "tree")  # the modes with a pipeline of stages (and so a distributed runtime)
 
 
 def default_mode(speculator: str | None, draft_model: str | None) -> str:
@@ -194,34 +193,17 @@ class DecodingSpec:
 
     def check(self) -> None:
         """The checks that need no model loaded (one SpdInputError each)."""
-        mode, speculator, draft = self.mode, self.speculator, self.draft_model
-        if mode not in MODES:
-            raise SpdInputError(f"unknown --mode '{mode}'; expected one of: {', '.join(MODES)}")
-        if mode == "spd" and speculator is None:
-            raise SpdInputError("--mode spd needs --speculator DIR_OR_ID (a head trained by train/distill.py)")
-        if mode not in ("spd", "tree", "sd") and speculator is not None:
-            raise SpdInputError(f"--speculator is only used by --mode spd, tree and sd, but --mode is '{mode}'")
-        if mode == "tree" and draft is None and speculator is None:
-            raise SpdInputError(
-                "--mode tree needs --draft-model DIR_OR_ID (a small causal LM with the target's "
-                "tokenizer) or --speculator DIR_OR_ID (an SPD head)"
-            )
-        if mode == "tree" and draft is not None and speculator is not None:
-            raise SpdInputError("--mode tree takes one proposer: --draft-model or --speculator, not both")
-        if mode == "sd" and (draft is None) == (speculator is None):
-            raise SpdInputError(
-                "--mode sd takes one drafter: --draft-model DIR_OR_ID (a small causal LM with the "
-                "target's tokenizer) or --speculator DIR_OR_ID (a head trained with variant=eagle)"
-            )
+        mode, speculator, draft = self.mode, self.speculator is not None, self.draft_model is not None
+        check_mode(mode)
+        check_proposer(mode, speculator, draft)
+        check_unused(mode, speculator, draft)
         if mode == "sd" and self.stages not in (None, 1):
             raise SpdInputError(
                 f"--mode sd runs the whole target in one process (no pipeline), so --stages must be "
                 f"1, got {self.stages}"
             )
-        if mode not in ("tree", "sd") and draft is not None:
-            raise SpdInputError(f"--draft-model is only used by --mode tree and --mode sd, but --mode is '{mode}'")
-        if self.runtime == "distributed" and mode not in PIPELINED:
-            raise SpdInputError(f"--runtime distributed runs --mode spd, pp or tree, not '{mode}'")
+        if self.runtime == "distributed":
+            require_pipelined(mode, "--runtime distributed runs")
         if self.runtime == "local" and (self.emulate_stage_ms or self.emulate_link_ms):
             raise SpdInputError("--emulate-stage-ms / --emulate-link-ms need --runtime distributed")
         self.check_numbers()

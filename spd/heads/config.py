@@ -150,11 +150,7 @@ def check_compatible(head_config: SpeculatorConfig, staged, mode: str | None = N
     if head_config.target_num_layers != staged.num_layers:
         problems.append(f"{head_config.target_num_layers} target layers vs the target's {staged.num_layers}")
     elif head_config.n_stages != staged.n_stages:
-        problems.append(
-            f"it was trained for n = {head_config.n_stages} stages but the pipeline has "
-            f"{staged.n_stages}; pass --stages {head_config.n_stages} or use a head trained for "
-            f"{staged.n_stages} stages"
-        )
+        problems.append(stages_problem(head_config.n_stages, staged.n_stages))
     elif head_config.boundaries != staged.boundaries:
         problems.append(
             f"stage boundaries {head_config.boundaries} vs the pipeline's {staged.boundaries}; pass "
@@ -162,7 +158,27 @@ def check_compatible(head_config: SpeculatorConfig, staged, mode: str | None = N
             f"--boundaries out (the head's cut is the default)"
         )
     if problems:
-        raise SpdInputError("the speculator does not fit this target: " + "; ".join(problems))
+        raise misfit(problems)
+
+
+def misfit(problems: list[str]) -> SpdInputError:
+    """The one error for a head that does not fit its target (ours or the authors'), naming each problem."""
+    return SpdInputError("the speculator does not fit this target: " + "; ".join(problems))
+
+
+def equal_cut_problem(head_stages: int, num_layers: int) -> str | None:
+    """A head that cuts its target equally (the SPD authors') made for an n that does not divide this one's layers."""
+    if head_stages < 1 or num_layers % head_stages:
+        return f"it is for n = {head_stages} stages, which do not divide the target's {num_layers} layers"
+    return None
+
+
+def stages_problem(head_stages: int, stages: int) -> str:
+    """A head made for another number of stages than the pipeline's, and the flag that fixes it."""
+    return (
+        f"it was trained for n = {head_stages} stages but the pipeline has {stages}; pass --stages "
+        f"{head_stages} or use a head trained for {stages} stages"
+    )
 
 
 def _equal_split(num_layers: int, n: int) -> list[int]:

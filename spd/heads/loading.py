@@ -10,6 +10,7 @@ format.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from ..errors import SpdInputError, first_line
 from ..paths import check_model_source
 from .published.authors_file import is_authors_file, load_authors_file
-from .config import SpeculatorConfig
+from .config import SpeculatorConfig, misfit
 from .speculator import Speculator
 
 
@@ -45,24 +46,52 @@ def load_speculator_config(name_or_path: str, revision: str | None = None) -> Sp
         raise SpdInputError(f"could not load a speculation head from '{source}': {first_line(exc)}") from None
 
 
-def speculator_stages(name_or_path: str, revision: str | None = None) -> int:
-    """The n a head was trained for: from our config.json, or from an authors' head file (``.pt``/``hf://``)."""
-    if is_authors_file(name_or_path):
-        return int(load_authors_file(name_or_path, revision).config["num_stages"])
-    return load_speculator_config(name_or_path, revision).n_stages
+@dataclass
+class HeadSource:
+    """A head as named, its format told once and its config read once: ours (a :class:`SpeculatorConfig`) or the SPD
+    authors' (their checkpoint, read when first asked for, its tensors mapped rather than read until the head is
+    built)."""
+
+    name: str
+    revision: str | None
+    config: SpeculatorConfig | None = None  # ours; None: the authors'
+    _checkpoint: object | None = None
+
+    @property
+    def authors(self) -> bool:
+        return self.config is None
+
+    @property
+    def checkpoint(self):
+        """The authors' head file (an AuthorsCheckpoint), read once."""
+        if self._checkpoint is None:
+            self._checkpoint = load_authors_file(self.name, self.revision)
+        return self._checkpoint
+
+    @property
+    def n_stages(self) -> int:
+        """The n it was trained for."""
+        return int(self.checkpoint.config["num_stages"]) if self.authors else self.config.n_stages
+
+    @property
+    def boundaries(self) -> list[int] | None:
+        """The cut it was trained for (None for the authors' heads: they cut equally)."""
+        return None if self.authors else list(self.config.boundaries)
 
 
-def speculator_boundaries(name_or_path: str, revision: str | None = None) -> list[int] | None:
-    """The stage boundaries a head was trained for (None for the authors' heads: they cut equally)."""
+def read_head(name_or_path: str | HeadSource, revision: str | None = None) -> HeadSource:
+    """A head's format and config (no weights), told and read once for everything a load asks of it."""
+    if isinstance(name_or_path, HeadSource):
+        return name_or_path
     if is_authors_file(name_or_path):
-        return None
-    return list(load_speculator_config(name_or_path, revision).boundaries)
+        return HeadSource(str(name_or_path), revision)
+    return HeadSource(str(name_or_path), revision, config=load_speculator_config(name_or_path, revision))
 
 
 def pipeline_cut(
     stages: int | None,
     boundaries: list[int] | None,
-    speculator: str | None = None,
+    speculator: str | HeadSource | None = None,
     revision: str | None = None,
     target: str | None = None,
     target_revision: str | None = None,
@@ -76,25 +105,24 @@ def pipeline_cut(
     if boundaries is not None:
         return stages, list(boundaries)
     if speculator:
-        head_boundaries = speculator_boundaries(speculator, revision)
-        if head_boundaries is None:
-            return stages or speculator_stages(speculator, revision), None
-        if stages is None or stages == len(head_boundaries) - 1:
+        head = read_head(speculator, revision)
+        if head.boundaries is None:
+            return stages or head.n_stages, None
+        if stages is None or stages == head.n_stages:
             if target is not None:
                 from ..target.staging import target_num_layers
 
                 num_layers = target_num_layers(target, target_revision)
-                if head_boundaries[-1] != num_layers:
-                    raise SpdInputError(
-                        f"the speculator does not fit this target: it was trained for a target of "
-                        f"{head_boundaries[-1]} layers, and this one has {num_layers}"
+                if head.boundaries[-1] != num_layers:
+                    raise misfit(
+                        [f"it was trained for a target of {head.boundaries[-1]} layers, and this one has {num_layers}"]
                     )
-            return None, head_boundaries
+            return None, head.boundaries
     return stages or 1, None
 
 
 def load_speculator(
-    name_or_path: str,
+    name_or_path: str | HeadSource,
     revision: str | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
@@ -105,21 +133,21 @@ def load_speculator(
     Our heads: a directory or hub id (``Speculator.from_pretrained``). The SPD authors' released heads: a
     ``.pt`` file or an ``hf://OWNER/REPO[@REVISION]/FILE.pt`` reference (:mod:`spd.heads.published`); those use
     the target's norm, embedding and rotary embedding, so they need ``target`` (a
-    :class:`spd.target.staging.StagedModel`) and take its dtype and device.
+    :class:`spd.target.staging.StagedModel`) and take its dtype and device. ``name_or_path`` may be a
+    :class:`HeadSource` already read (:func:`read_head`): nothing is read twice.
     """
-    if is_authors_file(name_or_path):
+    head = read_head(name_or_path, revision)
+    if head.authors:
         if target is None:
             raise SpdInputError(
-                f"'{name_or_path}' is an SPD authors' head file; it is attached to its target when "
+                f"'{head.name}' is an SPD authors' head file; it is attached to its target when "
                 "loaded: pass target=StagedModel (the engines and spd-generate do)"
             )
-        from .published.authors_head import load_authors_head
+        from .published.authors_head import AuthorsHead
 
-        return load_authors_head(str(name_or_path), target, revision)
-    config = load_speculator_config(name_or_path, revision)
-    source = str(name_or_path)
+        return AuthorsHead(head.checkpoint, target)
     try:
-        head = Speculator.from_pretrained(source, config=config, revision=revision, dtype=dtype)
+        loaded = Speculator.from_pretrained(head.name, config=head.config, revision=head.revision, dtype=dtype)
     except (OSError, ValueError, KeyError) as exc:
-        raise SpdInputError(f"could not load a speculation head from '{source}': {first_line(exc)}") from None
-    return head.to(device).eval()
+        raise SpdInputError(f"could not load a speculation head from '{head.name}': {first_line(exc)}") from None
+    return loaded.to(device).eval()

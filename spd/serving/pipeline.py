@@ -25,6 +25,7 @@ import torch
 
 from ..errors import SpdInputError, first_line
 from ..decoding.generation import GenerationOutput, OnToken
+from ..decoding.modes import require_pipelined
 from ..decoding.spec import DecodingSpec
 from .children import end_child, start_child
 
@@ -42,8 +43,8 @@ class PipelineSpec(DecodingSpec):
 def check_batching(max_batch: int, runtime: str, mode: str) -> None:
     """Refuse a batched server (``--max-batch`` above 1) where batching does not run: a mode without a pipeline step
     loop. (Both runtimes batch: the stages in this process, or the distributed runtime's.)"""
-    if max_batch > 1 and mode not in ("spd", "pp", "tree"):
-        raise SpdInputError(f"--max-batch above 1 batches --mode spd, pp or tree, not '{mode}'")
+    if max_batch > 1:
+        require_pipelined(mode, "--max-batch above 1 batches")
 
 
 class Pipeline:
@@ -176,64 +177,35 @@ class Pipeline:
 
 def open_pipeline(spec: PipelineSpec) -> Pipeline:
     """Load the target, the head or draft model and the engine; start the stage processes if distributed."""
-    from ..paths import check_model_source
-    from ..heads.published.authors_file import is_authors_file
-    from ..heads.loading import load_speculator, pipeline_cut, speculator_stages
-    from ..target.staging import StagedModel, load_target_tokenizer
+    from ..decoding.factory import load_pipeline
+    from ..decoding.loader import resolve_cut
+    from ..target.staging import load_target_tokenizer
 
-    check_model_source(spec.target, "target")
-    if spec.speculator is not None and not is_authors_file(spec.speculator):
-        check_model_source(spec.speculator, "speculator")
-    if spec.draft_model is not None:
-        check_model_source(spec.draft_model, "draft model")
-    dtype = getattr(torch, spec.dtype)
-    stages, boundaries = pipeline_cut(
-        spec.stages, spec.boundaries, spec.speculator, spec.speculator_revision, spec.target, spec.revision
-    )
-    n = len(boundaries) - 1 if boundaries else stages
-    if spec.speculator is not None:
-        head_n = speculator_stages(spec.speculator, spec.speculator_revision)
-        if n != head_n:
-            raise SpdInputError(
-                f"the speculator does not fit this target: it was trained for n = {head_n} stages "
-                f"but the pipeline has {n}"
-            )
+    decoding = DecodingSpec.of(spec)
+    cut = resolve_cut(decoding)  # the sources, the cut and the head's fit, before anything loads
     tokenizer = load_target_tokenizer(spec.target, spec.revision, spec.tokenizer)
     if tokenizer is None:
         raise SpdInputError(
             f"the target '{spec.target}' has no tokenizer, and a server answers in text; pass --tokenizer DIR_OR_ID"
         )
     if spec.runtime == "distributed":
-        return _open_distributed(spec, n, boundaries, dtype, tokenizer)
-    staged = StagedModel.from_pretrained(
-        spec.target, n_stages=stages, boundaries=boundaries, revision=spec.revision, dtype=dtype, device=spec.device
-    )
-    head = (
-        load_speculator(spec.speculator, spec.speculator_revision, dtype, spec.device, target=staged)
-        if spec.speculator
-        else None
-    )
-    return Pipeline(spec, _engine(spec, staged, head, tokenizer, dtype), staged, tokenizer, n)
+        return _open_distributed(spec, cut, tokenizer)
+    parts = load_pipeline(decoding, tokenizer, cut)
+    return Pipeline(spec, parts.engine, parts.staged, tokenizer, cut.n_stages)
 
 
-def _engine(spec: PipelineSpec, staged, head, tokenizer, dtype, stages=None):
-    from ..decoding.factory import build_engine
-
-    return build_engine(DecodingSpec.of(spec), staged, head, tokenizer, dtype, spec.device, stages)
-
-
-def _open_distributed(
-    spec: PipelineSpec, n: int, boundaries: list[int] | None, dtype: torch.dtype, tokenizer
-) -> Pipeline:
+def _open_distributed(spec: PipelineSpec, cut, tokenizer) -> Pipeline:
     """Rank 0 here, the stage processes of this machine spawned now, the other machines' stages awaited at
     ``--stage-addr`` (spd/runtime/join.py); a 2-token warm-up request proves the pipeline works."""
-    from ..heads.loading import load_speculator
+    from ..decoding.factory import build_engine
+    from ..decoding.loader import load_parts
     from ..runtime.join import StageJob, publish_job
     from ..runtime.loading import load_partial
     from ..runtime.protocol import RuntimeConfig
     from ..runtime.world import bound_store
     from ..target.staging import check_device
 
+    n = cut.n_stages
     local, host, port, interface = _stage_network(spec, n)
     backend = "nccl" if check_device(spec.device).type == "cuda" else "gloo"
     config = RuntimeConfig(
@@ -244,13 +216,11 @@ def _open_distributed(
         emulate_link_ms=spec.emulate_link_ms,
         join_timeout_s=spec.join_timeout_s,
     )
-    # Rank 0's part and the head load (and fail with one line) before any process starts.
-    staged = load_partial(spec.target, n, 0, spec.revision, dtype, spec.device, boundaries)
-    head = (
-        load_speculator(spec.speculator, spec.speculator_revision, dtype, spec.device, target=staged)
-        if spec.speculator
-        else None
-    )
+    # Rank 0's part, the head and the draft model load (and fail with one line) before any process starts.
+    dtype = getattr(torch, spec.dtype)
+    decoding = DecodingSpec.of(spec)
+    staged = load_partial(spec.target, n, 0, spec.revision, dtype, spec.device, cut.boundaries)
+    parts = load_parts(decoding, tokenizer, cut, staged)
     job = StageJob(
         stages=n,
         boundaries=list(staged.boundaries),
@@ -284,7 +254,7 @@ def _open_distributed(
 
         check_same_job(job_identity(spec.target, spec.revision, staged, dtype, config), control)
         remote = RemoteStages(staged, config, control)
-        engine = _engine(spec, staged, head, tokenizer, dtype, remote)
+        engine = build_engine(decoding, staged, parts.head, tokenizer, parts.draft, remote)
         return Pipeline(spec, engine, staged, tokenizer, n, remote, procs)
 
     return _start_stages(spec, job, store, (host, port), local, timeout, pipeline_over)
@@ -296,8 +266,7 @@ def _stage_network(spec: PipelineSpec, n: int) -> tuple[int, str, int, str | Non
     from ..runtime.join import parse_address
     from ..runtime.world import free_port, is_loopback, loopback_interface, route_interface
 
-    if spec.mode not in ("spd", "pp", "tree"):
-        raise SpdInputError(f"--runtime distributed runs --mode spd, pp or tree, not '{spec.mode}'")
+    require_pipelined(spec.mode, "--runtime distributed runs")
     local = n if spec.local_stages is None else spec.local_stages
     if not 0 <= local <= n:
         raise SpdInputError(f"--local-stages must be in 0..{n} (the pipeline has {n} stages), got {local}")

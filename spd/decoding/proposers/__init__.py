@@ -7,13 +7,14 @@
 - :class:`~.serial_head.SerialHeadProposer`: our head trained with variant=eagle, the serial drafter of ``--mode sd``.
 """
 
-from .draft_model import DraftModelProposer, check_same_vocabulary, load_draft_model
+from .draft_model import Draft, DraftModelProposer, check_same_vocabulary, load_draft_model
 from .head import HeadProposer
 from .interface import Proposer, propose_many
 from .serial_head import SerialHeadProposer
 from .spd_head import SpdHeadProposer, path_rows
 
 __all__ = [
+    "Draft",
     "DraftModelProposer",
     "HeadProposer",
     "Proposer",

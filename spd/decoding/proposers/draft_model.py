@@ -6,6 +6,8 @@ Shape suffixes: T nodes of one level, N tree nodes, L nodes of the bottom level,
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ...errors import SpdInputError
@@ -39,16 +41,21 @@ def check_same_vocabulary(target: StagedModel, draft: StagedModel, target_tokeni
     return target.vocab_size
 
 
-def load_draft_model(
-    draft: str, revision: str | None, dtype: torch.dtype, device: str | torch.device
-) -> tuple[StagedModel, object | None]:
-    """A draft model (directory or hub id) as a 1-stage StagedModel, and its tokenizer (None: a model-only
-    directory, whose vocabulary size is then the only thing :func:`check_same_vocabulary` can compare)."""
+class Draft(NamedTuple):
+    """A loaded draft model: a 1-stage StagedModel and its tokenizer (None: a model-only directory, whose vocabulary
+    size is then the only thing :func:`check_same_vocabulary` can compare)."""
+
+    model: StagedModel
+    tokenizer: object | None
+
+
+def load_draft_model(draft: str, revision: str | None, dtype: torch.dtype, device: str | torch.device) -> Draft:
+    """A draft model (directory or hub id) and its tokenizer, if it has one."""
     staged = StagedModel.from_pretrained(draft, n_stages=1, revision=revision, dtype=dtype, device=device)
     try:
-        return staged, load_target_tokenizer(draft, revision)
+        return Draft(staged, load_target_tokenizer(draft, revision))
     except SpdInputError:
-        return staged, None
+        return Draft(staged, None)
 
 
 class DraftModelProposer:

@@ -124,7 +124,7 @@ def load_authors_file(source: str | Path, revision: str | None = None) -> Author
         return read_directory(Path(str(source)).expanduser())
     path = resolve(source, revision)
     try:
-        # mmap: a caller that only needs the config (speculator_stages, before the target is loaded) reads no
+        # mmap: a caller that only needs the config (read_head, before the target is loaded) reads no
         # tensor data, so looking at a multi-GB head file and then loading it does not read it twice.
         # (torch can map only its zip format; anything else is read as before and judged by the unpickler.)
         blob = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))

@@ -46,6 +46,7 @@ from ...errors import SpdInputError
 from ...target.sdpa import decode_kernels
 from ...target.staging import StageKVCache, StagedModel, cache_keyword
 from .authors_file import AuthorsCheckpoint
+from ..config import equal_cut_problem, misfit
 
 
 @dataclass
@@ -489,10 +490,10 @@ def _config_for(
         problems.append(f"hidden size {raw['hidden_size']} vs the target's {staged.config.hidden_size}")
     if int(raw["vocab_size"]) != staged.vocab_size:
         problems.append(f"vocabulary {raw['vocab_size']} vs the target's {staged.vocab_size}")
-    if n < 1 or big_l % n:
-        problems.append(f"it is for n = {n} stages, which do not divide the target's {big_l} layers")
+    if equal_cut_problem(n, big_l):
+        problems.append(equal_cut_problem(n, big_l))
     if problems:
-        raise SpdInputError(f"the head '{source}' does not fit this target: " + "; ".join(problems))
+        raise misfit(problems)
     draft = raw.get("draft_token_ids")
     if draft is not None:
         draft = sorted({int(t) for t in draft})

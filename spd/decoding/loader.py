@@ -1,0 +1,105 @@
+"""Assembling a pipeline, once: the cut resolved, the target, and the head or draft model loaded.
+
+Every program (spd-generate, spd-serve, the distributed runtime's ranks, the benchmarks) and
+:meth:`spd.decoding.engine.Engine.from_pretrained` come here, so a rule about cuts or heads is written once and gives
+every caller the same message. :func:`resolve_cut` reads the head's config once and decides the stage count and the
+boundaries, checking that the head fits the target before anything is loaded; :func:`load_parts` loads the target (or
+takes one already loaded: rank 0's part of the distributed runtime, a benchmark's one model under many cuts), the head
+and the draft model; :func:`spd.decoding.factory.load_pipeline` adds the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..heads.config import equal_cut_problem, misfit, stages_problem
+from ..heads.loading import HeadSource, load_speculator, pipeline_cut, read_head
+from ..paths import check_model_source
+from ..target.staging import StagedModel, split_layers, target_num_layers
+from .proposers import Draft, load_draft_model
+from .spec import DecodingSpec
+
+
+@dataclass(frozen=True)
+class PipelineCut:
+    """Where the target is cut: ``n_stages`` stages, at ``boundaries`` (``[0, b1, ..., L]``; None: equal), for the
+    head read once (None: no head)."""
+
+    n_stages: int
+    boundaries: list[int] | None
+    head: HeadSource | None = None
+
+    def over(self, model: torch.nn.Module) -> StagedModel:
+        """A causal LM already loaded, cut here."""
+        return StagedModel(model, n_stages=self.n_stages, boundaries=self.boundaries)
+
+
+@dataclass
+class PipelineParts:
+    """What a load gives: the settings, the cut, the target, its tokenizer, the head or draft model and (from
+    :func:`spd.decoding.factory.load_pipeline`) the engine."""
+
+    spec: DecodingSpec
+    cut: PipelineCut
+    staged: StagedModel
+    tokenizer: object | None
+    head: torch.nn.Module | None = None
+    draft: Draft | None = None
+    engine: object | None = None
+
+
+def resolve_cut(spec: DecodingSpec) -> PipelineCut:
+    """The pipeline's stage count and boundaries (``--boundaries``, else the head's cut, else ``--stages`` equal
+    stages, default 1), the head's config read once, and a head made for another target or pipeline refused."""
+    check_model_source(spec.target, "target")
+    head = read_head(spec.speculator, spec.speculator_revision) if spec.speculator is not None else None
+    if spec.draft_model is not None:
+        check_model_source(spec.draft_model, "draft model")
+    stages, boundaries = pipeline_cut(spec.stages, spec.boundaries, head, None, spec.target, spec.revision)
+    if spec.boundaries is not None:  # given: checked against the target's layers, the stage count theirs
+        boundaries = split_layers(target_num_layers(spec.target, spec.revision), stages, boundaries)
+    n_stages = len(boundaries) - 1 if boundaries is not None else stages
+    if head is not None:
+        check_fit(head, n_stages, spec)
+    return PipelineCut(n_stages, boundaries, head)
+
+
+def check_fit(head: HeadSource, n_stages: int, spec: DecodingSpec) -> None:
+    """Refuse a head made for another pipeline before anything loads, in the words the head's own check uses when
+    it is attached (a head the authors cut equally first for a target whose layers its n does not divide)."""
+    problem = equal_cut_problem(head.n_stages, target_num_layers(spec.target, spec.revision)) if head.authors else None
+    if problem is None and head.n_stages != n_stages:
+        problem = stages_problem(head.n_stages, n_stages)
+    if problem is not None:
+        raise misfit([problem])
+
+
+def load_parts(
+    spec: DecodingSpec,
+    tokenizer=None,
+    cut: PipelineCut | None = None,
+    staged: StagedModel | None = None,
+) -> PipelineParts:
+    """Load the target cut as :func:`resolve_cut` says (unless ``staged`` is given, already cut), the head attached
+    to it and the draft model, in ``spec``'s dtype and device; ``tokenizer`` (loaded by the caller, None for token-id
+    prompts) travels with them."""
+    cut = cut or resolve_cut(spec)
+    dtype = getattr(torch, spec.dtype)
+    if staged is None:
+        staged = StagedModel.from_pretrained(
+            spec.target,
+            n_stages=cut.n_stages,
+            boundaries=cut.boundaries,
+            revision=spec.revision,
+            dtype=dtype,
+            device=spec.device,
+        )
+    head = None
+    if cut.head is not None:
+        head = load_speculator(cut.head, dtype=dtype, device=spec.device, target=staged)
+    draft = None
+    if spec.draft_model is not None:
+        draft = load_draft_model(spec.draft_model, spec.draft_revision, dtype, spec.device)
+    return PipelineParts(spec, cut, staged, tokenizer, head, draft)
