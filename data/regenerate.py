@@ -30,7 +30,6 @@ retried ``--retries`` times with a growing wait; then the run stops with one err
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -128,20 +127,9 @@ def main(argv=None) -> int:
         help="an OpenAI-compatible server's URL (vLLM, SGLang, spd-serve), e.g. http://localhost:8000: it answers, "
         "instead of a target loaded here",
     )
-    p.add_argument(
-        "--model", default=None, help="with --server: the served model's name (default: the first at /v1/models)"
-    )
-    p.add_argument("--concurrency", type=int, default=8, help="with --server: requests in flight at once")
-    p.add_argument(
-        "--retries",
-        type=int,
-        default=5,
-        help="with --server: tries after the first of a request that failed for want of the server (no connection, "
-        "a timeout, HTTP 429 or 5xx), each after twice the wait of the one before (1 s first)",
-    )
-    p.add_argument(
-        "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="with --server: its key (default: $OPENAI_API_KEY)"
-    )
+    from spd.data.client import add_client_flags
+
+    add_client_flags(p)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompts", help='chat target: a jsonl file of {"prompt"} rows, or stdlib[:N]')
     source.add_argument("--texts", help='base model: FILE[:N], N prefixes of a jsonl file\'s {"text"} rows to continue')

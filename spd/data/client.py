@@ -36,6 +36,27 @@ class Completion:
     new_tokens: int  # generated tokens, the EOS not counted (as the in-process path counts them)
 
 
+def add_client_flags(parser) -> None:
+    """The flags of a data script that sends its requests to ``--server``: the model, requests in flight, retries
+    and the key (one set for data/regenerate.py and data/self_instruct.py)."""
+    import os
+
+    parser.add_argument(
+        "--model", default=None, help="with --server: the served model's name (default: the first at /v1/models)"
+    )
+    parser.add_argument("--concurrency", type=int, default=8, help="with --server: requests in flight at once")
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=5,
+        help="with --server: tries after the first of a request that failed for want of the server (no connection, "
+        "a timeout, HTTP 429 or 5xx), each after twice the wait of the one before (1 s first)",
+    )
+    parser.add_argument(
+        "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="with --server: its key (default: $OPENAI_API_KEY)"
+    )
+
+
 def request_seed(seed: int, key: str) -> int:
     """A request's sampling seed from the run's ``seed`` and the row's id: the same on every rerun and in any
     order of requests, so a resumed run asks for what an uninterrupted one would."""
