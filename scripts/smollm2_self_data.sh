@@ -55,4 +55,10 @@ for round in $ROUNDS; do
             --out "$OUT/t0.8-$topic.jsonl"
     done
 done
+# The standard library's text the heads keep training on beside the answers (the code-only heads' own data): its
+# first 50 rows, the share the mixture comparison measured (docs/benchmarks.md, "Chat, math and code").
+TEXT=$DIR/data/text/train.jsonl
+if [ -f "$TEXT" ] && [ ! -s "$OUT/text-replay.jsonl" ]; then
+    head -n 50 "$TEXT" > "$OUT/text-replay.jsonl.tmp" && mv "$OUT/text-replay.jsonl.tmp" "$OUT/text-replay.jsonl"
+fi
 echo "[self-data] done: $(cat "$OUT"/greedy-*.jsonl "$OUT"/t0.8-*.jsonl | wc -l) answers in $OUT"
