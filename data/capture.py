@@ -70,15 +70,14 @@ def _ints(text: str, flag: str) -> list[int]:
 def run(args) -> int:
     from spd.training.capture import CaptureSettings, anchors_for_stages, capture, row_lengths
     from spd.data.prepare import DataConfig, fingerprint, prepare_dataset
-    from spd.target.staging import StagedModel, load_tokenizer
-    from transformers import AutoConfig
+    from spd.target.staging import StagedModel, load_tokenizer, target_num_layers
 
     for flag in ("max_length", "topk", "shard_tokens", "batch_tokens"):
         if getattr(args, flag) < 1:
             raise SpdInputError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
     tokenizer = load_tokenizer(args.target, revision=args.revision)
-    num_layers = AutoConfig.from_pretrained(args.target, revision=args.revision).get_text_config().num_hidden_layers
+    num_layers = target_num_layers(args.target, args.revision)
     anchors = (
         _ints(args.anchors, "--anchors")
         if args.anchors

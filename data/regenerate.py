@@ -29,24 +29,16 @@ retried ``--retries`` times with a growing wait; then the run stops with one err
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 
 def json_lines(path: str, key: str):
-    """``(line number, value)`` of each non-blank line of the jsonl file ``path``, whose rows carry ``key``; a line
-    that is not JSON is one error."""
-    from spd.errors import SpdInputError
+    """``(row number, row)`` of each non-blank line of the jsonl file ``path``, whose rows carry ``key``; a line
+    that is not a JSON object, or a file that is not one of them, is one error (:func:`spd.reading.iter_jsonl`)."""
+    from spd.reading import iter_jsonl
 
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            raise SpdInputError(f'{path}:{number} is not JSON; expected one {{"{key}": ...}} object per line') from None
-        yield number, row
+    yield from enumerate(iter_jsonl(path, "jsonl file", f'one {{"{key}": ...}} object per line'), 1)
 
 
 def _prompt_of(row) -> str | None:

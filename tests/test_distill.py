@@ -217,7 +217,8 @@ def test_bad_settings_are_one_clear_error(tiny_testbed, tmp_path, args, expected
 
 
 @pytest.mark.parametrize(
-    "args,expected", [(["n_stages=3"], "do not divide"), (["data=/no/such/data.jsonl"], "does not exist")]
+    "args,expected",
+    [(["n_stages=9"], "9 stages need at least 9 layers"), (["data=/no/such/data.jsonl"], "does not exist")],
 )
 def test_bad_target_or_data_is_one_clear_error(tiny_testbed, tmp_path, args, expected):
     """Refused once the accelerator, the target and the data load: in a process of its own, as a user runs it."""
@@ -352,7 +353,7 @@ def test_head_must_fit_the_target():
         check_compatible(head.config, StagedModel(tiny_model("llama", vocab=100), 4))
     with pytest.raises(SpdInputError, match="trained for n = 4 stages"):
         check_compatible(head.config, StagedModel(tiny_model("llama"), 2))
-    with pytest.raises(SpdInputError, match="stage boundaries"):
+    with pytest.raises(SpdInputError, match="but the pipeline has 4 stages of 1, 1, 1, 5 layers"):
         check_compatible(head.config, StagedModel(tiny_model("llama"), boundaries=[0, 1, 2, 3, 8]))
     with pytest.raises(SpdInputError, match="target layers"):
         check_compatible(head.config, StagedModel(tiny_model("llama", layers=4), 4))

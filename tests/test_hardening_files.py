@@ -405,19 +405,19 @@ def test_a_damaged_capture_is_one_error_line_before_training(small_capture, tmp_
     shutil.copytree(small_capture, corrupt)
     text = (corrupt / "capture.json").read_text()
     (corrupt / "capture.json").write_text(text[: len(text) // 2])  # as a full disk or a crash leaves it
-    cases[corrupt] = "has an unreadable capture.json ("
+    cases[corrupt] = f"the capture manifest '{corrupt / 'capture.json'}' is cut short ("
     truncated = tmp_path / "truncated"
     shutil.copytree(small_capture, truncated)
     last = json.loads((truncated / "capture.json").read_text())["shards"][-1]["file"]
     raw = (truncated / last).read_bytes()
     (truncated / last).write_bytes(raw[: len(raw) - 1000])
-    cases[truncated] = f"has an unreadable shard {last} (Error while deserializing header"
+    cases[truncated] = f"the capture shard '{truncated / last}' is cut short ("
     escaped = tmp_path / "escaped"
     shutil.copytree(small_capture, escaped)
     manifest = json.loads((escaped / "capture.json").read_text())
     manifest["shards"][0]["file"] = "../../etc/passwd"
     (escaped / "capture.json").write_text(json.dumps(manifest))
-    cases[escaped] = "has a corrupt capture.json (missing or malformed: shards[0])"
+    cases[escaped] = f"the capture '{escaped}' has a corrupt capture.json (missing or malformed: shards[0])"
     for path, message in cases.items():
         proc = _train(
             f"data={path}",
@@ -430,7 +430,7 @@ def test_a_damaged_capture_is_one_error_line_before_training(small_capture, tmp_
         )
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         lines = proc.stderr.strip().splitlines()
-        assert lines[-1].startswith(f"error: the capture '{path}' {message}"), lines[-1]
+        assert lines[-1].startswith(f"error: {message}"), lines[-1]
         assert not (tmp_path / "run" / "checkpoints").exists()  # refused at the start, not mid-training
 
 

@@ -91,7 +91,7 @@ def test_distill_cli_nan_is_one_error_line(tmp_path):
 def test_run_pipeline_bad_numbers_are_one_error_line(args, message):
     from spd.cli.run_pipeline import main
 
-    proc = run_main(main, "--prompt", "x", *args)
+    proc = run_main(main, "--target", "testbed/target", "--prompt", "x", *args)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"error: {message}"], proc.stderr
 
 

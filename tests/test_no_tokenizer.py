@@ -74,7 +74,7 @@ def test_python_api_without_a_tokenizer_stops_where_model_generate_stops(model_o
     # An explicit EOS wins; an empty list means none.
     assert len(engine.generate(PROMPT, max_new_tokens=MAX_NEW, eos_token_id=[]).token_ids) == MAX_NEW
     tree = Engine.from_pretrained(
-        str(model_only.target), draft_model=str(model_only.draft), stages=2, width=2, children=2
+        str(model_only.target), draft_model=str(model_only.draft), n_stages=2, width=2, children=2
     )
     assert tree.tokenizer is None
     out = tree.generate(PROMPT, max_new_tokens=MAX_NEW)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..errors import SpdInputError, first_line
 from ..files import rename_dir
+from ..reading import check_file, iter_jsonl
 
 _SHAREGPT_ROLES = {
     "human": "user",
@@ -138,7 +139,10 @@ def _load_raw(source: str, cfg: DataConfig):
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in _FILE_FORMATS)
         if not files:
-            raise SpdInputError(f"the data directory '{source}' has no .jsonl, .json or .parquet files")
+            raise SpdInputError(
+                f"the data directory '{source}' has no .jsonl, .json or .parquet files; expected a data file or a "
+                "directory of them"
+            )
     elif path.is_file():
         if path.suffix not in _FILE_FORMATS:
             raise SpdInputError(f"the data file '{source}' is not .jsonl, .json or .parquet")
@@ -153,9 +157,16 @@ def _load_raw(source: str, cfg: DataConfig):
     kinds = {_FILE_FORMATS[p.suffix] for p in files}
     if len(kinds) > 1:
         raise SpdInputError(f"the data directory '{source}' mixes json and parquet files")
+    expected = "one JSON object per line (a row with messages, conversations or text)"
+    for file in files:
+        check_file(file, "data file", expected if file.suffix == ".jsonl" else f"a {file.suffix[1:]} file of rows")
     try:
         return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in files], split="train")
     except Exception as exc:  # malformed files surface as several pyarrow/datasets error types
+        for file in files:  # the file and line at fault, when a line of a jsonl file is
+            if file.suffix == ".jsonl":
+                for _ in iter_jsonl(file, "data file", expected):
+                    pass
         raise SpdInputError(f"could not read '{source}': {first_line(exc)}") from None
 
 

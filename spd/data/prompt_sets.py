@@ -19,33 +19,17 @@ A prompt set is named on the command line (``--prompts``) as
 
 from __future__ import annotations
 
-import gzip
-import json
 from pathlib import Path
 
 from ..errors import SpdInputError
+from ..reading import read_jsonl
 
 SETS = ("humaneval", "humaneval-chat", "mt-bench", "gsm8k")
 HUMANEVAL_CHAT = "Complete the following Python function:\n```python\n{prompt}```"
 
 
 def _jsonl(path: Path, what: str) -> list[dict]:
-    if not path.is_file():
-        raise SpdInputError(f"the {what} file '{path}' does not exist")
-    opener = gzip.open if path.suffix == ".gz" else open
-    rows = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError:
-                raise SpdInputError(f"line {number} of the {what} file '{path}' is not JSON") from None
-            if not isinstance(row, dict):
-                raise SpdInputError(f"line {number} of the {what} file '{path}' is not a JSON object")
-            rows.append(row)
-    return rows
+    return read_jsonl(path, f"{what} file")
 
 
 def humaneval_rows() -> list[dict]:

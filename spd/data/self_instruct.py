@@ -80,14 +80,13 @@ class BenchmarkFilter:
 def prompt_texts(path: str | os.PathLike) -> list[str]:
     """The prompts of a jsonl file of one's own evaluation set: each row's ``"prompt"``, its first ``"messages"``
     content or its first of ``"turns"`` (MT-Bench's shape)."""
+    from ..reading import iter_jsonl
+
     texts = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
+    for number, row in enumerate(iter_jsonl(path, "evaluation set", "one JSON object per line"), 1):
         try:
-            row = json.loads(line)
             text = row.get("prompt") or (row.get("messages") or [{}])[0].get("content") or (row.get("turns") or [""])[0]
-        except (json.JSONDecodeError, AttributeError, TypeError, IndexError):
+        except (AttributeError, TypeError, IndexError):
             text = None
         if not isinstance(text, str) or not text.strip():
             raise SpdInputError(

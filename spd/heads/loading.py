@@ -9,7 +9,6 @@ format.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,23 +16,19 @@ import torch
 
 from ..errors import SpdInputError, first_line
 from ..paths import check_model_source
+from ..reading import SAVED, check_model_files, read_json
 from .published.authors_file import is_authors_file, load_authors_file
-from .config import SpeculatorConfig, misfit
+from .config import SpeculatorConfig, depth_problem, misfit
 from .speculator import Speculator
 
 
 def load_speculator_config(name_or_path: str, revision: str | None = None) -> SpeculatorConfig:
     """A head's config alone (no weights), with one clear sentence for a wrong path, hub id or non-head directory."""
     source = str(name_or_path)
-    check_model_source(source, "speculator")
+    check_model_source(source, "speculator", revision)
     config_file = Path(source).expanduser() / "config.json"
-    if config_file.is_file():
-        try:
-            model_type = json.loads(config_file.read_text()).get("model_type")
-        except (OSError, ValueError) as exc:
-            raise SpdInputError(
-                f"the speculator config '{config_file}' is not valid JSON ({first_line(exc)})"
-            ) from None
+    if config_file.exists():
+        model_type = read_json(config_file, "speculator's config", SAVED).get("model_type")
         if model_type != SpeculatorConfig.model_type:
             raise SpdInputError(
                 f"'{source}' holds a '{model_type}' model, not an SPD speculation head "
@@ -97,7 +92,8 @@ def pipeline_cut(
     target_revision: str | None = None,
 ) -> tuple[int | None, list[int] | None]:
     """``(n_stages, boundaries)`` for :class:`~spd.target.staging.StagedModel`: explicit boundaries, else the head's cut
-    (when ``stages`` is not given or agrees with it), else ``stages`` equal stages (default 1).
+    (when ``stages`` is not given or agrees with it), else ``stages`` stages (default 1; cut by
+    :func:`~spd.target.staging.split_layers`: equal where they divide the layers, else the larger stages first).
 
     With ``target`` the head's cut is checked against the target's depth first, so a head trained for another
     target is refused as such rather than as a bad cut.
@@ -114,9 +110,7 @@ def pipeline_cut(
 
                 num_layers = target_num_layers(target, target_revision)
                 if head.boundaries[-1] != num_layers:
-                    raise misfit(
-                        [f"it was trained for a target of {head.boundaries[-1]} layers, and this one has {num_layers}"]
-                    )
+                    raise misfit([depth_problem(head.boundaries[-1], num_layers)])
             return None, head.boundaries
     return stages or 1, None
 
@@ -146,8 +140,11 @@ def load_speculator(
         from .published.authors_head import AuthorsHead
 
         return AuthorsHead(head.checkpoint, target)
+    from safetensors import SafetensorError
+
+    check_model_files(head.name, "speculator", weights=True)
     try:
         loaded = Speculator.from_pretrained(head.name, config=head.config, revision=head.revision, dtype=dtype)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:
         raise SpdInputError(f"could not load a speculation head from '{head.name}': {first_line(exc)}") from None
     return loaded.to(device).eval()

@@ -3,9 +3,13 @@ head)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from pathlib import Path
+
 import torch
 
 from ..errors import SpdInputError, first_line
+from ..reading import FLOATING, SAVED
 from ..target.staging import StagedModel
 
 
@@ -25,13 +29,15 @@ def load_partial(
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from ..paths import check_model_source
+    from ..reading import check_model_files
 
-    check_model_source(source, "target")
+    check_model_source(source, "target", revision)
+    check_model_files(source, "target")  # config.json; each safetensors file is checked when first opened
     try:
         config = AutoConfig.from_pretrained(source, revision=revision)
     except (OSError, ValueError, KeyError) as exc:
         raise SpdInputError(f"could not load safetensors weights of '{source}': {first_line(exc)}") from None
-    checkpoint = Checkpoint(source, revision)
+    checkpoint = Checkpoint(source, revision, None if getattr(config, "quantization_config", None) else FLOATING)
     files = checkpoint.weight_map
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
@@ -112,29 +118,43 @@ class Checkpoint:
     tensor, with a shard's file fetched or found only when one of its tensors is read, so that a machine needs
     only the shards that hold its own stages' layers."""
 
-    def __init__(self, source: str, revision: str | None = None):
-        import json
-
-        from safetensors import safe_open
-        from transformers.utils import cached_file
+    def __init__(self, source: str, revision: str | None = None, dtypes: Collection[str] | None = FLOATING):
+        from ..reading import read_json, safetensors_header
 
         self.source, self.revision = source, revision
+        self.dtypes = dtypes  # what its tensors may be (reading.FLOATING; None: any, for a quantised target)
         self._paths: dict[str, str] = {}
         try:
-            index = cached_file(
-                source, "model.safetensors.index.json", revision=revision, _raise_exceptions_for_missing_entries=False
-            )
+            index = self._file("model.safetensors.index.json", required=False)
             if index is not None:
-                self.index_text = open(index, encoding="utf-8").read()
-                self.weight_map: dict[str, str] = dict(json.loads(self.index_text)["weight_map"])
+                weight_map = read_json(index, "target's weights index", SAVED).get("weight_map")
+                if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                    raise SpdInputError(
+                        f"the target's weights index '{index}' has no weight_map of tensor names to shard files; "
+                        f"expected {SAVED}"
+                    )
+                self.index_text = Path(index).read_text(encoding="utf-8")
+                self.weight_map: dict[str, str] = dict(weight_map)
             else:
                 self.index_text = None
-                single = cached_file(source, "model.safetensors", revision=revision)
-                with safe_open(single, framework="pt") as f:
-                    self.weight_map = {name: "model.safetensors" for name in f.keys()}
+                single = self._file("model.safetensors")
+                header = safetensors_header(single, "target's weights file", self.dtypes)
+                self.weight_map = {name: "model.safetensors" for name in header}
                 self._paths["model.safetensors"] = single
+        except SpdInputError:
+            raise
         except (OSError, ValueError, KeyError) as exc:
             raise SpdInputError(f"could not load safetensors weights of '{source}': {first_line(exc)}") from None
+
+    def _file(self, name: str, required: bool = True) -> str | None:
+        """The local path of the checkpoint's file ``name``: in the directory as it is (its checks name a file that is
+        missing or a directory), or fetched into the hub cache; None for a missing file that is not ``required``."""
+        from transformers.utils import cached_file
+
+        directory = Path(self.source).expanduser()
+        if directory.is_dir():
+            return str(directory / name) if required or (directory / name).exists() else None
+        return cached_file(self.source, name, revision=self.revision, _raise_exceptions_for_missing_entries=required)
 
     @property
     def sharded(self) -> bool:
@@ -142,18 +162,22 @@ class Checkpoint:
 
     def path(self, name: str) -> str:
         """The local path of the file holding tensor ``name`` (fetched from the hub cache on first use)."""
-        from transformers.utils import cached_file
+        from ..reading import safetensors_header
 
         file = self.weight_map[name]
         if file not in self._paths:
             try:
-                self._paths[file] = cached_file(self.source, file, revision=self.revision)
+                path = self._file(file, required=False)
+                if path is None:
+                    raise FileNotFoundError(f"no file '{file}'")
             except (OSError, ValueError) as exc:
                 raise SpdInputError(
                     f"the checkpoint '{self.source}' lacks the shard '{file}' that holds '{name}' "
                     f"({first_line(exc)}); every machine needs the shards of its own stages' "
                     "layers (and rank 0's: embedding, final norm, LM head)"
                 ) from None
+            safetensors_header(path, "target's weights shard", self.dtypes)
+            self._paths[file] = path
         return self._paths[file]
 
 

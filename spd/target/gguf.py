@@ -48,10 +48,9 @@ def load_gguf(gguf_path: Path, dtype=None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    try:
-        import gguf  # noqa: F401  (transformers needs it to read the file; say so in one line)
-    except ImportError as exc:
-        raise SpdInputError("reading a GGUF file needs the 'gguf' package: pip install gguf") from exc
+    from ..reading import check_gguf
+
+    check_gguf(gguf_path)  # needs the gguf package, as transformers does; a damaged file is named here
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype or torch.float32)

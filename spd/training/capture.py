@@ -26,7 +26,6 @@ Shape suffixes: T tokens of a shard, R rows, D hidden, V vocabulary, K top-k.
 from __future__ import annotations
 
 import bisect
-import json
 import os
 import re
 import shutil
@@ -39,11 +38,13 @@ from torch import nn
 
 from ..errors import SpdInputError, first_line
 from ..files import atomic_path, check_free_space, temp_pattern, write_json_atomic
+from ..reading import FLOATING, INTEGER, load_safetensors, read_json, safetensors_header
 from ..target.staging import TargetShape
 
 MANIFEST = "capture.json"
 TEACHER_FILE = "teacher.safetensors"
 TOKENS_FILE = "tokens.json"  # the target tokenizer's token strings by id (draft vocabularies check against them)
+AGAIN = "data/capture.py writes (capture it again)"  # what a damaged file of a capture was expected to be
 FORMAT = 1
 TEACHERS = ("full", "topk")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -337,17 +338,7 @@ _MANIFEST_KEYS = {
 
 def _load_manifest(root: Path, path) -> dict:
     """The manifest of the capture at ``root`` with every field the trainer reads checked, or one clear error."""
-    try:
-        manifest = json.loads((root / MANIFEST).read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise SpdInputError(
-            f"the capture '{path}' has an unreadable {MANIFEST} ({first_line(exc)}); capture it "
-            "again with data/capture.py"
-        ) from None
-    if not isinstance(manifest, dict):
-        raise SpdInputError(
-            f"the capture '{path}' has a corrupt {MANIFEST} (not a JSON object); capture it again with data/capture.py"
-        )
+    manifest = read_json(root / MANIFEST, "capture manifest", f"the {MANIFEST} that {AGAIN}")
     bad = [
         k
         for k, kind in _MANIFEST_KEYS.items()
@@ -377,7 +368,7 @@ def _load_manifest(root: Path, path) -> dict:
 def read_manifest(path: str | os.PathLike) -> dict:
     """A complete capture's manifest, or one clear error."""
     root = Path(path).expanduser()
-    if not (root / MANIFEST).is_file():
+    if not (root / MANIFEST).exists():
         raise SpdInputError(f"'{path}' is not a capture directory (no {MANIFEST}); make one with data/capture.py")
     manifest = _load_manifest(root, path)
     if manifest.get("format") != FORMAT:
@@ -396,9 +387,9 @@ def read_manifest(path: str | os.PathLike) -> dict:
 
 
 def check_shards(root: Path, manifest: dict, path) -> None:
-    """Open every shard's header and offsets: a missing, truncated or mismatched shard is one error now, not a
-    failure in the middle of training."""
-    from safetensors import safe_open
+    """Check every shard's header against its file and the manifest (tensors, dtypes, shapes, offsets): a missing,
+    truncated or mismatched shard is one error now, not a failure in the middle of training."""
+    from safetensors import SafetensorError, safe_open
 
     names = {"input_ids", "loss_mask", "offsets", *(f"hidden.{a}" for a in manifest["states"])}
     if manifest["settings"]["teacher"] == "topk":
@@ -407,16 +398,8 @@ def check_shards(root: Path, manifest: dict, path) -> None:
     for shard in manifest["shards"]:
         file = root / shard["file"]
         tokens = shard["tokens"]
-        try:
-            # safe_open refuses a file shorter than its header says (a truncated shard)
-            with safe_open(str(file), framework="pt") as handle:
-                shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
-                offsets = handle.get_tensor("offsets") if shapes.get("offsets") == (shard["rows"] + 1,) else None
-        except Exception as exc:  # safetensors raises its own error classes for a damaged file
-            raise SpdInputError(
-                f"the capture '{path}' has an unreadable shard {shard['file']} "
-                f"({first_line(exc)}); capture it again with data/capture.py"
-            ) from None
+        header = safetensors_header(file, "capture shard", None, f"a complete shard that {AGAIN}")
+        shapes = {k: tuple(entry["shape"]) for k, entry in header.items()}
         want = {
             "input_ids": (tokens,),
             "loss_mask": (tokens,),
@@ -424,17 +407,27 @@ def check_shards(root: Path, manifest: dict, path) -> None:
             **{f"hidden.{a}": (tokens, hidden) for a in manifest["states"]},
         }
         wrong = sorted(k for k in names if k not in shapes or (k in want and shapes[k] != want[k]))
-        if not wrong and (
-            offsets is None
-            or int(offsets[0]) != 0
-            or int(offsets[-1]) != tokens
-            or bool((offsets[1:] < offsets[:-1]).any())
-        ):
-            wrong = ["offsets"]
+        # Token ids, masks and offsets are integers; states and log-probabilities floating point.
+        wrong += sorted(
+            k
+            for k in names & set(header)
+            if (header[k]["dtype"] in INTEGER) != (k in ("input_ids", "loss_mask", "offsets", "topk_ids"))
+        )
+        if not wrong:
+            try:
+                with safe_open(str(file), framework="pt") as handle:
+                    offsets = handle.get_tensor("offsets")
+            except SafetensorError as exc:
+                raise SpdInputError(
+                    f"the capture shard '{file}' cannot be read ({first_line(exc)}); expected a complete shard "
+                    f"that {AGAIN}"
+                ) from None
+            if int(offsets[0]) != 0 or int(offsets[-1]) != tokens or bool((offsets[1:] < offsets[:-1]).any()):
+                wrong = ["offsets"]
         if wrong:
             raise SpdInputError(
-                f"the capture '{path}' has a damaged shard {shard['file']} (bad or missing: "
-                f"{', '.join(wrong[:4])}); capture it again with data/capture.py"
+                f"the capture shard '{file}' does not fit its {MANIFEST} (bad or missing: {', '.join(wrong[:4])}); "
+                f"expected a complete shard that {AGAIN}"
             )
 
 
@@ -523,7 +516,6 @@ class CapturedTarget(TargetShape, nn.Module):
         device: str | torch.device = "cpu",
     ):
         super().__init__()
-        from safetensors.torch import load_file
         from transformers import AutoConfig
 
         from ..target.staging import split_layers
@@ -534,15 +526,14 @@ class CapturedTarget(TargetShape, nn.Module):
         self.config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
         self.num_layers = self.manifest["num_layers"]
         self.boundaries = split_layers(self.num_layers, n_stages, boundaries)
-        try:
-            weights = load_file(str(self.root / TEACHER_FILE), device=str(device))
-            if set(weights) != {"lm_head", "norm_scale"} or weights["lm_head"].dim() != 2:
-                raise ValueError("expected the tensors lm_head (V, D) and norm_scale")
-        except Exception as exc:  # safetensors raises its own error classes for a damaged file
+        teacher = self.root / TEACHER_FILE
+        expected = f"the {TEACHER_FILE} that {AGAIN}"
+        weights = load_safetensors(teacher, "capture's teacher file", FLOATING, str(device), expected)
+        if set(weights) != {"lm_head", "norm_scale"} or weights["lm_head"].dim() != 2:
             raise SpdInputError(
-                f"the capture '{path}' has an unreadable {TEACHER_FILE} ({first_line(exc)}); "
-                "capture it again with data/capture.py"
-            ) from None
+                f"the capture's teacher file '{teacher}' holds {sorted(weights)}; expected the tensors lm_head "
+                f"(V, D) and norm_scale, as {AGAIN}"
+            )
         vocab, hidden = weights["lm_head"].shape
         # skip_init: no random initialisation, which would draw from the RNG the head's initialisation uses next
         self.lm_head = torch.nn.utils.skip_init(
@@ -560,9 +551,9 @@ class CapturedTarget(TargetShape, nn.Module):
     def token_strings(self, ids: list[int]) -> list[str | None] | None:
         """The target tokenizer's strings of ``ids`` (None for ids it lacks), or None if the capture has none."""
         path = self.root / TOKENS_FILE
-        if not path.is_file():
+        if not path.exists():
             return None
-        tokens = json.loads(path.read_text())
+        tokens = read_json(path, "capture's token strings", f"the {TOKENS_FILE} that {AGAIN}", of=list)
         return [tokens[i] if i < len(tokens) else None for i in ids]
 
     def norm_scale(self) -> torch.Tensor:

@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import SpdInputError, first_line
+from ..errors import SpdInputError
 from ..files import replace_dir, temp_dir_beside
 from ..paths import default_cache_dir, default_testbed_dir
+from ..reading import read_yaml
 from ..heads.config import SpeculatorConfig, default_anchors
 from ..heads.speculator import Speculator
 from ..target.staging import StagedModel
@@ -226,20 +227,10 @@ def _coerce(value, type_text: str):
 
 def load_config(path: str | None, overrides: list[str]) -> DistillConfig:
     """A DistillConfig from a YAML preset plus ``key=value`` overrides; unknown keys are a clear error."""
-    import yaml
-
     fields = {f.name: f for f in dataclasses.fields(DistillConfig)}
     raw: dict = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise SpdInputError(f"the config file '{path}' does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise SpdInputError(f"the config file '{path}' is not valid YAML ({first_line(exc)})") from None
-        if not isinstance(loaded, dict):
-            raise SpdInputError(f"the config file '{path}' must be a mapping of keys to values")
+        loaded = read_yaml(path, "config file", "a YAML mapping of config keys to values (see configs/)")
         unknown = sorted(set(loaded) - set(fields))
         if unknown:
             raise SpdInputError(f"unknown config key(s) {unknown} in '{path}'; valid keys: {', '.join(fields)}")

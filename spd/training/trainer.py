@@ -251,11 +251,11 @@ class Trainer:
         without a ceiling set by the tokens it cannot propose."""
         from ..heads.config import check_compatible
         from ..heads.draft_vocab import check_draft_vocab
-        from ..heads.speculator import Speculator
+        from ..heads.loading import load_speculator
 
         staged = self.staged
         if cfg.init_from:
-            head = Speculator.from_pretrained(cfg.init_from, dtype=torch.float32).to(self.accelerator.device)
+            head = load_speculator(cfg.init_from, dtype=torch.float32, device=self.accelerator.device)
             check_compatible(head.config, staged)
             check_draft_vocab(head, staged.vocab_size)
             if cfg.draft_vocab_size:

@@ -17,8 +17,6 @@ a truncated file, a file of another kind or an unknown ``version`` is refused wi
 from __future__ import annotations
 
 import json
-import pickle
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
@@ -62,8 +60,6 @@ def is_authors_file(source: str | Path) -> bool:
 
 
 def _dir_model_type(path: Path) -> str | None:
-    import json
-
     try:
         return json.loads((path / "config.json").read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
@@ -107,6 +103,14 @@ def resolve(source: str | Path, revision: str | None = None) -> Path:
         )
     from huggingface_hub import hf_hub_download
 
+    from ...paths import hub_problem
+
+    problem = hub_problem(repo_id, ref_revision or revision, filename)
+    if problem is not None:
+        raise SpdInputError(
+            f"could not fetch the speculator '{text}': {problem}; expected a head file the hub has "
+            "(with HF_HUB_OFFLINE=1: one in the local hub cache)"
+        )
     try:
         return Path(hf_hub_download(repo_id, filename, revision=ref_revision or revision))
     except Exception as exc:  # hub errors come in many classes (offline, 404, auth); all mean "not available"
@@ -118,28 +122,14 @@ def resolve(source: str | Path, revision: str | None = None) -> Path:
 
 def load_authors_file(source: str | Path, revision: str | None = None) -> AuthorsCheckpoint:
     """Load and validate an authors' head file (``weights_only=True``; never executes code from the file)."""
-    import torch
+    from ...reading import torch_load
 
     if Path(str(source)).expanduser().is_dir():
         return read_directory(Path(str(source)).expanduser())
     path = resolve(source, revision)
-    try:
-        # mmap: a caller that only needs the config (read_head, before the target is loaded) reads no
-        # tensor data, so looking at a multi-GB head file and then loading it does not read it twice.
-        # (torch can map only its zip format; anything else is read as before and judged by the unpickler.)
-        blob = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-    except pickle.UnpicklingError as exc:
-        if "global" in str(exc).lower():  # torch names the blocked global (a function or class to import)
-            raise SpdInputError(
-                f"'{source}' needs arbitrary unpickling (it holds more than tensors and plain "
-                "containers), which could run code; refused: expected a head file of plain "
-                "tensors"
-            ) from None
-        raise SpdInputError(f"'{source}' is not a torch.save file of tensors (unreadable pickle)") from None
-    except Exception as exc:  # a malformed file can fail anywhere inside the unpickler (IndexError, struct.error..)
-        raise SpdInputError(
-            f"'{source}' is truncated or not a torch.save file ({type(exc).__name__}: {first_line(exc)})"
-        ) from None
+    # A zip-format file is memory-mapped: a caller that only needs the config (read_head, before the target is
+    # loaded) reads no tensor data, so looking at a multi-GB head file and then loading it does not read it twice.
+    blob = torch_load(path, "speculator file", "a head file of plain tensors (the SPD authors' torch.save format)")
     return validate(blob, str(source))
 
 
@@ -167,6 +157,9 @@ def validate(blob, source: str) -> AuthorsCheckpoint:
     bad = [k for k, v in blob["state_dict"].items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
     if bad:
         raise SpdInputError(f"'{source}' has state_dict entries that are not named tensors: {bad[:3]}")
+    wrong = next(((k, v.dtype) for k, v in blob["state_dict"].items() if not v.is_floating_point()), None)
+    if wrong is not None:
+        raise SpdInputError(f"'{source}' holds '{wrong[0]}' as {wrong[1]}; expected floating-point tensors")
     _check_config(config, blob["state_dict"], source)
     return AuthorsCheckpoint(dict(blob["state_dict"]), dict(config), source)
 
@@ -223,13 +216,10 @@ def _check_config(config: dict, state_dict: dict, source: str) -> None:
 
 def read_directory(path: Path) -> AuthorsCheckpoint:
     """A directory written by :func:`to_directory` as a validated checkpoint."""
-    from safetensors.torch import load_file
+    from ...reading import SAVED, load_safetensors, read_json
 
-    try:
-        config = json.loads((path / "config.json").read_text())
-        state = load_file(path / "model.safetensors")
-    except (OSError, ValueError) as exc:
-        raise SpdInputError(f"'{path}' is not a readable converted authors' head ({exc})") from None
+    config = read_json(path / "config.json", "speculator's config", SAVED)
+    state = load_safetensors(path / "model.safetensors", "speculator's weights file")
     if config.get("model_type") != DIR_MODEL_TYPE or not isinstance(config.get("authors_config"), dict):
         raise SpdInputError(f"'{path}' is not a converted authors' head (model_type '{DIR_MODEL_TYPE}')")
     return validate({"state_dict": state, "config": config["authors_config"]}, str(path))
