@@ -257,7 +257,8 @@ def test_batched_server_answers_each_client_as_the_one_at_a_time_server(spd_serv
             bad = pool.submit(ask, server.url, server.model, {"prompt": [1, 10**6], "max_tokens": 4})
             answers = list(pool.map(lambda b: ask(server.url, server.model, b), bodies))
             gone.result()
-            assert bad.result()["error"]["code"] == 400 and "outside the vocabulary" in bad.result()["error"]["message"]
+            error = bad.result()["error"]
+            assert error["code"] == "invalid_value" and "outside the vocabulary" in error["message"]
         for got, want in zip(answers, expected):
             assert got["choices"][0]["text"] == want["choices"][0]["text"]
             assert got["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"]
@@ -491,6 +492,17 @@ def test_full_queue_gets_503_with_retry_after(tiny_testbed):
         assert server.metrics()['spd_requests_total{endpoint="completions",outcome="rejected"}'] >= 1
     finally:
         server.stop()
+    # The log: a warning for every 503, saying why; an access line for each answer; one line at shutdown.
+    deadline = time.time() + 10
+    while time.time() < deadline and not any("shutting down after" in line for line in server.lines):
+        time.sleep(0.05)
+    refused = [line for line in server.lines if '"POST /v1/completions" 503 Service Unavailable' in line]
+    assert len(refused) == codes.count(503), server.lines
+    assert all(line.startswith("[spd-serve] warning: ") and "the server is busy" in line for line in refused)
+    served = [line for line in server.lines if '"POST /v1/completions" 200 OK, 200 tokens' in line]
+    assert len(served) == codes.count(200), server.lines
+    stopped = [line for line in server.lines if "shutting down after" in line]
+    assert len(stopped) == 1 and f"{len(responses)} requests answered" in stopped[0], server.lines
 
 
 @pytest.mark.slow
@@ -710,7 +722,8 @@ def test_cli_bad_flags_one_line_exit_2(tiny_testbed):
 
     def run(case):
         args, needle = case
-        return args, needle, run_main(serve_main, "--target", str(tiny_testbed / "target"), *args)
+        # (--port 0 first: the port is bound before the model loads, and 8000 may be taken here)
+        return args, needle, run_main(serve_main, "--target", str(tiny_testbed / "target"), "--port", "0", *args)
 
     for args, needle, proc in map(run, BAD_FLAGS):
         assert proc.returncode == 2, (args, proc.stderr)

@@ -165,7 +165,9 @@ def raw_request(server: Server, head: bytes, body_chunks=(), read: bool = True) 
 
 def assert_openai_error(body: dict, status: int, needle: str) -> None:
     error = body["error"]
-    assert error["code"] == status and error["type"] and needle in error["message"], body
+    assert set(error) == {"message", "type", "param", "code"} and needle in error["message"], body
+    assert error["type"] == ("server_error" if status >= 500 else "invalid_request_error"), body
+    assert error["code"] is None or isinstance(error["code"], str), body  # OpenAI's codes: a string or null
     assert "\n" not in error["message"]
 
 

@@ -7,19 +7,27 @@
         # stages 3-4 on another machine: spd-stage --server 10.0.0.1:29500 --target DIR (docs/runtime.md)
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as server-sent
-events), GET /v1/models, GET /health, GET /metrics (Prometheus). The model flags are spd-generate's. The
-model loads once, requests run one at a time on the pipeline in arrival order, at most --max-queue wait
-(then 503 with Retry-After). Limits (docs/serving.md): --max-body-bytes, --max-model-len (prompt +
-max_tokens; the KV cache of the one running request is sized for at most this), --api-key (or SPD_API_KEY)
-for /v1/*, --enable-docs for /docs. A wrong flag prints one ``error:`` line and exits with 2.
+events), GET /v1/models, GET /health, GET /metrics (Prometheus). The model flags are spd-generate's
+(modes ar, pp, spd, tree and sd; --stages N cuts the target into N stages, equal where N divides its
+layers, else the larger stages first). The model loads once, requests run one at a time on the pipeline
+in arrival order, at most --max-queue wait (then 503 with Retry-After). Limits (docs/serving.md):
+--max-body-bytes, --max-model-len (prompt + max_tokens; the KV cache of the one running request is sized
+for at most this), --api-key (or SPD_API_KEY) for /v1/*, --enable-docs for /docs. A wrong flag, or a
+--host:--port it cannot listen on, prints one error: line and exits with 2 before the model loads. The
+log (stderr, --log-level): one line once it listens (the mode and the cut), one line per request, a
+warning for every 503, one line at shutdown.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import logging
 import os
 import signal
+import socket
 import sys
+import time
 from pathlib import Path
 
 from spd.errors import SpdInputError, run_cli
@@ -48,16 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-batch",
         type=positive_int,
         default=1,
-        help="requests in flight at once: 1 runs them one after another (SPD's lowest latency); B > 1 "
-        "batches up to B in the pipeline, admitted at step boundaries (local runtime, --mode spd, "
-        "pp or tree; default: %(default)s)",
+        help="requests in flight at once (default: %(default)s). 1 runs them one after another on the "
+        "single-request path: SPD's regime, the lowest latency per request (a batch of one costs about 4%% more "
+        "CPU per step, docs/benchmarks.md), and it works in every mode. B > 1 batches up to B in the pipeline, "
+        "admitted at step boundaries, for more tokens/s when many clients wait (--mode spd, pp or tree; see "
+        "--kv-rows)",
     )
     p.add_argument(
         "--kv-rows",
         type=positive_int,
         default=None,
         help="--max-batch B > 1: KV rows shared by the requests in flight (each needs prompt + max_tokens "
-        "+ the tree in flight; more wait); default: 2048 per request of B",
+        "+ the tree in flight; more wait) (default: 2048 per request of B)",
     )
     add_prefill_flags(p, positive_int)
     p.add_argument(
@@ -78,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--stage-addr",
         default=None,
         help="--runtime distributed with --local-stages: this machine's HOST[:PORT] on the stage network, "
-        "where the other machines' stages join (port default 29500); listens on that address only",
+        "where the other machines' stages join; listens on that address only (default: none; the port "
+        "defaults to 29500)",
     )
     p.add_argument(
         "--join-timeout-s",
@@ -105,12 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPD_API_KEY, else none); /health "
         "and /metrics stay open",
     )
-    p.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
+    p.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json (default: off)")
     p.add_argument(
         "--log-level",
-        default="warning",
+        default="info",
         choices=("critical", "error", "warning", "info", "debug"),
-        help="uvicorn's log level (default: %(default)s)",
+        help="what the server logs on stderr: info, one line per request (client, method, path, status, "
+        "completion tokens, L'_acc, time) and one at shutdown; warning, only 503s and other failures; error, "
+        "only errors; debug adds uvicorn's own messages (default: %(default)s)",
     )
     return p
 
@@ -148,8 +161,20 @@ def serve(args) -> int:
         from spd.serving.app import create_app
     except ImportError as exc:
         raise SpdInputError(
-            f"spd-serve needs the serve extra ({exc.name} is missing); pip install 'spd[serve]'"
+            f"spd-serve needs the serve extra ({exc.name} is missing); install it with pip install -e '.[serve]' "
+            "in the repository, or SPD_EXTRAS=serve bash scripts/install.sh"
         ) from None
+    sockets = _listen_sockets(args.host, args.port)  # before the model loads: a port in use fails at once
+    _log_to_stderr(args.log_level, _connections(args))
+    try:
+        return _serve(args, decoding, api_key, sockets, uvicorn, create_app)
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _serve(args, decoding: DecodingSpec, api_key: str | None, sockets: list[socket.socket], uvicorn, create_app):
+    """Load the pipeline, start the scheduler and serve on ``sockets`` until stopped."""
     from spd.serving.app import Limits
     from spd.serving.metrics import ServerMetrics
     from spd.serving.pipeline import PipelineSpec, open_pipeline
@@ -182,6 +207,7 @@ def serve(args) -> int:
         pipeline.close()
         raise
     scheduler.start()
+    server = None
     try:
         limits = Limits(
             max_body_bytes=args.max_body_bytes,
@@ -193,16 +219,19 @@ def serve(args) -> int:
         # body cap this bounds the memory that request bodies can hold at once.
         config = uvicorn.Config(
             create_app(scheduler, metrics, name, limits),
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
+            log_config=None,  # configured above: our format, and uvicorn's own messages only at debug or as warnings
+            log_level=_uvicorn_level(args.log_level),
+            access_log=False,  # the app's AccessLog writes the access lines, with tokens and L'_acc
             timeout_graceful_shutdown=5,
-            limit_concurrency=2 * args.max_queue + 16,
+            limit_concurrency=_connections(args),
         )
         server = uvicorn.Server(config)
         _announce(server, args, name, pipeline, max_model_len, scheduler.batch)
-        server.run()
+        started = time.monotonic()
+        server.run(sockets=sockets)
     finally:
+        if server is not None and server.started:
+            _log_shutdown(metrics, time.monotonic() - started, scheduler.queue.qsize())
         scheduler.stop()
     return 0
 
@@ -233,6 +262,108 @@ def _check_server_flags(args) -> str | None:
             "'Authorization: Bearer KEY'"
         )
     return api_key
+
+
+def _connections(args) -> int:
+    """Connections open at once (uvicorn's limit_concurrency); one more gets uvicorn's 503 before its body is read."""
+    return 2 * args.max_queue + 16
+
+
+def _listen_sockets(host: str, port: int) -> list[socket.socket]:
+    """``--host``:``--port`` bound as uvicorn binds it (address reuse; an IPv6 socket for IPv6 only), before the
+    model loads, so that an address that cannot be had is one error at once; uvicorn then serves on these sockets."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise SpdInputError(
+            f"cannot listen on {where}: the host is not known ({exc.strerror}); expected --host 127.0.0.1, "
+            "0.0.0.0 or an address of this machine"
+        ) from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        why = {
+            errno.EADDRINUSE: "the address is already in use; expected a free port (stop what listens there, "
+            "or pass another --port; 0 picks a free one)",
+            errno.EACCES: "permission denied (ports below 1024 need privileges); expected another --port",
+            errno.EADDRNOTAVAIL: "the host is not an address of this machine; expected --host 127.0.0.1, 0.0.0.0 "
+            "or one of its addresses",
+        }.get(exc.errno, f"{exc.strerror or exc}; expected another --host or --port")
+        raise SpdInputError(f"cannot listen on {where}: {why}") from None
+    return sockets
+
+
+_LEVELS = ("debug", "info", "warning", "error", "critical")  # --log-level's choices, least severe first
+
+
+class _LogFormat(logging.Formatter):
+    """``[spd-serve] message``, a warning or an error saying so first (as the one-line ``error:`` of a wrong flag)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        level = record.levelno
+        kind = "error: " if level > logging.WARNING else "warning: " if level == logging.WARNING else ""
+        return f"[spd-serve] {kind}{super().format(record)}"
+
+
+class _ConnectionLimit(logging.Filter):
+    """uvicorn's own 503 (more connections than it takes) logged in words that say what happened and which flag
+    sets the limit."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "Exceeded concurrency limit.":
+            record.msg = (
+                f"503 Service Unavailable to a new request: {self.limit} connections are open, the most this server "
+                "takes (2 x --max-queue + 16)"
+            )
+            record.args = ()
+        return True
+
+
+def _log_to_stderr(level: str, connections: int) -> None:
+    """The server's log (``spd.serve``: access lines, 503s, shutdown) and uvicorn's on stderr, at ``--log-level``;
+    uvicorn's own messages only as warnings and errors unless ``debug`` (its start-up lines repeat ours)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_LogFormat())
+    for name, at in (("spd.serve", level), ("uvicorn", _uvicorn_level(level))):
+        logger = logging.getLogger(name)
+        logger.handlers, logger.propagate = [handler], False
+        logger.setLevel(at.upper())
+    uvicorn_errors = logging.getLogger("uvicorn.error")
+    uvicorn_errors.filters = [_ConnectionLimit(connections)]
+
+
+def _uvicorn_level(level: str) -> str:
+    return level if level == "debug" else max(level, "warning", key=_LEVELS.index)
+
+
+def _log_shutdown(metrics, seconds: float, waiting: int) -> None:
+    """One line as the server stops: how long it served and what it answered."""
+    counts = metrics.outcomes()
+    detail = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()) if n)
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes >= 60:
+        uptime = f"{minutes // 60} h {minutes % 60} min"
+    else:
+        uptime = f"{minutes} min {secs} s" if minutes else f"{seconds:.1f} s"
+    logging.getLogger("spd.serve").info(
+        f"shutting down after {uptime}: {sum(counts.values())} requests answered"
+        + (f" ({detail})" if detail else "")
+        + (f"; the {waiting} waiting are refused" if waiting else "")
+    )
 
 
 def _max_model_len(args, pipeline) -> int:
@@ -275,6 +406,8 @@ def _announce(server, args, name: str, pipeline, max_model_len: int, batch=None)
     import threading
     import time
 
+    from spd.target.staging import describe_cut
+
     def wait_and_print():
         while not server.started and not server.should_exit:
             time.sleep(0.05)
@@ -293,7 +426,8 @@ def _announce(server, args, name: str, pipeline, max_model_len: int, batch=None)
                     + ")"
                 )
             print(
-                f"[spd-serve] {name}: mode {args.mode}, {pipeline.n_stages} stages, runtime {args.runtime}, "
+                f"[spd-serve] {name}: mode {args.mode}, {describe_cut(pipeline.staged.boundaries)}, "
+                f"runtime {args.runtime}, "
                 f"max model len {max_model_len}{kv}; listening on http://{args.host}:{port}",
                 file=sys.stderr,
                 flush=True,

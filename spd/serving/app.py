@@ -9,7 +9,9 @@ tokenizing runs on a worker thread, never on the event loop. Every error, 404 an
 OpenAI's error JSON. Generation happens on the scheduler's thread; this side waits for the job's events,
 streams them as server-sent events (``data: {json}`` per chunk, ``data: [DONE]`` at the end, as OpenAI
 does) or assembles one response, and cancels the job when the client disconnects; if the engine dies
-meanwhile, the waiting request gets a 503 instead of waiting forever.
+meanwhile, the waiting request gets a 503 instead of waiting forever. Every request is logged once it has ended
+(:class:`AccessLog`: one line on the ``spd.serve`` logger, with its tokens and L'_acc; a 5xx as a warning, with
+its reason).
 
 The routes are module-level handlers on :data:`router`; what they share of one server (the scheduler, the
 metrics, the model's name and context, the prompt tokenizer) is one :class:`ServerState` on ``app.state.spd``,
@@ -22,9 +24,11 @@ import asyncio
 import copy
 import hmac
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -34,6 +38,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..errors import first_line
 from .metrics import ServerMetrics
 from .protocol import (
     ChatCompletionRequest,
@@ -42,12 +47,14 @@ from .protocol import (
     chunk_body,
     completion_body,
     new_id,
+    show,
     usage,
     validation_message,
 )
 from .scheduler import EngineDown, Job, QueueFull, Scheduler
 
 ROUTES = "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics"
+log = logging.getLogger("spd.serve")
 
 
 @dataclass
@@ -85,7 +92,7 @@ class Guard:
                     f"the request body has {length} bytes; expected at most {self.max_body_bytes} (--max-body-bytes)",
                 )
                 if length.isdigit()
-                else HttpError(400, f"the Content-Length header '{length}' is not a number of bytes")
+                else HttpError(400, f"the Content-Length header '{length[:40]}' is not a number of bytes")
             )
             return await _error_response(error, close=True)(scope, receive, send)
         received = 0
@@ -119,8 +126,78 @@ class Guard:
                 401,
                 "the API key is wrong; expected the key this server was started with",
                 headers={"WWW-Authenticate": "Bearer"},
+                code="invalid_api_key",
             )
         return None
+
+
+class AccessLog:
+    """Pure ASGI middleware around everything: one line per request once its response has ended (a stream at its
+    last event), as uvicorn's access log, plus what the request generated: client, method, path, status, completion
+    tokens, L'_acc (where the mode reports it) and the time taken. A 5xx (a 503: queue full, the pipeline down) is a
+    warning that says why; a stream the client left is said to be cancelled."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        note: dict = {}  # filled by the handlers, through request.state (_note)
+        scope.setdefault("state", {})[_NOTE] = note
+        status, ended = None, False
+
+        async def watched(message):
+            nonlocal status, ended
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+            ended = ended or (message["type"] == "http.response.body" and not message.get("more_body", False))
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:  # (re-raised) starlette answers it with a 500 from outside this middleware
+            status = 500 if status is None else status
+            note.setdefault("error", f"{type(exc).__name__}: {first_line(exc)}")
+            note["failed"] = True
+            raise
+        finally:
+            if status is not None and status < 400 and not ended:
+                note.setdefault("error", "the client went away; its generation was cancelled")
+            _log_request(scope, status or 499, time.perf_counter() - start, note)
+
+
+_NOTE = "spd_access"  # the key of a request's access-log notes in its scope's state
+
+
+def _note(request: Request) -> dict:
+    """The notes the access log writes this request's line from (tokens, L'_acc, why it failed)."""
+    return request.scope.setdefault("state", {}).setdefault(_NOTE, {})
+
+
+def _printable(text: str, limit: int = 200) -> str:
+    """A client's text made safe for a log line: control characters escaped, at most ``limit`` characters."""
+    text = text if text.isprintable() else json.dumps(text)[1:-1]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _log_request(scope, status: int, seconds: float, note: dict) -> None:
+    client = scope.get("client")
+    who = f"{client[0]}:{client[1]}" if client else "-"
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = "Client Closed Request" if status == 499 else ""
+    parts = [f"{note['tokens']} tokens"] if "tokens" in note else []
+    if note.get("accept_length") is not None:
+        parts.append(f"L'_acc {note['accept_length']:.2f}")
+    parts.append(f"{seconds:.3f} s")
+    line = f'{who} "{scope["method"]} {_printable(scope["path"])}" {status} {phrase}, {", ".join(parts)}'
+    # Why a 5xx failed, or a stream that ended early; a 4xx told the client its own mistake and is not repeated here.
+    error = note.get("error") if status >= 500 or status < 400 else None
+    level = logging.WARNING if status >= 500 or note.get("failed") else logging.INFO
+    log.log(level, f"{line}; {_printable(error, 300)}" if error else line)
 
 
 def _error_response(exc: HttpError, close: bool = False) -> JSONResponse:
@@ -177,6 +254,7 @@ class ServerState:
                 f"the {param} has {chars} characters, more than a context of {self.max_model_len} "
                 f"tokens can hold (at most {self.max_chars}); expected a shorter {param}",
                 param,
+                code="context_length_exceeded",
             )
 
     def encode(self, text: str, special: bool) -> list[int]:
@@ -188,31 +266,30 @@ class ServerState:
             text = self.encoder.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.encode(text, False)
 
-    def budget(self, prompt_ids: list[int], max_tokens: int | None) -> int:
-        """max_tokens (default: the rest of the context), refused when prompt + max_tokens overflow it."""
-        max_model_len, vocab_size = self.max_model_len, self.pipeline.vocab_size
+    def budget(self, prompt_ids: list[int], max_tokens: int | None, prompt: str = "prompt") -> int:
+        """max_tokens (default: the rest of the context), refused when prompt + max_tokens overflow it; ``prompt``
+        names the field the prompt came from (``messages`` for chat)."""
+        limit, vocab_size = self.max_model_len, self.pipeline.vocab_size
         if not prompt_ids:
-            raise HttpError(400, "the prompt is empty; expected at least one token", "prompt")
-        if max_model_len is not None and len(prompt_ids) >= max_model_len:
-            raise HttpError(
-                400,
-                f"the prompt has {len(prompt_ids)} tokens but the server's context (max model len) "
-                f"is {max_model_len} tokens; expected a shorter prompt",
-                "prompt",
-            )
-        bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise HttpError(400, f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", "prompt")
-        limit = max_model_len
-        if limit is None:
-            return max_tokens or 4096
-        if len(prompt_ids) >= limit:
+            raise HttpError(400, "the prompt is empty; expected at least one token", prompt, code="invalid_value")
+        if limit is not None and len(prompt_ids) >= limit:
             raise HttpError(
                 400,
                 f"the prompt has {len(prompt_ids)} tokens but the server's context (max model len) "
                 f"is {limit} tokens; expected a shorter prompt",
-                "prompt",
+                prompt,
+                code="context_length_exceeded",
             )
+        bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise HttpError(
+                400,
+                f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})",
+                prompt,
+                code="invalid_value",
+            )
+        if limit is None:
+            return max_tokens or 4096
         if max_tokens is not None and len(prompt_ids) + max_tokens > limit:
             raise HttpError(
                 400,
@@ -220,6 +297,7 @@ class ServerState:
                 f"server's context (max model len) of {limit} tokens; expected max_tokens <= "
                 f"{limit - len(prompt_ids)}",
                 "max_tokens",
+                code="context_length_exceeded",
             )
         return max_tokens or limit - len(prompt_ids)
 
@@ -239,6 +317,7 @@ def create_app(scheduler: Scheduler, metrics: ServerMetrics, model_name: str, li
     app = FastAPI(title="spd-serve", summary="Speculative Pipeline Decoding, OpenAI-compatible", **docs)
     app.state.spd = ServerState.build(scheduler, metrics, model_name, limits)
     app.add_middleware(Guard, max_body_bytes=limits.max_body_bytes, api_key=limits.api_key)
+    app.add_middleware(AccessLog)  # (added last: around the Guard, so that its refusals are logged too)
     app.add_exception_handler(HttpError, _http_error)
     app.add_exception_handler(StarletteHTTPException, _starlette_error)
     app.include_router(router)
@@ -246,6 +325,7 @@ def create_app(scheduler: Scheduler, metrics: ServerMetrics, model_name: str, li
 
 
 async def _http_error(request: Request, exc: HttpError):
+    _note(request)["error"] = exc.message
     return _error_response(exc)
 
 
@@ -311,7 +391,7 @@ async def completions(request: Request, server: Server):
     try:
         if isinstance(req.prompt, str):
             if not req.prompt:
-                raise HttpError(400, "the prompt is empty; expected some text", "prompt")
+                raise HttpError(400, "the prompt is empty; expected some text", "prompt", code="invalid_value")
             server.check_chars(len(req.prompt), "prompt")
             prompt_ids = await run_in_threadpool(server.encode, req.prompt, True)
         else:
@@ -327,14 +407,19 @@ async def chat_completions(request: Request, server: Server):
     req = await _parse(request, server, ChatCompletionRequest, "chat")
     try:
         if not server.pipeline.tokenizer.chat_template:
-            raise HttpError(400, f"the model '{server.model_name}' has no chat template; use /v1/completions")
+            raise HttpError(
+                400,
+                f"the model '{server.model_name}' has no chat template; expected a request to /v1/completions",
+            )
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         server.check_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
             prompt_ids = await run_in_threadpool(server.encode_chat, messages)
         except Exception as exc:  # noqa: BLE001 - the template's own complaint (e.g. role order) is the message
-            raise HttpError(400, f"the chat template refused these messages: {exc}", "messages") from None
-        return await _generate(request, server, req, prompt_ids, req.budget(), chat=True)
+            raise HttpError(
+                400, f"the chat template refused these messages: {first_line(exc)}", "messages", code="invalid_value"
+            ) from None
+        return await _generate(request, server, req, prompt_ids, req.budget(), chat=True, prompt="messages")
     except HttpError as exc:
         server.metrics.requests.labels("chat", "rejected" if exc.status == 503 else "invalid").inc()
         raise
@@ -358,30 +443,40 @@ async def _parse(request: Request, server: ServerState, model: type[BaseModel], 
         req = model.model_validate_json(body)
     except ValidationError as exc:
         server.metrics.requests.labels(endpoint, "invalid").inc()
-        message, param = validation_message(exc.errors())
-        raise HttpError(400, message, param) from None
+        message, param, code = validation_message(exc.errors(include_url=False), body)
+        raise HttpError(400, message, param, code=code) from None
     if req.model != server.model_name:
         server.metrics.requests.labels(endpoint, "invalid").inc()
         raise HttpError(
-            404, f"the model '{req.model}' does not exist; this server serves '{server.model_name}'", "model"
+            404,
+            f"the model {show(req.model, 80)} does not exist; expected '{server.model_name}', the model this server "
+            "serves",
+            "model",
+            code="model_not_found",
         )
     unsupported = req.unsupported()
     if unsupported is not None:
         server.metrics.requests.labels(endpoint, "invalid").inc()
-        raise HttpError(400, unsupported)
+        raise unsupported
     return req
 
 
 async def _generate(
-    request: Request, server: ServerState, req, prompt_ids: list[int], max_tokens: int | None, chat: bool
+    request: Request,
+    server: ServerState,
+    req,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    chat: bool,
+    prompt: str = "prompt",
 ):
-    """Queue the job; its response, streamed or whole."""
+    """Queue the job; its response, streamed or whole (``prompt``: the field the prompt came from)."""
     endpoint = "chat" if chat else "completions"
     sampling = req.sampling()
     sampling["top_k"] = min(sampling["top_k"], server.pipeline.vocab_size)  # the same draw; no k beyond the vocabulary
     job = Job(
         list(prompt_ids),
-        server.budget(prompt_ids, max_tokens),
+        server.budget(prompt_ids, max_tokens, prompt),
         sampling,
         req.stop or [],
         asyncio.get_running_loop(),
@@ -396,7 +491,8 @@ async def _generate(
     rid = new_id("chatcmpl" if chat else "cmpl")
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return StreamingResponse(_stream(server, job, rid, chat, include_usage), media_type="text/event-stream")
+        stream = _stream(server, job, rid, chat, include_usage, _note(request))
+        return StreamingResponse(stream, media_type="text/event-stream")
     return await _respond(request, server, job, rid, chat)
 
 
@@ -420,11 +516,12 @@ async def _respond(request: Request, server: ServerState, job: Job, rid: str, ch
         elif event[0] == "done":
             _, rest, finish, stats = event
             text = "".join(pieces) + rest
+            _note(request).update(tokens=tokens, accept_length=stats.get("equivalent_accept_length"))
             return completion_body(
                 rid, server.model_name, chat, text, finish, usage(len(job.prompt_ids), tokens), stats
             )
         elif event[0] == "error":
-            raise HttpError(event[1], event[2])
+            raise _engine_error(event[1], event[2])
         else:  # cancelled
             return Response(status_code=499)
 
@@ -443,12 +540,18 @@ async def _next_event(scheduler: Scheduler, job: Job, timeout: float | None):
                 return None
 
 
+def _engine_error(status: int, message: str) -> HttpError:
+    """An error the engine thread answered a job with: 400 (the engine refused the input), 500 or 503."""
+    return HttpError(status, message, code="invalid_value" if status == 400 else None)
+
+
 def _sse(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-async def _stream(server: ServerState, job: Job, rid: str, chat: bool, include_usage: bool):
-    """The job's events as server-sent events, then ``data: [DONE]``; the job is cancelled if the client goes."""
+async def _stream(server: ServerState, job: Job, rid: str, chat: bool, include_usage: bool, note: dict):
+    """The job's events as server-sent events, then ``data: [DONE]``; the job is cancelled if the client goes.
+    ``note``: the request's access-log notes (its tokens and L'_acc, or the error that ended it)."""
     model_name = server.model_name
     tokens = 0
     try:
@@ -461,6 +564,7 @@ async def _stream(server: ServerState, job: Job, rid: str, chat: bool, include_u
             if event[0] == "token":
                 _, piece, token, accepted = event
                 tokens += 1
+                note["tokens"] = tokens
                 ids.append(token)
                 flags.append(accepted)
                 if piece:  # tokens whose text is held back go out with the next piece
@@ -468,6 +572,7 @@ async def _stream(server: ServerState, job: Job, rid: str, chat: bool, include_u
                     ids, flags = [], []
             elif event[0] == "done":
                 _, rest, finish, stats = event
+                note["accept_length"] = stats.get("equivalent_accept_length")
                 if rest or ids:
                     yield _sse(chunk_body(rid, model_name, chat, rest, spd={"token_ids": ids, "accepted": flags}))
                 yield _sse(chunk_body(rid, model_name, chat, None, finish, spd=stats))
@@ -477,7 +582,8 @@ async def _stream(server: ServerState, job: Job, rid: str, chat: bool, include_u
                     yield _sse(body)
                 break
             elif event[0] == "error":
-                yield _sse(HttpError(event[1], event[2]).body())
+                note.update(error=f"the stream ended with error {event[1]}: {event[2]}", failed=event[1] >= 500)
+                yield _sse(_engine_error(event[1], event[2]).body())
                 break
             else:
                 break

@@ -111,6 +111,16 @@ class ServerMetrics:
         accept_length.set_function(self.mean_accept_length)
         self._steps = self._decode = 0
 
+    def outcomes(self) -> dict[str, int]:
+        """Requests answered so far by outcome (``ok``, ``invalid``, ...), every endpoint together."""
+        counts: dict[str, int] = {}
+        for metric in self.requests.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    outcome = sample.labels["outcome"]
+                    counts[outcome] = counts.get(outcome, 0) + int(sample.value)
+        return counts
+
     def mean_accept_length(self) -> float:
         return self.stages * self._decode / self._steps if self._steps else 0.0
 

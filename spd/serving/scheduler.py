@@ -15,12 +15,14 @@ back from the stream, so a streamed response never shows text the whole response
 
 If the engine thread ever dies (an error outside a request, or a lost distributed pipeline), the server
 cannot serve any more: :meth:`Scheduler.failure` says why, in words that say to restart it, the waiting
-requests get a 503 with that sentence, new ones are refused with it, and it is logged once on stderr.
+requests get a 503 with that sentence, new ones are refused with it, and it is logged once (the ``spd.serve``
+logger, as an error).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import queue
 import sys
@@ -33,6 +35,8 @@ from ..errors import SpdInputError, first_line
 from .metrics import ServerMetrics
 from .pipeline import Pipeline
 
+log = logging.getLogger("spd.serve")
+
 
 class EngineDown(Exception):
     """The engine thread is gone or the pipeline is lost: nothing can be served until a restart."""
@@ -42,7 +46,7 @@ class QueueFull(Exception):
     """The request queue is full; ``retry_after`` is a hint in whole seconds."""
 
     def __init__(self, waiting: int, retry_after: int):
-        super().__init__(f"the server is busy: {waiting} requests are waiting for the pipeline; retry later")
+        super().__init__(f"the server is busy: its queue is full ({waiting} waiting, --max-queue); retry later")
         self.retry_after = retry_after
 
 
@@ -243,7 +247,7 @@ class Scheduler:
             if self._logged:
                 return
             self._logged = True
-        print(f"[spd-serve] error: {reason}", file=sys.stderr, flush=True)
+        log.error(reason)
 
     # ----------------------------------------------------------------------------- engine thread
     def _loop(self) -> None:
@@ -314,11 +318,7 @@ class Scheduler:
         except Exception as exc:
             if self.pipeline.lost() is not None:
                 raise
-            print(
-                f"[spd-serve] a step failed, and with it its requests: {type(exc).__name__}: {first_line(exc)}",
-                file=sys.stderr,
-                flush=True,
-            )
+            log.error(f"a step failed, and with it its requests: {type(exc).__name__}: {first_line(exc)}")
 
     def _join(self, job: Job, in_flight: dict) -> None:
         """Hand ``job`` to the batched pipeline (bad input is answered at once)."""
