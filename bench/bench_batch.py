@@ -40,7 +40,8 @@ its steps per token and the share of its verifications that accepted a speculate
   busiest stage, and a stage's time is a fixed cost plus a per-token cost, ``a + b * tokens`` (idle stages cost
   nothing). ``a`` and ``b`` are measured on this machine (a least-squares fit of the time of one stage's call,
   :func:`spd.target.ragged.run_ragged`, over 1..64 tokens at the benchmark's context length), or given with
-  ``--stage-ms A --token-ms B``. The head runs concurrently with the stages (input-state SPD), so it adds no time.
+  ``--stage-ms A --token-ms B`` (:func:`spd.decoding.model_clock.step_ms`, as spd-generate's summary line). The
+  head runs concurrently with the stages (input-state SPD), so it adds no time.
 - ``real``: the wall clock. With ``--runtime local`` (default) every stage runs in this process, one after
   another, on this machine's cores: real compute, no pipeline overlap. With ``--runtime distributed`` the stages
   run in their own processes (spd/runtime/batch.py) and each stage call also sleeps ``--emulate-stage-ms`` +
@@ -79,6 +80,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # bench/bench.py's prompt loading (the scripts are not installed)
 
+from spd.decoding.model_clock import step_ms  # noqa: E402
 from spd.errors import SpdInputError, run_cli  # noqa: E402
 from spd.decoding.tree_width import parse_tree_width  # noqa: E402
 from spd.paths import default_testbed_dir  # noqa: E402
@@ -465,7 +467,7 @@ def run_open(
                 time.sleep(max(arrivals[waiting] - now, 0.0))
             continue
         batched.step()
-        clock_s += max((a_ms + b_ms * t for t in batched.stage_tokens[-1] if t), default=0.0) / 1000
+        clock_s += step_ms(batched.stage_tokens[-1], a_ms, b_ms) / 1000
         ends.append(clock_s)
     wall_s = time.perf_counter() - start
     if clock == "model":
@@ -485,7 +487,7 @@ def summarize(run: dict, n: int, a_ms: float, b_ms: float) -> dict:
     # The model clock: step k ends at the sum of the first k step costs (a step is as long as its busiest stage).
     ends_ms, clock = [0.0], 0.0
     for tokens in run["stage_tokens"]:
-        clock += max((a_ms + b_ms * t for t in tokens if t), default=0.0)
+        clock += step_ms(tokens, a_ms, b_ms)
         ends_ms.append(clock)
     tokens = sum(len(r["steps"]) for r in run["records"])
     out = {

@@ -4,7 +4,8 @@ The public API, imported on first use (``import spd`` stays light: no torch unti
 
     from spd import Engine
     engine = Engine.from_pretrained("smollm2/target", speculator="heads/smollm2-135m-instruct-spd-n8")
-    print(engine.generate("def fib(n):", max_new_tokens=64).text)
+    out = engine.chat([{"role": "user", "content": "What is a pipeline?"}], max_new_tokens=64)
+    print(out.text, out.stats.equivalent_accept_length)  # engine.generate("def fib(n):") for plain text
 
 - :class:`Engine` - the pipelined engine (``pp``, ``spd``, ``tree``; ``ar`` for reference), and
   :class:`SpeculativeDecoder` - serial drafting (``sd``); :func:`load_pipeline` with a :class:`DecodingSpec` resolves
@@ -16,7 +17,7 @@ The public API, imported on first use (``import spd`` stays light: no torch unti
 - :class:`Speculator` and :class:`SpeculatorConfig` - the SPD head; :func:`load_speculator` loads a head by name;
 - :class:`SamplingParams`, :class:`GenerationOutput` - a request's sampling settings and its result;
 - :class:`DistillConfig` - the trainer's settings (``accelerate launch train/distill.py``);
-- :class:`SpdInputError` - what every wrong input raises.
+- :class:`SpdInputError` - what every wrong input raises (a ``ValueError``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """spd-generate as a user runs it: the installed console script in a fresh process."""
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -100,7 +101,7 @@ def test_chat_prompt(tiny_testbed):
         (["--prompt", "x", "--top-k", "-3"], "--top-k"),
         (["--prompt", "x", "--max-new-tokens", "0"], "positive integer"),
         (["--prompt", "x", "--max-new-tokens", "ten"], "positive integer"),
-        (["--prompt", "x", "--stages", "3"], "do not divide"),
+        (["--prompt", "x", "--stages", "9"], "9 stages need at least 9 layers, but the model has 8"),
         (["--prompt-file", "/no/such/file.txt"], "does not exist"),
         ([], "no prompt given"),
         (["--prompt", "x", "--bogus"], "unrecognized arguments"),
@@ -120,7 +121,54 @@ def test_bad_input_is_one_clear_line_and_exit_2(tiny_testbed, args, expected):
 def test_prompt_longer_than_the_context(tiny_testbed):
     proc = spd_generate("--target", str(tiny_testbed / "target"), "--prompt", "x = 1\n" * 2000)
     assert proc.returncode == 2
-    assert proc.stderr.startswith("error: the prompt has") and "context" in proc.stderr
+    loaded, error = proc.stderr.strip().splitlines()  # (the engine checks the prompt once it is loaded)
+    assert loaded.startswith("[spd] loaded") and error.startswith("error: the prompt has") and "context" in error
+
+
+def _help_entries(text: str) -> dict[str, str]:
+    """Each option of a --help output and its help text, joined across lines."""
+    entries, flag = {}, None
+    for line in text.split("\noptions:\n", 1)[1].splitlines():
+        if line.startswith("  -"):
+            flag = re.findall(r"--[\w-]+", line)[0]
+            entries[flag] = (re.split(r"\s{2,}", line.strip(), maxsplit=1) + [""])[1]
+        elif flag is not None and line.strip():
+            entries[flag] += " " + line.strip()
+    return entries
+
+
+@pytest.mark.parametrize("program", ["spd.cli.generate", "spd.cli.serve"])
+def test_help_gives_every_flag_a_text_and_its_default(program):
+    """--help: every flag has help that shows its default (or says it is required), and the description is plain
+    text (no reST markup) listing every mode."""
+    from importlib import import_module
+
+    from conftest import run_main
+
+    proc = run_main(import_module(program).main, "--help")
+    assert proc.returncode == 0
+    entries = _help_entries(proc.stdout)
+    assert {"--max-new-tokens", "--stages", "--mode"} & set(entries) and "--stages" in entries
+    for flag, text in entries.items():
+        if flag != "--help":
+            assert re.search(r"\bdefault: \S|\brequired\b", text), f"{program} {flag}: {text!r}"
+    assert "``" not in proc.stdout and ":func:" not in proc.stdout
+    description = proc.stdout.split("\noptions:\n", 1)[0]
+    assert all(re.search(rf"\b{mode}\b", description) for mode in ("ar", "pp", "spd", "tree", "sd"))
+
+
+def test_loading_line(tiny_testbed, tiny_heads):
+    """One line on stderr once the pipeline has loaded: the target, the mode, the cut, the head and the time."""
+    target = str(tiny_testbed / "target")
+    proc = spd_generate_main(
+        "--target", target, "--speculator", str(tiny_heads[2]), "--prompt", "x", "--json", "--max-new-tokens", "2"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert re.fullmatch(
+        rf"\[spd\] loaded {re.escape(target)}: spd, 2 stages of 4, 4 layers, head {re.escape(str(tiny_heads[2]))}; "
+        r"[\d.]+ s\n",
+        proc.stderr,
+    ), proc.stderr
 
 
 @pytest.mark.slow
@@ -283,7 +331,8 @@ def test_spd_mode_streams_text(tiny_testbed, tiny_heads):
         (["--mode", "spd", "--speculator", "/no/such/head"], "speculator directory '/no/such/head' does not exist"),
         (
             ["--mode", "spd", "--speculator", "HEAD4", "--stages", "2"],
-            "trained for n = 4 stages but the pipeline has 2",
+            "trained for n = 4 stages of 2, 2, 2, 2 layers (--boundaries 2,4,6) but --stages 2 asks for 2 stages "
+            "of 4, 4 layers",
         ),
         (["--mode", "spd", "--speculator", "TARGET"], "not an SPD speculation head"),
         (["--mode", "pp", "--speculator", "HEAD4"], "only used by --mode spd"),

@@ -175,7 +175,7 @@ def mismatched_drafts(tiny_testbed, tmp_path_factory):
         (["--mode", "tree", "--draft-model", "OTHER_TOKENIZER"], "the draft model's tokenizer"),
         (
             ["--mode", "tree", "--speculator", "HEAD4", "--stages", "2"],
-            "trained for n = 4 stages but the pipeline has 2",
+            "trained for n = 4 stages of 2, 2, 2, 2 layers (--boundaries 2,4,6) but --stages 2 asks for 2 stages",
         ),
     ],
 )

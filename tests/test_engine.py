@@ -273,7 +273,10 @@ def test_sampling_is_reproducible_for_a_seed():
 
 def test_head_for_another_pipeline_is_refused():
     engine = _engine(n=4)
-    with pytest.raises(SpdInputError, match="trained for n = 4 stages but the pipeline has 2"):
+    with pytest.raises(
+        SpdInputError,
+        match=r"trained for n = 4 stages of 2, 2, 2, 2 layers \(--boundaries 2,4,6\) but the pipeline has 2 stages of 4, 4",
+    ):
         Engine.chain(StagedModel(tiny_model("llama"), 2), engine.proposer.head)
     with pytest.raises(SpdInputError, match="hidden size"):
         Engine.chain(StagedModel(tiny_model("llama", hidden_size=32), 4), engine.proposer.head)
@@ -281,12 +284,27 @@ def test_head_for_another_pipeline_is_refused():
         Engine.chain(engine.staged, engine.proposer.head.to(torch.float64))
 
 
+class IdStreamer:
+    """The put/end protocol of transformers' streamers (``TextStreamer``): each token id as a tensor, then end."""
+
+    def __init__(self):
+        self.ids, self.ended = [], False
+
+    def put(self, value: torch.Tensor) -> None:
+        self.ids += value.tolist()
+
+    def end(self) -> None:
+        self.ended = True
+
+
 def test_generate_api_modes_and_streamer():
     engine = _engine(n=2)
-    seen = []
-    out = engine.generate([5, 6, 7], max_new_tokens=12, streamer=seen.append)
-    assert out.token_ids == seen == generate_ar(engine.staged, [5, 6, 7], 12).token_ids
-    assert out.stats.mode == "spd"
+    seen = IdStreamer()
+    out = engine.generate([5, 6, 7], max_new_tokens=12, streamer=seen)
+    assert out.token_ids == seen.ids == generate_ar(engine.staged, [5, 6, 7], 12).token_ids and seen.ended
+    assert out.stats.mode == "spd" and out.text is None  # no tokenizer: no text
+    with pytest.raises(SpdInputError, match="streamer receives text, but this engine has no tokenizer"):
+        engine.generate([5, 6, 7], max_new_tokens=12, streamer=print)
     assert engine.generate([5, 6, 7], max_new_tokens=12, mode="pp").stats.mode == "pp"
     assert engine.generate([5, 6, 7], max_new_tokens=12, mode="ar").token_ids == out.token_ids
     with pytest.raises(SpdInputError, match="unknown mode"):
@@ -342,7 +360,7 @@ def test_token_acceptance_flags_every_mode(variant, temperature):
             engine, generate_ar(engine.staged, prompt, 30).token_ids, len(prompt), lambda pos: pos % 3 != 0
         )
     for mode in ("spd", "pp", "ar"):
-        seen, streamed = [], []
+        seen, streamed = [], IdStreamer()
         out = engine.generate(
             prompt,
             max_new_tokens=30,
@@ -350,12 +368,12 @@ def test_token_acceptance_flags_every_mode(variant, temperature):
             temperature=temperature,
             seed=3,
             eos_token_id=[],
-            streamer=streamed.append,
+            streamer=streamed,
             on_token=lambda token, accepted: seen.append((token, accepted)),
         )
         flags = out.stats.token_acceptance
         assert len(flags) == out.stats.new_tokens == len(out.token_ids) == 30
-        assert seen == list(zip(out.token_ids, flags)) and streamed == out.token_ids
+        assert seen == list(zip(out.token_ids, flags)) and streamed.ids == out.token_ids
         assert out.stats.as_dict()["token_acceptance"] == flags
         assert flags[0] is False
         if mode == "spd":

@@ -149,8 +149,9 @@ def test_split_layers():
     assert split_layers(8, 1) == [0, 8]
     assert split_layers(8, boundaries=[3, 5]) == [0, 3, 5, 8]
     assert split_layers(8, boundaries=[0, 3, 8]) == [0, 3, 8]
-    with pytest.raises(SpdInputError, match="do not divide"):
-        split_layers(8, 3)
+    assert split_layers(8, 3) == [0, 3, 6, 8]  # the larger stages first where n does not divide the layers
+    with pytest.raises(SpdInputError, match="at least 9 layers"):
+        split_layers(8, 9)
     with pytest.raises(SpdInputError, match="positive"):
         split_layers(8, 0)
     with pytest.raises(SpdInputError, match="strictly increasing"):

@@ -356,7 +356,10 @@ def test_bad_settings_and_heads_are_refused(target_model):
         head = new_head(staged, DistillConfig(n_stages=4, variant=variant))
         with pytest.raises(SpdInputError, match="needs an SPD head"):
             SpdHeadProposer(head, staged)
-    with pytest.raises(SpdInputError, match="trained for n = 4 stages but the pipeline has 2"):
+    with pytest.raises(
+        SpdInputError,
+        match=r"trained for n = 4 stages of 2, 2, 2, 2 layers \(--boundaries 2,4,6\) but the pipeline has 2 stages of 4, 4",
+    ):
         SpdHeadProposer(new_head(staged, DistillConfig(n_stages=4)), StagedModel(target_model, 2))
     for variant in ("output_state", "ppsd"):  # a chain only: through HeadProposer at width 1, refused wider
         head = new_head(staged, DistillConfig(n_stages=4, variant=variant))
@@ -378,12 +381,15 @@ def test_every_token_source_is_a_proposer(target_model):
 
 def test_from_pretrained_and_generate_api(tiny_testbed):
     engine = Engine.from_pretrained(
-        str(tiny_testbed / "target"), draft_model=str(tiny_testbed / "draft"), stages=4, width=4, children=4
+        str(tiny_testbed / "target"), draft_model=str(tiny_testbed / "draft"), n_stages=4, width=4, children=4
     )
-    seen = []
-    out = engine.generate("def main():\n", max_new_tokens=12, streamer=seen.append)
+    seen, pieces = [], []
+    out = engine.generate(
+        "def main():\n", max_new_tokens=12, streamer=pieces.append, on_token=lambda t, a: seen.append(t)
+    )
     ar = engine.generate("def main():\n", max_new_tokens=12, mode="ar")
     assert out.token_ids == seen == ar.token_ids and out.stats.stages == 4
+    assert "".join(pieces) == out.text == ar.text == engine.tokenizer.decode(ar.token_ids, skip_special_tokens=True)
     with pytest.raises(SpdInputError, match="unknown mode"):
         engine.generate([5], mode="spd")
 

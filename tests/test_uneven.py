@@ -1,5 +1,5 @@
-"""Uneven pipeline cuts (a layer count that n does not divide, e.g. 30 layers in 4 or 8 stages): the cut is
-explicit, the head carries it, and every mode stays lossless over it."""
+"""Uneven pipeline cuts (a layer count that n does not divide, e.g. 30 layers in 4 or 8 stages): --stages N takes the
+most even cut, the head carries its own, and every mode stays lossless over it."""
 
 import json
 import re
@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from conftest import run_script, tiny_model
+from conftest import REPO, run_script, tiny_model
 from helpers.cli import spd_generate_main
 from spd.training.distill import DistillConfig, new_head
 from spd.decoding.engine import Engine
@@ -15,20 +15,66 @@ from spd.errors import SpdInputError
 from spd.decoding.generation import generate_ar
 from spd.decoding.sampling import SamplingParams
 from spd.heads.loading import pipeline_cut
-from spd.target.staging import StagedModel, balanced_boundaries, split_layers
+from spd.target.staging import StagedModel, balanced_boundaries, describe_cut, split_layers
 from spd.decoding.proposers import SpdHeadProposer
 
 PROMPTS = [[5, 17, 3, 99, 42, 8], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 
 
-def test_balanced_boundaries():
-    assert balanced_boundaries(30, 4) == [0, 8, 16, 23, 30]
-    assert balanced_boundaries(30, 8) == [0, 4, 8, 12, 16, 20, 24, 27, 30]
-    assert balanced_boundaries(30, 5) == split_layers(30, 5)  # equal when n divides L
-    with pytest.raises(SpdInputError, match=r"--boundaries 8,16,23 \(stages of 8, 8, 7, 7 layers\)"):
-        split_layers(30, 4)
+def test_stages_cut_unevenly():
+    """--stages N where N does not divide the layers: the larger stages first, the cut of the published heads."""
+    assert split_layers(30, 4) == balanced_boundaries(30, 4) == [0, 8, 16, 23, 30]
+    assert split_layers(30, 8) == [0, 4, 8, 12, 16, 20, 24, 27, 30]
+    for head in sorted((REPO / "heads").glob("*/config.json")):  # n = 4: 8,8,7,7; n = 8: 4,4,4,4,4,4,3,3
+        config = json.loads(head.read_text())
+        assert split_layers(config["target_num_layers"], config["n_stages"]) == config["boundaries"], head
+    assert split_layers(30, 5) == [0, 6, 12, 18, 24, 30]  # equal when n divides L
+    assert describe_cut(split_layers(30, 8)) == "8 stages of 4, 4, 4, 4, 4, 4, 3, 3 layers"
+    assert describe_cut([0, 8]) == "1 stage of 8 layers"
     with pytest.raises(SpdInputError, match="at least 9 layers"):
         split_layers(8, 9)
+
+
+def test_uneven_stages_flag_equals_ar(tiny_testbed, tmp_path):
+    """spd-generate --stages 3 on the testbed's 8 layers cuts 3, 3, 2, says so, and gives ar's tokens (pp, and spd
+    with a head trained for that cut); the Python API's n_stages=3 is the same cut."""
+    target = str(tiny_testbed / "target")
+    torch.manual_seed(3)
+    new_head(StagedModel.from_pretrained(target, n_stages=3), DistillConfig(n_stages=3, target=target)).save_pretrained(
+        tmp_path / "head"
+    )
+    common = ["--target", target, "--prompt", "def main(argv):", "--max-new-tokens", "16", "--json"]
+    ar = spd_generate_main(*common, "--mode", "ar")
+    pp = spd_generate_main(*common, "--mode", "pp", "--stages", "3")
+    spd = spd_generate_main(*common, "--mode", "spd", "--speculator", str(tmp_path / "head"), "--stages", "3")
+    assert ar.returncode == pp.returncode == spd.returncode == 0, pp.stderr + spd.stderr
+    ar, pp_out, spd_out = (json.loads(proc.stdout) for proc in (ar, pp, spd))
+    assert pp_out["token_ids"] == spd_out["token_ids"] == ar["token_ids"]
+    assert pp_out["stats"]["stage_layers"] == spd_out["stats"]["stage_layers"] == [3, 3, 2]
+    assert f"[spd] loaded {target}: pp, 3 stages of 3, 3, 2 layers; " in pp.stderr
+    assert Engine.from_pretrained(target, n_stages=3).staged.boundaries == [0, 3, 6, 8]
+
+
+def test_a_cut_other_than_the_heads_is_one_message_before_loading(tiny_testbed, tiny_heads, monkeypatch):
+    """--stages or --boundaries that differ from the head's cut: one message naming both cuts, before any weights
+    load (in the Python API's names through Engine.from_pretrained)."""
+    target, head = str(tiny_testbed / "target"), str(tiny_heads[4])
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights were loaded before the cut was checked")
+
+    monkeypatch.setattr(StagedModel, "from_pretrained", no_loading)
+    bad = spd_generate_main("--target", target, "--prompt", "x", "--speculator", head, "--stages", "3")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert bad.stderr == (
+        "error: the speculator does not fit this target: it was trained for n = 4 stages of 2, 2, 2, 2 layers "
+        "(--boundaries 2,4,6) but --stages 3 asks for 3 stages of 3, 3, 2 layers; leave --stages and --boundaries "
+        "out (the head's cut is the default) or use a head trained for that cut\n"
+    )
+    bad = spd_generate_main("--target", target, "--prompt", "x", "--speculator", head, "--boundaries", "1,2,3")
+    assert bad.returncode == 2 and "but --boundaries 1,2,3 asks for 4 stages of 1, 1, 1, 5 layers" in bad.stderr
+    with pytest.raises(SpdInputError, match=r"\(boundaries=\[2, 4, 6\]\) but n_stages=8 asks for 8 stages of 1,"):
+        Engine.from_pretrained(target, speculator=head, n_stages=8)
 
 
 @pytest.mark.parametrize("boundaries", [[0, 2, 4, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7]])
@@ -65,13 +111,14 @@ def test_head_carries_its_cut(tmp_path):
         pipeline_cut(None, None, str(tmp_path / "head"), target=str(tmp_path / "shallow"))
     engine = Engine.from_pretrained(str(tmp_path / "target"), speculator=str(tmp_path / "head"))
     assert engine.staged.boundaries == [0, 2, 4, 6, 7]
-    with pytest.raises(SpdInputError, match="--boundaries 2,4,6"):
+    with pytest.raises(SpdInputError, match=r"boundaries=\[2, 4, 6\]"):
         Engine.from_pretrained(str(tmp_path / "target"), speculator=str(tmp_path / "head"), boundaries=[0, 1, 2, 3, 7])
 
 
 @pytest.mark.slow
 def test_cli_and_bench_take_boundaries(tmp_path):
-    """spd-generate --boundaries and bench pp:B1,B2,... run the uneven cut; the head's cut is the default."""
+    """spd-generate --boundaries and --stages, and bench pp:B1,B2,... run the uneven cut; the head's cut is the
+    default, and another cut asked for with the head is one error line."""
     staged = StagedModel(tiny_model("llama", layers=7), boundaries=[0, 2, 4, 6, 7])
     head = new_head(staged, DistillConfig(n_stages=4, boundaries=[0, 2, 4, 6, 7]))
     head.save_pretrained(tmp_path / "head")
@@ -85,8 +132,14 @@ def test_cli_and_bench_take_boundaries(tmp_path):
     )
     assert pp["token_ids"] == spd["token_ids"] == ar["token_ids"]
     assert pp["stats"]["stages"] == spd["stats"]["stages"] == 4
-    bad = spd_generate_main(*common, "--mode", "pp", "--stages", "4")
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: 4 stages do not divide")
+    stages = json.loads(run_script("spd/cli/generate.py", *common, "--mode", "pp", "--stages", "4").stdout)
+    assert stages["token_ids"] == ar["token_ids"] and stages["stats"]["stage_layers"] == [2, 2, 2, 1]
+    bad = spd_generate_main(*common, "--mode", "spd", "--speculator", str(tmp_path / "head"), "--stages", "3")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: the speculator does not fit this target: it was trained for n = 4 stages of 2, 2, 2, 1 layers "
+        "(--boundaries 2,4,6) but --stages 3 asks for 3 stages of 3, 2, 2 layers; leave --stages and --boundaries "
+        "out (the head's cut is the default) or use a head trained for that cut"
+    ]
 
 
 @pytest.mark.slow

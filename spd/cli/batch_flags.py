@@ -35,7 +35,7 @@ def add_prefill_flags(p: argparse.ArgumentParser, number: Callable[[str], int] =
         action="store_true",
         help="--max-batch B > 1: each prompt enters in n equal chunks (n stages), so every stage call "
         "carries 1/n of it: shorter steps for the requests in flight, n - 1 more steps to the "
-        "newcomer's first token",
+        "newcomer's first token (default: off)",
     )
     p.add_argument(
         "--tree-nodes",

@@ -1,22 +1,32 @@
 """spd-generate: generate text from a target model cut into pipeline stages, with or without a speculator.
 
     spd-generate --target testbed/target --prompt "def fibonacci(n):" --max-new-tokens 64
-    spd-generate --mode spd --speculator runs/testbed-n4/final --stages 4 --prompt "import os" --json
+    spd-generate --target testbed/target --mode spd --speculator runs/testbed-n4/final --prompt "import os" --json
     spd-generate --target Qwen/Qwen3-8B --revision main --prompt-file p.txt --temperature 0.7 --json
-    spd-generate --mode tree --draft-model testbed/draft --stages 4 --tree-width 4 --prompt "import os"
+    spd-generate --target testbed/target --mode tree --draft-model testbed/draft --stages 4 --prompt "import os"
     spd-generate --target DIR --prompt-ids 1,15,27 --json      # a target without a tokenizer
 
-Modes: ``ar`` (autoregressive, every stage per token), ``pp`` (standard pipeline: one token in flight),
-``spd`` (speculative pipeline decoding with a trained head; ``--stages`` defaults to the head's n),
-``tree`` (a token tree in the pipeline, one level per step: ``--draft-model`` for the training-free
-draft-model mode, or ``--speculator`` for an SPD head with width ``--tree-width``).
+Modes:
+  ar    autoregressive decoding, every stage per token
+  pp    the standard pipeline: one token in flight
+  spd   speculative pipeline decoding with a trained head (--stages defaults to the head's n)
+  tree  a token tree in the pipeline, one level per step: --draft-model for the training-free draft-model
+        mode, or --speculator for an SPD head with width --tree-width
+  sd    serial speculative decoding of the whole target, no pipeline: --draft-model or a head trained
+        with variant=eagle drafts --draft-steps tokens, the target verifies them in one forward
 
-Text streams to stdout and a one-line summary goes to stderr; ``--json`` prints one JSON object
-``{"text", "token_ids", "stats"}`` instead. ``--prompt-ids`` gives the prompt as token ids; without a
-tokenizer (the target has none and no ``--tokenizer`` was given) the new token ids stream instead of text,
-separated by spaces, and ``--json`` has ``"text": null``. ``--show-acceptance`` colours the streamed tokens
-that were accepted speculations (``stats.token_acceptance``) green with ANSI escape codes.
-A wrong input prints one ``error:`` line and exits with 2.
+--stages N cuts the target into N stages, equal where N divides its layers, else the larger stages first
+(30 layers in 8 stages: 4, 4, 4, 4, 4, 4, 3, 3); --boundaries gives any cut; a head brings its own.
+
+One line on stderr says what loaded and how long it took. Text streams to stdout and a one-line summary
+goes to stderr: tokens/s of this process, which runs the stages one after another, and for spd and pp
+the model clock, tokens/s with one device per stage from the stage times measured in the run, beside
+the standard pipeline's at the same stage times. --json prints one JSON object {"text", "token_ids",
+"stats"} instead. --prompt-ids gives the prompt as token ids; without a tokenizer (the target has none
+and no --tokenizer was given) the new token ids stream instead of text, separated by spaces, and --json
+has "text": null. --show-acceptance colours the streamed tokens that were accepted speculations
+(stats.token_acceptance) green with ANSI escape codes. A wrong input prints one error: line and exits
+with 2.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import argparse
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 from spd.decoding.spec import DecodingSpec, finite_float, positive_int
@@ -49,20 +60,35 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="spd-generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     DecodingSpec.add_flags(p)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", help="file whose contents are the prompt")
-    src.add_argument("--prompt-ids", help="the prompt as token ids, e.g. 1,15,27 (for targets without a tokenizer)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
-    p.add_argument("--max-new-tokens", type=positive_int, default=128)
-    p.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
-    p.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    src.add_argument("--prompt", help="prompt text (one of --prompt, --prompt-file and --prompt-ids is required)")
+    src.add_argument("--prompt-file", help="file whose contents are the prompt (default: none)")
+    src.add_argument(
+        "--prompt-ids", help="the prompt as token ids, e.g. 1,15,27, for targets without a tokenizer (default: none)"
+    )
+    p.add_argument(
+        "--chat", action="store_true", help="wrap the prompt as a user turn with the chat template (default: off)"
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=128,
+        help="the most new tokens; generation also stops at EOS or a full context (default: %(default)s)",
+    )
+    p.add_argument(
+        "--temperature", type=finite_float, default=0.0, help="sampling temperature, 0 = greedy (default: %(default)s)"
+    )
+    p.add_argument(
+        "--top-k", type=int, default=0, help="sample from the k most likely tokens, 0 = off (default: %(default)s)"
+    )
+    p.add_argument(
+        "--top-p", type=finite_float, default=1.0, help="nucleus sampling mass, 1 = off (default: %(default)s)"
+    )
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, a fresh draw each run)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text (default: off)")
     p.add_argument(
         "--show-acceptance",
         action="store_true",
-        help="colour the streamed tokens that were accepted speculations (ANSI green)",
+        help="colour the streamed tokens that were accepted speculations (ANSI green) (default: off)",
     )
     return p
 
@@ -113,6 +139,7 @@ def _check_numbers(args) -> None:
     spec = DecodingSpec.of(args)
     args.mode = spec.mode  # the default follows --speculator and --draft-model
     spec.check()
+    spec.check_sources()  # before torch is imported: a path that does not exist is refused at once
     if args.chat and args.prompt_ids is not None:
         raise SpdInputError(
             "--chat wraps a text prompt in the chat template; --prompt-ids are used as given, "
@@ -127,10 +154,12 @@ def _check_numbers(args) -> None:
 def _load_tokenizer(source: str, revision: str | None):
     from spd.target.staging import load_tokenizer
 
+    from spd.reading import DamagedFile
+
     try:
         return load_tokenizer(source, revision)
     except SpdInputError as exc:
-        if "does not exist" in str(exc):
+        if "does not exist" in str(exc) or isinstance(exc, DamagedFile):
             raise
         raise SpdInputError(f"{exc}; pass --tokenizer DIR_OR_ID") from None
 
@@ -209,8 +238,11 @@ def run(args) -> int:
     prompt = _read_prompt(args)
     if args.runtime == "distributed":
         return run_distributed(args, prompt)
+    started = time.perf_counter()
     from spd.decoding.factory import load_pipeline
     from spd.decoding.loader import resolve_cut
+    from spd.decoding.model_clock import model_clock
+    from spd.decoding.stats import PipelineStats
 
     spec = DecodingSpec.of(args)
     cut = resolve_cut(spec)  # the sources, the cut and the head's fit: one line each, before anything loads
@@ -231,6 +263,7 @@ def run(args) -> int:
         prompt_ids = tokenizer(prompt)["input_ids"]
     parts = load_pipeline(spec, tokenizer, cut)
     check_prompt_ids(prompt_ids, parts.staged.vocab_size)
+    print(loaded_line(spec, cut, time.perf_counter() - started), file=sys.stderr, flush=True)
     engine = parts.engine
     streamer = None if args.json else TokenStreamer(tokenizer, sys.stdout, colour=args.show_acceptance)
     out = engine.generate(
@@ -244,31 +277,59 @@ def run(args) -> int:
         on_token=streamer,
     )
     stats = out.stats.as_dict()
+    clock = model_clock(out.stats) if isinstance(out.stats, PipelineStats) else None
+    if clock is not None:
+        stats["model_clock"] = clock.as_dict()
     if args.json:
         # Without a tokenizer the tokens cannot be decoded: "text" is null, the token ids are the output.
         text = tokenizer.decode(out.token_ids, skip_special_tokens=True) if tokenizer is not None else None
         print(json.dumps({"text": text, "token_ids": out.token_ids, "stats": stats}))
     else:
         streamer.close()
-        line = (
-            f"[{stats['mode']}] {stats['new_tokens']} tokens in {stats['wall_time_s']:.2f} s "
-            f"({stats['tokens_per_s']:.1f} tokens/s), stop: {stats['stop_reason']}"
-        )
-        if "steps" in stats:
-            line += (
-                f"; {stats['stages']} stages, {stats['steps']} steps, {stats['flushes']} flushes, "
-                f"L'_acc {stats['equivalent_accept_length']:.2f}, "
-                f"theoretical speedup {stats['theoretical_speedup']:.2f}"
-            )
-        if "mean_acceptance_length" in stats:
-            line += (
-                f"; m = {stats['draft_steps']}, {stats['iterations']} target forwards, mean acceptance length "
-                f"{stats['mean_acceptance_length']:.2f}, theoretical speedup {stats['theoretical_speedup']:.2f}"
-            )
-        if "mean_tree_size" in stats:
-            line += f"; tree W={stats['width']} K={stats['children']}, mean size {stats['mean_tree_size']:.1f}"
-        print(line, file=sys.stderr)
+        print(summary_line(stats), file=sys.stderr)
     return 0
+
+
+def loaded_line(spec: DecodingSpec, cut, seconds: float) -> str:
+    """The line once everything is loaded: the target, the mode, the cut, the proposer and the time it took."""
+    from spd.target.staging import describe_cut
+
+    proposer = f", head {spec.speculator}" if spec.speculator else ""
+    proposer += f", draft model {spec.draft_model}" if spec.draft_model else ""
+    return f"[spd] loaded {spec.target}: {spec.mode}, {describe_cut(cut.boundaries)}{proposer}; {seconds:.1f} s"
+
+
+def summary_line(stats: dict) -> str:
+    """The run in one line: what this process measured (it runs the stages one after another), the pipeline's
+    counts and, for a chain, the model clock: tokens/s with one device per stage, beside pp's at the same stage
+    times (:mod:`spd.decoding.model_clock`)."""
+    stages = stats.get("stages", 1)
+    where = f"one process, its {stages} stages in turn" if stages > 1 else "one process"
+    line = (
+        f"[{stats['mode']}] {stats['new_tokens']} tokens in {stats['wall_time_s']:.2f} s "
+        f"({stats['tokens_per_s']:.1f} tokens/s, {where}), stop: {stats['stop_reason']}"
+    )
+    if "steps" in stats:
+        line += (
+            f"; {stats['stages']} stages, {stats['steps']} steps, {stats['flushes']} flushes, "
+            f"L'_acc {stats['equivalent_accept_length']:.2f}, "
+            f"theoretical speedup {stats['theoretical_speedup']:.2f}"
+        )
+    if "mean_acceptance_length" in stats:
+        line += (
+            f"; m = {stats['draft_steps']}, {stats['iterations']} target forwards, mean acceptance length "
+            f"{stats['mean_acceptance_length']:.2f}, theoretical speedup {stats['theoretical_speedup']:.2f}"
+        )
+    if "mean_tree_size" in stats:
+        line += f"; tree W={stats['width']} K={stats['children']}, mean size {stats['mean_tree_size']:.1f}"
+    clock = stats.get("model_clock")
+    if clock is not None:
+        line += (
+            f"; model clock (one device per stage, this run's stage times): {clock['tokens_per_s']:.1f} decode tokens/s"
+        )
+        if stats["mode"] != "pp":
+            line += f", pp {clock['pp_tokens_per_s']:.1f}"
+    return line
 
 
 def run_distributed(args, prompt: str | list[int]) -> int:

@@ -305,10 +305,13 @@ def _prompts(args, tokenizer) -> list[list[int]]:
     if args.prompt is not None:
         texts = [args.prompt]
     else:
-        path = Path(args.prompts)
-        if not path.is_file():
-            raise SpdInputError(f"the prompts file '{args.prompts}' does not exist")
-        texts = [json.loads(line)["prompt"] for line in path.open(encoding="utf-8") if line.strip()]
+        from spd.reading import read_jsonl
+
+        rows = read_jsonl(args.prompts, "prompts file", 'one JSON object with a "prompt" string per line')
+        bad = next((n for n, row in enumerate(rows, 1) if not isinstance(row.get("prompt"), str)), None)
+        if bad is not None:
+            raise SpdInputError(f"row {bad} of the prompts file '{args.prompts}' has no \"prompt\" string")
+        texts = [row["prompt"] for row in rows]
         texts = texts[: args.num_prompts] if args.num_prompts is not None else texts
     if args.chat:
         texts = [

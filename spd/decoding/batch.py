@@ -356,14 +356,19 @@ class BatchedPipeline:
         eos_token_id: int | Sequence[int] | None = None,
         mode: str | None = None,
     ) -> list[GenerationOutput]:
-        """Every prompt as a request of this batch (one sampling setting, or one per prompt); their outputs."""
+        """Every prompt as a request of this batch (one sampling setting, or one per prompt); their outputs (with
+        ``.text`` where the engine has a tokenizer)."""
         settings = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
         requests = [self.submit(p, max_new_tokens, s, eos_token_id, mode=mode) for p, s in zip(prompts, settings)]
         self.run()
         for request in requests:
             if request.error is not None:
                 raise request.error
-        return [request.output for request in requests]
+        outs, tokenizer = [request.output for request in requests], self.engine.tokenizer
+        if tokenizer is not None:
+            for out in outs:
+                out.text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        return outs
 
     # ------------------------------------------------------------------------------------ pieces
     def _use_head(self, mode: str | None) -> bool:

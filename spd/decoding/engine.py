@@ -42,6 +42,8 @@ Statistics: :class:`spd.decoding.stats.PipelineStats`.
 
 from __future__ import annotations
 
+import numbers
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -54,7 +56,7 @@ from .loop import LocalStages, StepLoop, verify_sampled
 from .proposers import Draft, DraftModelProposer, HeadProposer, Proposer, SpdHeadProposer, load_draft_model
 from .request import Generates
 from .sampling import SamplingParams
-from .modes import NEEDS_HEAD, NEEDS_PROPOSER, check_engine_mode
+from .modes import NEEDS_HEAD, NEEDS_PROPOSER, check_engine_mode, in_python_terms
 from .spec import CANDIDATES, DecodingSpec
 from .stats import PipelineStats, TreeStats
 from .tree_width import AdaptiveWidth, FixedWidth, tree_width
@@ -69,7 +71,8 @@ class Engine(Generates):
     up to ``max_width``, or a policy) or a chain: ``"spd"`` with a proposer, ``"pp"`` without (the default mode
     follows from ``width`` and ``proposer``). ``candidates`` is how a tree's children are chosen at T > 0 (``auto`` =
     ``sampled``; greedy always uses top-k). ``stages`` is where the stages run: this process (default) or other
-    processes (:class:`spd.runtime.remote.RemoteStages`). ``generate`` is :meth:`Generates.generate`.
+    processes (:class:`spd.runtime.remote.RemoteStages`). ``generate`` and ``chat`` are
+    :class:`Generates`'.
     """
 
     engine_name = "the tree engine"  # a tree's modes are its own and ar (Generates.check_mode)
@@ -170,7 +173,7 @@ class Engine(Generates):
         *,
         mode: str | None = None,
         draft_model: str | None = None,
-        stages: int | None = None,
+        n_stages: int | None = None,
         boundaries: list[int] | None = None,
         width: int | str = 4,
         children: int = 4,
@@ -180,16 +183,25 @@ class Engine(Generates):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         tokenizer: str | None = None,
+        stages: int | None = None,
     ) -> "Engine":
         """Load a target (directory or hub id) and its proposer: a head (``speculator``) or a draft model.
 
         ``mode``: ``spd`` (the default with a head), ``pp`` (the default without one) or ``tree`` (the default with
-        only a draft model; ``width`` W and ``children`` K). The target is cut into ``stages`` (default: the
-        head's cut, else 1) or at ``boundaries`` (e.g. ``[0, 8, 16, 23, 30]``). The tokenizer is ``tokenizer`` or
-        the target's; a target without one gives an engine for token-id prompts.
+        only a draft model; ``width`` W and ``children`` K). The target is cut into ``n_stages`` equal stages
+        (``--stages``; default: the head's cut, else 1) or at ``boundaries`` (``--boundaries``; e.g.
+        ``[0, 8, 16, 23, 30]``). The tokenizer is ``tokenizer`` or the target's; a target without one gives an engine
+        for token-id prompts. ``stages`` is the old name of ``n_stages``. A wrong input raises
+        :class:`~spd.errors.SpdInputError`, in these arguments' names.
         """
         from .loader import load_parts, resolve_cut
 
+        if stages is not None:
+            warnings.warn("Engine.from_pretrained's stages= is now n_stages=", DeprecationWarning, stacklevel=2)
+            if n_stages is not None and n_stages != stages:
+                raise SpdInputError(f"n_stages={n_stages} and stages={stages} disagree; pass n_stages only")
+            n_stages = stages
+        check_cut(n_stages, boundaries)
         mode = mode or ("spd" if speculator else "tree" if draft_model else "pp")
         check_engine_mode(mode, head=bool(speculator), draft_model=bool(draft_model))
         spec = DecodingSpec(
@@ -197,7 +209,7 @@ class Engine(Generates):
             target=target,
             revision=revision,
             tokenizer=tokenizer,
-            stages=stages,
+            stages=n_stages,
             boundaries=boundaries,
             speculator=speculator,
             speculator_revision=speculator_revision,
@@ -208,9 +220,13 @@ class Engine(Generates):
             device=str(device),
             dtype=str(dtype).removeprefix("torch."),
         )
-        cut = resolve_cut(spec)  # the sources and the head's fit, before anything loads
-        parts = load_parts(spec, load_target_tokenizer(target, revision, tokenizer), cut)
-        return cls.build(spec, parts.staged, parts.head, parts.tokenizer, parts.draft, mode=mode)
+        try:  # the rules every program shares, in the words of this call's arguments
+            cut = resolve_cut(spec)  # the sources and the head's fit, before anything loads
+            parts = load_parts(spec, load_target_tokenizer(target, revision, tokenizer), cut)
+            return cls.build(spec, parts.staged, parts.head, parts.tokenizer, parts.draft, mode=mode)
+        except SpdInputError as exc:
+            exc.args = (in_python_terms(str(exc)),)
+            raise
 
     # ------------------------------------------------------------------------------------- public
     def check_mode(self, mode: str) -> None:
@@ -263,6 +279,20 @@ class Engine(Generates):
             speculator_layers=proposer.num_layers if proposer is not None else 0,
         )
         return proposer, stats
+
+
+def check_cut(n_stages, boundaries) -> None:
+    """``n_stages`` a positive integer and ``boundaries`` a list of layer indices (or None): their types, before the
+    target's layer count checks their values."""
+    if n_stages is not None and (
+        not isinstance(n_stages, numbers.Integral) or isinstance(n_stages, bool) or n_stages < 1
+    ):
+        raise SpdInputError(f"n_stages must be a positive integer (or None: the head's cut, else 1), got {n_stages!r}")
+    if boundaries is not None and (
+        not isinstance(boundaries, (list, tuple))
+        or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in boundaries)
+    ):
+        raise SpdInputError(f"boundaries must be a list of layer indices, e.g. [0, 8, 16, 23, 30], got {boundaries!r}")
 
 
 def chain_proposer(staged: StagedModel, head, tokenizer=None) -> Proposer | None:

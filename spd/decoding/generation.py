@@ -9,6 +9,8 @@ greedy output, here and in every mode, is its plain argmax.
 
 from __future__ import annotations
 
+import numbers
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -47,11 +49,13 @@ class GenerationStats:
 
 @dataclass
 class GenerationOutput:
-    """New tokens (prompt excluded) and the statistics of the call."""
+    """New tokens (prompt excluded), their text and the statistics of the call."""
 
     token_ids: list[int]
     stats: GenerationStats
     prompt_ids: list[int] = field(default_factory=list)
+    # The new tokens decoded (special tokens skipped), set by ``generate`` and ``chat``; None without a tokenizer.
+    text: str | None = None
 
 
 # Called with each committed token and its ``token_acceptance`` flag, right after it is committed; returning
@@ -60,14 +64,22 @@ OnToken = Callable[[int, bool], bool | None]
 
 
 def as_prompt_ids(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
-    """A prompt as a flat list of ints (a (1, T) or (T,) tensor, or a sequence)."""
+    """A prompt as a flat list of ints (a (1, T) or (T,) tensor, or a sequence of integers)."""
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() == 2 and input_ids.shape[0] == 1:
             input_ids = input_ids[0]
         if input_ids.dim() != 1:
-            raise SpdInputError(f"input_ids must have shape (T,) or (1, T), got {tuple(input_ids.shape)}")
-        return input_ids.tolist()
-    return [int(t) for t in input_ids]
+            raise SpdInputError(f"a prompt tensor must have shape (T,) or (1, T), got {tuple(input_ids.shape)}")
+        input_ids = input_ids.tolist()
+    if isinstance(input_ids, (str, bytes, dict)) or not hasattr(input_ids, "__iter__"):
+        raise SpdInputError(f"the prompt must be text or a sequence of token ids, got {type(input_ids).__name__}")
+    ids = []
+    for t in input_ids:
+        try:
+            ids.append(operator.index(t))  # an int, a NumPy integer or a 0-d integer tensor
+        except TypeError:
+            raise SpdInputError(f"prompt token ids must be integers, got {t!r}") from None
+    return ids
 
 
 def check_request(staged: StagedModel, prompt_ids: list[int], max_new_tokens: int) -> int:
@@ -75,6 +87,8 @@ def check_request(staged: StagedModel, prompt_ids: list[int], max_new_tokens: in
     budget: how many new tokens fit (``max_new_tokens``, or fewer where the context ends first)."""
     if not prompt_ids:
         raise SpdInputError("the prompt is empty; expected at least one token")
+    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool):
+        raise SpdInputError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
     if max_new_tokens < 1:
         raise SpdInputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     limit = staged.max_positions
@@ -105,11 +119,19 @@ def default_eos(model, tokenizer=None) -> int | list[int] | None:
 
 
 def eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
+    """The EOS token ids (none for None) of an id or a sequence of them."""
     if eos_token_id is None:
         return frozenset()
     if isinstance(eos_token_id, int):
         return frozenset([eos_token_id])
-    return frozenset(int(t) for t in eos_token_id)
+    try:
+        if isinstance(eos_token_id, (str, bytes)):
+            raise TypeError
+        return frozenset(operator.index(t) for t in eos_token_id)
+    except TypeError:
+        raise SpdInputError(
+            f"eos_token_id must be a token id, a list of token ids or None, got {eos_token_id!r}"
+        ) from None
 
 
 @torch.inference_mode()

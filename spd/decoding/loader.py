@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..heads.config import equal_cut_problem, misfit, stages_problem
+from ..heads.config import cut_problem, depth_problem, equal_cut_problem, misfit
 from ..heads.loading import HeadSource, load_speculator, pipeline_cut, read_head
-from ..paths import check_model_source
-from ..target.staging import StagedModel, split_layers, target_num_layers
+from ..reading import check_model_files
+from ..target.staging import StagedModel, cut_flag, split_layers, target_num_layers
 from .proposers import Draft, load_draft_model
 from .spec import DecodingSpec
 
@@ -51,27 +51,42 @@ class PipelineParts:
 
 
 def resolve_cut(spec: DecodingSpec) -> PipelineCut:
-    """The pipeline's stage count and boundaries (``--boundaries``, else the head's cut, else ``--stages`` equal
-    stages, default 1), the head's config read once, and a head made for another target or pipeline refused."""
-    check_model_source(spec.target, "target")
-    head = read_head(spec.speculator, spec.speculator_revision) if spec.speculator is not None else None
+    """The pipeline's stage count and boundaries (``--boundaries``, else the head's cut, else ``--stages`` N cut as
+    evenly as the layers allow, default 1), the head's config read once, and a head made for another target or
+    pipeline refused, all before any weights load."""
+    spec.check_sources()
+    # The local config and weights, each named if damaged, before anything loads (a hub id's files arrive whole;
+    # the tokenizer's files are checked where they are read, spd.target.staging.load_tokenizer).
+    check_model_files(spec.target, "target", weights=True)
     if spec.draft_model is not None:
-        check_model_source(spec.draft_model, "draft model")
+        check_model_files(spec.draft_model, "draft model", weights=True)
+    head = read_head(spec.speculator, spec.speculator_revision) if spec.speculator is not None else None
     stages, boundaries = pipeline_cut(spec.stages, spec.boundaries, head, None, spec.target, spec.revision)
-    if spec.boundaries is not None:  # given: checked against the target's layers, the stage count theirs
-        boundaries = split_layers(target_num_layers(spec.target, spec.revision), stages, boundaries)
-    n_stages = len(boundaries) - 1 if boundaries is not None else stages
+    # Given, the head's or N stages (equal where N divides the layers, else the larger stages first): one rule,
+    # split_layers, so that a stage process of the distributed runtime derives the same cut from the same flags.
+    boundaries = split_layers(target_num_layers(spec.target, spec.revision), stages, boundaries)
     if head is not None:
-        check_fit(head, n_stages, spec)
-    return PipelineCut(n_stages, boundaries, head)
+        check_fit(head, boundaries, spec)
+    return PipelineCut(len(boundaries) - 1, boundaries, head)
 
 
-def check_fit(head: HeadSource, n_stages: int, spec: DecodingSpec) -> None:
-    """Refuse a head made for another pipeline before anything loads, in the words the head's own check uses when
-    it is attached (a head the authors cut equally first for a target whose layers its n does not divide)."""
-    problem = equal_cut_problem(head.n_stages, target_num_layers(spec.target, spec.revision)) if head.authors else None
-    if problem is None and head.n_stages != n_stages:
-        problem = stages_problem(head.n_stages, n_stages)
+def check_fit(head: HeadSource, boundaries: list[int], spec: DecodingSpec) -> None:
+    """Refuse a head made for another pipeline before anything loads, naming the head's cut and the one asked for
+    (a head the authors cut equally first for a target whose layers its n does not divide)."""
+    num_layers = boundaries[-1]
+    if head.authors:  # their heads cut equally, into the n they were trained for
+        problem = equal_cut_problem(head.n_stages, num_layers)
+        head_boundaries = (
+            boundaries if len(boundaries) - 1 == head.n_stages else split_layers(num_layers, head.n_stages)
+        )
+    else:
+        problem = depth_problem(head.boundaries[-1], num_layers) if head.boundaries[-1] != num_layers else None
+        head_boundaries = head.boundaries
+    if problem is None and head_boundaries != boundaries:
+        asked = (
+            f"{cut_flag(boundaries)} asks for" if spec.boundaries is not None else f"--stages {spec.stages} asks for"
+        )
+        problem = cut_problem(head_boundaries, boundaries, asked)
     if problem is not None:
         raise misfit([problem])
 

@@ -351,6 +351,7 @@ class StepLoop:
         if tree_stats is not None:
             tree_stats.candidates = rule
         stats.prompt_tokens, stats.stages, stats.target_layers = len(prompt), n, staged.num_layers
+        stats.stage_layers = [b - a for a, b in zip(staged.boundaries, staged.boundaries[1:])]
         stats.verified_by_position, stats.accepted_by_position = [0] * n, [0] * n
         generator = None if sampling.greedy else sampling.generator(staged.device)
         capacity = end_position + n * policy.max_width + 1
@@ -543,6 +544,9 @@ class _Request:
         """Step 2 for ``moving``, handed to the driver (``then``: see :class:`Advance`); ``meanwhile()`` (step 1)
         runs before the outputs are collected, while a driver's stages compute; then the proposer sees their
         new state. Returns what ``meanwhile`` returned."""
+        tokens = self.stats.stage_tokens[-1]
+        for level in moving:
+            tokens[level.depth] += level.size
         tick = time.perf_counter()
         yield Advance(moving, self.tree, committed, after_verify, list(then))
         started = time.perf_counter()
@@ -570,6 +574,7 @@ class _Request:
     def step(self):
         """One pipeline step: propose, advance, verify the root leaving stage n (a generator, as ``steps``)."""
         self.stats.steps += 1
+        self.stats.stage_tokens.append([0] * self.loop.staged.n_stages)
         committed = len(self.context)
         levels = self.levels
         if levels[-1].depth == 0:

@@ -8,6 +8,7 @@ Two surfaces name the same inputs differently: the programs' flags (``--mode spd
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ..errors import SpdInputError
@@ -121,6 +122,23 @@ def check_engine_mode(name: str, head: bool, draft_model: bool = False) -> None:
     if RULES[name].head == "needs" and not head:
         raise SpdInputError(NEEDS_HEAD)
     if draft_model and not RULES[name].takes_draft:
-        raise SpdInputError(f"a draft model proposes in mode 'tree', not '{name}' (--mode sd is spd-generate's)")
+        raise SpdInputError(
+            f"a draft model proposes in mode 'tree', not '{name}' (serial drafting is spd.SpeculativeDecoder)"
+        )
     if RULES[name].takes_draft and not (head or draft_model):
         raise SpdInputError(NEEDS_PROPOSER)
+
+
+# The programs' flags that the Python API names otherwise (the rest: --draft-model is draft_model, and so on).
+_PYTHON_NAMES = {"stages": "n_stages", "tree-width": "width", "tree-children": "children"}
+
+
+def in_python_terms(message: str) -> str:
+    """A message of the rules the programs share (the cut, the head's fit), written with their flags (``--stages
+    8``, ``--boundaries 4,8,12``, ``--mode spd``), in the Python API's argument names (``n_stages=8``,
+    ``boundaries=[4, 8, 12]``, ``mode 'spd'``): :meth:`spd.Engine.from_pretrained` says what its caller typed."""
+    flag = r"(?<![\w/.-])--"  # a flag, not the inside of a name ("models--owner--name" in the hub's cache)
+    message = re.sub(flag + r"boundaries (\d+(?:,\d+)*)", lambda m: f"boundaries=[{m[1].replace(',', ', ')}]", message)
+    message = re.sub(flag + r"stages (\d+)", r"n_stages=\1", message)
+    message = re.sub(flag + rf"mode ({'|'.join(MODES)})\b", r"mode '\1'", message)
+    return re.sub(flag + r"([a-z][a-z0-9-]*)", lambda m: _PYTHON_NAMES.get(m[1], m[1].replace("-", "_")), message)

@@ -7,9 +7,23 @@ and the speculator's warped distributions, so both go through this one function.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
+
+from ..errors import SpdInputError
+
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+
+
+def _real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -22,12 +36,15 @@ class SamplingParams:
     seed: int | None = None  # seed of the sampling generator (None: nondeterministic)
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        # SpdInputError is a ValueError: callers that catch ValueError keep working.
+        if not _real(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise SpdInputError(f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}")
+        if not _integer(self.top_k) or self.top_k < 0:
+            raise SpdInputError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
+        if not _real(self.top_p) or not 0 < self.top_p <= 1:
+            raise SpdInputError(f"top_p must be a number in (0, 1] (1: off), got {self.top_p!r}")
+        if self.seed is not None and (not _integer(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise SpdInputError(f"seed must be None or an integer from -2**63 to 2**64 - 1, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

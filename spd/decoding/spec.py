@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 
 from ..errors import SpdInputError
-from ..paths import default_testbed_dir
+from ..paths import check_model_source
 from .modes import MODES, check_mode, check_proposer, check_unused, require_pipelined
 
 CANDIDATES = ("auto", "sampled", "top-k")  # how a tree's children are chosen at T > 0 (greedy: always top-k)
@@ -66,9 +67,10 @@ def boundaries_flag(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--boundaries ")) from None
 
 
-def _flag(default, help: str, parse=None, choices=None, factory=None):
-    """A field that is also a flag: its default, help text, parser and choices."""
-    metadata = {"help": help, "parse": parse, "choices": choices}
+def _flag(default, help: str, parse=None, choices=None, factory=None, required=False):
+    """A field that is also a flag: its default, help text, parser and choices (``required``: a flag that must be
+    given; the field's default None is refused where a model is loaded)."""
+    metadata = {"help": help, "parse": parse, "choices": choices, "required": required}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -83,37 +85,39 @@ class DecodingSpec:
         f"decoding mode: one of {', '.join(MODES)} (default: spd with --speculator, tree "
         "with only --draft-model, else ar)",
     )
-    target: str = _flag(
-        None,
-        "target model: a local directory or a Hugging Face hub id (default: %(default)s)",
-        factory=lambda: str(default_testbed_dir() / "target"),
+    target: str | None = _flag(
+        None, "target model: a local directory or a Hugging Face hub id (owner/name); required", required=True
     )
-    revision: str | None = _flag(None, "hub revision (branch, tag or commit) of --target")
+    revision: str | None = _flag(None, "hub revision (branch, tag or commit) of --target (default: the default branch)")
     tokenizer: str | None = _flag(None, "tokenizer directory or hub id (default: the target's)")
     stages: int | None = _flag(
-        None, "pipeline stages the target is cut into (default: the speculator's n, else 1)", positive_int
+        None,
+        "pipeline stages the target is cut into: equal where they divide its layers, else the larger stages "
+        "first, e.g. 8 stages of 4, 4, 4, 4, 4, 4, 3, 3 layers for 30 (default: the speculator's cut, else 1)",
+        positive_int,
     )
     boundaries: list[int] | None = _flag(
         None,
-        "cut the target at these layer indices instead of equally, e.g. 8,16,23 "
+        "cut the target at these layer indices instead, e.g. 8,16,23 "
         "for 30 layers in 4 stages of 8, 8, 7, 7 (default: the speculator's "
-        "cut, else an equal one)",
+        "cut, else --stages)",
         boundaries_flag,
     )
     speculator: str | None = _flag(
         None,
         "speculation head for --mode spd or tree (a head trained for the pipeline), "
-        "or --mode sd (a head trained with variant=eagle): a directory or hub id",
+        "or --mode sd (a head trained with variant=eagle): a directory or hub id (default: none)",
     )
-    speculator_revision: str | None = _flag(None, "hub revision of --speculator")
+    speculator_revision: str | None = _flag(None, "hub revision of --speculator (default: the default branch)")
     draft_model: str | None = _flag(
         None,
-        "draft model for --mode tree or sd: a directory or hub id of a small causal LM with the target's tokenizer",
+        "draft model for --mode tree or sd: a directory or hub id of a small causal LM with the target's tokenizer "
+        "(default: none)",
     )
     draft_steps: int = _flag(
         4, "--mode sd: tokens drafted one after another per target forward, m (default: %(default)s)", positive_int
     )
-    draft_revision: str | None = _flag(None, "hub revision of --draft-model")
+    draft_revision: str | None = _flag(None, "hub revision of --draft-model (default: the default branch)")
     tree_width: int | str = _flag(
         4,
         "--mode tree: tree nodes kept per level, W, or 'auto' (follows the measured "
@@ -131,21 +135,28 @@ class DecodingSpec:
         "(default: %(default)s)",
         choices=CANDIDATES,
     )
-    device: str = _flag("cpu", "torch device (cpu, cuda, cuda:1, ...)")
+    device: str = _flag("cpu", "torch device (cpu, cuda, cuda:1, ...) (default: %(default)s)")
     dtype: str = _flag(
         "float32", "the weights' dtype (default: %(default)s)", choices=("float32", "bfloat16", "float16")
     )
     runtime: str = _flag(
         "local",
         "local: one process; distributed: one process per stage plus rank 0 on "
-        "torch.distributed (modes spd, pp and tree)",
+        "torch.distributed (modes spd, pp and tree) (default: %(default)s)",
         choices=("local", "distributed"),
     )
     emulate_stage_ms: float = _flag(
-        0.0, "--runtime distributed: added compute time per stage call (a token, a tree level, a batch)", float
+        0.0,
+        "--runtime distributed: added compute time per stage call (a token, a tree level, a batch) "
+        "(default: %(default)s)",
+        float,
     )
-    emulate_link_ms: float = _flag(0.0, "--runtime distributed: added latency per message", float)
-    timeout_s: float = _flag(60.0, "--runtime distributed: a rank silent this long counts as lost", float)
+    emulate_link_ms: float = _flag(
+        0.0, "--runtime distributed: added latency per message (default: %(default)s)", float
+    )
+    timeout_s: float = _flag(
+        60.0, "--runtime distributed: a rank silent this long counts as lost (default: %(default)s)", float
+    )
 
     def __post_init__(self):
         if self.mode is None:
@@ -160,6 +171,8 @@ class DecodingSpec:
                 continue
             default = f.default_factory() if f.default is MISSING else f.default
             kwargs = {"default": default, "help": f.metadata["help"]}
+            if f.metadata["required"]:
+                kwargs = {"required": True, "help": f.metadata["help"]}
             if f.metadata["parse"] is not None:
                 kwargs["type"] = f.metadata["parse"]
             if f.metadata["choices"] is not None:
@@ -207,6 +220,23 @@ class DecodingSpec:
         if self.runtime == "local" and (self.emulate_stage_ms or self.emulate_link_ms):
             raise SpdInputError("--emulate-stage-ms / --emulate-link-ms need --runtime distributed")
         self.check_numbers()
+
+    def check_sources(self) -> None:
+        """The target, tokenizer, head and draft model can be had: a local path that does not exist is refused at
+        once, a hub id asked for once (:func:`~spd.paths.check_model_source`); cheap, before torch is imported."""
+        check_model_source(self.target, "target", self.revision)
+        if self.tokenizer is not None:
+            check_model_source(self.tokenizer, "tokenizer")
+        speculator = self.speculator
+        # The SPD authors' head files (.pt, hf://) are found by their own loader (spd.heads.published).
+        if speculator is not None and not (
+            speculator.startswith("hf://")
+            or Path(speculator).suffix in (".pt", ".pth", ".bin")
+            or Path(speculator).expanduser().is_file()
+        ):
+            check_model_source(speculator, "speculator", self.speculator_revision)
+        if self.draft_model is not None:
+            check_model_source(self.draft_model, "draft model", self.draft_revision)
 
 
 def check_runtime_numbers(timeout_s: float, **delays: float) -> None:

@@ -28,6 +28,9 @@ class PipelineStats(GenerationStats):
     schedule: str = "none"  # the head's schedule ("input" / "output"), "none" for pp
     speculator_layers: int = 0  # L_s
     target_layers: int = 0  # L
+    stage_layers: list[int] = field(default_factory=list)  # the cut: layers per stage
+    # Per decode step, the tokens each stage ran (the model clock's input, spd.decoding.model_clock; not in as_dict).
+    stage_tokens: list[list[int]] = field(default_factory=list)
     stage_time_s: float = 0.0  # time inside target stages during decode
     speculator_time_s: float = 0.0  # time inside the head during decode
     verify_time_s: float = 0.0  # final norm + LM head + verification
@@ -73,6 +76,7 @@ class PipelineStats(GenerationStats):
 
     def as_dict(self) -> dict:
         d = super().as_dict()
+        del d["stage_tokens"]
         for key in ("stage_time_s", "speculator_time_s", "verify_time_s"):
             d[key] = round(d[key], 4)
         d.update(

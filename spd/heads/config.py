@@ -149,14 +149,8 @@ def check_compatible(head_config: SpeculatorConfig, staged, mode: str | None = N
         problems.append(f"vocabulary {head_config.vocab_size} vs the target's {staged.vocab_size}")
     if head_config.target_num_layers != staged.num_layers:
         problems.append(f"{head_config.target_num_layers} target layers vs the target's {staged.num_layers}")
-    elif head_config.n_stages != staged.n_stages:
-        problems.append(stages_problem(head_config.n_stages, staged.n_stages))
     elif head_config.boundaries != staged.boundaries:
-        problems.append(
-            f"stage boundaries {head_config.boundaries} vs the pipeline's {staged.boundaries}; pass "
-            f"--boundaries {','.join(map(str, head_config.boundaries[1:-1]))} or leave --stages and "
-            f"--boundaries out (the head's cut is the default)"
-        )
+        problems.append(cut_problem(head_config.boundaries, staged.boundaries))
     if problems:
         raise misfit(problems)
 
@@ -166,6 +160,11 @@ def misfit(problems: list[str]) -> SpdInputError:
     return SpdInputError("the speculator does not fit this target: " + "; ".join(problems))
 
 
+def depth_problem(head_layers: int, num_layers: int) -> str:
+    """A head made for a target of another depth."""
+    return f"it was trained for a target of {head_layers} layers, and this one has {num_layers}"
+
+
 def equal_cut_problem(head_stages: int, num_layers: int) -> str | None:
     """A head that cuts its target equally (the SPD authors') made for an n that does not divide this one's layers."""
     if head_stages < 1 or num_layers % head_stages:
@@ -173,11 +172,15 @@ def equal_cut_problem(head_stages: int, num_layers: int) -> str | None:
     return None
 
 
-def stages_problem(head_stages: int, stages: int) -> str:
-    """A head made for another number of stages than the pipeline's, and the flag that fixes it."""
+def cut_problem(head_boundaries: list[int], boundaries: list[int], asked: str = "the pipeline has") -> str:
+    """A head made for another cut than the pipeline's (``asked``: who chose it, e.g. ``--stages 8 asks for``),
+    both cuts named, and what to do."""
+    from ..target.staging import cut_flag, describe_cut
+
     return (
-        f"it was trained for n = {head_stages} stages but the pipeline has {stages}; pass --stages "
-        f"{head_stages} or use a head trained for {stages} stages"
+        f"it was trained for n = {describe_cut(head_boundaries)} ({cut_flag(head_boundaries)}) but {asked} "
+        f"{describe_cut(boundaries)}; leave --stages and --boundaries out (the head's cut is the default) or use "
+        "a head trained for that cut"
     )
 
 

@@ -31,6 +31,7 @@ from .linear_state import LinearStateRing, NoPastRecording
 from .precision import warn_if_slow
 from .sdpa import decode_kernels
 from ..paths import check_model_source
+from ..reading import check_model_files
 
 # Decoder-layer kinds the staging wrapper runs: attention with a KV cache, and linear attention (Gated
 # DeltaNet, hybrid models such as Qwen3.5 / Qwen3-Next) with a conv + recurrent state (spd.target.linear_state).
@@ -201,7 +202,8 @@ class StageOutput:
 
 
 def split_layers(num_layers: int, n_stages: int | None = None, boundaries: list[int] | None = None) -> list[int]:
-    """Stage boundaries ``[0, b1, ..., L]``: an equal split into ``n_stages``, or checked explicit ones."""
+    """Stage boundaries ``[0, b1, ..., L]``: ``n_stages`` stages cut by :func:`balanced_boundaries` (equal where n
+    divides L), or checked explicit ones."""
     if boundaries is not None:
         b = list(boundaries)
         if b and b[0] != 0:
@@ -220,27 +222,32 @@ def split_layers(num_layers: int, n_stages: int | None = None, boundaries: list[
         raise SpdInputError(f"the number of stages must be a positive integer, got {n_stages}")
     if n_stages > num_layers:
         raise SpdInputError(f"{n_stages} stages need at least {n_stages} layers, but the model has {num_layers}")
-    if num_layers % n_stages:
-        suggestion = balanced_boundaries(num_layers, n_stages)
-        sizes = ", ".join(str(b - a) for a, b in zip(suggestion, suggestion[1:]))
-        raise SpdInputError(
-            f"{n_stages} stages do not divide the model's {num_layers} layers evenly; choose a divisor of "
-            f"{num_layers} or give explicit stage boundaries, e.g. --boundaries "
-            f"{','.join(map(str, suggestion[1:-1]))} (stages of {sizes} layers)"
-        )
-    per = num_layers // n_stages
-    return [per * s for s in range(n_stages + 1)]
+    return balanced_boundaries(num_layers, n_stages)
 
 
 def balanced_boundaries(num_layers: int, n_stages: int) -> list[int]:
     """The most even cut of ``num_layers`` into ``n_stages``: the first ``L mod n`` stages get one layer more.
 
-    A pipeline step lasts as long as its slowest stage, so an uneven cut costs ``ceil(L/n) / (L/n)`` in step
-    time against an ideal equal one (30 layers: 8,8,7,7 at n = 4 and 4,4,4,4,4,4,3,3 at n = 8, both 1.067).
+    This is the cut of ``--stages N`` and the one the published SmolLM2 heads were trained on (30 layers: 8,8,7,7 at
+    n = 4 and 4,4,4,4,4,4,3,3 at n = 8). A pipeline step lasts as long as its slowest stage, so an uneven cut costs
+    ``ceil(L/n) / (L/n)`` in step time against an ideal equal one (1.067 at both).
     """
     per, extra = divmod(num_layers, n_stages)
     sizes = [per + (s < extra) for s in range(n_stages)]
     return [sum(sizes[:s]) for s in range(n_stages + 1)]
+
+
+def describe_cut(boundaries: list[int]) -> str:
+    """A cut in words: ``8 stages of 4, 4, 4, 4, 4, 4, 3, 3 layers`` (``1 stage of 30 layers``)."""
+    sizes = [b - a for a, b in zip(boundaries, boundaries[1:])]
+    stages = f"{len(sizes)} stage" + ("s" if len(sizes) > 1 else "")
+    return f"{stages} of {', '.join(map(str, sizes))} layers"
+
+
+def cut_flag(boundaries: list[int]) -> str:
+    """The flag that asks for this cut: ``--boundaries 8,16,23`` (``--stages 1`` for the whole target)."""
+    inner = boundaries[1:-1]
+    return f"--boundaries {','.join(map(str, inner))}" if inner else "--stages 1"
 
 
 def parse_boundaries(text: str) -> list[int]:
@@ -321,6 +328,7 @@ def target_num_layers(target: str, revision: str | None = None) -> int:
     """The decoder depth of ``target`` (a directory or hub id), read from its config alone."""
     from transformers import AutoConfig
 
+    check_model_files(target, "target")
     try:
         config = AutoConfig.from_pretrained(target, revision=revision)
     except (OSError, ValueError) as exc:
@@ -755,11 +763,13 @@ def load_causal_lm(
     device: str | torch.device = "cpu",
     **kwargs,
 ):
-    """``AutoModelForCausalLM.from_pretrained`` with a clear error for a wrong path or hub id."""
+    """``AutoModelForCausalLM.from_pretrained`` with a clear error for a wrong path or hub id, or a damaged file."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     source = str(name_or_path)
-    check_model_source(source, "model")
+    check_model_source(source, "model", revision)
+    check_model_files(source, "model", weights=True)
     device = check_device(device)
     named = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype  # "bfloat16" as well as torch.bfloat16
     if isinstance(named, torch.dtype):
@@ -768,7 +778,7 @@ def load_causal_lm(
         model = AutoModelForCausalLM.from_pretrained(
             source, revision=revision, dtype=dtype, attn_implementation="sdpa", **kwargs
         )
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:
         raise SpdInputError(f"could not load a causal LM from '{source}': {first_line(exc)}") from exc
     return model.to(device).eval()
 
@@ -799,11 +809,13 @@ def check_device(device: str | torch.device) -> torch.device:
 
 
 def load_tokenizer(name_or_path: str | os.PathLike, revision: str | None = None):
-    """``AutoTokenizer.from_pretrained`` with a clear error for a wrong path, hub id or missing tokenizer."""
+    """``AutoTokenizer.from_pretrained`` with a clear error for a wrong path, hub id, missing tokenizer or damaged
+    file."""
     from transformers import AutoTokenizer
 
     source = str(name_or_path)
-    check_model_source(source, "tokenizer")
+    check_model_source(source, "tokenizer", revision)
+    check_model_files(source, "tokenizer", tokenizer=True)
     try:
         return AutoTokenizer.from_pretrained(source, revision=revision)
     except (OSError, ValueError, KeyError) as exc:
@@ -831,8 +843,8 @@ def has_tokenizer_files(source: str, revision: str | None = None) -> bool:
     from transformers.utils import cached_file
 
     path = Path(str(source)).expanduser()
-    if path.is_dir():
-        return any((path / name).is_file() for name in TOKENIZER_FILES)
+    if path.is_dir():  # a damaged file counts: load_tokenizer names what is wrong with it
+        return any((path / name).exists() for name in TOKENIZER_FILES)
     for name in ("config.json", *TOKENIZER_FILES):
         try:
             found = (
