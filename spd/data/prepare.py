@@ -2,11 +2,12 @@
 
 Rows may be conversations (``messages`` or ``conversations``: lists of ``{"role", "content"}``, or ShareGPT
 ``{"from", "value"}``) rendered with the target tokenizer's chat template, where only assistant tokens
-are supervised; or plain text (``text``), where every token is. ``loss_mask[i] = 1`` means token ``i`` is a
-supervised target, so position ``i - 1`` (which predicts it) carries a loss.
+are supervised; plain text (``text``), where every token is; or token ids (``prompt_ids`` and ``answer_ids``, as a
+server's traffic records hold them, :mod:`spd.traffic.records`), where the answer is. ``loss_mask[i] = 1`` means
+token ``i`` is a supervised target, so position ``i - 1`` (which predicts it) carries a loss.
 
-Sources: local ``.jsonl`` / ``.json`` / ``.parquet`` files (or a directory of them), a directory written by
-``Dataset.save_to_disk``, or a hub dataset id (``name`` or ``org/name``, with ``revision``).
+Sources: local ``.jsonl`` / ``.json`` / ``.parquet`` files (or a directory of them), a directory of traffic records
+(``spd-serve --record DIR``), a directory written by ``Dataset.save_to_disk``, or a hub dataset id (``name`` or ``org/name``, with ``revision``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from ..errors import SpdInputError, first_line
 from ..files import rename_dir
 from ..reading import check_file, iter_jsonl
+from ..traffic.records import is_record_dir, read_records
 
 _SHAREGPT_ROLES = {
     "human": "user",
@@ -103,6 +105,12 @@ def _encode_row(row: dict, tokenizer, cfg: DataConfig) -> list[tuple[list[int], 
     if messages is not None:
         ids, mask = render_conversation(messages, tokenizer)
         kind = "chat"
+    elif isinstance(row.get("prompt_ids"), list) and isinstance(row.get("answer_ids"), list):
+        ids = [int(t) for t in row["prompt_ids"]] + [int(t) for t in row["answer_ids"]]
+        mask = [0] * len(row["prompt_ids"]) + [1] * len(row["answer_ids"])
+        if ids and max(ids) >= len(tokenizer):
+            raise ValueError("token ids beyond the tokenizer's vocabulary (records of another model?)")
+        kind = "tokens"
     elif isinstance(row.get("text"), str):
         ids = tokenizer(row["text"], verbose=False)["input_ids"]
         if tokenizer.eos_token_id is not None:
@@ -111,8 +119,9 @@ def _encode_row(row: dict, tokenizer, cfg: DataConfig) -> list[tuple[list[int], 
         mask[0] = 0 if ids and ids[0] == tokenizer.bos_token_id else mask[0]
         kind = "text"
     else:
-        raise ValueError("the row has no messages, conversations or text field")
-    overflow = cfg.overflow if cfg.overflow != "auto" else ("drop" if kind == "chat" else "split")
+        raise ValueError("the row has no messages, conversations, text or prompt_ids and answer_ids field")
+    auto = {"chat": "drop", "text": "split", "tokens": "truncate"}  # a long record keeps its prompt and answer's start
+    overflow = cfg.overflow if cfg.overflow != "auto" else auto[kind]
     if len(ids) <= cfg.max_length:
         pieces = [(ids, mask)]
     elif overflow == "drop":
@@ -133,6 +142,10 @@ def _load_raw(source: str, cfg: DataConfig):
     import datasets
 
     path = Path(source).expanduser()
+    if is_record_dir(path):
+        return datasets.Dataset.from_list(
+            [{"prompt_ids": r["prompt_ids"], "answer_ids": r["answer_ids"]} for r in read_records(path)]
+        )
     if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
         ds = datasets.load_from_disk(str(path))
         return ds[cfg.split] if isinstance(ds, datasets.DatasetDict) else ds

@@ -1,0 +1,1 @@
+"""Learning from traffic: a server's records of what it answered (:mod:`.records`)."""
