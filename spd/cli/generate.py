@@ -38,15 +38,9 @@ import sys
 import time
 from pathlib import Path
 
+from spd.cli.common import Parser, quiet_libraries
 from spd.decoding.spec import DecodingSpec, finite_float, positive_int
 from spd.errors import SpdInputError, run_cli
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (usage is in --help) and exit code 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 # The fields of DecodingSpec that the distributed runtime's program (spd/cli/run_pipeline.py) takes as flags; its
@@ -57,7 +51,7 @@ RUNTIME_FLAGS = tuple(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="spd-generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="spd-generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     DecodingSpec.add_flags(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text (one of --prompt, --prompt-file and --prompt-ids is required)")
@@ -246,7 +240,7 @@ def run(args) -> int:
 
     spec = DecodingSpec.of(args)
     cut = resolve_cut(spec)  # the sources, the cut and the head's fit: one line each, before anything loads
-    _quiet_libraries()
+    quiet_libraries()
     tokenizer = load_cli_tokenizer(args, prompt)
     if isinstance(prompt, list):
         prompt_ids = prompt
@@ -348,7 +342,7 @@ def run_distributed(args, prompt: str | list[int]) -> int:
         "WORLD_SIZE": str(stages + 1),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
     }
-    from spd.serving.children import end_child, sigterm_unwinds, start_child
+    from spd.runtime.children import end_child, sigterm_unwinds, start_child
 
     # The ranks end with this process: SIGTERM or Ctrl-C here stops them, and a kill that runs no handler reaches
     # them through their parent-death signal. A rank that fails makes the others exit with an error line within
@@ -425,7 +419,7 @@ def _collect_stderr(procs, grace_s: float) -> list[str]:
     import threading
     import time
 
-    from spd.serving.children import end_child
+    from spd.runtime.children import end_child
 
     out = [""] * len(procs)
 
@@ -446,17 +440,6 @@ def _collect_stderr(procs, grace_s: float) -> list[str]:
     for t in threads:
         t.join(timeout=5)
     return out
-
-
-def _quiet_libraries() -> None:
-    # Library progress bars and warnings (weight loading, long-sequence notices) would interleave with
-    # the streamed text; our own checks report what matters.
-    import transformers
-    from huggingface_hub.utils import disable_progress_bars
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    disable_progress_bars()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ from ..errors import SpdInputError, first_line
 from ..decoding.generation import GenerationOutput, OnToken
 from ..decoding.modes import require_pipelined
 from ..decoding.spec import DecodingSpec
-from .children import end_child, start_child
+from ..runtime.children import end_child, start_child
 
 
 @dataclass
