@@ -21,17 +21,13 @@ import sys
 
 import torch
 
+from spd.cli.common import Parser
 from spd.errors import SpdInputError, run_cli
 from spd.paths import default_cache_dir
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
 def parse_args(argv=None):
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="target directory or hub id")
     p.add_argument("--revision", default=None)
     p.add_argument("--data", required=True, help="local file/dir or hub dataset id (as train/distill.py's data)")

@@ -40,9 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         "replaced; nothing else is removed)",
     )
     args = p.parse_args(argv)
-    from spd.cli.generate import _quiet_libraries
+    from spd.cli.common import quiet_libraries
 
-    _quiet_libraries()
+    quiet_libraries()
     return run_cli(_convert, args)
 
 

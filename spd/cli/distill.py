@@ -18,16 +18,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from spd.cli.common import Parser
 from spd.errors import run_cli
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
 def parse_args(argv=None):
-    p = _Parser(prog="spd-distill", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="spd-distill", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML preset (configs/*.yaml)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
     p.add_argument("overrides", nargs="*", help="key=value settings")

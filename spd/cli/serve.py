@@ -31,13 +31,13 @@ import time
 from pathlib import Path
 
 from spd.errors import SpdInputError, run_cli
-from spd.cli.generate import _Parser, _quiet_libraries
+from spd.cli.common import Parser, quiet_libraries
 from spd.decoding.spec import DecodingSpec, finite_float, positive_int
 from spd.cli.batch_flags import add_prefill_flags, check_prefill_flags, prefill_options
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="spd-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="spd-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     DecodingSpec.add_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 = a free one)")
@@ -180,7 +180,7 @@ def _serve(args, decoding: DecodingSpec, api_key: str | None, sockets: list[sock
     from spd.serving.pipeline import PipelineSpec, open_pipeline
     from spd.serving.scheduler import Scheduler
 
-    _quiet_libraries()
+    quiet_libraries()
     spec = PipelineSpec.of(
         decoding, local_stages=args.local_stages, stage_addr=args.stage_addr, join_timeout_s=args.join_timeout_s
     )
