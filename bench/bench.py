@@ -54,7 +54,7 @@ from pathlib import Path
 from spd.decoding.modes import RULES
 from spd.decoding.spec import DecodingSpec
 from spd.errors import SpdInputError, run_cli
-from spd.files import write_json_atomic
+from spd.files import write_json_compact
 from spd.journal import Journal
 from spd.paths import default_testbed_dir
 
@@ -470,7 +470,7 @@ def _bench(args, runs: list[Run]) -> int:
         "results": results,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(args.out, report, indent=1)
+    write_json_compact(args.out, report)
     journal.remove()
     print(render_table(results))
     print(f"\nJSON: {args.out}")

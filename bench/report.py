@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from spd.files import write_json_atomic
+from spd.files import write_json_compact
 
 
 def command_line(script: str, argv: Sequence[str] | None) -> str:
@@ -24,11 +24,12 @@ def command_line(script: str, argv: Sequence[str] | None) -> str:
 
 
 def write_result(path: str | os.PathLike, result, indent: int = 1) -> Path:
-    """Write a benchmark's ``result`` as JSON (and a final newline) to ``path``, its folder made first if missing;
-    atomically (:func:`spd.files.write_json_atomic`): a run killed while writing leaves the previous file whole."""
+    """Write a benchmark's ``result`` as JSON (and a final newline) to ``path``, its folder made first if missing, a
+    list of numbers on one line; atomically (:func:`spd.files.write_json_compact`): a run killed while writing
+    leaves the previous file whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, result, indent=indent)
+    write_json_compact(path, result, indent=indent)
     return path
 
 

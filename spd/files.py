@@ -6,7 +6,8 @@ the old file or the new one, never half of one. A failed write removes its tempo
 file as it was. Directories are put in place the same way, whole (:func:`rename_dir`, :func:`replace_dir`).
 
 - :func:`atomic_file`: ``open`` for writing, committed on a normal exit; :func:`atomic_path` for writers that
-  take a file name (safetensors, ``save_pretrained``); :func:`write_text_atomic`, :func:`write_json_atomic`.
+  take a file name (safetensors, ``save_pretrained``); :func:`write_text_atomic`, :func:`write_json_atomic`;
+  :func:`write_json_compact` for large results (a list of numbers or booleans on one line).
 - :func:`replace_file`: rename a complete file over another, durably.
 - :func:`temp_dir_beside`, :func:`rename_dir`, :func:`replace_dir`: a new directory written aside, then put in
   place as a new one or swapped for an existing one.
@@ -110,6 +111,26 @@ def write_text_atomic(path: str | os.PathLike, text: str, encoding: str | None =
 def write_json_atomic(path: str | os.PathLike, obj, indent: int = 2) -> None:
     """Write ``obj`` as indented JSON (and a final newline) to ``path`` atomically: a reader never sees half a file."""
     write_text_atomic(path, json.dumps(obj, indent=indent) + "\n")
+
+
+def write_json_compact(path: str | os.PathLike, obj, indent: int = 1) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically, as :func:`write_json_atomic` does, except that a list holding
+    no list or dict stays on one line: objects are indented, a per-token list of a thousand booleans is one line,
+    not a thousand. ``json.load`` reads back the same object."""
+
+    def encode(value, level: int) -> str:
+        if isinstance(value, dict) and value:
+            parts = [f"{json.dumps(key)}: {encode(item, level + 1)}" for key, item in value.items()]
+        elif isinstance(value, list) and any(isinstance(item, (dict, list)) for item in value):
+            parts = [encode(item, level + 1) for item in value]
+        else:
+            return json.dumps(value)
+        inner, outer = "\n" + " " * (indent * (level + 1)), "\n" + " " * (indent * level)
+        brackets = "{}" if isinstance(value, dict) else "[]"
+        return brackets[0] + inner + ("," + inner).join(parts) + outer + brackets[1]
+
+    # Through json first: keys become strings and tuples lists exactly as json.dumps makes them.
+    write_text_atomic(path, encode(json.loads(json.dumps(obj)), 0) + "\n")
 
 
 # ------------------------------------------------------------------------------------------ directories

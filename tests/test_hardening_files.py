@@ -72,6 +72,22 @@ def test_atomic_file_replaces_the_file_and_a_failed_write_leaves_the_old_one(tmp
             pass
 
 
+def test_write_json_compact_keeps_lists_of_scalars_on_one_line(tmp_path):
+    from spd.files import write_json_compact
+
+    path = tmp_path / "result.json"
+    result = {"flags": [True, False, None], "rows": [{"a": 1.5, "b": []}, {}], "nested": [[1, 2], ["x"]], 3: (4, 5)}
+    write_json_compact(path, result)
+    assert path.read_text() == (
+        '{\n "flags": [true, false, null],\n "rows": [\n  {\n   "a": 1.5,\n   "b": []\n  },\n  {}\n ],\n'
+        ' "nested": [\n  [1, 2],\n  ["x"]\n ],\n "3": [4, 5]\n}\n'
+    )
+    assert json.loads(path.read_text()) == json.loads(json.dumps(result))  # what json.dump would have written
+    write_json_compact(path, {"a": [1]}, indent=2)
+    assert path.read_text() == '{\n  "a": [1]\n}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
+
+
 def test_atomic_path_is_for_writers_that_take_a_name(tmp_path):
     from spd.files import atomic_path, temp_pattern
 
