@@ -31,7 +31,7 @@ prompt is the one a prompt run alone gives, and a benchmark of many prompts take
 every request's tokens in one call: 1.8x faster at 8 prompts on 2 CPU cores, docs/benchmarks.md). Only fp32's last bits can differ (other matrix shapes), so at
 T = 0 a prompt's output may part from ``ar``'s at a near tie; every output that differs from ``ar``'s is
 reported with the token where it first differs and ``ar``'s top-two logit margin there (``differences_from_ar``;
-:mod:`spd.decoding.ties`), and a difference that is not a near tie is a warning. ``ar`` and ``sd`` runs stay one
+:mod:`spd.testing.ties`), and a difference that is not a near tie is a warning. ``ar`` and ``sd`` runs stay one
 prompt at a time; tokens/s of a batched run is its whole batch's.
 
 A long benchmark resumes: each result is journalled to ``OUT.progress.jsonl`` as it finishes, and the same
@@ -565,7 +565,7 @@ def _differences(
 ) -> list[dict]:
     """Where each greedy output that is not ``ar``'s first parts from it, with ``ar``'s top-two margin there; a
     difference that is not a near tie is printed as a warning (a lossless check failed)."""
-    from spd.decoding.ties import first_difference
+    from spd.testing.ties import first_difference
 
     found = []
     for i, (a, b) in enumerate(zip(reference, ours)):

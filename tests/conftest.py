@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spd.decoding.ties import first_difference
+from spd.testing.ties import first_difference
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,7 @@ def differences_are_near_ties(
     staged, prompt: list[int], solo: list[int], other: list[int], what: str = "outputs"
 ) -> int:
     """0 if ``other`` equals the solo run's ``solo``; 1 if they first differ where the solo run's top-two logits are
-    a near tie (:func:`spd.decoding.ties.near_tie_tolerance`; printed with its margin); fails otherwise."""
+    a near tie (:func:`spd.testing.ties.near_tie_tolerance`; printed with its margin); fails otherwise."""
     difference = first_difference(staged, prompt, solo, other)
     if difference is None:
         return 0

@@ -44,9 +44,9 @@ def _prompt(i: int) -> list[int]:
 
 
 def test_where_two_outputs_part_the_solo_run_s_margin_is_measured(target_model):
-    """spd.decoding.ties: no difference for equal outputs; else the first differing token and the solo run's
+    """spd.testing.ties: no difference for equal outputs; else the first differing token and the solo run's
     top-two margin there, a near tie only below the tolerance."""
-    from spd.decoding.ties import NEAR_TIE, first_difference
+    from spd.testing.ties import NEAR_TIE, first_difference
 
     staged, prompt = StagedModel(target_model, 1), _prompt(4)
     solo = generate_ar(staged, prompt, 8).token_ids

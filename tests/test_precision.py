@@ -1,5 +1,5 @@
 """Half precision: the warning for a dtype this CPU computes only by emulation (spd/target/precision.py), and the
-near-tie rule of each dtype (spd/decoding/ties.py)."""
+near-tie rule of each dtype (spd/testing/ties.py)."""
 
 import torch
 
@@ -47,7 +47,7 @@ def test_a_dtype_named_as_a_string_warns_too(tmp_path, monkeypatch, capsys):
 def test_a_near_tie_is_eight_spacings_of_the_top_logit_in_its_dtype():
     """Where two runs may part ways: 1e-4 apart in fp32, 8 spacings of the top logit in bf16 (8 significant bits)
     and in fp16 (11), so fp16's tolerance is 8 times tighter than bf16's."""
-    from spd.decoding.ties import NEAR_TIE, near_tie_tolerance
+    from spd.testing.ties import NEAR_TIE, near_tie_tolerance
 
     assert near_tie_tolerance(12.5, torch.float32) == NEAR_TIE
     assert near_tie_tolerance(12.5, torch.bfloat16) == 8 * 2.0**-4  # 12.5 is in [8, 16): bf16 spacing 2^-4

@@ -1,0 +1,4 @@
+"""What the tests and the benchmarks both use, importable from either without the repository on the path.
+
+``ties.py`` (where two greedy runs of the same model may part: near ties of the top-two logits).
+"""
