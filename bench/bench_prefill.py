@@ -1,4 +1,4 @@
-"""Prefill time against link bandwidth, across machines emulated on this one (root; bench/netns.py).
+"""Prefill time against link bandwidth, across machines emulated on this one (root; spd/testing/netns.py).
 
     sudo .venv/bin/python bench/bench_prefill.py --target testbed/target --lengths 256 1024 2048 \\
         --rates none 1gbit 100mbit --out docs/results/bench_prefill_links.json
@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.netns import Lan, rate_bits, torchrun_command, unavailable  # noqa: E402
+from spd.testing.netns import Lan, rate_bits, torchrun_command, unavailable  # noqa: E402
 from spd.paths import default_testbed_dir  # noqa: E402
 from bench.report import markdown_table, write_result  # noqa: E402
 

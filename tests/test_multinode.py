@@ -1,5 +1,5 @@
 """The runtime across machines, on one machine: each "host" is a Linux network namespace with its own network
-stack, joined to the others by veth links to a bridge on a private subnet (bench/netns.py); one torchrun per host
+stack, joined to the others by veth links to a bridge on a private subnet (spd/testing/netns.py); one torchrun per host
 (c10d rendezvous) starts the ranks of its stages. The hosts share this machine's host name, which resolves to a loopback address: the
 trap that left every rank waiting silently for the whole join timeout.
 
@@ -20,7 +20,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO
-from bench.netns import Lan, torchrun_command, unavailable
+from spd.testing.netns import Lan, torchrun_command, unavailable
 from helpers.runtime import PROMPTS, reference_outputs
 
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailabl
 
 @pytest.fixture(scope="module")
 def lan():
-    """Three hosts at 10.231.0.1-3 on one bridge (bench/netns.py)."""
+    """Three hosts at 10.231.0.1-3 on one bridge (spd/testing/netns.py)."""
     with Lan(3) as network:
         yield network
 

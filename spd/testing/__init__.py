@@ -1,4 +1,5 @@
 """What the tests and the benchmarks both use, importable from either without the repository on the path.
 
-``ties.py`` (where two greedy runs of the same model may part: near ties of the top-two logits).
+``ties.py`` (where two greedy runs of the same model may part: near ties of the top-two logits), ``netns.py``
+(several "machines" on this one as network namespaces, for the multi-node tests and ``bench/bench_prefill.py``).
 """
