@@ -16,13 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,50 +28,7 @@ sys.path.insert(0, str(REPO))  # bench.report (the scripts are not installed)
 from bench.bench import RUN_HELP, parse_run, run_flags  # noqa: E402
 from bench.report import markdown_table, write_result  # noqa: E402
 from spd.errors import SpdInputError  # noqa: E402
-
-
-class ServerProcess:
-    """``spd-serve`` (``python -m spd.cli.serve``) in its own process on a free port; ``url`` once it listens."""
-
-    def __init__(self, *args: str, timeout: float = 300, threads: int = 1):
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "spd.cli.serve", "--port", "0", *args],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self.url = None
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            line = self.proc.stderr.readline()
-            if not line:
-                break
-            self.lines.append(line)
-            match = re.search(r"listening on (http://\S+)", line)
-            if match:
-                self.url = match.group(1)
-                break
-        if self.url is None:
-            self.stop()
-            raise RuntimeError("spd-serve did not start:\n" + "".join(self.lines))
-        # Keep reading stderr so that the server never blocks on a full pipe.
-        threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
-        import httpx
-
-        self.model = httpx.get(f"{self.url}/v1/models").json()["data"][0]["id"]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+from spd.testing.server import ServerProcess  # noqa: E402
 
 
 def one_request(url: str, model: str, prompt: str, max_tokens: int) -> dict:
@@ -119,7 +71,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_load(args, name: str, server_args: list[str], prompts: list[str]) -> dict:
-    server = ServerProcess(*server_args, threads=args.threads)
+    server = ServerProcess(*server_args, threads=args.threads, cwd=REPO)
     try:
         one_request(server.url, server.model, prompts[0], 4)  # warm-up
         start = time.perf_counter()

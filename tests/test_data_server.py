@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.bench_serve import ServerProcess
 from conftest import REPO, run_main, run_script, two_at_a_time
+from spd.testing.server import ServerProcess
 
 
 def rows_by_id(path: Path) -> dict[str, dict]:
@@ -32,7 +32,7 @@ def errors(proc: subprocess.CompletedProcess) -> list[str]:
 
 @pytest.fixture(scope="module")
 def ar_server(tiny_testbed):
-    server = ServerProcess("--target", str(tiny_testbed / "target"), "--mode", "ar")
+    server = ServerProcess("--target", str(tiny_testbed / "target"), "--mode", "ar", cwd=REPO)
     yield server
     server.stop()
 
@@ -102,7 +102,7 @@ def test_a_run_whose_server_dies_is_finished_by_a_rerun(tiny_testbed, ar_server,
     has every id once with an uninterrupted run's answers."""
     args = ("--prompts", "stdlib:24", "--max-new-tokens", "32", "--concurrency", "1")  # rows left when it dies
     whole, out = tmp_path / "whole.jsonl", tmp_path / "out.jsonl"
-    dying = ServerProcess("--target", str(tiny_testbed / "target"), "--mode", "ar")
+    dying = ServerProcess("--target", str(tiny_testbed / "target"), "--mode", "ar", cwd=REPO)
     job = None
     try:
         job = subprocess.Popen(

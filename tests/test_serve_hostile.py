@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import httpx
 import pytest
 
 from conftest import REPO
+from spd.testing.server import ServerProcess
 
 openai = pytest.importorskip("openai")
 
@@ -33,41 +33,15 @@ MAX_MODEL_LEN = 128
 NORMAL = {"prompt": "def main(argv):\n", "max_tokens": 12, "temperature": 0}
 
 
-class Server:
-    """``spd-serve`` in its own process on a free port (``cmd`` after the interpreter), stderr collected."""
+class Server(ServerProcess):
+    """``spd-serve`` in its own process on a free port with an API key, and the requests the attacks make."""
 
-    def __init__(self, *cmd: str, key: str | None = KEY, env: dict | None = None, timeout: float = 300):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.key = key
-        self.proc = subprocess.Popen(
-            [sys.executable, *cmd, "--port", "0"],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self.url = None
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            line = self.proc.stderr.readline()
-            if not line:
-                break
-            self.lines.append(line)
-            match = re.search(r"listening on (http://\S+)", line)
-            if match:
-                self.url = match.group(1)
-                break
-        if self.url is None:
-            self.stop()
-            raise RuntimeError("spd-serve did not start:\n" + "".join(self.lines))
-        threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
+    def __init__(self, *args: str, key: str | None = KEY, **kwargs):
+        super().__init__(*args, api_key=key, cwd=REPO, **kwargs)
         self.host, self.port = httpx.URL(self.url).host, httpx.URL(self.url).port
-        self.model = "target"
 
     def headers(self, **extra) -> dict:
-        auth = {"authorization": f"Bearer {self.key}"} if self.key else {}
+        auth = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         return {"content-type": "application/json", **auth, **extra}
 
     def post(self, path: str, body, headers: dict | None = None, timeout: float = 120) -> httpx.Response:
@@ -95,21 +69,10 @@ class Server:
                     total += sample.value
         return total
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
 
 @pytest.fixture(scope="module")
 def server(tiny_testbed):
     server = Server(
-        "-m",
-        "spd.cli.serve",
         "--target",
         str(tiny_testbed / "target"),
         "--mode",
@@ -414,7 +377,7 @@ def test_a_dead_engine_thread_fails_health_and_requests_not_hangs(tiny_testbed):
         "sys.argv[1:]); args.idle_ping_s = -1.0; sys.exit(serve(args))"
     )
     # The key comes from the environment here (SPD_API_KEY), as a deployment would pass it.
-    server = Server("-c", script, "--target", str(tiny_testbed / "target"), env={"SPD_API_KEY": KEY})
+    server = Server("--target", str(tiny_testbed / "target"), program=("-c", script), env={"SPD_API_KEY": KEY})
     try:
         assert (
             server.post(

@@ -1,5 +1,6 @@
 """What the tests and the benchmarks both use, importable from either without the repository on the path.
 
-``ties.py`` (where two greedy runs of the same model may part: near ties of the top-two logits), ``netns.py``
-(several "machines" on this one as network namespaces, for the multi-node tests and ``bench/bench_prefill.py``).
+``server.py`` (``spd-serve`` in its own process, waited for until it listens), ``ties.py`` (where two greedy runs
+of the same model may part: near ties of the top-two logits), ``netns.py`` (several "machines" on this one as
+network namespaces, for the multi-node tests and ``bench/bench_prefill.py``).
 """

@@ -6,8 +6,9 @@ import json
 import httpx
 import pytest
 
-from bench.bench_serve import ServerProcess
+from conftest import REPO
 from helpers.cli import spd_generate_main
+from spd.testing.server import ServerProcess
 
 openai = pytest.importorskip("openai")
 
@@ -16,6 +17,9 @@ PROMPT = "def main(argv):\n"
 
 class Server(ServerProcess):
     """``spd-serve`` in its own process on a free port, with the clients the tests use."""
+
+    def __init__(self, *args: str, **kwargs):
+        super().__init__(*args, cwd=REPO, **kwargs)
 
     def client(self, **kwargs):
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kwargs)
