@@ -45,7 +45,8 @@ call and the stages pass the batched outputs on (``batch.py``, ``batch_stage.py`
 Files: ``protocol.py`` (message kinds, header, notices, :class:`RuntimeConfig`), ``link.py`` (:class:`Link`,
 :class:`Notices`), ``stage.py`` (the stage ranks' loop), ``remote.py`` (:class:`RemoteStages`, rank 0),
 ``batch.py`` (rank 0's side of the batch mode and the manifest's format), ``batch_stage.py`` (a stage rank in it),
-``loading.py`` (:func:`load_partial`), ``world.py`` (process group, loopback store, ports, devices).
+``loading.py`` (:func:`load_partial`), ``world.py`` (process group, loopback store, ports, devices),
+``children.py`` (the ranks' processes, which end with the process that started them).
 
 Shape suffixes: T tokens, D hidden size, A anchors, L layers (+1).
 """
