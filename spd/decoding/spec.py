@@ -67,7 +67,7 @@ def boundaries_flag(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--boundaries ")) from None
 
 
-def _flag(default, help: str, parse=None, choices=None, factory=None, required=False):
+def flag(default, help: str, parse=None, choices=None, factory=None, required=False):
     """A field that is also a flag: its default, help text, parser and choices (``required``: a flag that must be
     given; the field's default None is refused where a model is loaded)."""
     metadata = {"help": help, "parse": parse, "choices": choices, "required": required}
@@ -76,85 +76,113 @@ def _flag(default, help: str, parse=None, choices=None, factory=None, required=F
     return field(default=default, metadata=metadata)
 
 
+def add_field_flags(settings: type, parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """Add every :func:`flag` of the dataclass ``settings`` but ``exclude`` to ``parser`` as
+    ``--name-with-dashes``."""
+    for f in fields(settings):
+        if f.name in exclude or "help" not in f.metadata:
+            continue
+        default = f.default_factory() if f.default is MISSING else f.default
+        kwargs = {"default": default, "help": f.metadata["help"]}
+        if f.metadata["required"]:
+            kwargs = {"required": True, "help": f.metadata["help"]}
+        if f.metadata["parse"] is not None:
+            kwargs["type"] = f.metadata["parse"]
+        if f.metadata["choices"] is not None:
+            kwargs["choices"] = f.metadata["choices"]
+        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+
+
+def fields_argv(settings, names) -> list[str]:
+    """The command line that gives another program these fields of ``settings``: ``--flag value`` for each of
+    ``names`` that is set (a list as comma-separated values)."""
+    out = []
+    for name in names:
+        value = getattr(settings, name)
+        if isinstance(value, list):
+            value = ",".join(map(str, value))
+        if value is not None:
+            out += ["--" + name.replace("_", "-"), str(value)]
+    return out
+
+
 @dataclass
 class DecodingSpec:
     """What to run and how: a mode, the target, its head or draft model, and the runtime (see the module docstring)."""
 
-    mode: str | None = _flag(
+    mode: str | None = flag(
         None,
         f"decoding mode: one of {', '.join(MODES)} (default: spd with --speculator, tree "
         "with only --draft-model, else ar)",
     )
-    target: str | None = _flag(
+    target: str | None = flag(
         None, "target model: a local directory or a Hugging Face hub id (owner/name); required", required=True
     )
-    revision: str | None = _flag(None, "hub revision (branch, tag or commit) of --target (default: the default branch)")
-    tokenizer: str | None = _flag(None, "tokenizer directory or hub id (default: the target's)")
-    stages: int | None = _flag(
+    revision: str | None = flag(None, "hub revision (branch, tag or commit) of --target (default: the default branch)")
+    tokenizer: str | None = flag(None, "tokenizer directory or hub id (default: the target's)")
+    stages: int | None = flag(
         None,
         "pipeline stages the target is cut into: equal where they divide its layers, else the larger stages "
         "first, e.g. 8 stages of 4, 4, 4, 4, 4, 4, 3, 3 layers for 30 (default: the speculator's cut, else 1)",
         positive_int,
     )
-    boundaries: list[int] | None = _flag(
+    boundaries: list[int] | None = flag(
         None,
         "cut the target at these layer indices instead, e.g. 8,16,23 "
         "for 30 layers in 4 stages of 8, 8, 7, 7 (default: the speculator's "
         "cut, else --stages)",
         boundaries_flag,
     )
-    speculator: str | None = _flag(
+    speculator: str | None = flag(
         None,
         "speculation head for --mode spd or tree (a head trained for the pipeline), "
         "or --mode sd (a head trained with variant=eagle): a directory or hub id (default: none)",
     )
-    speculator_revision: str | None = _flag(None, "hub revision of --speculator (default: the default branch)")
-    draft_model: str | None = _flag(
+    speculator_revision: str | None = flag(None, "hub revision of --speculator (default: the default branch)")
+    draft_model: str | None = flag(
         None,
         "draft model for --mode tree or sd: a directory or hub id of a small causal LM with the target's tokenizer "
         "(default: none)",
     )
-    draft_steps: int = _flag(
+    draft_steps: int = flag(
         4, "--mode sd: tokens drafted one after another per target forward, m (default: %(default)s)", positive_int
     )
-    draft_revision: str | None = _flag(None, "hub revision of --draft-model (default: the default branch)")
-    tree_width: int | str = _flag(
+    draft_revision: str | None = flag(None, "hub revision of --draft-model (default: the default branch)")
+    tree_width: int | str = flag(
         4,
         "--mode tree: tree nodes kept per level, W, or 'auto' (follows the measured "
         "acceptance, up to --tree-max-width) (default: %(default)s)",
         tree_width_flag,
     )
-    tree_children: int = _flag(4, "--mode tree: candidate children per node, K (default: %(default)s)", positive_int)
-    tree_max_width: int = _flag(
+    tree_children: int = flag(4, "--mode tree: candidate children per node, K (default: %(default)s)", positive_int)
+    tree_max_width: int = flag(
         8, "--mode tree --tree-width auto: the largest width (default: %(default)s)", positive_int
     )
-    tree_candidates: str = _flag(
+    tree_candidates: str = flag(
         "auto",
         "--mode tree at T > 0: children drawn from the proposer's distribution "
         "(sampled) or its top-K (top-k); auto = sampled (greedy always uses top-k) "
         "(default: %(default)s)",
         choices=CANDIDATES,
     )
-    device: str = _flag("cpu", "torch device (cpu, cuda, cuda:1, ...) (default: %(default)s)")
-    dtype: str = _flag(
+    device: str = flag("cpu", "torch device (cpu, cuda, cuda:1, ...) (default: %(default)s)")
+    dtype: str = flag(
         "float32", "the weights' dtype (default: %(default)s)", choices=("float32", "bfloat16", "float16")
     )
-    runtime: str = _flag(
+    runtime: str = flag(
         "local",
         "local: one process; distributed: one process per stage plus rank 0 on "
         "torch.distributed (modes spd, pp and tree) (default: %(default)s)",
         choices=("local", "distributed"),
     )
-    emulate_stage_ms: float = _flag(
+    emulate_stage_ms: float = flag(
         0.0,
         "--runtime distributed: added compute time per stage call (a token, a tree level, a batch) "
         "(default: %(default)s)",
         float,
     )
-    emulate_link_ms: float = _flag(
-        0.0, "--runtime distributed: added latency per message (default: %(default)s)", float
-    )
-    timeout_s: float = _flag(
+    emulate_link_ms: float = flag(0.0, "--runtime distributed: added latency per message (default: %(default)s)", float)
+    timeout_s: float = flag(
         60.0, "--runtime distributed: a rank silent this long counts as lost (default: %(default)s)", float
     )
 
@@ -166,18 +194,7 @@ class DecodingSpec:
     @classmethod
     def add_flags(cls, parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
         """Add every field but ``exclude`` to ``parser`` as ``--name-with-dashes``."""
-        for f in fields(cls):
-            if f.name in exclude or "help" not in f.metadata:
-                continue
-            default = f.default_factory() if f.default is MISSING else f.default
-            kwargs = {"default": default, "help": f.metadata["help"]}
-            if f.metadata["required"]:
-                kwargs = {"required": True, "help": f.metadata["help"]}
-            if f.metadata["parse"] is not None:
-                kwargs["type"] = f.metadata["parse"]
-            if f.metadata["choices"] is not None:
-                kwargs["choices"] = f.metadata["choices"]
-            parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+        add_field_flags(cls, parser, exclude)
 
     @classmethod
     def of(cls, settings, **overrides) -> "DecodingSpec":
@@ -188,14 +205,7 @@ class DecodingSpec:
     def argv(self, names: tuple[str, ...]) -> list[str]:
         """The command line that gives another program (the distributed runtime's) these fields' values: ``--flag
         value`` for each of ``names`` that is set."""
-        out = []
-        for name in names:
-            value = getattr(self, name)
-            if isinstance(value, list):
-                value = ",".join(map(str, value))
-            if value is not None:
-                out += ["--" + name.replace("_", "-"), str(value)]
-        return out
+        return fields_argv(self, names)
 
     # ----------------------------------------------------------------------------------- the checks
     def check_numbers(self) -> None:
@@ -244,6 +254,6 @@ def check_runtime_numbers(timeout_s: float, **delays: float) -> None:
     # nan passes every comparison and inf every lower bound: the numbers must be finite as well.
     if not (math.isfinite(timeout_s) and timeout_s > 0):
         raise SpdInputError(f"--timeout-s must be a positive number of seconds, got {timeout_s}")
-    for flag, value in delays.items():
+    for name, value in delays.items():
         if not (math.isfinite(value) and value >= 0):
-            raise SpdInputError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
+            raise SpdInputError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
