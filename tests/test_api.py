@@ -164,6 +164,19 @@ def test_each_wrong_argument_is_one_sentence(engine, call, kwargs, message):
     assert isinstance(error.value, ValueError) and "\n" not in str(error.value) and "--" not in str(error.value)
 
 
+def test_sampling_settings_as_one_object(engine):
+    """``sampling=SamplingParams(...)`` gives what its keywords give; both at once, or another object, is one
+    sentence."""
+    settings = {"temperature": 0.9, "top_k": 20, "top_p": 0.9, "seed": 3}
+    for call, first in (("generate", "def add(a, b):"), ("chat", CHAT)):
+        want = getattr(engine, call)(first, max_new_tokens=12, **settings).token_ids
+        assert getattr(engine, call)(first, max_new_tokens=12, sampling=SamplingParams(**settings)).token_ids == want
+        with pytest.raises(SpdInputError, match="or as keywords, not both; got sampling= and temperature=$"):
+            getattr(engine, call)(first, sampling=SamplingParams(), temperature=0.5)
+    with pytest.raises(SpdInputError, match="sampling must be a SamplingParams, got {'temperature': 1}"):
+        engine.generate("x", sampling={"temperature": 1})
+
+
 def test_sampling_params_raise_spd_input_error():
     with pytest.raises(SpdInputError, match="temperature"):
         SamplingParams(temperature=-0.5)

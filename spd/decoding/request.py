@@ -188,18 +188,20 @@ class Generates:
         prompt: str | Sequence[int] | torch.Tensor | Sequence[str | Sequence[int]],
         max_new_tokens: int = 128,
         mode: str | None = None,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
         seed: int | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         streamer: Callable[[str], object] | object | None = None,
         on_token: OnToken | None = None,
+        sampling: SamplingParams | None = None,
     ) -> GenerationOutput | list[GenerationOutput]:
         """Generate from a prompt: text (needs a tokenizer) or token ids; ``.text``, ``.token_ids`` and ``.stats`` of
         the output are the new text, the new token ids and the decoding statistics. A list of prompts gives a list
         of outputs, one request after another. ``mode`` is the engine's own (default) or another it runs
-        (:meth:`check_mode`), ``ar`` included.
+        (:meth:`check_mode`), ``ar`` included. ``temperature`` (0, the default, is greedy), ``top_k``, ``top_p`` and
+        ``seed`` are :class:`~spd.decoding.sampling.SamplingParams`' fields, or ``sampling`` is one (not both).
 
         ``streamer`` is a callable taking each new piece of text (``lambda piece: print(piece, end="")``; the pieces
         concatenate to ``.text``), or an object with ``put``/``end`` taking token ids (a Hugging Face
@@ -215,7 +217,7 @@ class Generates:
             )
         mode = mode or self.mode
         self.check_mode(mode)
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        sampling = sampling_of(sampling, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         prompts = _prompt_list(prompt)
         if prompts is not None and (streamer is not None or on_token is not None):
             raise SpdInputError(
@@ -250,13 +252,14 @@ class Generates:
         messages: Sequence[Mapping[str, str]] | Sequence[Sequence[Mapping[str, str]]],
         max_new_tokens: int = 128,
         mode: str | None = None,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
         seed: int | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         streamer: Callable[[str], object] | object | None = None,
         on_token: OnToken | None = None,
+        sampling: SamplingParams | None = None,
     ) -> GenerationOutput | list[GenerationOutput]:
         """The assistant's reply to a conversation, ``[{"role": "user", "content": "Hi"}, ...]``, rendered with the
         tokenizer's chat template (:func:`chat_prompt_ids`); a list of conversations gives a list of outputs. The
@@ -274,7 +277,24 @@ class Generates:
             eos_token_id,
             streamer,
             on_token,
+            sampling,
         )
+
+
+def sampling_of(sampling: SamplingParams | None, **keywords) -> SamplingParams:
+    """A request's :class:`SamplingParams`: ``sampling`` as given, or made from the keywords that are set (None: the
+    field's default); one SpdInputError for both at once."""
+    given = {name: value for name, value in keywords.items() if value is not None}
+    if sampling is None:
+        return SamplingParams(**given)
+    if not isinstance(sampling, SamplingParams):
+        raise SpdInputError(f"sampling must be a SamplingParams, got {_short(sampling)}")
+    if given:
+        raise SpdInputError(
+            "pass the sampling settings as sampling=SamplingParams(...) or as keywords, not both; got sampling= "
+            f"and {', '.join(f'{name}=' for name in given)}"
+        )
+    return sampling
 
 
 def _as_callback(
