@@ -3,7 +3,11 @@ names a heading of the page it points to (GitHub's slugs) or an explicit ``<a id
 
 Links are inline (``[text](path#anchor)``, images too), reference definitions (``[label]: path``) and HTML
 ``href`` / ``src`` attributes. Links with a scheme (``https:``, ``mailto:``, ...) are not checked, nor anything in
-fenced code blocks or inline code. No model loads: the whole check reads text files.
+fenced code blocks or inline code.
+
+The docs stay light and their results accounted for: docs/results and docs/*.md stay under a size, every file under
+docs/results is cited by a page (the README, docs/, a head's model card), and every result a page cites exists. No
+model loads: the whole check reads text files.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import sys
 import unicodedata
 from bisect import bisect_right
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from functools import cache
 from itertools import accumulate
 from pathlib import Path
@@ -336,3 +341,80 @@ def test_the_check_finds_what_is_broken(tmp_path, monkeypatch):
         "README.md:11: [ref]: docs/missing-ref.md: no file or directory docs/missing-ref.md",
     ]
     anchors.cache_clear()
+
+
+# ------------------------------------------------------------------------------------ what the docs weigh
+
+RESULTS = REPO / "docs" / "results"
+RESULTS_LIMIT = 6 * 2**20  # bytes: every file under docs/results together, most of it the per-prompt lists
+PAGES_LIMIT = 200 * 2**10  # bytes: docs/*.md together
+# A page cites a result as `results/<path>` (a link, inline code or a command's `--out docs/results/...`), a family of
+# them with braces (`results/x_{0,8}_{1,2}.json`), or a whole folder (`results/batching/`).
+_CITATION = re.compile(r"(?<![\w-])results/((?:[\w.*/-]|\{[\w.,-]*\})+)")
+
+
+def citing_pages() -> list[Path]:
+    """The pages that cite results: the README, docs/ (not the tables under docs/results) and the heads' model cards."""
+    pages = {REPO / "README.md", *(REPO / "docs").rglob("*.md"), *REPO.glob("heads/*/README.md")}
+    return sorted(page for page in pages if not page.is_relative_to(RESULTS))
+
+
+def expand(pattern: str) -> list[str]:
+    """A brace family as the shell expands it: ``a_{0,8}_{1,2}`` is ``a_0_1``, ``a_0_2``, ``a_8_1``, ``a_8_2``."""
+    match = re.search(r"\{([^{}]*)\}", pattern)
+    if match is None:
+        return [pattern]
+    head, tail = pattern[: match.start()], pattern[match.end() :]
+    return [name for choice in match.group(1).split(",") for name in expand(head + choice + tail)]
+
+
+def citations() -> dict[str, set[str]]:
+    """Every result path the pages cite (relative to docs/results; a folder cites what it holds) and the pages citing
+    it."""
+    found: dict[str, set[str]] = {}
+    for page in citing_pages():
+        for match in _CITATION.finditer(page.read_text(encoding="utf-8")):
+            for path in expand(match.group(1).rstrip(".")):
+                found.setdefault(path, set()).add(str(page.relative_to(REPO)))
+    return found
+
+
+def result_files() -> list[str]:
+    """The files under docs/results, relative to it; a benchmark's ``*.progress.jsonl`` journal is transient."""
+    files = (path for path in RESULTS.rglob("*") if path.is_file() and not path.name.endswith(".progress.jsonl"))
+    return sorted(str(path.relative_to(RESULTS)) for path in files)
+
+
+def test_results_and_pages_stay_light():
+    results = sum((RESULTS / name).stat().st_size for name in result_files())
+    pages = sum(page.stat().st_size for page in (REPO / "docs").glob("*.md"))
+    assert results < RESULTS_LIMIT, f"docs/results holds {results / 2**20:.2f} MiB, over {RESULTS_LIMIT / 2**20:.0f}"
+    assert pages < PAGES_LIMIT, f"docs/*.md hold {pages / 2**10:.0f} KiB, over {PAGES_LIMIT / 2**10:.0f}"
+
+
+def test_every_result_is_cited_by_a_page():
+    cited = citations()
+    folders = [path.rstrip("/") + "/" for path in cited if (RESULTS / path).is_dir()]
+    uncited = [
+        name
+        for name in result_files()
+        if name not in cited
+        and not any(name.startswith(folder) for folder in folders)
+        and not any(fnmatch(name, pattern) for pattern in cited if "*" in pattern)
+    ]
+    assert not uncited, "files under docs/results that no page cites (cite them or remove them):\n" + "\n".join(uncited)
+
+
+def test_every_cited_result_exists():
+    missing = [
+        f"{', '.join(sorted(pages))}: results/{path}"
+        for path, pages in sorted(citations().items())
+        if not (list(RESULTS.glob(path.rstrip("/"))) if "*" in path else (RESULTS / path).exists())
+    ]
+    assert not missing, "pages cite results that do not exist:\n" + "\n".join(missing)
+
+
+def test_a_citation_names_every_member_of_its_family():
+    assert expand("b_{0,8}_{1,2}.json") == ["b_0_1.json", "b_0_2.json", "b_8_1.json", "b_8_2.json"]
+    text = "see `results/x/{a,b}.json`, [one](results/y.json). Then docs/results/z/ and gpu-results/w.json"
+    assert [m.group(1) for m in _CITATION.finditer(text)] == ["x/{a,b}.json", "y.json", "z/"]
