@@ -96,3 +96,20 @@ def test_the_flags_and_the_runtime_command_line_come_from_the_spec():
         DecodingSpec("tree", speculator="h", draft_model="d").check()
     with pytest.raises(SpdInputError, match="--timeout-s must be a positive number of seconds, got nan"):
         DecodingSpec(timeout_s=float("nan")).check()
+
+
+def test_the_sampling_flags_and_their_runtime_command_line_come_from_sampling_params():
+    """spd-generate and run_pipeline take SamplingParams' fields as flags; the command line the distributed runtime
+    gets (SamplingParams.argv) parses back to the same settings; a wrong value names its flag."""
+    from spd.cli.generate import build_parser
+    from spd.cli.run_pipeline import build_parser as runtime_parser
+    from spd.decoding.sampling import SamplingParams
+
+    flags = ["--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "-3"]
+    sampling = SamplingParams.from_args(build_parser().parse_args(["--target", "t", *flags]))
+    assert sampling == SamplingParams(0.8, 20, 0.9, -3)
+    for settings in (sampling, SamplingParams()):
+        back = runtime_parser().parse_args(["--target", "t", *settings.argv()])
+        assert SamplingParams.from_args(back) == settings
+    with pytest.raises(SpdInputError, match=r"^--top-k must be an integer >= 0 \(0: off\), got -3$"):
+        SamplingParams.from_args(runtime_parser().parse_args(["--target", "t", "--top-k", "-3"]))

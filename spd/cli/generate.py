@@ -39,7 +39,8 @@ import time
 from pathlib import Path
 
 from spd.cli.common import Parser, quiet_libraries
-from spd.decoding.spec import DecodingSpec, finite_float, positive_int
+from spd.decoding.sampling import SamplingParams
+from spd.decoding.spec import DecodingSpec, positive_int
 from spd.errors import SpdInputError, run_cli
 
 
@@ -68,16 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=128,
         help="the most new tokens; generation also stops at EOS or a full context (default: %(default)s)",
     )
-    p.add_argument(
-        "--temperature", type=finite_float, default=0.0, help="sampling temperature, 0 = greedy (default: %(default)s)"
-    )
-    p.add_argument(
-        "--top-k", type=int, default=0, help="sample from the k most likely tokens, 0 = off (default: %(default)s)"
-    )
-    p.add_argument(
-        "--top-p", type=finite_float, default=1.0, help="nucleus sampling mass, 1 = off (default: %(default)s)"
-    )
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, a fresh draw each run)")
+    SamplingParams.add_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text (default: off)")
     p.add_argument(
         "--show-acceptance",
@@ -123,13 +115,9 @@ def parse_prompt_ids(text: str) -> list[int]:
     return ids
 
 
-def _check_numbers(args) -> None:
-    if args.temperature < 0:
-        raise SpdInputError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.top_k < 0:
-        raise SpdInputError(f"--top-k must be >= 0, got {args.top_k}")
-    if not 0 < args.top_p <= 1:
-        raise SpdInputError(f"--top-p must be in (0, 1], got {args.top_p}")
+def _check_numbers(args) -> SamplingParams:
+    """Refuse a wrong flag (one SpdInputError); the sampling settings."""
+    sampling = SamplingParams.from_args(args)
     spec = DecodingSpec.of(args)
     args.mode = spec.mode  # the default follows --speculator and --draft-model
     spec.check()
@@ -143,6 +131,7 @@ def _check_numbers(args) -> None:
         raise SpdInputError(
             "--show-acceptance colours the streamed text; with --json the flags are in stats.token_acceptance"
         )
+    return sampling
 
 
 def _load_tokenizer(source: str, revision: str | None):
@@ -228,10 +217,10 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
 
 
 def run(args) -> int:
-    _check_numbers(args)
+    sampling = _check_numbers(args)
     prompt = _read_prompt(args)
     if args.runtime == "distributed":
-        return run_distributed(args, prompt)
+        return run_distributed(args, prompt, sampling)
     started = time.perf_counter()
     from spd.decoding.factory import load_pipeline
     from spd.decoding.loader import resolve_cut
@@ -260,16 +249,7 @@ def run(args) -> int:
     print(loaded_line(spec, cut, time.perf_counter() - started), file=sys.stderr, flush=True)
     engine = parts.engine
     streamer = None if args.json else TokenStreamer(tokenizer, sys.stdout, colour=args.show_acceptance)
-    out = engine.generate(
-        prompt_ids,
-        args.max_new_tokens,
-        mode=args.mode,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        on_token=streamer,
-    )
+    out = engine.generate(prompt_ids, args.max_new_tokens, mode=args.mode, on_token=streamer, sampling=sampling)
     stats = out.stats.as_dict()
     clock = model_clock(out.stats) if isinstance(out.stats, PipelineStats) else None
     if clock is not None:
@@ -326,7 +306,7 @@ def summary_line(stats: dict) -> str:
     return line
 
 
-def run_distributed(args, prompt: str | list[int]) -> int:
+def run_distributed(args, prompt: str | list[int], sampling: SamplingParams) -> int:
     """Check the request here, then start ``stages + 1`` processes of spd/cli/run_pipeline.py (one per rank)."""
     import os
     import subprocess
@@ -334,7 +314,7 @@ def run_distributed(args, prompt: str | list[int]) -> int:
     from spd.runtime.world import free_port, local_world_env
 
     stages = _world_stages(args)
-    cmd = _rank_command(args, prompt, stages)
+    cmd = _rank_command(args, prompt, stages, sampling)
     # One process per rank, started here rather than by torchrun: rank 0 then serves the rendezvous store on
     # loopback only (torchrun's agent store listens on every interface), and gloo binds to loopback too.
     env = {
@@ -386,8 +366,9 @@ def _world_stages(args) -> int:
     return resolve_cut(DecodingSpec.of(args)).n_stages
 
 
-def _rank_command(args, prompt: str | list[int], stages: int) -> list[str]:
-    """The command line every rank runs (spd/cli/run_pipeline.py), the decoding flags derived from DecodingSpec."""
+def _rank_command(args, prompt: str | list[int], stages: int, sampling: SamplingParams) -> list[str]:
+    """The command line every rank runs (spd/cli/run_pipeline.py), the decoding and sampling flags derived from
+    DecodingSpec and SamplingParams."""
     spec = DecodingSpec.of(args, stages=stages)
     cmd = [
         sys.executable,
@@ -399,14 +380,8 @@ def _rank_command(args, prompt: str | list[int], stages: int) -> list[str]:
         *(["--prompt-ids", ",".join(map(str, prompt))] if isinstance(prompt, list) else ["--prompt", prompt]),
         "--max-new-tokens",
         str(args.max_new_tokens),
-        "--temperature",
-        str(args.temperature),
-        "--top-k",
-        str(args.top_k),
-        "--top-p",
-        str(args.top_p),
+        *sampling.argv(),
     ]
-    cmd += ["--seed", str(args.seed)] if args.seed is not None else []
     cmd += ["--chat"] if args.chat else []
     cmd += ["--json"] if args.json else []
     cmd += ["--show-acceptance"] if args.show_acceptance else []

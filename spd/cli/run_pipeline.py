@@ -17,22 +17,23 @@ A wrong input exits with 2, a lost rank with 1; each prints one ``error:`` line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
 from pathlib import Path
 
+from spd.cli.common import Parser
 from spd.decoding.modes import PIPELINED, check_proposer
+from spd.decoding.sampling import SamplingParams
 from spd.decoding.spec import DecodingSpec, check_runtime_numbers, default_mode
 from spd.errors import SpdInputError, cli_error, run_cli
 from spd.cli.batch_flags import add_prefill_flags, check_prefill_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="run_pipeline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = Parser(prog="run_pipeline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--mode",
         nargs="+",
@@ -48,10 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--chat", action="store_true")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    SamplingParams.add_flags(p)
     p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl with CUDA, else gloo)")
     p.add_argument("--emulate-token-ms", type=float, default=0.0, help="and per token of that call")
     p.add_argument(
@@ -74,22 +72,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_numbers(args) -> None:
-    """Refuse numbers no run can use (one sentence), before any process joins the world."""
+def check_numbers(args) -> SamplingParams:
+    """Refuse numbers no run can use (one sentence), before any process joins the world; the sampling settings."""
     check_runtime_numbers(
         args.timeout_s,
         emulate_stage_ms=args.emulate_stage_ms,
         emulate_token_ms=args.emulate_token_ms,
         emulate_link_ms=args.emulate_link_ms,
-        temperature=args.temperature,
     )
-    if not 0 < args.top_p <= 1:
-        raise SpdInputError(f"--top-p must be in (0, 1], got {args.top_p}")
+    sampling = SamplingParams.from_args(args)
     for flag, low in (
         ("threads", 1),
         ("max_new_tokens", 1),
         ("num_prompts", 1),
-        ("top_k", 0),
         ("max_batch", 1),
         ("prefill_chunk", 1),
         ("step_tokens", 1),
@@ -99,6 +94,7 @@ def check_numbers(args) -> None:
         if value is not None and value < low:
             raise SpdInputError(f"--{flag.replace('_', '-')} must be at least {low}, got {value}")
     check_prefill_flags(args, "run")
+    return sampling
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     # Without a proposer the default (ar) has no pipeline: spd then asks for --speculator, as every spd run does.
     args.mode = args.mode or [default_mode(args.speculator, args.draft_model).replace("ar", "spd")]
     try:
-        check_numbers(args)
+        sampling = check_numbers(args)
     except SpdInputError as exc:
         return cli_error(exc, flush=True)
     import torch
@@ -123,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         emulate_link_ms=args.emulate_link_ms,
         early_launch=args.early_launch,
     )
-    return run_cli(_run_world, args, config, flush=True, interrupted=130)
+    return run_cli(_run_world, args, config, sampling, flush=True, interrupted=130)
 
 
-def _run_world(args, config) -> int:
+def _run_world(args, config, sampling: SamplingParams) -> int:
     """This process's part of the world: rank 0 drives the pipeline, every other rank runs its stage. A lost rank
     is one ``error:`` line and exit status 1."""
     import torch
@@ -161,7 +157,7 @@ def _run_world(args, config) -> int:
             staged = load_partial(args.target, n, rank, args.revision, dtype, device, boundaries)
         rank, world, control = init_distributed(config)
         if rank == 0:
-            _driver(args, n, config, control, device, dtype)
+            _driver(args, n, config, control, device, dtype, sampling)
         else:
             from spd.runtime.handshake import check_same_job, job_identity
             from spd.runtime.stage import stage_worker
@@ -189,7 +185,7 @@ def _spec(args, n: int, mode: str | None = None, device=None) -> DecodingSpec:
     return DecodingSpec.of(args, mode=mode or args.mode[0], stages=n, **overrides)
 
 
-def _driver(args, n: int, config, control, device, dtype) -> None:
+def _driver(args, n: int, config, control, device, dtype, sampling: SamplingParams) -> None:
     from spd.decoding.factory import build_engine
     from spd.decoding.loader import load_parts
     from spd.target.staging import load_target_tokenizer
@@ -231,20 +227,12 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
             if args.out:
                 remote.clocks()  # (a fresh start for this mode's breakdown)
             if args.max_batch > 1:
-                results[mode] = _run_batched(args, engine, mode, prompts, tokenizer, staged)
+                results[mode] = _run_batched(args, engine, mode, prompts, tokenizer, staged, sampling)
                 prompts_one_by_one = []
             else:
                 prompts_one_by_one = prompts
             for i, ids in enumerate(prompts_one_by_one):
-                out = engine.generate(
-                    ids,
-                    args.max_new_tokens,
-                    mode=mode,
-                    temperature=args.temperature,
-                    top_k=args.top_k,
-                    top_p=args.top_p,
-                    seed=None if args.seed is None else args.seed + i,
-                )
+                out = engine.generate(ids, args.max_new_tokens, mode=mode, sampling=_nth(sampling, i))
                 results[mode].append({"token_ids": out.token_ids, "stats": out.stats.as_dict()})
                 if len(prompts) > 1:
                     print(f"[{mode}] {i + 1}/{len(prompts)} prompts", file=sys.stderr, flush=True)
@@ -259,13 +247,19 @@ def _driver(args, n: int, config, control, device, dtype) -> None:
     _report(args, tokenizer, results, n, clocks)
 
 
-def _run_batched(args, engine, mode: str, prompts: list[list[int]], tokenizer, staged) -> list[dict]:
+def _nth(sampling: SamplingParams, i: int) -> SamplingParams:
+    """The settings of the ``i``-th prompt of a run: its own seed, ``--seed + i``."""
+    return sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
+
+
+def _run_batched(
+    args, engine, mode: str, prompts: list[list[int]], tokenizer, staged, sampling: SamplingParams
+) -> list[dict]:
     """Every prompt as a request of one batched pipeline over the stages (up to ``--max-batch`` at once, each with
     its own seed ``--seed + i``); the records in prompt order."""
     from spd.cli.batch_flags import prefill_options
     from spd.decoding.batch import BatchedPipeline
     from spd.decoding.request import prepare_prompt
-    from spd.decoding.sampling import SamplingParams
 
     options = prefill_options(args)
     if mode != "tree":  # (the node budget is the tree's; --mode pp tree runs pp without it)
@@ -274,10 +268,7 @@ def _run_batched(args, engine, mode: str, prompts: list[list[int]], tokenizer, s
     requests = []
     for i, ids in enumerate(prompts):
         _, eos = prepare_prompt(tokenizer, ids, None, staged.model)
-        sampling = SamplingParams(
-            args.temperature, args.top_k, args.top_p, None if args.seed is None else args.seed + i
-        )
-        requests.append(batch.submit(ids, args.max_new_tokens, sampling, eos, mode=mode))
+        requests.append(batch.submit(ids, args.max_new_tokens, _nth(sampling, i), eos, mode=mode))
     batch.run()
     records = []
     for request in requests:
