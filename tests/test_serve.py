@@ -427,6 +427,7 @@ def test_a_batched_step_that_raises_fails_its_requests_and_the_server_goes_on(ti
     import asyncio
 
     import spd.decoding.batch as batch_module
+    from spd.decoding.sampling import SamplingParams
     from spd.serving.metrics import ServerMetrics
     from spd.serving.pipeline import PipelineSpec, open_pipeline
     from spd.serving.scheduler import Job, Scheduler
@@ -447,7 +448,7 @@ def test_a_batched_step_that_raises_fails_its_requests_and_the_server_goes_on(ti
 
     async def ask(prompts):
         loop = asyncio.get_running_loop()
-        jobs = [Job(prompt_ids=p, max_new_tokens=8, sampling={}, stops=[], loop=loop) for p in prompts]
+        jobs = [Job(prompt_ids=p, max_new_tokens=8, sampling=SamplingParams(), stops=[], loop=loop) for p in prompts]
         for job in jobs:
             scheduler.submit(job)
         ends = []

@@ -472,8 +472,7 @@ async def _generate(
 ):
     """Queue the job; its response, streamed or whole (``prompt``: the field the prompt came from)."""
     endpoint = "chat" if chat else "completions"
-    sampling = req.sampling()
-    sampling["top_k"] = min(sampling["top_k"], server.pipeline.vocab_size)  # the same draw; no k beyond the vocabulary
+    sampling = req.sampling(server.pipeline.vocab_size)
     job = Job(
         list(prompt_ids),
         server.budget(prompt_ids, max_tokens, prompt),
@@ -481,6 +480,7 @@ async def _generate(
         req.stop or [],
         asyncio.get_running_loop(),
         endpoint,
+        req.ignore_eos,
     )
     try:
         server.scheduler.submit(job)

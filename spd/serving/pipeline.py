@@ -26,6 +26,7 @@ import torch
 from ..errors import SpdInputError, first_line
 from ..decoding.generation import GenerationOutput, OnToken
 from ..decoding.modes import require_pipelined
+from ..decoding.sampling import SamplingParams
 from ..decoding.spec import DecodingSpec
 from ..runtime.children import end_child, start_child
 
@@ -69,10 +70,7 @@ class Pipeline:
         prompt_ids: list[int],
         max_new_tokens: int,
         on_token: OnToken,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
+        sampling: SamplingParams = SamplingParams(),
         ignore_eos: bool = False,
     ) -> GenerationOutput:
         """One request on the pipeline; EOS as ``model.generate`` (the target's generation config), or none
@@ -84,12 +82,9 @@ class Pipeline:
                 prompt_ids,
                 max_new_tokens,
                 mode=self.spec.mode,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                seed=seed,
                 on_token=on_token,
                 eos_token_id=[] if ignore_eos else None,
+                sampling=sampling,
             )
         except PipelineLost as exc:
             self._lost = _exited(self.procs) or str(exc)  # a stage that exited is the cause, not its neighbour
@@ -120,21 +115,17 @@ class Pipeline:
         max_new_tokens: int,
         on_token: OnToken,
         on_done,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
+        sampling: SamplingParams = SamplingParams(),
         ignore_eos: bool = False,
     ):
         """Queue one request on ``batch`` (see :meth:`generate` for the settings); ``on_done(request)`` when it ends."""
         from ..decoding.request import prepare_prompt
-        from ..decoding.sampling import SamplingParams
 
         _, eos = prepare_prompt(self.tokenizer, prompt_ids, [] if ignore_eos else None, self.staged.model)
         return batch.submit(
             prompt_ids,
             max_new_tokens,
-            SamplingParams(temperature, top_k, top_p, seed),
+            sampling,
             eos,
             on_token,
             self.spec.mode,

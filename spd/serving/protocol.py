@@ -34,10 +34,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from ..decoding.sampling import SEED_MAX, SEED_MIN, SamplingParams
+
 MAX_STOPS = 4  # OpenAI's own limit
 MAX_STOP_CHARS = 1000  # per stop string: far above any real one, and it bounds the per-token matching work
 MAX_INT = 2**31 - 1  # token counts and top_k: beyond any context, below any overflow
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 # ------------------------------------------------------------------------------------------- errors
 
@@ -279,15 +280,10 @@ class _Sampling(_Strict):
         """The first field set to something this server does not do, as its 400 (None: all fine)."""
         return _first_refused(self, _REFUSED_SAMPLING)
 
-    def sampling(self) -> dict:
-        """The engine's sampling arguments."""
-        return {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": max(self.top_k, 0),
-            "seed": self.seed,
-            "ignore_eos": self.ignore_eos,
-        }
+    def sampling(self, vocab_size: int) -> SamplingParams:
+        """The request's sampling settings for the engine: ``top_k`` 0 or -1 is off, and none beyond the vocabulary
+        (the same draw)."""
+        return SamplingParams(self.temperature, min(max(self.top_k, 0), vocab_size), self.top_p, self.seed)
 
 
 def _first_refused(req: BaseModel, refused) -> HttpError | None:

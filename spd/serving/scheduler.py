@@ -31,6 +31,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from ..decoding.sampling import SamplingParams
 from ..errors import SpdInputError, first_line
 from .metrics import ServerMetrics
 from .pipeline import Pipeline
@@ -56,10 +57,11 @@ class Job:
 
     prompt_ids: list[int]
     max_new_tokens: int
-    sampling: dict
+    sampling: SamplingParams
     stops: list[str]
     loop: asyncio.AbstractEventLoop
     endpoint: str = "completions"
+    ignore_eos: bool = False  # run to max_new_tokens or a stop string, past the EOS token
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
@@ -339,7 +341,7 @@ class Scheduler:
 
         try:
             request = self.pipeline.submit(
-                self.batch, job.prompt_ids, job.max_new_tokens, on_token, done, **job.sampling
+                self.batch, job.prompt_ids, job.max_new_tokens, on_token, done, job.sampling, job.ignore_eos
             )
         except Exception as exc:  # noqa: BLE001 - the request fails alone; the server keeps serving
             self._fail(job, exc)
@@ -361,7 +363,7 @@ class Scheduler:
         self.metrics.running.set(1)
         self.metrics.kv_tokens.set(len(job.prompt_ids) + job.max_new_tokens)
         try:
-            out = self.pipeline.generate(job.prompt_ids, job.max_new_tokens, on_token, **job.sampling)
+            out = self.pipeline.generate(job.prompt_ids, job.max_new_tokens, on_token, job.sampling, job.ignore_eos)
         except Exception as exc:  # noqa: BLE001 - the request fails alone; the server keeps serving
             self._fail(job, exc)
             return
