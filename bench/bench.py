@@ -23,7 +23,8 @@ per-prompt values), the theoretical speedup of the variant (paper section 4.2), 
 by position in the pipeline (k = 1: the first proposal after a (re)seed, ..., k = n: the full pipeline;
 for an input-state head k is the fill a of docs/method.md §3), flushes,
 greedy identity with ``ar`` and single-process tokens/s (informational: a single process runs the
-stages one after another, so its wall clock shows no pipeline speedup). JSON has every per-prompt number.
+stages one after another, so its wall clock shows no pipeline speedup). JSON has every per-prompt number, a
+prompt's record on one line (``token_acceptance`` as a string: ``1`` an accepted speculation, ``0`` not).
 
 ``--batch B`` runs the ``spd``, ``pp`` and ``tree`` runs B prompts at a time through the batched pipeline
 (:class:`spd.decoding.batch.BatchedPipeline`, what ``spd-serve --max-batch`` schedules with): every number per
@@ -452,7 +453,7 @@ def _bench(args, runs: list[Run]) -> int:
                 )
                 summary["identical_to_ar"] = sum(a == b for a, b in zip(ours, reference))
                 summary["differences_from_ar"] = _differences(base, prompts, reference, ours, run.name)
-            results[key_t][run.name] = {**info[run.name], "summary": summary, "per_prompt": records}
+            results[key_t][run.name] = {**info[run.name], "summary": summary, "per_prompt": _compact(records)}
 
     report = {
         "command": " ".join(sys.argv),
@@ -481,6 +482,17 @@ def _bench(args, runs: list[Run]) -> int:
 
 
 BATCHED_MODES = tuple(name for name, mode in RULES.items() if mode.batched)  # what the batched pipeline runs
+
+
+def _compact(records: list[dict]) -> list[dict]:
+    """The per-prompt records as the report stores them: ``token_acceptance`` as a string of ``1`` (an accepted
+    speculation) and ``0`` (a token of the target's own), a sixth of the JSON a list of booleans takes."""
+    return [
+        {**r, "token_acceptance": "".join("1" if a else "0" for a in r["token_acceptance"])}
+        if isinstance(r.get("token_acceptance"), list)
+        else r
+        for r in records
+    ]
 
 
 def _record(out, run: Run, info: dict) -> dict:

@@ -115,14 +115,23 @@ def write_json_atomic(path: str | os.PathLike, obj, indent: int = 2) -> None:
 
 def write_json_compact(path: str | os.PathLike, obj, indent: int = 1) -> None:
     """Write ``obj`` as JSON to ``path`` atomically, as :func:`write_json_atomic` does, except that a list holding
-    no list or dict stays on one line: objects are indented, a per-token list of a thousand booleans is one line,
-    not a thousand. ``json.load`` reads back the same object."""
+    no list or dict stays on one line, and so does each row of a list of flat objects (an object holding no object
+    and no list of them): objects are indented, a per-token list of a thousand booleans is one line, not a
+    thousand, and a per-prompt record is one line. ``json.load`` reads back the same object."""
+
+    def scalars(value) -> bool:
+        return not isinstance(value, (dict, list)) or isinstance(value, list) and all(map(scalars, value))
 
     def encode(value, level: int) -> str:
         if isinstance(value, dict) and value:
             parts = [f"{json.dumps(key)}: {encode(item, level + 1)}" for key, item in value.items()]
         elif isinstance(value, list) and any(isinstance(item, (dict, list)) for item in value):
-            parts = [encode(item, level + 1) for item in value]
+            parts = [
+                json.dumps(item)
+                if isinstance(item, dict) and all(map(scalars, item.values()))
+                else encode(item, level + 1)
+                for item in value
+            ]
         else:
             return json.dumps(value)
         inner, outer = "\n" + " " * (indent * (level + 1)), "\n" + " " * (indent * level)

@@ -72,15 +72,20 @@ def test_atomic_file_replaces_the_file_and_a_failed_write_leaves_the_old_one(tmp
             pass
 
 
-def test_write_json_compact_keeps_lists_of_scalars_on_one_line(tmp_path):
+def test_write_json_compact_keeps_lists_of_scalars_and_flat_rows_on_one_line(tmp_path):
     from spd.files import write_json_compact
 
     path = tmp_path / "result.json"
-    result = {"flags": [True, False, None], "rows": [{"a": 1.5, "b": []}, {}], "nested": [[1, 2], ["x"]], 3: (4, 5)}
+    result = {
+        "flags": [True, False, None],
+        "rows": [{"a": 1.5, "b": []}, {}, {"c": {"d": 1}}],
+        "nested": [[1, 2], ["x"]],
+        3: (4, 5),
+    }
     write_json_compact(path, result)
     assert path.read_text() == (
-        '{\n "flags": [true, false, null],\n "rows": [\n  {\n   "a": 1.5,\n   "b": []\n  },\n  {}\n ],\n'
-        ' "nested": [\n  [1, 2],\n  ["x"]\n ],\n "3": [4, 5]\n}\n'
+        '{\n "flags": [true, false, null],\n "rows": [\n  {"a": 1.5, "b": []},\n  {},\n  {\n   "c": {\n    "d": 1\n'
+        '   }\n  }\n ],\n "nested": [\n  [1, 2],\n  ["x"]\n ],\n "3": [4, 5]\n}\n'
     )
     assert json.loads(path.read_text()) == json.loads(json.dumps(result))  # what json.dump would have written
     write_json_compact(path, {"a": [1]}, indent=2)
