@@ -5,41 +5,17 @@ every token) as ``config.json`` plus ``model.safetensors`` in a directory that e
     python train/publish_head.py runs/smollm2-n8-text/final heads/smollm2-135m-instruct-spd-n8
 
 Each file is written under a temporary name and renamed into place; other files in the directory (the model
-card, README.md) are left as they are. A wrong input prints one ``error:`` line and exits with 2.
+card, README.md) are left as they are (:func:`spd.heads.publish.publish_head`). A wrong input prints one ``error:``
+line and exits with 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-DTYPES = ("bfloat16", "float16", "float32")
-FILES = ("config.json", "model.safetensors")
-
-
-def publish(source: str, out: Path, dtype: str) -> list[Path]:
-    """Write ``source``'s head into ``out`` in ``dtype``; return the files written."""
-    import torch
-
-    from spd.files import replace_file
-    from spd.heads.loading import load_speculator
-
-    head = load_speculator(source, dtype=getattr(torch, dtype))
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".publish.", dir=out))
-    try:
-        head.save_pretrained(tmp, safe_serialization=True)
-        written = sorted(p.name for p in tmp.iterdir())
-        if written != sorted(FILES):
-            raise RuntimeError(f"save_pretrained wrote {written}, expected {list(FILES)}")
-        for name in FILES:
-            replace_file(tmp / name, out / name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return [out / name for name in FILES]
+DTYPES = ("bfloat16", "float16", "float32")  # spd.heads.publish.DTYPES, repeated so that --help imports no torch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +30,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _publish_and_report(args) -> int:
-    files = publish(args.source, args.out, args.dtype)
+    from spd.heads.publish import publish_head
+
+    files = publish_head(args.source, args.out, args.dtype)
     total = sum(f.stat().st_size for f in files)
     print(f"wrote {args.out} ({', '.join(f.name for f in files)}: {total / 2**20:.1f} MiB in {args.dtype})")
     return 0
