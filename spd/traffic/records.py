@@ -4,7 +4,8 @@
 line to the newest shard ``DIR/traffic-NNNNNN.jsonl``. A line holds the request's prompt as the target's token ids
 (a chat request's turns rendered by its chat template), the answer the target produced as token ids (every token
 committed by the pipeline is the target's own, verified), the sampling settings, the head version and the
-acceptance. The trainer reads ``DIR`` as data (``data=DIR``): the answer tokens are the supervised part.
+acceptance. The trainer reads ``DIR`` as data (``data=DIR``): the answer tokens are the supervised part;
+``spd-adapt`` (:mod:`.adapt`) reads the records that came after a position (:func:`read_records_after`).
 
 Durability: one ``write`` per line on a file opened for appending, so a killed server loses at most the requests
 still in flight; the files and ``DIR`` are readable by their owner only. The shards are bounded: a new shard starts
@@ -221,26 +222,77 @@ def read_records(directory: str | os.PathLike) -> Iterator[dict]:
     directory = Path(directory)
     for path in shards(directory):
         data = path.read_bytes()
-        torn = 0 if data.endswith(b"\n") or not data else 1
-        bad = 0
         lines = data.split(b"\n")  # the last piece: "" after a newline, else the torn line
-        for raw in lines[:-1]:
-            if not raw.strip():
-                continue
-            try:
-                row = json.loads(raw)
-                if not _is_record(row):
-                    raise ValueError
-            except ValueError:
-                bad += 1
-                continue
-            yield row
-        if torn:
+        yield from _parse(path, lines[:-1])
+        if lines[-1]:
             print(
                 f"warning: {path}: dropped a last line that a kill cut short ({len(lines[-1])} bytes)", file=sys.stderr
             )
-        if bad:
-            print(f"warning: {path}: skipped {bad} line(s) that are not traffic records", file=sys.stderr)
+
+
+@dataclass(frozen=True, order=True)
+class RecordPosition:
+    """A place in a records directory: byte ``offset`` of shard number ``shard``, just after a complete line
+    (``RecordPosition()``: before the first record)."""
+
+    shard: int = 0
+    offset: int = 0
+
+
+def read_records_after(directory: str | os.PathLike, position: RecordPosition) -> tuple[list[dict], RecordPosition]:
+    """The records of ``directory`` after ``position``, oldest first, and the position after the last line read.
+
+    Only the newest shard grows (a restarted server starts a new one), so a last line without its newline is the
+    server's next line while in the newest shard, left for the next read, and a line a kill cut short in an older
+    one, dropped with a warning. A position past every record there (the records were deleted and begun again)
+    reads them from their start, with a warning; shards deleted for the budget before they were read are gone."""
+    directory = Path(directory)
+    present = [(int(SHARD.fullmatch(p.name).group(1)), p) for p in shards(directory)]
+    if not present:
+        return [], position
+    index, newest = present[-1]
+    if position.shard > index or position.shard == index and newest.stat().st_size < position.offset:
+        print(
+            f"warning: {directory}: the records begin again before the position read up to ({position}); "
+            "reading them from their start",
+            file=sys.stderr,
+        )
+        position = RecordPosition()
+    rows: list[dict] = []
+    end = position
+    for number, path in present:
+        if number < position.shard:
+            continue
+        start = position.offset if number == position.shard else 0
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read()
+        lines = data.split(b"\n")
+        rows.extend(_parse(path, lines[:-1]))
+        end = RecordPosition(number, start + len(data) - len(lines[-1]))
+        if lines[-1] and number != index:
+            print(
+                f"warning: {path}: dropped a last line that a kill cut short ({len(lines[-1])} bytes)", file=sys.stderr
+            )
+    return rows, end
+
+
+def _parse(path: Path, lines: list[bytes]) -> Iterator[dict]:
+    """The records among complete ``lines`` of the shard ``path``; the others counted in one warning."""
+    bad = 0
+    for raw in lines:
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw)
+            if not _is_record(row):
+                raise ValueError
+        except ValueError:
+            bad += 1
+            continue
+        yield row
+    if bad:
+        print(f"warning: {path}: skipped {bad} line(s) that are not traffic records", file=sys.stderr)
 
 
 def _is_record(row) -> bool:
