@@ -118,6 +118,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json (default: off)")
     p.add_argument(
+        "--record",
+        metavar="DIR",
+        default=None,
+        help="append every finished request (prompt and answer as token ids, sampling settings, head, acceptance) "
+        "to traffic records in DIR, the trainer's data for the head (data=DIR); readable by the owner only "
+        "(default: off; docs/serving.md says what is stored)",
+    )
+    p.add_argument(
+        "--record-max-mb",
+        type=positive_int,
+        default=1024,
+        help="--record: the most MiB the records may take; the oldest shards go first (default: %(default)s)",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=("critical", "error", "warning", "info", "debug"),
@@ -165,16 +179,26 @@ def serve(args) -> int:
             "in the repository, or SPD_EXTRAS=serve bash scripts/install.sh"
         ) from None
     sockets = _listen_sockets(args.host, args.port)  # before the model loads: a port in use fails at once
-    _log_to_stderr(args.log_level, _connections(args))
+    recorder = None
     try:
-        return _serve(args, decoding, api_key, sockets, uvicorn, create_app)
+        if args.record is not None:  # before the model loads too: a directory that cannot take records fails at once
+            from spd.traffic.records import TrafficRecorder
+
+            recorder = TrafficRecorder(args.record, args.record_max_mb << 20, model=args.target)
+        _log_to_stderr(args.log_level, _connections(args))
+        return _serve(args, decoding, api_key, sockets, uvicorn, create_app, recorder)
     finally:
+        if recorder is not None:
+            recorder.close()
         for sock in sockets:
             sock.close()
 
 
-def _serve(args, decoding: DecodingSpec, api_key: str | None, sockets: list[socket.socket], uvicorn, create_app):
-    """Load the pipeline, start the scheduler and serve on ``sockets`` until stopped."""
+def _serve(
+    args, decoding: DecodingSpec, api_key: str | None, sockets: list[socket.socket], uvicorn, create_app, recorder
+):
+    """Load the pipeline, start the scheduler and serve on ``sockets`` until stopped (``recorder``: where finished
+    requests are recorded, or None)."""
     from spd.serving.app import Limits
     from spd.serving.metrics import ServerMetrics
     from spd.serving.pipeline import PipelineSpec, open_pipeline
@@ -202,7 +226,11 @@ def _serve(args, decoding: DecodingSpec, api_key: str | None, sockets: list[sock
             max_batch=args.max_batch,
             kv_rows=args.kv_rows,
             batch_options=prefill_options(args),
+            recorder=recorder,
+            head=decoding.speculator or decoding.draft_model,
         )
+        if recorder is not None:
+            metrics.watch_records(recorder.counts)
     except BaseException:
         pipeline.close()
         raise

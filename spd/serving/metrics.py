@@ -111,6 +111,20 @@ class ServerMetrics:
         accept_length.set_function(self.mean_accept_length)
         self._steps = self._decode = 0
 
+    def watch_records(self, counts) -> None:
+        """Show the traffic recorder's counts (``spd.traffic.records.RecorderCounts``) on the page."""
+        for name, help, attribute in (
+            ("spd_records_written", "Finished requests written to the traffic records (--record)", "written"),
+            ("spd_records_written_bytes", "Bytes written to the traffic records", "written_bytes"),
+            ("spd_record_failures", "Finished requests that could not be recorded (served all the same)", "failed"),
+            (
+                "spd_records_deleted_shards",
+                "Oldest record shards deleted to stay within --record-max-mb",
+                "deleted_shards",
+            ),
+        ):
+            Gauge(name, help, registry=self.registry).set_function(lambda a=attribute: getattr(counts, a))
+
     def outcomes(self) -> dict[str, int]:
         """Requests answered so far by outcome (``ok``, ``invalid``, ...), every endpoint together."""
         counts: dict[str, int] = {}

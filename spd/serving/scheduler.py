@@ -22,6 +22,7 @@ logger, as an error).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import queue
@@ -182,8 +183,12 @@ class Scheduler:
         max_batch: int = 1,
         kv_rows: int | None = None,
         batch_options: dict | None = None,
+        recorder=None,
+        head: str | None = None,
     ):
         self.pipeline, self.metrics = pipeline, metrics
+        self.recorder = recorder  # spd.traffic.records.TrafficRecorder: every answered request, or None
+        self.head = head  # the head (or draft model) the requests are served with, as the records name it
         # --max-batch B > 1: many requests in flight at once (spd.decoding.batch); the pipeline checks it can.
         self.batch = pipeline.batched(max_batch, kv_rows, **(batch_options or {})) if max_batch > 1 else None
         self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
@@ -431,3 +436,13 @@ class Scheduler:
         finish = "stop" if tracker.stopped or stats["stop_reason"] == "eos" else "length"
         stats["queue_time_s"] = round(started - job.arrived, 4)
         job.emit("done", tracker.finish(), finish, stats)
+        if self.recorder is not None:  # after the answer is on its way; never raises
+            self.recorder.record(
+                job.prompt_ids,
+                out.token_ids,
+                endpoint=job.endpoint,
+                sampling=dataclasses.asdict(job.sampling),
+                head=self.head,
+                stats=stats,
+                finish=finish,
+            )
