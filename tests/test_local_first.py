@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -124,6 +125,23 @@ def test_spd_generate_refuses_a_missing_path_at_once(tmp_path, offline):
         line = _one_line(proc)
         assert named in line and "not looked up on the hub" in line, line
         assert seconds < 5, f"{seconds:.1f} s to refuse {flags}"
+
+
+def test_spd_serve_refuses_a_missing_path_before_it_loads_anything(tmp_path):
+    (tmp_path / "smollm2").mkdir()
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "spd.cli.serve", "--target", "smollm2/targt", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=_env(tmp_path, False),
+    )
+    seconds = time.monotonic() - start
+    line = _one_line(proc)
+    assert "the target directory 'smollm2/targt' does not exist" in line and "not looked up on the hub" in line
+    assert seconds < 5, f"{seconds:.1f} s to refuse a missing target"
 
 
 def test_a_hub_id_offline_is_one_line_naming_what_was_tried(tmp_path):

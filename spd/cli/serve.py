@@ -168,6 +168,7 @@ def serve(args) -> int:
     decoding = DecodingSpec.of(args)
     args.mode = decoding.mode  # the default follows --speculator and --draft-model
     decoding.check()
+    decoding.check_sources()  # before torch is imported: a path that does not exist is refused at once
     api_key = _check_server_flags(args)
     try:
         import uvicorn
