@@ -161,7 +161,7 @@ def test_a_server_that_is_not_there_or_refuses_is_one_error(tiny_testbed, ar_ser
         assert len(errors(proc)) == 1 and expected in errors(proc)[0], (case, proc.stderr)
     assert nowhere in errors(procs[0])[0] and "Connection refused" in errors(procs[0])[0]
     assert f"the server {ar_server.url} refused POST /v1/chat/completions" in errors(procs[2])[0]
-    assert "the model 'nope' does not exist" in errors(procs[2])[0]
+    assert 'the model "nope" does not exist' in errors(procs[2])[0]
 
 
 def test_server_flags_bad_input_is_a_usage_error(tmp_path):
