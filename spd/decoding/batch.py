@@ -43,6 +43,11 @@ bits). With several requests the matrix products have other shapes, so fp32 resu
 the last bits: greedy output equals the request's solo output except where the solo run's top-two logits are that
 close (``tests/test_batch.py`` reports every such case).
 
+Each request keeps the proposer it was given when submitted (a copy of the engine's), so a head swapped into the
+engine (:meth:`~spd.decoding.engine.Engine.use_proposer`, a server's new head version) proposes for the requests
+submitted after it, while those before finish on theirs: the batch runs both heads for a while, each asked in its own
+joint call (their ``batch_key`` differs) with its own memory pool, which goes once its last request has left.
+
 The stages run in this process (:class:`LocalBatch`: the pool and :func:`~spd.target.ragged.run_ragged`) or, when the
 engine's stages are the distributed runtime's, on the stage ranks (:class:`spd.runtime.batch.RemoteBatch`: the same
 ragged calls, carried stage to stage); this driver is the same for both.
@@ -153,6 +158,7 @@ class BatchRequest:
         self.work: Prefill | Advance | None = None
         self.region: Region | None = None
         self.proposer = None  # its own copy of the engine's proposer (None: the standard pipeline)
+        self.source = None  # the engine's proposer it was copied from (the head it started with, to its end)
         self.width = None  # its own width policy (a copy of the engine's; SharedWidth under a node budget)
         self.output: GenerationOutput | None = None
         self.error: BaseException | None = None
@@ -228,9 +234,10 @@ class BatchedPipeline:
             else engine.stages.batch_backend(rows)
         )
         self.pool = self.backend.pool
-        # The proposers' pool: a draft model's KV (each request's region at the same rows as in self.pool), or an SPD
-        # head's memory (a slot per request).
-        self.proposer_pool = None
+        # The proposers' pools: a draft model's KV (each request's region at the same rows as in self.pool), or an SPD
+        # head's memory (a slot per request). One per engine proposer the requests in flight were copied from: a head
+        # swapped in (Engine.use_proposer) serves new requests while the ones in flight finish on theirs.
+        self.proposer_pools: dict[int, tuple[object, object]] = {}  # id(source) -> (source, pool)
         self.queue: deque[BatchRequest] = deque()
         self.active: list[BatchRequest] = []
         self.steps = 0  # pipeline steps run
@@ -272,6 +279,7 @@ class BatchedPipeline:
 
         # Each request has its own proposer state and width policy (the head's weights are shared).
         request.proposer = copy.copy(proposer) if proposer is not None else None
+        request.source = proposer
         request.width = copy.deepcopy(self.loop.policy)
         if self.tree_nodes is not None:
             request.width = SharedWidth(request.width)
@@ -296,6 +304,12 @@ class BatchedPipeline:
             )
         self.queue.append(request)
         return request
+
+    @property
+    def proposer_pool(self):
+        """The pool of the requests proposed by the engine's current proposer (None before the first is admitted)."""
+        entry = self.proposer_pools.get(id(self.engine.proposer))
+        return entry[1] if entry is not None else None
 
     @property
     def busy(self) -> bool:
@@ -398,9 +412,11 @@ class BatchedPipeline:
                 if request.proposer is not None and request.proposer.pooled:
                     # Its proposer's cache in a pool of the batch's (given back at the end): a draft model's KV at
                     # the same rows, a head's a slot.
-                    if self.proposer_pool is None:
-                        self.proposer_pool = request.proposer.new_pool(self.pool.rows, self.max_batch)
-                    request.proposer.use_pool(self.proposer_pool, region)
+                    entry = self.proposer_pools.get(id(request.source))
+                    if entry is None:
+                        entry = (request.source, request.proposer.new_pool(self.pool.rows, self.max_batch))
+                        self.proposer_pools[id(request.source)] = entry
+                    request.proposer.use_pool(entry[1], region)
             except Exception as exc:  # this request's own failure: its region goes back, the others go on
                 self._fail([request], exc)
                 continue
@@ -562,3 +578,6 @@ class BatchedPipeline:
                 request.steps.close()
                 self._end(request, "cancelled")
         self.active = [r for r in self.active if not r.finished]
+        if len(self.proposer_pools) > 1:  # a swapped-out head's pool goes once its last request has left
+            used = {id(self.engine.proposer)} | {id(r.source) for r in itertools.chain(self.active, self.queue)}
+            self.proposer_pools = {key: entry for key, entry in self.proposer_pools.items() if key in used}

@@ -236,6 +236,25 @@ class Engine(Generates):
         elif mode not in CHAIN_MODES:
             raise SpdInputError(f"unknown mode '{mode}'; expected one of: {', '.join(CHAIN_MODES)}")
 
+    def proposer_for(self, head) -> Proposer:
+        """The proposer this engine would build for ``head`` (a loaded head to swap in with :meth:`use_proposer`),
+        refused with one sentence where the head cannot run here; nothing of the engine changes."""
+        if self.proposer is None or isinstance(self.proposer, DraftModelProposer):
+            raise SpdInputError("this engine runs no head (--mode pp, or a draft model); a head cannot be swapped in")
+        if self.mode != "tree":
+            return chain_proposer(self.staged, head, self.tokenizer)
+        proposer = tree_proposer_of(self.staged, head, self.tokenizer, None, self.proposer.children)
+        if proposer.chain_only and self.policy.max_width > 1:
+            raise SpdInputError(
+                f"this head's schedule ('{proposer.schedule}') has no tree semantics; a tree server takes SPD heads"
+            )
+        return proposer
+
+    def use_proposer(self, proposer: Proposer) -> None:
+        """Requests started from now on are proposed by ``proposer`` (:meth:`proposer_for`); the ones running keep
+        theirs (a request takes the engine's proposer when it starts)."""
+        self.proposer = proposer
+
     def decode(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams, eos_token_id, on_token, mode: str):
         return self.run(prompt_ids, max_new_tokens, sampling, eos_token_id, on_token, use_head=mode != "pp")
 

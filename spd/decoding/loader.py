@@ -70,9 +70,10 @@ def resolve_cut(spec: DecodingSpec) -> PipelineCut:
     return PipelineCut(len(boundaries) - 1, boundaries, head)
 
 
-def check_fit(head: HeadSource, boundaries: list[int], spec: DecodingSpec) -> None:
+def check_fit(head: HeadSource, boundaries: list[int], spec: DecodingSpec, asked: str | None = None) -> None:
     """Refuse a head made for another pipeline before anything loads, naming the head's cut and the one asked for
-    (a head the authors cut equally first for a target whose layers its n does not divide)."""
+    (``asked``: who chose it; default: the flag that did), a head the authors cut equally first for a target whose
+    layers its n does not divide."""
     num_layers = boundaries[-1]
     if head.authors:  # their heads cut equally, into the n they were trained for
         problem = equal_cut_problem(head.n_stages, num_layers)
@@ -83,7 +84,7 @@ def check_fit(head: HeadSource, boundaries: list[int], spec: DecodingSpec) -> No
         problem = depth_problem(head.boundaries[-1], num_layers) if head.boundaries[-1] != num_layers else None
         head_boundaries = head.boundaries
     if problem is None and head_boundaries != boundaries:
-        asked = (
+        asked = asked or (
             f"{cut_flag(boundaries)} asks for" if spec.boundaries is not None else f"--stages {spec.stages} asks for"
         )
         problem = cut_problem(head_boundaries, boundaries, asked)
@@ -118,3 +119,12 @@ def load_parts(
     if spec.draft_model is not None:
         draft = load_draft_model(spec.draft_model, spec.draft_revision, dtype, spec.device)
     return PipelineParts(spec, cut, staged, tokenizer, head, draft)
+
+
+def load_head(source: str, spec: DecodingSpec, staged: StagedModel) -> torch.nn.Module:
+    """A head named once the pipeline runs (a server's new head version): read once, refused as :func:`resolve_cut`
+    refuses the starting head if made for another target or cut than ``staged``'s, and loaded onto it in ``spec``'s
+    dtype and device."""
+    head = read_head(source)
+    check_fit(head, list(staged.boundaries), spec, asked="the server's pipeline has")
+    return load_speculator(head, dtype=getattr(torch, spec.dtype), device=spec.device, target=staged)

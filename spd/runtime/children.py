@@ -1,4 +1,4 @@
-"""Child processes that end with their parent: the server's stage processes and spd-generate's torchrun.
+"""Child processes that end with their parent: the server's stage processes and spd-adapt, spd-generate's torchrun.
 
 A child started with :func:`start_child` runs in its own session (process group), so that a Ctrl-C in the
 terminal reaches the parent alone and the parent decides how its children stop, and on Linux it asks the
@@ -26,16 +26,22 @@ else:
     _prctl = None
 
 
-def start_child(cmd: list[str], **kwargs) -> subprocess.Popen:
-    """``subprocess.Popen(cmd, **kwargs)`` in a new session, with SIGTERM on its parent's death (Linux)."""
+def start_child(cmd: list[str], nice: int = 0, **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(cmd, **kwargs)`` in a new session, with SIGTERM on its parent's death (Linux), ``nice``
+    added to its niceness (a background job that must not slow its parent)."""
     parent = os.getpid()
 
     def die_with_parent() -> None:
-        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before the request took effect
-            os._exit(1)
+        if _prctl is not None:
+            _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent:  # the parent died before the request took effect
+                os._exit(1)
+        if nice:
+            os.nice(nice)
 
-    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent if _prctl else None, **kwargs)
+    return subprocess.Popen(
+        cmd, start_new_session=True, preexec_fn=die_with_parent if _prctl or nice else None, **kwargs
+    )
 
 
 def end_child(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
