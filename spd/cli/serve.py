@@ -15,7 +15,9 @@ in arrival order, at most --max-queue wait (then 503 with Retry-After). Limits (
 for at most this), --api-key (or SPD_API_KEY) for /v1/*, --enable-docs for /docs. A wrong flag, or a
 --host:--port it cannot listen on, prints one error: line and exits with 2 before the model loads. The
 log (stderr, --log-level): one line once it listens (the mode and the cut), one line per request, a
-warning for every 503, one line at shutdown.
+warning for every 503, one line at shutdown. Learning from traffic (docs/serving.md): with --record DIR and
+a head the server watches DIR/heads (or --head-versions DIR) and swaps each new version in between steps; --adapt
+also runs spd-adapt on DIR as its niced child, which writes those versions.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import errno
 import logging
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -132,6 +135,48 @@ def build_parser() -> argparse.ArgumentParser:
         help="--record: the most MiB the records may take; the oldest shards go first (default: %(default)s)",
     )
     p.add_argument(
+        "--adapt",
+        action="store_true",
+        help="--record DIR with --mode spd or tree and --speculator HEAD: run spd-adapt on DIR as a niced child "
+        "process that fine-tunes the head on what the server answers and publishes better versions in DIR/heads, "
+        "which the server swaps in (default: off)",
+    )
+    p.add_argument(
+        "--adapt-every",
+        type=positive_int,
+        default=None,
+        metavar="TOKENS",
+        help="--adapt: new answer tokens that start a round (spd-adapt's --every; default: spd-adapt's, 20000)",
+    )
+    p.add_argument(
+        "--adapt-replay",
+        nargs="+",
+        default=[],
+        metavar="DATA",
+        help="--adapt: the head's original data, mixed in so that it does not forget (spd-adapt's --replay; "
+        "default: none)",
+    )
+    p.add_argument(
+        "--adapt-threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="--adapt: spd-adapt's threads, its trainer's included (default: 1)",
+    )
+    p.add_argument(
+        "--adapt-args",
+        default=None,
+        metavar="ARGS",
+        help="--adapt: more of spd-adapt's flags as one string, e.g. '--margin 0.02 --steps 100' (default: none)",
+    )
+    p.add_argument(
+        "--head-versions",
+        metavar="DIR",
+        default=None,
+        help="watch DIR for new versions of the head (vN directories, as spd-adapt writes them) and swap each in; "
+        "for heads trained elsewhere (default: DIR/heads of --record, with --mode spd or tree and --speculator)",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=("critical", "error", "warning", "info", "debug"),
@@ -201,6 +246,7 @@ def _serve(
     """Load the pipeline, start the scheduler and serve on ``sockets`` until stopped (``recorder``: where finished
     requests are recorded, or None)."""
     from spd.serving.app import Limits
+    from spd.serving.heads import HeadVersions
     from spd.serving.metrics import ServerMetrics
     from spd.serving.pipeline import PipelineSpec, open_pipeline
     from spd.serving.scheduler import Scheduler
@@ -215,9 +261,14 @@ def _serve(
     # while it runs and raises it again once it has stopped.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     pipeline = open_pipeline(spec)
+    heads = adapt = None
     try:
         max_model_len = _max_model_len(args, pipeline)
         metrics = ServerMetrics(name, args.mode, pipeline.n_stages, args.runtime)
+        versions = _versions_dir(args)
+        if versions is not None:  # the newest version that loads serves from the start
+            heads = HeadVersions(versions, pipeline, metrics, label=decoding.speculator)
+            heads.start_on_newest()
         idle_s = args.idle_ping_s or min(5.0, args.timeout_s / 4)
         scheduler = Scheduler(
             pipeline,
@@ -229,6 +280,7 @@ def _serve(
             batch_options=prefill_options(args),
             recorder=recorder,
             head=decoding.speculator or decoding.draft_model,
+            heads=heads,
         )
         if recorder is not None:
             metrics.watch_records(recorder.counts)
@@ -238,6 +290,10 @@ def _serve(
     scheduler.start()
     server = None
     try:
+        if heads is not None:
+            heads.start()
+        if args.adapt:
+            adapt = _start_adapt(args, versions)
         limits = Limits(
             max_body_bytes=args.max_body_bytes,
             max_model_len=max_model_len,
@@ -255,13 +311,17 @@ def _serve(
             limit_concurrency=_connections(args),
         )
         server = uvicorn.Server(config)
-        _announce(server, args, name, pipeline, max_model_len, scheduler.batch)
+        _announce(server, args, name, pipeline, max_model_len, scheduler.batch, heads)
         started = time.monotonic()
         server.run(sockets=sockets)
     finally:
         if server is not None and server.started:
             _log_shutdown(metrics, time.monotonic() - started, scheduler.queue.qsize())
+        if heads is not None:
+            heads.stop()
         scheduler.stop()
+        if adapt is not None:
+            adapt.close()
     return 0
 
 
@@ -284,6 +344,7 @@ def _check_server_flags(args) -> str | None:
     if args.kv_rows is not None and args.max_batch == 1:
         raise SpdInputError("--kv-rows sizes the KV pool of a batched server; it needs --max-batch above 1")
     check_prefill_flags(args, "server")
+    _check_adapt_flags(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPD_API_KEY") or None
     if api_key is not None and not api_key.strip():
         raise SpdInputError(
@@ -291,6 +352,88 @@ def _check_server_flags(args) -> str | None:
             "'Authorization: Bearer KEY'"
         )
     return api_key
+
+
+ADAPT_OWN_FLAGS = ("--records", "--head", "--versions", "--every", "--replay", "--threads", "--once")
+
+
+def _check_adapt_flags(args) -> None:
+    """--adapt and --head-versions: what they need, checked before anything loads."""
+    if not args.adapt:
+        for flag, value in (
+            ("--adapt-every", args.adapt_every),
+            ("--adapt-replay", args.adapt_replay),
+            ("--adapt-threads", args.adapt_threads),
+            ("--adapt-args", args.adapt_args),
+        ):
+            if value:
+                raise SpdInputError(f"{flag} sets up the server's spd-adapt; it needs --adapt")
+    if args.adapt and args.record is None:
+        raise SpdInputError("--adapt learns from the server's traffic records; it needs --record DIR")
+    if (args.adapt or args.head_versions is not None) and (args.mode not in ("spd", "tree") or not args.speculator):
+        flag = "--adapt" if args.adapt else "--head-versions"
+        has = f"--mode {args.mode}" + ("" if args.speculator else " without --speculator")
+        raise SpdInputError(
+            f"{flag} swaps new versions of the server's head in; it needs --mode spd or tree with --speculator HEAD, "
+            f"got {has}"
+        )
+    if args.adapt:
+        from spd.heads.published.authors_file import is_authors_file
+
+        if is_authors_file(args.speculator):
+            raise SpdInputError(
+                f"--adapt fine-tunes heads trained here, and --speculator '{args.speculator}' is an SPD authors' head "
+                "file; convert it first (spd-convert) or leave --adapt out"
+            )
+    if args.head_versions is not None and Path(args.head_versions).expanduser().is_file():
+        raise SpdInputError(f"--head-versions '{args.head_versions}' is a file; expected a directory of head versions")
+    try:
+        extra = shlex.split(args.adapt_args or "")
+    except ValueError as exc:
+        raise SpdInputError(f"--adapt-args cannot be split into flags ({exc}); expected e.g. '--margin 0.02'") from None
+    own = [item for item in extra if item.split("=")[0] in ADAPT_OWN_FLAGS]
+    if own:
+        raise SpdInputError(
+            f"--adapt-args sets {own[0].split('=')[0]}, which the server sets itself; use its --adapt-* flag or "
+            "leave it out"
+        )
+
+
+def _versions_dir(args) -> Path | None:
+    """The directory of head versions the server watches: --head-versions, else DIR/heads of --record when it
+    serves a head that can be swapped (--mode spd or tree with --speculator); None: it does not watch."""
+    if args.head_versions is not None:
+        return Path(args.head_versions).expanduser()
+    if args.record is not None and args.mode in ("spd", "tree") and args.speculator:
+        return Path(args.record).expanduser() / "heads"
+    return None
+
+
+def _start_adapt(args, versions: Path):
+    """spd-adapt on --record's directory as the server's child (spd.serving.heads.AdaptProcess)."""
+    from spd.serving.heads import ADAPT_NICE, AdaptProcess
+
+    threads = str(args.adapt_threads or 1)
+    cmd = [sys.executable, "-m", "spd.cli.adapt", "--records", args.record, "--head", args.speculator]
+    cmd += ["--versions", str(versions), "--threads", threads]
+    if args.adapt_every is not None:
+        cmd += ["--every", str(args.adapt_every)]
+    if args.adapt_replay:
+        cmd += ["--replay", *args.adapt_replay]
+    cmd += shlex.split(args.adapt_args or "")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=threads,
+        MKL_NUM_THREADS=threads,
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    child = AdaptProcess(cmd, env)
+    logging.getLogger("spd.serve").info(
+        f"spd-adapt (pid {child.proc.pid}) learns from '{args.record}' at niceness +{ADAPT_NICE} with {threads} "
+        f"thread(s), its versions in '{versions}'; its lines are marked [spd-adapt]"
+    )
+    return child
 
 
 def _connections(args) -> int:
@@ -430,7 +573,7 @@ def _exit_cleanly(*_) -> None:
     raise SystemExit(0)
 
 
-def _announce(server, args, name: str, pipeline, max_model_len: int, batch=None) -> None:
+def _announce(server, args, name: str, pipeline, max_model_len: int, batch=None, heads=None) -> None:
     """One line on stderr once the socket listens (with --port 0, the port it got)."""
     import threading
     import time
@@ -454,9 +597,14 @@ def _announce(server, args, name: str, pipeline, max_model_len: int, batch=None)
                     + (f", trees of at most {batch.tree_nodes} nodes a level" if batch.tree_nodes else "")
                     + ")"
                 )
+            head = (
+                f"head v{heads.current.number} '{heads.current.label}' (new versions from '{heads.directory}'), "
+                if heads is not None
+                else ""
+            )
             print(
                 f"[spd-serve] {name}: mode {args.mode}, {describe_cut(pipeline.staged.boundaries)}, "
-                f"runtime {args.runtime}, "
+                f"runtime {args.runtime}, {head}"
                 f"max model len {max_model_len}{kv}; listening on http://{args.host}:{port}",
                 file=sys.stderr,
                 flush=True,

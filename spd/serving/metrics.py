@@ -110,6 +110,27 @@ class ServerMetrics:
         )
         accept_length.set_function(self.mean_accept_length)
         self._steps = self._decode = 0
+        self._by_version: dict[int, list[int]] = {}  # head version -> [steps, decode tokens] of its requests
+
+    def watch_heads(self, version) -> None:
+        """The head versions' rows (a server that watches for new heads): ``version()`` is the one serving new
+        requests."""
+        r = self.registry
+        Gauge(
+            "spd_head_version",
+            "The head version serving new requests (0: the head the server started with)",
+            registry=r,
+        ).set_function(version)
+        self.head_swaps = Counter("spd_head_swaps", "New head versions swapped in", registry=r)
+        self.head_refused = Counter(
+            "spd_head_refused", "Head versions refused (another target or cut, or they did not load)", registry=r
+        )
+        self.accept_by_version = Gauge(
+            "spd_mean_accept_length_by_version",
+            "L'_acc over the requests each head version served",
+            ["version"],
+            registry=r,
+        )
 
     def watch_records(self, counts) -> None:
         """Show the traffic recorder's counts (``spd.traffic.records.RecorderCounts``) on the page."""
@@ -138,8 +159,9 @@ class ServerMetrics:
     def mean_accept_length(self) -> float:
         return self.stages * self._decode / self._steps if self._steps else 0.0
 
-    def record_generation(self, stats: dict) -> None:
-        """Add one request's engine statistics (``GenerationStats.as_dict()``)."""
+    def record_generation(self, stats: dict, version: int | None = None) -> None:
+        """Add one request's engine statistics (``GenerationStats.as_dict()``), served by head ``version`` (when the
+        server watches for versions)."""
         self.prompt_tokens.inc(stats["prompt_tokens"])
         self.generation_tokens.inc(stats["new_tokens"])
         if "steps" not in stats:
@@ -150,6 +172,12 @@ class ServerMetrics:
         self.decode_tokens.inc(stats["decode_tokens"])
         self.accepted.inc(stats["accepted"])
         self.flushes.inc(stats["flushes"])
+        if version is not None:
+            totals = self._by_version.setdefault(version, [0, 0])
+            totals[0] += stats["steps"]
+            totals[1] += stats["decode_tokens"]
+            if totals[0]:
+                self.accept_by_version.labels(version=str(version)).set(self.stages * totals[1] / totals[0])
         for i, (verified, accepted) in enumerate(zip(stats["verified_by_position"], stats["accepted_by_position"])):
             self.verified_by_position.labels(position=str(i + 1)).inc(verified)
             self.accepted_by_position.labels(position=str(i + 1)).inc(accepted)

@@ -13,6 +13,10 @@ Stop strings are applied here, on the text: generation ends at the token that co
 text is cut before it, and while a suffix of the text could still be the start of a stop string it is held
 back from the stream, so a streamed response never shows text the whole response would not have.
 
+A server that watches for new head versions (:mod:`.heads`) swaps one in on the engine thread between steps: before
+a request starts on the single-request path; before a job joins the batch, whose requests in flight keep the head
+they started with while new ones get the new one.
+
 If the engine thread ever dies (an error outside a request, or a lost distributed pipeline), the server
 cannot serve any more: :meth:`Scheduler.failure` says why, in words that say to restart it, the waiting
 requests get a 503 with that sentence, new ones are refused with it, and it is logged once (the ``spd.serve``
@@ -185,10 +189,12 @@ class Scheduler:
         batch_options: dict | None = None,
         recorder=None,
         head: str | None = None,
+        heads=None,
     ):
         self.pipeline, self.metrics = pipeline, metrics
         self.recorder = recorder  # spd.traffic.records.TrafficRecorder: every answered request, or None
         self.head = head  # the head (or draft model) the requests are served with, as the records name it
+        self.heads = heads  # spd.serving.heads.HeadVersions: new head versions swapped in, or None
         # --max-batch B > 1: many requests in flight at once (spd.decoding.batch); the pipeline checks it can.
         self.batch = pipeline.batched(max_batch, kv_rows, **(batch_options or {})) if max_batch > 1 else None
         self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
@@ -272,6 +278,7 @@ class Scheduler:
                     continue
                 if job is None:
                     break
+                self._swap_head()
                 self._run(job)
                 job = None
         except BaseException as exc:  # noqa: BLE001 - whatever ends this thread must be seen, not hang requests
@@ -291,6 +298,7 @@ class Scheduler:
         batch, metrics = self.batch, self.metrics
         while True:
             stopping = False
+            self._swap_head()
             # Take waiting jobs while the batch has room (the others stay in the bounded queue); wait for one only
             # when nothing is in flight.
             while not batch.busy or len(batch.active) + len(batch.queue) < batch.max_batch:
@@ -304,6 +312,7 @@ class Scheduler:
                 if job is None:
                     stopping = True
                     break
+                self._swap_head()
                 self._join(job, in_flight)
             for request, job in in_flight.items():
                 if job.cancelled.is_set():
@@ -333,11 +342,12 @@ class Scheduler:
         if begun is None:
             return
         tracker, on_token, started = begun
+        head = self._serving()  # the batch copies the engine's proposer now: its head to the end
 
         def done(request) -> None:
             in_flight.pop(request, None)
             if request.state == "done":
-                self._answer(job, tracker, request.output, started)
+                self._answer(job, tracker, request.output, started, head)
             elif request.state == "failed":
                 self._fail(job, request.error)
             else:  # cancelled before its first token
@@ -353,7 +363,17 @@ class Scheduler:
             return
         in_flight[request] = job
 
+    def _swap_head(self) -> None:
+        """Between steps: a new head version loaded since the last look serves new requests from now on."""
+        if self.heads is not None:
+            self.heads.swap(self.batch)
+
+    def _serving(self):
+        """The head new requests get: a :class:`spd.serving.heads.Head`, or None when the server does not watch."""
+        return self.heads.current if self.heads is not None else None
+
     def _idle(self) -> None:
+        self._swap_head()
         try:
             self.pipeline.idle()
         except Exception:  # noqa: BLE001 - a lost stage shows in lost(); the next request gets a 503
@@ -365,6 +385,7 @@ class Scheduler:
         if begun is None:
             return
         tracker, on_token, started = begun
+        head = self._serving()
         self.metrics.running.set(1)
         self.metrics.kv_tokens.set(len(job.prompt_ids) + job.max_new_tokens)
         try:
@@ -375,7 +396,7 @@ class Scheduler:
         finally:
             self.metrics.running.set(0)
             self.metrics.kv_tokens.set(0)
-        self._answer(job, tracker, out, started)
+        self._answer(job, tracker, out, started, head)
 
     # ------------------------------------------------------------------------ one job's life (shared)
     def _begin(self, job: Job):
@@ -418,13 +439,14 @@ class Scheduler:
         self.metrics.requests.labels(job.endpoint, "rejected" if failure else "failed").inc()
         job.emit("error", 503 if failure else 500, failure or f"generation failed: {first_line(exc)}")
 
-    def _answer(self, job: Job, tracker: TextTracker, out, started: float) -> None:
-        """The job's generation ended: its last events and metrics."""
+    def _answer(self, job: Job, tracker: TextTracker, out, started: float, head=None) -> None:
+        """The job's generation ended: its last events and metrics (``head``: the version that served it, if the
+        server watches for versions)."""
         metrics = self.metrics
         elapsed = time.perf_counter() - started
         self.service_s = 0.8 * self.service_s + 0.2 * elapsed
         stats = out.stats.as_dict()
-        metrics.record_generation(stats)
+        metrics.record_generation(stats, head.number if head is not None else None)
         if job.tokens_out > 1:  # its own mean time between tokens, from its first token to its last
             metrics.request_between_tokens.observe((job.last_token_at - job.first_token_at) / (job.tokens_out - 1))
         if job.cancelled.is_set() and not tracker.stopped and out.stats.stop_reason == "stopped":
@@ -442,7 +464,7 @@ class Scheduler:
                 out.token_ids,
                 endpoint=job.endpoint,
                 sampling=dataclasses.asdict(job.sampling),
-                head=self.head,
+                head=head.label if head is not None else self.head,
                 stats=stats,
                 finish=finish,
             )
