@@ -300,16 +300,15 @@ def test_one_access_line_per_request(server):
     wait_for_line(server, r"200 OK, \d+ tokens, \d+\.\d{3} s; the client went away; its generation was cancelled$")
 
 
-def test_a_port_in_use_is_one_error_before_the_model_loads(tmp_path):
-    """The port is bound before anything loads: with a target that does not even exist, the port is what is
-    reported (one line, exit 2)."""
+def test_a_port_in_use_is_one_error_before_the_model_loads(tiny_testbed):
+    """The port is bound before the model loads: the port is what is reported (one line, exit 2)."""
     from spd.cli.serve import main as serve_main
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = run_main(serve_main, "--target", str(tmp_path / "missing"), "--mode", "pp", "--port", str(port))
+        proc = run_main(serve_main, "--target", str(tiny_testbed / "target"), "--mode", "pp", "--port", str(port))
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"error: cannot listen on 127.0.0.1:{port}: the address is already in use"), lines
