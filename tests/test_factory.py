@@ -57,6 +57,16 @@ def test_bad_modes_are_one_clear_error(staged):
         build_engine(DecodingSpec("sd", draft_model="x"), staged, None, None, stages=object())
 
 
+def test_head_is_the_speculator_flag_by_its_other_name():
+    from spd.cli.generate import build_parser
+    from spd.cli.serve import build_parser as serve_parser
+
+    for parser in (build_parser(), serve_parser()):
+        head = DecodingSpec.of(parser.parse_args(["--target", "t", "--head", "h"]))
+        assert head.speculator == "h" and head.mode == "spd"
+        assert head == DecodingSpec.of(parser.parse_args(["--target", "t", "--speculator", "h"]))
+
+
 def test_the_flags_and_the_runtime_command_line_come_from_the_spec():
     """spd-generate and spd-serve take every field of DecodingSpec as a flag; the command line the distributed
     runtime gets (DecodingSpec.argv) parses back to the same settings; --mode defaults by the proposer given."""

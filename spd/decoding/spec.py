@@ -67,10 +67,10 @@ def boundaries_flag(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--boundaries ")) from None
 
 
-def flag(default, help: str, parse=None, choices=None, factory=None, required=False):
+def flag(default, help: str, parse=None, choices=None, factory=None, required=False, aliases: tuple[str, ...] = ()):
     """A field that is also a flag: its default, help text, parser and choices (``required``: a flag that must be
-    given; the field's default None is refused where a model is loaded)."""
-    metadata = {"help": help, "parse": parse, "choices": choices, "required": required}
+    given; the field's default None is refused where a model is loaded; ``aliases``: other names of the flag)."""
+    metadata = {"help": help, "parse": parse, "choices": choices, "required": required, "aliases": aliases}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -90,7 +90,8 @@ def add_field_flags(settings: type, parser: argparse.ArgumentParser, exclude: tu
             kwargs["type"] = f.metadata["parse"]
         if f.metadata["choices"] is not None:
             kwargs["choices"] = f.metadata["choices"]
-        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+        names = ("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ()))
+        parser.add_argument(*names, dest=f.name, **kwargs)
 
 
 def fields_argv(settings, names) -> list[str]:
@@ -136,7 +137,9 @@ class DecodingSpec:
     speculator: str | None = flag(
         None,
         "speculation head for --mode spd or tree (a head trained for the pipeline), "
-        "or --mode sd (a head trained with variant=eagle): a directory or hub id (default: none)",
+        "or --mode sd (a head trained with variant=eagle): a directory or hub id; --head is the same flag "
+        "(default: none)",
+        aliases=("--head",),
     )
     speculator_revision: str | None = flag(None, "hub revision of --speculator (default: the default branch)")
     draft_model: str | None = flag(
