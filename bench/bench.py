@@ -59,7 +59,6 @@ from spd.files import write_json_compact
 from spd.journal import Journal
 from spd.paths import default_testbed_dir
 
-
 # The fields a run sets; the rest (target, device, dtype, tree_max_width, ...) are the benchmark's own flags.
 RUN_FIELDS = (
     "mode",

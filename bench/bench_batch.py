@@ -80,11 +80,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # bench/bench.py's prompt loading (the scripts are not installed)
 
-from spd.decoding.model_clock import step_ms  # noqa: E402
-from spd.errors import SpdInputError, run_cli  # noqa: E402
-from spd.decoding.tree_width import parse_tree_width  # noqa: E402
-from spd.paths import default_testbed_dir  # noqa: E402
 from bench.report import write_result  # noqa: E402
+from spd.decoding.model_clock import step_ms  # noqa: E402
+from spd.decoding.tree_width import parse_tree_width  # noqa: E402
+from spd.errors import SpdInputError, run_cli  # noqa: E402
+from spd.paths import default_testbed_dir  # noqa: E402
 
 SYSTEMS = ("spd batched", "pp batched", "spd 1-at-a-time")
 TREE_SYSTEMS = ("tree batched", "pp batched", "tree 1-at-a-time")  # --draft-model or --tree-width
@@ -621,10 +621,10 @@ def _bench(args) -> int:
     import torch
     import transformers
 
+    from bench.bench import load_prompts
     from spd.decoding.factory import build_engine, load_pipeline
     from spd.decoding.spec import DecodingSpec
     from spd.target.staging import load_tokenizer
-    from bench.bench import load_prompts
 
     transformers.utils.logging.set_verbosity_error()
     if args.threads:

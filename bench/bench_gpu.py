@@ -39,13 +39,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.report import write_result  # noqa: E402
 from spd.decoding.engine import Engine  # noqa: E402
 from spd.decoding.generation import generate_ar  # noqa: E402
 from spd.decoding.sampling import SamplingParams  # noqa: E402
 from spd.target import sdpa  # noqa: E402
 from spd.target.staging import StagedModel, balanced_boundaries  # noqa: E402
 from spd.training.distill import DistillConfig, new_head  # noqa: E402
-from bench.report import write_result  # noqa: E402
 
 SIZES = {
     # Qwen3-4B's shape (its config.json), random weights.

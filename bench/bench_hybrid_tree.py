@@ -31,8 +31,8 @@ import torch
 
 from spd.decoding.engine import Engine
 from spd.decoding.generation import generate_ar
-from spd.decoding.sampling import SamplingParams
 from spd.decoding.proposers import SpdHeadProposer
+from spd.decoding.sampling import SamplingParams
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, distill_step, new_head, teacher_anchors
 from spd.training.kd import sample_fills

@@ -26,9 +26,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from spd.testing.netns import Lan, rate_bits, torchrun_command, unavailable  # noqa: E402
-from spd.paths import default_testbed_dir  # noqa: E402
 from bench.report import markdown_table, write_result  # noqa: E402
+from spd.paths import default_testbed_dir  # noqa: E402
+from spd.testing.netns import Lan, rate_bits, torchrun_command, unavailable  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -45,10 +45,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.report import write_result  # noqa: E402
 from spd.errors import SpdInputError, run_cli  # noqa: E402
 from spd.paths import default_testbed_dir  # noqa: E402
-from bench.report import write_result  # noqa: E402
-
 
 CHECKPOINT_EVERY = 40  # optimizer steps: a head whose training is killed resumes from its last checkpoint
 

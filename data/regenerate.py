@@ -53,8 +53,8 @@ def _prompt_of(row) -> str | None:
 
 def read_prompts(spec: str) -> list[dict]:
     """``{"id", "prompt"}`` rows from a jsonl file or ``stdlib[:N]``."""
-    from spd.errors import SpdInputError
     from spd.data.instructions import stdlib_instructions
+    from spd.errors import SpdInputError
 
     if spec == "stdlib" or spec.startswith("stdlib:"):
         count = spec.partition(":")[2]

@@ -204,8 +204,8 @@ def tiny_heads(tiny_testbed, tmp_path_factory) -> dict[int, Path]:
     """Untrained heads for the miniature testbed at n = 2 and 4, saved as from_pretrained directories."""
     import torch
 
-    from spd.training.distill import DistillConfig, new_head
     from spd.target.staging import StagedModel
+    from spd.training.distill import DistillConfig, new_head
 
     root = tmp_path_factory.mktemp("heads")
     heads = {}

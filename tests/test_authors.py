@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from conftest import REPO, run_main
+from helpers.authors import EXPECTED, FIXTURES, head_file, staged_target
 from spd.decoding.engine import Engine
+from spd.decoding.sampling import SamplingParams
 from spd.errors import SpdInputError
+from spd.heads.loading import load_speculator
 from spd.heads.published.authors_file import load_authors_file, parse_hub_reference
 from spd.heads.published.authors_head import AuthorsHead, load_authors_head
-from spd.decoding.sampling import SamplingParams
-from spd.heads.loading import load_speculator
 from spd.target.staging import StagedModel
-from helpers.authors import EXPECTED, FIXTURES, head_file, staged_target
 
 HEADS = sorted(EXPECTED["heads"])
 
@@ -71,8 +71,8 @@ def test_greedy_generate_reproduces_the_authors_code(name):
 def test_their_head_as_a_tree_source_of_width_1_is_their_chain(name):
     """Our tree engine with their head at W = 1 reproduces their greedy generate (tokens, flags, steps); at W = 4
     the output still equals the target's greedy output."""
-    from spd.decoding.proposers import HeadProposer
     from spd.decoding.engine import Engine
+    from spd.decoding.proposers import HeadProposer
 
     info = EXPECTED["heads"][name]
     staged = staged_target(info["target"], info["num_stages"])
@@ -449,11 +449,11 @@ def test_sampling_with_an_authors_draft_vocabulary_head_follows_the_target(tmp_p
     """A head predicting over a subset of the vocabulary (q is zero elsewhere): chi-square, 1000 seeds, in the chain
     and as the source of a sampled tree."""
     from conftest import tiny_model
-    from spd.decoding.proposers import HeadProposer
-    from spd.decoding.engine import Engine
-    from spd.training.distill import DistillConfig, new_head
-    from spd.heads.published.convert import head_to_authors_file
     from helpers.stats import chi_square_p_value, sample_outcomes, sequence_probs
+    from spd.decoding.engine import Engine
+    from spd.decoding.proposers import HeadProposer
+    from spd.heads.published.convert import head_to_authors_file
+    from spd.training.distill import DistillConfig, new_head
 
     vocab, params = 6, SamplingParams(temperature=0.9, top_p=0.95)
     staged = StagedModel(

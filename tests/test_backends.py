@@ -22,10 +22,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from spd.heads.loading import load_speculator
-
 from conftest import REPO
 from helpers.distill import distill_args
+from spd.heads.loading import load_speculator
 
 STEPS = 8
 # The files each back-end writes into a checkpoint for each of its two processes (besides accelerate's RNG states,

@@ -11,21 +11,21 @@ import pytest
 import torch
 
 from conftest import differences_are_near_ties, tiny_model
+from helpers.proposers import ScriptedProposer, noisy_copy
+from helpers.stats import chi_square_p_value, sequence_probs
 from spd.decoding.batch import BatchedPipeline
 from spd.decoding.engine import Engine
 from spd.decoding.generation import generate_ar
 from spd.decoding.loop import answer_many
-from spd.decoding.sampling import SamplingParams
 from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
+from spd.decoding.sampling import SamplingParams
 from spd.errors import SpdInputError
+from spd.target import ragged
 from spd.target.kv_pool import KVPool
 from spd.target.linear_state import StackedStates
-from spd.target import ragged
 from spd.target.ragged import Segment, run_ragged
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, new_head
-from helpers.proposers import ScriptedProposer, noisy_copy
-from helpers.stats import chi_square_p_value, sequence_probs
 
 
 @pytest.fixture(scope="module")
@@ -369,8 +369,8 @@ def test_every_head_proposes_for_every_request_in_one_call(target_model, head_ki
     call per step answers every running request's every bottom node as its own query does (the authors' tower
     re-runs each request's in-flight rows over its own cache), up to fp32 rounding; greedy and sampled requests
     mixed; greedy output equals solo ar up to near-ties."""
-    from spd.decoding.proposers import HeadProposer
     from helpers.authors import EXPECTED, head_file, staged_target
+    from spd.decoding.proposers import HeadProposer
     from spd.heads.published.authors_head import load_authors_head
 
     if head_kind in ("ppsd", "output_state"):

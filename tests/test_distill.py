@@ -13,15 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from spd.training.distill import DistillConfig, expected_accept_length, load_config, new_head, scale_fc_init
+from conftest import REPO, run_main, run_script, tiny_model
+from helpers.distill import distill_args, train
 from spd.errors import SpdInputError
-from spd.training.kd import sample_fills
 from spd.heads.config import check_compatible
 from spd.heads.speculator import Speculator
 from spd.target.staging import StagedModel
-
-from conftest import REPO, run_main, run_script, tiny_model
-from helpers.distill import distill_args, train
+from spd.training.distill import DistillConfig, expected_accept_length, load_config, new_head, scale_fc_init
+from spd.training.kd import sample_fills
 
 
 @pytest.mark.slow

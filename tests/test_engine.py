@@ -5,15 +5,15 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from spd.training.distill import DistillConfig, new_head
-from spd.decoding.engine import Engine
-from spd.decoding.loop import LocalStages
-from spd.errors import SpdInputError
-from spd.decoding.generation import generate_ar
-from spd.decoding.sampling import SamplingParams
-from spd.target.staging import StagedModel
 from helpers.proposers import ScriptedEngine, ScriptedProposer
 from helpers.stats import chi_square_p_value, sample_outcomes, sequence_probs
+from spd.decoding.engine import Engine
+from spd.decoding.generation import generate_ar
+from spd.decoding.loop import LocalStages
+from spd.decoding.sampling import SamplingParams
+from spd.errors import SpdInputError
+from spd.target.staging import StagedModel
+from spd.training.distill import DistillConfig, new_head
 
 VARIANTS = {"spd": "spd", "output": "output_state", "ppsd": "ppsd"}
 PROMPTS = [[5, 17, 3, 99, 42, 8], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [64, 3]]

@@ -5,9 +5,9 @@ import pytest
 from conftest import tiny_model
 from spd.decoding.engine import Engine
 from spd.decoding.factory import build_engine
-from spd.decoding.spec import DecodingSpec
 from spd.decoding.generation import generate_ar
 from spd.decoding.sd import SpeculativeDecoder
+from spd.decoding.spec import DecodingSpec
 from spd.errors import SpdInputError
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, new_head

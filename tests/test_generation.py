@@ -7,11 +7,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from conftest import tiny_model
 from spd.decoding.generation import generate_ar
 from spd.decoding.sampling import SamplingParams, select_token, warped_probs
 from spd.target.staging import SpdInputError, StagedModel
-
-from conftest import tiny_model
 
 
 def _hf_greedy(model, prompt, max_new_tokens, eos=None):

@@ -22,17 +22,17 @@ import pytest
 import torch
 
 from conftest import differences_are_near_ties, tiny_model
+from helpers.proposers import noisy_copy
+from helpers.stats import chi_square_p_value, sample_outcomes, sequence_probs
 from spd.decoding.batch import BatchedPipeline
 from spd.decoding.engine import Engine
 from spd.decoding.generation import generate_ar
+from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
+from spd.decoding.proposers.serial_head import SerialHeadProposer
 from spd.decoding.sampling import SamplingParams
 from spd.decoding.sd import SpeculativeDecoder
-from spd.decoding.proposers.serial_head import SerialHeadProposer
-from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, new_head
-from helpers.stats import chi_square_p_value, sample_outcomes, sequence_probs
-from helpers.proposers import noisy_copy
 
 DEVICE = os.environ.get("SPD_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
 

@@ -8,22 +8,22 @@ import pytest
 import torch
 
 from conftest import tiny_model, tiny_multimodal
-from spd.training.distill import DistillConfig, new_head
-from spd.decoding.batch import BatchedPipeline
-from spd.decoding.engine import Engine
-from spd.decoding.generation import default_eos, generate_ar
-from spd.target.linear_state import LinearStateRing
-from spd.decoding.sampling import SamplingParams
-from spd.target.staging import StagedModel
-from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
-from helpers.proposers import ScriptedEngine
-from helpers.stats import chi_square_p_value, sample_outcomes, sequence_probs
 from helpers.equivalence import (
     PROMPT,
     check_ar_pp_spd_equal_generate,
     check_distributed_equals_single_process,
     generate_reference,
 )
+from helpers.proposers import ScriptedEngine
+from helpers.stats import chi_square_p_value, sample_outcomes, sequence_probs
+from spd.decoding.batch import BatchedPipeline
+from spd.decoding.engine import Engine
+from spd.decoding.generation import default_eos, generate_ar
+from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
+from spd.decoding.sampling import SamplingParams
+from spd.target.linear_state import LinearStateRing
+from spd.target.staging import StagedModel
+from spd.training.distill import DistillConfig, new_head
 
 HYBRIDS = ["qwen3_5", "qwen3_next"]
 # Chunked (multi-token) and recurrent (one-token) kernels differ by rounding; logits here are O(5). Hugging
@@ -359,9 +359,9 @@ def test_distributed_draft_tree_on_a_hybrid_target_prunes_the_node_states(hybrid
     engine in one process."""
     import json
 
-    from spd.target.staging import load_tokenizer
-    from helpers.runtime import PROMPTS, torchrun
     from helpers.proposers import noisy_copy
+    from helpers.runtime import PROMPTS, torchrun
+    from spd.target.staging import load_tokenizer
 
     n = 4
     model = StagedModel.from_pretrained(hybrid_target, n_stages=1).model
@@ -418,8 +418,8 @@ def test_distributed_draft_tree_on_a_hybrid_target_prunes_the_node_states(hybrid
 @pytest.mark.slow
 def test_trainer_distils_a_head_for_a_hybrid_target(tiny_testbed, hybrid_target, tmp_path):
     """train/distill.py on a hybrid target (anchors on linear and full layers); the head decodes losslessly."""
-    from spd.heads.speculator import Speculator
     from helpers.distill import train
+    from spd.heads.speculator import Speculator
 
     out = tmp_path / "run"
     train(

@@ -13,18 +13,18 @@ import pytest
 import torch
 
 from conftest import tiny_model, tiny_multimodal
-from spd.decoding.engine import Engine
-from spd.decoding.generation import generate_ar
-from spd.decoding.sampling import SamplingParams
-from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
-from spd.target.staging import StagedModel
-from spd.training.distill import DistillConfig, new_head
 from helpers.equivalence import (
     PROMPT,
     check_ar_pp_spd_equal_generate,
     check_distributed_equals_single_process,
     generate_reference,
 )
+from spd.decoding.engine import Engine
+from spd.decoding.generation import generate_ar
+from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
+from spd.decoding.sampling import SamplingParams
+from spd.target.staging import StagedModel
+from spd.training.distill import DistillConfig, new_head
 
 MOES = ["qwen3_moe", "qwen3_5_moe"]
 # The hybrid one's chunked (prompt) and recurrent (one token) linear-attention kernels differ by rounding.
@@ -165,8 +165,8 @@ def test_distributed_runtime_on_a_moe_target_equals_single_process(moe_targets, 
 @pytest.mark.parametrize("family", MOES)
 def test_trainer_distils_a_head_for_a_moe_target(tiny_testbed, moe_targets, tmp_path, family):
     """train/distill.py on an MoE target; the head decodes losslessly (spd and tree)."""
-    from spd.heads.speculator import Speculator
     from helpers.distill import train
+    from spd.heads.speculator import Speculator
 
     out, target = tmp_path / "run", moe_targets[family]
     train(

@@ -20,9 +20,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO
-from spd.testing.netns import Lan, torchrun_command, unavailable
 from helpers.runtime import PROMPTS, reference_outputs
-
+from spd.testing.netns import Lan, torchrun_command, unavailable
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 

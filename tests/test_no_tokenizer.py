@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import tiny_model, two_at_a_time
-from spd.decoding.engine import Engine
-from spd.errors import SpdInputError
-from spd.decoding.generation import default_eos, generate_ar
-from spd.target.staging import StagedModel
 from helpers.cli import spd_generate, spd_generate_main
+from spd.decoding.engine import Engine
+from spd.decoding.generation import default_eos, generate_ar
+from spd.errors import SpdInputError
+from spd.target.staging import StagedModel
 
 PROMPT = [5, 17, 3, 99, 42, 8, 11, 12]
 MAX_NEW = 32

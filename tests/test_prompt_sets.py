@@ -7,8 +7,8 @@ import shutil
 import pytest
 
 from conftest import run_script
-from spd.errors import SpdInputError
 from spd.data.prompt_sets import load_prompt_set
+from spd.errors import SpdInputError
 
 
 def test_humaneval_ships_164_problems():

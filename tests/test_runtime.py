@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from conftest import REPO, two_at_a_time
-from spd.errors import SpdInputError
-from spd.training.distill import DistillConfig, new_head
+from helpers.runtime import PROMPTS, master_port, reference_outputs, torchrun
 from spd.decoding.engine import Engine
+from spd.decoding.proposers import SpdHeadProposer
+from spd.decoding.tree import TokenTree
+from spd.errors import SpdInputError
+from spd.heads.loading import load_speculator
 from spd.runtime.loading import load_partial, materialized_bytes
 from spd.runtime.stage import EpochLog, _level_now, pack_level
-from spd.heads.loading import load_speculator
 from spd.target.staging import StagedModel, load_tokenizer
-from spd.decoding.tree import TokenTree
-from spd.decoding.proposers import SpdHeadProposer
-from helpers.runtime import PROMPTS, master_port, reference_outputs, torchrun
+from spd.training.distill import DistillConfig, new_head
 
 
 # Every n, greedy and seeded sampling (a world of n + 1 processes costs CI time on 2 cores; sampling at n = 4 runs
@@ -159,12 +159,12 @@ def test_distributed_runtime_batches_the_heads_asked_through_their_engine_calls(
     authors' head (chain and W = 2 tree), sampled: every request gets exactly the tokens and verification outcomes
     of the in-process batched pipeline, whose joint head calls tests/test_batch.py checks against each request's
     own."""
+    from helpers.authors import FIXTURES, head_file
     from spd.decoding.batch import BatchedPipeline
     from spd.decoding.generation import default_eos
-    from spd.decoding.sampling import SamplingParams
     from spd.decoding.proposers import HeadProposer
+    from spd.decoding.sampling import SamplingParams
     from spd.heads.published.authors_head import load_authors_head
-    from helpers.authors import FIXTURES, head_file
 
     n = 4
     staged = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=n)

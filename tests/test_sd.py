@@ -9,19 +9,19 @@ import pytest
 import torch
 
 from conftest import run_script, tiny_model, two_at_a_time
-from spd.training.distill import DistillConfig, new_head
-from spd.errors import SpdInputError
-from spd.decoding.generation import generate_ar
-from spd.decoding.sampling import SamplingParams
-from spd.decoding.sd import SpeculativeDecoder
-from spd.decoding.proposers.serial_head import SerialHeadProposer
-from spd.decoding.proposers import Proposer
-from spd.heads.speculator import Speculator
-from spd.target.staging import StagedModel
 from helpers.cli import spd_generate, spd_generate_main
 from helpers.distill import distill_args, train
-from helpers.stats import chi_square_p_value, sample_outcomes, sequence_probs
 from helpers.proposers import noisy_copy
+from helpers.stats import chi_square_p_value, sample_outcomes, sequence_probs
+from spd.decoding.generation import generate_ar
+from spd.decoding.proposers import Proposer
+from spd.decoding.proposers.serial_head import SerialHeadProposer
+from spd.decoding.sampling import SamplingParams
+from spd.decoding.sd import SpeculativeDecoder
+from spd.errors import SpdInputError
+from spd.heads.speculator import Speculator
+from spd.target.staging import StagedModel
+from spd.training.distill import DistillConfig, new_head
 
 PROMPTS = [[5, 17, 3, 99, 42, 8], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 

@@ -6,7 +6,6 @@ import json
 import pytest
 
 from conftest import run_script
-
 from spd.data.self_instruct import BenchmarkFilter, benchmark_texts, shingles, user_turn_ids, write_instructions
 from spd.errors import SpdInputError
 

@@ -897,7 +897,6 @@ def test_load_benchmark_runs_side_by_side(tiny_testbed, tiny_heads, tmp_path):
 def test_load_benchmark_takes_the_runs_bench_takes_and_refuses_bad_ones(tmp_path):
     """bench_serve's --run is bench/bench.py's: the same check, one line and exit 2 before any server starts."""
     from bench import bench_serve
-
     from conftest import run_main
 
     bad = run_main(bench_serve.main, "--run", "--mode spd", "--prompts", str(tmp_path / "none.jsonl"))

@@ -11,9 +11,9 @@ import threading
 import time
 
 import pytest
-from helpers.serve import Server
 
 from conftest import differences_are_near_ties, run_main
+from helpers.serve import Server
 from spd.traffic.records import read_records
 from spd.traffic.versions import publish_version
 

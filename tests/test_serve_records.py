@@ -5,9 +5,9 @@ import signal
 import time
 
 import pytest
-from helpers.serve import Server
 
 from conftest import run_main
+from helpers.serve import Server
 from spd.traffic.records import read_records, shards
 
 PROMPTS = ("def main(argv):\n", "class A:\n", "import os\n")

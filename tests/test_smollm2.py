@@ -115,14 +115,14 @@ def test_ar_equals_generate_and_cuts_equal_full_forward(target):
 def test_trained_head_every_mode_equals_ar(smollm2, target, tmp_path):
     """Regenerate a little chat data, train an n = 4 head on the uneven cut for a few steps with the real trainer,
     then spd, pp, tree (W = 3) and sd (an EAGLE-style head) decode exactly as ar."""
-    from spd.training.distill import DistillConfig, new_head
     from spd.decoding.engine import Engine
     from spd.decoding.generation import generate_ar
+    from spd.decoding.proposers import SpdHeadProposer
     from spd.decoding.sampling import SamplingParams
     from spd.decoding.sd import build_sd_engine
     from spd.heads.speculator import Speculator
     from spd.target.staging import StagedModel
-    from spd.decoding.proposers import SpdHeadProposer
+    from spd.training.distill import DistillConfig, new_head
 
     data = tmp_path / "chats.jsonl"
     run_script(
@@ -284,8 +284,8 @@ def test_published_head_equals_ar_on_a_chat_prompt(smollm2, target, n):
     W = 4 tree) gives ar's tokens on a chat prompt while accepting some of its proposals."""
     from spd.decoding.engine import Engine
     from spd.decoding.generation import generate_ar
-    from spd.decoding.sampling import SamplingParams
     from spd.decoding.proposers import SpdHeadProposer
+    from spd.decoding.sampling import SamplingParams
     from spd.heads.config import check_compatible
     from spd.heads.loading import load_speculator
     from spd.target.staging import StagedModel

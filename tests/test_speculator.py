@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from spd.heads.kernels import offset_band_attention
 from spd.heads.config import SpeculatorConfig, default_anchors
+from spd.heads.kernels import offset_band_attention
 from spd.heads.speculator import Speculator
 
 L, D = 8, 32

@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from spd.target.staging import SpdInputError, StagedModel, split_layers
-
 from conftest import tiny_model
+from spd.target.staging import SpdInputError, StagedModel, split_layers
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 TOL = 2e-5

@@ -7,10 +7,9 @@ import torch
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import REPO, run_main, run_script
 from spd.testbed import ModelSpec, build_testbed, stdlib_dir, stdlib_source_files
 from spd.testbed import TestbedConfig as Config
-
-from conftest import REPO, run_main, run_script
 
 
 def test_miniature_build_writes_loadable_models(tiny_testbed):

@@ -5,10 +5,9 @@ import math
 import pytest
 import torch
 
-from spd.target.staging import SpdInputError, StageKVCache, StagedModel
-from spd.decoding.tree import TokenTree, verify_greedy, verify_sampled_deterministic, verify_sampled_recursive
-
 from conftest import tiny_model
+from spd.decoding.tree import TokenTree, verify_greedy, verify_sampled_deterministic, verify_sampled_recursive
+from spd.target.staging import SpdInputError, StagedModel, StageKVCache
 
 TOL = 2e-5
 LOG = math.log

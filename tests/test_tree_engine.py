@@ -8,15 +8,14 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from spd.training.distill import DistillConfig, new_head
-from spd.decoding.engine import Engine
-from spd.errors import SpdInputError
-from spd.decoding.generation import generate_ar
-from spd.decoding.sampling import SamplingParams
-from spd.target.staging import StagedModel, load_tokenizer
-from spd.decoding.proposers import Proposer
-from spd.decoding.proposers import DraftModelProposer, HeadProposer, SpdHeadProposer
 from helpers.proposers import ScriptedSource, noisy_copy
+from spd.decoding.engine import Engine
+from spd.decoding.generation import generate_ar
+from spd.decoding.proposers import DraftModelProposer, HeadProposer, Proposer, SpdHeadProposer
+from spd.decoding.sampling import SamplingParams
+from spd.errors import SpdInputError
+from spd.target.staging import StagedModel, load_tokenizer
+from spd.training.distill import DistillConfig, new_head
 
 PROMPTS = [[5, 17, 3, 99, 42, 8], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 

@@ -8,17 +8,17 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from spd.training.distill import DistillConfig, new_head
-from spd.errors import SpdInputError
-from spd.decoding.generation import generate_ar
-from spd.decoding.sampling import SamplingParams
-from spd.target.staging import StagedModel
-from spd.decoding.tree import TokenTree, grow_sampled, grow_top_k, verify_sampled_recursive
-from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
-from spd.decoding.engine import Engine
-from spd.decoding.tree_width import AdaptiveWidth, FixedWidth, parse_tree_width, tree_width
-from helpers.stats import chi_square_p_value, sample_outcomes, sequence_probs
 from helpers.proposers import IndependentBranches, noisy_copy
+from helpers.stats import chi_square_p_value, sample_outcomes, sequence_probs
+from spd.decoding.engine import Engine
+from spd.decoding.generation import generate_ar
+from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
+from spd.decoding.sampling import SamplingParams
+from spd.decoding.tree import TokenTree, grow_sampled, grow_top_k, verify_sampled_recursive
+from spd.decoding.tree_width import AdaptiveWidth, FixedWidth, parse_tree_width, tree_width
+from spd.errors import SpdInputError
+from spd.target.staging import StagedModel
+from spd.training.distill import DistillConfig, new_head
 
 T1 = SamplingParams(temperature=1.0)
 T07 = SamplingParams(temperature=0.7, top_k=4, top_p=0.9)

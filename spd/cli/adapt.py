@@ -122,7 +122,7 @@ def main(argv=None) -> int:
 
 def _adapt(args, command: str) -> int:
     from spd.cli.common import quiet_libraries
-    from spd.traffic.adapt import Adapter, AdaptConfig
+    from spd.traffic.adapt import AdaptConfig, Adapter
 
     settings = {key: value for key, value in vars(args).items() if value is not None}
     cfg = AdaptConfig(**settings, command=command)

@@ -43,7 +43,6 @@ from spd.decoding.sampling import SamplingParams
 from spd.decoding.spec import DecodingSpec, positive_int
 from spd.errors import SpdInputError, run_cli
 
-
 # The fields of DecodingSpec that the distributed runtime's program (spd/cli/run_pipeline.py) takes as flags; its
 # --mode takes several modes, and device, runtime and draft_steps are not its.
 RUNTIME_FLAGS = tuple(
@@ -135,9 +134,8 @@ def _check_numbers(args) -> SamplingParams:
 
 
 def _load_tokenizer(source: str, revision: str | None):
-    from spd.target.staging import load_tokenizer
-
     from spd.reading import DamagedFile
+    from spd.target.staging import load_tokenizer
 
     try:
         return load_tokenizer(source, revision)

@@ -24,12 +24,12 @@ import sys
 import time
 from pathlib import Path
 
+from spd.cli.batch_flags import add_prefill_flags, check_prefill_flags
 from spd.cli.common import Parser
 from spd.decoding.modes import PIPELINED, check_proposer
 from spd.decoding.sampling import SamplingParams
 from spd.decoding.spec import DecodingSpec, check_runtime_numbers, default_mode
 from spd.errors import SpdInputError, cli_error, run_cli
-from spd.cli.batch_flags import add_prefill_flags, check_prefill_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,9 +145,8 @@ def _run_world(args, config, sampling: SamplingParams) -> int:
         dtype = getattr(torch, args.dtype)
         _quiet()
         if rank != 0:
-            from spd.runtime.loading import load_partial
-
             from spd.heads.loading import pipeline_cut
+            from spd.runtime.loading import load_partial
 
             # Load before joining: once the world is complete every stage is ready for the first request. Rank 0
             # checks the head against the cut (_cut); a stage needs only the boundaries, derived the same way.
@@ -186,14 +185,14 @@ def _spec(args, n: int, mode: str | None = None, device=None) -> DecodingSpec:
 
 
 def _driver(args, n: int, config, control, device, dtype, sampling: SamplingParams) -> None:
+    from spd.decoding.batch import check_step_tokens, full_batch_width
     from spd.decoding.factory import build_engine
     from spd.decoding.loader import load_parts
-    from spd.target.staging import load_target_tokenizer
     from spd.runtime.handshake import check_same_job, job_identity
     from spd.runtime.loading import load_partial
     from spd.runtime.protocol import PipelineLost
     from spd.runtime.remote import RemoteStages
-    from spd.decoding.batch import check_step_tokens, full_batch_width
+    from spd.target.staging import load_target_tokenizer
 
     for mode in args.mode:
         check_proposer(mode, args.speculator is not None, args.draft_model is not None)

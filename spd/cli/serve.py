@@ -33,10 +33,10 @@ import sys
 import time
 from pathlib import Path
 
-from spd.errors import SpdInputError, run_cli
+from spd.cli.batch_flags import add_prefill_flags, check_prefill_flags, prefill_options
 from spd.cli.common import Parser, quiet_libraries
 from spd.decoding.spec import DecodingSpec, finite_float, positive_int
-from spd.cli.batch_flags import add_prefill_flags, check_prefill_flags, prefill_options
+from spd.errors import SpdInputError, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -63,8 +63,8 @@ def _hold(text: str | None) -> list[int] | None:
 
 def run(args) -> int:
     import spd
-    from spd.runtime.join import claim_stages, parse_address, read_job
     from spd.runtime.children import end_child, sigterm_unwinds, start_child
+    from spd.runtime.join import claim_stages, parse_address, read_job
 
     if args.threads < 1:
         raise SpdInputError(f"--threads must be at least 1, got {args.threads}")

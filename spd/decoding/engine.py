@@ -53,10 +53,10 @@ from ..heads.speculator import Speculator
 from ..target.staging import StagedModel, load_target_tokenizer
 from .generation import GenerationOutput, OnToken
 from .loop import LocalStages, StepLoop, verify_sampled
+from .modes import NEEDS_HEAD, NEEDS_PROPOSER, check_engine_mode, in_python_terms
 from .proposers import Draft, DraftModelProposer, HeadProposer, Proposer, SpdHeadProposer, load_draft_model
 from .request import Generates
 from .sampling import SamplingParams
-from .modes import NEEDS_HEAD, NEEDS_PROPOSER, check_engine_mode, in_python_terms
 from .spec import CANDIDATES, DecodingSpec
 from .stats import PipelineStats, TreeStats
 from .tree_width import AdaptiveWidth, FixedWidth, tree_width

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .sampling import SamplingParams, select_token
 from ..target.staging import SpdInputError, StagedModel
+from .sampling import SamplingParams, select_token
 
 
 @dataclass

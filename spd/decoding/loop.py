@@ -62,6 +62,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..target.ragged import Segment
+from ..target.staging import StagedModel, StageKVCache, StageOutput
 from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set, first_output, stop_reason
 from .proposers import Proposer, propose_many
 from .sampling import SamplingParams, select_token, warped_probs
@@ -76,8 +78,6 @@ from .tree import (
     verify_sampled_recursive,
 )
 from .tree_width import AdaptiveWidth, FixedWidth
-from ..target.ragged import Segment
-from ..target.staging import StageKVCache, StagedModel, StageOutput
 
 
 class LocalStages:

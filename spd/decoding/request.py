@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from ..errors import SpdInputError
+from ..target.staging import StagedModel
 from .generation import (
     GenerationOutput,
     OnToken,
@@ -20,7 +21,6 @@ from .generation import (
     generate_ar,
 )
 from .sampling import SamplingParams
-from ..target.staging import StagedModel
 
 
 def prepare_prompt(tokenizer, prompt, eos_token_id, model=None):

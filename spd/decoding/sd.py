@@ -47,16 +47,15 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import SpdInputError
-from .generation import GenerationOutput, GenerationStats, OnToken, as_prompt_ids, check_request, eos_set, stop_reason
-from .request import Generates
-from .sampling import SamplingParams, select_token, warped_probs
 from ..heads.speculator import Speculator
 from ..target.staging import StagedModel, load_target_tokenizer
-from .proposers import Proposer, SerialHeadProposer
-from .tree import Level, TokenTree, verify_sampled_recursive
-from .proposers import Draft, DraftModelProposer, load_draft_model
+from .generation import GenerationOutput, GenerationStats, OnToken, as_prompt_ids, check_request, eos_set, stop_reason
 from .modes import check_proposer
+from .proposers import Draft, DraftModelProposer, Proposer, SerialHeadProposer, load_draft_model
+from .request import Generates
+from .sampling import SamplingParams, select_token, warped_probs
 from .spec import DecodingSpec
+from .tree import Level, TokenTree, verify_sampled_recursive
 
 
 @dataclass

@@ -35,7 +35,6 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
-
 from dataclasses import dataclass, field
 
 import torch

@@ -17,8 +17,8 @@ import torch
 from ..errors import SpdInputError, first_line
 from ..paths import check_model_source
 from ..reading import SAVED, check_model_files, read_json
-from .published.authors_file import is_authors_file, load_authors_file
 from .config import SpeculatorConfig, depth_problem, misfit
+from .published.authors_file import is_authors_file, load_authors_file
 from .speculator import Speculator
 
 

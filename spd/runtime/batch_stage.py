@@ -4,7 +4,6 @@ next stage and reports to rank 0, until rank 0 ends the batch mode."""
 
 from __future__ import annotations
 
-
 import torch
 
 from ..target.kv_pool import KVPool, Region

@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 
-
 # Message kinds (header[0]) and tags.
 PREFILL, TOKEN, STOP, REPORT, LEVEL, PING, CLOCKS = 1, 2, 3, 4, 5, 6, 7
 # The batch mode (spd.runtime.batch): entered down the data chain, one manifest per stage and phase from rank 0,

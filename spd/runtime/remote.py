@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..target.staging import StageOutput, StagedModel
+from ..target.staging import StagedModel, StageOutput
 from .link import Link
 from .protocol import (
     BATCH_END,

@@ -8,7 +8,7 @@ import time
 import torch
 
 from ..target.ragged import run_ragged
-from ..target.staging import StageOutput, StagedModel
+from ..target.staging import StagedModel, StageOutput
 from .batch_stage import batch_loop
 from .link import Link, Notices
 from .protocol import (

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import SpdInputError, first_line
 from ..decoding.generation import GenerationOutput, OnToken
 from ..decoding.modes import require_pipelined
 from ..decoding.sampling import SamplingParams
 from ..decoding.spec import DecodingSpec
+from ..errors import SpdInputError, first_line
 from ..runtime.children import end_child, start_child
 
 

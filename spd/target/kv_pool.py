@@ -31,7 +31,7 @@ import torch
 
 from ..errors import SpdInputError
 from .linear_state import LinearStateRing
-from .staging import StageKVCache, StagedModel
+from .staging import StagedModel, StageKVCache
 
 
 @dataclass(frozen=True)

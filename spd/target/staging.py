@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 from ..errors import SpdInputError, first_line
+from ..paths import check_model_source
+from ..reading import check_model_files
 from .linear_state import LinearStateRing, NoPastRecording
 from .precision import warn_if_slow
 from .sdpa import decode_kernels
-from ..paths import check_model_source
-from ..reading import check_model_files
 
 # Decoder-layer kinds the staging wrapper runs: attention with a KV cache, and linear attention (Gated
 # DeltaNet, hybrid models such as Qwen3.5 / Qwen3-Next) with a conv + recurrent state (spd.target.linear_state).

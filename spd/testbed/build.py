@@ -18,13 +18,13 @@ import torch
 
 from ..errors import SpdInputError
 from ..files import (
+    atomic_file,
     rename_dir,
     replace_file,
     temp_dir_beside,
     temp_pattern,
     write_json_atomic,
     write_text_atomic,
-    atomic_file,
 )
 from ..paths import default_testbed_dir
 from .config import ModelSpec, TestbedConfig

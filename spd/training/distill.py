@@ -22,10 +22,10 @@ from torch import nn
 
 from ..errors import SpdInputError
 from ..files import replace_dir, temp_dir_beside
-from ..paths import default_cache_dir, default_testbed_dir
-from ..reading import read_yaml
 from ..heads.config import SpeculatorConfig, default_anchors
 from ..heads.speculator import Speculator
+from ..paths import default_cache_dir, default_testbed_dir
+from ..reading import read_yaml
 from ..target.staging import StagedModel
 from .kd import padded_length
 

@@ -38,9 +38,9 @@ from .distill import (
     scale_fc_init,
     teacher_anchors,
     teacher_pass,
-    with_draft_vocab,
     to_device,
     training_fills,
+    with_draft_vocab,
 )
 
 

@@ -48,9 +48,9 @@ def check_distributed_equals_single_process(
     the batched pipeline (``--max-batch``), equal to the in-process batched pipeline's."""
     import json
 
+    from helpers.runtime import PROMPTS, torchrun
     from spd.heads.loading import load_speculator
     from spd.target.staging import load_tokenizer
-    from helpers.runtime import PROMPTS, torchrun
 
     n = 4
     staged = StagedModel.from_pretrained(target, n_stages=n)

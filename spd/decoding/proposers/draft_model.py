@@ -13,7 +13,7 @@ import torch
 from ...errors import SpdInputError
 from ...target.kv_pool import KVPool, Region
 from ...target.ragged import Segment, run_ragged
-from ...target.staging import StageKVCache, StagedModel, load_target_tokenizer
+from ...target.staging import StagedModel, StageKVCache, load_target_tokenizer
 from ..tree import Level, TokenTree
 
 

@@ -44,9 +44,9 @@ from torch import nn
 
 from ...errors import SpdInputError
 from ...target.sdpa import decode_kernels
-from ...target.staging import StageKVCache, StagedModel, cache_keyword
-from .authors_file import AuthorsCheckpoint
+from ...target.staging import StagedModel, StageKVCache, cache_keyword
 from ..config import equal_cut_problem, misfit
+from .authors_file import AuthorsCheckpoint
 
 
 @dataclass

@@ -174,8 +174,8 @@ def head_to_authors_file(head_dir: str | Path, target, out_file: str | Path, for
     """One of our heads -> their v10 ``.pt`` file, for its target ``target`` (a StagedModel); atomic."""
     import torch
 
-    from ..loading import load_speculator
     from ..config import check_compatible
+    from ..loading import load_speculator
 
     check_output_file(out_file, force)
     head = load_speculator(str(head_dir))
