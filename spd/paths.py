@@ -64,7 +64,7 @@ def local_only(source: str) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hub_problem(repo_id: str, revision: str | None = None, filename: str | None = None) -> str | None:
     """Why the hub repo ``repo_id`` (its ``filename``; None: a model, whose ``config.json`` is asked for but may be
     missing) cannot be had, as the middle of a sentence that says what was tried, or None when it can: in the local

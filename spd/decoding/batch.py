@@ -152,7 +152,7 @@ class BatchRequest:
     ``state`` is ``queued``, ``prefill``, ``running``, then ``done`` (``output`` holds the result), ``failed``
     (``error`` holds the exception) or ``cancelled`` (cancelled before its first token)."""
 
-    def __init__(self, rid: int, steps, stages: LocalStages, on_done: Callable[["BatchRequest"], None] | None):
+    def __init__(self, rid: int, steps, stages: LocalStages, on_done: Callable[[BatchRequest], None] | None):
         self.id, self.steps, self.stages, self.on_done = rid, steps, stages, on_done
         self.state = "queued"
         self.work: Prefill | Advance | None = None

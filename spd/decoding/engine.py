@@ -128,7 +128,7 @@ class Engine(Generates):
     @classmethod
     def chain(
         cls, staged: StagedModel, head=None, tokenizer=None, stages: LocalStages | None = None, mode: str | None = None
-    ) -> "Engine":
+    ) -> Engine:
         """The chain engine with a loaded head (``spd`` and ``pp``; ``mode``, the default of ``generate``, is
         ``spd``) or none (``pp``)."""
         return cls(staged, chain_proposer(staged, head, tokenizer), tokenizer=tokenizer, stages=stages, mode=mode)
@@ -143,7 +143,7 @@ class Engine(Generates):
         stages: LocalStages | None = None,
         candidates: str = "auto",
         max_width: int = 8,
-    ) -> "Engine":
+    ) -> Engine:
         """The tree engine with a proposer (:func:`tree_proposer_of` makes one from a head or a draft model)."""
         return cls(staged, proposer, width, tokenizer, stages, candidates, max_width, mode="tree")
 
@@ -157,7 +157,7 @@ class Engine(Generates):
         draft: Draft | None = None,
         stages: LocalStages | None = None,
         mode: str | None = None,
-    ) -> "Engine":
+    ) -> Engine:
         """The engine of ``spec.mode`` over loaded parts: a tree with the head or the draft model (``spec``'s width,
         children and candidate rule), else a chain with the head (``mode``: its default, as :meth:`chain`)."""
         if spec.mode != "tree":
@@ -184,7 +184,7 @@ class Engine(Generates):
         device: str | torch.device = "cpu",
         tokenizer: str | None = None,
         stages: int | None = None,
-    ) -> "Engine":
+    ) -> Engine:
         """Load a target (directory or hub id) and its proposer: a head (``speculator``) or a draft model.
 
         ``mode``: ``spd`` (the default with a head), ``pp`` (the default without one) or ``tree`` (the default with

@@ -56,7 +56,7 @@ class SamplingParams:
         add_field_flags(cls, parser)
 
     @classmethod
-    def from_args(cls, args) -> "SamplingParams":
+    def from_args(cls, args) -> SamplingParams:
         """From a program's parsed flags (any object with these attribute names); a wrong value is one
         SpdInputError naming its flag (``--top-k``)."""
         values = {f.name: getattr(args, f.name) for f in fields(cls)}

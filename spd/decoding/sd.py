@@ -124,7 +124,7 @@ def _pick(
 
 
 def serial_proposer(
-    drafter: "Proposer | StagedModel", target: StagedModel, target_tokenizer=None, draft_tokenizer=None
+    drafter: Proposer | StagedModel, target: StagedModel, target_tokenizer=None, draft_tokenizer=None
 ) -> Proposer:
     """The proposer that drafts serially for ``target``: a bare StagedModel is a draft model; a proposer is kept.
 
@@ -156,7 +156,7 @@ class SpeculativeDecoder(Generates):
     def __init__(
         self,
         target: StagedModel,
-        drafter: "Proposer | StagedModel",
+        drafter: Proposer | StagedModel,
         draft_steps: int = 4,
         tokenizer=None,
         target_tokenizer=None,
@@ -191,7 +191,7 @@ class SpeculativeDecoder(Generates):
         tokenizer: str | None = None,
         head: str | None = None,
         head_revision: str | None = None,
-    ) -> "SpeculativeDecoder":
+    ) -> SpeculativeDecoder:
         """Load a target and a drafter (directories or hub ids): a ``draft`` model sharing the target's tokenizer,
         or a ``head`` trained with variant=eagle."""
         from .loader import load_parts, resolve_cut

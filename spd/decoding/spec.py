@@ -200,7 +200,7 @@ class DecodingSpec:
         add_field_flags(cls, parser, exclude)
 
     @classmethod
-    def of(cls, settings, **overrides) -> "DecodingSpec":
+    def of(cls, settings, **overrides) -> DecodingSpec:
         """From any object with these attribute names (the CLIs' parsed flags, another spec)."""
         values = {f.name: getattr(settings, f.name) for f in fields(cls) if hasattr(settings, f.name)}
         return cls(**{**values, **overrides})

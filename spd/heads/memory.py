@@ -48,14 +48,14 @@ class SpeculatorPool:
     def capacity(self) -> int:
         return self.keys[0].shape[2]
 
-    def cache(self, capacity: int) -> "PooledSpeculatorCache":
+    def cache(self, capacity: int) -> PooledSpeculatorCache:
         """An empty cache of at least ``capacity`` rows in the lowest free slot."""
         if not self.free:
             raise RuntimeError(f"the head's memory pool has no free slot (it has {self.keys[0].shape[0]})")
         self.reserve(capacity)
         return PooledSpeculatorCache(self, self.free.pop(0))
 
-    def release(self, cache: "PooledSpeculatorCache") -> None:
+    def release(self, cache: PooledSpeculatorCache) -> None:
         """Give ``cache``'s slot back."""
         if cache.pool is not self or cache.slot in self.free:
             raise RuntimeError(f"slot {cache.slot} is not held in this pool")

@@ -354,11 +354,11 @@ class Speculator(PreTrainedModel):
         """Hidden-state indices the prefill must return for every prompt position."""
         return list(self.config.anchors[self.config.max_depth])
 
-    def prefill_memory(self, cache: "SpeculatorCache", anchors: dict[int, torch.Tensor]) -> None:
+    def prefill_memory(self, cache: SpeculatorCache, anchors: dict[int, torch.Tensor]) -> None:
         """Every prompt position enters the cache at full depth."""
         self.append_memory(cache, self.features(self.config.max_depth, anchors))
 
-    def retire(self, cache: "SpeculatorCache", slots) -> None:
+    def retire(self, cache: SpeculatorCache, slots) -> None:
         """Cache the memory row of every slot that just reached max depth (slots reach it in position order,
         so the cache stays a contiguous prefix of positions)."""
         max_depth = self.config.max_depth
@@ -366,14 +366,14 @@ class Speculator(PreTrainedModel):
             if slot.depth == max_depth and slot.position == cache.length:
                 self.append_memory(cache, self.features(max_depth, slot.anchors)[:, None])
 
-    def propose_logits(self, cache: "SpeculatorCache", inflight) -> torch.Tensor:
+    def propose_logits(self, cache: SpeculatorCache, inflight) -> torch.Tensor:
         """Logits (1, V) for the position after the newest in-flight slot, from the slots' current depths."""
         plan, query = self._plan(cache, inflight)
         rows = [(depth, self.features(depth, anchors)) for depth, anchors in plan]
         query_1D = rows[-1][1] if query is None else self.features(self.config.offset, query)
         return self.vocab_logits(self.query(cache, rows, query_1D))
 
-    def _plan(self, cache: "SpeculatorCache", inflight) -> tuple[list[tuple[int, dict]], dict | None]:
+    def _plan(self, cache: SpeculatorCache, inflight) -> tuple[list[tuple[int, dict]], dict | None]:
         """A query's trailing rows as ``(depth, anchors)``, and its query's anchors (None: the last row is the query,
         already at the query's depth)."""
         cfg = self.config
@@ -385,7 +385,7 @@ class Speculator(PreTrainedModel):
         rows = [(min(s.depth, cfg.max_depth), s.anchors) for s in trailing]
         return rows, None if rows and rows[-1][0] == cfg.offset else inflight[-1].anchors
 
-    def propose_logits_many(self, caches: list["SpeculatorCache"], inflights: list) -> torch.Tensor:
+    def propose_logits_many(self, caches: list[SpeculatorCache], inflights: list) -> torch.Tensor:
         """:meth:`propose_logits` of many queries at once, ``inflights[i]`` over ``caches[i]`` (a cache may serve
         several queries): the rows of one depth go through their FC together, then one :meth:`query_many` and one
         LM head. Logits ``(B, V)``, equal to each query's own up to fp32 rounding."""
@@ -396,7 +396,7 @@ class Speculator(PreTrainedModel):
         queries = [rows[-1][1] if query is None else next(own) for rows, (_, query) in zip(trailing, plans)]
         return self.vocab_logits(self.query_many(caches, trailing, queries))
 
-    def new_cache(self, batch_size: int = 1, capacity: int = 256) -> "SpeculatorCache":
+    def new_cache(self, batch_size: int = 1, capacity: int = 256) -> SpeculatorCache:
         p = next(self.parameters())
         return SpeculatorCache(self.config, batch_size, capacity, p.dtype, p.device)
 
@@ -405,7 +405,7 @@ class Speculator(PreTrainedModel):
         p = next(self.parameters())
         return SpeculatorPool(self.config, slots, capacity, p.dtype, p.device)
 
-    def append_memory(self, cache: "SpeculatorCache", mem_BRD: torch.Tensor) -> None:
+    def append_memory(self, cache: SpeculatorCache, mem_BRD: torch.Tensor) -> None:
         """Append rows that reached max_depth (positions cache.length ...) to the per-layer K/V cache."""
         b, r, _ = mem_BRD.shape
         pos_BR = torch.arange(cache.length, cache.length + r, device=mem_BRD.device).expand(b, r)
@@ -417,7 +417,7 @@ class Speculator(PreTrainedModel):
             cache.values[i][:, :, cache.length : cache.length + r] = v
         cache.length += r
 
-    def append_memory_many(self, caches: list["SpeculatorCache"], mems: list[torch.Tensor]) -> None:
+    def append_memory_many(self, caches: list[SpeculatorCache], mems: list[torch.Tensor]) -> None:
         """:meth:`append_memory` for many requests at once: ``mems[i]`` (``(P_i, D)``, at max depth) joins
         ``caches[i]``; the rows of every request go through each layer's key and value projections together."""
         sizes = [m.shape[0] for m in mems]
@@ -446,7 +446,7 @@ class Speculator(PreTrainedModel):
             cache.length += p
 
     def query(
-        self, cache: "SpeculatorCache", trailing: list[tuple[int, torch.Tensor]], query_BD: torch.Tensor
+        self, cache: SpeculatorCache, trailing: list[tuple[int, torch.Tensor]], query_BD: torch.Tensor
     ) -> torch.Tensor:
         """Query-stream output (B, D) for the newest position, attending cached rows plus trailing rows.
 
@@ -479,7 +479,7 @@ class Speculator(PreTrainedModel):
 
     def query_many(
         self,
-        caches: list["SpeculatorCache"],
+        caches: list[SpeculatorCache],
         trailing: list[list[tuple[int, torch.Tensor]]],
         queries: list[torch.Tensor],
     ) -> torch.Tensor:

@@ -164,7 +164,7 @@ class LedgerStages(LocalStages):
     """A request's stage back-end on rank 0 of a batched runtime: its caches are ledger views of the pool (lengths
     only); each flush and prune is applied there and queued for the stages as an operation on the region."""
 
-    def __init__(self, staged, batch: "RemoteBatch"):
+    def __init__(self, staged, batch: RemoteBatch):
         super().__init__(staged)
         self.batch = batch
 

@@ -82,7 +82,7 @@ class StageKVCache(NoPastRecording):
         values_LBHkCDh: torch.Tensor,
         positions_C: torch.Tensor,
         base: int,
-    ) -> "StageKVCache":
+    ) -> StageKVCache:
         """An empty cache whose buffers are the given views (rows ``base..`` of a :class:`spd.target.kv_pool.KVPool`);
         it never grows (:meth:`reserve` refuses)."""
         cache = cls.__new__(cls)
@@ -282,7 +282,7 @@ def node_groups(tree_mask_TN: torch.Tensor) -> list[tuple[int, int, torch.Tensor
 def run_linear_layer(
     layer: nn.Module,
     hidden_BTD: torch.Tensor,
-    cache: "StageKVCache",
+    cache: StageKVCache,
     groups: list[tuple[int, int, torch.Tensor]] | None,
     position_ids_BT: torch.Tensor | None,
     position_embeddings,
@@ -500,7 +500,7 @@ class StagedModel(TargetShape, nn.Module):
         dtype: torch.dtype | str = torch.float32,
         device: str | torch.device = "cpu",
         **kwargs,
-    ) -> "StagedModel":
+    ) -> StagedModel:
         """Load a causal LM from a local directory or a hub id (with revision) and cut it into stages."""
         model = load_causal_lm(name_or_path, revision=revision, dtype=dtype, device=device, **kwargs)
         return cls(model, n_stages=n_stages, boundaries=boundaries)
