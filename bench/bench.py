@@ -396,8 +396,8 @@ def _bench(args, runs: list[Run]) -> int:
 
         def finished(run: Run, i: int, out) -> None:
             record = _record(out, run, info[run.name])
-            per_run[run.name][i], tokens[run.name][i] = record, out.token_ids
-            journal.append({"T": key_t, "prompt": i, "run": run.name, "record": record, "tokens": out.token_ids})
+            per_run[run.name][i], tokens[run.name][i] = record, out.token_ids  # noqa: B023 - finished() is called within this iteration
+            journal.append({"T": key_t, "prompt": i, "run": run.name, "record": record, "tokens": out.token_ids})  # noqa: B023 - finished() is called within this iteration
 
         for i, ids in enumerate(prompts):
             order = solo if i % 2 == 0 else solo[::-1]  # alternate so that machine noise hits every run alike

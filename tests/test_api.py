@@ -97,7 +97,7 @@ def test_streamed_pieces_concatenate_to_the_text(engine, varied, capsys):
             temperature=temperature,
             seed=seed,
             streamer=pieces.append,
-            on_token=lambda t, a: ids.append(t),
+            on_token=lambda t, a: ids.append(t),  # noqa: B023 - on_token runs inside this chat call
         )
         assert "".join(pieces) == out.text and ids == out.token_ids and all(pieces)
     out = engine.chat(CHAT, max_new_tokens=N)

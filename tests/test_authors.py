@@ -338,7 +338,7 @@ def test_random_and_corrupted_bytes_are_refused_with_one_sentence(tmp_path):
 
 def test_bad_files_are_refused_with_one_sentence(tmp_path):
     staged = staged_target("qwen3", 4)
-    for kind, (path, message) in _bad_files(tmp_path).items():
+    for path, message in _bad_files(tmp_path).values():
         with pytest.raises(SpdInputError, match=message):
             load_authors_head(str(path), staged)
     assert not Path("/tmp/spd-should-not-exist").exists()

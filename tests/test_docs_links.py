@@ -216,7 +216,7 @@ def links(path: Path) -> list[Link]:
         starts = list(accumulate((len(line) + 1 for _, line in paragraph[:-1]), initial=0))
 
         def line_of(offset: int) -> int:
-            return paragraph[bisect_right(starts, offset) - 1][0]
+            return paragraph[bisect_right(starts, offset) - 1][0]  # noqa: B023 - line_of() is called within this iteration
 
         for match in re.finditer(r"\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(", text):
             parsed = _destination(text, match.end())

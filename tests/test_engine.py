@@ -369,7 +369,7 @@ def test_token_acceptance_flags_every_mode(variant, temperature):
             seed=3,
             eos_token_id=[],
             streamer=streamed,
-            on_token=lambda token, accepted: seen.append((token, accepted)),
+            on_token=lambda token, accepted: seen.append((token, accepted)),  # noqa: B023 - on_token runs inside this generate call
         )
         flags = out.stats.token_acceptance
         assert len(flags) == out.stats.new_tokens == len(out.token_ids) == 30

@@ -479,7 +479,7 @@ def test_tree_level_follows_prunes_like_the_tree():
         ids = torch.arange(start, end)  # the level's surviving nodes, followed through the prunes
         rows = torch.arange(end - start)  # and their rows in the level as sent
         log, epoch = EpochLog(), 3
-        for hop in range(1 + trial % 2):
+        for _hop in range(1 + trial % 2):
             children = tree.children(0)
             if children.numel() == 0:
                 break

@@ -769,7 +769,7 @@ def test_engines_stop_when_on_token_says_so(tiny_testbed, tiny_heads):
     full = spd.generate(PROMPT, 20, mode="ar").token_ids
     for engine, mode in ((spd, "ar"), (spd, "pp"), (spd, "spd"), (tree, "tree")):
         seen = []
-        out = engine.generate(PROMPT, 20, mode=mode, on_token=lambda t, a: seen.append(t) or len(seen) == 7)
+        out = engine.generate(PROMPT, 20, mode=mode, on_token=lambda t, a: seen.append(t) or len(seen) == 7)  # noqa: B023 - on_token runs inside this generate call
         assert out.token_ids == seen == full[:7] and out.stats.stop_reason == "stopped", mode
 
 

@@ -343,7 +343,7 @@ def test_pipelined_tree_decoding_with_pruning_equals_plain_forwards(family):
     inflight: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n  # stage s input: (node indices, H)
     verified = misses = 0
     outputs: list[tuple[list[int], int, torch.Tensor]] = []  # (committed + path, stage, output), checked last
-    for step in range(24):
+    for _step in range(24):
         new = torch.tensor([0]) if fresh else _random_level(tree, gen)
         fresh = False
         inflight[0] = (new, staged.embed(tree.tokens_N[new][None]))

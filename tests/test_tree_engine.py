@@ -406,7 +406,7 @@ def test_token_acceptance_flags(target_model, temperature):
             temperature=temperature,
             seed=2,
             eos_token_id=[],
-            on_token=lambda token, accepted: seen.append((token, accepted)),
+            on_token=lambda token, accepted: seen.append((token, accepted)),  # noqa: B023 - on_token runs inside this generate call
         )
         flags = out.stats.token_acceptance
         assert len(flags) == out.stats.new_tokens == 30 and flags[0] is False

@@ -87,7 +87,9 @@ class TrafficRecorder:
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(d, 0o700)
         except OSError as exc:
-            raise SpdInputError(f"--record '{d}' cannot be created ({exc.strerror}); expected a writable directory")
+            raise SpdInputError(
+                f"--record '{d}' cannot be created ({exc.strerror}); expected a writable directory"
+            ) from None
         if not os.access(d, os.W_OK | os.X_OK):
             raise SpdInputError(f"--record '{d}' is not writable; expected a directory this user can write to")
         free = shutil.disk_usage(d).free

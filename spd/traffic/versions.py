@@ -159,7 +159,7 @@ def open_versions(versions_dir: str | os.PathLike, flag: str = "--versions") -> 
     except OSError as exc:
         raise SpdInputError(
             f"{flag} '{root}' is not writable ({exc.strerror}); expected a directory this user can write"
-        )
+        ) from None
     if not os.access(root, os.W_OK | os.X_OK):
         lock.close()
         raise SpdInputError(f"{flag} '{root}' is not writable; expected a directory this user can write")
@@ -167,7 +167,9 @@ def open_versions(versions_dir: str | os.PathLike, flag: str = "--versions") -> 
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         lock.close()
-        raise SpdInputError(f"{flag} '{root}' is in use by another spd-adapt; one adapt process writes a versions dir")
+        raise SpdInputError(
+            f"{flag} '{root}' is in use by another spd-adapt; one adapt process writes a versions dir"
+        ) from None
     leftovers = temp_pattern(r"v\d+")
     for path in root.iterdir():
         if leftovers.fullmatch(path.name) or path.name == WORK:
