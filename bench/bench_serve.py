@@ -10,6 +10,9 @@ time to the first token is seen) from ``--concurrency`` client threads, and stop
 request latency (arrival to last token: queueing included, since requests run one at a time) p50/p95, time
 to first token p50/p95, the pipeline's own time per request (the ``spd`` extension's ``wall_time_s``)
 p50/p95, completion tokens per second over the whole run, mean L'_acc. Prints a table and writes JSON.
+
+``--record-overhead`` measures what ``spd-serve --record`` costs: each run again with its traffic recorded (into a
+fresh temporary directory), the two in turn ``--repeats`` times, and the drop in tokens/s (medians) reported.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -102,6 +106,16 @@ def run_load(args, name: str, server_args: list[str], prompts: list[str]) -> dic
     }
 
 
+def record_overhead(runs: list[dict]) -> dict[str, float]:
+    """Per run, the share of tokens/s lost with ``--record``: 1 - median(recorded) / median(not recorded)."""
+    out = {}
+    for name in dict.fromkeys(r["name"] for r in runs if not r["name"].endswith(" +record")):
+        plain = statistics.median(r["tokens_per_s"] for r in runs if r["name"] == name)
+        recorded = statistics.median(r["tokens_per_s"] for r in runs if r["name"] == f"{name} +record")
+        out[name] = round(1 - recorded / plain, 4)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="testbed/target")
@@ -116,6 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--emulate-stage-ms", type=float, default=0.0)
     p.add_argument("--emulate-link-ms", type=float, default=0.0)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server process")
+    p.add_argument(
+        "--record-overhead",
+        action="store_true",
+        help="each run also with --record DIR, in turn --repeats times: the tokens/s that recording costs",
+    )
+    p.add_argument("--repeats", type=int, default=2, help="--record-overhead: pairs per run (default: %(default)s)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -133,10 +153,18 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for spec in args.run:
         server_args = [*common, *flags[spec]]
-        print(
-            f"[bench_serve] {spec}: {args.requests} requests, {args.concurrency} clients", file=sys.stderr, flush=True
-        )
-        runs.append(run_load(args, spec, server_args, prompts))
+        for _ in range(args.repeats if args.record_overhead else 1):
+            print(
+                f"[bench_serve] {spec}: {args.requests} requests, {args.concurrency} clients",
+                file=sys.stderr,
+                flush=True,
+            )
+            runs.append(run_load(args, spec, server_args, prompts))
+            if args.record_overhead:
+                with tempfile.TemporaryDirectory() as records:
+                    print(f"[bench_serve] {spec} +record: the same, recorded", file=sys.stderr, flush=True)
+                    runs.append(run_load(args, f"{spec} +record", [*server_args, "--record", records], prompts))
+    overhead = record_overhead(runs) if args.record_overhead else {}
     same = all(r["texts"] == runs[0]["texts"] for r in runs)
     print(
         f"\n{args.requests} requests x {args.max_tokens} tokens, {args.concurrency} concurrent clients, runtime "
@@ -172,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             rule=" --- ",
         )
     )
+    for spec, drop in overhead.items():
+        print(f"{spec}: recording costs {100 * drop:.1f}% of tokens/s (medians of {args.repeats} runs each)")
     if args.out:
         report = {
             "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
@@ -183,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             "emulate_stage_ms": args.emulate_stage_ms,
             "emulate_link_ms": args.emulate_link_ms,
             "runs": [{k: v for k, v in r.items() if k != "texts"} for r in runs],
+            **({"record_overhead": overhead} if args.record_overhead else {}),
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
         write_result(args.out, report)

@@ -128,7 +128,8 @@ def test_a_new_version_serves_new_requests_a_bad_one_is_refused_and_a_restart_st
         (start,) = _log(server, "listening on")
         assert f"head v1 '{versions / 'v1'}'" in start, start
         assert len(_log(server, "refused head v[23]")) == 2
-        _ask(server, PROMPTS[4])
+        out = server.client().completions.create(model=server.model, prompt=PROMPTS[4], max_tokens=8, temperature=0)
+        assert out.model_extra["spd"]["head_version"] == 1  # each answer says which version served it
         metrics = server.metrics()
         assert metrics["spd_head_version"] == 1 and metrics["spd_head_swaps_total"] == 0
     finally:

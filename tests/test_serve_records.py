@@ -88,3 +88,21 @@ def test_a_record_directory_that_cannot_be_used_stops_the_server_before_it_loads
         main, "--target", str(tiny_testbed / "target"), "--port", "0", "--record", str(tmp_path), "--record-max-mb", "0"
     )
     assert proc.returncode == 2 and "--record-max-mb" in proc.stderr
+
+
+@pytest.mark.slow
+def test_the_load_benchmark_measures_what_recording_costs(tiny_testbed, tiny_heads, tmp_path):
+    import json
+
+    from bench import bench_serve
+
+    out = tmp_path / "overhead.json"
+    spec = f"spd:{tiny_heads[4]}"
+    flags = ["--target", str(tiny_testbed / "target"), "--prompts", str(tiny_testbed / "prompts.jsonl")]
+    flags += ["--run", spec, "--requests", "4", "--concurrency", "2", "--max-tokens", "6"]
+    proc = run_main(bench_serve.main, *flags, "--record-overhead", "--repeats", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert [r["name"] for r in report["runs"]] == [spec, f"{spec} +record"] and report["identical_outputs"]
+    assert set(report["record_overhead"]) == {spec} and report["record_overhead"][spec] < 1
+    assert f"{spec}: recording costs" in proc.stdout

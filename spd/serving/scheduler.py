@@ -457,6 +457,8 @@ class Scheduler:
         metrics.latency.observe(time.perf_counter() - job.arrived)
         finish = "stop" if tracker.stopped or stats["stop_reason"] == "eos" else "length"
         stats["queue_time_s"] = round(started - job.arrived, 4)
+        if head is not None:
+            stats["head_version"] = head.number
         job.emit("done", tracker.finish(), finish, stats)
         if self.recorder is not None:  # after the answer is on its way; never raises
             self.recorder.record(
