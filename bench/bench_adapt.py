@@ -1,8 +1,9 @@
 """Does a head learn what it serves? A stream of requests replayed through spd-serve with and without ``--adapt``.
 
     python bench/bench_adapt.py --target smollm2/target --head heads/smollm2-135m-instruct-spd-n8 \\
-        --stream smollm2/data/self/prompts-shell.jsonl --requests 300 --max-tokens 128 --adapt-every 4000 \\
-        --adapt-args "--steps 30" --eval docs/results/self-eval/shell.jsonl --workdir runs/bench-adapt \\
+        --stream smollm2/data/self/prompts-shell.jsonl --requests 300 --max-tokens 96 --arms adapt,static,ar \\
+        --adapt-every 3000 --adapt-replay smollm2/data/self/greedy-{code,chat,math}.jsonl --adapt-args "--steps 40" \\
+        --eval docs/results/self-eval/shell.jsonl --humaneval 64 --workdir runs/bench-adapt \\
         --out docs/results/adapt_shell.json --plot docs/results/adapt_shell.png
 
 Each arm (``--arms``) starts its own server and sends the same requests in the same order, one at a time, as chat
@@ -129,6 +130,7 @@ def server_args(args, arm: str, arm_dir: Path) -> list[str]:
         return spd
     adapt = ["--record", str(arm_dir / "records"), "--adapt", "--adapt-every", str(args.adapt_every)]
     adapt += ["--adapt-threads", str(args.adapt_threads)]
+    adapt += ["--adapt-replay", *args.adapt_replay] if args.adapt_replay else []
     return spd + adapt + (["--adapt-args", args.adapt_args] if args.adapt_args else [])
 
 
@@ -263,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=50, help="requests in the rolling L'_acc (default: %(default)s)")
     p.add_argument("--adapt-every", type=int, default=4000, help="spd-serve --adapt-every (default: %(default)s)")
     p.add_argument("--adapt-threads", type=int, default=1, help="spd-serve --adapt-threads (default: %(default)s)")
+    p.add_argument("--adapt-replay", nargs="+", default=[], help="spd-serve --adapt-replay (default: none)")
     p.add_argument("--adapt-args", default="", help="spd-serve --adapt-args (default: none)")
     p.add_argument("--threads", type=int, default=1, help="the server's torch threads (default: %(default)s)")
     p.add_argument("--eval", help="held-out requests of the stream's kind (a bench/bench.py --prompts file)")
@@ -322,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             "window": args.window,
             "adapt_every": args.adapt_every,
             "adapt_args": args.adapt_args,
+            "adapt_replay": args.adapt_replay,
             "arms": summaries,
             "evaluation": evaluation,
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
