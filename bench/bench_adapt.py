@@ -26,10 +26,13 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,7 +125,8 @@ def descendants_cpu_s(pid: int) -> float:
 
 def server_args(args, arm: str, arm_dir: Path) -> list[str]:
     """spd-serve's flags for an arm."""
-    common = ["--target", args.target, "--max-queue", "4"]
+    common = ["--target", args.target, "--max-queue", str(4 * args.concurrency)]
+    common += ["--max-batch", str(args.concurrency)] if args.concurrency > 1 else []
     if arm == "ar":
         return [*common, "--mode", "ar"]
     spd = [*common, "--mode", "spd", "--head", args.head]
@@ -135,42 +139,55 @@ def server_args(args, arm: str, arm_dir: Path) -> list[str]:
 
 
 def run_arm(args, arm: str, prompts: list[list[dict]]) -> list[dict]:
-    """The arm's answers, the ones already in its answers file first; the rest asked of a server of its own."""
+    """The arm's answers in request order: those already in its answers file, the rest asked of a server of its own
+    by ``--concurrency`` clients (the server batching as many)."""
     arm_dir = Path(args.workdir) / arm
     arm_dir.mkdir(parents=True, exist_ok=True)
     answers_path, cpu_path = arm_dir / "answers.jsonl", arm_dir / "cpu.jsonl"
-    answers = read_rows(answers_path)
-    if len(answers) >= len(prompts):
-        return answers[: len(prompts)]
-    print(f"[bench_adapt] {arm}: requests {len(answers) + 1} to {len(prompts)}", file=sys.stderr, flush=True)
+    done = {row["request"]: row for row in read_rows(answers_path) if row["request"] < len(prompts)}
+    todo = [i for i in range(len(prompts)) if i not in done]
+    if todo:
+        print(f"[bench_adapt] {arm}: {len(todo)} of {len(prompts)} requests to ask", file=sys.stderr, flush=True)
+        _ask_all(args, arm, arm_dir, prompts, todo, done, answers_path, cpu_path)
+    return [done[i] for i in range(len(prompts))]
+
+
+def _ask_all(args, arm, arm_dir, prompts, todo, done, answers_path, cpu_path) -> None:
+    """Ask ``todo`` of one server, each answer appended as it comes; the server stopped in the end, its spd-adapt's
+    CPU counted first."""
     server = ServerProcess(*server_args(args, arm, arm_dir), threads=args.threads, cwd=REPO)
-    started, served = time.time(), 0
-    try:
-        for i in range(len(answers), len(prompts)):
-            try:
-                row = {"request": i, **stream_chat(server.url, server.model, prompts[i], args.max_tokens)}
-            except Exception as exc:  # a failed request is a result: counted, and the stream goes on
-                if server.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"the {arm} server died at request {i}:\n" + "".join(server.lines[-20:])
-                    ) from exc
-                row = {"request": i, "error": str(exc)}
+    started, lock, stopping, served = time.time(), threading.Lock(), threading.Event(), [0]
+
+    def ask(i: int) -> None:
+        try:
+            row = {"request": i, **stream_chat(server.url, server.model, prompts[i], args.max_tokens)}
+        except Exception as exc:  # a failed request is a result: counted, and the stream goes on
+            if stopping.is_set():
+                return  # cut off by the run's own end: asked again by the next run
+            if server.proc.poll() is not None:
+                raise RuntimeError(f"the {arm} server died at request {i}:\n" + "".join(server.lines[-20:])) from exc
+            row = {"request": i, "error": str(exc)}
+        with lock:
             append_row(answers_path, row)
-            answers.append(row)
-            served += len(row.get("token_ids", []))
-            if (i + 1) % 10 == 0:
-                print(
-                    f"[bench_adapt] {arm}: {i + 1}/{len(prompts)}, {_rolling(answers, args.window)[-1]}",
-                    file=sys.stderr,
-                )
+            done[i] = row
+            served[0] += len(row.get("token_ids", []))
+            if len(done) % 10 == 0:
+                ordered = [done[j] for j in sorted(done)]
+                print(f"[bench_adapt] {arm}: {len(done)}/{len(prompts)}, L'_acc {_rolling(ordered, args.window)[-1]}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+
+    pool = ThreadPoolExecutor(args.concurrency)
+    try:
+        for future in [pool.submit(ask, i) for i in todo]:
+            future.result()
     finally:
+        stopping.set()
+        pool.shutdown(wait=False, cancel_futures=True)
         adapt_cpu = descendants_cpu_s(server.proc.pid) if server.proc.poll() is None else 0.0
         server.stop()
-        append_row(
-            cpu_path, {"adapt_cpu_s": round(adapt_cpu, 2), "answer_tokens": served, "wall_s": time.time() - started}
-        )
+        row = {"adapt_cpu_s": round(adapt_cpu, 2), "answer_tokens": served[0], "wall_s": round(time.time() - started)}
+        append_row(cpu_path, row)
         (arm_dir / "server.log").write_text("".join(server.lines), encoding="utf-8")
-    return answers
 
 
 def _rolling(answers: list[dict], window: int) -> list[float | None]:
@@ -254,6 +271,10 @@ def plot(path: str, arms: dict[str, dict], window: int) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="the target's directory")
@@ -262,6 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=300, help="requests replayed (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=128, help="answer tokens per request (default: %(default)s)")
     p.add_argument("--arms", default="static,adapt,ar", help="of static, adapt, ar (default: %(default)s)")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="clients at once, and the servers' --max-batch (default: %(default)s)",
+    )
     p.add_argument("--window", type=int, default=50, help="requests in the rolling L'_acc (default: %(default)s)")
     p.add_argument("--adapt-every", type=int, default=4000, help="spd-serve --adapt-every (default: %(default)s)")
     p.add_argument("--adapt-threads", type=int, default=1, help="spd-serve --adapt-threads (default: %(default)s)")
@@ -274,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="the JSON result")
     p.add_argument("--plot", help="the plot (PNG; matplotlib)")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupted)  # a killed run stops its server (and its spd-adapt) on the way out
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not arms or any(a not in ARMS for a in arms):
         p.error(f"--arms '{args.arms}' is not a list of {', '.join(ARMS)}")

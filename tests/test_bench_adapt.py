@@ -46,7 +46,7 @@ def test_the_stream_runs_through_each_arm_equal_to_ar_and_a_rerun_resumes(tiny_t
     )
     assert second.returncode == 0, second.stderr
     assert "dropped a last line that a kill cut short" in second.stderr
-    assert "adapt: requests 5 to 7" in second.stderr and "ar: requests 1 to 7" in second.stderr
+    assert "adapt: 3 of 7 requests to ask" in second.stderr and "ar: 7 of 7 requests to ask" in second.stderr
 
     result = json.loads(out.read_text())
     assert set(result["arms"]) == {"static", "adapt", "ar"}
@@ -54,7 +54,7 @@ def test_the_stream_runs_through_each_arm_equal_to_ar_and_a_rerun_resumes(tiny_t
         assert figures["requests"] == 7 and figures["failed"] == 0 and figures["identical_to_ar"] is True, arm
         assert len(figures["rolling_L_acc"]) == 7 and len(figures["head_version"]) == 7
     rows = [json.loads(line) for line in (work / "adapt" / "answers.jsonl").read_text().splitlines()]
-    assert [r["request"] for r in rows] == list(range(7))  # none asked twice, none lost
+    assert sorted(r["request"] for r in rows) == list(range(7))  # none asked twice, none lost
     assert result["arms"]["static"]["L_acc_last_window"] > 0
     assert result["arms"]["adapt"]["adapt_cpu_s"] > 0  # its spd-adapt ran at least a round's worth of CPU
     assert (tmp_path / "a.png").stat().st_size > 0
