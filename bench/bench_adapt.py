@@ -126,10 +126,10 @@ def descendants_cpu_s(pid: int) -> float:
 def server_args(args, arm: str, arm_dir: Path) -> list[str]:
     """spd-serve's flags for an arm."""
     common = ["--target", args.target, "--max-queue", str(4 * args.concurrency)]
-    common += ["--max-batch", str(args.concurrency)] if args.concurrency > 1 else []
-    if arm == "ar":
+    if arm == "ar":  # one request at a time: ar does not batch
         return [*common, "--mode", "ar"]
     spd = [*common, "--mode", "spd", "--head", args.head]
+    spd += ["--max-batch", str(args.concurrency)] if args.concurrency > 1 else []
     if arm == "static":
         return spd
     adapt = ["--record", str(arm_dir / "records"), "--adapt", "--adapt-every", str(args.adapt_every)]

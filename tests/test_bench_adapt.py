@@ -42,7 +42,16 @@ def test_the_stream_runs_through_each_arm_equal_to_ar_and_a_rerun_resumes(tiny_t
     with open(work / "adapt" / "answers.jsonl", "a") as f:
         f.write('{"request": 4, "token_')  # a run killed mid-write
     second = run_main(
-        bench_adapt.main, *common, "--requests", "7", "--out", str(out), "--plot", str(tmp_path / "a.png")
+        bench_adapt.main,
+        *common,
+        "--requests",
+        "7",
+        "--concurrency",
+        "2",
+        "--out",
+        str(out),
+        "--plot",
+        str(tmp_path / "a.png"),
     )
     assert second.returncode == 0, second.stderr
     assert "dropped a last line that a kill cut short" in second.stderr
