@@ -44,7 +44,8 @@ from spd.decoding.engine import Engine  # noqa: E402
 from spd.decoding.generation import generate_ar  # noqa: E402
 from spd.decoding.sampling import SamplingParams  # noqa: E402
 from spd.target import sdpa  # noqa: E402
-from spd.target.staging import StagedModel, balanced_boundaries  # noqa: E402
+from spd.target.cut import balanced_boundaries  # noqa: E402
+from spd.target.staging import StagedModel  # noqa: E402
 from spd.training.distill import DistillConfig, new_head  # noqa: E402
 
 SIZES = {
@@ -165,7 +166,7 @@ def cuts(model, args, device) -> list[tuple[StagedModel, object]]:
 
 def cut(model, n: int) -> StagedModel:
     """The target in ``n`` stages: equal ones where n divides the layers, else the most even (the first get one
-    more layer; spd.target.staging.balanced_boundaries)."""
+    more layer; spd.target.cut.balanced_boundaries)."""
     return StagedModel(model, boundaries=balanced_boundaries(model.config.num_hidden_layers, n))
 
 

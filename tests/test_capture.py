@@ -286,7 +286,7 @@ def test_offline_training_refuses_bad_input(tiny_testbed, captured, tmp_path):
 def test_capture_anchors_for_uneven_cuts():
     """n that does not divide the layers stores the anchors of the balanced cut (what the presets train)."""
     from spd.heads.config import default_anchors
-    from spd.target.staging import balanced_boundaries
+    from spd.target.cut import balanced_boundaries
     from spd.training.capture import anchors_for_stages
 
     assert anchors_for_stages(8, [3]) == sorted({a for d in default_anchors(balanced_boundaries(8, 3)) for a in d})

@@ -183,7 +183,7 @@ def _load_partial(root: Path) -> None:
 
 
 def _target_layers(root: Path) -> None:
-    from spd.target.staging import target_num_layers
+    from spd.target.cut import target_num_layers
 
     target_num_layers(str(root / "target"))
 

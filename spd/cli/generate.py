@@ -264,7 +264,7 @@ def run(args) -> int:
 
 def loaded_line(spec: DecodingSpec, cut, seconds: float) -> str:
     """The line once everything is loaded: the target, the mode, the cut, the proposer and the time it took."""
-    from spd.target.staging import describe_cut
+    from spd.target.cut import describe_cut
 
     proposer = f", head {spec.speculator}" if spec.speculator else ""
     proposer += f", draft model {spec.draft_model}" if spec.draft_model else ""

@@ -17,7 +17,8 @@ import torch
 from ..heads.config import cut_problem, depth_problem, equal_cut_problem, misfit
 from ..heads.loading import HeadSource, load_speculator, pipeline_cut, read_head
 from ..reading import check_model_files
-from ..target.staging import StagedModel, cut_flag, split_layers, target_num_layers
+from ..target.cut import cut_flag, split_layers, target_num_layers
+from ..target.staging import StagedModel
 from .proposers import Draft, load_draft_model
 from .spec import DecodingSpec
 
