@@ -7,7 +7,8 @@ import torch
 
 from conftest import tiny_model
 from spd.decoding.tree import TokenTree, verify_greedy, verify_sampled_deterministic, verify_sampled_recursive
-from spd.target.staging import SpdInputError, StagedModel, StageKVCache
+from spd.target.kv_cache import StageKVCache
+from spd.target.staging import SpdInputError, StagedModel
 
 TOL = 2e-5
 LOG = math.log

@@ -30,12 +30,12 @@ from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..errors import SpdInputError
+from .kv_cache import StageKVCache
 from .kv_pool import KVPool
 from .linear_state import NoPastRecording, StackedStates
 from .sdpa import decode_kernels
 from .staging import (
     LINEAR_LAYER_TYPE,
-    StageKVCache,
     StageOutput,
     attention_mask,
     cache_keyword,
