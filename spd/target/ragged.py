@@ -33,16 +33,9 @@ from ..errors import SpdInputError
 from .kv_cache import StageKVCache
 from .kv_pool import KVPool
 from .linear_state import NoPastRecording, StackedStates
+from .masks import attention_mask, node_groups, tree_attention_mask
 from .sdpa import decode_kernels
-from .staging import (
-    LINEAR_LAYER_TYPE,
-    StageOutput,
-    attention_mask,
-    cache_keyword,
-    node_groups,
-    run_linear_layer,
-    tree_attention_mask,
-)
+from .staging import LINEAR_LAYER_TYPE, StageOutput, cache_keyword, run_linear_layer
 
 
 @dataclass
