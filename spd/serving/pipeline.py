@@ -194,7 +194,7 @@ def _open_distributed(spec: PipelineSpec, cut, tokenizer) -> Pipeline:
     from ..runtime.loading import load_partial
     from ..runtime.protocol import RuntimeConfig
     from ..runtime.world import bound_store
-    from ..target.staging import check_device
+    from ..target.loading import check_device
 
     n = cut.n_stages
     local, host, port, interface = _stage_network(spec, n)
