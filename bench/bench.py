@@ -344,7 +344,8 @@ def _bench(args, runs: list[Run]) -> int:
 
     from spd.decoding.factory import build_engine
     from spd.decoding.spec import DecodingSpec
-    from spd.target.staging import StagedModel, load_tokenizer
+    from spd.target.staging import StagedModel
+    from spd.target.tokenizer import load_tokenizer
 
     transformers.utils.logging.set_verbosity_error()
     if args.threads:

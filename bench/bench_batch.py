@@ -624,7 +624,7 @@ def _bench(args) -> int:
     from bench.bench import load_prompts
     from spd.decoding.factory import build_engine, load_pipeline
     from spd.decoding.spec import DecodingSpec
-    from spd.target.staging import load_tokenizer
+    from spd.target.tokenizer import load_tokenizer
 
     transformers.utils.logging.set_verbosity_error()
     if args.threads:

@@ -135,7 +135,7 @@ def build_target(size: str, device: str, dtype: torch.dtype):
 def load_real(args, device: str, dtype: torch.dtype):
     """The model of ``--target`` on the device, and ``--prompt`` as its token ids (chat-rendered if it can be)."""
     from spd.target.loading import load_causal_lm
-    from spd.target.staging import load_tokenizer
+    from spd.target.tokenizer import load_tokenizer
 
     model = load_causal_lm(args.target, dtype=dtype, device=device)
     tokenizer = load_tokenizer(args.target)

@@ -46,7 +46,7 @@ def answer(
 
     from spd.data.regenerate import regenerate
     from spd.target.loading import load_causal_lm
-    from spd.target.staging import load_tokenizer
+    from spd.target.tokenizer import load_tokenizer
 
     model = load_causal_lm(target, dtype=getattr(torch, dtype)).eval()
     tokenizer = load_tokenizer(target)

@@ -217,7 +217,7 @@ def _answer_here(args, prompts: list[dict]) -> dict:
 
     from spd.data.regenerate import regenerate
     from spd.target.loading import load_causal_lm
-    from spd.target.staging import load_tokenizer
+    from spd.target.tokenizer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)

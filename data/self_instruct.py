@@ -102,7 +102,7 @@ def _write_topics(args) -> int:
         write_instructions_served,
     )
     from spd.target.loading import load_causal_lm
-    from spd.target.staging import load_tokenizer
+    from spd.target.tokenizer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)

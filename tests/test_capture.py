@@ -17,7 +17,8 @@ from spd.decoding.engine import Engine
 from spd.errors import SpdInputError
 from spd.heads.draft_vocab import check_draft_vocab, select_draft_vocab, token_counts, tokens_sha256
 from spd.heads.loading import load_speculator
-from spd.target.staging import StagedModel, load_tokenizer
+from spd.target.staging import StagedModel
+from spd.target.tokenizer import load_tokenizer
 from spd.training.capture import CapturedDataset, CapturedTarget, collate_captured, plan_shards
 from spd.training.distill import DistillConfig, collate, distill_step, new_head, teacher_anchors, teacher_pass
 from spd.training.kd import kd_loss, kd_loss_topk

@@ -189,7 +189,7 @@ def _target_layers(root: Path) -> None:
 
 
 def _tokenizer_load(root: Path) -> None:
-    from spd.target.staging import load_tokenizer
+    from spd.target.tokenizer import load_tokenizer
 
     load_tokenizer(root / "target")
 

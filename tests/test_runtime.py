@@ -22,7 +22,8 @@ from spd.errors import SpdInputError
 from spd.heads.loading import load_speculator
 from spd.runtime.loading import load_partial, materialized_bytes
 from spd.runtime.stage import EpochLog, _level_now, pack_level
-from spd.target.staging import StagedModel, load_tokenizer
+from spd.target.staging import StagedModel
+from spd.target.tokenizer import load_tokenizer
 from spd.training.distill import DistillConfig, new_head
 
 

@@ -57,7 +57,7 @@ def resolve_cut(spec: DecodingSpec) -> PipelineCut:
     pipeline refused, all before any weights load."""
     spec.check_sources()
     # The local config and weights, each named if damaged, before anything loads (a hub id's files arrive whole;
-    # the tokenizer's files are checked where they are read, spd.target.staging.load_tokenizer).
+    # the tokenizer's files are checked where they are read, spd.target.tokenizer.load_tokenizer).
     check_model_files(spec.target, "target", weights=True)
     if spec.draft_model is not None:
         check_model_files(spec.draft_model, "draft model", weights=True)

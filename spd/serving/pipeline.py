@@ -170,7 +170,7 @@ def open_pipeline(spec: PipelineSpec) -> Pipeline:
     """Load the target, the head or draft model and the engine; start the stage processes if distributed."""
     from ..decoding.factory import load_pipeline
     from ..decoding.loader import resolve_cut
-    from ..target.staging import load_target_tokenizer
+    from ..target.tokenizer import load_target_tokenizer
 
     decoding = DecodingSpec.of(spec)
     cut = resolve_cut(decoding)  # the sources, the cut and the head's fit, before anything loads

@@ -14,7 +14,8 @@ from ...errors import SpdInputError
 from ...target.kv_cache import StageKVCache
 from ...target.kv_pool import KVPool, Region
 from ...target.ragged import Segment, run_ragged
-from ...target.staging import StagedModel, load_target_tokenizer
+from ...target.staging import StagedModel
+from ...target.tokenizer import load_target_tokenizer
 from ..tree import Level, TokenTree
 
 
