@@ -35,7 +35,7 @@ from .kv_pool import KVPool
 from .linear_state import NoPastRecording, StackedStates
 from .masks import attention_mask, node_groups, tree_attention_mask
 from .sdpa import decode_kernels
-from .staging import LINEAR_LAYER_TYPE, StageOutput, cache_keyword, run_linear_layer
+from .staging import LINEAR_LAYER_TYPE, StagedModel, StageOutput, cache_keyword, run_linear_layer
 
 
 @dataclass
@@ -371,11 +371,44 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
     """Run ``stage`` once over every segment (each cache a region of ``pool``); one output per segment, as
     :meth:`spd.target.staging.StagedModel.run_stage` would give for it alone."""
     staged = pool.staged
-    first, last = staged.boundaries[stage], staged.boundaries[stage + 1]
     device = pool.positions_C[stage].device  # (a stage rank's model has no LM head to tell it)
     sizes = [_checked_size(seg) for seg in segments]
-    # Every segment's rows of the pool and position ids at once: a segment's tokens take its request's next rows,
-    # at the next positions unless it gives its own (tree nodes sit at committed length + depth).
+    packed, q_pos_S, rows_S = _pack(segments, sizes)
+    rows_S, q_pos_S = rows_S.to(device), q_pos_S.to(device)
+    pool.positions_C[stage].index_copy_(0, rows_S, q_pos_S)
+    lo, hi = _key_rows(pool, segments)
+    key_pos_W = pool.positions_C[stage][lo:hi]
+    # Several segments: each attends to its own request's keys only (the layout); a lone one is its own stage call.
+    layout = (
+        _ragged_layout(segments, packed, lo, q_pos_S, key_pos_W, device, pool.keys_LBHkCDh[stage].dtype)
+        if len(segments) > 1
+        else None
+    )
+
+    hidden_1SD = torch.cat([seg.hidden_1TD for seg in segments], dim=1)
+    cache = _PooledWrite(pool, stage, rows_S, lo, hi)
+    # Linear-attention layers (hybrid targets): each segment's tokens from its own request's state.
+    groups = [
+        node_groups(seg.tree_mask_TN) if seg.tree_mask_TN is not None and seg.cache.linear is not None else None
+        for seg in segments
+    ]
+    for seg, nodes in zip(segments, groups):
+        seg.cache.begin(seg.size, first_node=None if nodes is None else nodes[0][0])
+    with decode_kernels(device), _in_layout(staged, stage, layout):
+        hidden_1SD, collected = _run_layers(
+            staged, stage, hidden_1SD, q_pos_S, key_pos_W, cache, segments, groups, layout
+        )
+
+    outputs = _split_outputs(segments, sizes, hidden_1SD, collected)
+    for seg, nodes in zip(segments, groups):
+        seg.cache.advance(seg.size, tree=nodes is not None)
+    return outputs
+
+
+def _pack(segments: list[Segment], sizes: list[int]) -> tuple[_Packed, torch.Tensor, torch.Tensor]:
+    """Where the segments sit in the packed tokens and the pool, and every packed token's position id and row of the
+    pool, at once: a segment's tokens take its request's next rows, at the next positions unless it gives its own
+    (tree nodes sit at committed length + depth)."""
     sizes_B = torch.tensor(sizes)
     packed = _Packed(
         torch.cumsum(sizes_B, 0) - sizes_B,
@@ -389,68 +422,72 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
     for seg, start in zip(segments, starts_B.tolist()):
         if seg.positions_T is not None:
             q_pos_S[start : start + seg.size] = seg.positions_T
-    rows_S, q_pos_S = rows_S.to(device), q_pos_S.to(device)
-    pool.positions_C[stage].index_copy_(0, rows_S, q_pos_S)
-    if len(segments) > 1:  # the whole buffer: every request's rows (and a contiguous tensor gathers ~2x faster)
-        lo, hi = 0, pool.rows
-    else:  # a lone segment attends to its own rows, as its own stage call would
-        lone = segments[0]
-        lo, hi = lone.cache.base, lone.cache.base + lone.cache.length + lone.size
-    key_pos_W = pool.positions_C[stage][lo:hi]
-    # Several segments: each attends to its own request's keys only (the layout); a lone one is its own stage call.
-    layout = (
-        _ragged_layout(segments, packed, lo, q_pos_S, key_pos_W, device, pool.keys_LBHkCDh[stage].dtype)
-        if len(segments) > 1
-        else None
-    )
+    return packed, q_pos_S, rows_S
 
-    hidden_1SD = torch.cat([seg.hidden_1TD for seg in segments], dim=1)
+
+def _key_rows(pool: KVPool, segments: list[Segment]) -> tuple[int, int]:
+    """The rows ``[lo, hi)`` of the pool whose keys the call's attention reads (its window ``W``)."""
+    if len(segments) > 1:  # the whole buffer: every request's rows (and a contiguous tensor gathers ~2x faster)
+        return 0, pool.rows
+    lone = segments[0]  # a lone segment attends to its own rows, as its own stage call would
+    return lone.cache.base, lone.cache.base + lone.cache.length + lone.size
+
+
+def _run_layers(
+    staged: StagedModel,
+    stage: int,
+    hidden_1SD: torch.Tensor,
+    q_pos_S: torch.Tensor,
+    key_pos_W: torch.Tensor,
+    cache: _PooledWrite,
+    segments: list[Segment],
+    groups: list,
+    layout: _Blocks | _Spans | None,
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """The stage's decoder layers over the packed tokens: their output ``H^{b[s+1]}`` and ``{l: H^l}`` for every
+    anchor a segment asks for. Attention layers read through ``layout`` (None: a lone segment, under the mask its own
+    stage call would get), linear-attention layers each segment's own state (:func:`_linear_layer`)."""
+    first, last = staged.boundaries[stage], staged.boundaries[stage + 1]
     position_ids_1S = q_pos_S[None]
     position_embeddings = staged.rope(hidden_1SD, position_ids_1S)
-    cache = _PooledWrite(pool, stage, rows_S, lo, hi)
     wanted = {a for seg in segments for a in seg.anchors}
     collected = {first: hidden_1SD} if first in wanted else {}
     masks: dict[int | None, torch.Tensor | None] = {}  # a lone segment's, by window
-    # Linear-attention layers (hybrid targets): each segment's tokens from its own request's state.
-    groups = [
-        node_groups(seg.tree_mask_TN) if seg.tree_mask_TN is not None and seg.cache.linear is not None else None
-        for seg in segments
-    ]
-    for seg, nodes in zip(segments, groups):
-        seg.cache.begin(seg.size, first_node=None if nodes is None else nodes[0][0])
-    with decode_kernels(device), _in_layout(staged, stage, layout):
-        for layer in range(first, last):
-            if staged.layer_types[layer] == LINEAR_LAYER_TYPE:
-                hidden_1SD = _linear_layer(
-                    staged.layers[layer], hidden_1SD, segments, groups, position_ids_1S, position_embeddings
-                )
-                if layer + 1 in wanted:
-                    collected[layer + 1] = hidden_1SD
-                continue
-            window = staged.windows[layer]
-            if layout is not None:
-                layout.use_window(window)  # what this layer's attention reads
-            elif window not in masks:
-                masks[window] = _lone_mask(segments[0], q_pos_S, key_pos_W, window, staged.attn_impl, hidden_1SD.dtype)
-            hidden_1SD = staged.layers[layer](
-                hidden_1SD,
-                attention_mask=masks.get(window),
-                position_ids=position_ids_1S,
-                use_cache=True,
-                position_embeddings=position_embeddings,
-                **{cache_keyword(staged.layers[layer]): cache},
+    for layer in range(first, last):
+        if staged.layer_types[layer] == LINEAR_LAYER_TYPE:
+            hidden_1SD = _linear_layer(
+                staged.layers[layer], hidden_1SD, segments, groups, position_ids_1S, position_embeddings
             )
             if layer + 1 in wanted:
                 collected[layer + 1] = hidden_1SD
+            continue
+        window = staged.windows[layer]
+        if layout is not None:
+            layout.use_window(window)  # what this layer's attention reads
+        elif window not in masks:
+            masks[window] = _lone_mask(segments[0], q_pos_S, key_pos_W, window, staged.attn_impl, hidden_1SD.dtype)
+        hidden_1SD = staged.layers[layer](
+            hidden_1SD,
+            attention_mask=masks.get(window),
+            position_ids=position_ids_1S,
+            use_cache=True,
+            position_embeddings=position_embeddings,
+            **{cache_keyword(staged.layers[layer]): cache},
+        )
+        if layer + 1 in wanted:
+            collected[layer + 1] = hidden_1SD
+    return hidden_1SD, collected
 
+
+def _split_outputs(
+    segments: list[Segment], sizes: list[int], hidden_1SD: torch.Tensor, collected: dict[int, torch.Tensor]
+) -> list[StageOutput]:
+    """Each segment's share of the packed output and of the anchors it asked for."""
     pieces = {a: hidden.split(sizes, dim=1) for a, hidden in collected.items()}
-    outputs = [
+    return [
         StageOutput(hidden_1TD, {a: pieces[a][i] for a in seg.anchors})
         for i, (seg, hidden_1TD) in enumerate(zip(segments, hidden_1SD.split(sizes, dim=1)))
     ]
-    for seg, nodes in zip(segments, groups):
-        seg.cache.advance(seg.size, tree=nodes is not None)
-    return outputs
 
 
 def _linear_layer(
