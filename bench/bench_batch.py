@@ -209,7 +209,8 @@ def calibrate(staged, context: int) -> tuple[float, float]:
     import torch
 
     from spd.target.kv_pool import KVPool
-    from spd.target.ragged import Segment, run_ragged
+    from spd.target.ragged import run_ragged
+    from spd.target.segments import Segment
 
     sizes, times = [1, 2, 4, 8, 16, 32, 64], []
     pool = KVPool(staged, context + 64)

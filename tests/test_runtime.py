@@ -245,7 +245,7 @@ def test_a_batch_manifest_round_trips_and_a_corrupt_one_is_refused(tiny_testbed)
     from spd.runtime.batch import OPEN, PRUNE, decode_manifest, encode_manifest, handles_of
     from spd.runtime.protocol import PipelineLost
     from spd.target.kv_pool import KVPool, Region
-    from spd.target.ragged import Segment
+    from spd.target.segments import Segment
 
     staged = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=2)
     pool = KVPool(staged, 64, ledger=True)

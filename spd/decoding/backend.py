@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from ..target.kv_cache import StageKVCache
     from ..target.kv_pool import KVPool, Region
-    from ..target.ragged import Segment
+    from ..target.segments import Segment
     from ..target.staging import StageOutput
     from .tree import Level, TokenTree
 

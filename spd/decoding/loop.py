@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..target.kv_cache import StageKVCache
-from ..target.ragged import Segment
+from ..target.segments import Segment
 from ..target.staging import StagedModel, StageOutput
 from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set, first_output, stop_reason
 from .proposers import Proposer, propose_many

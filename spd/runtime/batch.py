@@ -47,7 +47,7 @@ import torch
 from ..decoding.loop import LocalStages
 from ..target.kv_cache import StageKVCache
 from ..target.kv_pool import KVPool, Region
-from ..target.ragged import Segment
+from ..target.segments import Segment
 from ..target.staging import StageOutput
 from .protocol import BATCH_REPORT, BATCH_TAG, DATA_TAG, MANIFEST, REPORT_TAG, PipelineLost
 

@@ -1,17 +1,16 @@
 """One stage call over the new tokens of many requests: a ragged batch (docs/method.md §9).
 
-Each request contributes a *segment*: its new tokens at this stage (a chain's token, a tree level, or a chunk of a
-prompt) with their position ids and, for tree nodes, their ancestor mask. The segments are packed into one
-sequence, so every matrix product of the stage (projections, MLP) runs once for all of them; the attention reads
-the keys of every request from the shared :class:`~spd.target.kv_pool.KVPool` buffer: each segment's queries
-against its own request's rows only (on CPU in place, one attention call per segment: :class:`_Spans`; on CUDA
-gathered into one padded batch per segment size: :class:`_Blocks`), under a mask that lets each token see exactly
-what it would see in its own request's stage call (the committed prefix, and of the tree only its ancestors, or
-causally the chunk's earlier tokens). New keys and values are written straight into
-each request's region. On a hybrid target a linear-attention layer reads and writes each request's own state: the
-segments whose tokens are one-token sequences (a chain's next token, one tree depth) as one batch over their
-stacked states, the others (a prompt chunk, a first token, a level of several depths) each on its own
-(:func:`_linear_layer`).
+Each request contributes a *segment* (:class:`~spd.target.segments.Segment`): its new tokens at this stage (a
+chain's token, a tree level, or a chunk of a prompt) with their position ids and, for tree nodes, their ancestor
+mask. The segments are packed into one sequence, so every matrix product of the stage (projections, MLP) runs once
+for all of them; the attention reads the keys of every request from the shared :class:`~spd.target.kv_pool.KVPool`
+buffer: each segment's queries against its own request's rows only (on CPU in place, one attention call per segment:
+:class:`_Spans`; on CUDA gathered into one padded batch per segment size: :class:`_Blocks`), under a mask that lets
+each token see exactly what it would see in its own request's stage call (the committed prefix, and of the tree only
+its ancestors, or causally the chunk's earlier tokens). New keys and values are written straight into each request's
+region. On a hybrid target a linear-attention layer reads and writes each request's own state: the segments whose
+tokens are one-token sequences (a chain's next token, one tree depth) as one batch over their stacked states, the
+others (a prompt chunk, a first token, a level of several depths) each on its own (:func:`_linear_layer`).
 
 Shape suffixes: S packed tokens (every segment's), T one segment's tokens, N a segment's tree nodes, W the pool
 rows the call reads, B segments, K one segment's keys, D hidden size, H / Hk query / KV heads, Dh head dimension.
@@ -22,37 +21,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..errors import SpdInputError
-from .kv_cache import StageKVCache
 from .kv_pool import KVPool
 from .linear_state import NoPastRecording, StackedStates
 from .masks import attention_mask, node_groups, tree_attention_mask
 from .sdpa import decode_kernels
+from .segments import Segment, _checked_size, _pack, _Packed
 from .staging import LINEAR_LAYER_TYPE, StagedModel, StageOutput, cache_keyword, run_linear_layer
-
-
-@dataclass
-class Segment:
-    """A request's new tokens at one stage: ``hidden_1TD`` appended to ``cache`` (a pooled cache), at
-    ``positions_T`` (None: the next positions, ``cache.length + i``); ``tree_mask_TN`` the ancestor mask over the last
-    N rows after appending (None: causal among the new tokens); ``anchors`` the ``H^l`` to return."""
-
-    cache: StageKVCache
-    hidden_1TD: torch.Tensor
-    positions_T: torch.Tensor | None = None
-    tree_mask_TN: torch.Tensor | None = None
-    anchors: list[int] = field(default_factory=list)
-
-    @property
-    def size(self) -> int:
-        return self.hidden_1TD.shape[1]
 
 
 class _PooledWrite(NoPastRecording):
@@ -70,15 +49,6 @@ class _PooledWrite(NoPastRecording):
         self.keys_LBHkCDh[i, 0].index_copy_(1, self.rows_S, key_BHkSDh[0])
         self.values_LBHkCDh[i, 0].index_copy_(1, self.rows_S, value_BHkSDh[0])
         return (self.keys_LBHkCDh[i, :, :, self.lo : self.hi], self.values_LBHkCDh[i, :, :, self.lo : self.hi])
-
-
-class _Packed(NamedTuple):
-    """Where each segment of a ragged call sits: its first packed token, the rows its request held before the call,
-    and its request's first row in the pool (``(B,)`` each)."""
-
-    starts_B: torch.Tensor
-    lengths_B: torch.Tensor
-    bases_B: torch.Tensor
 
 
 class _Group:
@@ -348,25 +318,6 @@ def _lone_mask(
     return attention_mask(q_pos_S, key_pos_W.shape[0], window, impl, dtype, contiguous=seg.positions_T is None)
 
 
-def _checked_size(seg: Segment) -> int:
-    """The segment's token count, once its pooled cache can take them and its tree mask fits."""
-    cache, t = seg.cache, seg.size
-    if cache.base is None:
-        raise RuntimeError("run_ragged needs caches from a KVPool")
-    kv_len = cache.length + t
-    if kv_len > cache.capacity:
-        raise RuntimeError(f"a pooled KV cache of {cache.capacity} rows cannot hold {kv_len}")
-    tree_TN = seg.tree_mask_TN
-    if tree_TN is not None and (
-        tree_TN.dtype != torch.bool or tree_TN.shape[0] != t or not t <= tree_TN.shape[1] <= kv_len
-    ):
-        raise SpdInputError(
-            f"run_ragged: a tree mask must be a bool (T, N) tensor with T = {t} and "
-            f"{t} <= N <= {kv_len}, got {tree_TN.dtype} {tuple(tree_TN.shape)}"
-        )
-    return t
-
-
 def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageOutput]:
     """Run ``stage`` once over every segment (each cache a region of ``pool``); one output per segment, as
     :meth:`spd.target.staging.StagedModel.run_stage` would give for it alone."""
@@ -403,26 +354,6 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
     for seg, nodes in zip(segments, groups):
         seg.cache.advance(seg.size, tree=nodes is not None)
     return outputs
-
-
-def _pack(segments: list[Segment], sizes: list[int]) -> tuple[_Packed, torch.Tensor, torch.Tensor]:
-    """Where the segments sit in the packed tokens and the pool, and every packed token's position id and row of the
-    pool, at once: a segment's tokens take its request's next rows, at the next positions unless it gives its own
-    (tree nodes sit at committed length + depth)."""
-    sizes_B = torch.tensor(sizes)
-    packed = _Packed(
-        torch.cumsum(sizes_B, 0) - sizes_B,
-        torch.tensor([seg.cache.length for seg in segments]),
-        torch.tensor([seg.cache.base for seg in segments]),
-    )
-    starts_B, lengths_B, bases_B = packed
-    offsets_S = torch.arange(int(sizes_B.sum())) - starts_B.repeat_interleave(sizes_B)
-    q_pos_S = lengths_B.repeat_interleave(sizes_B) + offsets_S
-    rows_S = (bases_B + lengths_B).repeat_interleave(sizes_B) + offsets_S
-    for seg, start in zip(segments, starts_B.tolist()):
-        if seg.positions_T is not None:
-            q_pos_S[start : start + seg.size] = seg.positions_T
-    return packed, q_pos_S, rows_S
 
 
 def _key_rows(pool: KVPool, segments: list[Segment]) -> tuple[int, int]:
