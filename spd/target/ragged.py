@@ -5,7 +5,7 @@ chain's token, a tree level, or a chunk of a prompt) with their position ids and
 mask. The segments are packed into one sequence, so every matrix product of the stage (projections, MLP) runs once
 for all of them; the attention reads the keys of every request from the shared :class:`~spd.target.kv_pool.KVPool`
 buffer: each segment's queries against its own request's rows only (on CPU in place, one attention call per segment:
-:class:`_Spans`; on CUDA gathered into one padded batch per segment size: :class:`_Blocks`), under a mask that lets
+:class:`Spans`; on CUDA gathered into one padded batch per segment size: :class:`Blocks`), under a mask that lets
 each token see exactly what it would see in its own request's stage call (the committed prefix, and of the tree only
 its ancestors, or causally the chunk's earlier tokens). New keys and values are written straight into each request's
 region. On a hybrid target a linear-attention layer reads and writes each request's own state: the segments whose
@@ -23,9 +23,9 @@ import torch
 from .kv_pool import KVPool
 from .linear_state import NoPastRecording, StackedStates
 from .masks import node_groups
-from .ragged_attention import _Blocks, _in_layout, _lone_mask, _Spans
+from .ragged_attention import Blocks, Spans, in_layout, lone_mask
 from .sdpa import decode_kernels
-from .segments import Segment, _checked_size, _pack, _Packed
+from .segments import Packed, Segment, checked_size, pack
 from .staging import LINEAR_LAYER_TYPE, StagedModel, StageOutput, cache_keyword, run_linear_layer
 
 
@@ -46,27 +46,27 @@ class _PooledWrite(NoPastRecording):
         return (self.keys_LBHkCDh[i, :, :, self.lo : self.hi], self.values_LBHkCDh[i, :, :, self.lo : self.hi])
 
 
-#: How a ragged call of several segments runs its attention: "blocks" (:class:`_Blocks`, gathered, one call per
-#: segment size), "spans" (:class:`_Spans`, in place, one call per segment), or "auto": spans on CPU, blocks on CUDA
+#: How a ragged call of several segments runs its attention: "blocks" (:class:`Blocks`, gathered, one call per
+#: segment size), "spans" (:class:`Spans`, in place, one call per segment), or "auto": spans on CPU, blocks on CUDA
 #: (where one kernel per group beats a launch per segment).
 RAGGED_ATTENTION = "auto"
 
 
 def _ragged_layout(
     segments: list[Segment],
-    packed: _Packed,
+    packed: Packed,
     lo: int,
     q_pos_S: torch.Tensor,
     key_pos_W: torch.Tensor,
     device: torch.device,
     dtype: torch.dtype,
-) -> _Blocks | _Spans:
+) -> Blocks | Spans:
     """The attention layout of a ragged call of several segments (:data:`RAGGED_ATTENTION`)."""
     if RAGGED_ATTENTION not in ("auto", "blocks", "spans"):
         raise ValueError(f"RAGGED_ATTENTION must be 'auto', 'blocks' or 'spans', not {RAGGED_ATTENTION!r}")
     if RAGGED_ATTENTION == "blocks" or (RAGGED_ATTENTION == "auto" and device.type == "cuda"):
-        return _Blocks(segments, packed, q_pos_S, key_pos_W, device)
-    return _Spans(segments, packed, lo, q_pos_S, key_pos_W, dtype)
+        return Blocks(segments, packed, q_pos_S, key_pos_W, device)
+    return Spans(segments, packed, lo, q_pos_S, key_pos_W, dtype)
 
 
 def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageOutput]:
@@ -74,8 +74,8 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
     :meth:`spd.target.staging.StagedModel.run_stage` would give for it alone."""
     staged = pool.staged
     device = pool.positions_C[stage].device  # (a stage rank's model has no LM head to tell it)
-    sizes = [_checked_size(seg) for seg in segments]
-    packed, q_pos_S, rows_S = _pack(segments, sizes)
+    sizes = [checked_size(seg) for seg in segments]
+    packed, q_pos_S, rows_S = pack(segments, sizes)
     rows_S, q_pos_S = rows_S.to(device), q_pos_S.to(device)
     pool.positions_C[stage].index_copy_(0, rows_S, q_pos_S)
     lo, hi = _key_rows(pool, segments)
@@ -96,7 +96,7 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
     ]
     for seg, nodes in zip(segments, groups):
         seg.cache.begin(seg.size, first_node=None if nodes is None else nodes[0][0])
-    with decode_kernels(device), _in_layout(staged, stage, layout):
+    with decode_kernels(device), in_layout(staged, stage, layout):
         hidden_1SD, collected = _run_layers(
             staged, stage, hidden_1SD, q_pos_S, key_pos_W, cache, segments, groups, layout
         )
@@ -124,7 +124,7 @@ def _run_layers(
     cache: _PooledWrite,
     segments: list[Segment],
     groups: list,
-    layout: _Blocks | _Spans | None,
+    layout: Blocks | Spans | None,
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """The stage's decoder layers over the packed tokens: their output ``H^{b[s+1]}`` and ``{l: H^l}`` for every
     anchor a segment asks for. Attention layers read through ``layout`` (None: a lone segment, under the mask its own
@@ -147,7 +147,7 @@ def _run_layers(
         if layout is not None:
             layout.use_window(window)  # what this layer's attention reads
         elif window not in masks:
-            masks[window] = _lone_mask(segments[0], q_pos_S, key_pos_W, window, staged.attn_impl, hidden_1SD.dtype)
+            masks[window] = lone_mask(segments[0], q_pos_S, key_pos_W, window, staged.attn_impl, hidden_1SD.dtype)
         hidden_1SD = staged.layers[layer](
             hidden_1SD,
             attention_mask=masks.get(window),

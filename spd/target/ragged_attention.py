@@ -1,11 +1,11 @@
 """The attention of a ragged stage call (docs/method.md §9): each segment's queries against its own request's keys
 only, read from the one :class:`~spd.target.kv_pool.KVPool` buffer that every request's rows share.
 
-Two layouts compute it (:data:`spd.target.ragged.RAGGED_ATTENTION` picks one): :class:`_Blocks` gathers each
-request's rows into one padded batch per segment size (CUDA's), :class:`_Spans` attends to each request's rows in
+Two layouts compute it (:data:`spd.target.ragged.RAGGED_ATTENTION` picks one): :class:`Blocks` gathers each
+request's rows into one padded batch per segment size (CUDA's), :class:`Spans` attends to each request's rows in
 place, one call per segment (the CPU's). The stage's attention layers reach the layout through Hugging Face's
-attention interface (:func:`_block_attention`, switched on by :func:`_in_layout`). A lone segment needs no layout:
-:func:`_lone_mask` gives it the mask its own stage call would get.
+attention interface (:func:`_block_attention`, switched on by :func:`in_layout`). A lone segment needs no layout:
+:func:`lone_mask` gives it the mask its own stage call would get.
 
 Shape suffixes: S packed tokens (every segment's), W the pool rows the call reads, B segments, T one segment's
 tokens, K one segment's keys, H / Hk query / KV heads, Dh head dimension.
@@ -16,13 +16,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
+from collections.abc import Iterator
 
 import torch
 from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .masks import attention_mask, tree_attention_mask
-from .segments import Segment, _Packed
+from .segments import Packed, Segment
+from .staging import StagedModel
 
 
 class _Group:
@@ -35,7 +37,7 @@ class _Group:
         self,
         t: int,
         indices: list[int],
-        packed: _Packed,
+        packed: Packed,
         trees: dict[int, torch.Tensor],
         q_pos_S: torch.Tensor,
         key_pos_W: torch.Tensor,
@@ -65,7 +67,7 @@ class _Group:
         return allowed_BTK[:, None]
 
 
-class _Blocks:
+class Blocks:
     """The attention of a ragged call of several segments as one batch per segment size (CUDA's layout): each group
     (:class:`_Group`: a chain's tokens in one group, a tree's levels of one width in another, each prompt chunk
     with those of its length) gathers its requests' rows from the window into one padded batch, so that no query
@@ -75,7 +77,7 @@ class _Blocks:
     def __init__(
         self,
         segments: list[Segment],
-        packed: _Packed,
+        packed: Packed,
         q_pos_S: torch.Tensor,
         key_pos_W: torch.Tensor,
         device: torch.device,
@@ -134,16 +136,16 @@ class _Blocks:
         return out_SHD[None]
 
 
-class _Spans:
+class Spans:
     """The attention of a ragged call of several segments in place (the CPU's layout): each segment's queries attend
     to its own request's rows as a view of the window, with the mask its own stage call would use
-    (:func:`_lone_mask`, in SDPA's form), one attention call per segment. Nothing is gathered: on CPU, copying every
+    (:func:`lone_mask`, in SDPA's form), one attention call per segment. Nothing is gathered: on CPU, copying every
     request's rows into a padded batch at every layer cost more than the attention itself (docs/benchmarks.md)."""
 
     def __init__(
         self,
         segments: list[Segment],
-        packed: _Packed,
+        packed: Packed,
         lo: int,
         q_pos_S: torch.Tensor,
         key_pos_W: torch.Tensor,
@@ -162,7 +164,7 @@ class _Spans:
         """The next layers attend with this sliding window (None: full attention)."""
         if window not in self.masks:
             self.masks[window] = [
-                _lone_mask(seg, self.q_pos_S[q : q + t], self.key_pos_W[k : k + kv], window, "sdpa", self.dtype)
+                lone_mask(seg, self.q_pos_S[q : q + t], self.key_pos_W[k : k + kv], window, "sdpa", self.dtype)
                 for seg, (q, t, k, kv) in zip(self.segments, self.spans)
             ]
         self.window = window
@@ -196,7 +198,7 @@ class _Spans:
         return torch.cat(outs, dim=2).transpose(1, 2)
 
 
-_LAYOUT: contextvars.ContextVar[_Blocks | _Spans | None] = contextvars.ContextVar("spd_ragged_layout", default=None)
+_LAYOUT: contextvars.ContextVar[Blocks | Spans | None] = contextvars.ContextVar("spd_ragged_layout", default=None)
 _BLOCK_ATTENTION = "spd_ragged_blocks"
 
 
@@ -211,7 +213,7 @@ def _block_attention(
     **kwargs,
 ):
     """The attention of a ragged call of several segments: each segment's queries against its own request's keys
-    only, by the call's layout (:class:`_Blocks` or :class:`_Spans`, its window set for the layer that runs). Equal
+    only, by the call's layout (:class:`Blocks` or :class:`Spans`, its window set for the layer that runs). Equal
     to a dense masked attention over the whole window up to fp32 rounding."""
     layout = _LAYOUT.get()
     if layout is None:  # not inside a ragged call of several segments
@@ -241,7 +243,7 @@ def _stage_configs(staged, stage: int) -> dict[int, PretrainedConfig]:
 
 
 @contextlib.contextmanager
-def _in_layout(staged, stage: int, layout: _Blocks | _Spans | None):
+def in_layout(staged: StagedModel, stage: int, layout: Blocks | Spans | None) -> Iterator[None]:
     """Within: the stage's attention layers run :func:`_block_attention` by ``layout`` (None: unchanged)."""
     if layout is None:
         yield
@@ -259,7 +261,7 @@ def _in_layout(staged, stage: int, layout: _Blocks | _Spans | None):
             config._attn_implementation = saved[key]
 
 
-def _lone_mask(
+def lone_mask(
     seg: Segment, q_pos_S: torch.Tensor, key_pos_W: torch.Tensor, window: int | None, impl: str, dtype: torch.dtype
 ) -> torch.Tensor | None:
     """The attention mask of a lone segment: the one its own stage call would get (None where the backend's default

@@ -36,7 +36,7 @@ class Segment:
         return self.hidden_1TD.shape[1]
 
 
-class _Packed(NamedTuple):
+class Packed(NamedTuple):
     """Where each segment of a ragged call sits: its first packed token, the rows its request held before the call,
     and its request's first row in the pool (``(B,)`` each)."""
 
@@ -45,7 +45,7 @@ class _Packed(NamedTuple):
     bases_B: torch.Tensor
 
 
-def _checked_size(seg: Segment) -> int:
+def checked_size(seg: Segment) -> int:
     """The segment's token count, once its pooled cache can take them and its tree mask fits."""
     cache, t = seg.cache, seg.size
     if cache.base is None:
@@ -64,12 +64,12 @@ def _checked_size(seg: Segment) -> int:
     return t
 
 
-def _pack(segments: list[Segment], sizes: list[int]) -> tuple[_Packed, torch.Tensor, torch.Tensor]:
+def pack(segments: list[Segment], sizes: list[int]) -> tuple[Packed, torch.Tensor, torch.Tensor]:
     """Where the segments sit in the packed tokens and the pool, and every packed token's position id and row of the
     pool, at once: a segment's tokens take its request's next rows, at the next positions unless it gives its own
     (tree nodes sit at committed length + depth)."""
     sizes_B = torch.tensor(sizes)
-    packed = _Packed(
+    packed = Packed(
         torch.cumsum(sizes_B, 0) - sizes_B,
         torch.tensor([seg.cache.length for seg in segments]),
         torch.tensor([seg.cache.base for seg in segments]),
