@@ -3,16 +3,17 @@
 The wrapper slices the real model (its embedding, decoder layers, final norm, LM head and rotary
 embedding); it forks no modeling code. Stage ``s`` (0-based here, 1..n in the paper) owns layers
 ``[boundaries[s], boundaries[s+1])`` (the cut, :mod:`spd.target.cut`). Each stage has its own KV cache
-(:class:`StageKVCache`), positions and RoPE, so one stage can run on tokens independently of the others, as in a
-pipeline.
+(:class:`~spd.target.kv_cache.StageKVCache`), positions and RoPE, so one stage can run on tokens independently of the
+others, as in a pipeline.
 
 Hidden-state convention (docs/method.md §1): ``H^0`` is the token embedding and ``H^l`` is the output of
 decoder layer ``l-1``, *before* the final norm. Anchors are requested by these indices ``l``.
 
 Token trees (docs/method.md §6): a stage's cache holds the committed tokens followed by the tree nodes it has
 run, in BFS order. ``run_stage(..., tree_mask_TN=...)`` runs tree nodes at explicit positions (committed
-length + depth) under committed-causal + ancestor-mask attention, and :meth:`StagedModel.prune_tree` /
-:meth:`StageKVCache.keep` compact the caches after the tree is pruned (see :mod:`spd.decoding.tree`).
+length + depth) under committed-causal + ancestor-mask attention (:mod:`spd.target.masks`), and
+:meth:`StagedModel.prune_tree` / :meth:`StageKVCache.keep` compact the caches after the tree is pruned (see
+:mod:`spd.decoding.tree`).
 
 Shapes are named with suffixes: B batch, T new tokens, P cached tokens (past), K = P + T keys,
 D hidden size, V vocabulary, Hk key/value heads, Dh head dim, C cache capacity, N tree nodes in the cache.
