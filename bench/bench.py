@@ -128,7 +128,7 @@ def _short_run(name: str, spec: str) -> Run | None:
     if mode == "pp" and arg.isdigit() and int(arg) >= 1:
         return Run(name or f"pp n={arg}", DecodingSpec("pp", stages=int(arg)))
     if mode == "pp" and "," in arg:  # pp:8,16,23 - the standard pipeline over an uneven cut
-        from spd.target.staging import parse_boundaries
+        from spd.target.cut import parse_boundaries
 
         inner = [b for b in parse_boundaries(arg) if b != 0]
         return Run(name or f"pp b={arg}", DecodingSpec("pp", boundaries=[0] + inner))  # n: from the cut
@@ -344,7 +344,8 @@ def _bench(args, runs: list[Run]) -> int:
 
     from spd.decoding.factory import build_engine
     from spd.decoding.spec import DecodingSpec
-    from spd.target.staging import StagedModel, load_tokenizer
+    from spd.target.staging import StagedModel
+    from spd.target.tokenizer import load_tokenizer
 
     transformers.utils.logging.set_verbosity_error()
     if args.threads:

@@ -209,7 +209,8 @@ def calibrate(staged, context: int) -> tuple[float, float]:
     import torch
 
     from spd.target.kv_pool import KVPool
-    from spd.target.ragged import Segment, run_ragged
+    from spd.target.ragged import run_ragged
+    from spd.target.segments import Segment
 
     sizes, times = [1, 2, 4, 8, 16, 32, 64], []
     pool = KVPool(staged, context + 64)
@@ -624,7 +625,7 @@ def _bench(args) -> int:
     from bench.bench import load_prompts
     from spd.decoding.factory import build_engine, load_pipeline
     from spd.decoding.spec import DecodingSpec
-    from spd.target.staging import load_tokenizer
+    from spd.target.tokenizer import load_tokenizer
 
     transformers.utils.logging.set_verbosity_error()
     if args.threads:

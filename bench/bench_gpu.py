@@ -44,7 +44,8 @@ from spd.decoding.engine import Engine  # noqa: E402
 from spd.decoding.generation import generate_ar  # noqa: E402
 from spd.decoding.sampling import SamplingParams  # noqa: E402
 from spd.target import sdpa  # noqa: E402
-from spd.target.staging import StagedModel, balanced_boundaries  # noqa: E402
+from spd.target.cut import balanced_boundaries  # noqa: E402
+from spd.target.staging import StagedModel  # noqa: E402
 from spd.training.distill import DistillConfig, new_head  # noqa: E402
 
 SIZES = {
@@ -133,7 +134,8 @@ def build_target(size: str, device: str, dtype: torch.dtype):
 
 def load_real(args, device: str, dtype: torch.dtype):
     """The model of ``--target`` on the device, and ``--prompt`` as its token ids (chat-rendered if it can be)."""
-    from spd.target.staging import load_causal_lm, load_tokenizer
+    from spd.target.loading import load_causal_lm
+    from spd.target.tokenizer import load_tokenizer
 
     model = load_causal_lm(args.target, dtype=dtype, device=device)
     tokenizer = load_tokenizer(args.target)
@@ -165,7 +167,7 @@ def cuts(model, args, device) -> list[tuple[StagedModel, object]]:
 
 def cut(model, n: int) -> StagedModel:
     """The target in ``n`` stages: equal ones where n divides the layers, else the most even (the first get one
-    more layer; spd.target.staging.balanced_boundaries)."""
+    more layer; spd.target.cut.balanced_boundaries)."""
     return StagedModel(model, boundaries=balanced_boundaries(model.config.num_hidden_layers, n))
 
 

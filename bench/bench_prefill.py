@@ -115,7 +115,7 @@ def main(argv=None) -> int:
                 return 2
     from transformers import AutoConfig
 
-    from spd.target.staging import load_target_tokenizer
+    from spd.target.tokenizer import load_target_tokenizer
 
     tokenizer = load_target_tokenizer(args.target, None, None)
     config = AutoConfig.from_pretrained(args.target).get_text_config()

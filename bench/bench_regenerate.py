@@ -45,7 +45,8 @@ def answer(
     import torch
 
     from spd.data.regenerate import regenerate
-    from spd.target.staging import load_causal_lm, load_tokenizer
+    from spd.target.loading import load_causal_lm
+    from spd.target.tokenizer import load_tokenizer
 
     model = load_causal_lm(target, dtype=getattr(torch, dtype)).eval()
     tokenizer = load_tokenizer(target)

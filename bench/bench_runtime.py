@@ -146,7 +146,8 @@ def run_ar(args, n: int) -> dict:
     import torch
 
     from spd.decoding.generation import generate_ar
-    from spd.target.staging import StagedModel, load_tokenizer
+    from spd.target.staging import StagedModel
+    from spd.target.tokenizer import load_tokenizer
 
     torch.set_num_threads(args.threads)
     tok = load_tokenizer(args.target)

@@ -61,7 +61,7 @@ def _subset(args, work: Path) -> tuple[Path, int]:
     import yaml
 
     from spd.data.prepare import DataConfig, prepare_dataset
-    from spd.target.staging import load_tokenizer
+    from spd.target.tokenizer import load_tokenizer
 
     preset = yaml.safe_load(Path(args.config).read_text())
     need = args.steps * int(preset.get("batch_size", 8))

@@ -8,7 +8,7 @@
 
 ``--testbed DIR`` is a testbed (``DIR/target``, training text in ``DIR/corpus``) or a target prepared with its
 own answers by ``data/smollm2.py --out DIR`` (``DIR/target``, conversations in ``DIR/data``). An n that does not
-divide the target's layers takes the balanced cut (``spd.target.staging.balanced_boundaries``: the first
+divide the target's layers takes the balanced cut (``spd.target.cut.balanced_boundaries``: the first
 ``L mod n`` stages one layer longer), in the capture, the heads and the benchmark alike.
 
 1. One offline capture of the target's states over the training and validation text
@@ -71,7 +71,7 @@ class Head:
         ]
         if self.variant == "eagle":
             return keys + [f"draft_steps={draft_steps}", "boundaries=null"]
-        from spd.target.staging import balanced_boundaries
+        from spd.target.cut import balanced_boundaries
 
         cut = balanced_boundaries(num_layers, self.stages)  # the equal cut where n divides the layers
         return keys + ["boundaries=[" + ",".join(map(str, cut)) + "]"]

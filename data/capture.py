@@ -65,7 +65,9 @@ def _ints(text: str, flag: str) -> list[int]:
 
 def run(args) -> int:
     from spd.data.prepare import DataConfig, fingerprint, prepare_dataset
-    from spd.target.staging import StagedModel, load_tokenizer, target_num_layers
+    from spd.target.cut import target_num_layers
+    from spd.target.staging import StagedModel
+    from spd.target.tokenizer import load_tokenizer
     from spd.training.capture import CaptureSettings, anchors_for_stages, capture, row_lengths
 
     for flag in ("max_length", "topk", "shard_tokens", "batch_tokens"):

@@ -29,7 +29,7 @@ def main(argv=None) -> int:
 
 def _prepare(args) -> int:
     from spd.data.prepare import DataConfig, prepare_dataset
-    from spd.target.staging import load_tokenizer
+    from spd.target.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.target, revision=args.revision)
     cfg = DataConfig(max_length=args.max_length, overflow=args.overflow, split=args.split, revision=args.data_revision)

@@ -216,7 +216,8 @@ def _answer_here(args, prompts: list[dict]) -> dict:
     import torch
 
     from spd.data.regenerate import regenerate
-    from spd.target.staging import load_causal_lm, load_tokenizer
+    from spd.target.loading import load_causal_lm
+    from spd.target.tokenizer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -101,7 +101,8 @@ def _write_topics(args) -> int:
         write_instructions,
         write_instructions_served,
     )
-    from spd.target.staging import load_causal_lm, load_tokenizer
+    from spd.target.loading import load_causal_lm
+    from spd.target.tokenizer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -218,7 +218,8 @@ def prepare_data(args, target: Path, manifest: dict, save_manifest) -> None:
     """Instructions from the standard library, then the target's answers to them (train and validation)."""
     from spd.data.instructions import stdlib_instructions
     from spd.data.regenerate import regenerate
-    from spd.target.staging import load_causal_lm, load_tokenizer
+    from spd.target.loading import load_causal_lm
+    from spd.target.tokenizer import load_tokenizer
 
     data = args.out / "data"
     data.mkdir(exist_ok=True)

@@ -15,7 +15,8 @@ from spd.decoding.engine import Engine
 from spd.decoding.generation import generate_ar
 from spd.decoding.sampling import SamplingParams
 from spd.heads.loading import load_speculator
-from spd.target.staging import StagedModel, load_tokenizer
+from spd.target.staging import StagedModel
+from spd.target.tokenizer import load_tokenizer
 from spd.traffic.adapt import AdaptConfig, Adapter
 from spd.traffic.records import RecordPosition, TrafficRecorder, read_records_after, shards
 from spd.traffic.versions import newest_version, next_number

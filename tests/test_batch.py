@@ -23,7 +23,8 @@ from spd.errors import SpdInputError
 from spd.target import ragged
 from spd.target.kv_pool import KVPool
 from spd.target.linear_state import StackedStates
-from spd.target.ragged import Segment, run_ragged
+from spd.target.ragged import run_ragged
+from spd.target.segments import Segment
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, new_head
 

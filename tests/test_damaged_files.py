@@ -183,13 +183,13 @@ def _load_partial(root: Path) -> None:
 
 
 def _target_layers(root: Path) -> None:
-    from spd.target.staging import target_num_layers
+    from spd.target.cut import target_num_layers
 
     target_num_layers(str(root / "target"))
 
 
 def _tokenizer_load(root: Path) -> None:
-    from spd.target.staging import load_tokenizer
+    from spd.target.tokenizer import load_tokenizer
 
     load_tokenizer(root / "target")
 

@@ -65,7 +65,7 @@ def test_served_instructions_are_seeded_and_resume(tiny_testbed, ar_server, tmp_
     off); a run of 3 then 6 writes what one run of 6 at another concurrency writes, each id once."""
     from spd.data.client import request_seed
     from spd.data.self_instruct import TOPICS, user_turn_ids
-    from spd.target.staging import load_tokenizer
+    from spd.target.tokenizer import load_tokenizer
 
     target = str(tiny_testbed / "target")
     straight, resumed = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl"

@@ -405,7 +405,7 @@ def test_init_from_with_a_draft_vocabulary_trains_on_the_new_datas_tokens(tiny_t
     assert "moved to the data's draft vocabulary of 24 tokens" in proc.stdout + proc.stderr
     head = Speculator.from_pretrained(second / "final")
     from spd.data.prepare import DataConfig, prepare_dataset
-    from spd.target.staging import load_tokenizer
+    from spd.target.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_testbed / "target"))
     ds = prepare_dataset(str(chats), tokenizer, DataConfig(max_length=48), str(tmp_path / "cache"))

@@ -56,7 +56,7 @@ def test_greedy_spd_equals_ar_other_families(family):
 
 def test_greedy_spd_equals_ar_on_the_testbed(tiny_testbed):
     staged_by_n = {n: StagedModel.from_pretrained(tiny_testbed / "target", n_stages=n) for n in (2, 4, 8)}
-    from spd.target.staging import load_tokenizer
+    from spd.target.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny_testbed / "target")
     prompts = [tok(text)["input_ids"] for text in ("def main(argv):\n    ", "import os\n", "class A:\n    def")]

@@ -304,7 +304,7 @@ if __name__ == "__main__":
 
 def test_a_device_that_cannot_be_had_is_one_sentence():
     """Not a device name; CUDA asked of a torch or a machine without it (on this CPU-only CI)."""
-    from spd.target.staging import check_device
+    from spd.target.loading import check_device
 
     assert check_device("cpu") == torch.device("cpu")
     with pytest.raises(SpdInputError, match="^device 'cdua' is not a torch device; expected cpu, cuda or cuda:N$"):

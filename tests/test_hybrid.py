@@ -328,7 +328,7 @@ def hybrid_target(tiny_testbed, tmp_path_factory):
     """A tiny random Qwen3.5 target with the miniature testbed's tokenizer (for text data and prompts)."""
     import shutil
 
-    from spd.target.staging import load_tokenizer
+    from spd.target.tokenizer import load_tokenizer
 
     out = tmp_path_factory.mktemp("hybrid-target")
     tok = load_tokenizer(tiny_testbed / "target")
@@ -361,7 +361,7 @@ def test_distributed_draft_tree_on_a_hybrid_target_prunes_the_node_states(hybrid
 
     from helpers.proposers import noisy_copy
     from helpers.runtime import PROMPTS, torchrun
-    from spd.target.staging import load_tokenizer
+    from spd.target.tokenizer import load_tokenizer
 
     n = 4
     model = StagedModel.from_pretrained(hybrid_target, n_stages=1).model

@@ -139,7 +139,7 @@ def test_a_stage_rank_stacks_experts_stored_one_at_a_time(tmp_path, family):
 @pytest.fixture(scope="module")
 def moe_targets(tiny_testbed, tmp_path_factory):
     """Tiny random MoE targets with the miniature testbed's tokenizer (for text data and prompts)."""
-    from spd.target.staging import load_tokenizer
+    from spd.target.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny_testbed / "target")
     targets = {}

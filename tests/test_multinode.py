@@ -428,7 +428,7 @@ def test_a_server_with_stages_on_another_machine_serves_their_tokens_and_503_onc
         errors = _errors(err.splitlines())
         assert twice.returncode == 2 and len(errors) == 1 and "already run by another machine" in errors[0], err
         want = reference_outputs(tiny_testbed, heads[4], 4, "spd", 0.0, 0, None, 16)
-        from spd.target.staging import load_target_tokenizer
+        from spd.target.tokenizer import load_target_tokenizer
 
         tok = load_target_tokenizer(target)
         for prompt, expected in zip(PROMPTS, want):

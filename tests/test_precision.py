@@ -5,7 +5,7 @@ import torch
 
 from conftest import tiny_model
 from spd.target import precision
-from spd.target.staging import load_causal_lm
+from spd.target.loading import load_causal_lm
 
 
 def test_warns_only_for_an_emulated_dtype_on_the_cpu(monkeypatch):

@@ -22,7 +22,8 @@ from spd.errors import SpdInputError
 from spd.heads.loading import load_speculator
 from spd.runtime.loading import load_partial, materialized_bytes
 from spd.runtime.stage import EpochLog, _level_now, pack_level
-from spd.target.staging import StagedModel, load_tokenizer
+from spd.target.staging import StagedModel
+from spd.target.tokenizer import load_tokenizer
 from spd.training.distill import DistillConfig, new_head
 
 
@@ -244,7 +245,7 @@ def test_a_batch_manifest_round_trips_and_a_corrupt_one_is_refused(tiny_testbed)
     from spd.runtime.batch import OPEN, PRUNE, decode_manifest, encode_manifest, handles_of
     from spd.runtime.protocol import PipelineLost
     from spd.target.kv_pool import KVPool, Region
-    from spd.target.ragged import Segment
+    from spd.target.segments import Segment
 
     staged = StagedModel.from_pretrained(tiny_testbed / "target", n_stages=2)
     pool = KVPool(staged, 64, ledger=True)

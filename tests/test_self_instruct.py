@@ -12,7 +12,8 @@ from spd.errors import SpdInputError
 
 @pytest.fixture(scope="module")
 def chat_model(tiny_testbed):
-    from spd.target.staging import load_causal_lm, load_tokenizer
+    from spd.target.loading import load_causal_lm
+    from spd.target.tokenizer import load_tokenizer
 
     target = tiny_testbed / "target"
     return load_causal_lm(target).eval(), load_tokenizer(target)

@@ -775,7 +775,7 @@ def test_engines_stop_when_on_token_says_so(tiny_testbed, tiny_heads):
 
 def test_text_tracker_holds_back_possible_stop_strings(tiny_testbed):
     from spd.serving.scheduler import TextTracker
-    from spd.target.staging import load_tokenizer
+    from spd.target.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_testbed / "target"))
     ids = tokenizer("alpha beta gamma delta")["input_ids"]
@@ -818,7 +818,7 @@ def test_text_tracker_matches_brute_force_stop_semantics(tiny_testbed):
     import random
 
     from spd.serving.scheduler import TextTracker
-    from spd.target.staging import load_tokenizer
+    from spd.target.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_testbed / "target"))
     rng = random.Random(0)
@@ -844,7 +844,7 @@ def test_text_tracker_is_linear_in_stop_string_length(tiny_testbed):
     # string was copied at every token). The protocol now refuses stop strings over 1,000 characters, and the
     # tracker's work per token does not grow with their length anyway.
     from spd.serving.scheduler import TextTracker
-    from spd.target.staging import load_tokenizer
+    from spd.target.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_testbed / "target"))
     ids = tokenizer("alpha beta gamma delta " * 4, add_special_tokens=False)["input_ids"][:16]

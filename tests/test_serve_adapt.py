@@ -62,7 +62,8 @@ def _check_greedy(tiny_testbed, rows, texts=()) -> None:
     """Every recorded answer is the target's own greedy continuation of its prompt, and every answer a client got is
     one of them."""
     from spd.decoding.generation import generate_ar
-    from spd.target.staging import StagedModel, load_tokenizer
+    from spd.target.staging import StagedModel
+    from spd.target.tokenizer import load_tokenizer
 
     staged = StagedModel.from_pretrained(str(tiny_testbed / "target"), n_stages=1)
     tokenizer = load_tokenizer(tiny_testbed / "target")

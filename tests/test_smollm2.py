@@ -93,7 +93,8 @@ def test_ar_equals_generate_and_cuts_equal_full_forward(target):
     """ar == model.generate on chat prompts; the uneven cuts (n = 4, 8) and an equal one (n = 5) give the full
     forward's logits."""
     from spd.decoding.generation import generate_ar
-    from spd.target.staging import StagedModel, balanced_boundaries
+    from spd.target.cut import balanced_boundaries
+    from spd.target.staging import StagedModel
 
     model, tokenizer = target
     ids = _chat_ids(tokenizer, CHAT[0])

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from spd.target.staging import SpdInputError, StagedModel, split_layers
+from spd.target.cut import split_layers
+from spd.target.staging import SpdInputError, StagedModel
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 TOL = 2e-5

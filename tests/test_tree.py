@@ -7,7 +7,8 @@ import torch
 
 from conftest import tiny_model
 from spd.decoding.tree import TokenTree, verify_greedy, verify_sampled_deterministic, verify_sampled_recursive
-from spd.target.staging import SpdInputError, StagedModel, StageKVCache
+from spd.target.kv_cache import StageKVCache
+from spd.target.staging import SpdInputError, StagedModel
 
 TOL = 2e-5
 LOG = math.log
@@ -260,7 +261,7 @@ def test_kv_cache_keep_compacts_rows_in_order():
 def test_a_node_that_sees_every_row_needs_no_mask():
     """One tree node whose mask row is all True (a chain's node) gets no SDPA mask, as a chain token's call; any
     other node, a window, or the eager backend gets the full mask, its committed rows visible."""
-    from spd.target.staging import tree_attention_mask
+    from spd.target.masks import tree_attention_mask
 
     q_pos_T, key_pos_K = torch.tensor([5]), torch.arange(6)
     chain_TN = torch.ones(1, 2, dtype=torch.bool)

@@ -14,7 +14,8 @@ from spd.decoding.generation import generate_ar
 from spd.decoding.proposers import DraftModelProposer, HeadProposer, Proposer, SpdHeadProposer
 from spd.decoding.sampling import SamplingParams
 from spd.errors import SpdInputError
-from spd.target.staging import StagedModel, load_tokenizer
+from spd.target.staging import StagedModel
+from spd.target.tokenizer import load_tokenizer
 from spd.training.distill import DistillConfig, new_head
 
 PROMPTS = [[5, 17, 3, 99, 42, 8], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]

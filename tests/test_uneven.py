@@ -15,7 +15,8 @@ from spd.decoding.proposers import SpdHeadProposer
 from spd.decoding.sampling import SamplingParams
 from spd.errors import SpdInputError
 from spd.heads.loading import pipeline_cut
-from spd.target.staging import StagedModel, balanced_boundaries, describe_cut, split_layers
+from spd.target.cut import balanced_boundaries, describe_cut, split_layers
+from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, new_head
 
 PROMPTS = [[5, 17, 3, 99, 42, 8], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]

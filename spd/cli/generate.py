@@ -135,7 +135,7 @@ def _check_numbers(args) -> SamplingParams:
 
 def _load_tokenizer(source: str, revision: str | None):
     from spd.reading import DamagedFile
-    from spd.target.staging import load_tokenizer
+    from spd.target.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer(source, revision)
@@ -193,7 +193,7 @@ class TokenStreamer:
 
 def load_cli_tokenizer(args, prompt: str | list[int]):
     """--tokenizer or the target's; with --prompt-ids a target without one is fine (None: ids are printed)."""
-    from spd.target.staging import has_tokenizer_files
+    from spd.target.tokenizer import has_tokenizer_files
 
     if args.tokenizer is None and not has_tokenizer_files(args.target, args.revision):
         if isinstance(prompt, list):
@@ -264,7 +264,7 @@ def run(args) -> int:
 
 def loaded_line(spec: DecodingSpec, cut, seconds: float) -> str:
     """The line once everything is loaded: the target, the mode, the cut, the proposer and the time it took."""
-    from spd.target.staging import describe_cut
+    from spd.target.cut import describe_cut
 
     proposer = f", head {spec.speculator}" if spec.speculator else ""
     proposer += f", draft model {spec.draft_model}" if spec.draft_model else ""

@@ -192,7 +192,7 @@ def _driver(args, n: int, config, control, device, dtype, sampling: SamplingPara
     from spd.runtime.loading import load_partial
     from spd.runtime.protocol import PipelineLost
     from spd.runtime.remote import RemoteStages
-    from spd.target.staging import load_target_tokenizer
+    from spd.target.tokenizer import load_target_tokenizer
 
     for mode in args.mode:
         check_proposer(mode, args.speculator is not None, args.draft_model is not None)

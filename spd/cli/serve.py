@@ -578,7 +578,7 @@ def _announce(server, args, name: str, pipeline, max_model_len: int, batch=None,
     import threading
     import time
 
-    from spd.target.staging import describe_cut
+    from spd.target.cut import describe_cut
 
     def wait_and_print():
         while not server.started and not server.should_exit:

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from ..target.kv_cache import StageKVCache
     from ..target.kv_pool import KVPool, Region
-    from ..target.ragged import Segment
-    from ..target.staging import StageKVCache, StageOutput
+    from ..target.segments import Segment
+    from ..target.staging import StageOutput
     from .tree import Level, TokenTree
 
 

@@ -73,7 +73,8 @@ import torch
 
 from ..errors import SpdInputError
 from ..target.kv_pool import KVPool, Region
-from ..target.ragged import Segment, run_ragged
+from ..target.ragged import run_ragged
+from ..target.segments import Segment
 from ..target.staging import StageOutput
 from .generation import GenerationOutput, OnToken
 from .loop import COLLECT, Advance, LocalStages, Prefill, Propose, TargetLogits, anchors_by_stage, answer_many

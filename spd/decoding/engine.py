@@ -50,7 +50,8 @@ import torch
 
 from ..errors import SpdInputError
 from ..heads.speculator import Speculator
-from ..target.staging import StagedModel, load_target_tokenizer
+from ..target.staging import StagedModel
+from ..target.tokenizer import load_target_tokenizer
 from .generation import GenerationOutput, OnToken
 from .loop import LocalStages, StepLoop, verify_sampled
 from .modes import NEEDS_HEAD, NEEDS_PROPOSER, check_engine_mode, in_python_terms

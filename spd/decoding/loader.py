@@ -17,7 +17,8 @@ import torch
 from ..heads.config import cut_problem, depth_problem, equal_cut_problem, misfit
 from ..heads.loading import HeadSource, load_speculator, pipeline_cut, read_head
 from ..reading import check_model_files
-from ..target.staging import StagedModel, cut_flag, split_layers, target_num_layers
+from ..target.cut import cut_flag, split_layers, target_num_layers
+from ..target.staging import StagedModel
 from .proposers import Draft, load_draft_model
 from .spec import DecodingSpec
 
@@ -56,7 +57,7 @@ def resolve_cut(spec: DecodingSpec) -> PipelineCut:
     pipeline refused, all before any weights load."""
     spec.check_sources()
     # The local config and weights, each named if damaged, before anything loads (a hub id's files arrive whole;
-    # the tokenizer's files are checked where they are read, spd.target.staging.load_tokenizer).
+    # the tokenizer's files are checked where they are read, spd.target.tokenizer.load_tokenizer).
     check_model_files(spec.target, "target", weights=True)
     if spec.draft_model is not None:
         check_model_files(spec.draft_model, "draft model", weights=True)

@@ -62,8 +62,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..target.ragged import Segment
-from ..target.staging import StagedModel, StageKVCache, StageOutput
+from ..target.kv_cache import StageKVCache
+from ..target.segments import Segment
+from ..target.staging import StagedModel, StageOutput
 from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set, first_output, stop_reason
 from .proposers import Proposer, propose_many
 from .sampling import SamplingParams, select_token, warped_probs

@@ -48,7 +48,8 @@ import torch
 
 from ..errors import SpdInputError
 from ..heads.speculator import Speculator
-from ..target.staging import StagedModel, load_target_tokenizer
+from ..target.staging import StagedModel
+from ..target.tokenizer import load_target_tokenizer
 from .generation import GenerationOutput, GenerationStats, OnToken, as_prompt_ids, check_request, eos_set, stop_reason
 from .modes import check_proposer
 from .proposers import Draft, DraftModelProposer, Proposer, SerialHeadProposer, load_draft_model

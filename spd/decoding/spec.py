@@ -59,7 +59,7 @@ def tree_width_flag(text: str) -> int | str:
 
 
 def boundaries_flag(text: str) -> list[int]:
-    from ..target.staging import parse_boundaries
+    from ..target.cut import parse_boundaries
 
     try:
         return parse_boundaries(text)

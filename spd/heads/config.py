@@ -175,7 +175,7 @@ def equal_cut_problem(head_stages: int, num_layers: int) -> str | None:
 def cut_problem(head_boundaries: list[int], boundaries: list[int], asked: str = "the pipeline has") -> str:
     """A head made for another cut than the pipeline's (``asked``: who chose it, e.g. ``--stages 8 asks for``),
     both cuts named, and what to do."""
-    from ..target.staging import cut_flag, describe_cut
+    from ..target.cut import cut_flag, describe_cut
 
     return (
         f"it was trained for n = {describe_cut(head_boundaries)} ({cut_flag(head_boundaries)}) but {asked} "

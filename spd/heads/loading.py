@@ -93,7 +93,7 @@ def pipeline_cut(
 ) -> tuple[int | None, list[int] | None]:
     """``(n_stages, boundaries)`` for :class:`~spd.target.staging.StagedModel`: explicit boundaries, else the head's cut
     (when ``stages`` is not given or agrees with it), else ``stages`` stages (default 1; cut by
-    :func:`~spd.target.staging.split_layers`: equal where they divide the layers, else the larger stages first).
+    :func:`~spd.target.cut.split_layers`: equal where they divide the layers, else the larger stages first).
 
     With ``target`` the head's cut is checked against the target's depth first, so a head trained for another
     target is refused as such rather than as a bad cut.
@@ -106,7 +106,7 @@ def pipeline_cut(
             return stages or head.n_stages, None
         if stages is None or stages == head.n_stages:
             if target is not None:
-                from ..target.staging import target_num_layers
+                from ..target.cut import target_num_layers
 
                 num_layers = target_num_layers(target, target_revision)
                 if head.boundaries[-1] != num_layers:

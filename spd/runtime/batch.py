@@ -45,9 +45,10 @@ import itertools
 import torch
 
 from ..decoding.loop import LocalStages
+from ..target.kv_cache import StageKVCache
 from ..target.kv_pool import KVPool, Region
-from ..target.ragged import Segment
-from ..target.staging import StageKVCache, StageOutput
+from ..target.segments import Segment
+from ..target.staging import StageOutput
 from .protocol import BATCH_REPORT, BATCH_TAG, DATA_TAG, MANIFEST, REPORT_TAG, PipelineLost
 
 OPEN, CLOSE, TRUNCATE, PRUNE = 1, 2, 3, 4  # cache operations of a manifest

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..target.kv_pool import KVPool, Region
-from ..target.ragged import Segment
+from ..target.segments import Segment
 from ..target.staging import StagedModel
 from .batch import CLOSE, FROM_MANIFEST, OPEN, PRUNE, TRUNCATE, decode_manifest
 from .link import Link

@@ -25,20 +25,10 @@ def load_partial(
     """A StagedModel whose parameters exist only for ``role``: 0 = embedding, final norm and LM head (the
     driver), ``s >= 1`` = the decoder layers of stage ``s`` (1-based). Everything else stays on the meta
     device (no memory), so a stage holds about 1/n of the target's layers."""
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from ..paths import check_model_source
-    from ..reading import check_model_files
-
-    check_model_source(source, "target", revision)
-    check_model_files(source, "target")  # config.json; each safetensors file is checked when first opened
-    try:
-        config = AutoConfig.from_pretrained(source, revision=revision)
-    except (OSError, ValueError, KeyError) as exc:
-        raise SpdInputError(f"could not load safetensors weights of '{source}': {first_line(exc)}") from None
+    config = _read_config(source, revision)
     checkpoint = Checkpoint(source, revision, None if getattr(config, "quantization_config", None) else FLOATING)
-    files = checkpoint.weight_map
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     staged = StagedModel(model, n_stages=n_stages, boundaries=boundaries)
@@ -47,31 +37,8 @@ def load_partial(
         modules = {"embed": base.embed_tokens, "norm": base.norm, "head": model.get_output_embeddings()}
     else:
         modules = {f"layer{i}": staged.layers[i] for i in staged.stage_layers(role - 1)}
-    module_names = {id(m): name for name, m in model.named_modules()}
     tied = getattr(config, "tie_word_embeddings", False)
-    handles: dict[str, object] = {}
-    for module in modules.values():
-        module.to_empty(device=device)  # only the kept modules get memory
-        prefix = module_names[id(module)]
-        for local, param in module.named_parameters():
-            name = f"{prefix}.{local}"
-
-            def read(key: str) -> torch.Tensor:
-                path = checkpoint.path(key)
-                if path not in handles:
-                    handles[path] = safe_open(path, framework="pt", device="cpu")
-                return handles[path].get_tensor(key)
-
-            tensor = _read_tensor(name, files, read, tied, param.shape[0] if param.dim() == 3 else 0)
-            if tensor is None:
-                raise SpdInputError(f"the checkpoint '{source}' has no tensor '{name}'")
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise SpdInputError(
-                    f"the checkpoint '{source}' holds '{name}' with shape {tuple(tensor.shape)}, but "
-                    f"its config.json makes it {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(tensor.to(dtype))
+    _load_modules(model, list(modules.values()), checkpoint, tied, dtype, device)
     if tied and role == 0:
         model.get_output_embeddings().weight = base.embed_tokens.weight
     rotary = base.rotary_emb
@@ -86,6 +53,60 @@ def load_partial(
             pass  # no generation_config.json: the one derived from config.json stays
     model.eval()
     return staged
+
+
+def _read_config(source: str, revision: str | None):
+    """The target's config, read once its source is checked."""
+    from transformers import AutoConfig
+
+    from ..paths import check_model_source
+    from ..reading import check_model_files
+
+    check_model_source(source, "target", revision)
+    check_model_files(source, "target")  # config.json; each safetensors file is checked when first opened
+    try:
+        return AutoConfig.from_pretrained(source, revision=revision)
+    except (OSError, ValueError, KeyError) as exc:
+        raise SpdInputError(f"could not load safetensors weights of '{source}': {first_line(exc)}") from None
+
+
+def _load_modules(
+    model: torch.nn.Module,
+    modules: list[torch.nn.Module],
+    checkpoint: Checkpoint,
+    tied: bool,
+    dtype: torch.dtype,
+    device: str | torch.device,
+) -> None:
+    """Give ``modules`` (of ``model``, built on the meta device) memory on ``device`` and their parameters from
+    ``checkpoint``, each one's shape checked against the config's; the other modules stay on the meta device."""
+    from safetensors import safe_open
+
+    source, files = checkpoint.source, checkpoint.weight_map
+    module_names = {id(m): name for name, m in model.named_modules()}
+    handles: dict[str, object] = {}
+
+    def read(key: str) -> torch.Tensor:
+        path = checkpoint.path(key)
+        if path not in handles:
+            handles[path] = safe_open(path, framework="pt", device="cpu")
+        return handles[path].get_tensor(key)
+
+    for module in modules:
+        module.to_empty(device=device)  # only the kept modules get memory
+        prefix = module_names[id(module)]
+        for local, param in module.named_parameters():
+            name = f"{prefix}.{local}"
+            tensor = _read_tensor(name, files, read, tied, param.shape[0] if param.dim() == 3 else 0)
+            if tensor is None:
+                raise SpdInputError(f"the checkpoint '{source}' has no tensor '{name}'")
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise SpdInputError(
+                    f"the checkpoint '{source}' holds '{name}' with shape {tuple(tensor.shape)}, but "
+                    f"its config.json makes it {tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(tensor.to(dtype))
 
 
 def _read_tensor(name: str, files: dict[str, str], read, tied: bool, experts: int) -> torch.Tensor | None:

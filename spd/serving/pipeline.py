@@ -170,7 +170,7 @@ def open_pipeline(spec: PipelineSpec) -> Pipeline:
     """Load the target, the head or draft model and the engine; start the stage processes if distributed."""
     from ..decoding.factory import load_pipeline
     from ..decoding.loader import resolve_cut
-    from ..target.staging import load_target_tokenizer
+    from ..target.tokenizer import load_target_tokenizer
 
     decoding = DecodingSpec.of(spec)
     cut = resolve_cut(decoding)  # the sources, the cut and the head's fit, before anything loads
@@ -194,7 +194,7 @@ def _open_distributed(spec: PipelineSpec, cut, tokenizer) -> Pipeline:
     from ..runtime.loading import load_partial
     from ..runtime.protocol import RuntimeConfig
     from ..runtime.world import bound_store
-    from ..target.staging import check_device
+    from ..target.loading import check_device
 
     n = cut.n_stages
     local, host, port, interface = _stage_network(spec, n)

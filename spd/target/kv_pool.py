@@ -2,7 +2,7 @@
 
 A request holds one *region*: a range of rows, the same in every stage's buffer, as long as its longest possible
 sequence (prompt, budget and the tree in flight: the ``capacity`` the step loop asks for). Its stage caches are
-:class:`~spd.target.staging.StageKVCache` objects whose buffers are views of its region, so everything a single
+:class:`~spd.target.kv_cache.StageKVCache` objects whose buffers are views of its region, so everything a single
 request does to its caches (append, truncate after a flush, compact after a prune) works unchanged and touches
 only its own rows; a ragged stage call (:mod:`spd.target.ragged`) reads every request's keys from the one buffer
 in a single attention call. Regions are handed out first-fit and given back when the request ends; a request
@@ -30,8 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SpdInputError
+from .kv_cache import StageKVCache
 from .linear_state import LinearStateRing
-from .staging import StagedModel, StageKVCache
+from .staging import StagedModel
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,16 @@
 """One stage call over the new tokens of many requests: a ragged batch (docs/method.md §9).
 
-Each request contributes a *segment*: its new tokens at this stage (a chain's token, a tree level, or a chunk of a
-prompt) with their position ids and, for tree nodes, their ancestor mask. The segments are packed into one
-sequence, so every matrix product of the stage (projections, MLP) runs once for all of them; the attention reads
-the keys of every request from the shared :class:`~spd.target.kv_pool.KVPool` buffer: each segment's queries
-against its own request's rows only (on CPU in place, one attention call per segment: :class:`_Spans`; on CUDA
-gathered into one padded batch per segment size: :class:`_Blocks`), under a mask that lets each token see exactly
-what it would see in its own request's stage call (the committed prefix, and of the tree only its ancestors, or
-causally the chunk's earlier tokens). New keys and values are written straight into
-each request's region. On a hybrid target a linear-attention layer reads and writes each request's own state: the
-segments whose tokens are one-token sequences (a chain's next token, one tree depth) as one batch over their
-stacked states, the others (a prompt chunk, a first token, a level of several depths) each on its own
-(:func:`_linear_layer`).
+Each request contributes a *segment* (:class:`~spd.target.segments.Segment`): its new tokens at this stage (a
+chain's token, a tree level, or a chunk of a prompt) with their position ids and, for tree nodes, their ancestor
+mask. The segments are packed into one sequence, so every matrix product of the stage (projections, MLP) runs once
+for all of them; the attention reads the keys of every request from the shared :class:`~spd.target.kv_pool.KVPool`
+buffer: each segment's queries against its own request's rows only (on CPU in place, one attention call per segment:
+:class:`Spans`; on CUDA gathered into one padded batch per segment size: :class:`Blocks`), under a mask that lets
+each token see exactly what it would see in its own request's stage call (the committed prefix, and of the tree only
+its ancestors, or causally the chunk's earlier tokens). New keys and values are written straight into each request's
+region. On a hybrid target a linear-attention layer reads and writes each request's own state: the segments whose
+tokens are one-token sequences (a chain's next token, one tree depth) as one batch over their stacked states, the
+others (a prompt chunk, a first token, a level of several depths) each on its own (:func:`_linear_layer`).
 
 Shape suffixes: S packed tokens (every segment's), T one segment's tokens, N a segment's tree nodes, W the pool
 rows the call reads, B segments, K one segment's keys, D hidden size, H / Hk query / KV heads, Dh head dimension.
@@ -19,47 +18,15 @@ rows the call reads, B segments, K one segment's keys, D hidden size, H / Hk que
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import weakref
-from dataclasses import dataclass, field
-from typing import NamedTuple
-
 import torch
-from transformers import AttentionInterface, PretrainedConfig
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..errors import SpdInputError
 from .kv_pool import KVPool
 from .linear_state import NoPastRecording, StackedStates
+from .masks import node_groups
+from .ragged_attention import Blocks, Spans, in_layout, lone_mask
 from .sdpa import decode_kernels
-from .staging import (
-    LINEAR_LAYER_TYPE,
-    StageKVCache,
-    StageOutput,
-    attention_mask,
-    cache_keyword,
-    node_groups,
-    run_linear_layer,
-    tree_attention_mask,
-)
-
-
-@dataclass
-class Segment:
-    """A request's new tokens at one stage: ``hidden_1TD`` appended to ``cache`` (a pooled cache), at
-    ``positions_T`` (None: the next positions, ``cache.length + i``); ``tree_mask_TN`` the ancestor mask over the last
-    N rows after appending (None: causal among the new tokens); ``anchors`` the ``H^l`` to return."""
-
-    cache: StageKVCache
-    hidden_1TD: torch.Tensor
-    positions_T: torch.Tensor | None = None
-    tree_mask_TN: torch.Tensor | None = None
-    anchors: list[int] = field(default_factory=list)
-
-    @property
-    def size(self) -> int:
-        return self.hidden_1TD.shape[1]
+from .segments import Packed, Segment, checked_size, pack
+from .staging import LINEAR_LAYER_TYPE, StagedModel, StageOutput, cache_keyword, run_linear_layer
 
 
 class _PooledWrite(NoPastRecording):
@@ -79,330 +46,39 @@ class _PooledWrite(NoPastRecording):
         return (self.keys_LBHkCDh[i, :, :, self.lo : self.hi], self.values_LBHkCDh[i, :, :, self.lo : self.hi])
 
 
-class _Packed(NamedTuple):
-    """Where each segment of a ragged call sits: its first packed token, the rows its request held before the call,
-    and its request's first row in the pool (``(B,)`` each)."""
-
-    starts_B: torch.Tensor
-    lengths_B: torch.Tensor
-    bases_B: torch.Tensor
-
-
-class _Group:
-    """Segments of one size ``T`` in a ragged call, as one batch: ``q_BT`` their rows of the packed tokens, ``k_BK``
-    their requests' rows of the pool (padded to the longest), and which key each query
-    may see (``allowed_BTK``: its request's committed rows, and of its own new tokens those before it or, in a tree,
-    its ancestors)."""
-
-    def __init__(
-        self,
-        t: int,
-        indices: list[int],
-        packed: _Packed,
-        trees: dict[int, torch.Tensor],
-        q_pos_S: torch.Tensor,
-        key_pos_W: torch.Tensor,
-        device: torch.device,
-    ):
-        index_B = torch.tensor(indices)
-        starts_B, lengths_B, bases_B = (x[index_B] for x in packed)
-        k = int(lengths_B.max()) + t
-        k_K, t_T = torch.arange(k), torch.arange(t)
-        k_valid_BK = k_K[None] < (lengths_B + t)[:, None]
-        self.q_BT = (starts_B[:, None] + t_T[None]).to(device)
-        self.k_BK = torch.where(k_valid_BK, bases_B[:, None] + k_K[None], 0).to(device)
-        # Causal: a query sees its request's committed rows and its segment's tokens up to itself (never the
-        # padding past its request's rows); a tree level's rows are its own mask, set below.
-        allowed_BTK = k_K[None, None, :] <= (lengths_B[:, None] + t_T[None])[:, :, None]
-        for b, i in enumerate(indices):
-            if i in trees:
-                allowed_BTK[b, :, : trees[i].shape[1]] = trees[i]
-        self.allowed_BTK = allowed_BTK.to(device)
-        self.q_pos_BT, self.key_pos_BK = q_pos_S[self.q_BT], key_pos_W[self.k_BK]
-
-    def mask(self, window: int | None) -> torch.Tensor:
-        """The ``(B, 1, T, K)`` boolean mask with a sliding window (None: full attention)."""
-        allowed_BTK = self.allowed_BTK
-        if window is not None:
-            allowed_BTK = allowed_BTK & (self.q_pos_BT[:, :, None] - self.key_pos_BK[:, None, :] < window)
-        return allowed_BTK[:, None]
-
-
-class _Blocks:
-    """The attention of a ragged call of several segments as one batch per segment size (CUDA's layout): each group
-    (:class:`_Group`: a chain's tokens in one group, a tree's levels of one width in another, each prompt chunk
-    with those of its length) gathers its requests' rows from the window into one padded batch, so that no query
-    is padding (one prompt chunk of 64 tokens would otherwise pad every other segment's single query to 64) and no
-    query attends to another request's rows. One attention call per group."""
-
-    def __init__(
-        self,
-        segments: list[Segment],
-        packed: _Packed,
-        q_pos_S: torch.Tensor,
-        key_pos_W: torch.Tensor,
-        device: torch.device,
-    ):
-        trees = {
-            i: torch.cat(
-                [
-                    torch.ones(seg.size, seg.cache.length + seg.size - seg.tree_mask_TN.shape[1], dtype=torch.bool),
-                    seg.tree_mask_TN.to("cpu"),
-                ],
-                dim=1,
-            )
-            for i, seg in enumerate(segments)
-            if seg.tree_mask_TN is not None
-        }  # committed rows, then the tree
-        by_size: dict[int, list[int]] = {}
-        for i, seg in enumerate(segments):
-            by_size.setdefault(seg.size, []).append(i)
-        self.groups = [_Group(t, indices, packed, trees, q_pos_S, key_pos_W, device) for t, indices in by_size.items()]
-        self.masks: dict[int | None, list[torch.Tensor]] = {}
-        self.window: int | None = None
-
-    def use_window(self, window: int | None) -> None:
-        """The next layers attend with this sliding window (None: full attention)."""
-        if window not in self.masks:
-            self.masks[window] = [group.mask(window) for group in self.groups]
-        self.window = window
-
-    def attention(
-        self,
-        module,
-        query_1HSD: torch.Tensor,
-        key_1HWD: torch.Tensor,
-        value_1HWD: torch.Tensor,
-        dropout: float,
-        scaling: float | None,
-        **kwargs,
-    ) -> torch.Tensor:
-        """``(1, S, H, Dh)``: each group's queries against their requests' keys, gathered, under the group's mask."""
-        h, hk, dh, dv = query_1HSD.shape[1], key_1HWD.shape[1], query_1HSD.shape[3], value_1HWD.shape[3]
-        outs = []
-        for group, mask_B1TK in zip(self.groups, self.masks[self.window]):
-            (b, t), k = group.q_BT.shape, group.k_BK.shape[1]
-            q_BHTD = query_1HSD[0].index_select(1, group.q_BT.flatten()).view(h, b, t, dh).transpose(0, 1)
-            k_BHKD = key_1HWD[0].index_select(1, group.k_BK.flatten()).view(hk, b, k, dh).transpose(0, 1)
-            v_BHKD = value_1HWD[0].index_select(1, group.k_BK.flatten()).view(hk, b, k, dv).transpose(0, 1)
-            out_BHTD = torch.nn.functional.scaled_dot_product_attention(
-                q_BHTD, k_BHKD, v_BHKD, attn_mask=mask_B1TK, scale=scaling, enable_gqa=h != hk
-            )
-            outs.append(out_BHTD.transpose(1, 2).reshape(b * t, h, dv))  # in the order of the group's q_BT
-        if len(self.groups) == 1:  # one group: its rows are the packed tokens, in order
-            return outs[0][None]
-        out_SHD = query_1HSD.new_empty(query_1HSD.shape[2], h, dv)
-        for group, out in zip(self.groups, outs):
-            out_SHD[group.q_BT.flatten()] = out  # (S, H, Dh), in the packed order
-        return out_SHD[None]
-
-
-class _Spans:
-    """The attention of a ragged call of several segments in place (the CPU's layout): each segment's queries attend
-    to its own request's rows as a view of the window, with the mask its own stage call would use
-    (:func:`_lone_mask`, in SDPA's form), one attention call per segment. Nothing is gathered: on CPU, copying every
-    request's rows into a padded batch at every layer cost more than the attention itself (docs/benchmarks.md)."""
-
-    def __init__(
-        self,
-        segments: list[Segment],
-        packed: _Packed,
-        lo: int,
-        q_pos_S: torch.Tensor,
-        key_pos_W: torch.Tensor,
-        dtype: torch.dtype,
-    ):
-        self.segments, self.q_pos_S, self.key_pos_W, self.dtype = segments, q_pos_S, key_pos_W, dtype
-        # per segment: its first query row, its number of tokens, its first key row in the window, its key rows
-        self.spans = [
-            (start, seg.size, base - lo, length + seg.size)
-            for seg, start, length, base in zip(segments, *(x.tolist() for x in packed))
-        ]
-        self.masks: dict[int | None, list[torch.Tensor | None]] = {}
-        self.window: int | None = None
-
-    def use_window(self, window: int | None) -> None:
-        """The next layers attend with this sliding window (None: full attention)."""
-        if window not in self.masks:
-            self.masks[window] = [
-                _lone_mask(seg, self.q_pos_S[q : q + t], self.key_pos_W[k : k + kv], window, "sdpa", self.dtype)
-                for seg, (q, t, k, kv) in zip(self.segments, self.spans)
-            ]
-        self.window = window
-
-    def attention(
-        self,
-        module,
-        query_1HSD: torch.Tensor,
-        key_1HWD: torch.Tensor,
-        value_1HWD: torch.Tensor,
-        dropout: float,
-        scaling: float | None,
-        **kwargs,
-    ) -> torch.Tensor:
-        """``(1, S, H, Dh)``: each segment's own attention over its rows, in the packed order."""
-        gqa = query_1HSD.shape[1] != key_1HWD.shape[1]
-        attend = torch.nn.functional.scaled_dot_product_attention
-        # (no mask: one query sees every row; a whole prompt's square block is causal, as in its own stage call)
-        outs = [
-            attend(
-                query_1HSD[:, :, q : q + t],
-                key_1HWD[:, :, k : k + kv],
-                value_1HWD[:, :, k : k + kv],
-                attn_mask=mask,
-                is_causal=mask is None and t > 1,
-                scale=scaling,
-                enable_gqa=gqa,
-            )
-            for (q, t, k, kv), mask in zip(self.spans, self.masks[self.window])
-        ]
-        return torch.cat(outs, dim=2).transpose(1, 2)
-
-
-#: How a ragged call of several segments runs its attention: "blocks" (:class:`_Blocks`, gathered, one call per
-#: segment size), "spans" (:class:`_Spans`, in place, one call per segment), or "auto": spans on CPU, blocks on CUDA
+#: How a ragged call of several segments runs its attention: "blocks" (:class:`Blocks`, gathered, one call per
+#: segment size), "spans" (:class:`Spans`, in place, one call per segment), or "auto": spans on CPU, blocks on CUDA
 #: (where one kernel per group beats a launch per segment).
 RAGGED_ATTENTION = "auto"
-
-_LAYOUT: contextvars.ContextVar[_Blocks | _Spans | None] = contextvars.ContextVar("spd_ragged_layout", default=None)
-_BLOCK_ATTENTION = "spd_ragged_blocks"
 
 
 def _ragged_layout(
     segments: list[Segment],
-    packed: _Packed,
+    packed: Packed,
     lo: int,
     q_pos_S: torch.Tensor,
     key_pos_W: torch.Tensor,
     device: torch.device,
     dtype: torch.dtype,
-) -> _Blocks | _Spans:
+) -> Blocks | Spans:
     """The attention layout of a ragged call of several segments (:data:`RAGGED_ATTENTION`)."""
     if RAGGED_ATTENTION not in ("auto", "blocks", "spans"):
         raise ValueError(f"RAGGED_ATTENTION must be 'auto', 'blocks' or 'spans', not {RAGGED_ATTENTION!r}")
     if RAGGED_ATTENTION == "blocks" or (RAGGED_ATTENTION == "auto" and device.type == "cuda"):
-        return _Blocks(segments, packed, q_pos_S, key_pos_W, device)
-    return _Spans(segments, packed, lo, q_pos_S, key_pos_W, dtype)
-
-
-def _block_attention(
-    module,
-    query_1HSD: torch.Tensor,
-    key_1HWD: torch.Tensor,
-    value_1HWD: torch.Tensor,
-    attention_mask,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs,
-):
-    """The attention of a ragged call of several segments: each segment's queries against its own request's keys
-    only, by the call's layout (:class:`_Blocks` or :class:`_Spans`, its window set for the layer that runs). Equal
-    to a dense masked attention over the whole window up to fp32 rounding."""
-    layout = _LAYOUT.get()
-    if layout is None:  # not inside a ragged call of several segments
-        return sdpa_attention_forward(
-            module, query_1HSD, key_1HWD, value_1HWD, attention_mask, dropout, scaling, **kwargs
-        )
-    return layout.attention(module, query_1HSD, key_1HWD, value_1HWD, dropout, scaling, **kwargs), None
-
-
-AttentionInterface.register(_BLOCK_ATTENTION, _block_attention)
-
-
-_CONFIGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _stage_configs(staged, stage: int) -> dict[int, PretrainedConfig]:
-    """The configs ``stage``'s layers dispatch their attention on (found once per model and stage)."""
-    by_stage = _CONFIGS.setdefault(staged, {})
-    if stage not in by_stage:
-        by_stage[stage] = {
-            id(m.config): m.config
-            for layer in staged.stage_layers(stage)
-            for m in staged.layers[layer].modules()
-            if isinstance(getattr(m, "config", None), PretrainedConfig)
-        }
-    return by_stage[stage]
-
-
-@contextlib.contextmanager
-def _in_layout(staged, stage: int, layout: _Blocks | _Spans | None):
-    """Within: the stage's attention layers run :func:`_block_attention` by ``layout`` (None: unchanged)."""
-    if layout is None:
-        yield
-        return
-    configs = _stage_configs(staged, stage)
-    saved = {key: config._attn_implementation for key, config in configs.items()}
-    token = _LAYOUT.set(layout)
-    try:
-        for config in configs.values():
-            config._attn_implementation = _BLOCK_ATTENTION
-        yield
-    finally:
-        _LAYOUT.reset(token)
-        for key, config in configs.items():
-            config._attn_implementation = saved[key]
-
-
-def _lone_mask(
-    seg: Segment, q_pos_S: torch.Tensor, key_pos_W: torch.Tensor, window: int | None, impl: str, dtype: torch.dtype
-) -> torch.Tensor | None:
-    """The attention mask of a lone segment: the one its own stage call would get (None where the backend's default
-    is exact), so that a batch of one computes bit for bit what the single-request engine does; its keys are exactly
-    its request's rows then."""
-    if seg.tree_mask_TN is not None:
-        return tree_attention_mask(q_pos_S, key_pos_W, seg.tree_mask_TN.to(q_pos_S.device), window, impl, dtype)
-    return attention_mask(q_pos_S, key_pos_W.shape[0], window, impl, dtype, contiguous=seg.positions_T is None)
-
-
-def _checked_size(seg: Segment) -> int:
-    """The segment's token count, once its pooled cache can take them and its tree mask fits."""
-    cache, t = seg.cache, seg.size
-    if cache.base is None:
-        raise RuntimeError("run_ragged needs caches from a KVPool")
-    kv_len = cache.length + t
-    if kv_len > cache.capacity:
-        raise RuntimeError(f"a pooled KV cache of {cache.capacity} rows cannot hold {kv_len}")
-    tree_TN = seg.tree_mask_TN
-    if tree_TN is not None and (
-        tree_TN.dtype != torch.bool or tree_TN.shape[0] != t or not t <= tree_TN.shape[1] <= kv_len
-    ):
-        raise SpdInputError(
-            f"run_ragged: a tree mask must be a bool (T, N) tensor with T = {t} and "
-            f"{t} <= N <= {kv_len}, got {tree_TN.dtype} {tuple(tree_TN.shape)}"
-        )
-    return t
+        return Blocks(segments, packed, q_pos_S, key_pos_W, device)
+    return Spans(segments, packed, lo, q_pos_S, key_pos_W, dtype)
 
 
 def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageOutput]:
     """Run ``stage`` once over every segment (each cache a region of ``pool``); one output per segment, as
     :meth:`spd.target.staging.StagedModel.run_stage` would give for it alone."""
     staged = pool.staged
-    first, last = staged.boundaries[stage], staged.boundaries[stage + 1]
     device = pool.positions_C[stage].device  # (a stage rank's model has no LM head to tell it)
-    sizes = [_checked_size(seg) for seg in segments]
-    # Every segment's rows of the pool and position ids at once: a segment's tokens take its request's next rows,
-    # at the next positions unless it gives its own (tree nodes sit at committed length + depth).
-    sizes_B = torch.tensor(sizes)
-    packed = _Packed(
-        torch.cumsum(sizes_B, 0) - sizes_B,
-        torch.tensor([seg.cache.length for seg in segments]),
-        torch.tensor([seg.cache.base for seg in segments]),
-    )
-    starts_B, lengths_B, bases_B = packed
-    offsets_S = torch.arange(int(sizes_B.sum())) - starts_B.repeat_interleave(sizes_B)
-    q_pos_S = lengths_B.repeat_interleave(sizes_B) + offsets_S
-    rows_S = (bases_B + lengths_B).repeat_interleave(sizes_B) + offsets_S
-    for seg, start in zip(segments, starts_B.tolist()):
-        if seg.positions_T is not None:
-            q_pos_S[start : start + seg.size] = seg.positions_T
+    sizes = [checked_size(seg) for seg in segments]
+    packed, q_pos_S, rows_S = pack(segments, sizes)
     rows_S, q_pos_S = rows_S.to(device), q_pos_S.to(device)
     pool.positions_C[stage].index_copy_(0, rows_S, q_pos_S)
-    if len(segments) > 1:  # the whole buffer: every request's rows (and a contiguous tensor gathers ~2x faster)
-        lo, hi = 0, pool.rows
-    else:  # a lone segment attends to its own rows, as its own stage call would
-        lone = segments[0]
-        lo, hi = lone.cache.base, lone.cache.base + lone.cache.length + lone.size
+    lo, hi = _key_rows(pool, segments)
     key_pos_W = pool.positions_C[stage][lo:hi]
     # Several segments: each attends to its own request's keys only (the layout); a lone one is its own stage call.
     layout = (
@@ -412,12 +88,7 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
     )
 
     hidden_1SD = torch.cat([seg.hidden_1TD for seg in segments], dim=1)
-    position_ids_1S = q_pos_S[None]
-    position_embeddings = staged.rope(hidden_1SD, position_ids_1S)
     cache = _PooledWrite(pool, stage, rows_S, lo, hi)
-    wanted = {a for seg in segments for a in seg.anchors}
-    collected = {first: hidden_1SD} if first in wanted else {}
-    masks: dict[int | None, torch.Tensor | None] = {}  # a lone segment's, by window
     # Linear-attention layers (hybrid targets): each segment's tokens from its own request's state.
     groups = [
         node_groups(seg.tree_mask_TN) if seg.tree_mask_TN is not None and seg.cache.linear is not None else None
@@ -425,39 +96,80 @@ def run_ragged(pool: KVPool, stage: int, segments: list[Segment]) -> list[StageO
     ]
     for seg, nodes in zip(segments, groups):
         seg.cache.begin(seg.size, first_node=None if nodes is None else nodes[0][0])
-    with decode_kernels(device), _in_layout(staged, stage, layout):
-        for layer in range(first, last):
-            if staged.layer_types[layer] == LINEAR_LAYER_TYPE:
-                hidden_1SD = _linear_layer(
-                    staged.layers[layer], hidden_1SD, segments, groups, position_ids_1S, position_embeddings
-                )
-                if layer + 1 in wanted:
-                    collected[layer + 1] = hidden_1SD
-                continue
-            window = staged.windows[layer]
-            if layout is not None:
-                layout.use_window(window)  # what this layer's attention reads
-            elif window not in masks:
-                masks[window] = _lone_mask(segments[0], q_pos_S, key_pos_W, window, staged.attn_impl, hidden_1SD.dtype)
-            hidden_1SD = staged.layers[layer](
-                hidden_1SD,
-                attention_mask=masks.get(window),
-                position_ids=position_ids_1S,
-                use_cache=True,
-                position_embeddings=position_embeddings,
-                **{cache_keyword(staged.layers[layer]): cache},
-            )
-            if layer + 1 in wanted:
-                collected[layer + 1] = hidden_1SD
+    with decode_kernels(device), in_layout(staged, stage, layout):
+        hidden_1SD, collected = _run_layers(
+            staged, stage, hidden_1SD, q_pos_S, key_pos_W, cache, segments, groups, layout
+        )
 
-    pieces = {a: hidden.split(sizes, dim=1) for a, hidden in collected.items()}
-    outputs = [
-        StageOutput(hidden_1TD, {a: pieces[a][i] for a in seg.anchors})
-        for i, (seg, hidden_1TD) in enumerate(zip(segments, hidden_1SD.split(sizes, dim=1)))
-    ]
+    outputs = _split_outputs(segments, sizes, hidden_1SD, collected)
     for seg, nodes in zip(segments, groups):
         seg.cache.advance(seg.size, tree=nodes is not None)
     return outputs
+
+
+def _key_rows(pool: KVPool, segments: list[Segment]) -> tuple[int, int]:
+    """The rows ``[lo, hi)`` of the pool whose keys the call's attention reads (its window ``W``)."""
+    if len(segments) > 1:  # the whole buffer: every request's rows (and a contiguous tensor gathers ~2x faster)
+        return 0, pool.rows
+    lone = segments[0]  # a lone segment attends to its own rows, as its own stage call would
+    return lone.cache.base, lone.cache.base + lone.cache.length + lone.size
+
+
+def _run_layers(
+    staged: StagedModel,
+    stage: int,
+    hidden_1SD: torch.Tensor,
+    q_pos_S: torch.Tensor,
+    key_pos_W: torch.Tensor,
+    cache: _PooledWrite,
+    segments: list[Segment],
+    groups: list,
+    layout: Blocks | Spans | None,
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """The stage's decoder layers over the packed tokens: their output ``H^{b[s+1]}`` and ``{l: H^l}`` for every
+    anchor a segment asks for. Attention layers read through ``layout`` (None: a lone segment, under the mask its own
+    stage call would get), linear-attention layers each segment's own state (:func:`_linear_layer`)."""
+    first, last = staged.boundaries[stage], staged.boundaries[stage + 1]
+    position_ids_1S = q_pos_S[None]
+    position_embeddings = staged.rope(hidden_1SD, position_ids_1S)
+    wanted = {a for seg in segments for a in seg.anchors}
+    collected = {first: hidden_1SD} if first in wanted else {}
+    masks: dict[int | None, torch.Tensor | None] = {}  # a lone segment's, by window
+    for layer in range(first, last):
+        if staged.layer_types[layer] == LINEAR_LAYER_TYPE:
+            hidden_1SD = _linear_layer(
+                staged.layers[layer], hidden_1SD, segments, groups, position_ids_1S, position_embeddings
+            )
+            if layer + 1 in wanted:
+                collected[layer + 1] = hidden_1SD
+            continue
+        window = staged.windows[layer]
+        if layout is not None:
+            layout.use_window(window)  # what this layer's attention reads
+        elif window not in masks:
+            masks[window] = lone_mask(segments[0], q_pos_S, key_pos_W, window, staged.attn_impl, hidden_1SD.dtype)
+        hidden_1SD = staged.layers[layer](
+            hidden_1SD,
+            attention_mask=masks.get(window),
+            position_ids=position_ids_1S,
+            use_cache=True,
+            position_embeddings=position_embeddings,
+            **{cache_keyword(staged.layers[layer]): cache},
+        )
+        if layer + 1 in wanted:
+            collected[layer + 1] = hidden_1SD
+    return hidden_1SD, collected
+
+
+def _split_outputs(
+    segments: list[Segment], sizes: list[int], hidden_1SD: torch.Tensor, collected: dict[int, torch.Tensor]
+) -> list[StageOutput]:
+    """Each segment's share of the packed output and of the anchors it asked for."""
+    pieces = {a: hidden.split(sizes, dim=1) for a, hidden in collected.items()}
+    return [
+        StageOutput(hidden_1TD, {a: pieces[a][i] for a in seg.anchors})
+        for i, (seg, hidden_1TD) in enumerate(zip(segments, hidden_1SD.split(sizes, dim=1)))
+    ]
 
 
 def _linear_layer(

@@ -2,16 +2,18 @@
 
 The wrapper slices the real model (its embedding, decoder layers, final norm, LM head and rotary
 embedding); it forks no modeling code. Stage ``s`` (0-based here, 1..n in the paper) owns layers
-``[boundaries[s], boundaries[s+1])``. Each stage has its own KV cache (:class:`StageKVCache`),
-positions and RoPE, so one stage can run on tokens independently of the others, as in a pipeline.
+``[boundaries[s], boundaries[s+1])`` (the cut, :mod:`spd.target.cut`). Each stage has its own KV cache
+(:class:`~spd.target.kv_cache.StageKVCache`), positions and RoPE, so one stage can run on tokens independently of the
+others, as in a pipeline.
 
 Hidden-state convention (docs/method.md §1): ``H^0`` is the token embedding and ``H^l`` is the output of
 decoder layer ``l-1``, *before* the final norm. Anchors are requested by these indices ``l``.
 
 Token trees (docs/method.md §6): a stage's cache holds the committed tokens followed by the tree nodes it has
 run, in BFS order. ``run_stage(..., tree_mask_TN=...)`` runs tree nodes at explicit positions (committed
-length + depth) under committed-causal + ancestor-mask attention, and :meth:`StagedModel.prune_tree` /
-:meth:`StageKVCache.keep` compact the caches after the tree is pruned (see :mod:`spd.decoding.tree`).
+length + depth) under committed-causal + ancestor-mask attention (:mod:`spd.target.masks`), and
+:meth:`StagedModel.prune_tree` / :meth:`StageKVCache.keep` compact the caches after the tree is pruned (see
+:mod:`spd.decoding.tree`).
 
 Shapes are named with suffixes: B batch, T new tokens, P cached tokens (past), K = P + T keys,
 D hidden size, V vocabulary, Hk key/value heads, Dh head dim, C cache capacity, N tree nodes in the cache.
@@ -26,11 +28,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..errors import SpdInputError, first_line
-from ..paths import check_model_source
-from ..reading import check_model_files
-from .linear_state import LinearStateRing, NoPastRecording
-from .precision import warn_if_slow
+from ..errors import SpdInputError
+from .cut import split_layers
+from .kv_cache import StageKVCache
+from .linear_state import LinearStateRing
+from .loading import load_causal_lm
+from .masks import attention_mask, node_groups, tree_attention_mask
 from .sdpa import decode_kernels
 
 # Decoder-layer kinds the staging wrapper runs: attention with a KV cache, and linear attention (Gated
@@ -42,241 +45,12 @@ _SUPPORTED_LAYER_TYPES = (*_ATTENTION_LAYER_TYPES, LINEAR_LAYER_TYPE)
 _MASK_FORMATS = ("sdpa", "eager")
 
 
-class StageKVCache(NoPastRecording):
-    """Cache of one stage's layers: preallocated KV buffers, a committed length, O(1) truncation; on hybrid
-    targets also the linear-attention layers' state (:class:`spd.target.linear_state.LinearStateRing`).
-
-    It implements the ``update(key, value, layer_idx)`` call that Hugging Face attention modules
-    make on their cache (``cache``, formerly ``past_key_values``), and the conv/recurrent-state calls of linear-attention layers.
-    All layers of one stage write at the same offset; the stage wrapper calls :meth:`begin` before and
-    :meth:`advance` after each stage call.
-    """
-
-    def __init__(
-        self,
-        layer_ids: list[int],
-        kv_heads: int,
-        head_dim: int,
-        batch_size: int = 1,
-        capacity: int = 256,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        linear: LinearStateRing | None = None,
-    ):
-        self.slot = {layer: i for i, layer in enumerate(layer_ids)}
-        self.linear = linear  # None: no linear-attention layers in this stage
-        self.length = 0  # tokens held by every layer of this stage
-        self._shape = (batch_size, kv_heads, head_dim)
-        self._dtype, self._device = dtype, torch.device(device)
-        self.keys_LBHkCDh = self._alloc(capacity)
-        self.values_LBHkCDh = self._alloc(capacity)
-        # Position id of each cached row; tree nodes sit at committed length + depth, not at their row.
-        self.positions_C = torch.zeros(capacity, dtype=torch.long, device=self._device)
-        self.base: int | None = None  # the first row in a shared pool (spd.target.kv_pool); None: buffers of its own
-
-    @classmethod
-    def over(
-        cls,
-        layer_ids: list[int],
-        keys_LBHkCDh: torch.Tensor,
-        values_LBHkCDh: torch.Tensor,
-        positions_C: torch.Tensor,
-        base: int,
-    ) -> StageKVCache:
-        """An empty cache whose buffers are the given views (rows ``base..`` of a :class:`spd.target.kv_pool.KVPool`);
-        it never grows (:meth:`reserve` refuses)."""
-        cache = cls.__new__(cls)
-        cache.slot = {layer: i for i, layer in enumerate(layer_ids)}
-        cache.linear, cache.length, cache.base = None, 0, base
-        cache._shape = (keys_LBHkCDh.shape[1], keys_LBHkCDh.shape[2], keys_LBHkCDh.shape[4])
-        cache._dtype, cache._device = keys_LBHkCDh.dtype, keys_LBHkCDh.device
-        cache.keys_LBHkCDh, cache.values_LBHkCDh, cache.positions_C = keys_LBHkCDh, values_LBHkCDh, positions_C
-        return cache
-
-    def _alloc(self, capacity: int) -> torch.Tensor:
-        b, h, d = self._shape
-        return torch.zeros(len(self.slot), b, h, capacity, d, dtype=self._dtype, device=self._device)
-
-    @property
-    def capacity(self) -> int:
-        return self.keys_LBHkCDh.shape[3]
-
-    def reserve(self, length: int) -> None:
-        """Make room for ``length`` tokens (grows geometrically, keeps the contents)."""
-        if length <= self.capacity:
-            return
-        if self.base is not None:
-            raise RuntimeError(f"a pooled KV cache of {self.capacity} rows cannot hold {length}")
-        new_capacity = max(length, 2 * self.capacity)
-        for name in ("keys_LBHkCDh", "values_LBHkCDh"):
-            old = getattr(self, name)
-            new = self._alloc(new_capacity)
-            new[:, :, :, : self.length] = old[:, :, :, : self.length]
-            setattr(self, name, new)
-        positions_C = torch.zeros(new_capacity, dtype=torch.long, device=self._device)
-        positions_C[: self.length] = self.positions_C[: self.length]
-        self.positions_C = positions_C
-
-    def update(self, key_BHkTDh: torch.Tensor, value_BHkTDh: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Store the new keys/values of ``layer_idx`` after the committed ones; return all of them."""
-        i = self.slot[layer_idx]
-        end = self.length + key_BHkTDh.shape[2]
-        self.keys_LBHkCDh[i, :, :, self.length : end] = key_BHkTDh
-        self.values_LBHkCDh[i, :, :, self.length : end] = value_BHkTDh
-        return self.keys_LBHkCDh[i, :, :, :end], self.values_LBHkCDh[i, :, :, :end]
-
-    def begin(self, n_tokens: int, first_node: int | None = None) -> None:
-        """A stage call on ``n_tokens`` new tokens starts (tree nodes from ``first_node`` on, when given)."""
-        if self.linear is not None:
-            if first_node is None:
-                self.linear.begin(n_tokens)
-            else:
-                self.linear.begin_nodes(first_node, n_tokens)
-
-    def advance(self, n_tokens: int, tree: bool = False) -> None:
-        self.length += n_tokens
-        if self.linear is not None:
-            if tree:
-                self.linear.end_nodes(self.length - self.linear.length)
-            else:
-                self.linear.advance(n_tokens)
-
-    def truncate(self, length: int) -> None:
-        """Forget every token at position >= ``length`` (rollback after a flush)."""
-        if length < 0:
-            raise ValueError(f"cannot truncate a KV cache to a negative length ({length})")
-        if self.linear is not None:
-            self.linear.truncate(length)
-        self.length = min(self.length, length)
-
-    # Linear-attention layers call these on their ``cache_params`` (see spd.target.linear_state).
-    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
-        return self.linear.get_conv_state(layer_idx, state_idx)
-
-    def update_conv_state(self, inputs_BCT: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
-        return self.linear.update_conv_state(inputs_BCT, layer_idx, state_idx, **kwargs)
-
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
-        return self.linear.get_recurrent_state(layer_idx, state_idx)
-
-    def update_recurrent_state(self, state: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
-        return self.linear.update_recurrent_state(state, layer_idx, state_idx, **kwargs)
-
-    def keep(self, start: int, indices: torch.Tensor | list[int]) -> None:
-        """Keep rows ``start + indices`` (in that order) at rows ``start, start+1, ...``; drop the other rows >= start.
-
-        This compacts a pruned tree's KV right after the committed rows ``[0, start)``; ``indices`` are
-        offsets from ``start`` (tree indices when ``start`` is the root's row).
-        """
-        indices = torch.as_tensor(indices, dtype=torch.long).flatten()
-        held = self.length - start
-        if not 0 <= start <= self.length:
-            raise ValueError(f"keep: start {start} is outside the cache's {self.length} rows")
-        if indices.numel() and not (0 <= int(indices.min()) and int(indices.max()) < held):
-            raise ValueError(
-                f"keep: indices must lie in [0, {held}) (the rows after start {start}), got {indices.tolist()}"
-            )
-        end = start + indices.numel()
-        if not torch.equal(indices, torch.arange(indices.numel(), device=indices.device)):  # (a prefix stays put)
-            rows = (start + indices).to(self._device)
-            # Advanced indexing copies the selected rows first, so an in-place compaction is safe.
-            self.keys_LBHkCDh[:, :, :, start:end] = self.keys_LBHkCDh[:, :, :, rows]
-            self.values_LBHkCDh[:, :, :, start:end] = self.values_LBHkCDh[:, :, :, rows]
-            self.positions_C[start:end] = self.positions_C[rows]
-        self.length = end
-        if self.linear is not None:  # the root (row start - 1) is committed; the kept nodes' states follow their rows
-            if start != self.linear.length + 1:
-                raise RuntimeError(
-                    f"keep: a stage with linear-attention layers prunes a tree whose root is row "
-                    f"{self.linear.length}, not row {start - 1}"
-                )
-            self.linear.keep(indices)
-
-
 @dataclass
 class StageOutput:
     """Result of running one stage: its output hidden states and the requested anchor layers."""
 
     hidden_BTD: torch.Tensor  # H^{b[s+1]}, pre-norm
     anchors: dict[int, torch.Tensor] = field(default_factory=dict)  # l -> H^l_BTD
-
-
-def split_layers(num_layers: int, n_stages: int | None = None, boundaries: list[int] | None = None) -> list[int]:
-    """Stage boundaries ``[0, b1, ..., L]``: ``n_stages`` stages cut by :func:`balanced_boundaries` (equal where n
-    divides L), or checked explicit ones."""
-    if boundaries is not None:
-        b = list(boundaries)
-        if b and b[0] != 0:
-            b = [0] + b
-        if b and b[-1] != num_layers:
-            b = b + [num_layers]
-        if len(b) < 2 or any(x >= y for x, y in zip(b, b[1:])) or b[0] != 0 or b[-1] != num_layers:
-            raise SpdInputError(
-                f"stage boundaries {list(boundaries)} are invalid: expected strictly increasing layer indices "
-                f"between 0 and {num_layers} (the model has {num_layers} layers)"
-            )
-        if n_stages is not None and len(b) - 1 != n_stages:
-            raise SpdInputError(f"{len(b) - 1} stages from boundaries {b} but {n_stages} stages were requested")
-        return b
-    if n_stages is None or n_stages < 1:
-        raise SpdInputError(f"the number of stages must be a positive integer, got {n_stages}")
-    if n_stages > num_layers:
-        raise SpdInputError(f"{n_stages} stages need at least {n_stages} layers, but the model has {num_layers}")
-    return balanced_boundaries(num_layers, n_stages)
-
-
-def balanced_boundaries(num_layers: int, n_stages: int) -> list[int]:
-    """The most even cut of ``num_layers`` into ``n_stages``: the first ``L mod n`` stages get one layer more.
-
-    This is the cut of ``--stages N`` and the one the published SmolLM2 heads were trained on (30 layers: 8,8,7,7 at
-    n = 4 and 4,4,4,4,4,4,3,3 at n = 8). A pipeline step lasts as long as its slowest stage, so an uneven cut costs
-    ``ceil(L/n) / (L/n)`` in step time against an ideal equal one (1.067 at both).
-    """
-    per, extra = divmod(num_layers, n_stages)
-    sizes = [per + (s < extra) for s in range(n_stages)]
-    return [sum(sizes[:s]) for s in range(n_stages + 1)]
-
-
-def describe_cut(boundaries: list[int]) -> str:
-    """A cut in words: ``8 stages of 4, 4, 4, 4, 4, 4, 3, 3 layers`` (``1 stage of 30 layers``)."""
-    sizes = [b - a for a, b in zip(boundaries, boundaries[1:])]
-    stages = f"{len(sizes)} stage" + ("s" if len(sizes) > 1 else "")
-    return f"{stages} of {', '.join(map(str, sizes))} layers"
-
-
-def cut_flag(boundaries: list[int]) -> str:
-    """The flag that asks for this cut: ``--boundaries 8,16,23`` (``--stages 1`` for the whole target)."""
-    inner = boundaries[1:-1]
-    return f"--boundaries {','.join(map(str, inner))}" if inner else "--stages 1"
-
-
-def parse_boundaries(text: str) -> list[int]:
-    """``--boundaries`` as given on a command line: comma-separated layer indices (inner ones, or 0,...,L)."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise SpdInputError(f"--boundaries '{text}' is not a list of layer indices; expected e.g. 8,16,23") from None
-    if not values:
-        raise SpdInputError("--boundaries is empty; expected comma-separated layer indices, e.g. 8,16,23")
-    return values
-
-
-def node_groups(tree_mask_TN: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
-    """The tree nodes of a stage call (the last ``T`` of the ``N`` nodes in ``tree_mask_TN``'s columns, BFS order) as
-    runs ``(first, end, parents_T)`` of nodes whose parents (tree indices; ``-1`` for the root) precede the run:
-    one run per depth. A node's parent is its deepest ancestor other than itself."""
-    t, n = tree_mask_TN.shape
-    first = n - t
-    mask_TN = tree_mask_TN.to("cpu").clone()
-    mask_TN[torch.arange(t), torch.arange(first, n)] = False  # not its own parent
-    index_N = torch.arange(n)
-    parents_T = torch.where(mask_TN, index_N, torch.full_like(index_N, -1)).max(dim=1).values
-    groups, start = [], 0
-    for i in range(1, t + 1):
-        if i == t or int(parents_T[i]) >= first + start:  # node i's parent is in the current run: a new run
-            groups.append((first + start, first + i, parents_T[start:i]))
-            start = i
-    return groups
 
 
 def run_linear_layer(
@@ -324,18 +98,6 @@ def cache_keyword(layer: nn.Module) -> str:
 _CACHE_KEYWORD: dict[type, str] = {}
 
 
-def target_num_layers(target: str, revision: str | None = None) -> int:
-    """The decoder depth of ``target`` (a directory or hub id), read from its config alone."""
-    from transformers import AutoConfig
-
-    check_model_files(target, "target")
-    try:
-        config = AutoConfig.from_pretrained(target, revision=revision)
-    except (OSError, ValueError) as exc:
-        raise SpdInputError(f"could not read the target's config from '{target}': {first_line(exc)}") from None
-    return config.get_text_config().num_hidden_layers
-
-
 def _layer_types(config) -> list[str]:
     """Per layer: ``full_attention``, ``sliding_attention`` or ``linear_attention``."""
     n = config.num_hidden_layers
@@ -357,64 +119,6 @@ def _layer_windows(config, layer_types: list[str]) -> list[int | None]:
     """Per layer: the sliding-window size, or None for full (or linear) attention."""
     window = getattr(config, "sliding_window", None)
     return [window if t == "sliding_attention" else None for t in layer_types]
-
-
-def attention_mask(
-    q_pos_T: torch.Tensor, kv_len: int, window: int | None, impl: str, dtype: torch.dtype, contiguous: bool
-) -> torch.Tensor | None:
-    """The (1, 1, T, K) mask for queries at absolute positions ``q_pos_T`` over keys at positions 0..K-1.
-
-    ``contiguous`` says the queries are the last T keys (positions K-T..K-1). Then, for sdpa, None is
-    returned where the backend's default (full for one query, causal for a square block) is already
-    exact, so that prefill and decode run the same kernels as ``generate``.
-    """
-    t = q_pos_T.shape[0]
-    if contiguous and impl == "sdpa" and (window is None or kv_len <= window) and (t == 1 or t == kv_len):
-        return None
-    k_pos_K = torch.arange(kv_len, device=q_pos_T.device)
-    return _backend_mask(k_pos_K[None, :] <= q_pos_T[:, None], q_pos_T, k_pos_K, window, impl, dtype)
-
-
-def tree_attention_mask(
-    q_pos_T: torch.Tensor,
-    key_pos_K: torch.Tensor,
-    tree_mask_TN: torch.Tensor,
-    window: int | None,
-    impl: str,
-    dtype: torch.dtype,
-) -> torch.Tensor | None:
-    """The (1, 1, T, K) mask of T tree nodes: the first K - N keys (committed) visible, the last N by ``tree_mask_TN``
-    (for sdpa, None for one node that sees every row without a window: a chain's node, as a chain token's call).
-
-    ``key_pos_K`` are the keys' position ids (tree nodes sit at committed length + depth), used for
-    sliding windows: along a root-to-node path positions are consecutive, so the window by position is
-    the one a plain forward of ``committed + path`` would apply.
-    """
-    t, n = tree_mask_TN.shape
-    if t == 1 and window is None and impl == "sdpa" and tree_mask_TN.device.type == "cpu" and tree_mask_TN.all():
-        return None  # (a mask makes SDPA take a slower path on CPU; on CUDA asking would wait for the device)
-    k = key_pos_K.shape[0]
-    committed_TP = torch.ones(t, k - n, dtype=torch.bool, device=tree_mask_TN.device)
-    allowed_TK = torch.cat([committed_TP, tree_mask_TN], dim=1)
-    return _backend_mask(allowed_TK, q_pos_T, key_pos_K, window, impl, dtype)
-
-
-def _backend_mask(
-    allowed_TK: torch.Tensor,
-    q_pos_T: torch.Tensor,
-    key_pos_K: torch.Tensor,
-    window: int | None,
-    impl: str,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """Apply a sliding window by position to a (T, K) visibility mask; return it as the backend expects it
-    ((1, 1, T, K): boolean for sdpa, additive for eager)."""
-    if window is not None:
-        allowed_TK = allowed_TK & (q_pos_T[:, None] - key_pos_K[None, :] < window)
-    if impl == "sdpa":
-        return allowed_TK[None, None]
-    zero = torch.zeros((), dtype=dtype, device=q_pos_T.device)
-    return torch.where(allowed_TK, zero, torch.finfo(dtype).min)[None, None]
 
 
 class TargetShape:
@@ -754,123 +458,3 @@ class StagedModel(TargetShape, nn.Module):
         ones_1D = torch.ones(1, self.config.hidden_size, dtype=self.dtype, device=self.device)
         eps = self.norm_eps
         return (self.norm(ones_1D)[0].double() * (1.0 + eps) ** 0.5).to(self.dtype)  # rms(ones) = 1, up to eps
-
-
-def load_causal_lm(
-    name_or_path: str | os.PathLike,
-    revision: str | None = None,
-    dtype: torch.dtype | str = torch.float32,
-    device: str | torch.device = "cpu",
-    **kwargs,
-):
-    """``AutoModelForCausalLM.from_pretrained`` with a clear error for a wrong path or hub id, or a damaged file."""
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
-
-    source = str(name_or_path)
-    check_model_source(source, "model", revision)
-    check_model_files(source, "model", weights=True)
-    device = check_device(device)
-    named = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype  # "bfloat16" as well as torch.bfloat16
-    if isinstance(named, torch.dtype):
-        warn_if_slow(named, device, f"'{source}'")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source, revision=revision, dtype=dtype, attn_implementation="sdpa", **kwargs
-        )
-    except (OSError, ValueError, KeyError, SafetensorError) as exc:
-        raise SpdInputError(f"could not load a causal LM from '{source}': {first_line(exc)}") from exc
-    return model.to(device).eval()
-
-
-def check_device(device: str | torch.device) -> torch.device:
-    """``device`` as a torch device, or one sentence saying why it cannot be used here (not a device name, no CUDA in
-    this torch build or on this machine, a GPU index beyond the GPUs torch sees)."""
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise SpdInputError(f"device '{device}' is not a torch device; expected cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        if torch.version.cuda is None:
-            raise SpdInputError(
-                f"device '{device}' needs a CUDA GPU, but this torch ({torch.__version__}) is a build "
-                "without CUDA; use --device cpu, or install torch's CUDA build on a GPU machine"
-            )
-        count = torch.cuda.device_count()
-        if count == 0:
-            raise SpdInputError(
-                f"device '{device}' needs a CUDA GPU, but torch sees none on this machine; use --device cpu"
-            )
-        if device.index is not None and device.index >= count:
-            raise SpdInputError(
-                f"device '{device}' does not exist: torch sees {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}"
-            )
-    return device
-
-
-def load_tokenizer(name_or_path: str | os.PathLike, revision: str | None = None):
-    """``AutoTokenizer.from_pretrained`` with a clear error for a wrong path, hub id, missing tokenizer or damaged
-    file."""
-    from transformers import AutoTokenizer
-
-    source = str(name_or_path)
-    check_model_source(source, "tokenizer", revision)
-    check_model_files(source, "tokenizer", tokenizer=True)
-    try:
-        return AutoTokenizer.from_pretrained(source, revision=revision)
-    except (OSError, ValueError, KeyError) as exc:
-        raise SpdInputError(f"could not load a tokenizer from '{source}' ({first_line(exc)})") from None
-
-
-TOKENIZER_FILES = (
-    "tokenizer_config.json",
-    "tokenizer.json",
-    "tokenizer.model",
-    "vocab.json",
-    "vocab.txt",
-    "spiece.model",
-)
-
-
-def has_tokenizer_files(source: str, revision: str | None = None) -> bool:
-    """Whether a model directory or hub repo ships a tokenizer.
-
-    Asked before loading because ``AutoTokenizer`` builds an empty tokenizer from ``config.json`` alone for some
-    families (Qwen3: one token), so a load without error does not mean there is a tokenizer.
-    """
-    from pathlib import Path
-
-    from transformers.utils import cached_file
-
-    path = Path(str(source)).expanduser()
-    if path.is_dir():  # a damaged file counts: load_tokenizer names what is wrong with it
-        return any((path / name).exists() for name in TOKENIZER_FILES)
-    for name in ("config.json", *TOKENIZER_FILES):
-        try:
-            found = (
-                cached_file(
-                    str(source),
-                    name,
-                    revision=revision,
-                    _raise_exceptions_for_missing_entries=False,
-                    _raise_exceptions_for_connection_errors=False,
-                )
-                is not None
-            )
-        except OSError:
-            return True  # cannot tell (no such repo, a gated one): let the loaders report why
-        if name == "config.json" and not found:
-            return True  # the repo cannot be resolved (offline, not cached): likewise
-        if found and name != "config.json":
-            return True
-    return False
-
-
-def load_target_tokenizer(target: str, revision: str | None = None, tokenizer: str | None = None):
-    """``tokenizer`` if given, else the target's own tokenizer, or None when the target ships no tokenizer files
-    (token-id prompts still work). A tokenizer that is there but does not load is an error."""
-    if tokenizer is not None:
-        return load_tokenizer(tokenizer)
-    if not has_tokenizer_files(target, revision):
-        return None
-    return load_tokenizer(target, revision)

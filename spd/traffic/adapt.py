@@ -223,7 +223,7 @@ class Adapter:
         return cfg
 
     def _tokenizer(self):
-        from ..target.staging import load_tokenizer
+        from ..target.tokenizer import load_tokenizer
 
         return load_tokenizer(self.trainer.target, revision=self.trainer.target_revision)
 

@@ -72,10 +72,10 @@ class CaptureSettings:
 
 def anchors_for_stages(num_layers: int, stages: list[int]) -> list[int]:
     """The union of the default anchors (docs/method.md §2) of the cuts into each n of ``stages``: the equal cut, or
-    where n does not divide the layers the balanced one (:func:`spd.target.staging.balanced_boundaries`, as the presets
+    where n does not divide the layers the balanced one (:func:`spd.target.cut.balanced_boundaries`, as the presets
     for such targets use); other cuts name their anchors with ``--anchors``."""
     from ..heads.config import default_anchors
-    from ..target.staging import balanced_boundaries
+    from ..target.cut import balanced_boundaries
 
     out: set[int] = set()
     for n in stages:
@@ -518,7 +518,7 @@ class CapturedTarget(TargetShape, nn.Module):
         super().__init__()
         from transformers import AutoConfig
 
-        from ..target.staging import split_layers
+        from ..target.cut import split_layers
 
         self.root = Path(path).expanduser()
         self.manifest = read_manifest(self.root)

@@ -93,7 +93,8 @@ def load_target_and_data(cfg, accelerator):
     from datasets import concatenate_datasets
 
     from ..data.prepare import DataConfig, prepare_dataset
-    from ..target.staging import StagedModel, load_tokenizer
+    from ..target.staging import StagedModel
+    from ..target.tokenizer import load_tokenizer
     from .capture import CapturedDataset, CapturedTarget, collate_captured, is_capture
     from .distill import collate
 

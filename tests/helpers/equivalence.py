@@ -50,7 +50,7 @@ def check_distributed_equals_single_process(
 
     from helpers.runtime import PROMPTS, torchrun
     from spd.heads.loading import load_speculator
-    from spd.target.staging import load_tokenizer
+    from spd.target.tokenizer import load_tokenizer
 
     n = 4
     staged = StagedModel.from_pretrained(target, n_stages=n)

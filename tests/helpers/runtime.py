@@ -11,7 +11,8 @@ from conftest import REPO
 from spd.decoding.engine import Engine
 from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
 from spd.heads.loading import load_speculator
-from spd.target.staging import StagedModel, load_tokenizer
+from spd.target.staging import StagedModel
+from spd.target.tokenizer import load_tokenizer
 
 PROMPTS = [
     "def main(argv):\n    ",

@@ -11,9 +11,12 @@ from typing import NamedTuple
 import torch
 
 from ...errors import SpdInputError
+from ...target.kv_cache import StageKVCache
 from ...target.kv_pool import KVPool, Region
-from ...target.ragged import Segment, run_ragged
-from ...target.staging import StagedModel, StageKVCache, load_target_tokenizer
+from ...target.ragged import run_ragged
+from ...target.segments import Segment
+from ...target.staging import StagedModel
+from ...target.tokenizer import load_target_tokenizer
 from ..tree import Level, TokenTree
 
 

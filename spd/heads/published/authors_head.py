@@ -43,8 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import SpdInputError
+from ...target.kv_cache import StageKVCache
 from ...target.sdpa import decode_kernels
-from ...target.staging import StagedModel, StageKVCache, cache_keyword
+from ...target.staging import StagedModel, cache_keyword
 from ..config import equal_cut_problem, misfit
 from .authors_file import AuthorsCheckpoint
 
