@@ -33,6 +33,9 @@ heads (= Hk), G query heads per kv head, C rows of a query block, Q = G x C, P d
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,6 +46,8 @@ from ..training.kd import KDResult, kd_loss, kd_loss_topk
 from .config import SpeculatorConfig
 from .kernels import ConcatLinear, offset_band_attention
 from .memory import PooledSpeculatorCache, SpeculatorCache, SpeculatorPool
+
+T = TypeVar("T")
 
 # -------------------------------------------------------------------------------------------- blocks
 
@@ -240,41 +245,18 @@ class Speculator(PreTrainedModel):
         self,
         hidden: dict[int, torch.Tensor],
         fill_B: torch.Tensor,
-        valid_BN: torch.Tensor,
-        supervised_BN: torch.Tensor,
-        teacher_logits,
-        tau: float = 1.0,
-        chunk_size: int = 512,
-        topk: tuple[torch.Tensor, torch.Tensor] | None = None,
-        pad_to: int = 1,
-    ) -> KDResult:
-        """Training forward plus the chunked KD loss against the target (``teacher_logits(H^L)``), or against
-        a stored top-k teacher ``topk = (ids_BNK, logprobs_BNK)`` (spd.training.capture).
+        valid_BN: torch.Tensor | None = None,
+        loss: Callable[..., T] | None = None,
+        *loss_args: Any,
+    ) -> torch.Tensor | T:
+        """The query stream of every position (:meth:`forward_train`), or with ``loss`` a training objective of it,
+        ``loss(self, out_BND, hidden, *loss_args)`` (the KD loss: :func:`kd_objective`).
 
-        The loss is computed inside ``forward`` so that data-parallel wrappers (DDP, DeepSpeed) see every
-        parameter used, the LM head included.
+        The objective runs inside ``forward`` so that data-parallel wrappers (DDP, DeepSpeed) see every parameter it
+        uses, the LM head included.
         """
         out_BND = self.forward_train(hidden, fill_B, valid_BN)
-        if topk is not None:
-            return kd_loss_topk(
-                out_BND[supervised_BN],
-                topk[0][supervised_BN],
-                topk[1][supervised_BN],
-                self.logits,
-                chunk_size,
-                pad_to,
-            )
-        teacher_BND = hidden[self.config.target_num_layers]
-        return kd_loss(
-            out_BND[supervised_BN],
-            teacher_BND[supervised_BN],
-            self.logits,
-            teacher_logits,
-            tau,
-            chunk_size,
-            self.draft_ids,
-            pad_to,
-        )
+        return out_BND if loss is None else loss(self, out_BND, hidden, *loss_args)
 
     # ------------------------------------------------------------------------------ training path
     def forward_train(
@@ -653,3 +635,39 @@ def _one_pool(caches) -> SpeculatorPool | None:
     """The pool every cache of ``caches`` is a slot of, or None."""
     pool = getattr(caches[0], "pool", None)
     return pool if pool is not None and all(getattr(cache, "pool", None) is pool for cache in caches) else None
+
+
+def kd_objective(
+    head: Speculator,
+    out_BND: torch.Tensor,
+    hidden: dict[int, torch.Tensor],
+    supervised_BN: torch.Tensor,
+    teacher_logits: Callable[[torch.Tensor], torch.Tensor],
+    tau: float = 1.0,
+    chunk_size: int = 512,
+    topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+    pad_to: int = 1,
+) -> KDResult:
+    """The chunked KD loss of the head's outputs on supervised positions against the target
+    (``teacher_logits(H^L)``), or against a stored top-k teacher ``topk = (ids_BNK, logprobs_BNK)``
+    (spd.training.capture)."""
+    if topk is not None:
+        return kd_loss_topk(
+            out_BND[supervised_BN],
+            topk[0][supervised_BN],
+            topk[1][supervised_BN],
+            head.logits,
+            chunk_size,
+            pad_to,
+        )
+    teacher_BND = hidden[head.config.target_num_layers]
+    return kd_loss(
+        out_BND[supervised_BN],
+        teacher_BND[supervised_BN],
+        head.logits,
+        teacher_logits,
+        tau,
+        chunk_size,
+        head.draft_ids,
+        pad_to,
+    )

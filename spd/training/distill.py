@@ -23,7 +23,7 @@ from torch import nn
 from ..errors import SpdInputError
 from ..files import replace_dir, temp_dir_beside
 from ..heads.config import SpeculatorConfig, default_anchors
-from ..heads.speculator import Speculator
+from ..heads.speculator import Speculator, kd_objective
 from ..paths import default_cache_dir, default_testbed_dir
 from ..reading import read_yaml
 from ..target.staging import StagedModel
@@ -488,7 +488,8 @@ def distill_step(
     ``head`` may be wrapped (DDP/DeepSpeed): its ``forward`` computes the loss, so the wrapper sees it all.
     """
     topk = (batch["topk_ids"], batch["topk_logprobs"]) if "topk_ids" in batch else None
-    result = head(hidden, fill_B, batch["valid"], batch["supervised"], staged.logits, tau, chunk, topk, pad_to)
+    supervised = batch["supervised"]
+    result = head(hidden, fill_B, batch["valid"], kd_objective, supervised, staged.logits, tau, chunk, topk, pad_to)
     return result.loss_sum / max(1, result.count), result
 
 
