@@ -42,7 +42,6 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..target.sdpa import decode_kernels
-from ..training.kd import KDResult, kd_loss, kd_loss_topk
 from .config import SpeculatorConfig
 from .kernels import ConcatLinear, offset_band_attention
 from .memory import PooledSpeculatorCache, SpeculatorCache, SpeculatorPool
@@ -250,7 +249,7 @@ class Speculator(PreTrainedModel):
         *loss_args: Any,
     ) -> torch.Tensor | T:
         """The query stream of every position (:meth:`forward_train`), or with ``loss`` a training objective of it,
-        ``loss(self, out_BND, hidden, *loss_args)`` (the KD loss: :func:`kd_objective`).
+        ``loss(self, out_BND, hidden, *loss_args)`` (the KD loss: :func:`spd.training.head_forward.kd_objective`).
 
         The objective runs inside ``forward`` so that data-parallel wrappers (DDP, DeepSpeed) see every parameter it
         uses, the LM head included.
@@ -635,39 +634,3 @@ def _one_pool(caches) -> SpeculatorPool | None:
     """The pool every cache of ``caches`` is a slot of, or None."""
     pool = getattr(caches[0], "pool", None)
     return pool if pool is not None and all(getattr(cache, "pool", None) is pool for cache in caches) else None
-
-
-def kd_objective(
-    head: Speculator,
-    out_BND: torch.Tensor,
-    hidden: dict[int, torch.Tensor],
-    supervised_BN: torch.Tensor,
-    teacher_logits: Callable[[torch.Tensor], torch.Tensor],
-    tau: float = 1.0,
-    chunk_size: int = 512,
-    topk: tuple[torch.Tensor, torch.Tensor] | None = None,
-    pad_to: int = 1,
-) -> KDResult:
-    """The chunked KD loss of the head's outputs on supervised positions against the target
-    (``teacher_logits(H^L)``), or against a stored top-k teacher ``topk = (ids_BNK, logprobs_BNK)``
-    (spd.training.capture)."""
-    if topk is not None:
-        return kd_loss_topk(
-            out_BND[supervised_BN],
-            topk[0][supervised_BN],
-            topk[1][supervised_BN],
-            head.logits,
-            chunk_size,
-            pad_to,
-        )
-    teacher_BND = hidden[head.config.target_num_layers]
-    return kd_loss(
-        out_BND[supervised_BN],
-        teacher_BND[supervised_BN],
-        head.logits,
-        teacher_logits,
-        tau,
-        chunk_size,
-        head.draft_ids,
-        pad_to,
-    )

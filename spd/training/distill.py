@@ -23,10 +23,11 @@ from torch import nn
 from ..errors import SpdInputError
 from ..files import replace_dir, temp_dir_beside
 from ..heads.config import SpeculatorConfig, default_anchors
-from ..heads.speculator import Speculator, kd_objective
+from ..heads.speculator import Speculator
 from ..paths import default_cache_dir, default_testbed_dir
 from ..reading import read_yaml
 from ..target.staging import StagedModel
+from .head_forward import kd_objective
 from .kd import padded_length
 
 VARIANTS = {  # variant -> (schedule, max_depth or None for n); docs/method.md §3
