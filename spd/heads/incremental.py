@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ..target.sdpa import decode_kernels
 from .config import SpeculatorConfig
 from .layers import Rope, SpeculatorLayer
-from .memory import PooledSpeculatorCache, SpeculatorCache, SpeculatorPool
+from .memory import PooledSpeculatorCache, SpeculatorCache, SpeculatorPool, one_pool
 
 
 class SpeculatorParts(Protocol):
@@ -58,7 +58,7 @@ def append_memory_many(head: SpeculatorParts, caches: list[SpeculatorCache], mem
     mem_M1D = torch.cat(mems)[:, None]
     for cache, p in zip(caches, sizes):
         cache.reserve(cache.length + p)
-    pool = _one_pool(caches)
+    pool = one_pool(caches)
     if pool is not None:  # the slots of one pool: every row straight into its request's slot
         slot_M = torch.tensor([cache.slot for cache, p in zip(caches, sizes) for _ in range(p)], device=dev)
     for i, layer in enumerate(head.layers):
@@ -125,7 +125,7 @@ def query_many(
     When the caches are the slots of one :class:`~spd.heads.memory.SpeculatorPool` (a batched pipeline's
     requests) the keys are read where they lie instead (:func:`_query_pool`).
     """
-    pool = _one_pool(caches)
+    pool = one_pool(caches)
     if pool is not None and len({cache.slot for cache in caches}) == len(caches):
         return _query_pool(head, pool, caches, trailing, queries)
     cfg = head.config
@@ -279,9 +279,3 @@ def _query_pool(
             )
             h_SLD = layer.finish(h_SLD, attn)
     return h_SLD[entry_B, row_B]
-
-
-def _one_pool(caches) -> SpeculatorPool | None:
-    """The pool every cache of ``caches`` is a slot of, or None."""
-    pool = getattr(caches[0], "pool", None)
-    return pool if pool is not None and all(getattr(cache, "pool", None) is pool for cache in caches) else None

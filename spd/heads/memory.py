@@ -86,6 +86,12 @@ class PooledSpeculatorCache(SpeculatorCache):
         self.pool.reserve(length)
 
 
+def one_pool(caches) -> SpeculatorPool | None:
+    """The pool every cache of ``caches`` is a slot of, or None."""
+    pool = getattr(caches[0], "pool", None)
+    return pool if pool is not None and all(getattr(cache, "pool", None) is pool for cache in caches) else None
+
+
 def _buffers(config: SpeculatorConfig, batch: int, capacity: int, dtype, device) -> tuple[list, list]:
     """Zeroed keys and values, one ``(batch, Hk, capacity, Dh)`` buffer per layer of each."""
     shape = (batch, config.num_key_value_heads, capacity, config.head_dim)
