@@ -9,6 +9,7 @@ import math
 from transformers import PretrainedConfig
 
 from ..errors import SpdInputError
+from .interface import HeadConfig
 
 SCHEDULES = {"input": 0, "output": 1, "serial": 0}  # schedule -> depth offset of the newest position
 
@@ -123,7 +124,7 @@ class SpeculatorConfig(PretrainedConfig):
         return 0 if self.schedule == "serial" else min(self.max_depth, distance + self.offset)
 
 
-def check_compatible(head_config: SpeculatorConfig, staged, mode: str | None = None) -> None:
+def check_compatible(head_config: HeadConfig, staged, mode: str | None = None) -> None:
     """Refuse a head trained for another target shape or another pipeline (one clear sentence).
 
     ``staged`` is a :class:`spd.target.staging.StagedModel` (not imported here: the head does not need the target);

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ..target.sdpa import decode_kernels
 from .config import SpeculatorConfig
 from .layers import Rope, SpeculatorLayer
-from .memory import PooledSpeculatorCache, SpeculatorCache, SpeculatorPool, one_pool
+from .memory import CacheView, PooledSpeculatorCache, SpeculatorCache, SpeculatorPool, one_pool
 
 
 class SpeculatorParts(Protocol):
@@ -77,7 +77,10 @@ def append_memory_many(head: SpeculatorParts, caches: list[SpeculatorCache], mem
 
 
 def query(
-    head: SpeculatorParts, cache: SpeculatorCache, trailing: list[tuple[int, torch.Tensor]], query_BD: torch.Tensor
+    head: SpeculatorParts,
+    cache: SpeculatorCache | CacheView,
+    trailing: list[tuple[int, torch.Tensor]],
+    query_BD: torch.Tensor,
 ) -> torch.Tensor:
     """Query-stream output (B, D) for the newest position, attending cached rows plus trailing rows.
 

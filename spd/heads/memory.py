@@ -16,6 +16,8 @@ Shape suffixes: B batch, S slots, Hk kv heads, C rows, Dh head dim.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .config import SpeculatorConfig
@@ -32,7 +34,26 @@ class SpeculatorCache:
         _grow((self.keys, self.values), length, kept=self.length)
 
     def truncate(self, length: int) -> None:
+        """Keep the rows of positions before ``length`` (a rollback)."""
         self.length = min(self.length, length)
+
+    def expand(self, batch: int) -> CacheView:
+        """The cached rows of a batch-1 cache as the cache of ``batch`` queries, read in place (no copy)."""
+        return CacheView(
+            length=self.length,
+            keys=[k[:, :, : self.length].expand(batch, -1, -1, -1) for k in self.keys],
+            values=[v[:, :, : self.length].expand(batch, -1, -1, -1) for v in self.values],
+        )
+
+
+@dataclass
+class CacheView:
+    """Cached rows that several queries read at once (:meth:`SpeculatorCache.expand`): per layer, keys and values
+    ``(B, Hk, length, Dh)``."""
+
+    length: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
 
 
 class SpeculatorPool:

@@ -33,8 +33,8 @@ heads (= Hk), G query heads per kv head, C rows of a query block, Q = G x C, P d
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -43,9 +43,10 @@ from transformers import PreTrainedModel
 
 from . import incremental
 from .config import SpeculatorConfig
+from .interface import InFlightToken, SpeculationHead
 from .kernels import ConcatLinear, offset_band_attention
 from .layers import RMSNorm, Rope, SpeculatorLayer
-from .memory import SpeculatorCache, SpeculatorPool
+from .memory import CacheView, SpeculatorCache, SpeculatorPool
 
 T = TypeVar("T")
 
@@ -218,9 +219,8 @@ class Speculator(PreTrainedModel):
         return h_BND
 
     # ------------------------------------------------------------------------------ inference path
-    # The head's engine calls (spd.decoding.proposers.HeadProposer): prefill_anchors / prefill_memory / retire /
-    # propose_logits. The authors' heads (spd.heads.published.authors_head) implement the same four with their own
-    # schedule.
+    # The head's engine calls (spd.heads.interface.SpeculationHead); the authors' heads
+    # (spd.heads.published.authors_head) implement the same calls with their own schedule.
     def prefill_anchors(self) -> list[int]:
         """Hidden-state indices the prefill must return for every prompt position."""
         return list(self.config.anchors[self.config.max_depth])
@@ -229,22 +229,24 @@ class Speculator(PreTrainedModel):
         """Every prompt position enters the cache at full depth."""
         self.append_memory(cache, self.features(self.config.max_depth, anchors))
 
-    def retire(self, cache: SpeculatorCache, slots) -> None:
-        """Cache the memory row of every slot that just reached max depth (slots reach it in position order,
+    def retire(self, cache: SpeculatorCache, tokens: Sequence[InFlightToken]) -> None:
+        """Cache the memory row of every token that just reached max depth (tokens reach it in position order,
         so the cache stays a contiguous prefix of positions)."""
         max_depth = self.config.max_depth
-        for slot in slots:
-            if slot.depth == max_depth and slot.position == cache.length:
-                self.append_memory(cache, self.features(max_depth, slot.anchors)[:, None])
+        for token in tokens:
+            if token.depth == max_depth and token.position == cache.length:
+                self.append_memory(cache, self.features(max_depth, token.anchors)[:, None])
 
-    def propose_logits(self, cache: SpeculatorCache, inflight) -> torch.Tensor:
-        """Logits (1, V) for the position after the newest in-flight slot, from the slots' current depths."""
+    def propose_logits(self, cache: SpeculatorCache, inflight: Sequence[InFlightToken]) -> torch.Tensor:
+        """Logits (1, V) for the position after the newest token in flight, from the tokens' current depths."""
         plan, query = self._plan(cache, inflight)
         rows = [(depth, self.features(depth, anchors)) for depth, anchors in plan]
         query_1D = rows[-1][1] if query is None else self.features(self.config.offset, query)
         return self.vocab_logits(self.query(cache, rows, query_1D))
 
-    def _plan(self, cache: SpeculatorCache, inflight) -> tuple[list[tuple[int, dict]], dict | None]:
+    def _plan(
+        self, cache: SpeculatorCache, inflight: Sequence[InFlightToken]
+    ) -> tuple[list[tuple[int, dict[int, torch.Tensor]]], dict[int, torch.Tensor] | None]:
         """A query's trailing rows as ``(depth, anchors)``, and its query's anchors (None: the last row is the query,
         already at the query's depth)."""
         cfg = self.config
@@ -256,7 +258,9 @@ class Speculator(PreTrainedModel):
         rows = [(min(s.depth, cfg.max_depth), s.anchors) for s in trailing]
         return rows, None if rows and rows[-1][0] == cfg.offset else inflight[-1].anchors
 
-    def propose_logits_many(self, caches: list[SpeculatorCache], inflights: list) -> torch.Tensor:
+    def propose_logits_many(
+        self, caches: Sequence[SpeculatorCache], inflights: Sequence[Sequence[InFlightToken]]
+    ) -> torch.Tensor:
         """:meth:`propose_logits` of many queries at once, ``inflights[i]`` over ``caches[i]`` (a cache may serve
         several queries): the rows of one depth go through their FC together, then one :meth:`query_many` and one
         LM head. Logits ``(B, V)``, equal to each query's own up to fp32 rounding."""
@@ -268,6 +272,7 @@ class Speculator(PreTrainedModel):
         return self.vocab_logits(self.query_many(caches, trailing, queries))
 
     def new_cache(self, batch_size: int = 1, capacity: int = 256) -> SpeculatorCache:
+        """An empty cache of ``capacity`` positions for ``batch_size`` sequences."""
         p = next(self.parameters())
         return SpeculatorCache(self.config, batch_size, capacity, p.dtype, p.device)
 
@@ -285,7 +290,7 @@ class Speculator(PreTrainedModel):
         incremental.append_memory_many(self, caches, mems)
 
     def query(
-        self, cache: SpeculatorCache, trailing: list[tuple[int, torch.Tensor]], query_BD: torch.Tensor
+        self, cache: SpeculatorCache | CacheView, trailing: list[tuple[int, torch.Tensor]], query_BD: torch.Tensor
     ) -> torch.Tensor:
         """Query-stream output (B, D) for the newest position, attending cached rows plus trailing rows
         (:func:`spd.heads.incremental.query`)."""
@@ -299,3 +304,7 @@ class Speculator(PreTrainedModel):
     ) -> torch.Tensor:
         """:meth:`query` for many requests at once (:func:`spd.heads.incremental.query_many`)."""
         return incremental.query_many(self, caches, trailing, queries)
+
+
+if TYPE_CHECKING:  # the type checker holds the head to the engine's interface
+    _engine_calls: type[SpeculationHead[SpeculatorCache]] = Speculator

@@ -6,14 +6,12 @@ Shape suffixes: N tree nodes, L nodes of the bottom level, K candidates per node
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from ...errors import SpdInputError
 from ...heads.config import check_compatible
 from ...heads.draft_vocab import check_draft_vocab
-from ...heads.memory import SpeculatorPool
+from ...heads.memory import CacheView, SpeculatorCache, SpeculatorPool
 from ...heads.speculator import Speculator
 from ...target.staging import StagedModel
 from ..tree import Level, TokenTree
@@ -104,14 +102,9 @@ class SpdHeadProposer:
         path, query = self._path(tree, context, levels)
         rows = [(depth, head.features(depth, anchors)) for depth, anchors in path]
         query_LD = rows[-1][1] if query is None else head.features(cfg.offset, query)
-        view = cache
+        view: SpeculatorCache | CacheView = cache
         if query_LD.shape[0] > 1:  # one query per bottom node over the same cached rows
-            b = query_LD.shape[0]
-            view = SimpleNamespace(
-                length=cache.length,
-                keys=[k[:, :, : cache.length].expand(b, -1, -1, -1) for k in cache.keys],
-                values=[v[:, :, : cache.length].expand(b, -1, -1, -1) for v in cache.values],
-            )
+            view = cache.expand(query_LD.shape[0])
         # Over the head's own outputs X (V, or its draft vocabulary: ``ids`` maps them to target ids).
         return torch.log_softmax(head.logits(head.query(view, rows, query_LD)).float(), dim=-1)
 

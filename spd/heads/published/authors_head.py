@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import copy
 import importlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +46,7 @@ from torch import nn
 from ...errors import SpdInputError
 from ...target.sdpa import decode_kernels
 from ...target.staging import StagedModel, StageKVCache, cache_keyword
+from ..interface import InFlightToken, SpeculationHead
 from .authors_config import config_for, spec_layer_config
 from .authors_file import AuthorsCheckpoint
 
@@ -118,7 +121,7 @@ class AuthorsHead(nn.Module):
         self.layer_cfg = layer_cfg
         self.eval()
 
-    # --------------------------------------------------------------------------------- engine protocol
+    # ------------------------------------------------------------- engine calls (spd.heads.interface)
     def needed_anchors(self) -> list[int]:
         """Every hidden-state index a row can read (all of them are kept for a token while it is in flight)."""
         cfg = self.config
@@ -127,9 +130,11 @@ class AuthorsHead(nn.Module):
         return sorted(set(cfg.bound))
 
     def prefill_anchors(self) -> list[int]:
+        """Hidden-state indices the prefill must return for every prompt position: all of them."""
         return self.needed_anchors()
 
     def new_cache(self, batch_size: int = 1, capacity: int = 256) -> AuthorsCache:
+        """An empty cache of ``capacity`` positions for ``batch_size`` sequences."""
         p = self.lm_head.weight
         kv = StageKVCache(
             list(range(self.config.num_layers)),
@@ -161,19 +166,21 @@ class AuthorsHead(nn.Module):
             slots = list(range(count - 1, -1, -1))  # their _infer_stage_ids takes it for a decode call
         self._tower(cache, rows_1RD, 0, slots)
 
-    def retire(self, cache: AuthorsCache, slots) -> None:
+    def retire(self, cache: AuthorsCache, tokens: Sequence[InFlightToken]) -> None:
         """Tokens that completed stage n: their anchors are kept, the newest becomes the evicted row."""
-        for slot in slots:
-            if slot.depth == self.config.n_stages:
-                cache.snaps[slot.position] = dict(slot.anchors)
-                cache.evicted = slot.position
+        for token in tokens:
+            if token.depth == self.config.n_stages:
+                cache.snaps[token.position] = dict(token.anchors)
+                cache.evicted = token.position
 
-    def propose_logits(self, cache: AuthorsCache, inflight) -> torch.Tensor:
+    def propose_logits(self, cache: AuthorsCache, inflight: Sequence[InFlightToken]) -> torch.Tensor:
         """Full-vocabulary logits (1, V) of the head's next token after the newest in-flight token."""
         rows_1RD, first, slots = self._window(cache, inflight)
         return self.logits(self._tower(cache, rows_1RD, first, slots))
 
-    def propose_logits_many(self, caches: list[AuthorsCache], inflights: list) -> torch.Tensor:
+    def propose_logits_many(
+        self, caches: Sequence[AuthorsCache], inflights: Sequence[Sequence[InFlightToken]]
+    ) -> torch.Tensor:
         """:meth:`propose_logits` of many queries at once, ``inflights[i]`` over ``caches[i]`` (a cache may serve
         several queries, the nodes of one request's tree: its keys and values are then those of the last of them,
         as when they are asked one after another): one tower call over every query's rows, left-padded to the
@@ -181,7 +188,7 @@ class AuthorsHead(nn.Module):
         windows = [self._window(cache, inflight) for cache, inflight in zip(caches, inflights)]
         return self.logits(self._tower_many(caches, *map(list, zip(*windows))))
 
-    def _window(self, cache: AuthorsCache, inflight) -> tuple[torch.Tensor, int, list[int]]:
+    def _window(self, cache: AuthorsCache, inflight: Sequence[InFlightToken]) -> tuple[torch.Tensor, int, list[int]]:
         """The rows of one query (their schedule, see the module docstring) as ``(1, R, D)``, the first row's
         position and each row's slot; the cache is cut to the first row's position."""
         cfg = self.config
@@ -435,3 +442,7 @@ def load_authors_head(
     from .authors_file import load_authors_file
 
     return AuthorsHead(load_authors_file(source, revision), staged, use_deepest, authors_prefill)
+
+
+if TYPE_CHECKING:  # the type checker holds the head to the engine's interface
+    _engine_calls: type[SpeculationHead[AuthorsCache]] = AuthorsHead
