@@ -142,18 +142,7 @@ def query_many(
     mask_B11K = (torch.arange(width)[None] < length_B[:, None]).to(dev)[:, None, None]
     cos_q, sin_q = head.rope((length_B - 1)[:, None].to(dev), dtype)
     groups = _trailing_groups(head, caches, trailing, sizes, dev, dtype)
-    # The cached rows: every query row gets its request's cached keys and values in its first slots
-    # (``cached_rows``, ``cached_slots``). Each layer lays every request's cached rows out one request after
-    # another; ``pick`` repeats a request's for each of its query rows (None: every request has one query row).
-    cached_C = torch.tensor([cache.length for cache in caches])
-    per_row_B = cached_C[row_request_B]
-    cached_rows = torch.repeat_interleave(torch.arange(total), per_row_B).to(dev)
-    starts_B = torch.cumsum(per_row_B, 0) - per_row_B
-    slots_M = torch.arange(int(per_row_B.sum())) - torch.repeat_interleave(starts_B, per_row_B)
-    cached_slots, pick = slots_M.to(dev), None
-    if total > len(sizes):
-        request_starts = torch.cumsum(cached_C, 0) - cached_C
-        pick = (torch.repeat_interleave(request_starts[row_request_B], per_row_B) + slots_M).to(dev)
+    cached = _cached_layout(caches, row_request_B, dev)
     scale = cfg.head_dim**-0.5
     h_B1D = torch.cat(queries)[:, None]
     # One padded K/V for every layer: each layer writes the same slots, so the padding stays zero.
@@ -162,14 +151,8 @@ def query_many(
     with decode_kernels(dev):
         for i, layer in enumerate(head.layers):
             q = layer.query_heads(h_B1D, cos_q, sin_q)
-            for buffer_BHKD, held in (
-                (k_BHKD, [cache.keys[i] for cache in caches]),
-                (v_BHKD, [cache.values[i] for cache in caches]),
-            ):
-                cached_MHD = torch.cat([kv[0, :, : cache.length] for kv, cache in zip(held, caches)], dim=1).transpose(
-                    0, 1
-                )
-                buffer_BHKD[cached_rows, :, cached_slots] = cached_MHD if pick is None else cached_MHD[pick]
+            _copy_cached(k_BHKD, [cache.keys[i] for cache in caches], caches, *cached)
+            _copy_cached(v_BHKD, [cache.values[i] for cache in caches], caches, *cached)
             for depth, g_M1D, rows_M, slot_M, (cos, sin) in groups:
                 k, v = layer.memory_kv(g_M1D, depth, cos, sin)
                 k_BHKD[rows_M, :, slot_M] = k[:, :, 0]
@@ -179,6 +162,40 @@ def query_many(
             )
             h_B1D = layer.finish(h_B1D, attn)
     return h_B1D[:, 0]
+
+
+def _cached_layout(
+    caches: list[SpeculatorCache], row_request_B: torch.Tensor, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Where :func:`query_many`'s cached rows go: every query row gets its request's cached keys and values in its
+    first slots (``(cached_rows, cached_slots)``, one entry per row copied). Each layer lays every request's cached
+    rows out one request after another; ``pick`` repeats a request's for each of its query rows (None: every request
+    has one query row)."""
+    total = row_request_B.shape[0]
+    cached_C = torch.tensor([cache.length for cache in caches])
+    per_row_B = cached_C[row_request_B]
+    cached_rows = torch.repeat_interleave(torch.arange(total), per_row_B).to(dev)
+    starts_B = torch.cumsum(per_row_B, 0) - per_row_B
+    slots_M = torch.arange(int(per_row_B.sum())) - torch.repeat_interleave(starts_B, per_row_B)
+    cached_slots, pick = slots_M.to(dev), None
+    if total > len(caches):
+        request_starts = torch.cumsum(cached_C, 0) - cached_C
+        pick = (torch.repeat_interleave(request_starts[row_request_B], per_row_B) + slots_M).to(dev)
+    return cached_rows, cached_slots, pick
+
+
+def _copy_cached(
+    buffer_BHKD: torch.Tensor,
+    held: list[torch.Tensor],
+    caches: list[SpeculatorCache],
+    cached_rows: torch.Tensor,
+    cached_slots: torch.Tensor,
+    pick: torch.Tensor | None,
+) -> None:
+    """One layer's cached keys (or values) ``held`` of every request into the query rows' first slots of
+    ``buffer_BHKD`` (:func:`_cached_layout`)."""
+    cached_MHD = torch.cat([kv[0, :, : cache.length] for kv, cache in zip(held, caches)], dim=1).transpose(0, 1)
+    buffer_BHKD[cached_rows, :, cached_slots] = cached_MHD if pick is None else cached_MHD[pick]
 
 
 def _trailing_groups(head: SpeculatorParts, caches, trailing, sizes: list[int], dev, dtype) -> list[tuple]:
@@ -217,53 +234,21 @@ def _query_pool(
     of its slot (at positions ``c .. c + r - 1`` all the same), and its query rows are the entry's queries
     ``0 .. L - 1``; each sees its cached rows and its own trailing rows (a mask). Entries of slots that ask nothing
     and query rows past ``L`` are padding (their outputs are dropped)."""
-    cfg = head.config
-    memory_proj, max_depth = cfg.memory_proj, cfg.max_depth  # (a config's attributes are slow to read)
     dev, dtype = queries[0].device, queries[0].dtype
     sizes = [q.shape[0] for q in queries]
     slots = [cache.slot for cache in caches]
     spans = [cache.length + size * len(rows) for cache, rows, size in zip(caches, trailing, sizes)]
     entries, rows_per_entry, width = max(slots) + 1, max(sizes), max(spans)
     pool.reserve(width)
-    # Per entry: cached rows, trailing rows per query row, query rows (0 for entries that ask nothing).
-    cached_S, trailing_S, asked_S = ([0] * entries for _ in range(3))
-    # Trailing rows by depth (one group without per-depth projections): features, slot, scratch row, position.
-    by_depth: dict[int, tuple[list, list, list, list]] = {}
-    for cache, rows, size, slot in zip(caches, trailing, sizes, slots):
-        c, r = cache.length, len(rows)
-        cached_S[slot], trailing_S[slot], asked_S[slot] = c, r, size
-        for j, (depth, g_LD) in enumerate(rows):
-            gs, slot_M, row_M, pos_M = by_depth.setdefault(depth if memory_proj else max_depth, ([], [], [], []))
-            gs.append(g_LD)
-            slot_M.extend([slot] * size)
-            row_M.extend(range(c + j, c + j + size * r, r))
-            pos_M.extend([c + j] * size)
-    groups = []
-    for depth, (gs, slot_M, row_M, pos_M) in by_depth.items():
-        groups.append(
-            (
-                depth,
-                torch.cat(gs)[:, None],
-                torch.tensor(slot_M, device=dev),
-                torch.tensor(row_M, device=dev),
-                head.rope(torch.tensor(pos_M, device=dev)[:, None], dtype),
-            )
-        )
-    cached_S1, trailing_S1, asked_S1 = (torch.tensor(x, device=dev)[:, None] for x in (cached_S, trailing_S, asked_S))
-    query_L = torch.arange(rows_per_entry, device=dev)
-    key_K = torch.arange(width, device=dev)
-    own_SL = cached_S1 + query_L[None] * trailing_S1  # each query row's first trailing row
-    mask_SLK = (key_K < cached_S1[:, :, None]) | (
-        (key_K >= own_SL[:, :, None]) & (key_K < (own_SL + trailing_S1)[:, :, None])
-    )
-    real_SL = query_L[None] < asked_S1
-    mask_S1LK = torch.where(real_SL[:, :, None], mask_SLK, key_K == 0)[:, None]  # padding sees row 0 alone
+    counts, groups = _pool_rows(head, caches, trailing, sizes, entries, dev, dtype)
+    cached_S1, trailing_S1, asked_S1 = (torch.tensor(x, device=dev)[:, None] for x in counts)
+    mask_S1LK = _pool_mask(cached_S1, trailing_S1, asked_S1, rows_per_entry, width)
     cos_q, sin_q = head.rope((cached_S1 + trailing_S1 - 1).expand(entries, rows_per_entry), dtype)
     entry_B = torch.tensor([slot for slot, size in zip(slots, sizes) for _ in range(size)], device=dev)
     row_B = torch.tensor([row for size in sizes for row in range(size)], device=dev)
     h_SLD = queries[0].new_zeros(entries, rows_per_entry, queries[0].shape[-1])
     h_SLD[entry_B, row_B] = torch.cat(queries)
-    scale = cfg.head_dim**-0.5
+    scale = head.config.head_dim**-0.5
     with decode_kernels(dev):
         for i, layer in enumerate(head.layers):
             keys_SHkCDh, values_SHkCDh = pool.keys[i], pool.values[i]
@@ -282,3 +267,58 @@ def _query_pool(
             )
             h_SLD = layer.finish(h_SLD, attn)
     return h_SLD[entry_B, row_B]
+
+
+def _pool_rows(
+    head: SpeculatorParts,
+    caches: list[PooledSpeculatorCache],
+    trailing: list[list[tuple[int, torch.Tensor]]],
+    sizes: list[int],
+    entries: int,
+    dev: torch.device,
+    dtype: torch.dtype,
+) -> tuple[tuple[list[int], list[int], list[int]], list[tuple]]:
+    """:func:`_query_pool`'s rows: per entry its cached rows, trailing rows per query row and query rows (0 for
+    entries that ask nothing); and the trailing rows by depth (one group without per-depth projections), per group
+    ``(depth, features (M, 1, D), slot (M,), scratch row (M,), rope (cos, sin))``."""
+    cfg = head.config
+    memory_proj, max_depth = cfg.memory_proj, cfg.max_depth  # (a config's attributes are slow to read)
+    cached_S, trailing_S, asked_S = ([0] * entries for _ in range(3))
+    by_depth: dict[int, tuple[list, list, list, list]] = {}
+    for cache, rows, size in zip(caches, trailing, sizes):
+        c, r, slot = cache.length, len(rows), cache.slot
+        cached_S[slot], trailing_S[slot], asked_S[slot] = c, r, size
+        for j, (depth, g_LD) in enumerate(rows):
+            gs, slot_M, row_M, pos_M = by_depth.setdefault(depth if memory_proj else max_depth, ([], [], [], []))
+            gs.append(g_LD)
+            slot_M.extend([slot] * size)
+            row_M.extend(range(c + j, c + j + size * r, r))
+            pos_M.extend([c + j] * size)
+    groups = []
+    for depth, (gs, slot_M, row_M, pos_M) in by_depth.items():
+        groups.append(
+            (
+                depth,
+                torch.cat(gs)[:, None],
+                torch.tensor(slot_M, device=dev),
+                torch.tensor(row_M, device=dev),
+                head.rope(torch.tensor(pos_M, device=dev)[:, None], dtype),
+            )
+        )
+    return (cached_S, trailing_S, asked_S), groups
+
+
+def _pool_mask(
+    cached_S1: torch.Tensor, trailing_S1: torch.Tensor, asked_S1: torch.Tensor, rows_per_entry: int, width: int
+) -> torch.Tensor:
+    """:func:`_query_pool`'s mask ``(S, 1, L, K)``: a query row sees its entry's cached rows and its own trailing rows,
+    a padding row key 0 alone."""
+    dev = cached_S1.device
+    query_L = torch.arange(rows_per_entry, device=dev)
+    key_K = torch.arange(width, device=dev)
+    own_SL = cached_S1 + query_L[None] * trailing_S1  # each query row's first trailing row
+    mask_SLK = (key_K < cached_S1[:, :, None]) | (
+        (key_K >= own_SL[:, :, None]) & (key_K < (own_SL + trailing_S1)[:, :, None])
+    )
+    real_SL = query_L[None] < asked_S1
+    return torch.where(real_SL[:, :, None], mask_SLK, key_K == 0)[:, None]  # padding sees row 0 alone
