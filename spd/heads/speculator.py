@@ -24,7 +24,11 @@ Three forwards share the weights:
 - :meth:`Speculator.forward_dense` - the reference (n+1)x expanded layout with the dense structural mask
   of Appendix A.3 (for tests and the layout benchmark);
 - :meth:`Speculator.append_memory` / :meth:`Speculator.query` - incremental inference with cached K/V of
-  depth-max rows; only the trailing rows are recomputed each step.
+  depth-max rows; only the trailing rows are recomputed each step (:mod:`spd.heads.incremental`).
+
+The module's ``forward`` is :meth:`~Speculator.forward_train`, with the training objective run inside it when one is
+given (spd.training.head_forward). The layers are in :mod:`spd.heads.layers`; the calls the engine makes on the head
+are declared in :mod:`spd.heads.interface`.
 
 Shape suffixes: B batch, N positions, D hidden, H query heads, Hk kv heads, Dh head dim, V vocabulary,
 J band offsets, R trailing rows, M expanded memory rows ((n+1)N); inside the blockwise attention: K kv
