@@ -47,7 +47,7 @@ def append_memory(head: SpeculatorParts, cache: SpeculatorCache, mem_BRD: torch.
     cache.length += r
 
 
-def append_memory_many(head: SpeculatorParts, caches: list[SpeculatorCache], mems: list[torch.Tensor]) -> None:
+def append_memory_many(head: SpeculatorParts, caches: Sequence[SpeculatorCache], mems: list[torch.Tensor]) -> None:
     """:func:`append_memory` for many requests at once: ``mems[i]`` (``(P_i, D)``, at max depth) joins
     ``caches[i]``; the rows of every request go through each layer's key and value projections together."""
     sizes = [m.shape[0] for m in mems]
@@ -58,12 +58,13 @@ def append_memory_many(head: SpeculatorParts, caches: list[SpeculatorCache], mem
     mem_M1D = torch.cat(mems)[:, None]
     for cache, p in zip(caches, sizes):
         cache.reserve(cache.length + p)
-    pool = one_pool(caches)
-    if pool is not None:  # the slots of one pool: every row straight into its request's slot
-        slot_M = torch.tensor([cache.slot for cache, p in zip(caches, sizes) for _ in range(p)], device=dev)
+    pooled = one_pool(caches)
+    if pooled is not None:  # the slots of one pool: every row straight into its request's slot
+        pool, slots = pooled
+        slot_M = torch.tensor([cache.slot for cache, p in zip(slots, sizes) for _ in range(p)], device=dev)
     for i, layer in enumerate(head.layers):
         k, v = layer.memory_kv(mem_M1D, head.config.max_depth, cos, sin)  # (M, Hk, 1, Dh)
-        if pool is not None:
+        if pooled is not None:
             pool.keys[i][slot_M, :, pos_M] = k[:, :, 0]
             pool.values[i][slot_M, :, pos_M] = v[:, :, 0]
             continue
@@ -114,7 +115,7 @@ def query(
 
 def query_many(
     head: SpeculatorParts,
-    caches: list[SpeculatorCache],
+    caches: Sequence[SpeculatorCache],
     trailing: list[list[tuple[int, torch.Tensor]]],
     queries: list[torch.Tensor],
 ) -> torch.Tensor:
@@ -128,9 +129,9 @@ def query_many(
     When the caches are the slots of one :class:`~spd.heads.memory.SpeculatorPool` (a batched pipeline's
     requests) the keys are read where they lie instead (:func:`_query_pool`).
     """
-    pool = one_pool(caches)
-    if pool is not None and len({cache.slot for cache in caches}) == len(caches):
-        return _query_pool(head, pool, caches, trailing, queries)
+    pooled = one_pool(caches)
+    if pooled is not None and len({cache.slot for cache in pooled[1]}) == len(caches):
+        return _query_pool(head, *pooled, trailing, queries)
     cfg = head.config
     dev, dtype = queries[0].device, queries[0].dtype
     sizes = [q.shape[0] for q in queries]
@@ -165,7 +166,7 @@ def query_many(
 
 
 def _cached_layout(
-    caches: list[SpeculatorCache], row_request_B: torch.Tensor, dev: torch.device
+    caches: Sequence[SpeculatorCache], row_request_B: torch.Tensor, dev: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Where :func:`query_many`'s cached rows go: every query row gets its request's cached keys and values in its
     first slots (``(cached_rows, cached_slots)``, one entry per row copied). Each layer lays every request's cached
@@ -187,7 +188,7 @@ def _cached_layout(
 def _copy_cached(
     buffer_BHKD: torch.Tensor,
     held: list[torch.Tensor],
-    caches: list[SpeculatorCache],
+    caches: Sequence[SpeculatorCache],
     cached_rows: torch.Tensor,
     cached_slots: torch.Tensor,
     pick: torch.Tensor | None,
@@ -198,7 +199,14 @@ def _copy_cached(
     buffer_BHKD[cached_rows, :, cached_slots] = cached_MHD if pick is None else cached_MHD[pick]
 
 
-def _trailing_groups(head: SpeculatorParts, caches, trailing, sizes: list[int], dev, dtype) -> list[tuple]:
+def _trailing_groups(
+    head: SpeculatorParts,
+    caches: Sequence[SpeculatorCache],
+    trailing: list[list[tuple[int, torch.Tensor]]],
+    sizes: list[int],
+    dev: torch.device,
+    dtype: torch.dtype,
+) -> list[tuple]:
     """:func:`query_many`'s trailing rows by depth: per group ``(depth, features (M, 1, D), query row (M,), key
     slot (M,), rope (cos, sin))``. Without per-depth memory projections a row's key and value do not depend on
     its depth: every trailing row is one group."""

@@ -38,7 +38,7 @@ heads (= Hk), G query heads per kv head, C rows of a query block, Q = G x C, P d
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +63,8 @@ class Speculator(PreTrainedModel):
     config_class = SpeculatorConfig
     base_model_prefix = "speculator"
     _no_split_modules = ["SpeculatorLayer"]
+    config: SpeculatorConfig
+    draft_ids: torch.Tensor | None  # a buffer with a draft vocabulary, else None
 
     def __init__(self, config: SpeculatorConfig):
         super().__init__(config)
@@ -72,7 +74,10 @@ class Speculator(PreTrainedModel):
         self.fc = nn.ModuleDict(
             {str(k): nn.Linear(len(config.anchors[k]) * d, d, bias=False) for k in config.used_depths}
         )
-        self.layers = nn.ModuleList(SpeculatorLayer(config) for _ in range(config.num_layers))
+        # An nn.ModuleList, whose items torch's annotations leave untyped: the cast names them.
+        self.layers = cast(
+            "Sequence[SpeculatorLayer]", nn.ModuleList(SpeculatorLayer(config) for _ in range(config.num_layers))
+        )
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.lm_head = nn.Linear(d, config.draft_vocab_size or config.vocab_size, bias=False)
         if config.draft_vocab_size:
@@ -90,6 +95,7 @@ class Speculator(PreTrainedModel):
             nn.init.ones_(module.weight)
         if isinstance(module, SpeculatorLayer) and module.memory_proj is not None:
             for proj in module.memory_proj.values():
+                assert isinstance(proj, nn.Linear)  # SpeculatorLayer builds them so
                 nn.init.eye_(proj.weight)
 
     # ----------------------------------------------------------------------------------- features
@@ -289,7 +295,7 @@ class Speculator(PreTrainedModel):
         """Append rows that reached max_depth (positions cache.length ...) to the per-layer K/V cache."""
         incremental.append_memory(self, cache, mem_BRD)
 
-    def append_memory_many(self, caches: list[SpeculatorCache], mems: list[torch.Tensor]) -> None:
+    def append_memory_many(self, caches: Sequence[SpeculatorCache], mems: list[torch.Tensor]) -> None:
         """:meth:`append_memory` for many requests at once (:func:`spd.heads.incremental.append_memory_many`)."""
         incremental.append_memory_many(self, caches, mems)
 
@@ -302,7 +308,7 @@ class Speculator(PreTrainedModel):
 
     def query_many(
         self,
-        caches: list[SpeculatorCache],
+        caches: Sequence[SpeculatorCache],
         trailing: list[list[tuple[int, torch.Tensor]]],
         queries: list[torch.Tensor],
     ) -> torch.Tensor:

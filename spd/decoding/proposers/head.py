@@ -135,4 +135,5 @@ class HeadProposer:
     def reset(self, committed: int) -> None:
         """Miss: rows after the committed ones are dropped (for the authors' heads: as their chain's flush, the next
         query has no evicted row)."""
+        assert self.cache is not None, "start() comes first"
         self.cache.truncate(committed)

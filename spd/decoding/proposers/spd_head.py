@@ -11,7 +11,7 @@ import torch
 from ...errors import SpdInputError
 from ...heads.config import check_compatible
 from ...heads.draft_vocab import check_draft_vocab
-from ...heads.memory import CacheView, SpeculatorCache, SpeculatorPool
+from ...heads.memory import CacheView, PooledSpeculatorCache, SpeculatorCache, SpeculatorPool
 from ...heads.speculator import Speculator
 from ...target.staging import StagedModel
 from ..tree import Level, TokenTree
@@ -67,7 +67,7 @@ class SpdHeadProposer:
         self.num_layers = cfg.num_layers
         # The config's settings read on every query, read once (a config's attributes are slow to read).
         self.max_depth, self.offset, self.anchors_by_depth = cfg.max_depth, cfg.offset, cfg.anchors
-        self.cache = None
+        self.cache: SpeculatorCache | None = None  # the request's, from start()
         self.pool: SpeculatorPool | None = None  # a batched pipeline's memory pool, shared by its requests' copies
         self.pending: list[dict[int, torch.Tensor]] = []  # committed rows' anchors, cached before the next query
 
@@ -83,6 +83,7 @@ class SpdHeadProposer:
     def leave_pool(self) -> None:
         """The request ended: its slot goes back to the pool."""
         if self.pool is not None and self.cache is not None:
+            assert isinstance(self.cache, PooledSpeculatorCache)  # start() took it from the pool
             self.pool.release(self.cache)
         self.cache = None
 
@@ -96,6 +97,7 @@ class SpdHeadProposer:
     def expand(self, tree: TokenTree, context: list[int], levels: list[Level]) -> torch.Tensor:
         """The head's log-probabilities after each bottom node, ``(L, X)``: one batched query over their paths."""
         head, cfg, cache = self.head, self.head.config, self.cache
+        assert cache is not None, "start() comes first"
         if self.pending:
             head.append_memory(cache, head.features(cfg.max_depth, self._pending_rows())[None])
             self.pending = []
@@ -143,6 +145,7 @@ class SpdHeadProposer:
         bottom level's anchors at the query's depth where it already went deeper (a prune left the tree shallow),
         else None (the last row is the query)."""
         cache, anchors_by_depth = self.cache, self.anchors_by_depth
+        assert cache is not None, "start() comes first"
         if cache.length + len(self.pending) != len(context):
             raise RuntimeError("speculator cache and committed tokens are out of step")
         path = []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Any
 
 from ...errors import SpdInputError
 from ...target.staging import StagedModel
@@ -44,13 +45,16 @@ class AuthorsHeadConfig:
 
     def aggr_type(self, depth: int) -> int:
         """v11: the aggregation type of a depth: ``max{i : b[i] <= min(L, depth * L/n)}``."""
+        assert self.bound is not None, "a v11 head has aggr_feature_bound"
         limit = min(self.target_num_layers, depth * self.lps)
         return max(i for i, b in enumerate(self.bound) if b <= limit)
 
     def depth_anchors(self, depth: int) -> list[int]:
         """Hidden-state indices a row of this depth concatenates."""
         if self.version == 10:
+            assert self.shallow is not None, "a v10 head has shallow_hidden_layer_indices"
             return [0] if depth == 0 else list(self.shallow[self.n_stages - depth])
+        assert self.bound is not None, "a v11 head has aggr_feature_bound"
         return list(self.bound[: self.aggr_type(depth) + 1])
 
 
@@ -59,7 +63,7 @@ def spec_layer_config(staged: StagedModel, num_layers: int, raw: dict, version: 
     v11 on Qwen3.5 bases a copy of it with the first L_s layers forced to full attention."""
     from transformers import Qwen3Config
 
-    text = staged.config
+    text: Any = staged.config  # a Hugging Face text config (StagedModel declares it an object)
     intermediate = getattr(text, "intermediate_size", None) or raw.get("spec_intermediate_size_fallback", 9216)
     if version == 11 and text.model_type.startswith("qwen3_5"):
         cfg = copy.deepcopy(text)
@@ -92,14 +96,16 @@ def config_for(
 ) -> AuthorsHeadConfig:
     """Read their config, check it against the target (``base_model_path`` is ignored), one sentence if not."""
     raw, source = checkpoint.config, checkpoint.source
+    text: Any = staged.config  # a Hugging Face text config (StagedModel declares it an object)
     n, big_l = int(raw["num_stages"]), staged.num_layers
     problems = []
-    if int(raw["hidden_size"]) != staged.config.hidden_size:
-        problems.append(f"hidden size {raw['hidden_size']} vs the target's {staged.config.hidden_size}")
+    if int(raw["hidden_size"]) != text.hidden_size:
+        problems.append(f"hidden size {raw['hidden_size']} vs the target's {text.hidden_size}")
     if int(raw["vocab_size"]) != staged.vocab_size:
         problems.append(f"vocabulary {raw['vocab_size']} vs the target's {staged.vocab_size}")
-    if equal_cut_problem(n, big_l):
-        problems.append(equal_cut_problem(n, big_l))
+    cut = equal_cut_problem(n, big_l)
+    if cut:
+        problems.append(cut)
     if problems:
         raise misfit(problems)
     draft = raw.get("draft_token_ids")

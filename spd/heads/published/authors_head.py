@@ -97,12 +97,14 @@ class AuthorsHead(nn.Module):
             self.spec_layers = nn.ModuleList(Qwen3DecoderLayer(layer_cfg, j) for j in range(cfg.num_layers))
         self._gated = gated
         if cfg.version == 10:
+            assert cfg.shallow is not None  # config_for reads it for version 10
             self.stage_projs = nn.ModuleList(nn.Linear(len(a) * d, d, bias=False) for a in cfg.shallow)
             self.g0_proj = nn.Linear(d, d, bias=False)
             self.fixed_stage_per_layer_projs = nn.ModuleList(
                 nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(n)) for _ in range(cfg.num_layers)
             )
         else:
+            assert cfg.bound is not None  # config_for reads it for version 11
             self.aggr_projs = nn.ModuleList(nn.Linear((i + 1) * d, d, bias=False) for i in range(len(cfg.bound)))
         vocab_out = len(cfg.draft_token_ids) if cfg.draft_token_ids is not None else cfg.vocab_size
         self.lm_head = nn.Linear(d, vocab_out, bias=False)
@@ -126,7 +128,9 @@ class AuthorsHead(nn.Module):
         """Every hidden-state index a row can read (all of them are kept for a token while it is in flight)."""
         cfg = self.config
         if cfg.version == 10:
+            assert cfg.shallow is not None  # config_for reads it for version 10
             return sorted({0, *(k for a in cfg.shallow for k in a)})
+        assert cfg.bound is not None  # config_for reads it for version 11
         return sorted(set(cfg.bound))
 
     def prefill_anchors(self) -> list[int]:
@@ -241,14 +245,15 @@ class AuthorsHead(nn.Module):
         if cfg.version == 10:
             for t in range(s_len):
                 rows, slots = [], []
-                for pos in range(t + 1):
-                    k = t - pos
+                for position in range(t + 1):
+                    k = t - position
                     depth = 0 if k == 0 else (n if k >= fill or k >= n else k)
-                    rows.append(self._row({a: h[:, pos] for a, h in hidden.items()}, depth))
+                    rows.append(self._row({a: h[:, position] for a, h in hidden.items()}, depth))
                     slots.append(min(k, n))
                 cache = self.new_cache(capacity=t + 1)
                 out.append(self._tower(cache, torch.cat(rows, dim=1), 0, slots))
             return self.logits(torch.stack(out, dim=1)[0]).unsqueeze(0)
+        assert cfg.bound is not None  # config_for reads it for version 11
         m = len(cfg.bound)
         types = list(range(m - 1, -1, -1))  # block b holds aggregation type m-1-b
         rows_1MD = torch.cat(
@@ -298,7 +303,7 @@ class AuthorsHead(nn.Module):
         return self._tower_many([cache], [rows_1RD], [first], [slots])
 
     def _tower_many(
-        self, caches: list[AuthorsCache], rows: list[torch.Tensor], firsts: list[int], slots: list[list[int]]
+        self, caches: Sequence[AuthorsCache], rows: list[torch.Tensor], firsts: list[int], slots: list[list[int]]
     ) -> torch.Tensor:
         """:meth:`_tower` for B queries in one call: query ``b``'s rows ``(1, R_b, D)`` at positions ``firsts[b] ..``
         after ``caches[b]``'s rows, left-padded to the longest (so every query's newest row is the last); each
@@ -334,7 +339,7 @@ class AuthorsHead(nn.Module):
             cache.kv.advance(sizes[caches.index(cache)])
         return out[:, -1]
 
-    def _decoder(self, x_1RD, cos, sin, pos_1R, kv: StageKVCache, mask_11RK) -> torch.Tensor:
+    def _decoder(self, x_1RD, cos, sin, pos_1R, kv: StageKVCache | _PaddedKV, mask_11RK) -> torch.Tensor:
         """v11: every row through every layer (keys/values appended after ``kv``'s rows)."""
         for j, layer in enumerate(self.spec_layers):
             if self._gated:
@@ -370,7 +375,7 @@ class AuthorsHead(nn.Module):
             query_BQD = self._layer(layer, j, x_BRD, cos, sin, kv, mask_B1RK, query_cols)
         return query_BQD if query_cols else rows_BRD[:, -1:]
 
-    def _layer(self, layer, j: int, x_1RD, cos, sin, kv: StageKVCache, mask_11RK, out_rows: list[int]):
+    def _layer(self, layer, j: int, x_1RD, cos, sin, kv: StageKVCache | _PaddedKV, mask_11RK, out_rows: list[int]):
         """A Qwen3-parts decoder layer over all rows (keys/values appended to ``kv``), outputs of ``out_rows``."""
         attn = layer.self_attn
         b, r, _ = x_1RD.shape
