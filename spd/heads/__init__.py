@@ -1,2 +1,2 @@
-"""Speculation heads: our head (config, layers, engine cache API), draft vocabularies, and the SPD authors'
-published formats (``published``)."""
+"""Speculation heads: our head (config, layers, its memory at inference), the engine's calls on a head
+(``interface``), draft vocabularies, and the SPD authors' published formats (``published``)."""

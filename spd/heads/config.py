@@ -9,6 +9,7 @@ import math
 from transformers import PretrainedConfig
 
 from ..errors import SpdInputError
+from .interface import HeadConfig
 
 SCHEDULES = {"input": 0, "output": 1, "serial": 0}  # schedule -> depth offset of the newest position
 
@@ -91,11 +92,13 @@ class SpeculatorConfig(PretrainedConfig):
             raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got '{self.schedule}'")
         if not 1 <= self.max_depth <= n:
             raise ValueError(f"max_depth must be in 1..{n}, got {self.max_depth}")
-        if self.schedule == "serial" and (n != 1 or self.draft_steps < 1):
-            raise ValueError(
-                f"the serial schedule reads the whole target (n_stages 1) with draft_steps >= 1, got "
-                f"n_stages {n} and draft_steps {self.draft_steps}"
-            )
+        if self.schedule == "serial":
+            assert self.draft_steps is not None  # __init__ gives the serial schedule its number of drafts
+            if n != 1 or self.draft_steps < 1:
+                raise ValueError(
+                    f"the serial schedule reads the whole target (n_stages 1) with draft_steps >= 1, got "
+                    f"n_stages {n} and draft_steps {self.draft_steps}"
+                )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
@@ -109,7 +112,10 @@ class SpeculatorConfig(PretrainedConfig):
     @property
     def max_fill(self) -> int:
         """The most positions in flight (the fill ``a``): n for the pipelined schedules, draft_steps for serial."""
-        return self.draft_steps if self.schedule == "serial" else self.n_stages
+        if self.schedule == "serial":
+            assert self.draft_steps is not None  # __init__ gives the serial schedule its number of drafts
+            return self.draft_steps
+        return self.n_stages
 
     @property
     def used_depths(self) -> list[int]:
@@ -123,7 +129,7 @@ class SpeculatorConfig(PretrainedConfig):
         return 0 if self.schedule == "serial" else min(self.max_depth, distance + self.offset)
 
 
-def check_compatible(head_config: SpeculatorConfig, staged, mode: str | None = None) -> None:
+def check_compatible(head_config: HeadConfig, staged, mode: str | None = None) -> None:
     """Refuse a head trained for another target shape or another pipeline (one clear sentence).
 
     ``staged`` is a :class:`spd.target.staging.StagedModel` (not imported here: the head does not need the target);

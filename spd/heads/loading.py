@@ -18,7 +18,7 @@ from ..errors import SpdInputError, first_line
 from ..paths import check_model_source
 from ..reading import SAVED, check_model_files, read_json
 from .config import SpeculatorConfig, depth_problem, misfit
-from .published.authors_file import is_authors_file, load_authors_file
+from .published.authors_file import AuthorsCheckpoint, is_authors_file, load_authors_file
 from .speculator import Speculator
 
 
@@ -36,7 +36,8 @@ def load_speculator_config(name_or_path: str, revision: str | None = None) -> Sp
                 "train/distill.py (e.g. <output_dir>/final)"
             )
     try:
-        return SpeculatorConfig.from_pretrained(source, revision=revision)
+        # transformers annotates revision as str, but None is its default (the main branch).
+        return SpeculatorConfig.from_pretrained(source, revision=revision)  # type: ignore[arg-type]
     except (OSError, ValueError, KeyError) as exc:
         raise SpdInputError(f"could not load a speculation head from '{source}': {first_line(exc)}") from None
 
@@ -50,14 +51,14 @@ class HeadSource:
     name: str
     revision: str | None
     config: SpeculatorConfig | None = None  # ours; None: the authors'
-    _checkpoint: object | None = None
+    _checkpoint: AuthorsCheckpoint | None = None
 
     @property
     def authors(self) -> bool:
         return self.config is None
 
     @property
-    def checkpoint(self):
+    def checkpoint(self) -> AuthorsCheckpoint:
         """The authors' head file (an AuthorsCheckpoint), read once."""
         if self._checkpoint is None:
             self._checkpoint = load_authors_file(self.name, self.revision)
@@ -66,12 +67,14 @@ class HeadSource:
     @property
     def n_stages(self) -> int:
         """The n it was trained for."""
-        return int(self.checkpoint.config["num_stages"]) if self.authors else self.config.n_stages
+        if self.config is None:
+            return int(self.checkpoint.config["num_stages"])
+        return self.config.n_stages
 
     @property
     def boundaries(self) -> list[int] | None:
         """The cut it was trained for (None for the authors' heads: they cut equally)."""
-        return None if self.authors else list(self.config.boundaries)
+        return None if self.config is None else list(self.config.boundaries)
 
 
 def read_head(name_or_path: str | HeadSource, revision: str | None = None) -> HeadSource:
@@ -144,7 +147,14 @@ def load_speculator(
 
     check_model_files(head.name, "speculator", weights=True)
     try:
-        loaded = Speculator.from_pretrained(head.name, config=head.config, revision=head.revision, dtype=dtype)
+        # transformers annotates revision as str, but None is its default (the main branch).
+        loaded = Speculator.from_pretrained(
+            head.name,
+            config=head.config,
+            revision=head.revision,  # type: ignore[arg-type]
+            dtype=dtype,
+        )
     except (OSError, ValueError, KeyError, SafetensorError) as exc:
         raise SpdInputError(f"could not load a speculation head from '{head.name}': {first_line(exc)}") from None
-    return loaded.to(device).eval()
+    # PreTrainedModel.to's decorator hides nn.Module.to's signature from the type checker.
+    return loaded.to(device).eval()  # type: ignore[arg-type]

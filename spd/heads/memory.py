@@ -16,6 +16,9 @@ Shape suffixes: B batch, S slots, Hk kv heads, C rows, Dh head dim.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 from .config import SpeculatorConfig
@@ -24,15 +27,48 @@ from .config import SpeculatorConfig
 class SpeculatorCache:
     """Per-layer K/V of the head's depth-max memory rows; truncation sets the length (rollback)."""
 
-    def __init__(self, config: SpeculatorConfig, batch_size: int, capacity: int, dtype, device):
-        self.keys, self.values = _buffers(config, batch_size, capacity, dtype, device)
+    def __init__(
+        self, config: SpeculatorConfig, batch_size: int, capacity: int, dtype: torch.dtype, device: torch.device
+    ):
+        self._keys, self._values = _buffers(config, batch_size, capacity, dtype, device)
         self.length = 0
 
+    # Read-only: a pooled cache's keys and values are views of its slot (PooledSpeculatorCache).
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        """Per layer, ``(B, Hk, C, Dh)``."""
+        return self._keys
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        """Per layer, ``(B, Hk, C, Dh)``."""
+        return self._values
+
     def reserve(self, length: int) -> None:
+        """At least ``length`` rows (the cached ones kept)."""
         _grow((self.keys, self.values), length, kept=self.length)
 
     def truncate(self, length: int) -> None:
+        """Keep the rows of positions before ``length`` (a rollback)."""
         self.length = min(self.length, length)
+
+    def expand(self, batch: int) -> CacheView:
+        """The cached rows of a batch-1 cache as the cache of ``batch`` queries, read in place (no copy)."""
+        return CacheView(
+            length=self.length,
+            keys=[k[:, :, : self.length].expand(batch, -1, -1, -1) for k in self.keys],
+            values=[v[:, :, : self.length].expand(batch, -1, -1, -1) for v in self.values],
+        )
+
+
+@dataclass
+class CacheView:
+    """Cached rows that several queries read at once (:meth:`SpeculatorCache.expand`): per layer, keys and values
+    ``(B, Hk, length, Dh)``."""
+
+    length: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
 
 
 class SpeculatorPool:
@@ -40,7 +76,7 @@ class SpeculatorPool:
     the module docstring). A slot is taken with :meth:`cache` and given back with :meth:`release`; the buffers grow
     (every slot at once) when a request needs more rows than they hold."""
 
-    def __init__(self, config: SpeculatorConfig, slots: int, capacity: int, dtype, device):
+    def __init__(self, config: SpeculatorConfig, slots: int, capacity: int, dtype: torch.dtype, device: torch.device):
         self.keys, self.values = _buffers(config, slots, capacity, dtype, device)
         self.free = list(range(slots))  # ascending: the lowest free slot is taken first
 
@@ -76,20 +112,38 @@ class PooledSpeculatorCache(SpeculatorCache):
 
     @property
     def keys(self) -> list[torch.Tensor]:
+        """Per layer, ``(1, Hk, C, Dh)``: a view of the slot."""
         return [k[self.slot : self.slot + 1] for k in self.pool.keys]
 
     @property
     def values(self) -> list[torch.Tensor]:
+        """Per layer, ``(1, Hk, C, Dh)``: a view of the slot."""
         return [v[self.slot : self.slot + 1] for v in self.pool.values]
 
     def reserve(self, length: int) -> None:
+        """At least ``length`` rows in every slot of the pool."""
         self.pool.reserve(length)
 
 
-def _buffers(config: SpeculatorConfig, batch: int, capacity: int, dtype, device) -> tuple[list, list]:
+def one_pool(caches: Sequence[SpeculatorCache]) -> tuple[SpeculatorPool, list[PooledSpeculatorCache]] | None:
+    """The pool every cache of ``caches`` is a slot of, with the caches as its slots; None if they are not all slots
+    of one pool."""
+    first = caches[0]
+    if not isinstance(first, PooledSpeculatorCache):
+        return None
+    slots = [cache for cache in caches if isinstance(cache, PooledSpeculatorCache) and cache.pool is first.pool]
+    return (first.pool, slots) if len(slots) == len(caches) else None
+
+
+def _buffers(
+    config: SpeculatorConfig, batch: int, capacity: int, dtype: torch.dtype, device: torch.device
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Zeroed keys and values, one ``(batch, Hk, capacity, Dh)`` buffer per layer of each."""
     shape = (batch, config.num_key_value_heads, capacity, config.head_dim)
-    return tuple([torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)] for _ in range(2))
+    keys, values = (
+        [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)] for _ in range(2)
+    )
+    return keys, values
 
 
 def _grow(stores: tuple[list[torch.Tensor], ...], length: int, kept: int) -> None:

@@ -24,7 +24,11 @@ Three forwards share the weights:
 - :meth:`Speculator.forward_dense` - the reference (n+1)x expanded layout with the dense structural mask
   of Appendix A.3 (for tests and the layout benchmark);
 - :meth:`Speculator.append_memory` / :meth:`Speculator.query` - incremental inference with cached K/V of
-  depth-max rows; only the trailing rows are recomputed each step.
+  depth-max rows; only the trailing rows are recomputed each step (:mod:`spd.heads.incremental`).
+
+The module's ``forward`` is :meth:`~Speculator.forward_train`, with the training objective run inside it when one is
+given (spd.training.head_forward). The layers are in :mod:`spd.heads.layers`; the calls the engine makes on the head
+are declared in :mod:`spd.heads.interface`.
 
 Shape suffixes: B batch, N positions, D hidden, H query heads, Hk kv heads, Dh head dim, V vocabulary,
 J band offsets, R trailing rows, M expanded memory rows ((n+1)N); inside the blockwise attention: K kv
@@ -33,127 +37,22 @@ heads (= Hk), G query heads per kv head, C rows of a query block, Q = G x C, P d
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..target.sdpa import decode_kernels
-from ..training.kd import KDResult, kd_loss, kd_loss_topk
+from . import incremental
 from .config import SpeculatorConfig
+from .interface import InFlightToken, SpeculationHead
 from .kernels import ConcatLinear, offset_band_attention
-from .memory import PooledSpeculatorCache, SpeculatorCache, SpeculatorPool
+from .layers import RMSNorm, Rope, SpeculatorLayer
+from .memory import CacheView, SpeculatorCache, SpeculatorPool
 
-# -------------------------------------------------------------------------------------------- blocks
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.promote_types(dtype, torch.float32))  # half precision is normalised in fp32
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x_BHND: torch.Tensor, cos_BND: torch.Tensor, sin_BND: torch.Tensor) -> torch.Tensor:
-    return x_BHND * cos_BND[:, None] + _rotate_half(x_BHND) * sin_BND[:, None]
-
-
-class Rope(nn.Module):
-    """Rotary embedding with the target's rope parameters (Hugging Face's init functions for scaled types)."""
-
-    def __init__(self, config: SpeculatorConfig):
-        super().__init__()
-        params = config.rope_parameters
-        rope_type = params.get("rope_type", "default")
-        if rope_type == "default":
-            dim = config.head_dim
-            arange = torch.arange(0, dim, 2, dtype=torch.float, device="cpu")
-            inv_freq = 1.0 / (params["rope_theta"] ** (arange / dim))
-            scale = 1.0
-        else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, device=torch.device("cpu"))
-        # A plain fp32 CPU tensor, not a buffer: casting the model to bf16 must not round the frequencies,
-        # and loading (which builds modules on the meta device) must not leave it without data.
-        self.inv_freq = inv_freq.float()
-        self.scale = scale
-
-    def forward(self, position_ids_BN: torch.Tensor, dtype: torch.dtype):
-        if self.inv_freq.device != position_ids_BN.device:
-            self.inv_freq = self.inv_freq.to(position_ids_BN.device)
-        inv_freq = self.inv_freq.to(torch.promote_types(dtype, torch.float32))
-        freqs_BNF = position_ids_BN[..., None].to(inv_freq.dtype) * inv_freq
-        emb_BND = torch.cat((freqs_BNF, freqs_BNF), dim=-1)
-        return (emb_BND.cos() * self.scale).to(dtype), (emb_BND.sin() * self.scale).to(dtype)
-
-
-class SpeculatorLayer(nn.Module):
-    """One decoder layer: query stream attends fixed memory rows; SwiGLU MLP on the query stream."""
-
-    def __init__(self, config: SpeculatorConfig):
-        super().__init__()
-        d, h, hk, dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.n_heads, self.n_kv_heads, self.head_dim = h, hk, dh
-        self.input_layernorm = RMSNorm(d, config.rms_norm_eps)
-        self.q_proj = nn.Linear(d, h * dh, bias=False)
-        self.k_proj = nn.Linear(d, hk * dh, bias=False)
-        self.v_proj = nn.Linear(d, hk * dh, bias=False)
-        self.o_proj = nn.Linear(h * dh, d, bias=False)
-        self.q_norm = RMSNorm(dh, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(dh, config.rms_norm_eps) if config.qk_norm else None
-        self.post_attention_layernorm = RMSNorm(d, config.rms_norm_eps)
-        self.gate_proj = nn.Linear(d, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(d, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, d, bias=False)
-        # Per-depth memory projections (reference-code parity), identity-initialised in _init_weights.
-        self.memory_proj = (
-            nn.ModuleDict({str(k): nn.Linear(d, d, bias=False) for k in config.used_depths})
-            if config.memory_proj
-            else None
-        )
-
-    def query_heads(self, h_BND: torch.Tensor, cos_BND, sin_BND) -> torch.Tensor:
-        b, n, _ = h_BND.shape
-        q = self.q_proj(self.input_layernorm(h_BND)).view(b, n, self.n_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        return apply_rope(q.transpose(1, 2), cos_BND, sin_BND)
-
-    def memory_kv(self, mem_BND: torch.Tensor, depth: int, cos_BND, sin_BND):
-        """Keys and values (B, Hk, N, Dh) of memory rows that all have the same depth."""
-        b, n, _ = mem_BND.shape
-        if self.memory_proj is not None:
-            mem_BND = self.memory_proj[str(depth)](mem_BND)
-        x = self.input_layernorm(mem_BND)
-        k = self.k_proj(x).view(b, n, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        return apply_rope(k.transpose(1, 2), cos_BND, sin_BND), v
-
-    def finish(self, h_BND: torch.Tensor, attn_BHND: torch.Tensor) -> torch.Tensor:
-        """Residual attention output, then the residual SwiGLU MLP."""
-        b, _, n, _ = attn_BHND.shape
-        h_BND = h_BND + self.o_proj(attn_BHND.transpose(1, 2).reshape(b, n, -1))
-        x = self.post_attention_layernorm(h_BND)
-        return h_BND + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    def expand_kv(self, x_BHkND: torch.Tensor) -> torch.Tensor:
-        groups = self.n_heads // self.n_kv_heads
-        return x_BHkND if groups == 1 else x_BHkND.repeat_interleave(groups, dim=1)
-
+T = TypeVar("T")
 
 # --------------------------------------------------------------------------------------------- model
 
@@ -164,6 +63,8 @@ class Speculator(PreTrainedModel):
     config_class = SpeculatorConfig
     base_model_prefix = "speculator"
     _no_split_modules = ["SpeculatorLayer"]
+    config: SpeculatorConfig
+    draft_ids: torch.Tensor | None  # a buffer with a draft vocabulary, else None
 
     def __init__(self, config: SpeculatorConfig):
         super().__init__(config)
@@ -173,7 +74,10 @@ class Speculator(PreTrainedModel):
         self.fc = nn.ModuleDict(
             {str(k): nn.Linear(len(config.anchors[k]) * d, d, bias=False) for k in config.used_depths}
         )
-        self.layers = nn.ModuleList(SpeculatorLayer(config) for _ in range(config.num_layers))
+        # An nn.ModuleList, whose items torch's annotations leave untyped: the cast names them.
+        self.layers = cast(
+            "Sequence[SpeculatorLayer]", nn.ModuleList(SpeculatorLayer(config) for _ in range(config.num_layers))
+        )
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.lm_head = nn.Linear(d, config.draft_vocab_size or config.vocab_size, bias=False)
         if config.draft_vocab_size:
@@ -191,6 +95,7 @@ class Speculator(PreTrainedModel):
             nn.init.ones_(module.weight)
         if isinstance(module, SpeculatorLayer) and module.memory_proj is not None:
             for proj in module.memory_proj.values():
+                assert isinstance(proj, nn.Linear)  # SpeculatorLayer builds them so
                 nn.init.eye_(proj.weight)
 
     # ----------------------------------------------------------------------------------- features
@@ -240,41 +145,18 @@ class Speculator(PreTrainedModel):
         self,
         hidden: dict[int, torch.Tensor],
         fill_B: torch.Tensor,
-        valid_BN: torch.Tensor,
-        supervised_BN: torch.Tensor,
-        teacher_logits,
-        tau: float = 1.0,
-        chunk_size: int = 512,
-        topk: tuple[torch.Tensor, torch.Tensor] | None = None,
-        pad_to: int = 1,
-    ) -> KDResult:
-        """Training forward plus the chunked KD loss against the target (``teacher_logits(H^L)``), or against
-        a stored top-k teacher ``topk = (ids_BNK, logprobs_BNK)`` (spd.training.capture).
+        valid_BN: torch.Tensor | None = None,
+        loss: Callable[..., T] | None = None,
+        *loss_args: Any,
+    ) -> torch.Tensor | T:
+        """The query stream of every position (:meth:`forward_train`), or with ``loss`` a training objective of it,
+        ``loss(self, out_BND, hidden, *loss_args)`` (the KD loss: :func:`spd.training.head_forward.kd_objective`).
 
-        The loss is computed inside ``forward`` so that data-parallel wrappers (DDP, DeepSpeed) see every
-        parameter used, the LM head included.
+        The objective runs inside ``forward`` so that data-parallel wrappers (DDP, DeepSpeed) see every parameter it
+        uses, the LM head included.
         """
         out_BND = self.forward_train(hidden, fill_B, valid_BN)
-        if topk is not None:
-            return kd_loss_topk(
-                out_BND[supervised_BN],
-                topk[0][supervised_BN],
-                topk[1][supervised_BN],
-                self.logits,
-                chunk_size,
-                pad_to,
-            )
-        teacher_BND = hidden[self.config.target_num_layers]
-        return kd_loss(
-            out_BND[supervised_BN],
-            teacher_BND[supervised_BN],
-            self.logits,
-            teacher_logits,
-            tau,
-            chunk_size,
-            self.draft_ids,
-            pad_to,
-        )
+        return out_BND if loss is None else loss(self, out_BND, hidden, *loss_args)
 
     # ------------------------------------------------------------------------------ training path
     def forward_train(
@@ -347,9 +229,8 @@ class Speculator(PreTrainedModel):
         return h_BND
 
     # ------------------------------------------------------------------------------ inference path
-    # The head's engine calls (spd.decoding.proposers.HeadProposer): prefill_anchors / prefill_memory / retire /
-    # propose_logits. The authors' heads (spd.heads.published.authors_head) implement the same four with their own
-    # schedule.
+    # The head's engine calls (spd.heads.interface.SpeculationHead); the authors' heads
+    # (spd.heads.published.authors_head) implement the same calls with their own schedule.
     def prefill_anchors(self) -> list[int]:
         """Hidden-state indices the prefill must return for every prompt position."""
         return list(self.config.anchors[self.config.max_depth])
@@ -358,22 +239,24 @@ class Speculator(PreTrainedModel):
         """Every prompt position enters the cache at full depth."""
         self.append_memory(cache, self.features(self.config.max_depth, anchors))
 
-    def retire(self, cache: SpeculatorCache, slots) -> None:
-        """Cache the memory row of every slot that just reached max depth (slots reach it in position order,
+    def retire(self, cache: SpeculatorCache, tokens: Sequence[InFlightToken]) -> None:
+        """Cache the memory row of every token that just reached max depth (tokens reach it in position order,
         so the cache stays a contiguous prefix of positions)."""
         max_depth = self.config.max_depth
-        for slot in slots:
-            if slot.depth == max_depth and slot.position == cache.length:
-                self.append_memory(cache, self.features(max_depth, slot.anchors)[:, None])
+        for token in tokens:
+            if token.depth == max_depth and token.position == cache.length:
+                self.append_memory(cache, self.features(max_depth, token.anchors)[:, None])
 
-    def propose_logits(self, cache: SpeculatorCache, inflight) -> torch.Tensor:
-        """Logits (1, V) for the position after the newest in-flight slot, from the slots' current depths."""
+    def propose_logits(self, cache: SpeculatorCache, inflight: Sequence[InFlightToken]) -> torch.Tensor:
+        """Logits (1, V) for the position after the newest token in flight, from the tokens' current depths."""
         plan, query = self._plan(cache, inflight)
         rows = [(depth, self.features(depth, anchors)) for depth, anchors in plan]
         query_1D = rows[-1][1] if query is None else self.features(self.config.offset, query)
         return self.vocab_logits(self.query(cache, rows, query_1D))
 
-    def _plan(self, cache: SpeculatorCache, inflight) -> tuple[list[tuple[int, dict]], dict | None]:
+    def _plan(
+        self, cache: SpeculatorCache, inflight: Sequence[InFlightToken]
+    ) -> tuple[list[tuple[int, dict[int, torch.Tensor]]], dict[int, torch.Tensor] | None]:
         """A query's trailing rows as ``(depth, anchors)``, and its query's anchors (None: the last row is the query,
         already at the query's depth)."""
         cfg = self.config
@@ -385,7 +268,9 @@ class Speculator(PreTrainedModel):
         rows = [(min(s.depth, cfg.max_depth), s.anchors) for s in trailing]
         return rows, None if rows and rows[-1][0] == cfg.offset else inflight[-1].anchors
 
-    def propose_logits_many(self, caches: list[SpeculatorCache], inflights: list) -> torch.Tensor:
+    def propose_logits_many(
+        self, caches: Sequence[SpeculatorCache], inflights: Sequence[Sequence[InFlightToken]]
+    ) -> torch.Tensor:
         """:meth:`propose_logits` of many queries at once, ``inflights[i]`` over ``caches[i]`` (a cache may serve
         several queries): the rows of one depth go through their FC together, then one :meth:`query_many` and one
         LM head. Logits ``(B, V)``, equal to each query's own up to fp32 rounding."""
@@ -397,6 +282,7 @@ class Speculator(PreTrainedModel):
         return self.vocab_logits(self.query_many(caches, trailing, queries))
 
     def new_cache(self, batch_size: int = 1, capacity: int = 256) -> SpeculatorCache:
+        """An empty cache of ``capacity`` positions for ``batch_size`` sequences."""
         p = next(self.parameters())
         return SpeculatorCache(self.config, batch_size, capacity, p.dtype, p.device)
 
@@ -407,249 +293,28 @@ class Speculator(PreTrainedModel):
 
     def append_memory(self, cache: SpeculatorCache, mem_BRD: torch.Tensor) -> None:
         """Append rows that reached max_depth (positions cache.length ...) to the per-layer K/V cache."""
-        b, r, _ = mem_BRD.shape
-        pos_BR = torch.arange(cache.length, cache.length + r, device=mem_BRD.device).expand(b, r)
-        cos, sin = self.rope(pos_BR, mem_BRD.dtype)
-        cache.reserve(cache.length + r)
-        for i, layer in enumerate(self.layers):
-            k, v = layer.memory_kv(mem_BRD, self.config.max_depth, cos, sin)
-            cache.keys[i][:, :, cache.length : cache.length + r] = k
-            cache.values[i][:, :, cache.length : cache.length + r] = v
-        cache.length += r
+        incremental.append_memory(self, cache, mem_BRD)
 
-    def append_memory_many(self, caches: list[SpeculatorCache], mems: list[torch.Tensor]) -> None:
-        """:meth:`append_memory` for many requests at once: ``mems[i]`` (``(P_i, D)``, at max depth) joins
-        ``caches[i]``; the rows of every request go through each layer's key and value projections together."""
-        sizes = [m.shape[0] for m in mems]
-        dev, dtype = mems[0].device, mems[0].dtype
-        positions = [position for c, p in zip(caches, sizes) for position in range(c.length, c.length + p)]
-        pos_M = torch.tensor(positions, device=dev)
-        cos, sin = self.rope(pos_M[:, None], dtype)
-        mem_M1D = torch.cat(mems)[:, None]
-        for cache, p in zip(caches, sizes):
-            cache.reserve(cache.length + p)
-        pool = _one_pool(caches)
-        if pool is not None:  # the slots of one pool: every row straight into its request's slot
-            slot_M = torch.tensor([cache.slot for cache, p in zip(caches, sizes) for _ in range(p)], device=dev)
-        for i, layer in enumerate(self.layers):
-            k, v = layer.memory_kv(mem_M1D, self.config.max_depth, cos, sin)  # (M, Hk, 1, Dh)
-            if pool is not None:
-                pool.keys[i][slot_M, :, pos_M] = k[:, :, 0]
-                pool.values[i][slot_M, :, pos_M] = v[:, :, 0]
-                continue
-            first = 0
-            for cache, p in zip(caches, sizes):
-                cache.keys[i][0, :, cache.length : cache.length + p] = k[first : first + p, :, 0].transpose(0, 1)
-                cache.values[i][0, :, cache.length : cache.length + p] = v[first : first + p, :, 0].transpose(0, 1)
-                first += p
-        for cache, p in zip(caches, sizes):
-            cache.length += p
+    def append_memory_many(self, caches: Sequence[SpeculatorCache], mems: list[torch.Tensor]) -> None:
+        """:meth:`append_memory` for many requests at once (:func:`spd.heads.incremental.append_memory_many`)."""
+        incremental.append_memory_many(self, caches, mems)
 
     def query(
-        self, cache: SpeculatorCache, trailing: list[tuple[int, torch.Tensor]], query_BD: torch.Tensor
+        self, cache: SpeculatorCache | CacheView, trailing: list[tuple[int, torch.Tensor]], query_BD: torch.Tensor
     ) -> torch.Tensor:
-        """Query-stream output (B, D) for the newest position, attending cached rows plus trailing rows.
-
-        ``trailing`` lists the rows after the cached ones, oldest first, as ``(depth, g (B, D))``; the newest
-        position (the query's own memory row) is the last of them, or the last cached row when every row
-        is already at max depth (PPSD: the newest token has completed stage 1).
-        """
-        b = query_BD.shape[0]
-        c = cache.length
-        r = len(trailing)
-        dev, dtype = query_BD.device, query_BD.dtype
-        pos_BR = torch.arange(c, c + r, device=dev).expand(b, r)
-        cos_r, sin_r = self.rope(pos_BR, dtype)
-        cos_q, sin_q = self.rope(torch.full((b, 1), c + r - 1, device=dev), dtype)
-        scale = self.config.head_dim**-0.5
-        h_B1D = query_BD[:, None]
-        with decode_kernels(dev):
-            for i, layer in enumerate(self.layers):
-                q = layer.query_heads(h_B1D, cos_q, sin_q)
-                ks, vs = [cache.keys[i][:, :, :c]], [cache.values[i][:, :, :c]]
-                for j, (depth, g_BD) in enumerate(trailing):
-                    k, v = layer.memory_kv(g_BD[:, None], depth, cos_r[:, j : j + 1], sin_r[:, j : j + 1])
-                    ks.append(k)
-                    vs.append(v)
-                k_all = layer.expand_kv(torch.cat(ks, dim=2))
-                v_all = layer.expand_kv(torch.cat(vs, dim=2))
-                attn = F.scaled_dot_product_attention(q, k_all, v_all, scale=scale)
-                h_B1D = layer.finish(h_B1D, attn)
-        return h_B1D[:, 0]
+        """Query-stream output (B, D) for the newest position, attending cached rows plus trailing rows
+        (:func:`spd.heads.incremental.query`)."""
+        return incremental.query(self, cache, trailing, query_BD)
 
     def query_many(
         self,
-        caches: list[SpeculatorCache],
+        caches: Sequence[SpeculatorCache],
         trailing: list[list[tuple[int, torch.Tensor]]],
         queries: list[torch.Tensor],
     ) -> torch.Tensor:
-        """:meth:`query` for many requests at once: request ``i`` has its own cache ``caches[i]``, trailing rows
-        ``trailing[i]`` (``(depth, g (L_i, D))``, oldest first) and ``L_i`` query rows ``queries[i]`` (the bottom
-        nodes of its tree). Returns every query row's output, ``(sum L_i, D)``, in request order.
-
-        One call for the batch: the keys of every query row (its request's cached rows, then its trailing rows)
-        are laid out in one padded tensor and attended under a length mask; the trailing rows of one depth are
-        projected together. The result equals :meth:`query` per request up to fp32 rounding (other shapes).
-        When the caches are the slots of one :class:`~spd.heads.memory.SpeculatorPool` (a batched pipeline's
-        requests) the keys are read where they lie instead (:meth:`_query_pool`).
-        """
-        pool = _one_pool(caches)
-        if pool is not None and len({cache.slot for cache in caches}) == len(caches):
-            return self._query_pool(pool, caches, trailing, queries)
-        cfg = self.config
-        dev, dtype = queries[0].device, queries[0].dtype
-        sizes = [q.shape[0] for q in queries]
-        total, hk, dh = sum(sizes), cfg.num_key_value_heads, cfg.head_dim
-        lengths = [cache.length + len(rows) for cache, rows in zip(caches, trailing)]
-        row_request_B = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
-        length_B = torch.tensor(lengths)[row_request_B]
-        width = max(lengths)
-        mask_B11K = (torch.arange(width)[None] < length_B[:, None]).to(dev)[:, None, None]
-        cos_q, sin_q = self.rope((length_B - 1)[:, None].to(dev), dtype)
-        groups = self._trailing_groups(caches, trailing, sizes, dev, dtype)
-        # The cached rows: every query row gets its request's cached keys and values in its first slots
-        # (``cached_rows``, ``cached_slots``). Each layer lays every request's cached rows out one request after
-        # another; ``pick`` repeats a request's for each of its query rows (None: every request has one query row).
-        cached_C = torch.tensor([cache.length for cache in caches])
-        per_row_B = cached_C[row_request_B]
-        cached_rows = torch.repeat_interleave(torch.arange(total), per_row_B).to(dev)
-        starts_B = torch.cumsum(per_row_B, 0) - per_row_B
-        slots_M = torch.arange(int(per_row_B.sum())) - torch.repeat_interleave(starts_B, per_row_B)
-        cached_slots, pick = slots_M.to(dev), None
-        if total > len(sizes):
-            request_starts = torch.cumsum(cached_C, 0) - cached_C
-            pick = (torch.repeat_interleave(request_starts[row_request_B], per_row_B) + slots_M).to(dev)
-        scale = cfg.head_dim**-0.5
-        h_B1D = torch.cat(queries)[:, None]
-        # One padded K/V for every layer: each layer writes the same slots, so the padding stays zero.
-        k_BHKD = h_B1D.new_zeros(total, hk, width, dh)
-        v_BHKD = h_B1D.new_zeros(total, hk, width, dh)
-        with decode_kernels(dev):
-            for i, layer in enumerate(self.layers):
-                q = layer.query_heads(h_B1D, cos_q, sin_q)
-                for buffer_BHKD, held in (
-                    (k_BHKD, [cache.keys[i] for cache in caches]),
-                    (v_BHKD, [cache.values[i] for cache in caches]),
-                ):
-                    cached_MHD = torch.cat(
-                        [kv[0, :, : cache.length] for kv, cache in zip(held, caches)], dim=1
-                    ).transpose(0, 1)
-                    buffer_BHKD[cached_rows, :, cached_slots] = cached_MHD if pick is None else cached_MHD[pick]
-                for depth, g_M1D, rows_M, slot_M, (cos, sin) in groups:
-                    k, v = layer.memory_kv(g_M1D, depth, cos, sin)
-                    k_BHKD[rows_M, :, slot_M] = k[:, :, 0]
-                    v_BHKD[rows_M, :, slot_M] = v[:, :, 0]
-                attn = F.scaled_dot_product_attention(
-                    q, layer.expand_kv(k_BHKD), layer.expand_kv(v_BHKD), attn_mask=mask_B11K, scale=scale
-                )
-                h_B1D = layer.finish(h_B1D, attn)
-        return h_B1D[:, 0]
-
-    def _trailing_groups(self, caches, trailing, sizes: list[int], dev, dtype) -> list[tuple]:
-        """:meth:`query_many`'s trailing rows by depth: per group ``(depth, features (M, 1, D), query row (M,), key
-        slot (M,), rope (cos, sin))``. Without per-depth memory projections a row's key and value do not depend on
-        its depth: every trailing row is one group."""
-        cfg = self.config
-        by_depth: dict[int, tuple[list, list, list]] = {}
-        first = 0
-        for cache, rows, size in zip(caches, trailing, sizes):
-            rows_B = torch.arange(first, first + size)
-            for j, (depth, g_LD) in enumerate(rows):
-                gs, bs, slots = by_depth.setdefault(depth if cfg.memory_proj else cfg.max_depth, ([], [], []))
-                gs.append(g_LD)
-                bs.append(rows_B)
-                slots.append(torch.full((size,), cache.length + j))
-            first += size
-        groups = []
-        for depth, (gs, bs, slots) in by_depth.items():
-            slot_M = torch.cat(slots)
-            rope = self.rope(slot_M[:, None].to(dev), dtype)
-            groups.append((depth, torch.cat(gs)[:, None], torch.cat(bs).to(dev), slot_M.to(dev), rope))
-        return groups
-
-    def _query_pool(
-        self,
-        pool: SpeculatorPool,
-        caches: list[PooledSpeculatorCache],
-        trailing: list[list[tuple[int, torch.Tensor]]],
-        queries: list[torch.Tensor],
-    ) -> torch.Tensor:
-        """:meth:`query_many` over the slots of one pool, with nothing gathered: one attention call over the pool's
-        buffer, a batch entry per slot. Request ``b`` (slot ``s``, ``c`` cached rows, ``r`` trailing rows, ``L``
-        query rows) writes the trailing rows of its query row ``l`` into the scratch rows ``c + l r .. c + (l + 1) r``
-        of its slot (at positions ``c .. c + r - 1`` all the same), and its query rows are the entry's queries
-        ``0 .. L - 1``; each sees its cached rows and its own trailing rows (a mask). Entries of slots that ask nothing
-        and query rows past ``L`` are padding (their outputs are dropped)."""
-        cfg = self.config
-        memory_proj, max_depth = cfg.memory_proj, cfg.max_depth  # (a config's attributes are slow to read)
-        dev, dtype = queries[0].device, queries[0].dtype
-        sizes = [q.shape[0] for q in queries]
-        slots = [cache.slot for cache in caches]
-        spans = [cache.length + size * len(rows) for cache, rows, size in zip(caches, trailing, sizes)]
-        entries, rows_per_entry, width = max(slots) + 1, max(sizes), max(spans)
-        pool.reserve(width)
-        # Per entry: cached rows, trailing rows per query row, query rows (0 for entries that ask nothing).
-        cached_S, trailing_S, asked_S = ([0] * entries for _ in range(3))
-        # Trailing rows by depth (one group without per-depth projections): features, slot, scratch row, position.
-        by_depth: dict[int, tuple[list, list, list, list]] = {}
-        for cache, rows, size, slot in zip(caches, trailing, sizes, slots):
-            c, r = cache.length, len(rows)
-            cached_S[slot], trailing_S[slot], asked_S[slot] = c, r, size
-            for j, (depth, g_LD) in enumerate(rows):
-                gs, slot_M, row_M, pos_M = by_depth.setdefault(depth if memory_proj else max_depth, ([], [], [], []))
-                gs.append(g_LD)
-                slot_M.extend([slot] * size)
-                row_M.extend(range(c + j, c + j + size * r, r))
-                pos_M.extend([c + j] * size)
-        groups = []
-        for depth, (gs, slot_M, row_M, pos_M) in by_depth.items():
-            groups.append(
-                (
-                    depth,
-                    torch.cat(gs)[:, None],
-                    torch.tensor(slot_M, device=dev),
-                    torch.tensor(row_M, device=dev),
-                    self.rope(torch.tensor(pos_M, device=dev)[:, None], dtype),
-                )
-            )
-        cached_S1, trailing_S1, asked_S1 = (
-            torch.tensor(x, device=dev)[:, None] for x in (cached_S, trailing_S, asked_S)
-        )
-        query_L = torch.arange(rows_per_entry, device=dev)
-        key_K = torch.arange(width, device=dev)
-        own_SL = cached_S1 + query_L[None] * trailing_S1  # each query row's first trailing row
-        mask_SLK = (key_K < cached_S1[:, :, None]) | (
-            (key_K >= own_SL[:, :, None]) & (key_K < (own_SL + trailing_S1)[:, :, None])
-        )
-        real_SL = query_L[None] < asked_S1
-        mask_S1LK = torch.where(real_SL[:, :, None], mask_SLK, key_K == 0)[:, None]  # padding sees row 0 alone
-        cos_q, sin_q = self.rope((cached_S1 + trailing_S1 - 1).expand(entries, rows_per_entry), dtype)
-        entry_B = torch.tensor([slot for slot, size in zip(slots, sizes) for _ in range(size)], device=dev)
-        row_B = torch.tensor([row for size in sizes for row in range(size)], device=dev)
-        h_SLD = queries[0].new_zeros(entries, rows_per_entry, queries[0].shape[-1])
-        h_SLD[entry_B, row_B] = torch.cat(queries)
-        scale = cfg.head_dim**-0.5
-        with decode_kernels(dev):
-            for i, layer in enumerate(self.layers):
-                keys_SHkCDh, values_SHkCDh = pool.keys[i], pool.values[i]
-                for depth, g_M1D, slot_M, row_M, (cos, sin) in groups:
-                    k, v = layer.memory_kv(g_M1D, depth, cos, sin)
-                    keys_SHkCDh[slot_M, :, row_M] = k[:, :, 0]
-                    values_SHkCDh[slot_M, :, row_M] = v[:, :, 0]
-                q = layer.query_heads(h_SLD, cos_q, sin_q)
-                attn = F.scaled_dot_product_attention(
-                    q,
-                    keys_SHkCDh[:entries, :, :width],
-                    values_SHkCDh[:entries, :, :width],
-                    attn_mask=mask_S1LK,
-                    scale=scale,
-                    enable_gqa=layer.n_heads != layer.n_kv_heads,
-                )
-                h_SLD = layer.finish(h_SLD, attn)
-        return h_SLD[entry_B, row_B]
+        """:meth:`query` for many requests at once (:func:`spd.heads.incremental.query_many`)."""
+        return incremental.query_many(self, caches, trailing, queries)
 
 
-def _one_pool(caches) -> SpeculatorPool | None:
-    """The pool every cache of ``caches`` is a slot of, or None."""
-    pool = getattr(caches[0], "pool", None)
-    return pool if pool is not None and all(getattr(cache, "pool", None) is pool for cache in caches) else None
+if TYPE_CHECKING:  # the type checker holds the head to the engine's interface
+    _engine_calls: type[SpeculationHead[SpeculatorCache]] = Speculator

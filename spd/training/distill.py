@@ -27,6 +27,7 @@ from ..heads.speculator import Speculator
 from ..paths import default_cache_dir, default_testbed_dir
 from ..reading import read_yaml
 from ..target.staging import StagedModel
+from .head_forward import kd_objective
 from .kd import padded_length
 
 VARIANTS = {  # variant -> (schedule, max_depth or None for n); docs/method.md §3
@@ -488,7 +489,8 @@ def distill_step(
     ``head`` may be wrapped (DDP/DeepSpeed): its ``forward`` computes the loss, so the wrapper sees it all.
     """
     topk = (batch["topk_ids"], batch["topk_logprobs"]) if "topk_ids" in batch else None
-    result = head(hidden, fill_B, batch["valid"], batch["supervised"], staged.logits, tau, chunk, topk, pad_to)
+    supervised = batch["supervised"]
+    result = head(hidden, fill_B, batch["valid"], kd_objective, supervised, staged.logits, tau, chunk, topk, pad_to)
     return result.loss_sum / max(1, result.count), result
 
 

@@ -1,19 +1,18 @@
-"""The generic head proposer: any head through its engine calls (``prefill_anchors``, ``prefill_memory``, ``retire``,
-``propose_logits``), one query per bottom node: the SPD authors' heads at any width, and our heads' output-state and
-PPSD schedules (chains only).
+"""The generic head proposer: any head through its engine calls (:class:`spd.heads.interface.SpeculationHead`), one
+query per bottom node: the SPD authors' heads at any width, and our heads' output-state and PPSD schedules (chains
+only).
 
 Shape suffixes: L nodes of the bottom level, V vocabulary.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from ...errors import SpdInputError
 from ...heads.config import check_compatible
 from ...heads.draft_vocab import check_draft_vocab
+from ...heads.interface import HeadCache, InFlightToken, SpeculationHead
 from ...heads.speculator import Speculator
 from ...target.staging import StagedModel
 from ..tree import Level, TokenTree
@@ -21,8 +20,8 @@ from .spd_head import path_rows
 
 
 class HeadProposer:
-    """Proposer (c): any head through its engine calls (``prefill_anchors``, ``prefill_memory``, ``retire``,
-    ``propose_logits``), one query per bottom node: the SPD authors' released heads
+    """Proposer (c): any head through its engine calls (:class:`spd.heads.interface.SpeculationHead`), one query per
+    bottom node: the SPD authors' released heads
     (:class:`spd.heads.published.authors_head.AuthorsHead`) at any width, on the decode schedule they were trained
     for, and our heads on the output-state and PPSD schedules (width 1: a chain).
 
@@ -41,15 +40,19 @@ class HeadProposer:
     batches = True  # (Proposer: optional capabilities)
     pooled = False
 
-    def __init__(self, head, staged: StagedModel, children: int = 4, mode: str = "tree", tokenizer=None):
+    def __init__(
+        self, head: SpeculationHead, staged: StagedModel, children: int = 4, mode: str = "tree", tokenizer=None
+    ):
+        """``mode`` names the CLI mode in the errors of the fit checks; ``tokenizer`` (optional) is checked against a
+        draft vocabulary's."""
         cfg = head.config
         check_compatible(cfg, staged, mode=mode)
         if isinstance(head, Speculator):
             check_draft_vocab(head, staged.vocab_size, tokenizer)
         self.head = head
-        self.schedule = getattr(cfg, "schedule", "input")
+        self.schedule = cfg.schedule
         # A head that keeps rows before they leave stage n caches rows of tokens still in flight: chains only.
-        self.chain_only = self.schedule != "input" or getattr(cfg, "max_depth", cfg.n_stages) != cfg.n_stages
+        self.chain_only = self.schedule != "input" or cfg.max_depth != cfg.n_stages
         self.ids = None  # its logits are spread over the target's vocabulary (-inf outside a draft vocabulary)
         if children < 1:
             raise SpdInputError(f"the number of tree children must be a positive integer, got {children}")
@@ -57,7 +60,7 @@ class HeadProposer:
         self.needed_anchors = tuple(head.needed_anchors())
         self.prefill_anchors = tuple(head.prefill_anchors())
         self.num_layers = cfg.num_layers
-        self.cache = None
+        self.cache: HeadCache | None = None  # the request's, from start()
         self.committed = 0
 
     def start(self, prompt_ids: list[int], anchors: dict[int, torch.Tensor], capacity: int) -> None:
@@ -89,8 +92,8 @@ class HeadProposer:
         logits_BV = items[0].proposer.head.propose_logits_many(caches, paths)
         return list(torch.log_softmax(logits_BV.float(), dim=-1).split(sizes))
 
-    def _paths(self, tree: TokenTree, context: list[int], levels: list[Level]) -> list[list[SimpleNamespace]]:
-        """Each bottom node's in-flight slots, root first (``position``, ``depth``, ``anchors`` (1, D) each): the
+    def _paths(self, tree: TokenTree, context: list[int], levels: list[Level]) -> list[list[InFlightToken]]:
+        """Each bottom node's tokens in flight, root first (``position``, ``depth``, ``anchors`` (1, D) each): the
         ``inflight`` argument of the head's ``propose_logits``."""
         if self.committed != len(context):
             raise RuntimeError("the head and the committed tokens are out of step")
@@ -98,7 +101,7 @@ class HeadProposer:
         # levels[i] holds the nodes i levels below the root (at committed + i)
         return [
             [
-                SimpleNamespace(
+                InFlightToken(
                     position=self.committed + i,
                     depth=level.depth,
                     anchors={a: h[pick[node] : pick[node] + 1] for a, h in level.anchors.items()},
@@ -111,8 +114,8 @@ class HeadProposer:
     def advanced(self, levels: list[Level], tree: TokenTree, committed: int) -> None:
         """Rows that reached the depth the head keeps join its cache (one-node levels: a deeper level's nodes never
         reach it before they are alone on their level)."""
-        slots = [
-            SimpleNamespace(
+        tokens = [
+            InFlightToken(
                 position=committed + int(tree.depths_N[level.start]),
                 depth=level.depth,
                 anchors={a: h[:1] for a, h in level.anchors.items()},
@@ -120,7 +123,7 @@ class HeadProposer:
             for level in levels
             if level.size == 1
         ]
-        self.head.retire(self.cache, slots)
+        self.head.retire(self.cache, tokens)
 
     def commit_root(self, root: Level) -> None:
         """The root left stage n (the head saw it in :meth:`advanced`)."""
@@ -132,4 +135,5 @@ class HeadProposer:
     def reset(self, committed: int) -> None:
         """Miss: rows after the committed ones are dropped (for the authors' heads: as their chain's flush, the next
         query has no evicted row)."""
+        assert self.cache is not None, "start() comes first"
         self.cache.truncate(committed)

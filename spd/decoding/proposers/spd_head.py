@@ -6,14 +6,12 @@ Shape suffixes: N tree nodes, L nodes of the bottom level, K candidates per node
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from ...errors import SpdInputError
 from ...heads.config import check_compatible
 from ...heads.draft_vocab import check_draft_vocab
-from ...heads.memory import SpeculatorPool
+from ...heads.memory import CacheView, PooledSpeculatorCache, SpeculatorCache, SpeculatorPool
 from ...heads.speculator import Speculator
 from ...target.staging import StagedModel
 from ..tree import Level, TokenTree
@@ -69,7 +67,7 @@ class SpdHeadProposer:
         self.num_layers = cfg.num_layers
         # The config's settings read on every query, read once (a config's attributes are slow to read).
         self.max_depth, self.offset, self.anchors_by_depth = cfg.max_depth, cfg.offset, cfg.anchors
-        self.cache = None
+        self.cache: SpeculatorCache | None = None  # the request's, from start()
         self.pool: SpeculatorPool | None = None  # a batched pipeline's memory pool, shared by its requests' copies
         self.pending: list[dict[int, torch.Tensor]] = []  # committed rows' anchors, cached before the next query
 
@@ -85,6 +83,7 @@ class SpdHeadProposer:
     def leave_pool(self) -> None:
         """The request ended: its slot goes back to the pool."""
         if self.pool is not None and self.cache is not None:
+            assert isinstance(self.cache, PooledSpeculatorCache)  # start() took it from the pool
             self.pool.release(self.cache)
         self.cache = None
 
@@ -98,20 +97,16 @@ class SpdHeadProposer:
     def expand(self, tree: TokenTree, context: list[int], levels: list[Level]) -> torch.Tensor:
         """The head's log-probabilities after each bottom node, ``(L, X)``: one batched query over their paths."""
         head, cfg, cache = self.head, self.head.config, self.cache
+        assert cache is not None, "start() comes first"
         if self.pending:
             head.append_memory(cache, head.features(cfg.max_depth, self._pending_rows())[None])
             self.pending = []
         path, query = self._path(tree, context, levels)
         rows = [(depth, head.features(depth, anchors)) for depth, anchors in path]
         query_LD = rows[-1][1] if query is None else head.features(cfg.offset, query)
-        view = cache
+        view: SpeculatorCache | CacheView = cache
         if query_LD.shape[0] > 1:  # one query per bottom node over the same cached rows
-            b = query_LD.shape[0]
-            view = SimpleNamespace(
-                length=cache.length,
-                keys=[k[:, :, : cache.length].expand(b, -1, -1, -1) for k in cache.keys],
-                values=[v[:, :, : cache.length].expand(b, -1, -1, -1) for v in cache.values],
-            )
+            view = cache.expand(query_LD.shape[0])
         # Over the head's own outputs X (V, or its draft vocabulary: ``ids`` maps them to target ids).
         return torch.log_softmax(head.logits(head.query(view, rows, query_LD)).float(), dim=-1)
 
@@ -150,6 +145,7 @@ class SpdHeadProposer:
         bottom level's anchors at the query's depth where it already went deeper (a prune left the tree shallow),
         else None (the last row is the query)."""
         cache, anchors_by_depth = self.cache, self.anchors_by_depth
+        assert cache is not None, "start() comes first"
         if cache.length + len(self.pending) != len(context):
             raise RuntimeError("speculator cache and committed tokens are out of step")
         path = []

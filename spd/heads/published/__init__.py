@@ -4,5 +4,6 @@
   safely (``weights_only=True``) and validating it, with one clear sentence for every bad file;
 - :mod:`spd.heads.published.authors_head` - their v10 and v11 heads as modules, run with the decode schedule
   they were trained for, inside our engine;
+- :mod:`spd.heads.published.authors_config` - their config read and checked against the target;
 - :mod:`spd.heads.published.convert` - their ``.pt`` files to our directory format and back (``spd-convert``).
 """

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import copy
 import importlib
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -46,48 +47,9 @@ from ...errors import SpdInputError
 from ...target.kv_cache import StageKVCache
 from ...target.sdpa import decode_kernels
 from ...target.staging import StagedModel, cache_keyword
-from ..config import equal_cut_problem, misfit
+from ..interface import InFlightToken, SpeculationHead
+from .authors_config import config_for, spec_layer_config
 from .authors_file import AuthorsCheckpoint
-
-
-@dataclass
-class AuthorsHeadConfig:
-    """What the engine needs to know about an authors' head (the fields our head's config has), plus theirs."""
-
-    version: int
-    hidden_size: int
-    vocab_size: int
-    n_stages: int
-    num_layers: int  # L_s
-    target_num_layers: int
-    boundaries: list[int]
-    shallow: list[list[int]] | None  # v10: shallow[b] = anchors of depth n - b
-    bound: list[int] | None  # v11: aggr_feature_bound
-    draft_token_ids: list[int] | None
-    use_deepest: bool
-    authors_prefill: bool = True
-    raw: dict = field(default_factory=dict)  # their config as stored in the file
-    schedule: str = "input"  # the head reads the input state (its speculation runs beside the stages)
-    offset: int = 0
-
-    @property
-    def max_depth(self) -> int:
-        return self.n_stages
-
-    @property
-    def lps(self) -> int:
-        return self.target_num_layers // self.n_stages
-
-    def aggr_type(self, depth: int) -> int:
-        """v11: the aggregation type of a depth: ``max{i : b[i] <= min(L, depth * L/n)}``."""
-        limit = min(self.target_num_layers, depth * self.lps)
-        return max(i for i, b in enumerate(self.bound) if b <= limit)
-
-    def depth_anchors(self, depth: int) -> list[int]:
-        """Hidden-state indices a row of this depth concatenates."""
-        if self.version == 10:
-            return [0] if depth == 0 else list(self.shallow[self.n_stages - depth])
-        return list(self.bound[: self.aggr_type(depth) + 1])
 
 
 class AuthorsCache:
@@ -111,39 +73,6 @@ class AuthorsCache:
             del self.snaps[p]
 
 
-def _spec_layer_config(staged: StagedModel, num_layers: int, raw: dict, version: int):
-    """The config the authors build their tower layers from: the target's text config (Qwen3 parts), or for
-    v11 on Qwen3.5 bases a copy of it with the first L_s layers forced to full attention."""
-    from transformers import Qwen3Config
-
-    text = staged.config
-    intermediate = getattr(text, "intermediate_size", None) or raw.get("spec_intermediate_size_fallback", 9216)
-    if version == 11 and text.model_type.startswith("qwen3_5"):
-        cfg = copy.deepcopy(text)
-        types = list(getattr(cfg, "layer_types", None) or [])
-        types += ["full_attention"] * max(0, num_layers - len(types))
-        types[:num_layers] = ["full_attention"] * num_layers
-        cfg.layer_types = types
-        cfg.intermediate_size = intermediate
-        cfg._attn_implementation = "sdpa"
-        return cfg, True
-    cfg = Qwen3Config(
-        hidden_size=text.hidden_size,
-        intermediate_size=intermediate,
-        num_attention_heads=text.num_attention_heads,
-        num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-        rms_norm_eps=text.rms_norm_eps,
-        attention_bias=getattr(text, "attention_bias", False),
-        hidden_act=getattr(text, "hidden_act", "silu"),
-        num_hidden_layers=num_layers,
-        layer_types=["full_attention"] * num_layers,
-        vocab_size=text.vocab_size,
-    )
-    cfg._attn_implementation = "sdpa"
-    return cfg, False
-
-
 class AuthorsHead(nn.Module):
     """An authors' v10 or v11 head attached to a staged target (see the module docstring)."""
 
@@ -156,9 +85,9 @@ class AuthorsHead(nn.Module):
     ):
         super().__init__()
         raw, source = checkpoint.config, checkpoint.source
-        self.config = cfg = _config_for(checkpoint, staged, use_deepest, authors_prefill)
+        self.config = cfg = config_for(checkpoint, staged, use_deepest, authors_prefill)
         n, d = cfg.n_stages, cfg.hidden_size
-        layer_cfg, gated = _spec_layer_config(staged, cfg.num_layers, raw, cfg.version)
+        layer_cfg, gated = spec_layer_config(staged, cfg.num_layers, raw, cfg.version)
         from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
         if gated:
@@ -169,12 +98,14 @@ class AuthorsHead(nn.Module):
             self.spec_layers = nn.ModuleList(Qwen3DecoderLayer(layer_cfg, j) for j in range(cfg.num_layers))
         self._gated = gated
         if cfg.version == 10:
+            assert cfg.shallow is not None  # config_for reads it for version 10
             self.stage_projs = nn.ModuleList(nn.Linear(len(a) * d, d, bias=False) for a in cfg.shallow)
             self.g0_proj = nn.Linear(d, d, bias=False)
             self.fixed_stage_per_layer_projs = nn.ModuleList(
                 nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(n)) for _ in range(cfg.num_layers)
             )
         else:
+            assert cfg.bound is not None  # config_for reads it for version 11
             self.aggr_projs = nn.ModuleList(nn.Linear((i + 1) * d, d, bias=False) for i in range(len(cfg.bound)))
         vocab_out = len(cfg.draft_token_ids) if cfg.draft_token_ids is not None else cfg.vocab_size
         self.lm_head = nn.Linear(d, vocab_out, bias=False)
@@ -193,18 +124,22 @@ class AuthorsHead(nn.Module):
         self.layer_cfg = layer_cfg
         self.eval()
 
-    # --------------------------------------------------------------------------------- engine protocol
+    # ------------------------------------------------------------- engine calls (spd.heads.interface)
     def needed_anchors(self) -> list[int]:
         """Every hidden-state index a row can read (all of them are kept for a token while it is in flight)."""
         cfg = self.config
         if cfg.version == 10:
+            assert cfg.shallow is not None  # config_for reads it for version 10
             return sorted({0, *(k for a in cfg.shallow for k in a)})
+        assert cfg.bound is not None  # config_for reads it for version 11
         return sorted(set(cfg.bound))
 
     def prefill_anchors(self) -> list[int]:
+        """Hidden-state indices the prefill must return for every prompt position: all of them."""
         return self.needed_anchors()
 
     def new_cache(self, batch_size: int = 1, capacity: int = 256) -> AuthorsCache:
+        """An empty cache of ``capacity`` positions for ``batch_size`` sequences."""
         p = self.lm_head.weight
         kv = StageKVCache(
             list(range(self.config.num_layers)),
@@ -236,19 +171,21 @@ class AuthorsHead(nn.Module):
             slots = list(range(count - 1, -1, -1))  # their _infer_stage_ids takes it for a decode call
         self._tower(cache, rows_1RD, 0, slots)
 
-    def retire(self, cache: AuthorsCache, slots) -> None:
+    def retire(self, cache: AuthorsCache, tokens: Sequence[InFlightToken]) -> None:
         """Tokens that completed stage n: their anchors are kept, the newest becomes the evicted row."""
-        for slot in slots:
-            if slot.depth == self.config.n_stages:
-                cache.snaps[slot.position] = dict(slot.anchors)
-                cache.evicted = slot.position
+        for token in tokens:
+            if token.depth == self.config.n_stages:
+                cache.snaps[token.position] = dict(token.anchors)
+                cache.evicted = token.position
 
-    def propose_logits(self, cache: AuthorsCache, inflight) -> torch.Tensor:
+    def propose_logits(self, cache: AuthorsCache, inflight: Sequence[InFlightToken]) -> torch.Tensor:
         """Full-vocabulary logits (1, V) of the head's next token after the newest in-flight token."""
         rows_1RD, first, slots = self._window(cache, inflight)
         return self.logits(self._tower(cache, rows_1RD, first, slots))
 
-    def propose_logits_many(self, caches: list[AuthorsCache], inflights: list) -> torch.Tensor:
+    def propose_logits_many(
+        self, caches: Sequence[AuthorsCache], inflights: Sequence[Sequence[InFlightToken]]
+    ) -> torch.Tensor:
         """:meth:`propose_logits` of many queries at once, ``inflights[i]`` over ``caches[i]`` (a cache may serve
         several queries, the nodes of one request's tree: its keys and values are then those of the last of them,
         as when they are asked one after another): one tower call over every query's rows, left-padded to the
@@ -256,7 +193,7 @@ class AuthorsHead(nn.Module):
         windows = [self._window(cache, inflight) for cache, inflight in zip(caches, inflights)]
         return self.logits(self._tower_many(caches, *map(list, zip(*windows))))
 
-    def _window(self, cache: AuthorsCache, inflight) -> tuple[torch.Tensor, int, list[int]]:
+    def _window(self, cache: AuthorsCache, inflight: Sequence[InFlightToken]) -> tuple[torch.Tensor, int, list[int]]:
         """The rows of one query (their schedule, see the module docstring) as ``(1, R, D)``, the first row's
         position and each row's slot; the cache is cut to the first row's position."""
         cfg = self.config
@@ -309,14 +246,15 @@ class AuthorsHead(nn.Module):
         if cfg.version == 10:
             for t in range(s_len):
                 rows, slots = [], []
-                for pos in range(t + 1):
-                    k = t - pos
+                for position in range(t + 1):
+                    k = t - position
                     depth = 0 if k == 0 else (n if k >= fill or k >= n else k)
-                    rows.append(self._row({a: h[:, pos] for a, h in hidden.items()}, depth))
+                    rows.append(self._row({a: h[:, position] for a, h in hidden.items()}, depth))
                     slots.append(min(k, n))
                 cache = self.new_cache(capacity=t + 1)
                 out.append(self._tower(cache, torch.cat(rows, dim=1), 0, slots))
             return self.logits(torch.stack(out, dim=1)[0]).unsqueeze(0)
+        assert cfg.bound is not None  # config_for reads it for version 11
         m = len(cfg.bound)
         types = list(range(m - 1, -1, -1))  # block b holds aggregation type m-1-b
         rows_1MD = torch.cat(
@@ -366,7 +304,7 @@ class AuthorsHead(nn.Module):
         return self._tower_many([cache], [rows_1RD], [first], [slots])
 
     def _tower_many(
-        self, caches: list[AuthorsCache], rows: list[torch.Tensor], firsts: list[int], slots: list[list[int]]
+        self, caches: Sequence[AuthorsCache], rows: list[torch.Tensor], firsts: list[int], slots: list[list[int]]
     ) -> torch.Tensor:
         """:meth:`_tower` for B queries in one call: query ``b``'s rows ``(1, R_b, D)`` at positions ``firsts[b] ..``
         after ``caches[b]``'s rows, left-padded to the longest (so every query's newest row is the last); each
@@ -402,7 +340,7 @@ class AuthorsHead(nn.Module):
             cache.kv.advance(sizes[caches.index(cache)])
         return out[:, -1]
 
-    def _decoder(self, x_1RD, cos, sin, pos_1R, kv: StageKVCache, mask_11RK) -> torch.Tensor:
+    def _decoder(self, x_1RD, cos, sin, pos_1R, kv: StageKVCache | _PaddedKV, mask_11RK) -> torch.Tensor:
         """v11: every row through every layer (keys/values appended after ``kv``'s rows)."""
         for j, layer in enumerate(self.spec_layers):
             if self._gated:
@@ -438,7 +376,7 @@ class AuthorsHead(nn.Module):
             query_BQD = self._layer(layer, j, x_BRD, cos, sin, kv, mask_B1RK, query_cols)
         return query_BQD if query_cols else rows_BRD[:, -1:]
 
-    def _layer(self, layer, j: int, x_1RD, cos, sin, kv: StageKVCache, mask_11RK, out_rows: list[int]):
+    def _layer(self, layer, j: int, x_1RD, cos, sin, kv: StageKVCache | _PaddedKV, mask_11RK, out_rows: list[int]):
         """A Qwen3-parts decoder layer over all rows (keys/values appended to ``kv``), outputs of ``out_rows``."""
         attn = layer.self_attn
         b, r, _ = x_1RD.shape
@@ -480,66 +418,6 @@ class _PaddedKV:
         return keys_BHkKDh, values_BHkKDh
 
 
-def _config_for(
-    checkpoint: AuthorsCheckpoint, staged: StagedModel, use_deepest: bool | None, authors_prefill: bool
-) -> AuthorsHeadConfig:
-    """Read their config, check it against the target (``base_model_path`` is ignored), one sentence if not."""
-    raw, source = checkpoint.config, checkpoint.source
-    n, big_l = int(raw["num_stages"]), staged.num_layers
-    problems = []
-    if int(raw["hidden_size"]) != staged.config.hidden_size:
-        problems.append(f"hidden size {raw['hidden_size']} vs the target's {staged.config.hidden_size}")
-    if int(raw["vocab_size"]) != staged.vocab_size:
-        problems.append(f"vocabulary {raw['vocab_size']} vs the target's {staged.vocab_size}")
-    if equal_cut_problem(n, big_l):
-        problems.append(equal_cut_problem(n, big_l))
-    if problems:
-        raise misfit(problems)
-    draft = raw.get("draft_token_ids")
-    if draft is not None:
-        draft = sorted({int(t) for t in draft})
-        if draft and not 0 <= draft[0] <= draft[-1] < staged.vocab_size:
-            raise SpdInputError(
-                f"the head '{source}' has draft_token_ids outside the target's vocabulary (0..{staged.vocab_size - 1})"
-            )
-    version = int(raw["version"])
-    shallow = bound = None
-    if version == 10:
-        shallow = [[int(k) for k in a] for a in raw["shallow_hidden_layer_indices"]]
-        bad = len(shallow) != n or any(not 0 <= k <= big_l for a in shallow for k in a)
-    else:
-        bound = [int(k) for k in raw["aggr_feature_bound"]]
-        bad = (
-            not bound
-            or bound[0] != 0
-            or any(x >= y for x, y in zip(bound, bound[1:]))
-            or bound[-1] > big_l
-            or len(bound) > n + 1
-        )
-    if bad:
-        what = "shallow_hidden_layer_indices" if version == 10 else "aggr_feature_bound"
-        raise SpdInputError(
-            f"the head '{source}' has {what} that do not fit a {big_l}-layer target cut into {n} stages"
-        )
-    if use_deepest is None or raw.get("trained_with_use_deepest"):
-        use_deepest = True  # their evaluation scripts' default, and forced for heads trained with it
-    return AuthorsHeadConfig(
-        version=version,
-        hidden_size=int(raw["hidden_size"]),
-        vocab_size=int(raw["vocab_size"]),
-        n_stages=n,
-        num_layers=int(raw["num_spec_layers"]),
-        target_num_layers=big_l,
-        boundaries=[big_l // n * s for s in range(n + 1)],
-        shallow=shallow,
-        bound=bound,
-        draft_token_ids=draft,
-        use_deepest=bool(use_deepest),
-        authors_prefill=authors_prefill,
-        raw=dict(raw),
-    )
-
-
 def _load_state(head: AuthorsHead, state_dict: dict[str, torch.Tensor], source: str, dtype: torch.dtype) -> None:
     """Load their tensors strictly; a missing, unexpected or misshapen tensor is one sentence."""
     own = head.state_dict()
@@ -570,3 +448,7 @@ def load_authors_head(
     from .authors_file import load_authors_file
 
     return AuthorsHead(load_authors_file(source, revision), staged, use_deepest, authors_prefill)
+
+
+if TYPE_CHECKING:  # the type checker holds the head to the engine's interface
+    _engine_calls: type[SpeculationHead[AuthorsCache]] = AuthorsHead

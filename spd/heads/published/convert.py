@@ -172,8 +172,6 @@ def to_authors_file(source_dir: str | Path, out_file: str | Path, force: bool = 
 
 def head_to_authors_file(head_dir: str | Path, target, out_file: str | Path, force: bool = False) -> Path:
     """One of our heads -> their v10 ``.pt`` file, for its target ``target`` (a StagedModel); atomic."""
-    import torch
-
     from ..config import check_compatible
     from ..loading import load_speculator
 
@@ -182,6 +180,35 @@ def head_to_authors_file(head_dir: str | Path, target, out_file: str | Path, for
     cfg, tcfg = head.config, target.config
     check_compatible(cfg, target)
     n, d = cfg.n_stages, cfg.hidden_size
+    why = _v10_problems(cfg, target)
+    if why:
+        raise SpdInputError(f"the head '{head_dir}' cannot be written in the authors' layout: " + "; ".join(why))
+    scale = target.norm_scale().double()
+    if bool((scale.abs() < 1e-6).any()):
+        raise SpdInputError("the target's final norm has zero scales; the head's own norm cannot be folded into it")
+    state = _v10_state(head, scale)
+    config = {
+        "hidden_size": d,
+        "vocab_size": cfg.vocab_size,
+        "model_type": tcfg.model_type,
+        "base_model_path": cfg.target_name_or_path,
+        "draft_vocab_size": cfg.vocab_size,
+        "num_stages": n,
+        "num_spec_layers": cfg.num_layers,
+        "version": 10,
+        "trained_with_use_deepest": True,
+        "shallow_hidden_layer_indices": [list(cfg.anchors[n - b]) for b in range(n)],
+    }
+    return _save_file_atomic(
+        {"state_dict": {k: v.detach().clone().contiguous() for k, v in state.items()}, "config": config},
+        out_file,
+        force,
+    )
+
+
+def _v10_problems(cfg, target) -> list[str]:
+    """Why one of our heads (config ``cfg``) cannot be written in their v10 layout for ``target``: none if it can."""
+    n, tcfg = cfg.n_stages, target.config
     rotary_dim = target.rotary_emb.inv_freq.numel() * 2
     why = []
     if cfg.num_layers != 1:
@@ -200,11 +227,16 @@ def head_to_authors_file(head_dir: str | Path, target, out_file: str | Path, for
         why.append("its attention/MLP shape differs from the target's (their layers take the target's)")
     if rotary_dim != cfg.head_dim:
         why.append("the target's rotary embedding covers only part of each head (ours covers all of it)")
-    if why:
-        raise SpdInputError(f"the head '{head_dir}' cannot be written in the authors' layout: " + "; ".join(why))
-    scale = target.norm_scale().double()
-    if bool((scale.abs() < 1e-6).any()):
-        raise SpdInputError("the target's final norm has zero scales; the head's own norm cannot be folded into it")
+    return why
+
+
+def _v10_state(head, scale):
+    """The head's tensors under their v10 names: identity per-layer projections, and the ratio of our norm's scales
+    to the target's (``scale``) folded into the LM head."""
+    import torch
+
+    cfg = head.config
+    n, d = cfg.n_stages, cfg.hidden_size
     state = {f"stage_projs.{b}.weight": head.fc[str(n - b)].weight for b in range(n)}
     state["g0_proj.weight"] = head.fc["0"].weight
     eye = torch.eye(d, dtype=head.lm_head.weight.dtype)
@@ -221,20 +253,4 @@ def head_to_authors_file(head_dir: str | Path, target, out_file: str | Path, for
     # lm_head(ours_norm(x)) = lm_head(diag(w / g) target_norm(x)) for equal epsilons.
     folded = head.lm_head.weight.double() * (head.norm.weight.double() / scale)[None, :]
     state["lm_head.weight"] = folded.to(head.lm_head.weight.dtype)
-    config = {
-        "hidden_size": d,
-        "vocab_size": cfg.vocab_size,
-        "model_type": tcfg.model_type,
-        "base_model_path": cfg.target_name_or_path,
-        "draft_vocab_size": cfg.vocab_size,
-        "num_stages": n,
-        "num_spec_layers": cfg.num_layers,
-        "version": 10,
-        "trained_with_use_deepest": True,
-        "shallow_hidden_layer_indices": [list(cfg.anchors[n - b]) for b in range(n)],
-    }
-    return _save_file_atomic(
-        {"state_dict": {k: v.detach().clone().contiguous() for k, v in state.items()}, "config": config},
-        out_file,
-        force,
-    )
+    return state
