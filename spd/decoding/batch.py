@@ -75,8 +75,9 @@ from ..errors import SpdInputError
 from ..target.kv_pool import KVPool, Region
 from ..target.ragged import Segment, run_ragged
 from ..target.staging import StageOutput
+from .backend import LocalStages
 from .generation import GenerationOutput, OnToken
-from .loop import COLLECT, Advance, LocalStages, Prefill, Propose, TargetLogits, anchors_by_stage, answer_many
+from .loop import COLLECT, Advance, Prefill, Propose, TargetLogits, anchors_by_stage, answer_many
 from .sampling import SamplingParams
 from .tree_width import SharedWidth
 

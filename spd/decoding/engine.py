@@ -51,8 +51,9 @@ import torch
 from ..errors import SpdInputError
 from ..heads.speculator import Speculator
 from ..target.staging import StagedModel, load_target_tokenizer
+from .backend import LocalStages
 from .generation import GenerationOutput, OnToken
-from .loop import LocalStages, StepLoop, verify_sampled
+from .loop import StepLoop, verify_sampled
 from .modes import NEEDS_HEAD, NEEDS_PROPOSER, check_engine_mode, in_python_terms
 from .proposers import Draft, DraftModelProposer, HeadProposer, Proposer, SpdHeadProposer, load_draft_model
 from .request import Generates

@@ -44,7 +44,7 @@ import itertools
 
 import torch
 
-from ..decoding.loop import LocalStages
+from ..decoding.backend import LocalStages
 from ..target.kv_pool import KVPool, Region
 from ..target.ragged import Segment
 from ..target.staging import StageKVCache, StageOutput
