@@ -218,7 +218,7 @@ def _fails_once(monkeypatch, owner, name, after: int = 0):
 def test_a_stage_call_that_raises_fails_the_requests_in_it_and_the_batch_goes_on(target_model, monkeypatch):
     """The requests in a step whose stage call raised fail with its error and give their regions and head slots
     back; the step raises; the next requests run as usual. A request whose admission raises fails alone."""
-    import spd.decoding.batch as batch_module
+    import spd.decoding.backend as batch_module
 
     staged = StagedModel(target_model, 4)
     torch.manual_seed(0)

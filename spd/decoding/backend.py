@@ -3,7 +3,7 @@
 
 - :class:`StageBackend`, one request's stages: :class:`LocalStages` (this process, the
   reference), :class:`~spd.runtime.remote.RemoteStages` (one process per stage over ``torch.distributed``);
-- :class:`BatchBackend`, the stage work of many requests at once: :class:`~spd.decoding.batch.LocalBatch` and
+- :class:`BatchBackend`, the stage work of many requests at once: :class:`LocalBatch` and
   :class:`~spd.runtime.batch.RemoteBatch`, each giving a request its :class:`StageBackend` (``request_stages``).
 
 ``tests/test_layout.py`` checks that every back-end has each method with the protocol's parameters.
@@ -11,16 +11,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-from ..target.ragged import Segment
+from ..target.kv_pool import KVPool, Region
+from ..target.ragged import Segment, run_ragged
 from ..target.staging import StagedModel, StageKVCache, StageOutput
 from .tree import Level, TokenTree
-
-if TYPE_CHECKING:
-    from ..target.kv_pool import KVPool, Region
 
 
 class StageBackend(Protocol):
@@ -162,3 +160,37 @@ class LocalStages:
     def flush(self, length: int) -> None:
         """Drop every in-flight activation and cut every stage's KV cache to ``length`` tokens."""
         self.staged.truncate(self.caches, length)
+
+
+class LocalBatch:
+    """The stage work of a batched pipeline in this process: a :class:`~spd.target.kv_pool.KVPool` and one ragged call
+    per stage. (:class:`spd.runtime.batch.RemoteBatch` has the same methods for stages on other ranks.)"""
+
+    def __init__(self, staged, rows: int):
+        self.staged = staged
+        self.pool = KVPool(staged, rows)
+
+    def request_stages(self) -> LocalStages:
+        """A new request's stage back-end (its caches come with :meth:`open`)."""
+        return LocalStages(self.staged)
+
+    def open(self, region: Region):
+        """The stage caches of a request admitted to ``region``."""
+        return self.pool.caches(region)
+
+    def release(self, region: Region) -> None:
+        self.pool.release(region)
+
+    def new_step(self) -> None:
+        """A pipeline step begins."""
+
+    def idle(self) -> None:
+        """No request is queued or in flight."""
+
+    def start(self, calls: list[list[Segment]]):
+        """Start every stage's segments (``calls[s]``): here one ragged call per stage, run now."""
+        return [run_ragged(self.pool, stage, segments) if segments else [] for stage, segments in enumerate(calls)]
+
+    def finish(self, started) -> list[list[StageOutput]]:
+        """The outputs of :meth:`start`'s work, per stage and segment."""
+        return started

@@ -48,9 +48,10 @@ engine (:meth:`~spd.decoding.engine.Engine.use_proposer`, a server's new head ve
 submitted after it, while those before finish on theirs: the batch runs both heads for a while, each asked in its own
 joint call (their ``batch_key`` differs) with its own memory pool, which goes once its last request has left.
 
-The stages run in this process (:class:`LocalBatch`: the pool and :func:`~spd.target.ragged.run_ragged`) or, when the
-engine's stages are the distributed runtime's, on the stage ranks (:class:`spd.runtime.batch.RemoteBatch`: the same
-ragged calls, carried stage to stage); this driver is the same for both.
+The stages run in this process (:class:`~spd.decoding.backend.LocalBatch`: the pool and
+:func:`~spd.target.ragged.run_ragged`) or, when the engine's stages are the distributed runtime's, on the stage ranks
+(:class:`spd.runtime.batch.RemoteBatch`: the same ragged calls, carried stage to stage); this driver is the same for
+both.
 
 On hybrid targets each request's stage caches carry its own linear-attention state beside its region, and a ragged
 call runs the linear-attention layers over the requests' stacked states (:mod:`spd.target.ragged`). A draft model
@@ -72,10 +73,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import SpdInputError
-from ..target.kv_pool import KVPool, Region
-from ..target.ragged import Segment, run_ragged
+from ..target.kv_pool import Region
+from ..target.ragged import Segment
 from ..target.staging import StageOutput
-from .backend import LocalStages
+from .backend import LocalBatch, LocalStages
 from .generation import GenerationOutput, OnToken
 from .loop import COLLECT, Advance, Prefill, Propose, TargetLogits, anchors_by_stage, answer_many
 from .sampling import SamplingParams
@@ -111,40 +112,6 @@ class _Chunk:
     hidden_1TD: torch.Tensor
     depth: int = 0
     anchors: dict[int, torch.Tensor] = field(default_factory=dict)
-
-
-class LocalBatch:
-    """The stage work of a batched pipeline in this process: a :class:`~spd.target.kv_pool.KVPool` and one ragged call
-    per stage. (:class:`spd.runtime.batch.RemoteBatch` has the same methods for stages on other ranks.)"""
-
-    def __init__(self, staged, rows: int):
-        self.staged = staged
-        self.pool = KVPool(staged, rows)
-
-    def request_stages(self) -> LocalStages:
-        """A new request's stage back-end (its caches come with :meth:`open`)."""
-        return LocalStages(self.staged)
-
-    def open(self, region: Region):
-        """The stage caches of a request admitted to ``region``."""
-        return self.pool.caches(region)
-
-    def release(self, region: Region) -> None:
-        self.pool.release(region)
-
-    def new_step(self) -> None:
-        """A pipeline step begins."""
-
-    def idle(self) -> None:
-        """No request is queued or in flight."""
-
-    def start(self, calls: list[list[Segment]]):
-        """Start every stage's segments (``calls[s]``): here one ragged call per stage, run now."""
-        return [run_ragged(self.pool, stage, segments) if segments else [] for stage, segments in enumerate(calls)]
-
-    def finish(self, started) -> list[list[StageOutput]]:
-        """The outputs of :meth:`start`'s work, per stage and segment."""
-        return started
 
 
 class BatchRequest:
