@@ -31,7 +31,7 @@ Lossless: greedy output is the target's argmax chain (each committed token is ``
 committed prefix); sampled output follows the target's warped distribution exactly (standard
 speculative sampling; chi-square tested in ``tests/test_sd.py``).
 
-Metrics (:class:`SdStats`): ``mean_acceptance_length`` ``L_acc`` = decode tokens per iteration, and
+Metrics (:class:`~spd.decoding.stats.SdStats`): ``mean_acceptance_length`` ``L_acc`` = decode tokens per iteration, and
 the paper's theoretical speedup ``L_acc * L / (L_s * m + L)`` for a drafter of ``L_s`` layers (a draft
 model's layers counted as the target's, which favours the draft model: its layers are narrower; the
 head's ``L_s`` decoder layers, its LM head not counted, as the paper counts it). The
@@ -42,61 +42,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import SpdInputError
 from ..heads.speculator import Speculator
 from ..target.staging import StagedModel, load_target_tokenizer
-from .generation import GenerationOutput, GenerationStats, OnToken, as_prompt_ids, check_request, eos_set, stop_reason
+from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set, stop_reason
 from .modes import check_proposer
 from .proposers import Draft, DraftModelProposer, Proposer, SerialHeadProposer, load_draft_model
 from .request import Generates
 from .sampling import SamplingParams, select_token, warped_probs
 from .spec import DecodingSpec
+from .stats import SdStats
 from .tree import Level, TokenTree, verify_sampled_recursive
-
-
-@dataclass
-class SdStats(GenerationStats):
-    """GenerationStats plus what speculative decoding did (``as_dict()``: the CLI's ``--json`` stats)."""
-
-    draft_steps: int = 0  # m
-    source: str = "draft"  # the drafter: "draft" (a draft model) or "head" (variant eagle)
-    iterations: int = 0  # target forwards after the prefill (one per verification)
-    decode_tokens: int = 0  # tokens committed by iterations (new_tokens - 1)
-    drafted: int = 0
-    accepted: int = 0  # drafts accepted
-    # accepted_by_position[i] / verified_by_position[i]: acceptance of the (i+1)-th draft of an iteration.
-    verified_by_position: list[int] = field(default_factory=list)
-    accepted_by_position: list[int] = field(default_factory=list)
-    draft_layers: int = 0  # L_s
-    target_layers: int = 0  # L
-    draft_time_s: float = 0.0
-    target_time_s: float = 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """L_acc: tokens committed per iteration, the bonus / replacement token included."""
-        return self.decode_tokens / self.iterations if self.iterations else 0.0
-
-    @property
-    def theoretical_speedup(self) -> float:
-        """``L_acc * L / (L_s * m + L)`` (the paper's EAGLE row): m serial draft steps, then one target forward."""
-        if not self.iterations:
-            return 0.0
-        return (
-            self.mean_acceptance_length
-            * self.target_layers
-            / (self.draft_layers * self.draft_steps + self.target_layers)
-        )
-
-    def as_dict(self) -> dict:
-        d = super().as_dict()
-        d["mean_acceptance_length"] = round(self.mean_acceptance_length, 4)
-        d["theoretical_speedup"] = round(self.theoretical_speedup, 4)
-        return d
 
 
 def _ids(tokens: list[int], model: StagedModel) -> torch.Tensor:
