@@ -21,8 +21,8 @@ unit ``K`` counts):
 3. When the root's level leaves stage ``n``, the target's distribution ``p`` for position ``P + 1`` is known and
    the root's children are verified: greedy: the child equal to ``argmax p``; top-K candidates at T > 0:
    children tried in order, accepting ``x`` with probability ``p(x)`` and otherwise removing ``x`` from ``p``
-   (:func:`spd.decoding.tree.verify_sampled_deterministic`); sampled candidates: recursive rejection sampling
-   against the ``q`` they were drawn from (:func:`spd.decoding.tree.verify_sampled_recursive`). The chosen token
+   (:func:`spd.decoding.verify.verify_sampled_deterministic`); sampled candidates: recursive rejection sampling
+   against the ``q`` they were drawn from (:func:`spd.decoding.verify.verify_sampled_recursive`). The chosen token
    is committed, stage 1's next level is released, then the other stages' reports are taken;
    - hit (it is a child ``c``): the tree, every stage's tree KV, the in-flight activations and the proposer's
      own state are pruned with one index set (the subtree of ``c``); the old root's KV row becomes the last
@@ -67,16 +67,9 @@ from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request,
 from .proposers import Proposer, propose_many
 from .sampling import SamplingParams, select_token, warped_probs
 from .stats import PipelineStats, TreeStats
-from .tree import (
-    Level,
-    TokenTree,
-    grow_sampled,
-    grow_top_k,
-    verify_greedy,
-    verify_sampled_deterministic,
-    verify_sampled_recursive,
-)
+from .tree import Level, TokenTree, grow_sampled, grow_top_k
 from .tree_width import AdaptiveWidth, FixedWidth
+from .verify import verify_greedy, verify_sampled_deterministic, verify_sampled_recursive
 
 
 @dataclass

@@ -17,7 +17,7 @@ committed token and the head's own earlier drafts enter at depth 0 (their embedd
 2. The target runs ``[t, x_1..x_m]`` (``t`` the newest committed token) over its KV cache: the
    distributions ``p_1..p_{m+1}`` after ``t``, ``x_1``, ..., ``x_m``.
 3. Verification, left to right: greedy, ``x_i`` is accepted iff it is ``argmax p_i``; sampling,
-   with probability ``min(1, p_i(x_i) / q_i(x_i))`` (:func:`spd.decoding.tree.verify_sampled_recursive` with one
+   with probability ``min(1, p_i(x_i) / q_i(x_i))`` (:func:`spd.decoding.verify.verify_sampled_recursive` with one
    candidate). At the first rejection the target's token replaces ``x_i`` (greedy: the argmax;
    sampling: a draw from ``normalise(max(p_i - q_i, 0))``) and the iteration ends; if every draft is
    accepted, a bonus token is drawn from ``p_{m+1}``. So an iteration commits ``a + 1`` tokens for
@@ -55,7 +55,8 @@ from .request import Generates
 from .sampling import SamplingParams, select_token, warped_probs
 from .spec import DecodingSpec
 from .stats import SdStats
-from .tree import Level, TokenTree, verify_sampled_recursive
+from .tree import Level, TokenTree
+from .verify import verify_sampled_recursive
 
 
 def _ids(tokens: list[int], model: StagedModel) -> torch.Tensor:
