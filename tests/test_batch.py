@@ -14,9 +14,9 @@ from conftest import differences_are_near_ties, tiny_model
 from helpers.proposers import ScriptedProposer, noisy_copy
 from helpers.stats import chi_square_p_value, sequence_probs
 from spd.decoding.batch import BatchedPipeline
+from spd.decoding.driver import answer_many
 from spd.decoding.engine import Engine
 from spd.decoding.generation import generate_ar
-from spd.decoding.loop import answer_many
 from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
 from spd.decoding.sampling import SamplingParams
 from spd.errors import SpdInputError

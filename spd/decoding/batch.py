@@ -77,8 +77,9 @@ from ..target.kv_pool import Region
 from ..target.ragged import Segment
 from ..target.staging import StageOutput
 from .backend import LocalBatch, LocalStages
+from .driver import COLLECT, Advance, Prefill, Propose, TargetLogits, answer_many
 from .generation import GenerationOutput, OnToken
-from .loop import COLLECT, Advance, Prefill, Propose, TargetLogits, anchors_by_stage, answer_many
+from .loop import anchors_by_stage
 from .sampling import SamplingParams
 from .tree_width import SharedWidth
 
@@ -479,7 +480,7 @@ class BatchedPipeline:
                 self._resume(request, StageOutput(chunk.hidden_1TD, anchors))
 
     def _answer(self, requests: list[BatchRequest]) -> None:
-        """Answer the questions ``requests`` stopped at together (:func:`~spd.decoding.loop.answer_many`: the
+        """Answer the questions ``requests`` stopped at together (:func:`~spd.decoding.driver.answer_many`: the
         proposers' queries, the verifications' logits) and resume each with its answer, up to its next work; those
         that ask again (an output-state head's query right after a verification) are answered together again. If a
         joint call fails, each is asked alone, so a request's own failure stays its own."""
@@ -503,7 +504,7 @@ class BatchedPipeline:
 
     def _resume(self, request: BatchRequest, value, ask: bool = True) -> None:
         """Hand the request its work's result; it runs to its next work item, or ends. Its questions
-        (:class:`~spd.decoding.loop.Propose`, :class:`~spd.decoding.loop.TargetLogits`) are answered on the way
+        (:class:`~spd.decoding.driver.Propose`, :class:`~spd.decoding.driver.TargetLogits`) are answered on the way
         (``ask``), or left as its work for :meth:`_answer`."""
         try:
             request.work = request.steps.send(value)

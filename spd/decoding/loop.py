@@ -63,122 +63,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..target.staging import StagedModel
+from .driver import COLLECT, Advance, Prefill, Propose, TargetLogits, drive
 from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set, first_output, stop_reason
-from .proposers import Proposer, propose_many
+from .proposers import Proposer
 from .sampling import SamplingParams, select_token, warped_probs
 from .stats import PipelineStats, TreeStats
 from .tree import Level, TokenTree, grow_sampled, grow_top_k
 from .tree_width import AdaptiveWidth, FixedWidth
 from .verify import verify_greedy, verify_sampled_deterministic, verify_sampled_recursive
-
-
-@dataclass
-class Prefill:
-    """Work a request hands its driver: the prompt through every stage (fresh caches of ``capacity`` rows); the
-    driver answers with the :class:`~spd.target.staging.StageOutput` (H^L and ``anchors`` for every position)."""
-
-    ids_1T: torch.Tensor
-    anchors: list[int]
-    capacity: int
-
-
-@dataclass
-class Advance:
-    """Work a request hands its driver: every level of ``levels`` runs its next stage (``stages.advance``). The
-    driver may start it at once; the request then goes on (the proposer's next level) until it hands over
-    :data:`COLLECT`, where it needs the outputs.
-
-    ``after_verify``: the second advance of a step whose root level left stage ``n`` (the other levels, after the
-    verification pruned them). ``then``: at such a step's first advance, the levels that the second one will move
-    if they survive the verification. :func:`drive` runs them after it (pruned first); a batched driver runs them
-    with the first advance, in the same stage calls, and the verification then prunes their outputs and rows,
-    so its second advance has nothing left to run.
-    """
-
-    levels: list[Level]
-    tree: TokenTree
-    committed: int
-    after_verify: bool = False
-    then: list[Level] = field(default_factory=list)
-
-
-@dataclass
-class Propose:
-    """Work a request hands its driver: the proposer's distributions after the tree's bottom nodes,
-    ``proposer.expand(tree, context, levels)``; the driver answers with the ``(L, X)`` log-probabilities. :func:`drive`
-    asks the proposer at once; a batched driver asks every request's proposer together
-    (:func:`spd.decoding.proposers.propose_many`: one batched head call where the proposers share a head)."""
-
-    proposer: Proposer
-    tree: TokenTree
-    context: list[int]
-    levels: list[Level]
-
-    def answer(self) -> torch.Tensor:
-        """The proposer's answer, asked alone."""
-        return self.proposer.expand(self.tree, self.context, self.levels)
-
-
-@dataclass
-class TargetLogits:
-    """Work a request hands its driver: the target's logits ``(1, V)`` after its root's last row (what the verification
-    reads). A batched driver computes those of many requests in one LM-head call (:func:`answer_many`)."""
-
-    staged: StagedModel
-    hidden_1D: torch.Tensor
-
-    def answer(self) -> torch.Tensor:
-        """The logits, asked alone."""
-        return self.staged.logits(self.hidden_1D)
-
-
-def answer_many(items: list) -> list[torch.Tensor]:
-    """The answers to many requests' questions (:class:`Propose`, :class:`TargetLogits`), in their order: the
-    proposers' together where they share a head (:func:`~spd.decoding.proposers.propose_many`), the target's
-    logits in one LM-head call per target; a question alone of its kind is asked alone."""
-    answers: list[torch.Tensor | None] = [None] * len(items)
-    proposals = [i for i, item in enumerate(items) if isinstance(item, Propose)]
-    for i, answer in zip(proposals, propose_many([items[i] for i in proposals])):
-        answers[i] = answer
-    by_target: dict[int, list[int]] = {}
-    for i, item in enumerate(items):
-        if isinstance(item, TargetLogits):
-            by_target.setdefault(id(item.staged), []).append(i)
-    for indices in by_target.values():
-        if len(indices) == 1:
-            answers[indices[0]] = items[indices[0]].answer()
-            continue
-        logits_BV = items[indices[0]].staged.logits(torch.cat([items[i].hidden_1D for i in indices]))
-        for i, logits_1V in zip(indices, logits_BV.split(1)):
-            answers[i] = logits_1V
-    return answers
-
-
-class Collect:
-    """The point where a request needs the outputs of the :class:`Advance` it handed over last: the driver finishes
-    that work (and applies its outputs to the levels) before it resumes the request."""
-
-
-COLLECT = Collect()
-
-
-def drive(stages, steps: Generator) -> GenerationOutput:
-    """Run one request's :meth:`StepLoop.steps` on ``stages`` alone. An advance runs when the request collects it:
-    after the proposer's step, which a remote back-end's stages overlap with work they already have."""
-    try:
-        work, pending = next(steps), None
-        while True:
-            if isinstance(work, Prefill):
-                work = steps.send(stages.prefill(work.ids_1T, work.anchors, work.capacity))
-            elif isinstance(work, (Propose, TargetLogits)):
-                work = steps.send(work.answer())
-            elif isinstance(work, Advance):
-                pending, work = work, steps.send(None)
-            else:
-                stages.advance(pending.levels, pending.tree, pending.committed)
-                work = steps.send(None)
-    except StopIteration as done:
-        return done.value
 
 
 def anchors_by_stage(boundaries: list[int], needed) -> list[list[int]]:
@@ -234,9 +126,10 @@ class StepLoop:
         stages=None,
         policy: FixedWidth | AdaptiveWidth | None = None,
     ) -> Generator[Prefill | Advance | Propose | TargetLogits, object, GenerationOutput]:
-        """The loop of one request as a generator: it hands its stage work (:class:`Prefill`, :class:`Advance`) and
-        its questions (:class:`Propose`: the proposer's query; :class:`TargetLogits`: the verification's logits)
-        to a driver and returns the :class:`GenerationOutput`. :meth:`run` drives it alone (:func:`drive`); a batched
+        """The loop of one request as a generator: it hands its stage work (:class:`~.driver.Prefill`,
+        :class:`~.driver.Advance`) and its questions (:class:`~.driver.Propose`: the proposer's query;
+        :class:`~.driver.TargetLogits`: the verification's logits) to a driver (:mod:`spd.decoding.driver`) and
+        returns the :class:`GenerationOutput`. :meth:`run` drives it alone (:func:`~.driver.drive`); a batched
         driver runs the work of many requests together. ``stages`` and ``policy`` are the request's own (default:
         this loop's); every other call on ``stages`` (``configure``, ``launch_level``, ``prune``, ``flush``) is
         made here, on the request's own back-end. The request's state and its step are :class:`_Request`."""
@@ -443,7 +336,7 @@ class _Request:
         return self.loop._enter(tree, int(new_N[0]), len(tree), rank=rank, needs_embedding=0 in proposer.needed_anchors)
 
     def advance(self, moving: list[Level], committed: int, after_verify: bool = False, meanwhile=None, then=()):
-        """Step 2 for ``moving``, handed to the driver (``then``: see :class:`Advance`); ``meanwhile()`` (step 1)
+        """Step 2 for ``moving``, handed to the driver (``then``: see :class:`~.driver.Advance`); ``meanwhile()`` (step 1)
         runs before the outputs are collected, while a driver's stages compute; then the proposer sees their
         new state. Returns what ``meanwhile`` returned."""
         tokens = self.stats.stage_tokens[-1]

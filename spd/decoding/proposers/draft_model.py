@@ -137,7 +137,7 @@ class DraftModelProposer:
     @staticmethod
     def expand_many(items) -> list[torch.Tensor]:
         """:meth:`expand` for many requests whose draft caches share one pool (``items``: their
-        :class:`~spd.decoding.loop.Propose` work): one ragged call over the committed tokens some have not run,
+        :class:`~spd.decoding.driver.Propose` work): one ragged call over the committed tokens some have not run,
         one over every request's new tree nodes, one LM-head call. Each request's ``(L, X)``, equal to its own
         :meth:`expand` up to fp32 rounding."""
         first = items[0].proposer

@@ -83,7 +83,7 @@ class Proposer(Protocol):
 
 
 def propose_many(items: list) -> list[torch.Tensor]:
-    """The answers to many requests' proposer queries (:class:`spd.decoding.loop.Propose`), in their order: the
+    """The answers to many requests' proposer queries (:class:`spd.decoding.driver.Propose`), in their order: the
     proposers that can be asked together (a class that ``batches``, the same ``batch_key()``) in one call per
     group; the others, and a group of one, each alone (so a batch of one asks exactly as a single request does)."""
     answers: list[torch.Tensor | None] = [None] * len(items)
