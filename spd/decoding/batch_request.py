@@ -1,0 +1,57 @@
+"""One request of a batched pipeline (:mod:`spd.decoding.batch`): its step loop, its stage caches, its prompt in flight
+and where it stands."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..target.kv_pool import Region
+from .backend import LocalStages
+from .driver import Advance, Prefill
+from .generation import GenerationOutput
+
+
+@dataclass
+class _Chunk:
+    """A piece of a newcomer's prompt in flight: the rows before ``end``, at stage ``depth``."""
+
+    end: int
+    hidden_1TD: torch.Tensor
+    depth: int = 0
+    anchors: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class BatchRequest:
+    """One request of a :class:`~spd.decoding.batch.BatchedPipeline`: its loop, its caches and where it stands.
+
+    ``state`` is ``queued``, ``prefill``, ``running``, then ``done`` (``output`` holds the result), ``failed``
+    (``error`` holds the exception) or ``cancelled`` (cancelled before its first token)."""
+
+    def __init__(self, rid: int, steps, stages: LocalStages, on_done: Callable[[BatchRequest], None] | None):
+        self.id, self.steps, self.stages, self.on_done = rid, steps, stages, on_done
+        self.state = "queued"
+        self.work: Prefill | Advance | None = None
+        self.region: Region | None = None
+        self.proposer = None  # its own copy of the engine's proposer (None: the standard pipeline)
+        self.source = None  # the engine's proposer it was copied from (the head it started with, to its end)
+        self.width = None  # its own width policy (a copy of the engine's; SharedWidth under a node budget)
+        self.output: GenerationOutput | None = None
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.chunks: list[_Chunk] = []  # the prompt in flight (state prefill)
+        self.next_row = 0  # the prompt's first row not yet in flight
+        self.prefill_anchors: dict[int, list[torch.Tensor]] = {}  # H^l of the prompt's chunks that left stage n
+        self.prefill_stage_anchors: list[list[int]] = []  # which of them each stage reports
+        self.ran_ahead: list = []  # the levels of its last step that ran before their verification
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("done", "failed", "cancelled")
+
+    def cancel(self) -> None:
+        """End the request: before its first token it leaves at once, after it at its next token
+        (``stop_reason`` "stopped")."""
+        self.cancelled = True
