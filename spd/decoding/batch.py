@@ -75,7 +75,7 @@ from ..errors import SpdInputError
 from ..target.ragged import Segment
 from ..target.staging import StageOutput
 from .backend import LocalBatch, LocalStages
-from .batch_request import BatchRequest, _Chunk
+from .batch_request import BatchRequest
 from .driver import COLLECT, Advance, Propose, TargetLogits, answer_many
 from .generation import GenerationOutput, OnToken
 from .loop import anchors_by_stage
@@ -369,13 +369,13 @@ class BatchedPipeline:
         if self.step_tokens is not None:  # what the levels in flight leave of a stage call's budget
             budget = min(budget, self.step_tokens - max(sum(segment.size for segment, _ in work) for work in calls))
         for request in prefilling:
-            budget -= self._next_chunk(request, budget)
+            budget -= request.next_chunk(budget, self.staged, self.spread_prefill)
             for chunk in request.chunks:
                 s = chunk.depth
                 calls[s].append(
                     (
                         Segment(request.stages.caches[s], chunk.hidden_1TD, anchors=request.prefill_stage_anchors[s]),
-                        lambda out, chunk=chunk: self._chunk_took(chunk, out),
+                        chunk.took,
                     )
                 )
         for stage, work in enumerate(calls):  # every piece of work was taken before any ran: one stage each
@@ -399,28 +399,6 @@ class BatchedPipeline:
                 self._resume(request, None, ask=False)  # up to its verification's logits, if its root left stage n
         # One LM-head call, then verify; an output-state head's query (after the stages) is asked here too.
         self._answer([r for r in running if isinstance(r.work, (Propose, TargetLogits))])
-
-    def _next_chunk(self, request: BatchRequest, budget: int) -> int:
-        """The prompt's next chunk, at most ``budget`` tokens, enters stage 1 (if any is left); its size."""
-        ids_1T = request.work.ids_1T
-        start = request.next_row
-        if start >= ids_1T.shape[1] or budget <= 0:
-            return 0
-        if self.spread_prefill:  # the prompt in n equal chunks: each stage call carries 1/n of it
-            budget = min(budget, -(-ids_1T.shape[1] // self.staged.n_stages))
-        end = min(start + budget, ids_1T.shape[1])
-        chunk = _Chunk(end, self.staged.embed(ids_1T[:, start:end]))
-        if 0 in request.work.anchors:
-            chunk.anchors[0] = chunk.hidden_1TD
-        request.chunks.append(chunk)
-        request.next_row = end
-        return end - start
-
-    @staticmethod
-    def _chunk_took(chunk: _Chunk, out: StageOutput) -> None:
-        chunk.anchors.update(out.anchors)
-        chunk.hidden_1TD = out.hidden_BTD
-        chunk.depth += 1
 
     def _prefill_progress(self, request: BatchRequest) -> None:
         """Chunks that left stage n are done; after the last one the request gets its prefill's output."""

@@ -9,19 +9,26 @@ from dataclasses import dataclass, field
 import torch
 
 from ..target.kv_pool import Region
+from ..target.staging import StagedModel, StageOutput
 from .backend import LocalStages
 from .driver import Advance, Prefill
 from .generation import GenerationOutput
 
 
 @dataclass
-class _Chunk:
+class PromptChunk:
     """A piece of a newcomer's prompt in flight: the rows before ``end``, at stage ``depth``."""
 
     end: int
     hidden_1TD: torch.Tensor
     depth: int = 0
     anchors: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def took(self, out: StageOutput) -> None:
+        """The chunk ran its next stage with output ``out``."""
+        self.anchors.update(out.anchors)
+        self.hidden_1TD = out.hidden_BTD
+        self.depth += 1
 
 
 class BatchRequest:
@@ -41,7 +48,7 @@ class BatchRequest:
         self.output: GenerationOutput | None = None
         self.error: BaseException | None = None
         self.cancelled = False
-        self.chunks: list[_Chunk] = []  # the prompt in flight (state prefill)
+        self.chunks: list[PromptChunk] = []  # the prompt in flight (state prefill)
         self.next_row = 0  # the prompt's first row not yet in flight
         self.prefill_anchors: dict[int, list[torch.Tensor]] = {}  # H^l of the prompt's chunks that left stage n
         self.prefill_stage_anchors: list[list[int]] = []  # which of them each stage reports
@@ -55,3 +62,20 @@ class BatchRequest:
         """End the request: before its first token it leaves at once, after it at its next token
         (``stop_reason`` "stopped")."""
         self.cancelled = True
+
+    def next_chunk(self, budget: int, staged: StagedModel, spread: bool) -> int:
+        """The prompt's next chunk, at most ``budget`` tokens, enters stage 1 (if any is left); its size. ``spread``:
+        the prompt goes in ``n`` equal chunks."""
+        ids_1T = self.work.ids_1T
+        start = self.next_row
+        if start >= ids_1T.shape[1] or budget <= 0:
+            return 0
+        if spread:  # the prompt in n equal chunks: each stage call carries 1/n of it
+            budget = min(budget, -(-ids_1T.shape[1] // staged.n_stages))
+        end = min(start + budget, ids_1T.shape[1])
+        chunk = PromptChunk(end, staged.embed(ids_1T[:, start:end]))
+        if 0 in self.work.anchors:
+            chunk.anchors[0] = chunk.hidden_1TD
+        self.chunks.append(chunk)
+        self.next_row = end
+        return end - start
