@@ -155,8 +155,8 @@ class BatchedPipeline:
         # Stages in this process, or the distributed runtime's (spd.runtime.remote.RemoteStages.batch_backend).
         self.backend = (
             LocalBatch(self.staged, rows)
-            if isinstance(engine.stages, LocalStages)
-            else engine.stages.batch_backend(rows)
+            if isinstance(engine.backend, LocalStages)
+            else engine.backend.batch_backend(rows)
         )
         self.pool = self.backend.pool
         # The proposers' pools: a draft model's KV (each request's region at the same rows as in self.pool), or an SPD
@@ -195,8 +195,8 @@ class BatchedPipeline:
         return True to end it; ``on_done(request)`` when it ends."""
         use_head = self._use_head(mode)
         proposer, stats = self.engine.request_parts(use_head)
-        stages = self.backend.request_stages()
-        request = BatchRequest(next(self._ids), None, stages, on_done)
+        backend = self.backend.request_stages()
+        request = BatchRequest(next(self._ids), None, backend, on_done)
 
         def tokens(token: int, accepted: bool) -> bool:
             stop = bool(on_token(token, accepted)) if on_token is not None else False
@@ -216,7 +216,7 @@ class BatchedPipeline:
             eos_token_id,
             tokens,
             stats,
-            stages=stages,
+            backend=backend,
             policy=request.width,
         )
         request.steps = steps
@@ -333,7 +333,7 @@ class BatchedPipeline:
             self.queue.popleft()
             request.region = region
             try:
-                request.stages.caches = self.backend.open(region)
+                request.backend.caches = self.backend.open(region)
                 if request.proposer is not None and request.proposer.pooled:
                     # Its proposer's cache in a pool of the batch's (given back at the end): a draft model's KV at
                     # the same rows, a head's a slot.
@@ -360,8 +360,8 @@ class BatchedPipeline:
             for level in work.levels + work.then:  # the levels that move after its verification run now too
                 calls[level.depth].append(
                     (
-                        request.stages.segment(level, work.tree, work.committed),
-                        lambda out, level=level, stages=request.stages: stages.took(level, out),
+                        request.backend.segment(level, work.tree, work.committed),
+                        lambda out, level=level, backend=request.backend: backend.took(level, out),
                     )
                 )
             request.ran_ahead = list(work.then)
@@ -374,7 +374,7 @@ class BatchedPipeline:
                 s = chunk.depth
                 calls[s].append(
                     (
-                        Segment(request.stages.caches[s], chunk.hidden_1TD, anchors=request.prefill_stage_anchors[s]),
+                        Segment(request.backend.caches[s], chunk.hidden_1TD, anchors=request.prefill_stage_anchors[s]),
                         chunk.took,
                     )
                 )
@@ -470,7 +470,7 @@ class BatchedPipeline:
         if request.region is not None:
             self.backend.release(request.region)
             request.region = None
-            request.stages.caches = []
+            request.backend.caches = []
         if request.on_done is not None:
             request.on_done(request)
 

@@ -37,8 +37,8 @@ class BatchRequest:
     ``state`` is ``queued``, ``prefill``, ``running``, then ``done`` (``output`` holds the result), ``failed``
     (``error`` holds the exception) or ``cancelled`` (cancelled before its first token)."""
 
-    def __init__(self, rid: int, steps, stages: LocalStages, on_done: Callable[[BatchRequest], None] | None):
-        self.id, self.steps, self.stages, self.on_done = rid, steps, stages, on_done
+    def __init__(self, rid: int, steps, backend: LocalStages, on_done: Callable[[BatchRequest], None] | None):
+        self.id, self.steps, self.backend, self.on_done = rid, steps, backend, on_done
         self.state = "queued"
         self.work: Prefill | Advance | None = None
         self.region: Region | None = None

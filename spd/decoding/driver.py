@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..target.staging import StagedModel
+from .backend import StageBackend
 from .generation import GenerationOutput
 from .proposers import Proposer, propose_many
 from .tree import Level, TokenTree
@@ -31,7 +32,7 @@ class Prefill:
 
 @dataclass
 class Advance:
-    """Work a request hands its driver: every level of ``levels`` runs its next stage (``stages.advance``). The
+    """Work a request hands its driver: every level of ``levels`` runs its next stage (``backend.advance``). The
     driver may start it at once; the request then goes on (the proposer's next level) until it hands over
     :data:`COLLECT`, where it needs the outputs.
 
@@ -109,20 +110,20 @@ class Collect:
 COLLECT = Collect()
 
 
-def drive(stages, steps: Generator) -> GenerationOutput:
-    """Run one request's :meth:`~spd.decoding.loop.StepLoop.steps` on ``stages`` alone. An advance runs when the request collects it:
+def drive(backend: StageBackend, steps: Generator) -> GenerationOutput:
+    """Run one request's :meth:`~spd.decoding.loop.StepLoop.steps` on the stage back-end ``backend`` alone. An advance runs when the request collects it:
     after the proposer's step, which a remote back-end's stages overlap with work they already have."""
     try:
         work, pending = next(steps), None
         while True:
             if isinstance(work, Prefill):
-                work = steps.send(stages.prefill(work.ids_1T, work.anchors, work.capacity))
+                work = steps.send(backend.prefill(work.ids_1T, work.anchors, work.capacity))
             elif isinstance(work, (Propose, TargetLogits)):
                 work = steps.send(work.answer())
             elif isinstance(work, Advance):
                 pending, work = work, steps.send(None)
             else:
-                stages.advance(pending.levels, pending.tree, pending.committed)
+                backend.advance(pending.levels, pending.tree, pending.committed)
                 work = steps.send(None)
     except StopIteration as done:
         return done.value

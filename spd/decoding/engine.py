@@ -51,7 +51,7 @@ import torch
 from ..errors import SpdInputError
 from ..heads.speculator import Speculator
 from ..target.staging import StagedModel, load_target_tokenizer
-from .backend import LocalStages
+from .backend import LocalStages, StageBackend
 from .generation import GenerationOutput, OnToken
 from .loop import StepLoop, verify_sampled
 from .modes import NEEDS_HEAD, NEEDS_PROPOSER, check_engine_mode, in_python_terms
@@ -71,12 +71,10 @@ class Engine(Generates):
     ``mode`` is ``"tree"`` (a proposer of width ``width``: W, ``"auto"`` for :class:`~.tree_width.AdaptiveWidth`
     up to ``max_width``, or a policy) or a chain: ``"spd"`` with a proposer, ``"pp"`` without (the default mode
     follows from ``width`` and ``proposer``). ``candidates`` is how a tree's children are chosen at T > 0 (``auto`` =
-    ``sampled``; greedy always uses top-k). ``stages`` is where the stages run: this process (default) or other
-    processes (:class:`spd.runtime.remote.RemoteStages`). ``generate`` and ``chat`` are
+    ``sampled``; greedy always uses top-k). ``stages`` is the stage back-end (``backend``), where the stages
+    run: this process (default) or other processes (:class:`spd.runtime.remote.RemoteStages`). ``generate`` and ``chat`` are
     :class:`Generates`'.
     """
-
-    engine_name = "the tree engine"  # a tree's modes are its own and ar (Generates.check_mode)
 
     def __init__(
         self,
@@ -84,7 +82,7 @@ class Engine(Generates):
         proposer: Proposer | None = None,
         width: int | str | FixedWidth | AdaptiveWidth = 1,
         tokenizer=None,
-        stages: LocalStages | None = None,
+        stages: StageBackend | None = None,
         candidates: str = "auto",
         max_width: int = 8,
         *,
@@ -118,9 +116,11 @@ class Engine(Generates):
             candidates,
         )
         self.policy = policy
+        # What Generates.check_mode's message calls this engine (a tree's modes are its own and ar).
+        self.engine_name = "the tree engine" if mode == "tree" else "the chain engine"
         self.width = "auto" if policy.adaptive else policy.width
-        self.stages = stages if stages is not None else LocalStages(staged)
-        self.loop = StepLoop(staged, self.stages, policy, candidates)
+        self.backend: StageBackend = stages if stages is not None else LocalStages(staged)
+        self.loop = StepLoop(staged, self.backend, policy, candidates)
         self.loop.verify_sampled = self._verify_sampled
 
     _verify_sampled = staticmethod(verify_sampled)  # how sampled children are verified (a test swaps in a control)
@@ -128,7 +128,7 @@ class Engine(Generates):
     # ------------------------------------------------------------------------------------ building
     @classmethod
     def chain(
-        cls, staged: StagedModel, head=None, tokenizer=None, stages: LocalStages | None = None, mode: str | None = None
+        cls, staged: StagedModel, head=None, tokenizer=None, stages: StageBackend | None = None, mode: str | None = None
     ) -> Engine:
         """The chain engine with a loaded head (``spd`` and ``pp``; ``mode``, the default of ``generate``, is
         ``spd``) or none (``pp``)."""
@@ -141,7 +141,7 @@ class Engine(Generates):
         proposer: Proposer,
         width: int | str | FixedWidth | AdaptiveWidth = 4,
         tokenizer=None,
-        stages: LocalStages | None = None,
+        stages: StageBackend | None = None,
         candidates: str = "auto",
         max_width: int = 8,
     ) -> Engine:
@@ -156,7 +156,7 @@ class Engine(Generates):
         head=None,
         tokenizer=None,
         draft: Draft | None = None,
-        stages: LocalStages | None = None,
+        stages: StageBackend | None = None,
         mode: str | None = None,
     ) -> Engine:
         """The engine of ``spec.mode`` over loaded parts: a tree with the head or the draft model (``spec``'s width,

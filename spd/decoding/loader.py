@@ -61,10 +61,10 @@ def resolve_cut(spec: DecodingSpec) -> PipelineCut:
     if spec.draft_model is not None:
         check_model_files(spec.draft_model, "draft model", weights=True)
     head = read_head(spec.speculator, spec.speculator_revision) if spec.speculator is not None else None
-    stages, boundaries = pipeline_cut(spec.stages, spec.boundaries, head, None, spec.target, spec.revision)
+    n_stages, boundaries = pipeline_cut(spec.stages, spec.boundaries, head, None, spec.target, spec.revision)
     # Given, the head's or N stages (equal where N divides the layers, else the larger stages first): one rule,
     # split_layers, so that a stage process of the distributed runtime derives the same cut from the same flags.
-    boundaries = split_layers(target_num_layers(spec.target, spec.revision), stages, boundaries)
+    boundaries = split_layers(target_num_layers(spec.target, spec.revision), n_stages, boundaries)
     if head is not None:
         check_fit(head, boundaries, spec)
     return PipelineCut(len(boundaries) - 1, boundaries, head)

@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..target.staging import StagedModel
+from .backend import StageBackend
 from .driver import COLLECT, Advance, Prefill, Propose, TargetLogits, drive
 from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set, first_output, stop_reason
 from .proposers import Proposer
@@ -90,8 +91,10 @@ def verify_sampled(
 class StepLoop:
     """The step loop of the module docstring over one stage back-end, for any proposer (or none: ``pp``)."""
 
-    def __init__(self, staged: StagedModel, stages, policy: FixedWidth | AdaptiveWidth, candidates: str = "auto"):
-        self.staged, self.stages, self.policy, self.candidates = staged, stages, policy, candidates
+    def __init__(
+        self, staged: StagedModel, backend: StageBackend, policy: FixedWidth | AdaptiveWidth, candidates: str = "auto"
+    ):
+        self.staged, self.backend, self.policy, self.candidates = staged, backend, policy, candidates
         self.verify_sampled = verify_sampled  # the rule for sampled children (a test swaps in a lossy control)
 
     def stage_anchors(self, proposer: Proposer | None) -> list[list[int]]:
@@ -111,7 +114,7 @@ class StepLoop:
     ) -> GenerationOutput:
         """One request (no EOS unless given); ``stats`` is filled in (a TreeStats gets the tree's counters too)."""
         return drive(
-            self.stages, self.steps(proposer, input_ids, max_new_tokens, sampling, eos_token_id, on_token, stats)
+            self.backend, self.steps(proposer, input_ids, max_new_tokens, sampling, eos_token_id, on_token, stats)
         )
 
     def steps(
@@ -123,18 +126,18 @@ class StepLoop:
         eos_token_id,
         on_token: OnToken | None,
         stats: PipelineStats,
-        stages=None,
+        backend: StageBackend | None = None,
         policy: FixedWidth | AdaptiveWidth | None = None,
     ) -> Generator[Prefill | Advance | Propose | TargetLogits, object, GenerationOutput]:
         """The loop of one request as a generator: it hands its stage work (:class:`~.driver.Prefill`,
         :class:`~.driver.Advance`) and its questions (:class:`~.driver.Propose`: the proposer's query;
         :class:`~.driver.TargetLogits`: the verification's logits) to a driver (:mod:`spd.decoding.driver`) and
         returns the :class:`GenerationOutput`. :meth:`run` drives it alone (:func:`~.driver.drive`); a batched
-        driver runs the work of many requests together. ``stages`` and ``policy`` are the request's own (default:
-        this loop's); every other call on ``stages`` (``configure``, ``launch_level``, ``prune``, ``flush``) is
+        driver runs the work of many requests together. ``backend`` and ``policy`` are the request's own (default:
+        this loop's); every other call on ``backend`` (``configure``, ``launch_level``, ``prune``, ``flush``) is
         made here, on the request's own back-end. The request's state and its step are :class:`_Request`."""
         staged = self.staged
-        stages = self.stages if stages is None else stages
+        backend = self.backend if backend is None else backend
         policy = self.policy if policy is None else policy
         prompt = as_prompt_ids(input_ids)
         budget = check_request(staged, prompt, max_new_tokens)
@@ -151,7 +154,7 @@ class StepLoop:
         generator = None if sampling.greedy else sampling.generator(staged.device)
         capacity = end_position + n * policy.max_width + 1
         policy.reset()
-        stages.configure(self.stage_anchors(proposer), paths=policy.max_width == 1)
+        backend.configure(self.stage_anchors(proposer), paths=policy.max_width == 1)
 
         t0 = time.perf_counter()
         # Run the prompt through every stage and the proposer; the first new token comes from the last logits.
@@ -168,7 +171,7 @@ class StepLoop:
         request = _Request(
             self,
             proposer,
-            stages,
+            backend,
             policy,
             sampling,
             generator,
@@ -272,7 +275,7 @@ class _Request:
 
     loop: StepLoop
     proposer: Proposer | None
-    stages: object
+    backend: StageBackend
     policy: FixedWidth | AdaptiveWidth
     sampling: SamplingParams
     generator: torch.Generator | None
@@ -359,7 +362,7 @@ class _Request:
         if new_level is not None:
             # Remote stages may start on it before this step's verification (a prune or miss reaches it
             # through the epoch); the single-process back-end runs it next step.
-            self.stages.launch_level(new_level, self.tree, committed, early=exits)
+            self.backend.launch_level(new_level, self.tree, committed, early=exits)
         if self.tree_stats is not None:
             self.tree_stats.tree_nodes_total += len(self.tree)
             self.tree_stats.max_tree_size = max(self.tree_stats.max_tree_size, len(self.tree))
@@ -373,7 +376,7 @@ class _Request:
         committed = len(self.context)
         levels = self.levels
         if levels[-1].depth == 0:
-            self.stages.launch_level(levels[-1], self.tree, committed)
+            self.backend.launch_level(levels[-1], self.tree, committed)
         exits = levels[0].depth == self.loop.staged.n_stages - 1  # the root's level leaves stage n this step
         # 2. Every stage advances the level it holds. The root's level, leaving stage n, is taken first, so that its
         #    verification (3) releases stage 1's next level before the other reports are read. The new level does
@@ -404,7 +407,7 @@ class _Request:
         token, prunes the tree (a hit) or reseeds it (a miss); returns the levels whose stages ran this step too and
         are still to be taken (a generator, as ``steps``)."""
         tick = time.perf_counter()
-        tree, stats, stages, proposer = self.tree, self.stats, self.stages, self.proposer
+        tree, stats, backend, proposer = self.tree, self.stats, self.backend, self.proposer
         root = self.levels.pop(0)
         rest = list(self.levels)  # their stages ran this step too; taken after the prune
         if new_level is not None:
@@ -420,7 +423,7 @@ class _Request:
         self.stop = stop_reason(token, self.out, self.eos, self.budget, self.max_new_tokens)
         if child is not None:
             kept = tree.prune_to_child(child)
-            stages.prune(committed, kept)
+            backend.prune(committed, kept)
             kept_list = kept.tolist()
             self.levels = [
                 lv for lv in (self.loop._prune_level(lv, kept, kept_list) for lv in self.levels) if lv is not None
@@ -430,12 +433,12 @@ class _Request:
             # Miss: reseed from the committed token (nothing proposed: it is simply the next root).
             tree.reset(token)
             if proposed:
-                stages.flush(committed + 1)
+                backend.flush(committed + 1)
             self.levels = [self.enter_root()]
             self.grown = 0
             rest = []  # discarded with the flush
         if not self.stop and self.levels[-1].depth == 0:
-            stages.launch_level(self.levels[-1], tree, len(self.context))  # stage 1's next level, as soon as decided
+            backend.launch_level(self.levels[-1], tree, len(self.context))  # stage 1's next level, as soon as decided
         # The proposer's own bookkeeping comes after that release (not on the stages' critical path).
         if proposer is not None:
             proposer.commit_root(root)
