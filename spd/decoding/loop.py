@@ -136,66 +136,23 @@ class StepLoop:
         driver runs the work of many requests together. ``backend`` and ``policy`` are the request's own (default:
         this loop's); every other call on ``backend`` (``configure``, ``launch_level``, ``prune``, ``flush``) is
         made here, on the request's own back-end. The request's state and its step are :class:`_Request`."""
-        staged = self.staged
         backend = self.backend if backend is None else backend
         policy = self.policy if policy is None else policy
         prompt = as_prompt_ids(input_ids)
-        budget = check_request(staged, prompt, max_new_tokens)
+        budget = check_request(self.staged, prompt, max_new_tokens)
         eos = eos_set(eos_token_id)
-        n = staged.n_stages
-        end_position = len(prompt) + budget  # positions >= this are never committed
-        rule = "top-k" if sampling.greedy or self.candidates == "top-k" else "sampled"
-        tree_stats = stats if isinstance(stats, TreeStats) else None
-        if tree_stats is not None:
-            tree_stats.candidates = rule
-        stats.prompt_tokens, stats.stages, stats.target_layers = len(prompt), n, staged.num_layers
-        stats.stage_layers = [b - a for a, b in zip(staged.boundaries, staged.boundaries[1:])]
-        stats.verified_by_position, stats.accepted_by_position = [0] * n, [0] * n
-        generator = None if sampling.greedy else sampling.generator(staged.device)
-        capacity = end_position + n * policy.max_width + 1
+        generator = None if sampling.greedy else sampling.generator(self.staged.device)
+        request = _Request(
+            self, proposer, backend, policy, sampling, generator, stats, eos, budget, max_new_tokens, on_token, prompt
+        )
+        request.start_stats()
+        capacity = request.end_position + self.staged.n_stages * policy.max_width + 1
         policy.reset()
         backend.configure(self.stage_anchors(proposer), paths=policy.max_width == 1)
-
-        t0 = time.perf_counter()
-        # Run the prompt through every stage and the proposer; the first new token comes from the last logits.
-        prefill = yield Prefill(
-            torch.tensor([prompt], dtype=torch.long, device=staged.device),
-            list(proposer.prefill_anchors) if proposer is not None else [],
-            capacity,
-        )
-        if proposer is not None:
-            proposer.start(prompt, prefill.anchors, capacity)
-        first = int(select_token(staged.logits(prefill.hidden_BTD[:, -1]), sampling, generator)[0])
-        stats.prefill_time_s = time.perf_counter() - t0
-        out, stop = first_output(first, stats, eos, budget, max_new_tokens, on_token)
-        request = _Request(
-            self,
-            proposer,
-            backend,
-            policy,
-            sampling,
-            generator,
-            stats,
-            tree_stats,
-            rule,
-            end_position,
-            eos,
-            budget,
-            max_new_tokens,
-            on_token,
-            list(prompt),
-            TokenTree(first),
-            out,
-            stop,
-        )
-        request.levels = [request.enter_root()]
+        yield from request.prefill(capacity)
         while not request.stop:
             yield from request.step()
-        stats.wall_time_s = time.perf_counter() - t0
-        stats.stop_reason = request.stop
-        stats.new_tokens = len(out)
-        stats.decode_tokens = len(out) - 1
-        return GenerationOutput(out, stats, prompt)
+        return request.output()
 
     # ------------------------------------------------------------------------------------ pieces
     def _enter(self, tree: TokenTree, start: int, end: int, rank: int, needs_embedding: bool) -> Level:
@@ -280,23 +237,67 @@ class _Request:
     sampling: SamplingParams
     generator: torch.Generator | None
     stats: PipelineStats
-    tree_stats: TreeStats | None
-    rule: str
-    end_position: int
     eos: frozenset[int]
     budget: int
     max_new_tokens: int
     on_token: OnToken | None
-    context: list[int]
-    tree: TokenTree
-    out: list[int]
-    stop: str | None
+    prompt: list[int]
+    rule: str = field(init=False)  # the candidate rule: "top-k" or "sampled"
+    tree_stats: TreeStats | None = field(init=False)
+    end_position: int = field(init=False)  # positions >= this are never committed
+    context: list[int] = field(init=False)
+    t0: float = field(init=False)  # when the prefill started
+    tree: TokenTree = field(init=False)
+    out: list[int] = field(init=False)
+    stop: str = field(init=False)
     levels: list[Level] = field(default_factory=list)
     grown: int = 0
+
+    def __post_init__(self) -> None:
+        self.rule = "top-k" if self.sampling.greedy or self.loop.candidates == "top-k" else "sampled"
+        self.tree_stats = self.stats if isinstance(self.stats, TreeStats) else None
+        self.end_position = len(self.prompt) + self.budget
+        self.context = list(self.prompt)
 
     @property
     def schedule(self) -> str:
         return self.proposer.schedule if self.proposer is not None else "none"
+
+    def start_stats(self) -> None:
+        """The statistics' settings: the prompt, the cut, the candidate rule, the counters by position."""
+        stats, staged, n = self.stats, self.loop.staged, self.loop.staged.n_stages
+        if self.tree_stats is not None:
+            self.tree_stats.candidates = self.rule
+        stats.prompt_tokens, stats.stages, stats.target_layers = len(self.prompt), n, staged.num_layers
+        stats.stage_layers = [b - a for a, b in zip(staged.boundaries, staged.boundaries[1:])]
+        stats.verified_by_position, stats.accepted_by_position = [0] * n, [0] * n
+
+    def prefill(self, capacity: int):
+        """The prompt through every stage (caches of ``capacity`` rows) and the proposer; the first new token comes
+        from the last logits and the root enters stage 1 (a generator, as ``steps``)."""
+        staged, proposer, prompt = self.loop.staged, self.proposer, self.prompt
+        self.t0 = time.perf_counter()
+        prefill = yield Prefill(
+            torch.tensor([prompt], dtype=torch.long, device=staged.device),
+            list(proposer.prefill_anchors) if proposer is not None else [],
+            capacity,
+        )
+        if proposer is not None:
+            proposer.start(prompt, prefill.anchors, capacity)
+        first = int(select_token(staged.logits(prefill.hidden_BTD[:, -1]), self.sampling, self.generator)[0])
+        self.stats.prefill_time_s = time.perf_counter() - self.t0
+        self.out, self.stop = first_output(first, self.stats, self.eos, self.budget, self.max_new_tokens, self.on_token)
+        self.tree = TokenTree(first)
+        self.levels = [self.enter_root()]
+
+    def output(self) -> GenerationOutput:
+        """The request's output, its statistics completed."""
+        stats, out = self.stats, self.out
+        stats.wall_time_s = time.perf_counter() - self.t0
+        stats.stop_reason = self.stop
+        stats.new_tokens = len(out)
+        stats.decode_tokens = len(out) - 1
+        return GenerationOutput(out, stats, self.prompt)
 
     def enter_root(self) -> Level:
         """The root alone, about to enter stage 1 (a seed: its rank is 0 while the pipeline refills)."""
