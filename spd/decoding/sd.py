@@ -47,8 +47,8 @@ import torch
 
 from ..errors import SpdInputError
 from ..heads.speculator import Speculator
-from ..target.staging import StagedModel, load_target_tokenizer
-from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set, stop_reason
+from ..target.staging import StagedModel, StageKVCache, load_target_tokenizer
+from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set, first_output, stop_reason
 from .modes import check_proposer
 from .proposers import Draft, DraftModelProposer, Proposer, SerialHeadProposer, load_draft_model
 from .request import Generates
@@ -209,41 +209,12 @@ class SpeculativeDecoder(Generates):
         proposer.start(prompt, prefill.anchors, capacity)
         first = int(select_token(target.logits(prefill.hidden_BTD[:, -1]), sampling, generator)[0])
         stats.prefill_time_s = time.perf_counter() - t0
-        out = [first]
-        stats.token_acceptance.append(False)
-        stop = stop_reason(first, out, eos, budget, max_new_tokens)
-        if on_token is not None and on_token(first, False) and not stop:
-            stop = "stopped"
+        out, stop = first_output(first, stats, eos, budget, max_new_tokens, on_token)
         context = prompt + [first]  # committed; the target's cache holds all but the newest
 
         while not stop:
             steps = min(m, budget - len(out) - 1)  # an iteration commits at most steps + 1 tokens
-            tick = time.perf_counter()
-            drafts, qs = self._draft(context, steps, sampling, generator)
-            stats.draft_time_s += time.perf_counter() - tick
-            tick = time.perf_counter()
-            start = target_caches[0].length
-            run = target.forward_stages(_ids([context[-1]] + drafts, target), target_caches, anchors=anchors)
-            logits_TV = target.logits(run.hidden_BTD[0])
-            new, accepted = self._verify(logits_TV, drafts, qs, sampling, generator, stats)
-            stats.target_time_s += time.perf_counter() - tick
-            stats.iterations += 1
-            stats.drafted += len(drafts)
-            stats.accepted += accepted
-            # Keep the rows of the newest committed token and the accepted drafts; the rest is cut.
-            StagedModel.truncate(target_caches, start + 1 + accepted)
-            tick = time.perf_counter()
-            for i in range(1 + accepted):  # each kept row is committed, as a root leaving the last stage
-                proposer.commit_root(
-                    Level(
-                        start + i,
-                        run.hidden_BTD[:, i : i + 1],
-                        1,
-                        anchors={a: h[0, i : i + 1] for a, h in run.anchors.items()},
-                    )
-                )
-            proposer.reset(start + 1 + accepted)  # the chain is gone; that many committed rows are final
-            stats.draft_time_s += time.perf_counter() - tick
+            new, accepted = self._iteration(context, steps, sampling, generator, stats, target_caches, anchors)
             for j, token in enumerate(new):
                 out.append(token)
                 context.append(token)
@@ -259,6 +230,48 @@ class SpeculativeDecoder(Generates):
         stats.new_tokens = len(out)
         stats.decode_tokens = len(out) - 1
         return GenerationOutput(out, stats, prompt)
+
+    def _iteration(
+        self,
+        context: list[int],
+        steps: int,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        stats: SdStats,
+        target_caches: list[StageKVCache],
+        anchors: tuple[int, ...],
+    ) -> tuple[list[int], int]:
+        """One iteration after the committed ``context``: ``steps`` drafts, the target's forward over the newest
+        committed token and them, their verification; the target's caches and the proposer keep the rows that stay.
+        The tokens it commits (accepted drafts, then the replacement or bonus) and how many drafts were accepted."""
+        target, proposer = self.target, self.proposer
+        tick = time.perf_counter()
+        drafts, qs = self._draft(context, steps, sampling, generator)
+        stats.draft_time_s += time.perf_counter() - tick
+        tick = time.perf_counter()
+        start = target_caches[0].length
+        run = target.forward_stages(_ids([context[-1]] + drafts, target), target_caches, anchors=anchors)
+        logits_TV = target.logits(run.hidden_BTD[0])
+        new, accepted = self._verify(logits_TV, drafts, qs, sampling, generator, stats)
+        stats.target_time_s += time.perf_counter() - tick
+        stats.iterations += 1
+        stats.drafted += len(drafts)
+        stats.accepted += accepted
+        # Keep the rows of the newest committed token and the accepted drafts; the rest is cut.
+        StagedModel.truncate(target_caches, start + 1 + accepted)
+        tick = time.perf_counter()
+        for i in range(1 + accepted):  # each kept row is committed, as a root leaving the last stage
+            proposer.commit_root(
+                Level(
+                    start + i,
+                    run.hidden_BTD[:, i : i + 1],
+                    1,
+                    anchors={a: h[0, i : i + 1] for a, h in run.anchors.items()},
+                )
+            )
+        proposer.reset(start + 1 + accepted)  # the chain is gone; that many committed rows are final
+        stats.draft_time_s += time.perf_counter() - tick
+        return new, accepted
 
     @torch.inference_mode()
     def _draft(
