@@ -218,18 +218,7 @@ class Generates:
         mode = mode or self.mode
         self.check_mode(mode)
         sampling = sampling_of(sampling, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        prompts = _prompt_list(prompt)
-        if prompts is not None and (streamer is not None or on_token is not None):
-            raise SpdInputError(
-                "streamer and on_token follow one request; pass one prompt per call to stream, not a list"
-            )
-        _as_callback(streamer, on_token, self.tokenizer)  # refused before anything runs, as a wrong EOS is
-        eos_set(eos_token_id)
-        requests = []
-        for one in prompts if prompts is not None else [prompt]:
-            ids = prompt_ids(self.tokenizer, one)
-            check_request(self.staged, ids, max_new_tokens)  # every prompt of a list, before any runs
-            requests.append(ids)
+        requests, listed = self._checked_ids(prompt, max_new_tokens, eos_token_id, streamer, on_token)
         outs = [
             generate_request(
                 self.staged,
@@ -245,7 +234,27 @@ class Generates:
             )
             for ids in requests
         ]
-        return outs if prompts is not None else outs[0]
+        return outs if listed else outs[0]
+
+    def _checked_ids(
+        self, prompt, max_new_tokens: int, eos_token_id, streamer, on_token: OnToken | None
+    ) -> tuple[list[list[int]], bool]:
+        """The token ids of a call's prompts and whether ``prompt`` is a list of them, with every argument its
+        requests read checked before any runs: the streamer (one prompt only), ``on_token``, the EOS and each
+        prompt."""
+        prompts = _prompt_list(prompt)
+        if prompts is not None and (streamer is not None or on_token is not None):
+            raise SpdInputError(
+                "streamer and on_token follow one request; pass one prompt per call to stream, not a list"
+            )
+        _as_callback(streamer, on_token, self.tokenizer)  # refused before anything runs, as a wrong EOS is
+        eos_set(eos_token_id)
+        requests = []
+        for one in prompts if prompts is not None else [prompt]:
+            ids = prompt_ids(self.tokenizer, one)
+            check_request(self.staged, ids, max_new_tokens)  # every prompt of a list, before any runs
+            requests.append(ids)
+        return requests, prompts is not None
 
     def chat(
         self,
