@@ -197,11 +197,7 @@ class Engine(Generates):
         """
         from .loader import load_parts, resolve_cut
 
-        if stages is not None:
-            warnings.warn("Engine.from_pretrained's stages= is now n_stages=", DeprecationWarning, stacklevel=2)
-            if n_stages is not None and n_stages != stages:
-                raise SpdInputError(f"n_stages={n_stages} and stages={stages} disagree; pass n_stages only")
-            n_stages = stages
+        n_stages = _renamed_n_stages(n_stages, stages)
         check_cut(n_stages, boundaries)
         mode = mode or ("spd" if speculator else "tree" if draft_model else "pp")
         check_engine_mode(mode, head=bool(speculator), draft_model=bool(draft_model))
@@ -299,6 +295,17 @@ class Engine(Generates):
             speculator_layers=proposer.num_layers if proposer is not None else 0,
         )
         return proposer, stats
+
+
+def _renamed_n_stages(n_stages: int | None, stages: int | None) -> int | None:
+    """:meth:`Engine.from_pretrained`'s stage count: ``n_stages``, or ``stages``, its old name (deprecated)."""
+    if stages is not None:
+        # stacklevel 3: the warning names from_pretrained's caller.
+        warnings.warn("Engine.from_pretrained's stages= is now n_stages=", DeprecationWarning, stacklevel=3)
+        if n_stages is not None and n_stages != stages:
+            raise SpdInputError(f"n_stages={n_stages} and stages={stages} disagree; pass n_stages only")
+        n_stages = stages
+    return n_stages
 
 
 def check_cut(n_stages, boundaries) -> None:
