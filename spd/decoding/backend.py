@@ -50,8 +50,9 @@ class BatchBackend(Protocol):
 
     pool: KVPool
 
-    def request_stages(self) -> StageBackend:
-        """A new request's stage back-end (its prunes and flushes)."""
+    def request_stages(self) -> LocalStages:
+        """A new request's stage back-end (its prunes and flushes); its caches are views of the pool, from which the
+        driver builds each stage call's segments."""
 
     def open(self, region: Region) -> list[StageKVCache]:
         """A request's caches, one per stage, in its region of the pool."""
@@ -70,6 +71,14 @@ class BatchBackend(Protocol):
 
     def finish(self, started) -> list[list[StageOutput]]:
         """The outputs of the calls :meth:`start` started, per stage and segment."""
+
+
+class RemoteStageBackend(StageBackend, Protocol):
+    """A stage back-end whose stages run in other processes and that runs a batched pipeline's stage work there too
+    (:class:`spd.runtime.remote.RemoteStages`)."""
+
+    def batch_backend(self, rows: int) -> BatchBackend:
+        """The back-end of a batched pipeline over these stages, with a KV pool of ``rows`` rows on each."""
 
 
 class LocalStages:
@@ -166,7 +175,7 @@ class LocalBatch:
     """The stage work of a batched pipeline in this process: a :class:`~spd.target.kv_pool.KVPool` and one ragged call
     per stage. (:class:`spd.runtime.batch.RemoteBatch` has the same methods for stages on other ranks.)"""
 
-    def __init__(self, staged, rows: int):
+    def __init__(self, staged: StagedModel, rows: int):
         self.staged = staged
         self.pool = KVPool(staged, rows)
 
@@ -174,11 +183,12 @@ class LocalBatch:
         """A new request's stage back-end (its caches come with :meth:`open`)."""
         return LocalStages(self.staged)
 
-    def open(self, region: Region):
+    def open(self, region: Region) -> list[StageKVCache]:
         """The stage caches of a request admitted to ``region``."""
         return self.pool.caches(region)
 
     def release(self, region: Region) -> None:
+        """The request ended: its region goes back to the pool."""
         self.pool.release(region)
 
     def new_step(self) -> None:
@@ -187,10 +197,10 @@ class LocalBatch:
     def idle(self) -> None:
         """No request is queued or in flight."""
 
-    def start(self, calls: list[list[Segment]]):
+    def start(self, calls: list[list[Segment]]) -> list[list[StageOutput]]:
         """Start every stage's segments (``calls[s]``): here one ragged call per stage, run now."""
         return [run_ragged(self.pool, stage, segments) if segments else [] for stage, segments in enumerate(calls)]
 
-    def finish(self, started) -> list[list[StageOutput]]:
+    def finish(self, started: list[list[StageOutput]]) -> list[list[StageOutput]]:
         """The outputs of :meth:`start`'s work, per stage and segment."""
         return started

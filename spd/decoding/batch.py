@@ -68,17 +68,20 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from functools import partial
+from typing import cast
 
 import torch
 
 from ..errors import SpdInputError
 from ..target.ragged import Segment
 from ..target.staging import StageOutput
-from .backend import LocalBatch, LocalStages
+from .backend import BatchBackend, LocalBatch, LocalStages, RemoteStageBackend
 from .batch_request import BatchRequest
 from .driver import COLLECT, Advance, Propose, TargetLogits, answer_many
 from .generation import GenerationOutput, OnToken
 from .loop import anchors_by_stage
+from .proposers import PooledProposer, Proposer
 from .sampling import SamplingParams
 from .tree_width import SharedWidth
 
@@ -153,16 +156,16 @@ class BatchedPipeline:
         self.step_tokens, self.spread_prefill, self.tree_nodes = step_tokens, spread_prefill, tree_nodes
         rows = kv_rows if kv_rows is not None else max_batch * DEFAULT_ROWS_PER_REQUEST
         # Stages in this process, or the distributed runtime's (spd.runtime.remote.RemoteStages.batch_backend).
-        self.backend = (
+        self.backend: BatchBackend = (
             LocalBatch(self.staged, rows)
             if isinstance(engine.backend, LocalStages)
-            else engine.backend.batch_backend(rows)
+            else cast(RemoteStageBackend, engine.backend).batch_backend(rows)  # the other back-end: the runtime's
         )
         self.pool = self.backend.pool
         # The proposers' pools: a draft model's KV (each request's region at the same rows as in self.pool), or an SPD
         # head's memory (a slot per request). One per engine proposer the requests in flight were copied from: a head
         # swapped in (Engine.use_proposer) serves new requests while the ones in flight finish on theirs.
-        self.proposer_pools: dict[int, tuple[object, object]] = {}  # id(source) -> (source, pool)
+        self.proposer_pools: dict[int, tuple[Proposer | None, object]] = {}  # id(source) -> (source, pool)
         self.queue: deque[BatchRequest] = deque()
         self.active: list[BatchRequest] = []
         self.steps = 0  # pipeline steps run
@@ -205,9 +208,8 @@ class BatchedPipeline:
         # Each request has its own proposer state and width policy (the head's weights are shared).
         request.proposer = copy.copy(proposer) if proposer is not None else None
         request.source = proposer
-        request.width = copy.deepcopy(self.loop.policy)
-        if self.tree_nodes is not None:
-            request.width = SharedWidth(request.width)
+        width = copy.deepcopy(self.loop.policy)
+        request.width = SharedWidth(width) if self.tree_nodes is not None else width
         steps = self.loop.steps(
             request.proposer,
             input_ids,
@@ -221,10 +223,10 @@ class BatchedPipeline:
         )
         request.steps = steps
         request.work = next(steps)  # validates the request and asks for its prefill
-        if request.work.capacity > self.pool.rows:
+        if request.prefill.capacity > self.pool.rows:
             steps.close()
             raise SpdInputError(
-                f"this request needs {request.work.capacity} KV rows (prompt, budget and the tree in "
+                f"this request needs {request.prefill.capacity} KV rows (prompt, budget and the tree in "
                 f"flight), but the pool holds {self.pool.rows}; shorten it or give the pool more rows"
             )
         self.queue.append(request)
@@ -251,6 +253,7 @@ class BatchedPipeline:
         self.backend.new_step()
         if self.tree_nodes is not None:  # every request's share of the node budget, for the levels grown this step
             for request in self.active:
+                assert isinstance(request.width, SharedWidth)  # submit gives each request one under a node budget
                 request.width.cap = max(1, self.tree_nodes // len(self.active))
         self.steps += 1
         self.batch_sizes.append(len(self.active))
@@ -303,7 +306,11 @@ class BatchedPipeline:
         for request in requests:
             if request.error is not None:
                 raise request.error
-        outs, tokenizer = [request.output for request in requests], self.engine.tokenizer
+        outs: list[GenerationOutput] = []
+        for request in requests:
+            assert request.output is not None  # every request ran to its end and none failed
+            outs.append(request.output)
+        tokenizer = self.engine.tokenizer
         if tokenizer is not None:
             for out in outs:
                 out.text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
@@ -326,7 +333,7 @@ class BatchedPipeline:
                 request.steps.close()
                 self._end(request, "cancelled")
                 continue
-            region = self.pool.allocate(request.work.capacity)
+            region = self.pool.allocate(request.prefill.capacity)
             if region is None:
                 self.kv_waits += 1
                 return  # it waits for a region (the KV memory bound)
@@ -337,15 +344,16 @@ class BatchedPipeline:
                 if request.proposer is not None and request.proposer.pooled:
                     # Its proposer's cache in a pool of the batch's (given back at the end): a draft model's KV at
                     # the same rows, a head's a slot.
+                    pooled = cast(PooledProposer, request.proposer)  # what ``pooled`` declares
                     entry = self.proposer_pools.get(id(request.source))
                     if entry is None:
-                        entry = (request.source, request.proposer.new_pool(self.pool.rows, self.max_batch))
+                        entry = (request.source, pooled.new_pool(self.pool.rows, self.max_batch))
                         self.proposer_pools[id(request.source)] = entry
-                    request.proposer.use_pool(entry[1], region)
+                    pooled.use_pool(entry[1], region)
             except Exception as exc:  # this request's own failure: its region goes back, the others go on
                 self._fail([request], exc)
                 continue
-            request.prefill_stage_anchors = anchors_by_stage(self.staged.boundaries, request.work.anchors)
+            request.prefill_stage_anchors = anchors_by_stage(self.staged.boundaries, request.prefill.anchors)
             request.state = "prefill"
             self.active.append(request)
 
@@ -357,17 +365,15 @@ class BatchedPipeline:
         calls: list[list[tuple[Segment, Callable[[StageOutput], None]]]] = [[] for _ in range(n)]
         for request in running:
             work = request.work
+            assert isinstance(work, Advance)  # a running request starts its step at its advance
             for level in work.levels + work.then:  # the levels that move after its verification run now too
                 calls[level.depth].append(
-                    (
-                        request.backend.segment(level, work.tree, work.committed),
-                        lambda out, level=level, backend=request.backend: backend.took(level, out),
-                    )
+                    (request.backend.segment(level, work.tree, work.committed), partial(request.backend.took, level))
                 )
             request.ran_ahead = list(work.then)
         budget = self.prefill_chunk  # the prompt tokens that enter stage 1 this step, oldest newcomer first
         if self.step_tokens is not None:  # what the levels in flight leave of a stage call's budget
-            budget = min(budget, self.step_tokens - max(sum(segment.size for segment, _ in work) for work in calls))
+            budget = min(budget, self.step_tokens - max(sum(segment.size for segment, _ in call) for call in calls))
         for request in prefilling:
             budget -= request.next_chunk(budget, self.staged, self.spread_prefill)
             for chunk in request.chunks:
@@ -378,10 +384,10 @@ class BatchedPipeline:
                         chunk.took,
                     )
                 )
-        for stage, work in enumerate(calls):  # every piece of work was taken before any ran: one stage each
-            self.stage_tokens[-1][stage] += sum(segment.size for segment, _ in work)
+        for stage, call in enumerate(calls):  # every piece of work was taken before any ran: one stage each
+            self.stage_tokens[-1][stage] += sum(segment.size for segment, _ in call)
         tick = time.perf_counter()
-        started = self.backend.start([[segment for segment, _ in work] for work in calls])
+        started = self.backend.start([[segment for segment, _ in call] for call in calls])
         started_at = time.perf_counter()
         self.stage_s += started_at - tick
         for request in running:
@@ -391,8 +397,8 @@ class BatchedPipeline:
         self.overlap_s += tick - started_at
         outputs = self.backend.finish(started)
         self.stage_s += time.perf_counter() - tick
-        for work, outs in zip(calls, outputs):
-            for (_, took), out in zip(work, outs):
+        for call, outs in zip(calls, outputs):
+            for (_, took), out in zip(call, outs):
                 took(out)
         for request in running:
             if request.work is COLLECT:
@@ -402,7 +408,7 @@ class BatchedPipeline:
 
     def _prefill_progress(self, request: BatchRequest) -> None:
         """Chunks that left stage n are done; after the last one the request gets its prefill's output."""
-        n, total = self.staged.n_stages, request.work.ids_1T.shape[1]
+        n, total = self.staged.n_stages, request.prefill.ids_1T.shape[1]
         while request.chunks and request.chunks[0].depth == n:
             chunk = request.chunks.pop(0)
             for index, hidden_1TD in chunk.anchors.items():
@@ -419,8 +425,10 @@ class BatchedPipeline:
         that ask again (an output-state head's query right after a verification) are answered together again. If a
         joint call fails, each is asked alone, so a request's own failure stays its own."""
         while requests:
+            asked = [request.work for request in requests if isinstance(request.work, (Propose, TargetLogits))]
+            assert len(asked) == len(requests)  # every request stopped at a question
             try:
-                answers = answer_many([request.work for request in requests]) if len(requests) > 1 else None
+                answers = answer_many(asked) if len(requests) > 1 else None
             except Exception:
                 answers = None
             for i, request in enumerate(requests):
@@ -428,7 +436,7 @@ class BatchedPipeline:
                     self._resume(request, answers[i], ask=False)
                     continue
                 try:
-                    answer = request.work.answer()
+                    answer = asked[i].answer()
                 except Exception as exc:
                     request.error = exc
                     self._end(request, "failed")
@@ -466,7 +474,7 @@ class BatchedPipeline:
         request.work = None
         request.chunks = []
         if request.proposer is not None and request.proposer.pooled:
-            request.proposer.leave_pool()
+            cast(PooledProposer, request.proposer).leave_pool()  # what ``pooled`` declares
         if request.region is not None:
             self.backend.release(request.region)
             request.region = None

@@ -11,8 +11,10 @@ import torch
 from ..target.kv_pool import Region
 from ..target.staging import StagedModel, StageOutput
 from .backend import LocalStages
-from .driver import Advance, Prefill
+from .driver import Prefill, Work
 from .generation import GenerationOutput
+from .proposers import Proposer
+from .tree_width import WidthPolicy
 
 
 @dataclass
@@ -40,11 +42,12 @@ class BatchRequest:
     def __init__(self, rid: int, steps, backend: LocalStages, on_done: Callable[[BatchRequest], None] | None):
         self.id, self.steps, self.backend, self.on_done = rid, steps, backend, on_done
         self.state = "queued"
-        self.work: Prefill | Advance | None = None
+        self.work: Work | None = None  # what its loop handed over last (None once it ended)
         self.region: Region | None = None
-        self.proposer = None  # its own copy of the engine's proposer (None: the standard pipeline)
-        self.source = None  # the engine's proposer it was copied from (the head it started with, to its end)
-        self.width = None  # its own width policy (a copy of the engine's; SharedWidth under a node budget)
+        self.proposer: Proposer | None = None  # its own copy of the engine's proposer (None: the standard pipeline)
+        self.source: Proposer | None = None  # the engine's proposer it was copied from (its head, to its end)
+        # Its own width policy: a copy of the engine's (SharedWidth under a node budget).
+        self.width: WidthPolicy | None = None
         self.output: GenerationOutput | None = None
         self.error: BaseException | None = None
         self.cancelled = False
@@ -63,10 +66,16 @@ class BatchRequest:
         (``stop_reason`` "stopped")."""
         self.cancelled = True
 
+    @property
+    def prefill(self) -> Prefill:
+        """Its work while queued or in prefill: the prompt through every stage, what its loop asks first."""
+        assert isinstance(self.work, Prefill), self.state
+        return self.work
+
     def next_chunk(self, budget: int, staged: StagedModel, spread: bool) -> int:
         """The prompt's next chunk, at most ``budget`` tokens, enters stage 1 (if any is left); its size. ``spread``:
         the prompt goes in ``n`` equal chunks."""
-        ids_1T = self.work.ids_1T
+        ids_1T = self.prefill.ids_1T
         start = self.next_row
         if start >= ids_1T.shape[1] or budget <= 0:
             return 0
@@ -74,7 +83,7 @@ class BatchRequest:
             budget = min(budget, -(-ids_1T.shape[1] // staged.n_stages))
         end = min(start + budget, ids_1T.shape[1])
         chunk = PromptChunk(end, staged.embed(ids_1T[:, start:end]))
-        if 0 in self.work.anchors:
+        if 0 in self.prefill.anchors:
             chunk.anchors[0] = chunk.hidden_1TD
         self.chunks.append(chunk)
         self.next_row = end

@@ -8,8 +8,9 @@ Shape suffixes: T tokens, L nodes of the bottom level, D hidden size, V vocabula
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -80,7 +81,7 @@ class TargetLogits:
         return self.staged.logits(self.hidden_1D)
 
 
-def answer_many(items: list) -> list[torch.Tensor]:
+def answer_many(items: Sequence[Propose | TargetLogits]) -> list[torch.Tensor]:
     """The answers to many requests' questions (:class:`Propose`, :class:`TargetLogits`), in their order: the
     proposers' together where they share a head (:func:`~spd.decoding.proposers.propose_many`), the target's
     logits in one LM-head call per target; a question alone of its kind is asked alone."""
@@ -88,18 +89,19 @@ def answer_many(items: list) -> list[torch.Tensor]:
     proposals = [i for i, item in enumerate(items) if isinstance(item, Propose)]
     for i, answer in zip(proposals, propose_many([items[i] for i in proposals])):
         answers[i] = answer
-    by_target: dict[int, list[int]] = {}
+    by_target: dict[int, list[tuple[int, TargetLogits]]] = {}
     for i, item in enumerate(items):
         if isinstance(item, TargetLogits):
-            by_target.setdefault(id(item.staged), []).append(i)
-    for indices in by_target.values():
-        if len(indices) == 1:
-            answers[indices[0]] = items[indices[0]].answer()
+            by_target.setdefault(id(item.staged), []).append((i, item))
+    for asked in by_target.values():
+        if len(asked) == 1:
+            answers[asked[0][0]] = asked[0][1].answer()
             continue
-        logits_BV = items[indices[0]].staged.logits(torch.cat([items[i].hidden_1D for i in indices]))
-        for i, logits_1V in zip(indices, logits_BV.split(1)):
+        logits_BV = asked[0][1].staged.logits(torch.cat([item.hidden_1D for _, item in asked]))
+        for (i, _), logits_1V in zip(asked, logits_BV.split(1)):
             answers[i] = logits_1V
-    return answers
+    # Every item is a Propose or a TargetLogits, so every slot holds its answer now.
+    return cast(list[torch.Tensor], answers)
 
 
 class Collect:
@@ -109,12 +111,18 @@ class Collect:
 
 COLLECT = Collect()
 
+Work = Prefill | Advance | Propose | TargetLogits | Collect  # what a request's step loop hands its driver
+# A request's step loop: it yields its work, is sent each answer (None where there is none) and returns its output.
+Steps = Generator[Work, object, GenerationOutput]
 
-def drive(backend: StageBackend, steps: Generator) -> GenerationOutput:
-    """Run one request's :meth:`~spd.decoding.loop.StepLoop.steps` on the stage back-end ``backend`` alone. An advance runs when the request collects it:
-    after the proposer's step, which a remote back-end's stages overlap with work they already have."""
+
+def drive(backend: StageBackend, steps: Steps) -> GenerationOutput:
+    """Run one request's :meth:`~spd.decoding.loop.StepLoop.steps` on the stage back-end ``backend`` alone. An
+    advance runs when the request collects it: after the proposer's step, which a remote back-end's stages overlap
+    with work they already have."""
+    pending: Advance | None = None
     try:
-        work, pending = next(steps), None
+        work = next(steps)
         while True:
             if isinstance(work, Prefill):
                 work = steps.send(backend.prefill(work.ids_1T, work.anchors, work.capacity))
@@ -123,6 +131,7 @@ def drive(backend: StageBackend, steps: Generator) -> GenerationOutput:
             elif isinstance(work, Advance):
                 pending, work = work, steps.send(None)
             else:
+                assert pending is not None  # COLLECT comes after the Advance it collects
                 backend.advance(pending.levels, pending.tree, pending.committed)
                 work = steps.send(None)
     except StopIteration as done:

@@ -57,20 +57,19 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import torch
 
 from ..target.staging import StagedModel
 from .backend import StageBackend
-from .driver import COLLECT, Advance, Prefill, Propose, TargetLogits, drive
+from .driver import COLLECT, Advance, Prefill, Propose, Steps, TargetLogits, drive
 from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set, first_output, stop_reason
 from .proposers import Proposer
 from .sampling import SamplingParams, select_token, warped_probs
 from .stats import PipelineStats, TreeStats
 from .tree import Level, TokenTree, grow_sampled, grow_top_k
-from .tree_width import AdaptiveWidth, FixedWidth
+from .tree_width import WidthPolicy
 from .verify import verify_greedy, verify_sampled_deterministic, verify_sampled_recursive
 
 
@@ -91,9 +90,7 @@ def verify_sampled(
 class StepLoop:
     """The step loop of the module docstring over one stage back-end, for any proposer (or none: ``pp``)."""
 
-    def __init__(
-        self, staged: StagedModel, backend: StageBackend, policy: FixedWidth | AdaptiveWidth, candidates: str = "auto"
-    ):
+    def __init__(self, staged: StagedModel, backend: StageBackend, policy: WidthPolicy, candidates: str = "auto"):
         self.staged, self.backend, self.policy, self.candidates = staged, backend, policy, candidates
         self.verify_sampled = verify_sampled  # the rule for sampled children (a test swaps in a lossy control)
 
@@ -127,8 +124,8 @@ class StepLoop:
         on_token: OnToken | None,
         stats: PipelineStats,
         backend: StageBackend | None = None,
-        policy: FixedWidth | AdaptiveWidth | None = None,
-    ) -> Generator[Prefill | Advance | Propose | TargetLogits, object, GenerationOutput]:
+        policy: WidthPolicy | None = None,
+    ) -> Steps:
         """The loop of one request as a generator: it hands its stage work (:class:`~.driver.Prefill`,
         :class:`~.driver.Advance`) and its questions (:class:`~.driver.Propose`: the proposer's query;
         :class:`~.driver.TargetLogits`: the verification's logits) to a driver (:mod:`spd.decoding.driver`) and
@@ -193,7 +190,7 @@ class StepLoop:
         generator: torch.Generator | None,
         stats: PipelineStats,
         rule: str,
-        policy: FixedWidth | AdaptiveWidth,
+        policy: WidthPolicy,
     ) -> tuple[int, int | None]:
         """The committed token after the root (the target's logits ``logits_1V`` after it) and the tree index of the
         accepted child (None: a miss or nothing to verify)."""
@@ -233,7 +230,7 @@ class _Request:
     loop: StepLoop
     proposer: Proposer | None
     backend: StageBackend
-    policy: FixedWidth | AdaptiveWidth
+    policy: WidthPolicy
     sampling: SamplingParams
     generator: torch.Generator | None
     stats: PipelineStats
