@@ -45,6 +45,7 @@ from __future__ import annotations
 import numbers
 import warnings
 from collections.abc import Sequence
+from typing import overload
 
 import torch
 
@@ -94,6 +95,7 @@ class Engine(Generates):
         if candidates not in CANDIDATES:
             raise SpdInputError(f"unknown tree candidate rule '{candidates}'; expected one of: {', '.join(CANDIDATES)}")
         if mode == "tree":
+            assert proposer is not None  # check_engine_mode: a tree has a proposer
             policy = (
                 width
                 if isinstance(width, (FixedWidth, AdaptiveWidth))
@@ -233,7 +235,7 @@ class Engine(Generates):
         elif mode not in CHAIN_MODES:
             raise SpdInputError(f"unknown mode '{mode}'; expected one of: {', '.join(CHAIN_MODES)}")
 
-    def proposer_for(self, head) -> Proposer:
+    def proposer_for(self, head: torch.nn.Module) -> Proposer:
         """The proposer this engine would build for ``head`` (a loaded head to swap in with :meth:`use_proposer`),
         refused with one sentence where the head cannot run here; nothing of the engine changes."""
         if self.proposer is None or isinstance(self.proposer, DraftModelProposer):
@@ -273,8 +275,9 @@ class Engine(Generates):
         """The proposer (None: the standard pipeline) and fresh statistics of one request."""
         proposer = self.proposer
         if self.mode == "tree":
+            assert proposer is not None  # a tree always has one (__init__, use_proposer)
             policy = self.policy
-            stats = TreeStats(
+            return proposer, TreeStats(
                 mode="tree",
                 prompt_tokens=0,
                 schedule=proposer.schedule,
@@ -284,7 +287,6 @@ class Engine(Generates):
                 children=policy.max_children,
                 accepted_by_sibling=[0] * max(policy.max_width, policy.max_children),
             )
-            return proposer, stats
         if use_head and proposer is None:
             raise SpdInputError(NEEDS_HEAD)
         proposer = proposer if use_head else None
@@ -322,7 +324,15 @@ def check_cut(n_stages, boundaries) -> None:
         raise SpdInputError(f"boundaries must be a list of layer indices, e.g. [0, 8, 16, 23, 30], got {boundaries!r}")
 
 
-def chain_proposer(staged: StagedModel, head, tokenizer=None) -> Proposer | None:
+@overload
+def chain_proposer(staged: StagedModel, head: None, tokenizer=None) -> None: ...
+
+
+@overload
+def chain_proposer(staged: StagedModel, head: torch.nn.Module, tokenizer=None) -> Proposer: ...
+
+
+def chain_proposer(staged: StagedModel, head: torch.nn.Module | None, tokenizer=None) -> Proposer | None:
     """The proposer of a chain with ``head`` (None: none, the standard pipeline); it checks the head fits the target."""
     if head is None:
         return None
@@ -332,11 +342,9 @@ def chain_proposer(staged: StagedModel, head, tokenizer=None) -> Proposer | None
             f"the speculator is {head_param.dtype} on {head_param.device} but the target is "
             f"{staged.dtype} on {staged.device}; load both with the same dtype and device"
         )
-    spd_head = (
-        isinstance(head, Speculator) and head.config.schedule == "input" and head.config.max_depth == staged.n_stages
-    )
-    kind = SpdHeadProposer if spd_head else HeadProposer
-    return kind(head, staged, children=1, mode="spd", tokenizer=tokenizer)
+    if isinstance(head, Speculator) and head.config.schedule == "input" and head.config.max_depth == staged.n_stages:
+        return SpdHeadProposer(head, staged, children=1, mode="spd", tokenizer=tokenizer)
+    return HeadProposer(head, staged, children=1, mode="spd", tokenizer=tokenizer)
 
 
 def tree_proposer_of(staged: StagedModel, head, tokenizer, draft: Draft | None, children: int) -> Proposer:

@@ -6,6 +6,7 @@ the output's text (:func:`generate_request`), and ``generate`` and ``chat`` them
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -110,7 +111,7 @@ class Detokenizer:
     first token, and the window's first token is decoded in both texts compared.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.prefix = 0  # where the decoded window starts
@@ -173,6 +174,10 @@ class Generates:
 
     mode = ""
     engine_name = ""
+    staged: StagedModel  # the target
+    tokenizer: Any  # its Hugging Face tokenizer, or None (token-id prompts only)
+    # One request of the engine's own mode: run(prompt_ids, max_new_tokens, sampling, eos_token_id, on_token).
+    run: Callable[..., GenerationOutput]
 
     def check_mode(self, mode: str) -> None:
         """Refuse (one sentence) a mode this engine does not run."""

@@ -46,7 +46,6 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import SpdInputError
-from ..heads.speculator import Speculator
 from ..target.staging import StagedModel, StageKVCache, load_target_tokenizer
 from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set, first_output, stop_reason
 from .modes import check_proposer
@@ -134,9 +133,12 @@ class SpeculativeDecoder(Generates):
         self.target, self.draft_steps, self.tokenizer = target, draft_steps, tokenizer
         self.staged = target  # Generates' name for the target
         # The cost model counts a draft model's layers (it runs serially here, not hidden behind a stage).
-        is_draft = isinstance(self.proposer, DraftModelProposer)
+        proposer = self.proposer
+        is_draft = isinstance(proposer, DraftModelProposer)
         self.source = "draft" if is_draft else "head"
-        self.draft_layers = self.proposer.draft.num_layers if is_draft else self.proposer.num_layers
+        self.draft_layers = (
+            proposer.draft.num_layers if isinstance(proposer, DraftModelProposer) else proposer.num_layers
+        )
 
     @classmethod
     def from_pretrained(
@@ -310,6 +312,7 @@ class SpeculativeDecoder(Generates):
                 ok = token == x
             else:
                 p_V = warped_probs(logits_TV[i : i + 1], sampling)[0]
+                assert q_V is not None  # a sampled draft comes with its q (_pick)
                 index, token = self._accept(p_V, x, self._padded(q_V, p_V), generator)
                 ok = index is not None
             new.append(token)
@@ -335,13 +338,14 @@ class SpeculativeDecoder(Generates):
 
 
 def sd_engine(
-    staged: StagedModel, tokenizer, draft_steps: int, head: Speculator | None = None, draft: Draft | None = None
+    staged: StagedModel, tokenizer, draft_steps: int, head: torch.nn.Module | None = None, draft: Draft | None = None
 ) -> SpeculativeDecoder:
     """Serial speculative decoding of ``staged`` with one loaded drafter: ``head`` (trained with variant=eagle) or
     ``draft`` (a draft model, refused unless it shares the target's tokenizer)."""
     check_proposer("sd", head is not None, draft is not None)
     if head is not None:
         return SpeculativeDecoder(staged, SerialHeadProposer(head, staged), draft_steps, tokenizer)
+    assert draft is not None  # check_proposer: exactly one drafter
     return SpeculativeDecoder(staged, draft.model, draft_steps, tokenizer, draft_tokenizer=draft.tokenizer)
 
 
@@ -353,9 +357,12 @@ def build_sd_engine(
     draft_steps: int,
     dtype: torch.dtype,
     device: str | torch.device,
-    head: Speculator | None = None,
+    head: torch.nn.Module | None = None,
 ) -> SpeculativeDecoder:
     """:func:`sd_engine` with a draft model named by directory or hub id (loaded here when there is no head)."""
     check_proposer("sd", head is not None, draft_model is not None)
-    draft = load_draft_model(draft_model, draft_revision, dtype, device) if head is None else None
+    draft = None
+    if head is None:
+        assert draft_model is not None  # check_proposer: exactly one drafter
+        draft = load_draft_model(draft_model, draft_revision, dtype, device)
     return sd_engine(staged, tokenizer, draft_steps, head=head, draft=draft)
