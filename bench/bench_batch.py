@@ -294,7 +294,7 @@ def run_system(
     )
     # Over the distributed runtime the stages keep clocks (their layers, the emulated sleep, their sends and
     # receives): asked now, they start anew for this run (the batch mode is entered at the first step).
-    stage_clocks = getattr(engines[mode].stages, "clocks", None)
+    stage_clocks = getattr(engines[mode].backend, "clocks", None)
     if stage_clocks is not None:
         stage_clocks()
     records, next_prompt = [], iter(range(10**9))
@@ -670,7 +670,7 @@ def _bench(args) -> int:
         engine, staged = parts.engine, parts.staged
     engines = {mode: engine, "pp": engine}
     if tree:  # the standard pipeline over the same stages
-        engines["pp"] = build_engine(DecodingSpec("pp"), staged, None, tokenizer, stages=engine.stages)
+        engines["pp"] = build_engine(DecodingSpec("pp"), staged, None, tokenizer, stages=engine.backend)
     try:
         return _run_all(args, engines, staged, dataset, prompts)
     finally:

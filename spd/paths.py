@@ -18,7 +18,7 @@ def default_cache_dir() -> str:
     return os.environ.get("SPD_CACHE", str(Path.home() / ".cache" / "spd"))
 
 
-def check_model_source(source: str, what: str, revision: str | None = None) -> None:
+def check_model_source(source: str | None, what: str, revision: str | None = None) -> None:
     """Refuse, in one sentence and before anything loads, a model that cannot be had: a local path that does not
     exist (refused at once, never looked up on the hub), a file where a directory belongs, or a hub id that the hub
     does not have or that cannot be fetched (asked once, with a short timeout and no retries; only the local cache

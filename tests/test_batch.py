@@ -14,9 +14,9 @@ from conftest import differences_are_near_ties, tiny_model
 from helpers.proposers import ScriptedProposer, noisy_copy
 from helpers.stats import chi_square_p_value, sequence_probs
 from spd.decoding.batch import BatchedPipeline
+from spd.decoding.driver import answer_many
 from spd.decoding.engine import Engine
 from spd.decoding.generation import generate_ar
-from spd.decoding.loop import answer_many
 from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
 from spd.decoding.sampling import SamplingParams
 from spd.errors import SpdInputError
@@ -219,7 +219,7 @@ def _fails_once(monkeypatch, owner, name, after: int = 0):
 def test_a_stage_call_that_raises_fails_the_requests_in_it_and_the_batch_goes_on(target_model, monkeypatch):
     """The requests in a step whose stage call raised fail with its error and give their regions and head slots
     back; the step raises; the next requests run as usual. A request whose admission raises fails alone."""
-    import spd.decoding.batch as batch_module
+    import spd.decoding.backend as batch_module
 
     staged = StagedModel(target_model, 4)
     torch.manual_seed(0)

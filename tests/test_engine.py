@@ -7,9 +7,9 @@ import torch
 from conftest import tiny_model
 from helpers.proposers import ScriptedEngine, ScriptedProposer
 from helpers.stats import chi_square_p_value, sample_outcomes, sequence_probs
+from spd.decoding.backend import LocalStages
 from spd.decoding.engine import Engine
 from spd.decoding.generation import generate_ar
-from spd.decoding.loop import LocalStages
 from spd.decoding.sampling import SamplingParams
 from spd.errors import SpdInputError
 from spd.target.staging import StagedModel

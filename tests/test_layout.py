@@ -96,9 +96,7 @@ def test_every_stage_backend_has_the_protocols_methods():
     protocol, with its parameters in order."""
     import inspect
 
-    from spd.decoding.backend import BatchBackend, StageBackend
-    from spd.decoding.batch import LocalBatch
-    from spd.decoding.loop import LocalStages
+    from spd.decoding.backend import BatchBackend, LocalBatch, LocalStages, StageBackend
     from spd.runtime.batch import RemoteBatch
     from spd.runtime.remote import RemoteStages
 

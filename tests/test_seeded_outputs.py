@@ -7,7 +7,7 @@ History:
 - first recorded with the chain engine's own rejection sampler (u ~ U[0,1) drawn in float32, the residual
   max(p - q, 0) formed and drawn in float32);
 - then the chain engine moved to the one sampled verification of the package,
-  :func:`spd.decoding.tree.verify_sampled_recursive` (what the tree engine and serial drafting use): u is drawn
+  :func:`spd.decoding.verify.verify_sampled_recursive` (what the tree engine and serial drafting use): u is drawn
   in float64, which advances the generator differently, and the residual is formed in float64. Every token
   after the first verification therefore changed (the first token comes from the prefill and kept its value:
   58, 80, 31); the statistics stayed alike (acceptances 8, 9, 1 before, 8, 8, 0 after), and the output

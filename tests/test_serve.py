@@ -426,7 +426,7 @@ def test_a_batched_step_that_raises_fails_its_requests_and_the_server_goes_on(ti
     500 with the error, and the server answers the next ones as usual (it is not down)."""
     import asyncio
 
-    import spd.decoding.batch as batch_module
+    import spd.decoding.backend as batch_module
     from spd.decoding.sampling import SamplingParams
     from spd.serving.metrics import ServerMetrics
     from spd.serving.pipeline import PipelineSpec, open_pipeline

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from spd.decoding.tree import TokenTree, verify_greedy, verify_sampled_deterministic, verify_sampled_recursive
+from spd.decoding.tree import TokenTree
+from spd.decoding.verify import verify_greedy, verify_sampled_deterministic, verify_sampled_recursive
 from spd.target.kv_cache import StageKVCache
 from spd.target.staging import SpdInputError, StagedModel
 

@@ -14,8 +14,9 @@ from spd.decoding.engine import Engine
 from spd.decoding.generation import generate_ar
 from spd.decoding.proposers import DraftModelProposer, SpdHeadProposer
 from spd.decoding.sampling import SamplingParams
-from spd.decoding.tree import TokenTree, grow_sampled, grow_top_k, verify_sampled_recursive
+from spd.decoding.tree import TokenTree, grow_sampled, grow_top_k
 from spd.decoding.tree_width import AdaptiveWidth, FixedWidth, parse_tree_width, tree_width
+from spd.decoding.verify import verify_sampled_recursive
 from spd.errors import SpdInputError
 from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, new_head

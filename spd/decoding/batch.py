@@ -48,9 +48,10 @@ engine (:meth:`~spd.decoding.engine.Engine.use_proposer`, a server's new head ve
 submitted after it, while those before finish on theirs: the batch runs both heads for a while, each asked in its own
 joint call (their ``batch_key`` differs) with its own memory pool, which goes once its last request has left.
 
-The stages run in this process (:class:`LocalBatch`: the pool and :func:`~spd.target.ragged.run_ragged`) or, when the
-engine's stages are the distributed runtime's, on the stage ranks (:class:`spd.runtime.batch.RemoteBatch`: the same
-ragged calls, carried stage to stage); this driver is the same for both.
+The stages run in this process (:class:`~spd.decoding.backend.LocalBatch`: the pool and
+:func:`~spd.target.ragged.run_ragged`) or, when the engine's stages are the distributed runtime's, on the stage ranks
+(:class:`spd.runtime.batch.RemoteBatch`: the same ragged calls, carried stage to stage); this driver is the same for
+both.
 
 On hybrid targets each request's stage caches carry its own linear-attention state beside its region, and a ragged
 call runs the linear-attention layers over the requests' stacked states (:mod:`spd.target.ragged`). A draft model
@@ -67,17 +68,20 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from functools import partial
+from typing import cast
 
 import torch
 
 from ..errors import SpdInputError
-from ..target.kv_pool import KVPool, Region
-from ..target.ragged import run_ragged
 from ..target.segments import Segment
 from ..target.staging import StageOutput
+from .backend import BatchBackend, LocalBatch, LocalStages, RemoteStageBackend
+from .batch_request import BatchRequest
+from .driver import COLLECT, Advance, Propose, TargetLogits, answer_many
 from .generation import GenerationOutput, OnToken
-from .loop import COLLECT, Advance, LocalStages, Prefill, Propose, TargetLogits, anchors_by_stage, answer_many
+from .loop import anchors_by_stage
+from .proposers import PooledProposer, Proposer
 from .sampling import SamplingParams
 from .tree_width import SharedWidth
 
@@ -101,83 +105,6 @@ def check_step_tokens(step_tokens: int | None, max_batch: int, max_width: int) -
             f"stage call carries at a full batch ({max_batch} requests x {max_width}), so that "
             f"prompts still enter; got {step_tokens!r}"
         )
-
-
-@dataclass
-class _Chunk:
-    """A piece of a newcomer's prompt in flight: the rows before ``end``, at stage ``depth``."""
-
-    end: int
-    hidden_1TD: torch.Tensor
-    depth: int = 0
-    anchors: dict[int, torch.Tensor] = field(default_factory=dict)
-
-
-class LocalBatch:
-    """The stage work of a batched pipeline in this process: a :class:`~spd.target.kv_pool.KVPool` and one ragged call
-    per stage. (:class:`spd.runtime.batch.RemoteBatch` has the same methods for stages on other ranks.)"""
-
-    def __init__(self, staged, rows: int):
-        self.staged = staged
-        self.pool = KVPool(staged, rows)
-
-    def request_stages(self) -> LocalStages:
-        """A new request's stage back-end (its caches come with :meth:`open`)."""
-        return LocalStages(self.staged)
-
-    def open(self, region: Region):
-        """The stage caches of a request admitted to ``region``."""
-        return self.pool.caches(region)
-
-    def release(self, region: Region) -> None:
-        self.pool.release(region)
-
-    def new_step(self) -> None:
-        """A pipeline step begins."""
-
-    def idle(self) -> None:
-        """No request is queued or in flight."""
-
-    def start(self, calls: list[list[Segment]]):
-        """Start every stage's segments (``calls[s]``): here one ragged call per stage, run now."""
-        return [run_ragged(self.pool, stage, segments) if segments else [] for stage, segments in enumerate(calls)]
-
-    def finish(self, started) -> list[list[StageOutput]]:
-        """The outputs of :meth:`start`'s work, per stage and segment."""
-        return started
-
-
-class BatchRequest:
-    """One request of a :class:`BatchedPipeline`: its loop, its caches and where it stands.
-
-    ``state`` is ``queued``, ``prefill``, ``running``, then ``done`` (``output`` holds the result), ``failed``
-    (``error`` holds the exception) or ``cancelled`` (cancelled before its first token)."""
-
-    def __init__(self, rid: int, steps, stages: LocalStages, on_done: Callable[[BatchRequest], None] | None):
-        self.id, self.steps, self.stages, self.on_done = rid, steps, stages, on_done
-        self.state = "queued"
-        self.work: Prefill | Advance | None = None
-        self.region: Region | None = None
-        self.proposer = None  # its own copy of the engine's proposer (None: the standard pipeline)
-        self.source = None  # the engine's proposer it was copied from (the head it started with, to its end)
-        self.width = None  # its own width policy (a copy of the engine's; SharedWidth under a node budget)
-        self.output: GenerationOutput | None = None
-        self.error: BaseException | None = None
-        self.cancelled = False
-        self.chunks: list[_Chunk] = []  # the prompt in flight (state prefill)
-        self.next_row = 0  # the prompt's first row not yet in flight
-        self.prefill_anchors: dict[int, list[torch.Tensor]] = {}  # H^l of the prompt's chunks that left stage n
-        self.prefill_stage_anchors: list[list[int]] = []  # which of them each stage reports
-        self.ran_ahead: list = []  # the levels of its last step that ran before their verification
-
-    @property
-    def finished(self) -> bool:
-        return self.state in ("done", "failed", "cancelled")
-
-    def cancel(self) -> None:
-        """End the request: before its first token it leaves at once, after it at its next token
-        (``stop_reason`` "stopped")."""
-        self.cancelled = True
 
 
 class BatchedPipeline:
@@ -229,16 +156,16 @@ class BatchedPipeline:
         self.step_tokens, self.spread_prefill, self.tree_nodes = step_tokens, spread_prefill, tree_nodes
         rows = kv_rows if kv_rows is not None else max_batch * DEFAULT_ROWS_PER_REQUEST
         # Stages in this process, or the distributed runtime's (spd.runtime.remote.RemoteStages.batch_backend).
-        self.backend = (
+        self.backend: BatchBackend = (
             LocalBatch(self.staged, rows)
-            if isinstance(engine.stages, LocalStages)
-            else engine.stages.batch_backend(rows)
+            if isinstance(engine.backend, LocalStages)
+            else cast(RemoteStageBackend, engine.backend).batch_backend(rows)  # the other back-end: the runtime's
         )
         self.pool = self.backend.pool
         # The proposers' pools: a draft model's KV (each request's region at the same rows as in self.pool), or an SPD
         # head's memory (a slot per request). One per engine proposer the requests in flight were copied from: a head
         # swapped in (Engine.use_proposer) serves new requests while the ones in flight finish on theirs.
-        self.proposer_pools: dict[int, tuple[object, object]] = {}  # id(source) -> (source, pool)
+        self.proposer_pools: dict[int, tuple[Proposer | None, object]] = {}  # id(source) -> (source, pool)
         self.queue: deque[BatchRequest] = deque()
         self.active: list[BatchRequest] = []
         self.steps = 0  # pipeline steps run
@@ -271,8 +198,8 @@ class BatchedPipeline:
         return True to end it; ``on_done(request)`` when it ends."""
         use_head = self._use_head(mode)
         proposer, stats = self.engine.request_parts(use_head)
-        stages = self.backend.request_stages()
-        request = BatchRequest(next(self._ids), None, stages, on_done)
+        backend = self.backend.request_stages()
+        request = BatchRequest(next(self._ids), None, backend, on_done)
 
         def tokens(token: int, accepted: bool) -> bool:
             stop = bool(on_token(token, accepted)) if on_token is not None else False
@@ -281,9 +208,8 @@ class BatchedPipeline:
         # Each request has its own proposer state and width policy (the head's weights are shared).
         request.proposer = copy.copy(proposer) if proposer is not None else None
         request.source = proposer
-        request.width = copy.deepcopy(self.loop.policy)
-        if self.tree_nodes is not None:
-            request.width = SharedWidth(request.width)
+        width = copy.deepcopy(self.loop.policy)
+        request.width = SharedWidth(width) if self.tree_nodes is not None else width
         steps = self.loop.steps(
             request.proposer,
             input_ids,
@@ -292,15 +218,15 @@ class BatchedPipeline:
             eos_token_id,
             tokens,
             stats,
-            stages=stages,
+            backend=backend,
             policy=request.width,
         )
         request.steps = steps
         request.work = next(steps)  # validates the request and asks for its prefill
-        if request.work.capacity > self.pool.rows:
+        if request.prefill.capacity > self.pool.rows:
             steps.close()
             raise SpdInputError(
-                f"this request needs {request.work.capacity} KV rows (prompt, budget and the tree in "
+                f"this request needs {request.prefill.capacity} KV rows (prompt, budget and the tree in "
                 f"flight), but the pool holds {self.pool.rows}; shorten it or give the pool more rows"
             )
         self.queue.append(request)
@@ -327,6 +253,7 @@ class BatchedPipeline:
         self.backend.new_step()
         if self.tree_nodes is not None:  # every request's share of the node budget, for the levels grown this step
             for request in self.active:
+                assert isinstance(request.width, SharedWidth)  # submit gives each request one under a node budget
                 request.width.cap = max(1, self.tree_nodes // len(self.active))
         self.steps += 1
         self.batch_sizes.append(len(self.active))
@@ -379,7 +306,11 @@ class BatchedPipeline:
         for request in requests:
             if request.error is not None:
                 raise request.error
-        outs, tokenizer = [request.output for request in requests], self.engine.tokenizer
+        outs: list[GenerationOutput] = []
+        for request in requests:
+            assert request.output is not None  # every request ran to its end and none failed
+            outs.append(request.output)
+        tokenizer = self.engine.tokenizer
         if tokenizer is not None:
             for out in outs:
                 out.text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
@@ -402,26 +333,27 @@ class BatchedPipeline:
                 request.steps.close()
                 self._end(request, "cancelled")
                 continue
-            region = self.pool.allocate(request.work.capacity)
+            region = self.pool.allocate(request.prefill.capacity)
             if region is None:
                 self.kv_waits += 1
                 return  # it waits for a region (the KV memory bound)
             self.queue.popleft()
             request.region = region
             try:
-                request.stages.caches = self.backend.open(region)
+                request.backend.caches = self.backend.open(region)
                 if request.proposer is not None and request.proposer.pooled:
                     # Its proposer's cache in a pool of the batch's (given back at the end): a draft model's KV at
                     # the same rows, a head's a slot.
+                    pooled = cast(PooledProposer, request.proposer)  # what ``pooled`` declares
                     entry = self.proposer_pools.get(id(request.source))
                     if entry is None:
-                        entry = (request.source, request.proposer.new_pool(self.pool.rows, self.max_batch))
+                        entry = (request.source, pooled.new_pool(self.pool.rows, self.max_batch))
                         self.proposer_pools[id(request.source)] = entry
-                    request.proposer.use_pool(entry[1], region)
+                    pooled.use_pool(entry[1], region)
             except Exception as exc:  # this request's own failure: its region goes back, the others go on
                 self._fail([request], exc)
                 continue
-            request.prefill_stage_anchors = anchors_by_stage(self.staged.boundaries, request.work.anchors)
+            request.prefill_stage_anchors = anchors_by_stage(self.staged.boundaries, request.prefill.anchors)
             request.state = "prefill"
             self.active.append(request)
 
@@ -433,31 +365,29 @@ class BatchedPipeline:
         calls: list[list[tuple[Segment, Callable[[StageOutput], None]]]] = [[] for _ in range(n)]
         for request in running:
             work = request.work
+            assert isinstance(work, Advance)  # a running request starts its step at its advance
             for level in work.levels + work.then:  # the levels that move after its verification run now too
                 calls[level.depth].append(
-                    (
-                        request.stages.segment(level, work.tree, work.committed),
-                        lambda out, level=level, stages=request.stages: stages.took(level, out),
-                    )
+                    (request.backend.segment(level, work.tree, work.committed), partial(request.backend.took, level))
                 )
             request.ran_ahead = list(work.then)
         budget = self.prefill_chunk  # the prompt tokens that enter stage 1 this step, oldest newcomer first
         if self.step_tokens is not None:  # what the levels in flight leave of a stage call's budget
-            budget = min(budget, self.step_tokens - max(sum(segment.size for segment, _ in work) for work in calls))
+            budget = min(budget, self.step_tokens - max(sum(segment.size for segment, _ in call) for call in calls))
         for request in prefilling:
-            budget -= self._next_chunk(request, budget)
+            budget -= request.next_chunk(budget, self.staged, self.spread_prefill)
             for chunk in request.chunks:
                 s = chunk.depth
                 calls[s].append(
                     (
-                        Segment(request.stages.caches[s], chunk.hidden_1TD, anchors=request.prefill_stage_anchors[s]),
-                        lambda out, chunk=chunk: self._chunk_took(chunk, out),
+                        Segment(request.backend.caches[s], chunk.hidden_1TD, anchors=request.prefill_stage_anchors[s]),
+                        chunk.took,
                     )
                 )
-        for stage, work in enumerate(calls):  # every piece of work was taken before any ran: one stage each
-            self.stage_tokens[-1][stage] += sum(segment.size for segment, _ in work)
+        for stage, call in enumerate(calls):  # every piece of work was taken before any ran: one stage each
+            self.stage_tokens[-1][stage] += sum(segment.size for segment, _ in call)
         tick = time.perf_counter()
-        started = self.backend.start([[segment for segment, _ in work] for work in calls])
+        started = self.backend.start([[segment for segment, _ in call] for call in calls])
         started_at = time.perf_counter()
         self.stage_s += started_at - tick
         for request in running:
@@ -467,8 +397,8 @@ class BatchedPipeline:
         self.overlap_s += tick - started_at
         outputs = self.backend.finish(started)
         self.stage_s += time.perf_counter() - tick
-        for work, outs in zip(calls, outputs):
-            for (_, took), out in zip(work, outs):
+        for call, outs in zip(calls, outputs):
+            for (_, took), out in zip(call, outs):
                 took(out)
         for request in running:
             if request.work is COLLECT:
@@ -476,31 +406,9 @@ class BatchedPipeline:
         # One LM-head call, then verify; an output-state head's query (after the stages) is asked here too.
         self._answer([r for r in running if isinstance(r.work, (Propose, TargetLogits))])
 
-    def _next_chunk(self, request: BatchRequest, budget: int) -> int:
-        """The prompt's next chunk, at most ``budget`` tokens, enters stage 1 (if any is left); its size."""
-        ids_1T = request.work.ids_1T
-        start = request.next_row
-        if start >= ids_1T.shape[1] or budget <= 0:
-            return 0
-        if self.spread_prefill:  # the prompt in n equal chunks: each stage call carries 1/n of it
-            budget = min(budget, -(-ids_1T.shape[1] // self.staged.n_stages))
-        end = min(start + budget, ids_1T.shape[1])
-        chunk = _Chunk(end, self.staged.embed(ids_1T[:, start:end]))
-        if 0 in request.work.anchors:
-            chunk.anchors[0] = chunk.hidden_1TD
-        request.chunks.append(chunk)
-        request.next_row = end
-        return end - start
-
-    @staticmethod
-    def _chunk_took(chunk: _Chunk, out: StageOutput) -> None:
-        chunk.anchors.update(out.anchors)
-        chunk.hidden_1TD = out.hidden_BTD
-        chunk.depth += 1
-
     def _prefill_progress(self, request: BatchRequest) -> None:
         """Chunks that left stage n are done; after the last one the request gets its prefill's output."""
-        n, total = self.staged.n_stages, request.work.ids_1T.shape[1]
+        n, total = self.staged.n_stages, request.prefill.ids_1T.shape[1]
         while request.chunks and request.chunks[0].depth == n:
             chunk = request.chunks.pop(0)
             for index, hidden_1TD in chunk.anchors.items():
@@ -512,13 +420,15 @@ class BatchedPipeline:
                 self._resume(request, StageOutput(chunk.hidden_1TD, anchors))
 
     def _answer(self, requests: list[BatchRequest]) -> None:
-        """Answer the questions ``requests`` stopped at together (:func:`~spd.decoding.loop.answer_many`: the
+        """Answer the questions ``requests`` stopped at together (:func:`~spd.decoding.driver.answer_many`: the
         proposers' queries, the verifications' logits) and resume each with its answer, up to its next work; those
         that ask again (an output-state head's query right after a verification) are answered together again. If a
         joint call fails, each is asked alone, so a request's own failure stays its own."""
         while requests:
+            asked = [request.work for request in requests if isinstance(request.work, (Propose, TargetLogits))]
+            assert len(asked) == len(requests)  # every request stopped at a question
             try:
-                answers = answer_many([request.work for request in requests]) if len(requests) > 1 else None
+                answers = answer_many(asked) if len(requests) > 1 else None
             except Exception:
                 answers = None
             for i, request in enumerate(requests):
@@ -526,7 +436,7 @@ class BatchedPipeline:
                     self._resume(request, answers[i], ask=False)
                     continue
                 try:
-                    answer = request.work.answer()
+                    answer = asked[i].answer()
                 except Exception as exc:
                     request.error = exc
                     self._end(request, "failed")
@@ -536,7 +446,7 @@ class BatchedPipeline:
 
     def _resume(self, request: BatchRequest, value, ask: bool = True) -> None:
         """Hand the request its work's result; it runs to its next work item, or ends. Its questions
-        (:class:`~spd.decoding.loop.Propose`, :class:`~spd.decoding.loop.TargetLogits`) are answered on the way
+        (:class:`~spd.decoding.driver.Propose`, :class:`~spd.decoding.driver.TargetLogits`) are answered on the way
         (``ask``), or left as its work for :meth:`_answer`."""
         try:
             request.work = request.steps.send(value)
@@ -564,11 +474,11 @@ class BatchedPipeline:
         request.work = None
         request.chunks = []
         if request.proposer is not None and request.proposer.pooled:
-            request.proposer.leave_pool()
+            cast(PooledProposer, request.proposer).leave_pool()  # what ``pooled`` declares
         if request.region is not None:
             self.backend.release(request.region)
             request.region = None
-            request.stages.caches = []
+            request.backend.caches = []
         if request.on_done is not None:
             request.on_done(request)
 

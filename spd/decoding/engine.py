@@ -45,6 +45,7 @@ from __future__ import annotations
 import numbers
 import warnings
 from collections.abc import Sequence
+from typing import overload
 
 import torch
 
@@ -52,8 +53,9 @@ from ..errors import SpdInputError
 from ..heads.speculator import Speculator
 from ..target.staging import StagedModel
 from ..target.tokenizer import load_target_tokenizer
+from .backend import LocalStages, StageBackend
 from .generation import GenerationOutput, OnToken
-from .loop import LocalStages, StepLoop, verify_sampled
+from .loop import StepLoop, verify_sampled
 from .modes import NEEDS_HEAD, NEEDS_PROPOSER, check_engine_mode, in_python_terms
 from .proposers import Draft, DraftModelProposer, HeadProposer, Proposer, SpdHeadProposer, load_draft_model
 from .request import Generates
@@ -71,12 +73,10 @@ class Engine(Generates):
     ``mode`` is ``"tree"`` (a proposer of width ``width``: W, ``"auto"`` for :class:`~.tree_width.AdaptiveWidth`
     up to ``max_width``, or a policy) or a chain: ``"spd"`` with a proposer, ``"pp"`` without (the default mode
     follows from ``width`` and ``proposer``). ``candidates`` is how a tree's children are chosen at T > 0 (``auto`` =
-    ``sampled``; greedy always uses top-k). ``stages`` is where the stages run: this process (default) or other
-    processes (:class:`spd.runtime.remote.RemoteStages`). ``generate`` and ``chat`` are
+    ``sampled``; greedy always uses top-k). ``stages`` is the stage back-end (``backend``), where the stages
+    run: this process (default) or other processes (:class:`spd.runtime.remote.RemoteStages`). ``generate`` and ``chat`` are
     :class:`Generates`'.
     """
-
-    engine_name = "the tree engine"  # a tree's modes are its own and ar (Generates.check_mode)
 
     def __init__(
         self,
@@ -84,7 +84,7 @@ class Engine(Generates):
         proposer: Proposer | None = None,
         width: int | str | FixedWidth | AdaptiveWidth = 1,
         tokenizer=None,
-        stages: LocalStages | None = None,
+        stages: StageBackend | None = None,
         candidates: str = "auto",
         max_width: int = 8,
         *,
@@ -96,6 +96,7 @@ class Engine(Generates):
         if candidates not in CANDIDATES:
             raise SpdInputError(f"unknown tree candidate rule '{candidates}'; expected one of: {', '.join(CANDIDATES)}")
         if mode == "tree":
+            assert proposer is not None  # check_engine_mode: a tree has a proposer
             policy = (
                 width
                 if isinstance(width, (FixedWidth, AdaptiveWidth))
@@ -118,9 +119,11 @@ class Engine(Generates):
             candidates,
         )
         self.policy = policy
+        # What Generates.check_mode's message calls this engine (a tree's modes are its own and ar).
+        self.engine_name = "the tree engine" if mode == "tree" else "the chain engine"
         self.width = "auto" if policy.adaptive else policy.width
-        self.stages = stages if stages is not None else LocalStages(staged)
-        self.loop = StepLoop(staged, self.stages, policy, candidates)
+        self.backend: StageBackend = stages if stages is not None else LocalStages(staged)
+        self.loop = StepLoop(staged, self.backend, policy, candidates)
         self.loop.verify_sampled = self._verify_sampled
 
     _verify_sampled = staticmethod(verify_sampled)  # how sampled children are verified (a test swaps in a control)
@@ -128,7 +131,7 @@ class Engine(Generates):
     # ------------------------------------------------------------------------------------ building
     @classmethod
     def chain(
-        cls, staged: StagedModel, head=None, tokenizer=None, stages: LocalStages | None = None, mode: str | None = None
+        cls, staged: StagedModel, head=None, tokenizer=None, stages: StageBackend | None = None, mode: str | None = None
     ) -> Engine:
         """The chain engine with a loaded head (``spd`` and ``pp``; ``mode``, the default of ``generate``, is
         ``spd``) or none (``pp``)."""
@@ -141,7 +144,7 @@ class Engine(Generates):
         proposer: Proposer,
         width: int | str | FixedWidth | AdaptiveWidth = 4,
         tokenizer=None,
-        stages: LocalStages | None = None,
+        stages: StageBackend | None = None,
         candidates: str = "auto",
         max_width: int = 8,
     ) -> Engine:
@@ -156,7 +159,7 @@ class Engine(Generates):
         head=None,
         tokenizer=None,
         draft: Draft | None = None,
-        stages: LocalStages | None = None,
+        stages: StageBackend | None = None,
         mode: str | None = None,
     ) -> Engine:
         """The engine of ``spec.mode`` over loaded parts: a tree with the head or the draft model (``spec``'s width,
@@ -197,11 +200,7 @@ class Engine(Generates):
         """
         from .loader import load_parts, resolve_cut
 
-        if stages is not None:
-            warnings.warn("Engine.from_pretrained's stages= is now n_stages=", DeprecationWarning, stacklevel=2)
-            if n_stages is not None and n_stages != stages:
-                raise SpdInputError(f"n_stages={n_stages} and stages={stages} disagree; pass n_stages only")
-            n_stages = stages
+        n_stages = _renamed_n_stages(n_stages, stages)
         check_cut(n_stages, boundaries)
         mode = mode or ("spd" if speculator else "tree" if draft_model else "pp")
         check_engine_mode(mode, head=bool(speculator), draft_model=bool(draft_model))
@@ -237,7 +236,7 @@ class Engine(Generates):
         elif mode not in CHAIN_MODES:
             raise SpdInputError(f"unknown mode '{mode}'; expected one of: {', '.join(CHAIN_MODES)}")
 
-    def proposer_for(self, head) -> Proposer:
+    def proposer_for(self, head: torch.nn.Module) -> Proposer:
         """The proposer this engine would build for ``head`` (a loaded head to swap in with :meth:`use_proposer`),
         refused with one sentence where the head cannot run here; nothing of the engine changes."""
         if self.proposer is None or isinstance(self.proposer, DraftModelProposer):
@@ -277,8 +276,9 @@ class Engine(Generates):
         """The proposer (None: the standard pipeline) and fresh statistics of one request."""
         proposer = self.proposer
         if self.mode == "tree":
+            assert proposer is not None  # a tree always has one (__init__, use_proposer)
             policy = self.policy
-            stats = TreeStats(
+            return proposer, TreeStats(
                 mode="tree",
                 prompt_tokens=0,
                 schedule=proposer.schedule,
@@ -288,7 +288,6 @@ class Engine(Generates):
                 children=policy.max_children,
                 accepted_by_sibling=[0] * max(policy.max_width, policy.max_children),
             )
-            return proposer, stats
         if use_head and proposer is None:
             raise SpdInputError(NEEDS_HEAD)
         proposer = proposer if use_head else None
@@ -299,6 +298,17 @@ class Engine(Generates):
             speculator_layers=proposer.num_layers if proposer is not None else 0,
         )
         return proposer, stats
+
+
+def _renamed_n_stages(n_stages: int | None, stages: int | None) -> int | None:
+    """:meth:`Engine.from_pretrained`'s stage count: ``n_stages``, or ``stages``, its old name (deprecated)."""
+    if stages is not None:
+        # stacklevel 3: the warning names from_pretrained's caller.
+        warnings.warn("Engine.from_pretrained's stages= is now n_stages=", DeprecationWarning, stacklevel=3)
+        if n_stages is not None and n_stages != stages:
+            raise SpdInputError(f"n_stages={n_stages} and stages={stages} disagree; pass n_stages only")
+        n_stages = stages
+    return n_stages
 
 
 def check_cut(n_stages, boundaries) -> None:
@@ -315,7 +325,15 @@ def check_cut(n_stages, boundaries) -> None:
         raise SpdInputError(f"boundaries must be a list of layer indices, e.g. [0, 8, 16, 23, 30], got {boundaries!r}")
 
 
-def chain_proposer(staged: StagedModel, head, tokenizer=None) -> Proposer | None:
+@overload
+def chain_proposer(staged: StagedModel, head: None, tokenizer=None) -> None: ...
+
+
+@overload
+def chain_proposer(staged: StagedModel, head: torch.nn.Module, tokenizer=None) -> Proposer: ...
+
+
+def chain_proposer(staged: StagedModel, head: torch.nn.Module | None, tokenizer=None) -> Proposer | None:
     """The proposer of a chain with ``head`` (None: none, the standard pipeline); it checks the head fits the target."""
     if head is None:
         return None
@@ -325,11 +343,9 @@ def chain_proposer(staged: StagedModel, head, tokenizer=None) -> Proposer | None
             f"the speculator is {head_param.dtype} on {head_param.device} but the target is "
             f"{staged.dtype} on {staged.device}; load both with the same dtype and device"
         )
-    spd_head = (
-        isinstance(head, Speculator) and head.config.schedule == "input" and head.config.max_depth == staged.n_stages
-    )
-    kind = SpdHeadProposer if spd_head else HeadProposer
-    return kind(head, staged, children=1, mode="spd", tokenizer=tokenizer)
+    if isinstance(head, Speculator) and head.config.schedule == "input" and head.config.max_depth == staged.n_stages:
+        return SpdHeadProposer(head, staged, children=1, mode="spd", tokenizer=tokenizer)
+    return HeadProposer(head, staged, children=1, mode="spd", tokenizer=tokenizer)
 
 
 def tree_proposer_of(staged: StagedModel, head, tokenizer, draft: Draft | None, children: int) -> Proposer:

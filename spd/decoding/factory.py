@@ -4,7 +4,7 @@ benchmarks all call :func:`load_pipeline` (load and build) or :func:`build_engin
 ``ar``, ``pp``, ``spd`` and ``tree`` are :class:`~spd.decoding.engine.Engine`: a chain (``ar``, ``pp``, ``spd``: the
 mode picks the proposer) or a tree with the head of width W or a draft model; ``sd`` is serial
 drafting (:class:`~spd.decoding.sd.SpeculativeDecoder`) with a head trained with variant=eagle or a draft model.
-``stages`` replaces the single-process stages (the runtime's :class:`~spd.runtime.remote.RemoteStages`).
+``stages``, a stage back-end, replaces the single-process one (the runtime's :class:`~spd.runtime.remote.RemoteStages`).
 """
 
 from __future__ import annotations

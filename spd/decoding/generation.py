@@ -1,4 +1,4 @@
-"""Autoregressive decoding on the staged target (the exact baseline), and the statistics every decoder returns.
+"""Autoregressive decoding on the staged target (the exact baseline), and what every decoder returns.
 
 The AR decoder runs all stages for each new token with preallocated per-stage KV caches and no
 per-step allocation beyond the model's own activations; its greedy output is the argmax at every step, which is
@@ -13,38 +13,13 @@ import numbers
 import operator
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
 from ..target.staging import SpdInputError, StagedModel
 from .sampling import SamplingParams, select_token
-
-
-@dataclass
-class GenerationStats:
-    """What one generate call did; ``as_dict()`` is the ``stats`` object of ``spd-generate --json``."""
-
-    mode: str
-    prompt_tokens: int
-    new_tokens: int = 0  # tokens returned (the first one comes from the prefill logits)
-    stop_reason: str = ""  # "eos", "max_new_tokens", "context_full" or "stopped" (on_token returned True)
-    prefill_time_s: float = 0.0
-    wall_time_s: float = 0.0  # prefill + decode
-    # One flag per new token: True where it is a speculated token that verification accepted (the first
-    # token, a replacement after a rejection, and every AR / plain-pipeline token are False).
-    token_acceptance: list[bool] = field(default_factory=list)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["wall_time_s"] = round(self.wall_time_s, 4)
-        d["prefill_time_s"] = round(self.prefill_time_s, 4)
-        d["tokens_per_s"] = round(self.tokens_per_s, 2)
-        return d
+from .stats import GenerationStats
 
 
 @dataclass

@@ -58,14 +58,15 @@ def resolve_cut(spec: DecodingSpec) -> PipelineCut:
     spec.check_sources()
     # The local config and weights, each named if damaged, before anything loads (a hub id's files arrive whole;
     # the tokenizer's files are checked where they are read, spd.target.tokenizer.load_tokenizer).
+    assert spec.target is not None  # check_sources refused a missing target
     check_model_files(spec.target, "target", weights=True)
     if spec.draft_model is not None:
         check_model_files(spec.draft_model, "draft model", weights=True)
     head = read_head(spec.speculator, spec.speculator_revision) if spec.speculator is not None else None
-    stages, boundaries = pipeline_cut(spec.stages, spec.boundaries, head, None, spec.target, spec.revision)
+    n_stages, boundaries = pipeline_cut(spec.stages, spec.boundaries, head, None, spec.target, spec.revision)
     # Given, the head's or N stages (equal where N divides the layers, else the larger stages first): one rule,
     # split_layers, so that a stage process of the distributed runtime derives the same cut from the same flags.
-    boundaries = split_layers(target_num_layers(spec.target, spec.revision), stages, boundaries)
+    boundaries = split_layers(target_num_layers(spec.target, spec.revision), n_stages, boundaries)
     if head is not None:
         check_fit(head, boundaries, spec)
     return PipelineCut(len(boundaries) - 1, boundaries, head)
@@ -82,8 +83,10 @@ def check_fit(head: HeadSource, boundaries: list[int], spec: DecodingSpec, asked
             boundaries if len(boundaries) - 1 == head.n_stages else split_layers(num_layers, head.n_stages)
         )
     else:
-        problem = depth_problem(head.boundaries[-1], num_layers) if head.boundaries[-1] != num_layers else None
-        head_boundaries = head.boundaries
+        trained = head.boundaries
+        assert trained is not None  # ours: the cut it was trained for
+        problem = depth_problem(trained[-1], num_layers) if trained[-1] != num_layers else None
+        head_boundaries = trained
     if problem is None and head_boundaries != boundaries:
         asked = asked or (
             f"{cut_flag(boundaries)} asks for" if spec.boundaries is not None else f"--stages {spec.stages} asks for"
@@ -105,6 +108,7 @@ def load_parts(
     cut = cut or resolve_cut(spec)
     dtype = getattr(torch, spec.dtype)
     if staged is None:
+        assert spec.target is not None  # resolve_cut checked the sources
         staged = StagedModel.from_pretrained(
             spec.target,
             n_stages=cut.n_stages,

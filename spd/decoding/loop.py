@@ -21,8 +21,8 @@ unit ``K`` counts):
 3. When the root's level leaves stage ``n``, the target's distribution ``p`` for position ``P + 1`` is known and
    the root's children are verified: greedy: the child equal to ``argmax p``; top-K candidates at T > 0:
    children tried in order, accepting ``x`` with probability ``p(x)`` and otherwise removing ``x`` from ``p``
-   (:func:`spd.decoding.tree.verify_sampled_deterministic`); sampled candidates: recursive rejection sampling
-   against the ``q`` they were drawn from (:func:`spd.decoding.tree.verify_sampled_recursive`). The chosen token
+   (:func:`spd.decoding.verify.verify_sampled_deterministic`); sampled candidates: recursive rejection sampling
+   against the ``q`` they were drawn from (:func:`spd.decoding.verify.verify_sampled_recursive`). The chosen token
    is committed, stage 1's next level is released, then the other stages' reports are taken;
    - hit (it is a child ``c``): the tree, every stage's tree KV, the in-flight activations and the proposer's
      own state are pruned with one index set (the subtree of ``c``); the old root's KV row becomes the last
@@ -43,7 +43,7 @@ sampled candidates recursive rejection sampling, exact because each child was dr
 earlier siblings and the number of children was fixed before drawing (docs/method.md). Never accept branches
 independently: that over-samples the candidates.
 
-Stage back-ends: :class:`LocalStages` (every stage in this process, the reference) and
+Stage back-ends: :class:`spd.decoding.backend.LocalStages` (every stage in this process, the reference) and
 :class:`spd.runtime.remote.RemoteStages` (one process per stage) implement the same methods: ``configure``,
 ``prefill``, ``launch_level``, ``advance``, ``prune``, ``flush``. When every level of the request is one node
 (``paths``: width 1), a level travels and runs as a plain token (contiguous positions, the causal mask, the
@@ -57,227 +57,20 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import torch
 
-from ..target.kv_cache import StageKVCache
-from ..target.segments import Segment
-from ..target.staging import StagedModel, StageOutput
+from ..target.staging import StagedModel
+from .backend import StageBackend
+from .driver import COLLECT, Advance, Prefill, Propose, Steps, TargetLogits, drive
 from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set, first_output, stop_reason
-from .proposers import Proposer, propose_many
+from .proposers import Proposer
 from .sampling import SamplingParams, select_token, warped_probs
 from .stats import PipelineStats, TreeStats
-from .tree import (
-    Level,
-    TokenTree,
-    grow_sampled,
-    grow_top_k,
-    verify_greedy,
-    verify_sampled_deterministic,
-    verify_sampled_recursive,
-)
-from .tree_width import AdaptiveWidth, FixedWidth
-
-
-class LocalStages:
-    """All ``n`` stages in this process, each with its own KV cache: the reference stage back-end
-    (:class:`spd.decoding.backend.StageBackend`).
-
-    The loop talks to its stages only through these methods; :class:`spd.runtime.remote.RemoteStages` implements
-    them over ``torch.distributed`` (one process per stage).
-    """
-
-    def __init__(self, staged: StagedModel):
-        self.staged = staged
-        self.caches: list[StageKVCache] = []
-        self.stage_anchors: list[list[int]] = [[] for _ in range(staged.n_stages)]
-        self.paths = False
-
-    def configure(self, stage_anchors: list[list[int]], paths: bool = False) -> None:
-        """Which hidden states ``H^l`` each stage reports (empty lists: none); ``paths``: every level of the coming
-        requests is one node whose ancestors are all the nodes before it (a chain)."""
-        self.stage_anchors = stage_anchors
-        self.paths = paths
-
-    def prefill(self, prompt_ids_1T: torch.Tensor, anchors: list[int], capacity: int) -> StageOutput:
-        """Start a request: fresh caches, the prompt through every stage; H^L and ``anchors`` for all positions."""
-        self.caches = self.staged.new_caches(capacity=capacity)
-        return self.staged.forward_stages(prompt_ids_1T, self.caches, anchors=anchors)
-
-    def launch_level(self, level: Level, tree: TokenTree, committed: int, early: bool = False) -> None:
-        """A level at depth 0 is about to enter stage 1 (``early``: made during this step, before its
-        verification); remote stages get it now or at the next step; here it runs at the next advance."""
-
-    def advance(self, levels: list[Level], tree: TokenTree, committed: int) -> None:
-        """Every level in flight runs its next stage: committed rows plus its ancestors, at committed + depth."""
-        for level in levels:
-            stage = level.depth
-            cache = self.caches[stage]
-            self._check(level, committed)
-            if self.paths:  # a chain's node: the next position, causal
-                out = self.staged.run_stage(stage, level.hidden_1TD, cache, anchors=self.stage_anchors[stage])
-            else:
-                positions_1T, tree_mask_TN = self._tree_rows(level, tree, committed)
-                out = self.staged.run_stage(
-                    stage,
-                    level.hidden_1TD,
-                    cache,
-                    positions_1T,
-                    anchors=self.stage_anchors[stage],
-                    tree_mask_TN=tree_mask_TN,
-                )
-            self.took(level, out)
-
-    def segment(self, level: Level, tree: TokenTree, committed: int) -> Segment:
-        """The level's next stage as a segment of a ragged batch (:mod:`spd.target.ragged`; pooled caches)."""
-        self._check(level, committed)
-        if self.paths:
-            return Segment(self.caches[level.depth], level.hidden_1TD, anchors=self.stage_anchors[level.depth])
-        positions_1T, tree_mask_TN = self._tree_rows(level, tree, committed)
-        return Segment(
-            self.caches[level.depth], level.hidden_1TD, positions_1T[0], tree_mask_TN, self.stage_anchors[level.depth]
-        )
-
-    def took(self, level: Level, out: StageOutput) -> None:
-        """The level ran its next stage with output ``out``."""
-        for index, hidden_1TD in out.anchors.items():
-            level.anchors[index] = hidden_1TD[0]
-        level.hidden_1TD = out.hidden_BTD
-        level.depth += 1
-
-    def _check(self, level: Level, committed: int) -> None:
-        cache = self.caches[level.depth]
-        if cache.length != committed + level.start:
-            raise RuntimeError(
-                f"stage {level.depth} holds {cache.length} rows but the level starting at tree node "
-                f"{level.start} expects {committed + level.start}"
-            )
-
-    def _tree_rows(self, level: Level, tree: TokenTree, committed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The level's position ids ``(1, T)`` (committed + depth) and its rows of the ancestor mask ``(T, N)``."""
-        start, end = level.start, level.start + level.size
-        return tree.positions(committed)[start:end][None].to(self.staged.device), tree.mask()[start:end, :end]
-
-    def prune(self, committed: int, kept: torch.Tensor) -> None:
-        """The root (row ``committed``) is committed; every stage keeps the subtree ``kept`` (old tree indices). A
-        chain keeps every node in place: nothing to move."""
-        if not self.paths:
-            self.staged.prune_tree(self.caches, committed, kept)
-
-    def flush(self, length: int) -> None:
-        """Drop every in-flight activation and cut every stage's KV cache to ``length`` tokens."""
-        self.staged.truncate(self.caches, length)
-
-
-@dataclass
-class Prefill:
-    """Work a request hands its driver: the prompt through every stage (fresh caches of ``capacity`` rows); the
-    driver answers with the :class:`~spd.target.staging.StageOutput` (H^L and ``anchors`` for every position)."""
-
-    ids_1T: torch.Tensor
-    anchors: list[int]
-    capacity: int
-
-
-@dataclass
-class Advance:
-    """Work a request hands its driver: every level of ``levels`` runs its next stage (``stages.advance``). The
-    driver may start it at once; the request then goes on (the proposer's next level) until it hands over
-    :data:`COLLECT`, where it needs the outputs.
-
-    ``after_verify``: the second advance of a step whose root level left stage ``n`` (the other levels, after the
-    verification pruned them). ``then``: at such a step's first advance, the levels that the second one will move
-    if they survive the verification. :func:`drive` runs them after it (pruned first); a batched driver runs them
-    with the first advance, in the same stage calls, and the verification then prunes their outputs and rows,
-    so its second advance has nothing left to run.
-    """
-
-    levels: list[Level]
-    tree: TokenTree
-    committed: int
-    after_verify: bool = False
-    then: list[Level] = field(default_factory=list)
-
-
-@dataclass
-class Propose:
-    """Work a request hands its driver: the proposer's distributions after the tree's bottom nodes,
-    ``proposer.expand(tree, context, levels)``; the driver answers with the ``(L, X)`` log-probabilities. :func:`drive`
-    asks the proposer at once; a batched driver asks every request's proposer together
-    (:func:`spd.decoding.proposers.propose_many`: one batched head call where the proposers share a head)."""
-
-    proposer: Proposer
-    tree: TokenTree
-    context: list[int]
-    levels: list[Level]
-
-    def answer(self) -> torch.Tensor:
-        """The proposer's answer, asked alone."""
-        return self.proposer.expand(self.tree, self.context, self.levels)
-
-
-@dataclass
-class TargetLogits:
-    """Work a request hands its driver: the target's logits ``(1, V)`` after its root's last row (what the verification
-    reads). A batched driver computes those of many requests in one LM-head call (:func:`answer_many`)."""
-
-    staged: StagedModel
-    hidden_1D: torch.Tensor
-
-    def answer(self) -> torch.Tensor:
-        """The logits, asked alone."""
-        return self.staged.logits(self.hidden_1D)
-
-
-def answer_many(items: list) -> list[torch.Tensor]:
-    """The answers to many requests' questions (:class:`Propose`, :class:`TargetLogits`), in their order: the
-    proposers' together where they share a head (:func:`~spd.decoding.proposers.propose_many`), the target's
-    logits in one LM-head call per target; a question alone of its kind is asked alone."""
-    answers: list[torch.Tensor | None] = [None] * len(items)
-    proposals = [i for i, item in enumerate(items) if isinstance(item, Propose)]
-    for i, answer in zip(proposals, propose_many([items[i] for i in proposals])):
-        answers[i] = answer
-    by_target: dict[int, list[int]] = {}
-    for i, item in enumerate(items):
-        if isinstance(item, TargetLogits):
-            by_target.setdefault(id(item.staged), []).append(i)
-    for indices in by_target.values():
-        if len(indices) == 1:
-            answers[indices[0]] = items[indices[0]].answer()
-            continue
-        logits_BV = items[indices[0]].staged.logits(torch.cat([items[i].hidden_1D for i in indices]))
-        for i, logits_1V in zip(indices, logits_BV.split(1)):
-            answers[i] = logits_1V
-    return answers
-
-
-class Collect:
-    """The point where a request needs the outputs of the :class:`Advance` it handed over last: the driver finishes
-    that work (and applies its outputs to the levels) before it resumes the request."""
-
-
-COLLECT = Collect()
-
-
-def drive(stages, steps: Generator) -> GenerationOutput:
-    """Run one request's :meth:`StepLoop.steps` on ``stages`` alone. An advance runs when the request collects it:
-    after the proposer's step, which a remote back-end's stages overlap with work they already have."""
-    try:
-        work, pending = next(steps), None
-        while True:
-            if isinstance(work, Prefill):
-                work = steps.send(stages.prefill(work.ids_1T, work.anchors, work.capacity))
-            elif isinstance(work, (Propose, TargetLogits)):
-                work = steps.send(work.answer())
-            elif isinstance(work, Advance):
-                pending, work = work, steps.send(None)
-            else:
-                stages.advance(pending.levels, pending.tree, pending.committed)
-                work = steps.send(None)
-    except StopIteration as done:
-        return done.value
+from .tree import Level, TokenTree, grow_sampled, grow_top_k
+from .tree_width import WidthPolicy
+from .verify import verify_greedy, verify_sampled_deterministic, verify_sampled_recursive
 
 
 def anchors_by_stage(boundaries: list[int], needed) -> list[list[int]]:
@@ -297,8 +90,8 @@ def verify_sampled(
 class StepLoop:
     """The step loop of the module docstring over one stage back-end, for any proposer (or none: ``pp``)."""
 
-    def __init__(self, staged: StagedModel, stages, policy: FixedWidth | AdaptiveWidth, candidates: str = "auto"):
-        self.staged, self.stages, self.policy, self.candidates = staged, stages, policy, candidates
+    def __init__(self, staged: StagedModel, backend: StageBackend, policy: WidthPolicy, candidates: str = "auto"):
+        self.staged, self.backend, self.policy, self.candidates = staged, backend, policy, candidates
         self.verify_sampled = verify_sampled  # the rule for sampled children (a test swaps in a lossy control)
 
     def stage_anchors(self, proposer: Proposer | None) -> list[list[int]]:
@@ -318,7 +111,7 @@ class StepLoop:
     ) -> GenerationOutput:
         """One request (no EOS unless given); ``stats`` is filled in (a TreeStats gets the tree's counters too)."""
         return drive(
-            self.stages, self.steps(proposer, input_ids, max_new_tokens, sampling, eos_token_id, on_token, stats)
+            self.backend, self.steps(proposer, input_ids, max_new_tokens, sampling, eos_token_id, on_token, stats)
         )
 
     def steps(
@@ -330,75 +123,33 @@ class StepLoop:
         eos_token_id,
         on_token: OnToken | None,
         stats: PipelineStats,
-        stages=None,
-        policy: FixedWidth | AdaptiveWidth | None = None,
-    ) -> Generator[Prefill | Advance | Propose | TargetLogits, object, GenerationOutput]:
-        """The loop of one request as a generator: it hands its stage work (:class:`Prefill`, :class:`Advance`) and
-        its questions (:class:`Propose`: the proposer's query; :class:`TargetLogits`: the verification's logits)
-        to a driver and returns the :class:`GenerationOutput`. :meth:`run` drives it alone (:func:`drive`); a batched
-        driver runs the work of many requests together. ``stages`` and ``policy`` are the request's own (default:
-        this loop's); every other call on ``stages`` (``configure``, ``launch_level``, ``prune``, ``flush``) is
+        backend: StageBackend | None = None,
+        policy: WidthPolicy | None = None,
+    ) -> Steps:
+        """The loop of one request as a generator: it hands its stage work (:class:`~.driver.Prefill`,
+        :class:`~.driver.Advance`) and its questions (:class:`~.driver.Propose`: the proposer's query;
+        :class:`~.driver.TargetLogits`: the verification's logits) to a driver (:mod:`spd.decoding.driver`) and
+        returns the :class:`GenerationOutput`. :meth:`run` drives it alone (:func:`~.driver.drive`); a batched
+        driver runs the work of many requests together. ``backend`` and ``policy`` are the request's own (default:
+        this loop's); every other call on ``backend`` (``configure``, ``launch_level``, ``prune``, ``flush``) is
         made here, on the request's own back-end. The request's state and its step are :class:`_Request`."""
-        staged = self.staged
-        stages = self.stages if stages is None else stages
+        backend = self.backend if backend is None else backend
         policy = self.policy if policy is None else policy
         prompt = as_prompt_ids(input_ids)
-        budget = check_request(staged, prompt, max_new_tokens)
+        budget = check_request(self.staged, prompt, max_new_tokens)
         eos = eos_set(eos_token_id)
-        n = staged.n_stages
-        end_position = len(prompt) + budget  # positions >= this are never committed
-        rule = "top-k" if sampling.greedy or self.candidates == "top-k" else "sampled"
-        tree_stats = stats if isinstance(stats, TreeStats) else None
-        if tree_stats is not None:
-            tree_stats.candidates = rule
-        stats.prompt_tokens, stats.stages, stats.target_layers = len(prompt), n, staged.num_layers
-        stats.stage_layers = [b - a for a, b in zip(staged.boundaries, staged.boundaries[1:])]
-        stats.verified_by_position, stats.accepted_by_position = [0] * n, [0] * n
-        generator = None if sampling.greedy else sampling.generator(staged.device)
-        capacity = end_position + n * policy.max_width + 1
-        policy.reset()
-        stages.configure(self.stage_anchors(proposer), paths=policy.max_width == 1)
-
-        t0 = time.perf_counter()
-        # Run the prompt through every stage and the proposer; the first new token comes from the last logits.
-        prefill = yield Prefill(
-            torch.tensor([prompt], dtype=torch.long, device=staged.device),
-            list(proposer.prefill_anchors) if proposer is not None else [],
-            capacity,
-        )
-        if proposer is not None:
-            proposer.start(prompt, prefill.anchors, capacity)
-        first = int(select_token(staged.logits(prefill.hidden_BTD[:, -1]), sampling, generator)[0])
-        stats.prefill_time_s = time.perf_counter() - t0
-        out, stop = first_output(first, stats, eos, budget, max_new_tokens, on_token)
+        generator = None if sampling.greedy else sampling.generator(self.staged.device)
         request = _Request(
-            self,
-            proposer,
-            stages,
-            policy,
-            sampling,
-            generator,
-            stats,
-            tree_stats,
-            rule,
-            end_position,
-            eos,
-            budget,
-            max_new_tokens,
-            on_token,
-            list(prompt),
-            TokenTree(first),
-            out,
-            stop,
+            self, proposer, backend, policy, sampling, generator, stats, eos, budget, max_new_tokens, on_token, prompt
         )
-        request.levels = [request.enter_root()]
+        request.start_stats()
+        capacity = request.end_position + self.staged.n_stages * policy.max_width + 1
+        policy.reset()
+        backend.configure(self.stage_anchors(proposer), paths=policy.max_width == 1)
+        yield from request.prefill(capacity)
         while not request.stop:
             yield from request.step()
-        stats.wall_time_s = time.perf_counter() - t0
-        stats.stop_reason = request.stop
-        stats.new_tokens = len(out)
-        stats.decode_tokens = len(out) - 1
-        return GenerationOutput(out, stats, prompt)
+        return request.output()
 
     # ------------------------------------------------------------------------------------ pieces
     def _enter(self, tree: TokenTree, start: int, end: int, rank: int, needs_embedding: bool) -> Level:
@@ -439,7 +190,7 @@ class StepLoop:
         generator: torch.Generator | None,
         stats: PipelineStats,
         rule: str,
-        policy: FixedWidth | AdaptiveWidth,
+        policy: WidthPolicy,
     ) -> tuple[int, int | None]:
         """The committed token after the root (the target's logits ``logits_1V`` after it) and the tree index of the
         accepted child (None: a miss or nothing to verify)."""
@@ -478,28 +229,72 @@ class _Request:
 
     loop: StepLoop
     proposer: Proposer | None
-    stages: object
-    policy: FixedWidth | AdaptiveWidth
+    backend: StageBackend
+    policy: WidthPolicy
     sampling: SamplingParams
     generator: torch.Generator | None
     stats: PipelineStats
-    tree_stats: TreeStats | None
-    rule: str
-    end_position: int
     eos: frozenset[int]
     budget: int
     max_new_tokens: int
     on_token: OnToken | None
-    context: list[int]
-    tree: TokenTree
-    out: list[int]
-    stop: str | None
+    prompt: list[int]
+    rule: str = field(init=False)  # the candidate rule: "top-k" or "sampled"
+    tree_stats: TreeStats | None = field(init=False)
+    end_position: int = field(init=False)  # positions >= this are never committed
+    context: list[int] = field(init=False)
+    t0: float = field(init=False)  # when the prefill started
+    tree: TokenTree = field(init=False)
+    out: list[int] = field(init=False)
+    stop: str = field(init=False)
     levels: list[Level] = field(default_factory=list)
     grown: int = 0
+
+    def __post_init__(self) -> None:
+        self.rule = "top-k" if self.sampling.greedy or self.loop.candidates == "top-k" else "sampled"
+        self.tree_stats = self.stats if isinstance(self.stats, TreeStats) else None
+        self.end_position = len(self.prompt) + self.budget
+        self.context = list(self.prompt)
 
     @property
     def schedule(self) -> str:
         return self.proposer.schedule if self.proposer is not None else "none"
+
+    def start_stats(self) -> None:
+        """The statistics' settings: the prompt, the cut, the candidate rule, the counters by position."""
+        stats, staged, n = self.stats, self.loop.staged, self.loop.staged.n_stages
+        if self.tree_stats is not None:
+            self.tree_stats.candidates = self.rule
+        stats.prompt_tokens, stats.stages, stats.target_layers = len(self.prompt), n, staged.num_layers
+        stats.stage_layers = [b - a for a, b in zip(staged.boundaries, staged.boundaries[1:])]
+        stats.verified_by_position, stats.accepted_by_position = [0] * n, [0] * n
+
+    def prefill(self, capacity: int):
+        """The prompt through every stage (caches of ``capacity`` rows) and the proposer; the first new token comes
+        from the last logits and the root enters stage 1 (a generator, as ``steps``)."""
+        staged, proposer, prompt = self.loop.staged, self.proposer, self.prompt
+        self.t0 = time.perf_counter()
+        prefill = yield Prefill(
+            torch.tensor([prompt], dtype=torch.long, device=staged.device),
+            list(proposer.prefill_anchors) if proposer is not None else [],
+            capacity,
+        )
+        if proposer is not None:
+            proposer.start(prompt, prefill.anchors, capacity)
+        first = int(select_token(staged.logits(prefill.hidden_BTD[:, -1]), self.sampling, self.generator)[0])
+        self.stats.prefill_time_s = time.perf_counter() - self.t0
+        self.out, self.stop = first_output(first, self.stats, self.eos, self.budget, self.max_new_tokens, self.on_token)
+        self.tree = TokenTree(first)
+        self.levels = [self.enter_root()]
+
+    def output(self) -> GenerationOutput:
+        """The request's output, its statistics completed."""
+        stats, out = self.stats, self.out
+        stats.wall_time_s = time.perf_counter() - self.t0
+        stats.stop_reason = self.stop
+        stats.new_tokens = len(out)
+        stats.decode_tokens = len(out) - 1
+        return GenerationOutput(out, stats, self.prompt)
 
     def enter_root(self) -> Level:
         """The root alone, about to enter stage 1 (a seed: its rank is 0 while the pipeline refills)."""
@@ -542,7 +337,7 @@ class _Request:
         return self.loop._enter(tree, int(new_N[0]), len(tree), rank=rank, needs_embedding=0 in proposer.needed_anchors)
 
     def advance(self, moving: list[Level], committed: int, after_verify: bool = False, meanwhile=None, then=()):
-        """Step 2 for ``moving``, handed to the driver (``then``: see :class:`Advance`); ``meanwhile()`` (step 1)
+        """Step 2 for ``moving``, handed to the driver (``then``: see :class:`~.driver.Advance`); ``meanwhile()`` (step 1)
         runs before the outputs are collected, while a driver's stages compute; then the proposer sees their
         new state. Returns what ``meanwhile`` returned."""
         tokens = self.stats.stage_tokens[-1]
@@ -565,7 +360,7 @@ class _Request:
         if new_level is not None:
             # Remote stages may start on it before this step's verification (a prune or miss reaches it
             # through the epoch); the single-process back-end runs it next step.
-            self.stages.launch_level(new_level, self.tree, committed, early=exits)
+            self.backend.launch_level(new_level, self.tree, committed, early=exits)
         if self.tree_stats is not None:
             self.tree_stats.tree_nodes_total += len(self.tree)
             self.tree_stats.max_tree_size = max(self.tree_stats.max_tree_size, len(self.tree))
@@ -579,7 +374,7 @@ class _Request:
         committed = len(self.context)
         levels = self.levels
         if levels[-1].depth == 0:
-            self.stages.launch_level(levels[-1], self.tree, committed)
+            self.backend.launch_level(levels[-1], self.tree, committed)
         exits = levels[0].depth == self.loop.staged.n_stages - 1  # the root's level leaves stage n this step
         # 2. Every stage advances the level it holds. The root's level, leaving stage n, is taken first, so that its
         #    verification (3) releases stage 1's next level before the other reports are read. The new level does
@@ -610,7 +405,7 @@ class _Request:
         token, prunes the tree (a hit) or reseeds it (a miss); returns the levels whose stages ran this step too and
         are still to be taken (a generator, as ``steps``)."""
         tick = time.perf_counter()
-        tree, stats, stages, proposer = self.tree, self.stats, self.stages, self.proposer
+        tree, stats, backend, proposer = self.tree, self.stats, self.backend, self.proposer
         root = self.levels.pop(0)
         rest = list(self.levels)  # their stages ran this step too; taken after the prune
         if new_level is not None:
@@ -626,7 +421,7 @@ class _Request:
         self.stop = stop_reason(token, self.out, self.eos, self.budget, self.max_new_tokens)
         if child is not None:
             kept = tree.prune_to_child(child)
-            stages.prune(committed, kept)
+            backend.prune(committed, kept)
             kept_list = kept.tolist()
             self.levels = [
                 lv for lv in (self.loop._prune_level(lv, kept, kept_list) for lv in self.levels) if lv is not None
@@ -636,12 +431,12 @@ class _Request:
             # Miss: reseed from the committed token (nothing proposed: it is simply the next root).
             tree.reset(token)
             if proposed:
-                stages.flush(committed + 1)
+                backend.flush(committed + 1)
             self.levels = [self.enter_root()]
             self.grown = 0
             rest = []  # discarded with the flush
         if not self.stop and self.levels[-1].depth == 0:
-            stages.launch_level(self.levels[-1], tree, len(self.context))  # stage 1's next level, as soon as decided
+            backend.launch_level(self.levels[-1], tree, len(self.context))  # stage 1's next level, as soon as decided
         # The proposer's own bookkeeping comes after that release (not on the stages' critical path).
         if proposer is not None:
             proposer.commit_root(root)

@@ -6,6 +6,7 @@ the output's text (:func:`generate_request`), and ``generate`` and ``chat`` them
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -110,7 +111,7 @@ class Detokenizer:
     first token, and the window's first token is decoded in both texts compared.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.prefix = 0  # where the decoded window starts
@@ -173,6 +174,10 @@ class Generates:
 
     mode = ""
     engine_name = ""
+    staged: StagedModel  # the target
+    tokenizer: Any  # its Hugging Face tokenizer, or None (token-id prompts only)
+    # One request of the engine's own mode: run(prompt_ids, max_new_tokens, sampling, eos_token_id, on_token).
+    run: Callable[..., GenerationOutput]
 
     def check_mode(self, mode: str) -> None:
         """Refuse (one sentence) a mode this engine does not run."""
@@ -218,18 +223,7 @@ class Generates:
         mode = mode or self.mode
         self.check_mode(mode)
         sampling = sampling_of(sampling, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        prompts = _prompt_list(prompt)
-        if prompts is not None and (streamer is not None or on_token is not None):
-            raise SpdInputError(
-                "streamer and on_token follow one request; pass one prompt per call to stream, not a list"
-            )
-        _as_callback(streamer, on_token, self.tokenizer)  # refused before anything runs, as a wrong EOS is
-        eos_set(eos_token_id)
-        requests = []
-        for one in prompts if prompts is not None else [prompt]:
-            ids = prompt_ids(self.tokenizer, one)
-            check_request(self.staged, ids, max_new_tokens)  # every prompt of a list, before any runs
-            requests.append(ids)
+        requests, listed = self._checked_ids(prompt, max_new_tokens, eos_token_id, streamer, on_token)
         outs = [
             generate_request(
                 self.staged,
@@ -245,7 +239,27 @@ class Generates:
             )
             for ids in requests
         ]
-        return outs if prompts is not None else outs[0]
+        return outs if listed else outs[0]
+
+    def _checked_ids(
+        self, prompt, max_new_tokens: int, eos_token_id, streamer, on_token: OnToken | None
+    ) -> tuple[list[list[int]], bool]:
+        """The token ids of a call's prompts and whether ``prompt`` is a list of them, with every argument its
+        requests read checked before any runs: the streamer (one prompt only), ``on_token``, the EOS and each
+        prompt."""
+        prompts = _prompt_list(prompt)
+        if prompts is not None and (streamer is not None or on_token is not None):
+            raise SpdInputError(
+                "streamer and on_token follow one request; pass one prompt per call to stream, not a list"
+            )
+        _as_callback(streamer, on_token, self.tokenizer)  # refused before anything runs, as a wrong EOS is
+        eos_set(eos_token_id)
+        requests = []
+        for one in prompts if prompts is not None else [prompt]:
+            ids = prompt_ids(self.tokenizer, one)
+            check_request(self.staged, ids, max_new_tokens)  # every prompt of a list, before any runs
+            requests.append(ids)
+        return requests, prompts is not None
 
     def chat(
         self,

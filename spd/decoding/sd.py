@@ -17,7 +17,7 @@ committed token and the head's own earlier drafts enter at depth 0 (their embedd
 2. The target runs ``[t, x_1..x_m]`` (``t`` the newest committed token) over its KV cache: the
    distributions ``p_1..p_{m+1}`` after ``t``, ``x_1``, ..., ``x_m``.
 3. Verification, left to right: greedy, ``x_i`` is accepted iff it is ``argmax p_i``; sampling,
-   with probability ``min(1, p_i(x_i) / q_i(x_i))`` (:func:`spd.decoding.tree.verify_sampled_recursive` with one
+   with probability ``min(1, p_i(x_i) / q_i(x_i))`` (:func:`spd.decoding.verify.verify_sampled_recursive` with one
    candidate). At the first rejection the target's token replaces ``x_i`` (greedy: the argmax;
    sampling: a draw from ``normalise(max(p_i - q_i, 0))``) and the iteration ends; if every draft is
    accepted, a bonus token is drawn from ``p_{m+1}``. So an iteration commits ``a + 1`` tokens for
@@ -31,7 +31,7 @@ Lossless: greedy output is the target's argmax chain (each committed token is ``
 committed prefix); sampled output follows the target's warped distribution exactly (standard
 speculative sampling; chi-square tested in ``tests/test_sd.py``).
 
-Metrics (:class:`SdStats`): ``mean_acceptance_length`` ``L_acc`` = decode tokens per iteration, and
+Metrics (:class:`~spd.decoding.stats.SdStats`): ``mean_acceptance_length`` ``L_acc`` = decode tokens per iteration, and
 the paper's theoretical speedup ``L_acc * L / (L_s * m + L)`` for a drafter of ``L_s`` layers (a draft
 model's layers counted as the target's, which favours the draft model: its layers are narrower; the
 head's ``L_s`` decoder layers, its LM head not counted, as the paper counts it). The
@@ -42,62 +42,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import SpdInputError
-from ..heads.speculator import Speculator
+from ..target.kv_cache import StageKVCache
 from ..target.staging import StagedModel
 from ..target.tokenizer import load_target_tokenizer
-from .generation import GenerationOutput, GenerationStats, OnToken, as_prompt_ids, check_request, eos_set, stop_reason
+from .generation import GenerationOutput, OnToken, as_prompt_ids, check_request, eos_set, first_output, stop_reason
 from .modes import check_proposer
 from .proposers import Draft, DraftModelProposer, Proposer, SerialHeadProposer, load_draft_model
 from .request import Generates
 from .sampling import SamplingParams, select_token, warped_probs
 from .spec import DecodingSpec
-from .tree import Level, TokenTree, verify_sampled_recursive
-
-
-@dataclass
-class SdStats(GenerationStats):
-    """GenerationStats plus what speculative decoding did (``as_dict()``: the CLI's ``--json`` stats)."""
-
-    draft_steps: int = 0  # m
-    source: str = "draft"  # the drafter: "draft" (a draft model) or "head" (variant eagle)
-    iterations: int = 0  # target forwards after the prefill (one per verification)
-    decode_tokens: int = 0  # tokens committed by iterations (new_tokens - 1)
-    drafted: int = 0
-    accepted: int = 0  # drafts accepted
-    # accepted_by_position[i] / verified_by_position[i]: acceptance of the (i+1)-th draft of an iteration.
-    verified_by_position: list[int] = field(default_factory=list)
-    accepted_by_position: list[int] = field(default_factory=list)
-    draft_layers: int = 0  # L_s
-    target_layers: int = 0  # L
-    draft_time_s: float = 0.0
-    target_time_s: float = 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """L_acc: tokens committed per iteration, the bonus / replacement token included."""
-        return self.decode_tokens / self.iterations if self.iterations else 0.0
-
-    @property
-    def theoretical_speedup(self) -> float:
-        """``L_acc * L / (L_s * m + L)`` (the paper's EAGLE row): m serial draft steps, then one target forward."""
-        if not self.iterations:
-            return 0.0
-        return (
-            self.mean_acceptance_length
-            * self.target_layers
-            / (self.draft_layers * self.draft_steps + self.target_layers)
-        )
-
-    def as_dict(self) -> dict:
-        d = super().as_dict()
-        d["mean_acceptance_length"] = round(self.mean_acceptance_length, 4)
-        d["theoretical_speedup"] = round(self.theoretical_speedup, 4)
-        return d
+from .stats import SdStats
+from .tree import Level, TokenTree
+from .verify import verify_sampled_recursive
 
 
 def _ids(tokens: list[int], model: StagedModel) -> torch.Tensor:
@@ -175,9 +135,12 @@ class SpeculativeDecoder(Generates):
         self.target, self.draft_steps, self.tokenizer = target, draft_steps, tokenizer
         self.staged = target  # Generates' name for the target
         # The cost model counts a draft model's layers (it runs serially here, not hidden behind a stage).
-        is_draft = isinstance(self.proposer, DraftModelProposer)
+        proposer = self.proposer
+        is_draft = isinstance(proposer, DraftModelProposer)
         self.source = "draft" if is_draft else "head"
-        self.draft_layers = self.proposer.draft.num_layers if is_draft else self.proposer.num_layers
+        self.draft_layers = (
+            proposer.draft.num_layers if isinstance(proposer, DraftModelProposer) else proposer.num_layers
+        )
 
     @classmethod
     def from_pretrained(
@@ -250,41 +213,12 @@ class SpeculativeDecoder(Generates):
         proposer.start(prompt, prefill.anchors, capacity)
         first = int(select_token(target.logits(prefill.hidden_BTD[:, -1]), sampling, generator)[0])
         stats.prefill_time_s = time.perf_counter() - t0
-        out = [first]
-        stats.token_acceptance.append(False)
-        stop = stop_reason(first, out, eos, budget, max_new_tokens)
-        if on_token is not None and on_token(first, False) and not stop:
-            stop = "stopped"
+        out, stop = first_output(first, stats, eos, budget, max_new_tokens, on_token)
         context = prompt + [first]  # committed; the target's cache holds all but the newest
 
         while not stop:
             steps = min(m, budget - len(out) - 1)  # an iteration commits at most steps + 1 tokens
-            tick = time.perf_counter()
-            drafts, qs = self._draft(context, steps, sampling, generator)
-            stats.draft_time_s += time.perf_counter() - tick
-            tick = time.perf_counter()
-            start = target_caches[0].length
-            run = target.forward_stages(_ids([context[-1]] + drafts, target), target_caches, anchors=anchors)
-            logits_TV = target.logits(run.hidden_BTD[0])
-            new, accepted = self._verify(logits_TV, drafts, qs, sampling, generator, stats)
-            stats.target_time_s += time.perf_counter() - tick
-            stats.iterations += 1
-            stats.drafted += len(drafts)
-            stats.accepted += accepted
-            # Keep the rows of the newest committed token and the accepted drafts; the rest is cut.
-            StagedModel.truncate(target_caches, start + 1 + accepted)
-            tick = time.perf_counter()
-            for i in range(1 + accepted):  # each kept row is committed, as a root leaving the last stage
-                proposer.commit_root(
-                    Level(
-                        start + i,
-                        run.hidden_BTD[:, i : i + 1],
-                        1,
-                        anchors={a: h[0, i : i + 1] for a, h in run.anchors.items()},
-                    )
-                )
-            proposer.reset(start + 1 + accepted)  # the chain is gone; that many committed rows are final
-            stats.draft_time_s += time.perf_counter() - tick
+            new, accepted = self._iteration(context, steps, sampling, generator, stats, target_caches, anchors)
             for j, token in enumerate(new):
                 out.append(token)
                 context.append(token)
@@ -300,6 +234,48 @@ class SpeculativeDecoder(Generates):
         stats.new_tokens = len(out)
         stats.decode_tokens = len(out) - 1
         return GenerationOutput(out, stats, prompt)
+
+    def _iteration(
+        self,
+        context: list[int],
+        steps: int,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        stats: SdStats,
+        target_caches: list[StageKVCache],
+        anchors: tuple[int, ...],
+    ) -> tuple[list[int], int]:
+        """One iteration after the committed ``context``: ``steps`` drafts, the target's forward over the newest
+        committed token and them, their verification; the target's caches and the proposer keep the rows that stay.
+        The tokens it commits (accepted drafts, then the replacement or bonus) and how many drafts were accepted."""
+        target, proposer = self.target, self.proposer
+        tick = time.perf_counter()
+        drafts, qs = self._draft(context, steps, sampling, generator)
+        stats.draft_time_s += time.perf_counter() - tick
+        tick = time.perf_counter()
+        start = target_caches[0].length
+        run = target.forward_stages(_ids([context[-1]] + drafts, target), target_caches, anchors=anchors)
+        logits_TV = target.logits(run.hidden_BTD[0])
+        new, accepted = self._verify(logits_TV, drafts, qs, sampling, generator, stats)
+        stats.target_time_s += time.perf_counter() - tick
+        stats.iterations += 1
+        stats.drafted += len(drafts)
+        stats.accepted += accepted
+        # Keep the rows of the newest committed token and the accepted drafts; the rest is cut.
+        StagedModel.truncate(target_caches, start + 1 + accepted)
+        tick = time.perf_counter()
+        for i in range(1 + accepted):  # each kept row is committed, as a root leaving the last stage
+            proposer.commit_root(
+                Level(
+                    start + i,
+                    run.hidden_BTD[:, i : i + 1],
+                    1,
+                    anchors={a: h[0, i : i + 1] for a, h in run.anchors.items()},
+                )
+            )
+        proposer.reset(start + 1 + accepted)  # the chain is gone; that many committed rows are final
+        stats.draft_time_s += time.perf_counter() - tick
+        return new, accepted
 
     @torch.inference_mode()
     def _draft(
@@ -338,6 +314,7 @@ class SpeculativeDecoder(Generates):
                 ok = token == x
             else:
                 p_V = warped_probs(logits_TV[i : i + 1], sampling)[0]
+                assert q_V is not None  # a sampled draft comes with its q (_pick)
                 index, token = self._accept(p_V, x, self._padded(q_V, p_V), generator)
                 ok = index is not None
             new.append(token)
@@ -363,13 +340,14 @@ class SpeculativeDecoder(Generates):
 
 
 def sd_engine(
-    staged: StagedModel, tokenizer, draft_steps: int, head: Speculator | None = None, draft: Draft | None = None
+    staged: StagedModel, tokenizer, draft_steps: int, head: torch.nn.Module | None = None, draft: Draft | None = None
 ) -> SpeculativeDecoder:
     """Serial speculative decoding of ``staged`` with one loaded drafter: ``head`` (trained with variant=eagle) or
     ``draft`` (a draft model, refused unless it shares the target's tokenizer)."""
     check_proposer("sd", head is not None, draft is not None)
     if head is not None:
         return SpeculativeDecoder(staged, SerialHeadProposer(head, staged), draft_steps, tokenizer)
+    assert draft is not None  # check_proposer: exactly one drafter
     return SpeculativeDecoder(staged, draft.model, draft_steps, tokenizer, draft_tokenizer=draft.tokenizer)
 
 
@@ -381,9 +359,12 @@ def build_sd_engine(
     draft_steps: int,
     dtype: torch.dtype,
     device: str | torch.device,
-    head: Speculator | None = None,
+    head: torch.nn.Module | None = None,
 ) -> SpeculativeDecoder:
     """:func:`sd_engine` with a draft model named by directory or hub id (loaded here when there is no head)."""
     check_proposer("sd", head is not None, draft_model is not None)
-    draft = load_draft_model(draft_model, draft_revision, dtype, device) if head is None else None
+    draft = None
+    if head is None:
+        assert draft_model is not None  # check_proposer: exactly one drafter
+        draft = load_draft_model(draft_model, draft_revision, dtype, device)
     return sd_engine(staged, tokenizer, draft_steps, head=head, draft=draft)

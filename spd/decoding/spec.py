@@ -82,7 +82,11 @@ def add_field_flags(settings: type, parser: argparse.ArgumentParser, exclude: tu
     for f in fields(settings):
         if f.name in exclude or "help" not in f.metadata:
             continue
-        default = f.default_factory() if f.default is MISSING else f.default
+        if f.default is not MISSING:
+            default = f.default
+        else:
+            assert f.default_factory is not MISSING  # flag() gives every field a default or a factory
+            default = f.default_factory()
         kwargs = {"default": default, "help": f.metadata["help"]}
         if f.metadata["required"]:
             kwargs = {"required": True, "help": f.metadata["help"]}
@@ -220,6 +224,7 @@ class DecodingSpec:
     def check(self) -> None:
         """The checks that need no model loaded (one SpdInputError each)."""
         mode, speculator, draft = self.mode, self.speculator is not None, self.draft_model is not None
+        assert mode is not None  # __post_init__ resolves the default
         check_mode(mode)
         check_proposer(mode, speculator, draft)
         check_unused(mode, speculator, draft)

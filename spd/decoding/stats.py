@@ -1,13 +1,40 @@
-"""What a pipelined run did: :class:`PipelineStats` (chain: ``spd`` and ``pp``) and :class:`TreeStats` (``tree``), with
-the metrics of docs/method.md §5: ``K`` steps, ``N`` tokens committed by decode steps (the first new token, taken
-from the prefill logits, is not one; ``new_tokens = N + 1`` counts it), ``alpha = N / K``, ``L'_acc = n * N / K``,
-the theoretical speedups of paper section 4.2."""
+"""What a run did, the statistics every decoder returns: :class:`GenerationStats` (every mode; ``ar`` alone),
+:class:`PipelineStats` (chain: ``spd`` and ``pp``), :class:`TreeStats` (``tree``) and :class:`SdStats` (``sd``).
+
+The pipelined modes report the metrics of docs/method.md §5: ``K`` steps, ``N`` tokens committed by decode steps (the
+first new token, taken from the prefill logits, is not one; ``new_tokens = N + 1`` counts it), ``alpha = N / K``,
+``L'_acc = n * N / K``, the theoretical speedups of paper section 4.2; serial drafting its mean acceptance length and
+the speedup of the paper's EAGLE row (:mod:`spd.decoding.sd`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
-from .generation import GenerationStats
+
+@dataclass
+class GenerationStats:
+    """What one generate call did; ``as_dict()`` is the ``stats`` object of ``spd-generate --json``."""
+
+    mode: str
+    prompt_tokens: int
+    new_tokens: int = 0  # tokens returned (the first one comes from the prefill logits)
+    stop_reason: str = ""  # "eos", "max_new_tokens", "context_full" or "stopped" (on_token returned True)
+    prefill_time_s: float = 0.0
+    wall_time_s: float = 0.0  # prefill + decode
+    # One flag per new token: True where it is a speculated token that verification accepted (the first
+    # token, a replacement after a rejection, and every AR / plain-pipeline token are False).
+    token_acceptance: list[bool] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["wall_time_s"] = round(self.wall_time_s, 4)
+        d["prefill_time_s"] = round(self.prefill_time_s, 4)
+        d["tokens_per_s"] = round(self.tokens_per_s, 2)
+        return d
 
 
 @dataclass
@@ -119,4 +146,45 @@ class TreeStats(PipelineStats):
         d = super().as_dict()
         d["mean_tree_size"] = round(self.mean_tree_size, 4)
         d["mean_width"] = round(self.mean_width, 4)
+        return d
+
+
+@dataclass
+class SdStats(GenerationStats):
+    """GenerationStats plus what speculative decoding did (``as_dict()``: the CLI's ``--json`` stats)."""
+
+    draft_steps: int = 0  # m
+    source: str = "draft"  # the drafter: "draft" (a draft model) or "head" (variant eagle)
+    iterations: int = 0  # target forwards after the prefill (one per verification)
+    decode_tokens: int = 0  # tokens committed by iterations (new_tokens - 1)
+    drafted: int = 0
+    accepted: int = 0  # drafts accepted
+    # accepted_by_position[i] / verified_by_position[i]: acceptance of the (i+1)-th draft of an iteration.
+    verified_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    draft_layers: int = 0  # L_s
+    target_layers: int = 0  # L
+    draft_time_s: float = 0.0
+    target_time_s: float = 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """L_acc: tokens committed per iteration, the bonus / replacement token included."""
+        return self.decode_tokens / self.iterations if self.iterations else 0.0
+
+    @property
+    def theoretical_speedup(self) -> float:
+        """``L_acc * L / (L_s * m + L)`` (the paper's EAGLE row): m serial draft steps, then one target forward."""
+        if not self.iterations:
+            return 0.0
+        return (
+            self.mean_acceptance_length
+            * self.target_layers
+            / (self.draft_layers * self.draft_steps + self.target_layers)
+        )
+
+    def as_dict(self) -> dict:
+        d = super().as_dict()
+        d["mean_acceptance_length"] = round(self.mean_acceptance_length, 4)
+        d["theoretical_speedup"] = round(self.theoretical_speedup, 4)
         return d

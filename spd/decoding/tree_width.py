@@ -147,11 +147,15 @@ class SharedWidth:
         self.inner.observe(hit_rank)
 
 
+# A request's width policy, as the step loop reads it.
+WidthPolicy = FixedWidth | AdaptiveWidth | SharedWidth
+
+
 def tree_width(width: int | str, children: int, max_width: int = 8) -> FixedWidth | AdaptiveWidth:
     """The width policy for ``--tree-width`` (an integer or ``auto``) and ``--tree-children``."""
     width = parse_tree_width(width)
     if children < 1:
         raise SpdInputError(f"the number of tree children must be a positive integer, got {children}")
-    if width == "auto":
+    if isinstance(width, str):  # "auto", the only text parse_tree_width returns
         return AdaptiveWidth(max_width, children)
     return FixedWidth(width, children)

@@ -44,7 +44,7 @@ import itertools
 
 import torch
 
-from ..decoding.loop import LocalStages
+from ..decoding.backend import LocalStages
 from ..target.kv_cache import StageKVCache
 from ..target.kv_pool import KVPool, Region
 from ..target.segments import Segment

@@ -1,5 +1,5 @@
 """Rank 0's view of the stages: :class:`RemoteStages`, the step loop's stage back-end across processes (the methods of
-:class:`spd.decoding.loop.LocalStages`). A chain's level (``paths``: every level one token) travels as a plain token
+:class:`spd.decoding.backend.LocalStages`). A chain's level (``paths``: every level one token) travels as a plain token
 (TOKEN: no positions, no mask) and a chain's hit needs no notice; a tree level travels with its positions and
 ancestor-mask rows (LEVEL) and a hit is a PRUNE notice."""
 

@@ -9,7 +9,7 @@
 
 from .draft_model import Draft, DraftModelProposer, check_same_vocabulary, load_draft_model
 from .head import HeadProposer
-from .interface import Proposer, propose_many
+from .interface import PooledProposer, Proposer, propose_many
 from .serial_head import SerialHeadProposer
 from .spd_head import SpdHeadProposer, path_rows
 
@@ -17,6 +17,7 @@ __all__ = [
     "Draft",
     "DraftModelProposer",
     "HeadProposer",
+    "PooledProposer",
     "Proposer",
     "SerialHeadProposer",
     "SpdHeadProposer",

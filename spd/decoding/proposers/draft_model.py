@@ -97,6 +97,11 @@ class DraftModelProposer:
         self.region: Region | None = None  # this request's rows of it
         self._empty()
 
+    def _kv(self) -> StageKVCache:
+        """This request's draft KV cache (:meth:`start` makes it)."""
+        assert self.cache is not None, "the draft's cache comes with start()"
+        return self.cache
+
     def _empty(self) -> None:
         # Log-probabilities after each tree node run so far (rows = tree indices 0..held-1).
         self.logprobs_NX = torch.zeros(0, self.vocab, device=self.draft.device)
@@ -119,20 +124,23 @@ class DraftModelProposer:
 
     def start(self, prompt_ids: list[int], anchors: dict[int, torch.Tensor], capacity: int) -> None:
         """Prefill the draft's cache with the prompt."""
-        self.cache = (
-            self.draft.new_caches(capacity=capacity)[0] if self.pool is None else self.pool.cache(0, self.region)
-        )
+        if self.pool is None:
+            self.cache = self.draft.new_caches(capacity=capacity)[0]
+        else:
+            assert self.region is not None  # use_pool gives the pool and the region together
+            self.cache = self.pool.cache(0, self.region)
         self._empty()
         self.draft.forward_stages(torch.tensor([prompt_ids], device=self.draft.device), [self.cache])
 
     def expand(self, tree: TokenTree, context: list[int], levels: list[Level]) -> torch.Tensor:
         """The draft's log-probabilities after each bottom node, ``(L, X)``; ``context`` = committed tokens."""
-        draft, cache = self.draft, self.cache
+        draft, cache = self.draft, self._kv()
         missed = self._missed(context)
         if missed is not None:
             draft.run_stage(0, missed.hidden_1TD, cache)
         nodes = self._new_nodes(tree, len(context))
         if nodes is not None:
+            assert nodes.positions_T is not None  # tree nodes come with their positions (_new_nodes)
             out = draft.run_stage(0, nodes.hidden_1TD, cache, nodes.positions_T[None], tree_mask_TN=nodes.tree_mask_TN)
             self._took(draft.logits(out.hidden_BTD[0]))
         return self.logprobs_NX[tree.bottom_level().to(self.logprobs_NX.device)]
@@ -140,7 +148,7 @@ class DraftModelProposer:
     @staticmethod
     def expand_many(items) -> list[torch.Tensor]:
         """:meth:`expand` for many requests whose draft caches share one pool (``items``: their
-        :class:`~spd.decoding.loop.Propose` work): one ragged call over the committed tokens some have not run,
+        :class:`~spd.decoding.driver.Propose` work): one ragged call over the committed tokens some have not run,
         one over every request's new tree nodes, one LM-head call. Each request's ``(L, X)``, equal to its own
         :meth:`expand` up to fp32 rounding."""
         first = items[0].proposer
@@ -171,19 +179,21 @@ class DraftModelProposer:
 
     def _missed(self, context: list[int]) -> Segment | None:
         """The committed tokens the draft has not run (a root committed before it was expanded), or None."""
-        if self.cache.length >= len(context):
+        cache = self._kv()
+        if cache.length >= len(context):
             return None
-        ids_1T = torch.tensor([context[self.cache.length :]], device=self.draft.device)
-        return Segment(self.cache, self.draft.embed(ids_1T))
+        ids_1T = torch.tensor([context[cache.length :]], device=self.draft.device)
+        return Segment(cache, self.draft.embed(ids_1T))
 
     def _new_nodes(self, tree: TokenTree, committed: int) -> Segment | None:
         """The tree's nodes the draft has not run (after the ``committed`` tokens), or None."""
-        held = self.cache.length - committed
+        cache = self._kv()
+        held = cache.length - committed
         if held >= len(tree):
             return None
         ids_1T = tree.tokens_N[held:][None].to(self.draft.device)
         positions_T = tree.positions(committed)[held:].to(self.draft.device)
-        return Segment(self.cache, self.draft.embed(ids_1T), positions_T, tree.mask()[held:])
+        return Segment(cache, self.draft.embed(ids_1T), positions_T, tree.mask()[held:])
 
     def _took(self, logits_TV: torch.Tensor) -> None:
         """The draft's logits after the new nodes: their log-probabilities join the held ones."""
@@ -198,11 +208,12 @@ class DraftModelProposer:
 
     def prune(self, committed: int, kept: torch.Tensor) -> None:
         """The root (row ``committed``) is committed and the tree keeps the subtree ``kept`` (old indices)."""
-        if self.cache.length > committed:  # the draft ran the root (else it catches up in expand)
-            StagedModel.prune_tree([self.cache], committed, kept)
+        cache = self._kv()
+        if cache.length > committed:  # the draft ran the root (else it catches up in expand)
+            StagedModel.prune_tree([cache], committed, kept)
         self.logprobs_NX = self.logprobs_NX[kept[kept < self.logprobs_NX.shape[0]].to(self.logprobs_NX.device)]
 
     def reset(self, committed: int) -> None:
         """Miss: drop the tree; the cache keeps at most the ``committed`` committed rows."""
-        self.cache.truncate(committed)
+        self._kv().truncate(committed)
         self._empty()

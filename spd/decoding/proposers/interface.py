@@ -25,10 +25,11 @@ draft vocabulary that ``ids`` maps to target ids).
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 
+from ...target.kv_pool import Region
 from ..tree import Level, TokenTree
 
 
@@ -54,12 +55,16 @@ class Proposer(Protocol):
     schedule: str
     needed_anchors: tuple[int, ...]
     prefill_anchors: tuple[int, ...]
-    ids: torch.Tensor | None
     children: int
     num_layers: int
     chain_only: bool
     batches: bool
     pooled: bool
+
+    @property
+    def ids(self) -> torch.Tensor | None:
+        """The target ids of the proposer's outputs (None: they are target ids). Read-only, so that a proposer whose
+        outputs are always target ids may declare ``ids = None``."""
 
     def start(self, prompt_ids: list[int], anchors: dict[int, torch.Tensor], capacity: int) -> None:
         """A request starts: the prompt's ids and its ``prefill_anchors`` (``H^l`` (1, T, D) each)."""
@@ -82,8 +87,21 @@ class Proposer(Protocol):
         """A miss (or nothing proposed): the tree is gone; ``committed`` tokens are final."""
 
 
+class PooledProposer(Proposer, Protocol):
+    """A proposer that declares ``pooled = True``: it keeps its request's cache in a pool of the batch's."""
+
+    def new_pool(self, rows: int, slots: int) -> object:
+        """A pool for ``slots`` requests whose regions of the target's pool span ``rows`` rows."""
+
+    def use_pool(self, pool: Any, region: Region) -> None:
+        """This request's cache lives in ``pool`` (one made by ``new_pool`` of the same class) for ``region``."""
+
+    def leave_pool(self) -> None:
+        """The request ended: its part of the pool goes back."""
+
+
 def propose_many(items: list) -> list[torch.Tensor]:
-    """The answers to many requests' proposer queries (:class:`spd.decoding.loop.Propose`), in their order: the
+    """The answers to many requests' proposer queries (:class:`spd.decoding.driver.Propose`), in their order: the
     proposers that can be asked together (a class that ``batches``, the same ``batch_key()``) in one call per
     group; the others, and a group of one, each alone (so a batch of one asks exactly as a single request does)."""
     answers: list[torch.Tensor | None] = [None] * len(items)
@@ -97,4 +115,4 @@ def propose_many(items: list) -> list[torch.Tensor]:
             continue
         for i, answer in zip(indices, kind.expand_many([items[i] for i in indices])):
             answers[i] = answer
-    return answers
+    return cast(list[torch.Tensor], answers)  # every item was asked: each slot holds its answer

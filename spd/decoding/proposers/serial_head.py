@@ -13,11 +13,14 @@ Shape suffixes: T rows, D hidden, V the target's vocabulary.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from ...errors import SpdInputError
-from ...heads.config import check_compatible
+from ...heads.config import SpeculatorConfig, check_compatible
 from ...heads.draft_vocab import check_draft_vocab
+from ...heads.memory import SpeculatorCache
 from ...heads.speculator import Speculator
 from ...target.staging import StagedModel
 from ..tree import Level, TokenTree
@@ -36,17 +39,17 @@ class SerialHeadProposer:
     ids = None  # its log-probabilities are over the target's vocabulary (-inf outside a draft vocabulary)
     children = 1  # a chain
 
-    def __init__(self, head: Speculator, target: StagedModel):
+    def __init__(self, head: torch.nn.Module, target: StagedModel):
         if not isinstance(head, Speculator):
             raise SpdInputError(
                 "--mode sd takes our heads trained with variant=eagle; the SPD authors' heads run in --mode spd"
             )
-        check_compatible(head.config, target, mode="sd")
+        check_compatible(cast(SpeculatorConfig, head.config), target, mode="sd")  # a Speculator's own config
         check_draft_vocab(head, target.vocab_size)
         self.head, self.target, self.num_layers = head, target, head.config.num_layers
         self.prefill_anchors = tuple(head.prefill_anchors())
         self._dtype = next(head.parameters()).dtype  # the target's states are cast to it
-        self.cache = None
+        self.cache: SpeculatorCache | None = None
 
     def start(self, prompt_ids: list[int], anchors: dict[int, torch.Tensor], capacity: int) -> None:
         """Every prompt position enters the head's cache at full depth."""
@@ -59,13 +62,13 @@ class SerialHeadProposer:
         flight in the target)."""
         if not tree.is_chain:
             raise RuntimeError("the serial head drafts chains only")
-        tokens = context[self.cache.length :] + tree.path(len(tree) - 1).tolist()
+        cache = self.cache
+        assert cache is not None  # start made it
+        tokens = context[cache.length :] + tree.path(len(tree) - 1).tolist()
         embedding_TD = self.target.embed(torch.tensor([tokens], device=self.target.device))[0].to(self._dtype)
         rows_TD = self.head.features(0, {0: embedding_TD})
         trailing = [(0, rows_TD[i : i + 1]) for i in range(len(tokens))]
-        return torch.log_softmax(
-            self.head.vocab_logits(self.head.query(self.cache, trailing, rows_TD[-1:])).float(), dim=-1
-        )
+        return torch.log_softmax(self.head.vocab_logits(self.head.query(cache, trailing, rows_TD[-1:])).float(), dim=-1)
 
     def advanced(self, levels: list[Level], tree: TokenTree, committed: int) -> None:
         """Nothing to do: the head reads no state of tokens in flight."""
@@ -74,6 +77,7 @@ class SerialHeadProposer:
         """The target ran and kept the row of ``root`` (its anchors ``H^l`` (1, D)): it joins the cache at full
         depth."""
         depth = self.head.config.max_depth
+        assert self.cache is not None  # start made it
         self.head.append_memory(
             self.cache,
             self.head.features(depth, {a: root.anchors[a].to(self._dtype) for a in self.head.config.anchors[depth]})[
