@@ -45,11 +45,12 @@ from __future__ import annotations
 import numbers
 import warnings
 from collections.abc import Sequence
-from typing import overload
+from typing import Any, cast, overload
 
 import torch
 
 from ..errors import SpdInputError
+from ..heads.interface import SpeculationHead
 from ..heads.speculator import Speculator
 from ..target.staging import StagedModel
 from ..target.tokenizer import load_target_tokenizer
@@ -345,7 +346,8 @@ def chain_proposer(staged: StagedModel, head: torch.nn.Module | None, tokenizer=
         )
     if isinstance(head, Speculator) and head.config.schedule == "input" and head.config.max_depth == staged.n_stages:
         return SpdHeadProposer(head, staged, children=1, mode="spd", tokenizer=tokenizer)
-    return HeadProposer(head, staged, children=1, mode="spd", tokenizer=tokenizer)
+    # a loaded head module makes the engine calls (spd/heads/interface.py); nn.Module's types cannot say so
+    return HeadProposer(cast("SpeculationHead[Any]", head), staged, children=1, mode="spd", tokenizer=tokenizer)
 
 
 def tree_proposer_of(staged: StagedModel, head, tokenizer, draft: Draft | None, children: int) -> Proposer:
