@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install (if needed), lint (ruff check, ruff format --check), type-check (mypy) and run the test suite. Extra arguments go to pytest
-# (e.g. -m "not slow").
+# Install (if needed), lint (ruff check, ruff format --check), type-check (mypy) and run the test suite. Extra
+# arguments go to pytest (e.g. -m "not slow").
 # Two pytest-xdist workers by default (the CI machine has 2 cores); SPD_TEST_WORKERS=0 runs in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
