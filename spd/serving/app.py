@@ -40,17 +40,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import first_line
 from .metrics import ServerMetrics
-from .protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    HttpError,
-    chunk_body,
-    completion_body,
-    new_id,
-    show,
-    usage,
-    validation_message,
-)
+from .protocol import HttpError, chunk_body, completion_body, new_id, show, usage, validation_message
+from .requests import ChatCompletionRequest, CompletionRequest
 from .scheduler import EngineDown, Job, QueueFull, Scheduler
 
 ROUTES = "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics"
