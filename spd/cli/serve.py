@@ -245,11 +245,11 @@ def _serve(
 ):
     """Load the pipeline, start the scheduler and serve on ``sockets`` until stopped (``recorder``: where finished
     requests are recorded, or None)."""
-    from spd.serving.app import Limits
     from spd.serving.heads import HeadVersions
     from spd.serving.metrics import ServerMetrics
     from spd.serving.pipeline import PipelineSpec, open_pipeline
     from spd.serving.scheduler import Scheduler
+    from spd.serving.state import Limits
 
     quiet_libraries()
     spec = PipelineSpec.of(
