@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import first_line
 from .metrics import ServerMetrics
-from .middleware import AccessLog, Guard, _error_response, _note
+from .middleware import AccessLog, Guard, access_notes, error_response
 from .protocol import HttpError, chunk_body, completion_body, new_id, show, usage, validation_message
 from .requests import ChatCompletionRequest, CompletionRequest
 from .scheduler import EngineDown, Job, QueueFull, Scheduler
@@ -64,8 +64,8 @@ def create_app(scheduler: Scheduler, metrics: ServerMetrics, model_name: str, li
 
 
 async def _http_error(request: Request, exc: HttpError):
-    _note(request)["error"] = exc.message
-    return _error_response(exc)
+    access_notes(request)["error"] = exc.message
+    return error_response(exc)
 
 
 async def _starlette_error(request: Request, exc: StarletteHTTPException):
@@ -77,7 +77,7 @@ async def _starlette_error(request: Request, exc: StarletteHTTPException):
         message = f"{request.method} is not allowed on {request.url.path}; expected {allowed}"
     else:
         message = str(exc.detail)
-    return _error_response(HttpError(exc.status_code, message, headers=exc.headers))
+    return error_response(HttpError(exc.status_code, message, headers=exc.headers))
 
 
 # ---------------------------------------------------------------------------------------------------- routes
@@ -230,7 +230,7 @@ async def _generate(
     rid = new_id("chatcmpl" if chat else "cmpl")
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        stream = _stream(server, job, rid, chat, include_usage, _note(request))
+        stream = _stream(server, job, rid, chat, include_usage, access_notes(request))
         return StreamingResponse(stream, media_type="text/event-stream")
     return await _respond(request, server, job, rid, chat)
 
@@ -255,7 +255,7 @@ async def _respond(request: Request, server: ServerState, job: Job, rid: str, ch
         elif event[0] == "done":
             _, rest, finish, stats = event
             text = "".join(pieces) + rest
-            _note(request).update(tokens=tokens, accept_length=stats.get("equivalent_accept_length"))
+            access_notes(request).update(tokens=tokens, accept_length=stats.get("equivalent_accept_length"))
             return completion_body(
                 rid, server.model_name, chat, text, finish, usage(len(job.prompt_ids), tokens), stats
             )

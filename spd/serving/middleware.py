@@ -40,7 +40,7 @@ class Guard:
         if self.api_key is not None and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
             refusal = self._refuse_key(headers.get("authorization"))
             if refusal is not None:
-                return await _error_response(refusal)(scope, receive, send)
+                return await error_response(refusal)(scope, receive, send)
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
             error = (
@@ -51,7 +51,7 @@ class Guard:
                 if length.isdigit()
                 else HttpError(400, f"the Content-Length header '{length[:40]}' is not a number of bytes")
             )
-            return await _error_response(error, close=True)(scope, receive, send)
+            return await error_response(error, close=True)(scope, receive, send)
         received = 0
 
         async def counted():
@@ -101,7 +101,7 @@ class AccessLog:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start = time.perf_counter()
-        note: dict = {}  # filled by the handlers, through request.state (_note)
+        note: dict = {}  # filled by the handlers, through request.state (access_notes)
         scope.setdefault("state", {})[_NOTE] = note
         status, ended = None, False
 
@@ -128,7 +128,7 @@ class AccessLog:
 _NOTE = "spd_access"  # the key of a request's access-log notes in its scope's state
 
 
-def _note(request: Request) -> dict:
+def access_notes(request: Request) -> dict:
     """The notes the access log writes this request's line from (tokens, L'_acc, why it failed)."""
     return request.scope.setdefault("state", {}).setdefault(_NOTE, {})
 
@@ -157,6 +157,7 @@ def _log_request(scope, status: int, seconds: float, note: dict) -> None:
     log.log(level, f"{line}; {_printable(error, 300)}" if error else line)
 
 
-def _error_response(exc: HttpError, close: bool = False) -> JSONResponse:
+def error_response(exc: HttpError, close: bool = False) -> JSONResponse:
+    """``exc`` as OpenAI's error JSON with its headers (``close``: and ``Connection: close``)."""
     headers = {**exc.headers, **({"Connection": "close"} if close else {})}
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)

@@ -36,6 +36,7 @@ class HttpError(Exception):
         self.code = code  # OpenAI's: a string naming the kind of mistake ("invalid_value", ...), or null
 
     def body(self) -> dict:
+        """The error as OpenAI's JSON body."""
         return {
             "error": {
                 "message": self.message,
@@ -46,7 +47,7 @@ class HttpError(Exception):
         }
 
 
-def _refuse(code: str, message: str, at: str = "") -> PydanticCustomError:
+def refusal(code: str, message: str, at: str = "") -> PydanticCustomError:
     """A validation error that reaches the client as it is: OpenAI's ``code``, this message (``{param}`` in it: the
     field's name as OpenAI writes it), and ``at`` appended to that name (``[1]``: the second part of an array)."""
     return PydanticCustomError(code, "{message}", {"message": message, "at": at})
@@ -66,7 +67,7 @@ _EXPECTED = {  # pydantic's type errors: what the field must be
 }
 
 
-def param_name(loc) -> str | None:
+def param_name(loc: tuple) -> str | None:
     """A pydantic location as OpenAI names a field: ``messages[0].content``."""
     name = ""
     for part in loc:
@@ -80,7 +81,7 @@ def param_name(loc) -> str | None:
     return name or None
 
 
-def show(value, limit: int = 40) -> str:
+def show(value: object, limit: int = 40) -> str:
     """A value as the client wrote it (JSON), cut to ``limit`` characters."""
     try:
         text = json.dumps(value, ensure_ascii=True)
@@ -89,7 +90,7 @@ def show(value, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _kind(value) -> str:
+def json_kind(value: object) -> str:
     """What a JSON value is, in words."""
     if value is None:
         return "null"
@@ -124,9 +125,9 @@ def validation_message(errors: list[dict], body: bytes = b"") -> tuple[str, str 
     if kind == "missing":
         return f"the field '{param}' is required", param, "missing_required_parameter"
     if param is None and kind in ("model_type", "model_attributes_type", "dict_type"):
-        return f"the request body must be a JSON object, got {_kind(value)}", None, "invalid_type"
+        return f"the request body must be a JSON object, got {json_kind(value)}", None, "invalid_type"
     if kind in _EXPECTED:
-        return f"'{param}' must be {_EXPECTED[kind]}, got {_kind(value)}", param, "invalid_type"
+        return f"'{param}' must be {_EXPECTED[kind]}, got {json_kind(value)}", param, "invalid_type"
     if kind == "literal_error":
         return f"'{param}' must be {ctx.get('expected')}, got {show(value)}", param, "invalid_value"
     if kind == "finite_number":
@@ -190,10 +191,12 @@ def _json_message(error: str, body: bytes) -> str:
 
 
 def new_id(prefix: str) -> str:
+    """A response's id: ``prefix`` and 24 random hex digits."""
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI's ``usage`` object: the prompt's, the completion's and the total token counts."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

@@ -24,7 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..decoding.sampling import SEED_MAX, SEED_MIN, SamplingParams
-from .protocol import HttpError, _kind, _refuse, show
+from .protocol import HttpError, json_kind, refusal, show
 
 MAX_STOPS = 4  # OpenAI's own limit
 MAX_STOP_CHARS = 1000  # per stop string: far above any real one, and it bounds the per-token matching work
@@ -83,13 +83,13 @@ class _Sampling(_Strict):
     def _stop(cls, value) -> list[str]:
         stops = [value] if isinstance(value, str) else value
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise _refuse("invalid_type", f"'stop' must be a string or an array of strings, got {_kind(value)}")
+            raise refusal("invalid_type", f"'stop' must be a string or an array of strings, got {json_kind(value)}")
         if len(stops) > MAX_STOPS:
-            raise _refuse("array_above_max_length", f"'stop' has {len(stops)} strings; expected at most {MAX_STOPS}")
+            raise refusal("array_above_max_length", f"'stop' has {len(stops)} strings; expected at most {MAX_STOPS}")
         if any(not s for s in stops):
-            raise _refuse("invalid_value", "'stop' has an empty string; expected non-empty stop strings")
+            raise refusal("invalid_value", "'stop' has an empty string; expected non-empty stop strings")
         if any(len(s) > MAX_STOP_CHARS for s in stops):
-            raise _refuse(
+            raise refusal(
                 "invalid_value",
                 f"a stop string has {max(map(len, stops))} characters; expected at most {MAX_STOP_CHARS}",
             )
@@ -142,12 +142,12 @@ class CompletionRequest(_Sampling):
         if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             return value
         if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
-            raise _refuse(
+            raise refusal(
                 "unsupported_value",
                 "'prompt' is a list of prompts (batched prompts), which is not supported: this server answers one "
                 "prompt per request; expected a string or an array of token ids",
             )
-        raise _refuse("invalid_type", f"'prompt' must be a string or an array of token ids, got {_kind(value)}")
+        raise refusal("invalid_type", f"'prompt' must be a string or an array of token ids, got {json_kind(value)}")
 
     def unsupported(self) -> HttpError | None:
         return _first_refused(self, _REFUSED_COMPLETION) or super().unsupported()
@@ -176,12 +176,12 @@ class Message(_Strict):
         if value in ROLES:
             return value
         if value in ("tool", "function"):
-            raise _refuse(
+            raise refusal(
                 "unsupported_value",
                 f"{{param}} '{value}' is not supported: this server has no tool calling; expected one of "
                 + ", ".join(ROLES),
             )
-        raise _refuse("invalid_value", f"'{{param}}' must be one of {', '.join(ROLES)}, got {show(value)}")
+        raise refusal("invalid_value", f"'{{param}}' must be one of {', '.join(ROLES)}, got {show(value)}")
 
     @field_validator("content", mode="plain")
     @classmethod
@@ -189,12 +189,14 @@ class Message(_Strict):
         if isinstance(value, str):
             return [TextPart(type="text", text=value)]
         if not isinstance(value, list):
-            raise _refuse("invalid_type", f"'{{param}}' must be a string or an array of text parts, got {_kind(value)}")
+            raise refusal(
+                "invalid_type", f"'{{param}}' must be a string or an array of text parts, got {json_kind(value)}"
+            )
         parts = []
         for i, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
             if isinstance(kind, str) and kind != "text":
-                raise _refuse(
+                raise refusal(
                     "unsupported_value",
                     f"{{param}} is a content part of type '{kind[:40]}', which is not supported: this server "
                     "reads text; expected parts of type 'text'",
@@ -202,7 +204,7 @@ class Message(_Strict):
                 )
             text = part.get("text") if isinstance(part, dict) else None
             if kind != "text" or not isinstance(text, str) or set(part) != {"type", "text"}:
-                raise _refuse(
+                raise refusal(
                     "invalid_value",
                     f'{{param}} must be {{"type": "text", "text": "..."}}, got {show(part)}',
                     f"[{i}]",
@@ -264,7 +266,7 @@ class ChatCompletionRequest(_Sampling):
     def _string_or_object(cls, value) -> str | dict:
         if isinstance(value, (str, dict)):
             return value
-        raise _refuse("invalid_type", f"'{{param}}' must be a string or an object, got {_kind(value)}")
+        raise refusal("invalid_type", f"'{{param}}' must be a string or an object, got {json_kind(value)}")
 
     def unsupported(self) -> HttpError | None:
         for i, message in enumerate(self.messages):

@@ -78,10 +78,12 @@ class ServerState:
             )
 
     def encode(self, text: str, special: bool) -> list[int]:
+        """``text`` as token ids (``special``: with the tokenizer's special tokens), under the encoder's lock."""
         with self.encode_lock:
             return self.encoder(text, add_special_tokens=special)["input_ids"]
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
+        """``messages`` rendered with the chat template up to the assistant's turn, as token ids."""
         with self.encode_lock:
             text = self.encoder.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.encode(text, False)
