@@ -32,16 +32,44 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from spd.cli.batch_flags import add_prefill_flags, check_prefill_flags, prefill_options
 from spd.cli.common import Parser, quiet_libraries
 from spd.decoding.spec import DecodingSpec, finite_float, positive_int
 from spd.errors import SpdInputError, run_cli
 
+if TYPE_CHECKING:
+    import uvicorn
+
+    from spd.decoding.batch import BatchedPipeline
+    from spd.serving.heads import HeadVersions
+    from spd.serving.metrics import ServerMetrics
+    from spd.serving.pipeline import Pipeline
+
 
 def build_parser() -> argparse.ArgumentParser:
+    """spd-serve's flags: spd-generate's model flags, then the server's own."""
     p = Parser(prog="spd-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     DecodingSpec.add_flags(p)
+    add_listen_flags(p)
+    add_queue_flags(p)
+    add_stage_flags(p)
+    add_limit_flags(p)
+    add_traffic_flags(p)
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="what the server logs on stderr: info, one line per request (client, method, path, status, "
+        "completion tokens, L'_acc, time) and one at shutdown; warning, only 503s and other failures; error, "
+        "only errors; debug adds uvicorn's own messages (default: %(default)s)",
+    )
+    return p
+
+
+def add_listen_flags(p: argparse.ArgumentParser) -> None:
+    """Where the server listens, and the model id clients send."""
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 = a free one)")
     p.add_argument(
@@ -49,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the model id clients send (default: the target's directory name or hub id)",
     )
+
+
+def add_queue_flags(p: argparse.ArgumentParser) -> None:
+    """How many requests may wait, and how many run at once (a batch, and how its prompts enter)."""
     p.add_argument(
         "--max-queue",
         type=positive_int,
@@ -73,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
         "+ the tree in flight; more wait) (default: 2048 per request of B)",
     )
     add_prefill_flags(p, positive_int)
+
+
+def add_stage_flags(p: argparse.ArgumentParser) -> None:
+    """--runtime distributed: the stages' pings, which stages run here and where the others join."""
     p.add_argument(
         "--idle-ping-s",
         type=_positive_seconds,
@@ -100,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         help="--runtime distributed: how long the stages may take to load and join (default: %(default)s)",
     )
+
+
+def add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """What one request may cost, and who may send one (docs/serving.md)."""
     p.add_argument(
         "--max-body-bytes",
         type=positive_int,
@@ -120,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
         "and /metrics stay open",
     )
     p.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json (default: off)")
+
+
+def add_traffic_flags(p: argparse.ArgumentParser) -> None:
+    """Learning from traffic: the records, spd-adapt as the server's child, and the head versions swapped in."""
     p.add_argument(
         "--record",
         metavar="DIR",
@@ -176,15 +220,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="watch DIR for new versions of the head (vN directories, as spd-adapt writes them) and swap each in; "
         "for heads trained elsewhere (default: DIR/heads of --record, with --mode spd or tree and --speculator)",
     )
-    p.add_argument(
-        "--log-level",
-        default="info",
-        choices=("critical", "error", "warning", "info", "debug"),
-        help="what the server logs on stderr: info, one line per request (client, method, path, status, "
-        "completion tokens, L'_acc, time) and one at shutdown; warning, only 503s and other failures; error, "
-        "only errors; debug adds uvicorn's own messages (default: %(default)s)",
-    )
-    return p
 
 
 def _non_negative_int(text: str) -> int:
@@ -205,16 +240,18 @@ def _positive_seconds(text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """spd-serve with ``argv`` (default: the command line); returns the exit status."""
     args = build_parser().parse_args(argv)
     return run_cli(serve, args, interrupted=130)
 
 
-def serve(args) -> int:
+def serve(args: argparse.Namespace) -> int:
+    """Serve as ``args`` say; the flags and the address are checked before the model loads."""
     decoding = DecodingSpec.of(args)
     args.mode = decoding.mode  # the default follows --speculator and --draft-model
     decoding.check()
     decoding.check_sources()  # before torch is imported: a path that does not exist is refused at once
-    api_key = _check_server_flags(args)
+    api_key = check_server_flags(args)
     try:
         import uvicorn
 
@@ -231,7 +268,7 @@ def serve(args) -> int:
             from spd.traffic.records import TrafficRecorder
 
             recorder = TrafficRecorder(args.record, args.record_max_mb << 20, model=args.target)
-        _log_to_stderr(args.log_level, _connections(args))
+        log_to_stderr(args.log_level, _connections(args))
         return _serve(args, decoding, api_key, sockets, uvicorn, create_app, recorder)
     finally:
         if recorder is not None:
@@ -305,18 +342,18 @@ def _serve(
         config = uvicorn.Config(
             create_app(scheduler, metrics, name, limits),
             log_config=None,  # configured above: our format, and uvicorn's own messages only at debug or as warnings
-            log_level=_uvicorn_level(args.log_level),
+            log_level=uvicorn_level(args.log_level),
             access_log=False,  # the app's AccessLog writes the access lines, with tokens and L'_acc
             timeout_graceful_shutdown=5,
             limit_concurrency=_connections(args),
         )
         server = uvicorn.Server(config)
-        _announce(server, args, name, pipeline, max_model_len, scheduler.batch, heads)
+        announce(server, args, name, pipeline, max_model_len, scheduler.batch, heads)
         started = time.monotonic()
         server.run(sockets=sockets)
     finally:
         if server is not None and server.started:
-            _log_shutdown(metrics, time.monotonic() - started, scheduler.queue.qsize())
+            log_shutdown(metrics, time.monotonic() - started, scheduler.queue.qsize())
         if heads is not None:
             heads.stop()
         scheduler.stop()
@@ -325,7 +362,7 @@ def _serve(
     return 0
 
 
-def _check_server_flags(args) -> str | None:
+def check_server_flags(args: argparse.Namespace) -> str | None:
     """The server's own flags checked before anything loads (one error each); returns the API key, if any."""
     if not 0 <= args.port < 65536:
         raise SpdInputError(f"--port must be in 0..65535, got {args.port}")
@@ -505,12 +542,12 @@ class _ConnectionLimit(logging.Filter):
         return True
 
 
-def _log_to_stderr(level: str, connections: int) -> None:
+def log_to_stderr(level: str, connections: int) -> None:
     """The server's log (``spd.serve``: access lines, 503s, shutdown) and uvicorn's on stderr, at ``--log-level``;
     uvicorn's own messages only as warnings and errors unless ``debug`` (its start-up lines repeat ours)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_LogFormat())
-    for name, at in (("spd.serve", level), ("uvicorn", _uvicorn_level(level))):
+    for name, at in (("spd.serve", level), ("uvicorn", uvicorn_level(level))):
         logger = logging.getLogger(name)
         logger.handlers, logger.propagate = [handler], False
         logger.setLevel(at.upper())
@@ -518,11 +555,12 @@ def _log_to_stderr(level: str, connections: int) -> None:
     uvicorn_errors.filters = [_ConnectionLimit(connections)]
 
 
-def _uvicorn_level(level: str) -> str:
+def uvicorn_level(level: str) -> str:
+    """uvicorn's log level for ``--log-level``: at least warning, unless debug."""
     return level if level == "debug" else max(level, "warning", key=_LEVELS.index)
 
 
-def _log_shutdown(metrics, seconds: float, waiting: int) -> None:
+def log_shutdown(metrics: ServerMetrics, seconds: float, waiting: int) -> None:
     """One line as the server stops: how long it served and what it answered."""
     counts = metrics.outcomes()
     detail = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()) if n)
@@ -552,7 +590,7 @@ def _max_model_len(args, pipeline) -> int:
     return args.max_model_len
 
 
-def _kv_bytes_per_token(pipeline) -> int | None:
+def _kv_bytes_per_token(pipeline: Pipeline) -> int | None:
     """The target's KV cache bytes per token position (all layers, keys and values), if the config says."""
     import torch
 
@@ -573,7 +611,15 @@ def _exit_cleanly(*_) -> None:
     raise SystemExit(0)
 
 
-def _announce(server, args, name: str, pipeline, max_model_len: int, batch=None, heads=None) -> None:
+def announce(
+    server: uvicorn.Server,
+    args: argparse.Namespace,
+    name: str,
+    pipeline: Pipeline,
+    max_model_len: int,
+    batch: BatchedPipeline | None = None,
+    heads: HeadVersions | None = None,
+) -> None:
     """One line on stderr once the socket listens (with --port 0, the port it got)."""
     import threading
     import time
