@@ -111,10 +111,8 @@ def _serve(
 ):
     """Load the pipeline, start the scheduler and serve on ``sockets`` until stopped (``recorder``: where finished
     requests are recorded, or None)."""
-    from spd.serving.heads import HeadVersions
     from spd.serving.metrics import ServerMetrics
     from spd.serving.pipeline import PipelineSpec, open_pipeline
-    from spd.serving.scheduler import Scheduler
     from spd.serving.state import Limits
 
     quiet_libraries()
@@ -127,34 +125,16 @@ def _serve(
     # while it runs and raises it again once it has stopped.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     pipeline = open_pipeline(spec)
-    heads = adapt = None
     try:
         max_model_len = _max_model_len(args, pipeline)
         metrics = ServerMetrics(name, args.mode, pipeline.n_stages, args.runtime)
         versions = _versions_dir(args)
-        if versions is not None:  # the newest version that loads serves from the start
-            heads = HeadVersions(versions, pipeline, metrics, label=decoding.speculator)
-            heads.start_on_newest()
-        idle_s = args.idle_ping_s or min(5.0, args.timeout_s / 4)
-        scheduler = Scheduler(
-            pipeline,
-            metrics,
-            max_queue=args.max_queue,
-            idle_s=idle_s,
-            max_batch=args.max_batch,
-            kv_rows=args.kv_rows,
-            batch_options=prefill_options(args),
-            recorder=recorder,
-            head=decoding.speculator or decoding.draft_model,
-            heads=heads,
-        )
-        if recorder is not None:
-            metrics.watch_records(recorder.counts)
+        scheduler, heads = _scheduler(args, decoding, pipeline, metrics, versions, recorder)
     except BaseException:
         pipeline.close()
         raise
     scheduler.start()
-    server = None
+    server = adapt = None
     try:
         if heads is not None:
             heads.start()
@@ -166,17 +146,7 @@ def _serve(
             api_key=api_key,
             enable_docs=args.enable_docs,
         )
-        # Connections beyond what the queue can take get uvicorn's 503 before their body is read: with the
-        # body cap this bounds the memory that request bodies can hold at once.
-        config = uvicorn.Config(
-            create_app(scheduler, metrics, name, limits),
-            log_config=None,  # configured above: our format, and uvicorn's own messages only at debug or as warnings
-            log_level=uvicorn_level(args.log_level),
-            access_log=False,  # the app's AccessLog writes the access lines, with tokens and L'_acc
-            timeout_graceful_shutdown=5,
-            limit_concurrency=_connections(args),
-        )
-        server = uvicorn.Server(config)
+        server = _http_server(args, uvicorn, create_app(scheduler, metrics, name, limits))
         announce(server, args, name, pipeline, max_model_len, scheduler.batch, heads)
         started = time.monotonic()
         server.run(sockets=sockets)
@@ -189,6 +159,49 @@ def _serve(
         if adapt is not None:
             adapt.close()
     return 0
+
+
+def _scheduler(args, decoding: DecodingSpec, pipeline, metrics, versions: Path | None, recorder):
+    """The scheduler over ``pipeline``, and the head versions it swaps in from ``versions`` (None: it watches for
+    none)."""
+    from spd.serving.heads import HeadVersions
+    from spd.serving.scheduler import Scheduler
+
+    heads = None
+    if versions is not None:  # the newest version that loads serves from the start
+        heads = HeadVersions(versions, pipeline, metrics, label=decoding.speculator)
+        heads.start_on_newest()
+    idle_s = args.idle_ping_s or min(5.0, args.timeout_s / 4)
+    scheduler = Scheduler(
+        pipeline,
+        metrics,
+        max_queue=args.max_queue,
+        idle_s=idle_s,
+        max_batch=args.max_batch,
+        kv_rows=args.kv_rows,
+        batch_options=prefill_options(args),
+        recorder=recorder,
+        head=decoding.speculator or decoding.draft_model,
+        heads=heads,
+    )
+    if recorder is not None:
+        metrics.watch_records(recorder.counts)
+    return scheduler, heads
+
+
+def _http_server(args, uvicorn, app):
+    """uvicorn's server for ``app``, logging as ``--log-level`` says."""
+    # Connections beyond what the queue can take get uvicorn's 503 before their body is read: with the
+    # body cap this bounds the memory that request bodies can hold at once.
+    config = uvicorn.Config(
+        app,
+        log_config=None,  # log_to_stderr set it: our format, uvicorn's own messages only at debug or as warnings
+        log_level=uvicorn_level(args.log_level),
+        access_log=False,  # the app's AccessLog writes the access lines, with tokens and L'_acc
+        timeout_graceful_shutdown=5,
+        limit_concurrency=_connections(args),
+    )
+    return uvicorn.Server(config)
 
 
 def _versions_dir(args) -> Path | None:
