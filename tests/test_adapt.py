@@ -16,7 +16,8 @@ from spd.decoding.generation import generate_ar
 from spd.decoding.sampling import SamplingParams
 from spd.heads.loading import load_speculator
 from spd.target.staging import StagedModel, load_tokenizer
-from spd.traffic.adapt import AdaptConfig, Adapter
+from spd.traffic.adapt import Adapter
+from spd.traffic.config import AdaptConfig
 from spd.traffic.records import RecordPosition, TrafficRecorder, read_records_after, shards
 from spd.traffic.versions import newest_version, next_number
 

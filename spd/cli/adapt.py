@@ -24,7 +24,7 @@ from spd.errors import run_cli
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """spd-adapt's flags, parsed from ``argv`` (default: the command line)."""
-    from spd.traffic.adapt import AdaptConfig
+    from spd.traffic.config import AdaptConfig
 
     defaults = {f.name: f.default for f in AdaptConfig.__dataclass_fields__.values()}
     p = Parser(prog="spd-adapt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -93,7 +93,7 @@ def add_round_flags(p: argparse.ArgumentParser, defaults: dict) -> None:
 
 def add_process_flags(p: argparse.ArgumentParser, defaults: dict) -> None:
     """How the process runs: its trainer child (threads, niceness, settings) and its looks at the records."""
-    from spd.traffic.adapt import TRAINER_SETTINGS, default_threads
+    from spd.traffic.config import TRAINER_SETTINGS, default_threads
 
     p.add_argument(
         "--threads",
@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _adapt(args, command: str) -> int:
     from spd.cli.common import quiet_libraries
-    from spd.traffic.adapt import AdaptConfig, Adapter
+    from spd.traffic.adapt import Adapter
+    from spd.traffic.config import AdaptConfig
 
     settings = {key: value for key, value in vars(args).items() if value is not None}
     cfg = AdaptConfig(**settings, command=command)
