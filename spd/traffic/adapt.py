@@ -198,6 +198,31 @@ class Adapter:
     def run_round(self, rows: list[dict], through: RecordPosition) -> int | None:
         """Learn from ``rows`` (the records up to ``through``): a candidate trained, compared, kept or dropped, the
         position remembered. Returns None when done, or the exit status when the process should end."""
+        r = self._new_round(rows, through)
+        work = self.versions / WORK
+        c = r.snap.counts
+        self.say(
+            f"round for v{r.number}: {c['traffic']['tokens'] + c['heldout']['tokens']} new answer tokens in "
+            f"{c['traffic']['rows'] + c['heldout']['rows']} records; training v{r.parent} for {self.cfg.steps} steps "
+            f"on {c['traffic']['rows']} traffic rows and {c['replay']['rows']} replay rows, "
+            f"{c['heldout']['rows']} held out"
+        )
+        status = self._train(r.trainer, work)
+        if status is not None:
+            return status
+        if self.stopping:
+            shutil.rmtree(work, ignore_errors=True)
+            self.say("stopped; the round in progress was abandoned")
+            return 0
+        self._keep_or_drop(r, work)
+        write_position(self.versions, through)
+        self.position = through
+        shutil.rmtree(work, ignore_errors=True)
+        return None
+
+    def _new_round(self, rows: list[dict], through: RecordPosition) -> Round:
+        """The next round: its data written to a fresh work directory, and the trainer's settings for a candidate
+        that starts from the current head."""
         from ..data.prepare import DataConfig
 
         cfg = self.cfg
@@ -221,46 +246,35 @@ class Adapter:
             cache_dir=str(work / "cache"),
             seed=number,
         )
-        r = Round(number, parent, parent_path, snap, trainer, self.position, through)
-        c = snap.counts
-        self.say(
-            f"round for v{number}: {c['traffic']['tokens'] + c['heldout']['tokens']} new answer tokens in "
-            f"{c['traffic']['rows'] + c['heldout']['rows']} records; training v{parent} for {cfg.steps} steps on "
-            f"{c['traffic']['rows']} traffic rows and {c['replay']['rows']} replay rows, "
-            f"{c['heldout']['rows']} held out"
-        )
-        status = self._train(trainer, work)
-        if status is not None:
-            return status
-        if self.stopping:
-            shutil.rmtree(work, ignore_errors=True)
-            self.say("stopped; the round in progress was abandoned")
-            return 0
+        return Round(number, parent, parent_path, snap, trainer, self.position, through)
+
+    def _keep_or_drop(self, r: Round, work: Path) -> None:
+        """The candidate against the current head on the held-out rows: published as the next version if it beats it
+        by the margin, else dropped; one line either way."""
+        cfg = self.cfg
         summary = read_json(work / "train" / "summary.json", "trainer's summary")
         before = next(e for e in summary["evals"] if e["step"] == 0)
         after = summary["eval"]
         gain = after["L_acc_est"] / before["L_acc_est"] - 1
-        figures = f"held-out L'_acc est {before['L_acc_est']:.3f} (v{parent}) -> {after['L_acc_est']:.3f} ({gain:+.1%})"
+        figures = (
+            f"held-out L'_acc est {before['L_acc_est']:.3f} (v{r.parent}) -> {after['L_acc_est']:.3f} ({gain:+.1%})"
+        )
         if after["L_acc_est"] > before["L_acc_est"] * (1 + cfg.margin):
             info = {
-                "parent": parent,
-                "parent_path": parent_path,
+                "parent": r.parent,
+                "parent_path": r.parent_path,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "before": _figures(before),
                 "after": _figures(after),
                 "margin": cfg.margin,
                 "steps": cfg.steps,
-                "records_through": position_json(through),
+                "records_through": position_json(r.through),
             }
             card = self._card(r, summary, before, after)
-            path = publish_version(self.versions, number, work / "train" / "final", info, card)
-            self.say(f"v{number} kept: {figures}, margin {cfg.margin:+.1%}; published '{path}' (bf16)")
+            path = publish_version(self.versions, r.number, work / "train" / "final", info, card)
+            self.say(f"v{r.number} kept: {figures}, margin {cfg.margin:+.1%}; published '{path}' (bf16)")
         else:
-            self.say(f"candidate dropped: {figures}, short of the margin {cfg.margin:+.1%}; v{parent} stays")
-        write_position(self.versions, through)
-        self.position = through
-        shutil.rmtree(work, ignore_errors=True)
-        return None
+            self.say(f"candidate dropped: {figures}, short of the margin {cfg.margin:+.1%}; v{r.parent} stays")
 
     def _train(self, trainer, work: Path) -> int | None:
         """Run the trainer on ``trainer`` (a DistillConfig) in a niced child process with its own threads, its output
