@@ -24,17 +24,13 @@ import torch
 from ..errors import SpdInputError, first_line
 from ..target.precision import warn_if_slow
 from .backends import cpu_threads
+from .checkpoints import clean_checkpoints, commit_checkpoint, latest_checkpoint, list_checkpoints, save_head_atomic
 from .distill import (
     DistillConfig,
-    clean_checkpoints,
-    commit_checkpoint,
     distill_step,
     evaluate,
     evaluate_sets,
-    latest_checkpoint,
-    list_checkpoints,
     new_head,
-    save_head_atomic,
     scale_fc_init,
     teacher_anchors,
     teacher_pass,
