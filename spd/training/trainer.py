@@ -28,8 +28,6 @@ from .checkpoints import clean_checkpoints, commit_checkpoint, latest_checkpoint
 from .distill import (
     DistillConfig,
     distill_step,
-    evaluate,
-    evaluate_sets,
     new_head,
     scale_fc_init,
     teacher_anchors,
@@ -38,6 +36,7 @@ from .distill import (
     training_fills,
     with_draft_vocab,
 )
+from .evaluation import evaluate, evaluate_sets
 
 
 def lr_lambda(step: int, warmup: int, total: int) -> float:
