@@ -117,7 +117,7 @@ class Adapter:
     def _trainer_config(self):
         """The trainer's settings for every round, checked once here (the round fills in the head and the data)."""
         from ..paths import check_model_source
-        from ..training.distill import load_config
+        from ..training.presets import load_config
 
         head, k = self.head_cfg, self.cfg.steps
         if not head.target_name_or_path and not any(item.startswith("target=") for item in self.cfg.settings):
@@ -434,7 +434,7 @@ def _shape(cfg) -> tuple:
 
 
 def _text(value) -> str:
-    """A setting as ``key=value`` text that :func:`spd.training.distill.load_config` reads back."""
+    """A setting as ``key=value`` text that :func:`spd.training.presets.load_config` reads back."""
     import json
 
     return json.dumps(value) if isinstance(value, list) else "none" if value is None else str(value)
