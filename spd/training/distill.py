@@ -1,8 +1,8 @@
 """Distillation of a speculation head from a frozen target: config, batches, loss (presets: :mod:`.presets`;
 evaluation: :mod:`.evaluation`; checkpoints: :mod:`.checkpoints`).
 
-The training loop itself is ``train/distill.py``; this module holds the pieces it calls, so that they are
-importable and tested on their own. docs/method.md §4 and Appendix A of the paper.
+The training loop is :mod:`.trainer` (run by ``train/distill.py``); this module holds the pieces it calls, so that
+they are importable and tested on their own. docs/method.md §4 and Appendix A of the paper.
 
 Shape suffixes: B batch, N positions, D hidden, V vocabulary.
 """
@@ -104,6 +104,15 @@ class DistillConfig:
     keep_checkpoints: int = 2
 
     def __post_init__(self):
+        # The checks run in this order: a config with several wrong values is refused for the first of them.
+        self._check_variant()
+        self._check_sizes()
+        self._check_optimiser()
+        self._check_steps()
+        self._check_choices()
+
+    def _check_variant(self) -> None:
+        """``variant`` one of :data:`VARIANTS`; eagle reads the whole target (one stage) and drafts at least once."""
         if self.variant not in VARIANTS:
             raise SpdInputError(f"variant must be one of {', '.join(VARIANTS)}, got '{self.variant}'")
         if self.variant == "eagle":
@@ -113,6 +122,9 @@ class DistillConfig:
             self.n_stages = 1
             if self.draft_steps < 1:
                 raise SpdInputError(f"draft_steps must be at least 1, got {self.draft_steps}")
+
+    def _check_sizes(self) -> None:
+        """Sizes and intervals that must be at least 1."""
         for name in (
             "n_stages",
             "num_layers",
@@ -127,6 +139,9 @@ class DistillConfig:
         ):
             if getattr(self, name) < 1:
                 raise SpdInputError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    def _check_optimiser(self) -> None:
+        """The optimiser's numbers (finite; positive, or at least 0 for weight_decay) and the run's threads and time."""
         # nan passes every comparison and inf every lower bound: each number must be finite as well.
         for name in ("lr", "tau", "epochs", "max_grad_norm"):
             value = getattr(self, name)
@@ -138,6 +153,9 @@ class DistillConfig:
             raise SpdInputError(f"threads must be at least 1 (or unset), got {self.threads}")
         if self.max_minutes is not None and not (math.isfinite(self.max_minutes) and self.max_minutes > 0):
             raise SpdInputError(f"max_minutes must be a positive finite number, got {self.max_minutes}")
+
+    def _check_steps(self) -> None:
+        """Steps that may be 0 (intervals, ``eval_steps``), ``max_steps``, the draft vocabulary's size and ``p_full``."""
         for name in ("warmup_steps", "eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise SpdInputError(f"{name} must be 0 or more, got {getattr(self, name)}")
@@ -156,6 +174,9 @@ class DistillConfig:
             raise SpdInputError(f"max_steps must be at least 1, got {self.max_steps}")
         if not 0 <= self.p_full <= 1:
             raise SpdInputError(f"p_full must be in [0, 1], got {self.p_full}")
+
+    def _check_choices(self) -> None:
+        """The settings named by a word: how the head starts, the target's dtype, mixed precision."""
         if self.fc_init not in ("random", "deepest", "scaled"):
             raise SpdInputError(f"fc_init must be random, deepest or scaled, got '{self.fc_init}'")
         if self.layer_init not in ("random", "target"):
