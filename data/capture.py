@@ -66,7 +66,7 @@ def _ints(text: str, flag: str) -> list[int]:
 def run(args) -> int:
     from spd.data.prepare import DataConfig, fingerprint, prepare_dataset
     from spd.target.staging import StagedModel, load_tokenizer, target_num_layers
-    from spd.training.capture import CaptureSettings, anchors_for_stages, capture, row_lengths
+    from spd.training.capture_writer import CaptureSettings, anchors_for_stages, capture, row_lengths
 
     for flag in ("max_length", "topk", "shard_tokens", "batch_tokens"):
         if getattr(args, flag) < 1:
