@@ -68,7 +68,7 @@ _MANIFEST_KEYS = {
 }
 
 
-def _load_manifest(root: Path, path) -> dict:
+def checked_manifest(root: Path, path: str | os.PathLike) -> dict:
     """The manifest of the capture at ``root`` with every field the trainer reads checked, or one clear error."""
     manifest = read_json(root / MANIFEST, "capture manifest", f"the {MANIFEST} that {AGAIN}")
     bad = [
@@ -102,7 +102,7 @@ def read_manifest(path: str | os.PathLike) -> dict:
     root = Path(path).expanduser()
     if not (root / MANIFEST).exists():
         raise SpdInputError(f"'{path}' is not a capture directory (no {MANIFEST}); make one with data/capture.py")
-    manifest = _load_manifest(root, path)
+    manifest = checked_manifest(root, path)
     if manifest.get("format") != FORMAT:
         raise SpdInputError(f"the capture '{path}' has format {manifest.get('format')}; this version reads {FORMAT}")
     if not manifest["complete"]:

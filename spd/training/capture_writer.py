@@ -20,7 +20,7 @@ import torch
 
 from ..errors import SpdInputError
 from ..files import atomic_path, check_free_space, temp_pattern, write_json_atomic
-from .capture import FORMAT, MANIFEST, TEACHER_FILE, TOKENS_FILE, _load_manifest
+from .capture import FORMAT, MANIFEST, TEACHER_FILE, TOKENS_FILE, checked_manifest
 
 TEACHERS = ("full", "topk")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -131,24 +131,9 @@ def capture(
 
     manifest_path = out / MANIFEST
     if manifest_path.is_file():
-        manifest = _load_manifest(out, out)
-        if manifest.get("settings") != asdict(settings):
-            raise SpdInputError(
-                f"'{out}' holds a capture made with other settings ({_diff(manifest['settings'], asdict(settings))}); "
-                "pass another output directory or delete it"
-            )
+        manifest = _resume(out, settings, lengths, len(shards), hidden_size, num_layers, report)
         if manifest["complete"]:
-            report(f"[capture] {out} is complete: {manifest['rows']} rows, {manifest['tokens']} tokens")
             return manifest
-        report(f"[capture] resuming {out}: {len(manifest['shards'])} of {len(shards)} shards done")
-        _remove_leftovers(out)
-        # What the remaining shards take must fit too (the disk may have filled since the capture began).
-        done = sum(s.get("tokens", 0) for s in manifest["shards"] if isinstance(s, dict))
-        _check_free(
-            out,
-            max(0, total_tokens - done) * bytes_per_token(settings, hidden_size, num_layers),
-            "the rest of the capture",
-        )
     else:
         manifest = _begin(out, staged, settings, lengths, len(shards), need, pad_id, source, tokens, report)
 
@@ -166,6 +151,38 @@ def capture(
     manifest["complete"] = True
     write_json_atomic(manifest_path, manifest)
     report(f"[capture] done: {out} ({sum(p.stat().st_size for p in out.iterdir()) / 2**30:.2f} GiB)")
+    return manifest
+
+
+def _resume(
+    out: Path,
+    settings: CaptureSettings,
+    lengths: list[int],
+    shard_count: int,
+    hidden_size: int,
+    num_layers: int,
+    report,
+) -> dict:
+    """The manifest of the capture begun in ``out``, checked to ask for the same ``settings``; unless it is complete,
+    what a killed run left is removed and the rest of the capture checked to fit on the disk."""
+    manifest = checked_manifest(out, out)
+    if manifest.get("settings") != asdict(settings):
+        raise SpdInputError(
+            f"'{out}' holds a capture made with other settings ({_diff(manifest['settings'], asdict(settings))}); "
+            "pass another output directory or delete it"
+        )
+    if manifest["complete"]:
+        report(f"[capture] {out} is complete: {manifest['rows']} rows, {manifest['tokens']} tokens")
+        return manifest
+    report(f"[capture] resuming {out}: {len(manifest['shards'])} of {shard_count} shards done")
+    _remove_leftovers(out)
+    # What the remaining shards take must fit too (the disk may have filled since the capture began).
+    done = sum(s.get("tokens", 0) for s in manifest["shards"] if isinstance(s, dict))
+    _check_free(
+        out,
+        max(0, sum(lengths) - done) * bytes_per_token(settings, hidden_size, num_layers),
+        "the rest of the capture",
+    )
     return manifest
 
 
