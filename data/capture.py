@@ -68,7 +68,7 @@ def run(args) -> int:
     from spd.target.cut import target_num_layers
     from spd.target.staging import StagedModel
     from spd.target.tokenizer import load_tokenizer
-    from spd.training.capture import CaptureSettings, anchors_for_stages, capture, row_lengths
+    from spd.training.capture_writer import CaptureSettings, anchors_for_stages, capture, row_lengths
 
     for flag in ("max_length", "topk", "shard_tokens", "batch_tokens"):
         if getattr(args, flag) < 1:

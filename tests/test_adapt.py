@@ -17,7 +17,8 @@ from spd.decoding.sampling import SamplingParams
 from spd.heads.loading import load_speculator
 from spd.target.staging import StagedModel
 from spd.target.tokenizer import load_tokenizer
-from spd.traffic.adapt import AdaptConfig, Adapter
+from spd.traffic.adapt import Adapter
+from spd.traffic.config import AdaptConfig
 from spd.traffic.records import RecordPosition, TrafficRecorder, read_records_after, shards
 from spd.traffic.versions import newest_version, next_number
 

@@ -19,7 +19,8 @@ from spd.heads.draft_vocab import check_draft_vocab, select_draft_vocab, token_c
 from spd.heads.loading import load_speculator
 from spd.target.staging import StagedModel
 from spd.target.tokenizer import load_tokenizer
-from spd.training.capture import CapturedDataset, CapturedTarget, collate_captured, plan_shards
+from spd.training.capture import CapturedDataset, CapturedTarget, collate_captured
+from spd.training.capture_writer import plan_shards
 from spd.training.distill import DistillConfig, collate, distill_step, new_head, teacher_anchors, teacher_pass
 from spd.training.kd import kd_loss, kd_loss_topk
 
@@ -288,7 +289,7 @@ def test_capture_anchors_for_uneven_cuts():
     """n that does not divide the layers stores the anchors of the balanced cut (what the presets train)."""
     from spd.heads.config import default_anchors
     from spd.target.cut import balanced_boundaries
-    from spd.training.capture import anchors_for_stages
+    from spd.training.capture_writer import anchors_for_stages
 
     assert anchors_for_stages(8, [3]) == sorted({a for d in default_anchors(balanced_boundaries(8, 3)) for a in d})
     assert anchors_for_stages(30, [4]) == [0, 4, 8, 11, 15, 16, 23, 30]

@@ -225,7 +225,7 @@ def _capture_target(root: Path) -> None:
 
 
 def _preset(root: Path) -> None:
-    from spd.training.distill import load_config
+    from spd.training.presets import load_config
 
     load_config(str(root / "preset.yaml"), [])
 

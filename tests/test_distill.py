@@ -19,8 +19,10 @@ from spd.errors import SpdInputError
 from spd.heads.config import check_compatible
 from spd.heads.speculator import Speculator
 from spd.target.staging import StagedModel
-from spd.training.distill import DistillConfig, expected_accept_length, load_config, new_head, scale_fc_init
+from spd.training.distill import DistillConfig, new_head, scale_fc_init
+from spd.training.evaluation import expected_accept_length
 from spd.training.kd import sample_fills
+from spd.training.presets import load_config
 
 
 @pytest.mark.slow

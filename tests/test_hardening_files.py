@@ -317,7 +317,7 @@ def _fake_checkpoint(path: Path, step: int) -> Path:
 
 
 def test_checkpoint_replacement_never_loses_the_newest_checkpoint(tmp_path):
-    from spd.training.distill import clean_checkpoints, commit_checkpoint, latest_checkpoint, list_checkpoints
+    from spd.training.checkpoints import clean_checkpoints, commit_checkpoint, latest_checkpoint, list_checkpoints
 
     root = tmp_path / "checkpoints"
     _fake_checkpoint(root / "step-2", 2)

@@ -14,7 +14,7 @@ from spd.runtime.link import Link
 from spd.runtime.protocol import DATA_TAG, HEADER, TOKEN, PipelineLost, RuntimeConfig
 from spd.runtime.stage import check_level_extra, pack_level
 from spd.runtime.world import bind_local_world, free_port, local_world_env, loopback_interface
-from spd.training.distill import load_config
+from spd.training.presets import load_config
 
 AUTHORS_HEAD = REPO / "tests" / "fixtures" / "authors" / "heads" / "v10_qwen3_n4_l1.pt"
 

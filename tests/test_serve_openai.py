@@ -327,7 +327,7 @@ def test_the_missing_extra_names_the_documented_install_command(monkeypatch, tmp
 
 
 def test_every_optional_field_takes_null():
-    from spd.serving.protocol import ChatCompletionRequest, CompletionRequest
+    from spd.serving.requests import ChatCompletionRequest, CompletionRequest
 
     completion = CompletionRequest.model_validate_json(json.dumps({"model": "m", "prompt": "x", **COMPLETION_NULLS}))
     assert (completion.temperature, completion.top_p, completion.n, completion.max_tokens) == (1.0, 1.0, 1, 16)

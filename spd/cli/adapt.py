@@ -22,14 +22,28 @@ from spd.cli.common import Parser
 from spd.errors import run_cli
 
 
-def parse_args(argv=None):
-    from spd.traffic.adapt import TRAINER_SETTINGS, AdaptConfig, default_threads
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """spd-adapt's flags, parsed from ``argv`` (default: the command line)."""
+    from spd.traffic.config import AdaptConfig
 
     defaults = {f.name: f.default for f in AdaptConfig.__dataclass_fields__.values()}
     p = Parser(prog="spd-adapt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_source_flags(p)
+    add_round_flags(p, defaults)
+    add_process_flags(p, defaults)
+    return p.parse_args(argv)
+
+
+def add_source_flags(p: argparse.ArgumentParser) -> None:
+    """What it learns from and where the versions go: the records, the starting head, the versions directory."""
     p.add_argument("--records", required=True, metavar="DIR", help="the server's records (spd-serve --record DIR)")
     p.add_argument("--head", required=True, help="the head the server starts with: a trained head directory")
     p.add_argument("--versions", metavar="DIR", help="where the versions vN go (default: <records>/heads)")
+
+
+def add_round_flags(p: argparse.ArgumentParser, defaults: dict) -> None:
+    """A round: when it starts, how long it trains, its data (replay and held-out shares) and what a candidate must
+    beat."""
     p.add_argument(
         "--every",
         type=int,
@@ -75,6 +89,12 @@ def parse_args(argv=None):
         help="keep a candidate whose held-out L'_acc estimate beats the current head's by this share "
         "(default: %(default)s, 1%%)",
     )
+
+
+def add_process_flags(p: argparse.ArgumentParser, defaults: dict) -> None:
+    """How the process runs: its trainer child (threads, niceness, settings) and its looks at the records."""
+    from spd.traffic.config import TRAINER_SETTINGS, default_threads
+
     p.add_argument(
         "--threads",
         type=int,
@@ -111,10 +131,10 @@ def parse_args(argv=None):
         action="store_true",
         help="learn from every record there, not only from those after the position remembered in the versions dir",
     )
-    return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """spd-adapt with ``argv`` (default: the command line); returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     return run_cli(_adapt, args, "spd-adapt " + shlex.join(argv), interrupted=130)
@@ -122,7 +142,8 @@ def main(argv=None) -> int:
 
 def _adapt(args, command: str) -> int:
     from spd.cli.common import quiet_libraries
-    from spd.traffic.adapt import AdaptConfig, Adapter
+    from spd.traffic.adapt import Adapter
+    from spd.traffic.config import AdaptConfig
 
     settings = {key: value for key, value in vars(args).items() if value is not None}
     cfg = AdaptConfig(**settings, command=command)

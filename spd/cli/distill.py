@@ -36,7 +36,7 @@ def main(argv=None) -> int:
 
 
 def _configure_and_train(args) -> int:
-    from spd.training.distill import load_config
+    from spd.training.presets import load_config
     from spd.training.trainer import train
 
     train(load_config(args.config, args.overrides), args.resume)

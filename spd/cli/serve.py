@@ -33,149 +33,30 @@ import sys
 import time
 from pathlib import Path
 
-from spd.cli.batch_flags import add_prefill_flags, check_prefill_flags, prefill_options
+from spd.cli.batch_flags import prefill_options
 from spd.cli.common import Parser, quiet_libraries
-from spd.decoding.spec import DecodingSpec, finite_float, positive_int
+from spd.cli.serve_flags import (
+    add_limit_flags,
+    add_listen_flags,
+    add_queue_flags,
+    add_stage_flags,
+    add_traffic_flags,
+    check_server_flags,
+)
+from spd.cli.serve_log import announce, log_shutdown, log_to_stderr, uvicorn_level
+from spd.decoding.spec import DecodingSpec
 from spd.errors import SpdInputError, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """spd-serve's flags: spd-generate's model flags, then the server's own."""
     p = Parser(prog="spd-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     DecodingSpec.add_flags(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 = a free one)")
-    p.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the model id clients send (default: the target's directory name or hub id)",
-    )
-    p.add_argument(
-        "--max-queue",
-        type=positive_int,
-        default=64,
-        help="requests that may wait for the pipeline; one more gets 503 (default: %(default)s)",
-    )
-    p.add_argument(
-        "--max-batch",
-        type=positive_int,
-        default=1,
-        help="requests in flight at once (default: %(default)s). 1 runs them one after another on the "
-        "single-request path: SPD's regime, the lowest latency per request (a batch of one costs about 4%% more "
-        "CPU per step, docs/benchmarks.md), and it works in every mode. B > 1 batches up to B in the pipeline, "
-        "admitted at step boundaries, for more tokens/s when many clients wait (--mode spd, pp or tree; see "
-        "--kv-rows)",
-    )
-    p.add_argument(
-        "--kv-rows",
-        type=positive_int,
-        default=None,
-        help="--max-batch B > 1: KV rows shared by the requests in flight (each needs prompt + max_tokens "
-        "+ the tree in flight; more wait) (default: 2048 per request of B)",
-    )
-    add_prefill_flags(p, positive_int)
-    p.add_argument(
-        "--idle-ping-s",
-        type=_positive_seconds,
-        default=None,
-        help="--runtime distributed: ping idle stages this often, in seconds, less than --timeout-s "
-        "(default: a quarter of --timeout-s, at most 5)",
-    )
-    p.add_argument(
-        "--local-stages",
-        type=_non_negative_int,
-        default=None,
-        help="--runtime distributed: run stages 1..K on this machine; the others join from other machines "
-        "with spd-stage (default: all stages here)",
-    )
-    p.add_argument(
-        "--stage-addr",
-        default=None,
-        help="--runtime distributed with --local-stages: this machine's HOST[:PORT] on the stage network, "
-        "where the other machines' stages join; listens on that address only (default: none; the port "
-        "defaults to 29500)",
-    )
-    p.add_argument(
-        "--join-timeout-s",
-        type=_positive_seconds,
-        default=600.0,
-        help="--runtime distributed: how long the stages may take to load and join (default: %(default)s)",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=positive_int,
-        default=8 * 2**20,
-        help="largest request body; a larger one gets 413 before it is read (default: %(default)s = 8 MiB)",
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=positive_int,
-        default=None,
-        help="most tokens of prompt + max_tokens per request, which sizes the running request's KV "
-        "cache (default: the model's context)",
-    )
-    p.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPD_API_KEY, else none); /health "
-        "and /metrics stay open",
-    )
-    p.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json (default: off)")
-    p.add_argument(
-        "--record",
-        metavar="DIR",
-        default=None,
-        help="append every finished request (prompt and answer as token ids, sampling settings, head, acceptance) "
-        "to traffic records in DIR, the trainer's data for the head (data=DIR); readable by the owner only "
-        "(default: off; docs/serving.md says what is stored)",
-    )
-    p.add_argument(
-        "--record-max-mb",
-        type=positive_int,
-        default=1024,
-        help="--record: the most MiB the records may take; the oldest shards go first (default: %(default)s)",
-    )
-    p.add_argument(
-        "--adapt",
-        action="store_true",
-        help="--record DIR with --mode spd or tree and --speculator HEAD: run spd-adapt on DIR as a niced child "
-        "process that fine-tunes the head on what the server answers and publishes better versions in DIR/heads, "
-        "which the server swaps in (default: off)",
-    )
-    p.add_argument(
-        "--adapt-every",
-        type=positive_int,
-        default=None,
-        metavar="TOKENS",
-        help="--adapt: new answer tokens that start a round (spd-adapt's --every; default: spd-adapt's, 20000)",
-    )
-    p.add_argument(
-        "--adapt-replay",
-        nargs="+",
-        default=[],
-        metavar="DATA",
-        help="--adapt: the head's original data, mixed in so that it does not forget (spd-adapt's --replay; "
-        "default: none)",
-    )
-    p.add_argument(
-        "--adapt-threads",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="--adapt: spd-adapt's threads, its trainer's included (default: 1)",
-    )
-    p.add_argument(
-        "--adapt-args",
-        default=None,
-        metavar="ARGS",
-        help="--adapt: more of spd-adapt's flags as one string, e.g. '--margin 0.02 --steps 100' (default: none)",
-    )
-    p.add_argument(
-        "--head-versions",
-        metavar="DIR",
-        default=None,
-        help="watch DIR for new versions of the head (vN directories, as spd-adapt writes them) and swap each in; "
-        "for heads trained elsewhere (default: DIR/heads of --record, with --mode spd or tree and --speculator)",
-    )
+    add_listen_flags(p)
+    add_queue_flags(p)
+    add_stage_flags(p)
+    add_limit_flags(p)
+    add_traffic_flags(p)
     p.add_argument(
         "--log-level",
         default="info",
@@ -187,34 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    value = finite_float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
+    """spd-serve with ``argv`` (default: the command line); returns the exit status."""
     args = build_parser().parse_args(argv)
     return run_cli(serve, args, interrupted=130)
 
 
-def serve(args) -> int:
+def serve(args: argparse.Namespace) -> int:
+    """Serve as ``args`` say; the flags and the address are checked before the model loads."""
     decoding = DecodingSpec.of(args)
     args.mode = decoding.mode  # the default follows --speculator and --draft-model
     decoding.check()
     decoding.check_sources()  # before torch is imported: a path that does not exist is refused at once
-    api_key = _check_server_flags(args)
+    api_key = check_server_flags(args)
     try:
         import uvicorn
 
@@ -231,7 +97,7 @@ def serve(args) -> int:
             from spd.traffic.records import TrafficRecorder
 
             recorder = TrafficRecorder(args.record, args.record_max_mb << 20, model=args.target)
-        _log_to_stderr(args.log_level, _connections(args))
+        log_to_stderr(args.log_level, _connections(args))
         return _serve(args, decoding, api_key, sockets, uvicorn, create_app, recorder)
     finally:
         if recorder is not None:
@@ -245,11 +111,9 @@ def _serve(
 ):
     """Load the pipeline, start the scheduler and serve on ``sockets`` until stopped (``recorder``: where finished
     requests are recorded, or None)."""
-    from spd.serving.app import Limits
-    from spd.serving.heads import HeadVersions
     from spd.serving.metrics import ServerMetrics
     from spd.serving.pipeline import PipelineSpec, open_pipeline
-    from spd.serving.scheduler import Scheduler
+    from spd.serving.state import Limits
 
     quiet_libraries()
     spec = PipelineSpec.of(
@@ -261,34 +125,16 @@ def _serve(
     # while it runs and raises it again once it has stopped.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     pipeline = open_pipeline(spec)
-    heads = adapt = None
     try:
         max_model_len = _max_model_len(args, pipeline)
         metrics = ServerMetrics(name, args.mode, pipeline.n_stages, args.runtime)
         versions = _versions_dir(args)
-        if versions is not None:  # the newest version that loads serves from the start
-            heads = HeadVersions(versions, pipeline, metrics, label=decoding.speculator)
-            heads.start_on_newest()
-        idle_s = args.idle_ping_s or min(5.0, args.timeout_s / 4)
-        scheduler = Scheduler(
-            pipeline,
-            metrics,
-            max_queue=args.max_queue,
-            idle_s=idle_s,
-            max_batch=args.max_batch,
-            kv_rows=args.kv_rows,
-            batch_options=prefill_options(args),
-            recorder=recorder,
-            head=decoding.speculator or decoding.draft_model,
-            heads=heads,
-        )
-        if recorder is not None:
-            metrics.watch_records(recorder.counts)
+        scheduler, heads = _scheduler(args, decoding, pipeline, metrics, versions, recorder)
     except BaseException:
         pipeline.close()
         raise
     scheduler.start()
-    server = None
+    server = adapt = None
     try:
         if heads is not None:
             heads.start()
@@ -300,23 +146,13 @@ def _serve(
             api_key=api_key,
             enable_docs=args.enable_docs,
         )
-        # Connections beyond what the queue can take get uvicorn's 503 before their body is read: with the
-        # body cap this bounds the memory that request bodies can hold at once.
-        config = uvicorn.Config(
-            create_app(scheduler, metrics, name, limits),
-            log_config=None,  # configured above: our format, and uvicorn's own messages only at debug or as warnings
-            log_level=_uvicorn_level(args.log_level),
-            access_log=False,  # the app's AccessLog writes the access lines, with tokens and L'_acc
-            timeout_graceful_shutdown=5,
-            limit_concurrency=_connections(args),
-        )
-        server = uvicorn.Server(config)
-        _announce(server, args, name, pipeline, max_model_len, scheduler.batch, heads)
+        server = _http_server(args, uvicorn, create_app(scheduler, metrics, name, limits))
+        announce(server, args, name, pipeline, max_model_len, scheduler.batch, heads)
         started = time.monotonic()
         server.run(sockets=sockets)
     finally:
         if server is not None and server.started:
-            _log_shutdown(metrics, time.monotonic() - started, scheduler.queue.qsize())
+            log_shutdown(metrics, time.monotonic() - started, scheduler.queue.qsize())
         if heads is not None:
             heads.stop()
         scheduler.stop()
@@ -325,78 +161,47 @@ def _serve(
     return 0
 
 
-def _check_server_flags(args) -> str | None:
-    """The server's own flags checked before anything loads (one error each); returns the API key, if any."""
-    if not 0 <= args.port < 65536:
-        raise SpdInputError(f"--port must be in 0..65535, got {args.port}")
-    if args.idle_ping_s is not None and args.runtime == "distributed" and args.idle_ping_s >= args.timeout_s:
-        raise SpdInputError(
-            f"--idle-ping-s ({args.idle_ping_s:g}) must be less than --timeout-s "
-            f"({args.timeout_s:g}), or idle stages time out between pings"
-        )
-    if args.runtime != "distributed" and (args.local_stages is not None or args.stage_addr is not None):
-        raise SpdInputError(
-            "--local-stages and --stage-addr place stages on other machines; they need --runtime distributed"
-        )
-    from spd.serving.pipeline import check_batching
+def _scheduler(args, decoding: DecodingSpec, pipeline, metrics, versions: Path | None, recorder):
+    """The scheduler over ``pipeline``, and the head versions it swaps in from ``versions`` (None: it watches for
+    none)."""
+    from spd.serving.heads import HeadVersions
+    from spd.serving.scheduler import Scheduler
 
-    check_batching(args.max_batch, args.runtime, args.mode)  # before the model loads
-    if args.kv_rows is not None and args.max_batch == 1:
-        raise SpdInputError("--kv-rows sizes the KV pool of a batched server; it needs --max-batch above 1")
-    check_prefill_flags(args, "server")
-    _check_adapt_flags(args)
-    api_key = args.api_key if args.api_key is not None else os.environ.get("SPD_API_KEY") or None
-    if api_key is not None and not api_key.strip():
-        raise SpdInputError(
-            "the API key (--api-key or SPD_API_KEY) is empty; expected a key clients will send as "
-            "'Authorization: Bearer KEY'"
-        )
-    return api_key
-
-
-ADAPT_OWN_FLAGS = ("--records", "--head", "--versions", "--every", "--replay", "--threads", "--once")
+    heads = None
+    if versions is not None:  # the newest version that loads serves from the start
+        heads = HeadVersions(versions, pipeline, metrics, label=decoding.speculator)
+        heads.start_on_newest()
+    idle_s = args.idle_ping_s or min(5.0, args.timeout_s / 4)
+    scheduler = Scheduler(
+        pipeline,
+        metrics,
+        max_queue=args.max_queue,
+        idle_s=idle_s,
+        max_batch=args.max_batch,
+        kv_rows=args.kv_rows,
+        batch_options=prefill_options(args),
+        recorder=recorder,
+        head=decoding.speculator or decoding.draft_model,
+        heads=heads,
+    )
+    if recorder is not None:
+        metrics.watch_records(recorder.counts)
+    return scheduler, heads
 
 
-def _check_adapt_flags(args) -> None:
-    """--adapt and --head-versions: what they need, checked before anything loads."""
-    if not args.adapt:
-        for flag, value in (
-            ("--adapt-every", args.adapt_every),
-            ("--adapt-replay", args.adapt_replay),
-            ("--adapt-threads", args.adapt_threads),
-            ("--adapt-args", args.adapt_args),
-        ):
-            if value:
-                raise SpdInputError(f"{flag} sets up the server's spd-adapt; it needs --adapt")
-    if args.adapt and args.record is None:
-        raise SpdInputError("--adapt learns from the server's traffic records; it needs --record DIR")
-    if (args.adapt or args.head_versions is not None) and (args.mode not in ("spd", "tree") or not args.speculator):
-        flag = "--adapt" if args.adapt else "--head-versions"
-        has = f"--mode {args.mode}" + ("" if args.speculator else " without --speculator")
-        raise SpdInputError(
-            f"{flag} swaps new versions of the server's head in; it needs --mode spd or tree with --speculator HEAD, "
-            f"got {has}"
-        )
-    if args.adapt:
-        from spd.heads.published.authors_file import is_authors_file
-
-        if is_authors_file(args.speculator):
-            raise SpdInputError(
-                f"--adapt fine-tunes heads trained here, and --speculator '{args.speculator}' is an SPD authors' head "
-                "file; convert it first (spd-convert) or leave --adapt out"
-            )
-    if args.head_versions is not None and Path(args.head_versions).expanduser().is_file():
-        raise SpdInputError(f"--head-versions '{args.head_versions}' is a file; expected a directory of head versions")
-    try:
-        extra = shlex.split(args.adapt_args or "")
-    except ValueError as exc:
-        raise SpdInputError(f"--adapt-args cannot be split into flags ({exc}); expected e.g. '--margin 0.02'") from None
-    own = [item for item in extra if item.split("=")[0] in ADAPT_OWN_FLAGS]
-    if own:
-        raise SpdInputError(
-            f"--adapt-args sets {own[0].split('=')[0]}, which the server sets itself; use its --adapt-* flag or "
-            "leave it out"
-        )
+def _http_server(args, uvicorn, app):
+    """uvicorn's server for ``app``, logging as ``--log-level`` says."""
+    # Connections beyond what the queue can take get uvicorn's 503 before their body is read: with the
+    # body cap this bounds the memory that request bodies can hold at once.
+    config = uvicorn.Config(
+        app,
+        log_config=None,  # log_to_stderr set it: our format, uvicorn's own messages only at debug or as warnings
+        log_level=uvicorn_level(args.log_level),
+        access_log=False,  # the app's AccessLog writes the access lines, with tokens and L'_acc
+        timeout_graceful_shutdown=5,
+        limit_concurrency=_connections(args),
+    )
+    return uvicorn.Server(config)
 
 
 def _versions_dir(args) -> Path | None:
@@ -475,69 +280,6 @@ def _listen_sockets(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
-_LEVELS = ("debug", "info", "warning", "error", "critical")  # --log-level's choices, least severe first
-
-
-class _LogFormat(logging.Formatter):
-    """``[spd-serve] message``, a warning or an error saying so first (as the one-line ``error:`` of a wrong flag)."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        level = record.levelno
-        kind = "error: " if level > logging.WARNING else "warning: " if level == logging.WARNING else ""
-        return f"[spd-serve] {kind}{super().format(record)}"
-
-
-class _ConnectionLimit(logging.Filter):
-    """uvicorn's own 503 (more connections than it takes) logged in words that say what happened and which flag
-    sets the limit."""
-
-    def __init__(self, limit: int):
-        super().__init__()
-        self.limit = limit
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg == "Exceeded concurrency limit.":
-            record.msg = (
-                f"503 Service Unavailable to a new request: {self.limit} connections are open, the most this server "
-                "takes (2 x --max-queue + 16)"
-            )
-            record.args = ()
-        return True
-
-
-def _log_to_stderr(level: str, connections: int) -> None:
-    """The server's log (``spd.serve``: access lines, 503s, shutdown) and uvicorn's on stderr, at ``--log-level``;
-    uvicorn's own messages only as warnings and errors unless ``debug`` (its start-up lines repeat ours)."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_LogFormat())
-    for name, at in (("spd.serve", level), ("uvicorn", _uvicorn_level(level))):
-        logger = logging.getLogger(name)
-        logger.handlers, logger.propagate = [handler], False
-        logger.setLevel(at.upper())
-    uvicorn_errors = logging.getLogger("uvicorn.error")
-    uvicorn_errors.filters = [_ConnectionLimit(connections)]
-
-
-def _uvicorn_level(level: str) -> str:
-    return level if level == "debug" else max(level, "warning", key=_LEVELS.index)
-
-
-def _log_shutdown(metrics, seconds: float, waiting: int) -> None:
-    """One line as the server stops: how long it served and what it answered."""
-    counts = metrics.outcomes()
-    detail = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()) if n)
-    minutes, secs = divmod(int(seconds), 60)
-    if minutes >= 60:
-        uptime = f"{minutes // 60} h {minutes % 60} min"
-    else:
-        uptime = f"{minutes} min {secs} s" if minutes else f"{seconds:.1f} s"
-    logging.getLogger("spd.serve").info(
-        f"shutting down after {uptime}: {sum(counts.values())} requests answered"
-        + (f" ({detail})" if detail else "")
-        + (f"; the {waiting} waiting are refused" if waiting else "")
-    )
-
-
 def _max_model_len(args, pipeline) -> int:
     """--max-model-len, at most the model's context (the model's context by default)."""
     context = pipeline.max_positions
@@ -552,65 +294,8 @@ def _max_model_len(args, pipeline) -> int:
     return args.max_model_len
 
 
-def _kv_bytes_per_token(pipeline) -> int | None:
-    """The target's KV cache bytes per token position (all layers, keys and values), if the config says."""
-    import torch
-
-    try:
-        staged = pipeline.staged
-        return (
-            2
-            * staged.config.num_hidden_layers
-            * staged.kv_heads
-            * staged.head_dim
-            * getattr(torch, pipeline.spec.dtype).itemsize
-        )
-    except (AttributeError, TypeError):
-        return None
-
-
 def _exit_cleanly(*_) -> None:
     raise SystemExit(0)
-
-
-def _announce(server, args, name: str, pipeline, max_model_len: int, batch=None, heads=None) -> None:
-    """One line on stderr once the socket listens (with --port 0, the port it got)."""
-    import threading
-    import time
-
-    from spd.target.cut import describe_cut
-
-    def wait_and_print():
-        while not server.started and not server.should_exit:
-            time.sleep(0.05)
-        if server.started:
-            port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
-            per_token = _kv_bytes_per_token(pipeline)
-            kv = f" (target KV at most {per_token * max_model_len / 2**20:.0f} MiB)" if per_token else ""
-            if batch is not None:  # the pool is allocated once, whatever the requests
-                kv = (
-                    f", max batch {batch.max_batch} (KV pool of {batch.pool.rows} rows, "
-                    f"{batch.pool.row_bytes(batch.staged) * batch.pool.rows / 2**20:.0f} MiB; "
-                    f"{batch.prefill_chunk} prompt tokens a step"
-                    + (f", {batch.step_tokens} tokens a stage call" if batch.step_tokens else "")
-                    + (", each prompt in n chunks" if batch.spread_prefill else "")
-                    + (f", trees of at most {batch.tree_nodes} nodes a level" if batch.tree_nodes else "")
-                    + ")"
-                )
-            head = (
-                f"head v{heads.current.number} '{heads.current.label}' (new versions from '{heads.directory}'), "
-                if heads is not None
-                else ""
-            )
-            print(
-                f"[spd-serve] {name}: mode {args.mode}, {describe_cut(pipeline.staged.boundaries)}, "
-                f"runtime {args.runtime}, {head}"
-                f"max model len {max_model_len}{kv}; listening on http://{args.host}:{port}",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    threading.Thread(target=wait_and_print, daemon=True).start()
 
 
 if __name__ == "__main__":

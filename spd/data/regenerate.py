@@ -128,9 +128,7 @@ def regenerate(
     encode = (lambda text: chat_ids(tokenizer, text)) if chat else (lambda text: tokenizer(text)["input_ids"])
     todo = [(p, encode(p["prompt"])) for p in prompts if p["id"] not in done]
     todo.sort(key=lambda item: len(item[1]))  # similar lengths per batch: little padding
-    eos = model.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos])
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids))
+    eos_ids, pad = eos_and_pad(model, tokenizer)
     device = next(model.parameters()).device
     new_tokens, start = 0, time.perf_counter()
     bar = tqdm(total=len(todo), desc="regenerating", unit="prompt", disable=not progress)
@@ -138,18 +136,8 @@ def regenerate(
         for first in range(0, len(todo), batch_size):
             batch = todo[first : first + batch_size]
             input_ids, attention = _left_padded([ids for _, ids in batch], pad)
-            width = input_ids.shape[1]  # every row's answer starts here
             torch.manual_seed(seed + first)
-            generated = model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention.to(device),
-                max_new_tokens=max_new_tokens,
-                do_sample=temperature > 0,
-                temperature=temperature if temperature > 0 else None,
-                top_p=None,
-                top_k=None,
-                pad_token_id=pad,
-            )[:, width:].tolist()
+            generated = _continue(model, input_ids.to(device), attention.to(device), max_new_tokens, temperature, pad)
             for (prompt, _), ids in zip(batch, generated):
                 stop = next((i for i, t in enumerate(ids) if t in eos_ids), None)
                 answer = ids if stop is None else ids[:stop]
@@ -162,7 +150,37 @@ def regenerate(
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
     bar.close()
-    seconds = time.perf_counter() - start
+    return _stats(prompts, done, todo, new_tokens, time.perf_counter() - start)
+
+
+def eos_and_pad(model, tokenizer) -> tuple[set[int], int]:
+    """The ids that end a sample (the model's generation config's EOS) and the id rows are padded with (the
+    tokenizer's, else one of the EOS ids)."""
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids))
+    return eos_ids, pad
+
+
+def _continue(
+    model, input_ids: torch.Tensor, attention: torch.Tensor, max_new_tokens: int, temperature: float, pad: int
+) -> list[list[int]]:
+    """``model.generate``'s new tokens for every row of a left-padded batch (greedy at temperature 0)."""
+    width = input_ids.shape[1]  # every row's answer starts here
+    return model.generate(
+        input_ids=input_ids,
+        attention_mask=attention,
+        max_new_tokens=max_new_tokens,
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None,
+        top_p=None,
+        top_k=None,
+        pad_token_id=pad,
+    )[:, width:].tolist()
+
+
+def _stats(prompts: Sequence[dict], done: set[str], todo: list, new_tokens: int, seconds: float) -> dict:
+    """What a regeneration did: prompts, those done before, those generated now, new tokens, time and rate."""
     return {
         "prompts": len(prompts),
         "skipped_done": len(done),
@@ -220,12 +238,4 @@ def regenerate_served(
             new_tokens += answer.new_tokens
             bar.update(1)
             bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
-    seconds = time.perf_counter() - start
-    return {
-        "prompts": len(prompts),
-        "skipped_done": len(done),
-        "generated": len(todo),
-        "new_tokens": new_tokens,
-        "seconds": round(seconds, 1),
-        "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None,
-    }
+    return _stats(prompts, done, todo, new_tokens, time.perf_counter() - start)

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import SpdInputError
 from .client import Client, as_completed, request_seed
-from .regenerate import read_done
+from .regenerate import eos_and_pad, read_done
 
 # The system turn of each topic; None keeps the chat template's own default system prompt.
 TOPICS: dict[str, str | None] = {
@@ -207,9 +207,7 @@ def write_instructions(
     done = read_done(out)
     seen = _kept(out)
     prefix = user_turn_ids(tokenizer, TOPICS[topic])
-    eos = model.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos])
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids))
+    eos_ids, pad = eos_and_pad(model, tokenizer)
     device = next(model.parameters()).device
     ids = [f"{topic}-{seed}-{i}" for i in range(count)]
     kept = new = 0
@@ -228,16 +226,7 @@ def write_instructions(
                 continue
             torch.manual_seed(seed * 1_000_003 + first)  # a batch's samples do not depend on what ran before
             input_ids = torch.tensor([prefix] * len(batch), device=device)
-            generated = model.generate(
-                input_ids=input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=True,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=None,
-                pad_token_id=pad,
-            )[:, len(prefix) :].tolist()
+            generated = _sample(model, input_ids, max_new_tokens, temperature, top_p, pad)
             for row_id, tokens in zip(batch, generated):
                 stop = next((k for k, t in enumerate(tokens) if t in eos_ids), None)
                 text = tokenizer.decode(tokens if stop is None else tokens[:stop], skip_special_tokens=True).strip()
@@ -250,13 +239,21 @@ def write_instructions(
             bar.update(len(batch))
             bar.set_postfix(kept=kept)
     bar.close()
-    return {
-        "topic": topic,
-        "sampled": new,
-        "kept": kept,
-        "skipped_done": len(done & set(ids)),
-        "seconds": round(time.perf_counter() - start, 1),
-    }
+    return _stats(topic, new, kept, len(done & set(ids)), start)
+
+
+def _sample(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: float, top_p: float, pad: int):
+    """``model.generate``'s sampled continuations of a batch of equal prefixes, without the prefix."""
+    return model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=True,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=None,
+        pad_token_id=pad,
+    )[:, input_ids.shape[1] :].tolist()
 
 
 def write_instructions_served(
@@ -316,10 +313,15 @@ def write_instructions_served(
             os.fsync(f.fileno())
             bar.update(1)
             bar.set_postfix(kept=kept)
+    return _stats(topic, len(todo), kept, count - len(todo), start)
+
+
+def _stats(topic: str, sampled: int, kept: int, skipped: int, start: float) -> dict:
+    """What a run of samples did: the topic, samples drawn and kept, ids done before, seconds since ``start``."""
     return {
         "topic": topic,
-        "sampled": len(todo),
+        "sampled": sampled,
         "kept": kept,
-        "skipped_done": count - len(todo),
+        "skipped_done": skipped,
         "seconds": round(time.perf_counter() - start, 1),
     }

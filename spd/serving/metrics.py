@@ -34,6 +34,14 @@ class ServerMetrics:
         Info("spd_server", "What this server runs", registry=r).info(
             {"model": model, "mode": mode, "stages": str(stages), "runtime": runtime}
         )
+        self._count_requests(r)
+        self._time_requests(r)
+        self._count_pipeline(r)
+        self._steps = self._decode = 0
+        self._by_version: dict[int, list[int]] = {}  # head version -> [steps, decode tokens] of its requests
+
+    def _count_requests(self, r: CollectorRegistry) -> None:
+        """Requests answered and their tokens, and the requests waiting and running now."""
         self.requests = Counter(
             "spd_requests",
             "Requests answered, by endpoint and outcome (ok: generated; "
@@ -56,6 +64,9 @@ class ServerMetrics:
             "batched; 0 when idle)",
             registry=r,
         )
+
+    def _time_requests(self, r: CollectorRegistry) -> None:
+        """How long requests take: in the queue, to the first token, between tokens, to the last."""
         self.latency = Histogram(
             "spd_request_latency_seconds", "From arrival to the last token", buckets=LATENCY_BUCKETS, registry=r
         )
@@ -78,6 +89,10 @@ class ServerMetrics:
             buckets=TBT_BUCKETS,
             registry=r,
         )
+
+    def _count_pipeline(self, r: CollectorRegistry) -> None:
+        """What the pipeline does: the batch in flight, steps, committed and accepted tokens, flushes, acceptance by
+        position and L'_acc."""
         self.batch_size = Gauge(
             "spd_batch_size", "Requests in flight in the pipeline now (--max-batch B: up to B)", registry=r
         )
@@ -109,8 +124,6 @@ class ServerMetrics:
             registry=r,
         )
         accept_length.set_function(self.mean_accept_length)
-        self._steps = self._decode = 0
-        self._by_version: dict[int, list[int]] = {}  # head version -> [steps, decode tokens] of its requests
 
     def watch_heads(self, version) -> None:
         """The head versions' rows (a server that watches for new heads): ``version()`` is the one serving new
@@ -157,6 +170,7 @@ class ServerMetrics:
         return counts
 
     def mean_accept_length(self) -> float:
+        """L'_acc over every request served so far (0 before the first pipeline step)."""
         return self.stages * self._decode / self._steps if self._steps else 0.0
 
     def record_generation(self, stats: dict, version: int | None = None) -> None:
@@ -183,4 +197,5 @@ class ServerMetrics:
             self.accepted_by_position.labels(position=str(i + 1)).inc(accepted)
 
     def exposition(self) -> bytes:
+        """The metrics page, in Prometheus' text exposition format."""
         return generate_latest(self.registry)

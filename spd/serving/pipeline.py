@@ -190,53 +190,20 @@ def _open_distributed(spec: PipelineSpec, cut, tokenizer) -> Pipeline:
     ``--stage-addr`` (spd/runtime/join.py); a 2-token warm-up request proves the pipeline works."""
     from ..decoding.factory import build_engine
     from ..decoding.loader import load_parts
-    from ..runtime.join import StageJob, publish_job
     from ..runtime.loading import load_partial
-    from ..runtime.protocol import RuntimeConfig
-    from ..runtime.world import bound_store
     from ..target.loading import check_device
 
     n = cut.n_stages
     local, host, port, interface = _stage_network(spec, n)
     backend = "nccl" if check_device(spec.device).type == "cuda" else "gloo"
-    config = RuntimeConfig(
-        backend=backend,
-        timeout_s=spec.timeout_s,
-        emulate_stage_ms=spec.emulate_stage_ms,
-        emulate_token_ms=spec.emulate_token_ms,
-        emulate_link_ms=spec.emulate_link_ms,
-        join_timeout_s=spec.join_timeout_s,
-    )
+    config = _runtime_config(spec, backend)
     # Rank 0's part, the head and the draft model load (and fail with one line) before any process starts.
     dtype = getattr(torch, spec.dtype)
     decoding = DecodingSpec.of(spec)
     staged = load_partial(spec.target, n, 0, spec.revision, dtype, spec.device, cut.boundaries)
     parts = load_parts(decoding, tokenizer, cut, staged)
-    job = StageJob(
-        stages=n,
-        boundaries=list(staged.boundaries),
-        remote=list(range(local + 1, n + 1)),
-        dtype=spec.dtype,
-        backend=backend,
-        timeout_s=spec.timeout_s,
-        emulate_stage_ms=spec.emulate_stage_ms,
-        emulate_token_ms=spec.emulate_token_ms,
-        emulate_link_ms=spec.emulate_link_ms,
-    )
-    # gloo (rank 0 and this machine's stages) on the stage network's interface, unless the user chose one.
-    if interface is not None and not os.environ.get("GLOO_SOCKET_IFNAME"):
-        os.environ["GLOO_SOCKET_IFNAME"] = interface
-    # The store listens on the stage address only; the other machines read the job from it.
-    timeout = datetime.timedelta(seconds=max(spec.timeout_s, spec.join_timeout_s))
-    store = bound_store(host, port, n + 1, timeout, wait_for_workers=False)
-    publish_job(store, job)
-    if job.remote:
-        print(
-            f"[spd-serve] waiting up to {spec.join_timeout_s:g} s for {_stage_list(job.remote)} to join at "
-            f"{host}:{port}: run 'spd-stage --server {host}:{port} --target DIR' on their machine(s)",
-            file=sys.stderr,
-            flush=True,
-        )
+    job = _stage_job(spec, n, list(staged.boundaries), local, backend)
+    store, timeout = _publish(spec, job, (host, port), interface)
 
     def pipeline_over(control, procs) -> Pipeline:
         """Rank 0's pipeline over the joined stages, once they are proved to run this very job."""
@@ -249,6 +216,61 @@ def _open_distributed(spec: PipelineSpec, cut, tokenizer) -> Pipeline:
         return Pipeline(spec, engine, staged, tokenizer, n, remote, procs)
 
     return _start_stages(spec, job, store, (host, port), local, timeout, pipeline_over)
+
+
+def _runtime_config(spec: PipelineSpec, backend: str):
+    """Rank 0's runtime settings (a :class:`~spd.runtime.protocol.RuntimeConfig`)."""
+    from ..runtime.protocol import RuntimeConfig
+
+    return RuntimeConfig(
+        backend=backend,
+        timeout_s=spec.timeout_s,
+        emulate_stage_ms=spec.emulate_stage_ms,
+        emulate_token_ms=spec.emulate_token_ms,
+        emulate_link_ms=spec.emulate_link_ms,
+        join_timeout_s=spec.join_timeout_s,
+    )
+
+
+def _stage_job(spec: PipelineSpec, n: int, boundaries: list[int], local: int, backend: str):
+    """The job the ``n`` stages run (a :class:`~spd.runtime.join.StageJob`): stages after ``local`` join from other
+    machines."""
+    from ..runtime.join import StageJob
+
+    return StageJob(
+        stages=n,
+        boundaries=boundaries,
+        remote=list(range(local + 1, n + 1)),
+        dtype=spec.dtype,
+        backend=backend,
+        timeout_s=spec.timeout_s,
+        emulate_stage_ms=spec.emulate_stage_ms,
+        emulate_token_ms=spec.emulate_token_ms,
+        emulate_link_ms=spec.emulate_link_ms,
+    )
+
+
+def _publish(spec: PipelineSpec, job, address: tuple[str, int], interface: str | None):
+    """Publish ``job`` on a store listening at ``address`` (the stage address only; the other machines read the job
+    from it) and say which stages are awaited there; returns the store and the join timeout."""
+    from ..runtime.join import publish_job
+    from ..runtime.world import bound_store
+
+    host, port = address
+    # gloo (rank 0 and this machine's stages) on the stage network's interface, unless the user chose one.
+    if interface is not None and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+    timeout = datetime.timedelta(seconds=max(spec.timeout_s, spec.join_timeout_s))
+    store = bound_store(host, port, job.stages + 1, timeout, wait_for_workers=False)
+    publish_job(store, job)
+    if job.remote:
+        print(
+            f"[spd-serve] waiting up to {spec.join_timeout_s:g} s for {_stage_list(job.remote)} to join at "
+            f"{host}:{port}: run 'spd-stage --server {host}:{port} --target DIR' on their machine(s)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return store, timeout
 
 
 def _stage_network(spec: PipelineSpec, n: int) -> tuple[int, str, int, str | None]:

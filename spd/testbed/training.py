@@ -70,26 +70,13 @@ def train_model(
     model = make_llama(spec, tokenizer, seed)
     model.train()
     params = [p for p in model.parameters()]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=spec.lr,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-    )
+    opt = _adamw(params, spec)
     data = torch.from_numpy(train_tokens.astype(np.int64))
     if len(data) <= spec.seq_len + 1:
         raise RuntimeError(f"the train split has {len(data)} tokens, fewer than one window of {spec.seq_len}")
     gen = torch.Generator().manual_seed(seed + 1)
     offsets = torch.arange(spec.seq_len + 1)
-
-    def forward_backward(window):
-        logits = model(input_ids=window[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
-        loss.backward()
-        return loss.detach()
-
+    forward_backward = _forward_backward(model)
     step_fn = torch.compile(forward_backward) if spec.compile else forward_backward
     total = spec.steps
     calibrate_after = 20  # steps timed to turn the time budget into a step count (inside the warmup)
@@ -110,15 +97,7 @@ def train_model(
             group["lr"] = lr
         starts = torch.randint(0, len(data) - spec.seq_len - 1, (spec.batch_size,), generator=gen)
         window = data[starts[:, None] + offsets]
-        try:
-            loss = step_fn(window)
-        except Exception as exc:  # a compiler toolchain problem must not stop the build: train eagerly
-            if step_fn is forward_backward or step > 0:
-                raise
-            tqdm.write(f"warning: torch.compile failed ({type(exc).__name__}); training without it")
-            opt.zero_grad(set_to_none=True)
-            step_fn = forward_backward
-            loss = step_fn(window)
+        loss, step_fn = _step(step_fn, forward_backward, window, opt, first=step == 0)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -130,11 +109,52 @@ def train_model(
     bar.close()
     elapsed = time.perf_counter() - t0
     model.eval()
-    record = {
-        "steps": step,
-        "train_tokens": step * spec.batch_size * spec.seq_len,
+    return model, _record(spec, step, elapsed, losses)
+
+
+def _adamw(params: list[torch.nn.Parameter], spec: ModelSpec) -> torch.optim.AdamW:
+    """AdamW with weight decay on the matrices only (not on norms and biases)."""
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=spec.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+
+
+def _forward_backward(model):
+    """The step's forward and backward pass over a batch of windows; returns the loss."""
+
+    def forward_backward(window):
+        logits = model(input_ids=window[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
+        loss.backward()
+        return loss.detach()
+
+    return forward_backward
+
+
+def _step(step_fn, eager, window: torch.Tensor, opt: torch.optim.Optimizer, first: bool):
+    """``step_fn`` over ``window``: (loss, the step function from now on). A compiled step that fails on the first
+    window falls back to ``eager`` for the rest of the run."""
+    try:
+        return step_fn(window), step_fn
+    except Exception as exc:  # a compiler toolchain problem must not stop the build: train eagerly
+        if step_fn is eager or not first:
+            raise
+        tqdm.write(f"warning: torch.compile failed ({type(exc).__name__}); training without it")
+        opt.zero_grad(set_to_none=True)
+        return eager(window), eager
+
+
+def _record(spec: ModelSpec, steps: int, elapsed: float, losses: list[float]) -> dict:
+    """What the training did: steps, tokens, minutes, throughput and the final loss (the mean of the last 50)."""
+    return {
+        "steps": steps,
+        "train_tokens": steps * spec.batch_size * spec.seq_len,
         "train_minutes": round(elapsed / 60, 2),
-        "tokens_per_s": round(step * spec.batch_size * spec.seq_len / elapsed, 1),
+        "tokens_per_s": round(steps * spec.batch_size * spec.seq_len / elapsed, 1),
         "final_train_loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
     }
-    return model, record

@@ -21,19 +21,19 @@ stopped, and no half-written version is left.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import SpdInputError
 from ..reading import read_json
+from .config import AdaptConfig
 from .records import RecordPosition, read_records_after, shards
 from .snapshot import Snapshot, heldout_rows, usable, write_snapshot
 from .versions import (
@@ -49,78 +49,6 @@ from .versions import (
 
 if TYPE_CHECKING:
     from ..training.distill import DistillConfig
-
-# The trainer's settings a user may change (``key=value``); spd-adapt sets the others (the head, the data, the
-# steps, the evaluation, the output) itself.
-TRAINER_SETTINGS = (
-    "lr",
-    "warmup_steps",
-    "batch_size",
-    "grad_accum",
-    "max_length",
-    "pad_to_multiple_of",
-    "overflow",
-    "weight_decay",
-    "max_grad_norm",
-    "tau",
-    "p_full",
-    "kd_chunk",
-    "mixed_precision",
-    "target",
-    "target_revision",
-    "target_dtype",
-    "data_revision",
-    "max_minutes",
-)
-
-
-def default_threads() -> int:
-    """A quarter of the cores this process may use, at least 1: the server keeps the rest."""
-    return max(1, len(os.sched_getaffinity(0)) // 4)
-
-
-@dataclass
-class AdaptConfig:
-    """Every setting of ``spd-adapt`` (its flags); checked when made, each wrong value one sentence naming its flag."""
-
-    records: str  # the server's records directory (spd-serve --record DIR)
-    head: str  # the head the server starts with: a trained head directory
-    versions: str | None = None  # the versions directory (default: <records>/heads)
-    every: int = 20000  # new answer tokens that start a round
-    steps: int = 50  # optimizer steps per round
-    replay: list[str] = field(default_factory=list)  # the head's original data, mixed in so that it does not forget
-    replay_share: float = 0.5  # share of a round's training rows drawn from the replay data
-    heldout_share: float = 0.1  # share of a round's records held out to compare the heads on (the newest)
-    margin: float = 0.01  # a candidate is kept when its L'_acc estimate beats the current head's by this (relative)
-    threads: int = field(default_factory=default_threads)  # the trainer's intra-op threads
-    nice: int = 10  # the trainer's niceness, added to this process's
-    poll: float = 30.0  # seconds between looks at the records
-    once: bool = False  # one look (and a round if there is enough traffic), then exit
-    from_start: bool = False  # read the records from their start, not from the position remembered
-    settings: list[str] = field(default_factory=list)  # key=value trainer settings (TRAINER_SETTINGS)
-    command: str = ""  # the command line, for the model cards
-
-    def __post_init__(self):
-        for flag, value in (("--every", self.every), ("--steps", self.steps), ("--threads", self.threads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise SpdInputError(f"{flag} must be a whole number of at least 1, got {value}")
-        if not (math.isfinite(self.replay_share) and 0 <= self.replay_share < 1):
-            raise SpdInputError(f"--replay-share must be at least 0 and below 1, got {self.replay_share}")
-        if not (math.isfinite(self.heldout_share) and 0 < self.heldout_share < 1):
-            raise SpdInputError(f"--heldout-share must be above 0 and below 1, got {self.heldout_share}")
-        if not (math.isfinite(self.margin) and self.margin > -1):
-            raise SpdInputError(f"--margin must be a finite number above -1 (a relative gain), got {self.margin}")
-        if not 0 <= self.nice <= 19:
-            raise SpdInputError(f"--nice must be in 0..19, got {self.nice}")
-        if not (math.isfinite(self.poll) and self.poll > 0):
-            raise SpdInputError(f"--poll must be a positive number of seconds, got {self.poll}")
-        for item in self.settings:
-            key, sep, _ = item.partition("=")
-            if not sep or key not in TRAINER_SETTINGS:
-                raise SpdInputError(
-                    f"'{item}' is not a trainer setting spd-adapt passes on; expected key=value with a key among "
-                    f"{', '.join(TRAINER_SETTINGS)} (spd-adapt sets the others)"
-                )
 
 
 @dataclass
@@ -189,7 +117,7 @@ class Adapter:
     def _trainer_config(self):
         """The trainer's settings for every round, checked once here (the round fills in the head and the data)."""
         from ..paths import check_model_source
-        from ..training.distill import load_config
+        from ..training.presets import load_config
 
         head, k = self.head_cfg, self.cfg.steps
         if not head.target_name_or_path and not any(item.startswith("target=") for item in self.cfg.settings):
@@ -270,6 +198,31 @@ class Adapter:
     def run_round(self, rows: list[dict], through: RecordPosition) -> int | None:
         """Learn from ``rows`` (the records up to ``through``): a candidate trained, compared, kept or dropped, the
         position remembered. Returns None when done, or the exit status when the process should end."""
+        r = self._new_round(rows, through)
+        work = self.versions / WORK
+        c = r.snap.counts
+        self.say(
+            f"round for v{r.number}: {c['traffic']['tokens'] + c['heldout']['tokens']} new answer tokens in "
+            f"{c['traffic']['rows'] + c['heldout']['rows']} records; training v{r.parent} for {self.cfg.steps} steps "
+            f"on {c['traffic']['rows']} traffic rows and {c['replay']['rows']} replay rows, "
+            f"{c['heldout']['rows']} held out"
+        )
+        status = self._train(r.trainer, work)
+        if status is not None:
+            return status
+        if self.stopping:
+            shutil.rmtree(work, ignore_errors=True)
+            self.say("stopped; the round in progress was abandoned")
+            return 0
+        self._keep_or_drop(r, work)
+        write_position(self.versions, through)
+        self.position = through
+        shutil.rmtree(work, ignore_errors=True)
+        return None
+
+    def _new_round(self, rows: list[dict], through: RecordPosition) -> Round:
+        """The next round: its data written to a fresh work directory, and the trainer's settings for a candidate
+        that starts from the current head."""
         from ..data.prepare import DataConfig
 
         cfg = self.cfg
@@ -293,46 +246,35 @@ class Adapter:
             cache_dir=str(work / "cache"),
             seed=number,
         )
-        r = Round(number, parent, parent_path, snap, trainer, self.position, through)
-        c = snap.counts
-        self.say(
-            f"round for v{number}: {c['traffic']['tokens'] + c['heldout']['tokens']} new answer tokens in "
-            f"{c['traffic']['rows'] + c['heldout']['rows']} records; training v{parent} for {cfg.steps} steps on "
-            f"{c['traffic']['rows']} traffic rows and {c['replay']['rows']} replay rows, "
-            f"{c['heldout']['rows']} held out"
-        )
-        status = self._train(trainer, work)
-        if status is not None:
-            return status
-        if self.stopping:
-            shutil.rmtree(work, ignore_errors=True)
-            self.say("stopped; the round in progress was abandoned")
-            return 0
+        return Round(number, parent, parent_path, snap, trainer, self.position, through)
+
+    def _keep_or_drop(self, r: Round, work: Path) -> None:
+        """The candidate against the current head on the held-out rows: published as the next version if it beats it
+        by the margin, else dropped; one line either way."""
+        cfg = self.cfg
         summary = read_json(work / "train" / "summary.json", "trainer's summary")
         before = next(e for e in summary["evals"] if e["step"] == 0)
         after = summary["eval"]
         gain = after["L_acc_est"] / before["L_acc_est"] - 1
-        figures = f"held-out L'_acc est {before['L_acc_est']:.3f} (v{parent}) -> {after['L_acc_est']:.3f} ({gain:+.1%})"
+        figures = (
+            f"held-out L'_acc est {before['L_acc_est']:.3f} (v{r.parent}) -> {after['L_acc_est']:.3f} ({gain:+.1%})"
+        )
         if after["L_acc_est"] > before["L_acc_est"] * (1 + cfg.margin):
             info = {
-                "parent": parent,
-                "parent_path": parent_path,
+                "parent": r.parent,
+                "parent_path": r.parent_path,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "before": _figures(before),
                 "after": _figures(after),
                 "margin": cfg.margin,
                 "steps": cfg.steps,
-                "records_through": position_json(through),
+                "records_through": position_json(r.through),
             }
             card = self._card(r, summary, before, after)
-            path = publish_version(self.versions, number, work / "train" / "final", info, card)
-            self.say(f"v{number} kept: {figures}, margin {cfg.margin:+.1%}; published '{path}' (bf16)")
+            path = publish_version(self.versions, r.number, work / "train" / "final", info, card)
+            self.say(f"v{r.number} kept: {figures}, margin {cfg.margin:+.1%}; published '{path}' (bf16)")
         else:
-            self.say(f"candidate dropped: {figures}, short of the margin {cfg.margin:+.1%}; v{parent} stays")
-        write_position(self.versions, through)
-        self.position = through
-        shutil.rmtree(work, ignore_errors=True)
-        return None
+            self.say(f"candidate dropped: {figures}, short of the margin {cfg.margin:+.1%}; v{r.parent} stays")
 
     def _train(self, trainer, work: Path) -> int | None:
         """Run the trainer on ``trainer`` (a DistillConfig) in a niced child process with its own threads, its output
@@ -492,7 +434,7 @@ def _shape(cfg) -> tuple:
 
 
 def _text(value) -> str:
-    """A setting as ``key=value`` text that :func:`spd.training.distill.load_config` reads back."""
+    """A setting as ``key=value`` text that :func:`spd.training.presets.load_config` reads back."""
     import json
 
     return json.dumps(value) if isinstance(value, list) else "none" if value is None else str(value)

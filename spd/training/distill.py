@@ -1,7 +1,8 @@
-"""Distillation of a speculation head from a frozen target: config, batches, loss, evaluation, checkpoints.
+"""Distillation of a speculation head from a frozen target: config, batches, loss (presets: :mod:`.presets`;
+evaluation: :mod:`.evaluation`; checkpoints: :mod:`.checkpoints`).
 
-The training loop itself is ``train/distill.py``; this module holds the pieces it calls, so that they are
-importable and tested on their own. docs/method.md §4 and Appendix A of the paper.
+The training loop is :mod:`.trainer` (run by ``train/distill.py``); this module holds the pieces it calls, so that
+they are importable and tested on their own. docs/method.md §4 and Appendix A of the paper.
 
 Shape suffixes: B batch, N positions, D hidden, V vocabulary.
 """
@@ -9,23 +10,16 @@ Shape suffixes: B batch, N positions, D hidden, V vocabulary.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
-import os
-import re
-import shutil
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..errors import SpdInputError
-from ..files import replace_dir, temp_dir_beside
 from ..heads.config import SpeculatorConfig, default_anchors
 from ..heads.speculator import Speculator
 from ..paths import default_cache_dir, default_testbed_dir
-from ..reading import read_yaml
 from ..target.staging import StagedModel
 from .head_forward import kd_objective
 from .kd import padded_length
@@ -111,6 +105,15 @@ class DistillConfig:
     keep_checkpoints: int = 2
 
     def __post_init__(self):
+        # The checks run in this order: a config with several wrong values is refused for the first of them.
+        self._check_variant()
+        self._check_sizes()
+        self._check_optimiser()
+        self._check_steps()
+        self._check_choices()
+
+    def _check_variant(self) -> None:
+        """``variant`` one of :data:`VARIANTS`; eagle reads the whole target (one stage) and drafts at least once."""
         if self.variant not in VARIANTS:
             raise SpdInputError(f"variant must be one of {', '.join(VARIANTS)}, got '{self.variant}'")
         if self.variant == "eagle":
@@ -120,6 +123,9 @@ class DistillConfig:
             self.n_stages = 1
             if self.draft_steps < 1:
                 raise SpdInputError(f"draft_steps must be at least 1, got {self.draft_steps}")
+
+    def _check_sizes(self) -> None:
+        """Sizes and intervals that must be at least 1."""
         for name in (
             "n_stages",
             "num_layers",
@@ -134,6 +140,9 @@ class DistillConfig:
         ):
             if getattr(self, name) < 1:
                 raise SpdInputError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    def _check_optimiser(self) -> None:
+        """The optimiser's numbers (finite; positive, or at least 0 for weight_decay) and the run's threads and time."""
         # nan passes every comparison and inf every lower bound: each number must be finite as well.
         for name in ("lr", "tau", "epochs", "max_grad_norm"):
             value = getattr(self, name)
@@ -145,6 +154,9 @@ class DistillConfig:
             raise SpdInputError(f"threads must be at least 1 (or unset), got {self.threads}")
         if self.max_minutes is not None and not (math.isfinite(self.max_minutes) and self.max_minutes > 0):
             raise SpdInputError(f"max_minutes must be a positive finite number, got {self.max_minutes}")
+
+    def _check_steps(self) -> None:
+        """Steps that may be 0 (intervals, ``eval_steps``), ``max_steps``, the draft vocabulary's size and ``p_full``."""
         for name in ("warmup_steps", "eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise SpdInputError(f"{name} must be 0 or more, got {getattr(self, name)}")
@@ -163,6 +175,9 @@ class DistillConfig:
             raise SpdInputError(f"max_steps must be at least 1, got {self.max_steps}")
         if not 0 <= self.p_full <= 1:
             raise SpdInputError(f"p_full must be in [0, 1], got {self.p_full}")
+
+    def _check_choices(self) -> None:
+        """The settings named by a word: how the head starts, the target's dtype, mixed precision."""
         if self.fc_init not in ("random", "deepest", "scaled"):
             raise SpdInputError(f"fc_init must be random, deepest or scaled, got '{self.fc_init}'")
         if self.layer_init not in ("random", "target"):
@@ -171,105 +186,6 @@ class DistillConfig:
             raise SpdInputError(f"target_dtype must be auto, float32 or bfloat16, got '{self.target_dtype}'")
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
             raise SpdInputError(f"mixed_precision must be auto, no, bf16 or fp16, got '{self.mixed_precision}'")
-
-
-def _coerce(value, type_text: str):
-    """A YAML / command-line value as the field's declared type (``1e-4`` is a string to YAML 1.1)."""
-    if value is None or isinstance(value, str) and value.strip().lower() in ("none", "null", "~", ""):
-        if "None" in type_text:
-            return None
-        raise ValueError("a value is required")
-    base = type_text.replace(" | None", "").strip()
-    if base == "bool":
-        if isinstance(value, bool):
-            return value
-        if str(value).lower() in ("true", "yes", "1", "on"):
-            return True
-        if str(value).lower() in ("false", "no", "0", "off"):
-            return False
-        raise ValueError("expected true or false")
-    if base == "int":
-        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise ValueError("expected an integer")
-        return int(value)
-    if base == "float":
-        if isinstance(value, bool):
-            raise ValueError("expected a number")
-        return float(value)
-    if base == "str":
-        return str(value)
-    if base == "str | list[str]":  # one source, or a YAML list of them ([a.jsonl, b.jsonl] on the command line)
-        import yaml
-
-        value = yaml.safe_load(value) if isinstance(value, str) and value.lstrip().startswith("[") else value
-        if isinstance(value, list):
-            if not value or not all(isinstance(v, str) and v for v in value):
-                raise ValueError("expected a non-empty list of paths or dataset ids")
-            return value[0] if len(value) == 1 else list(value)
-        return str(value)
-    if base == "str | dict[str, str]":  # one held-out set, or named ones ({chat: a.jsonl} on the command line)
-        import yaml
-
-        value = yaml.safe_load(value) if isinstance(value, str) and value.lstrip().startswith("{") else value
-        if isinstance(value, dict):
-            if not value or not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in value.items()):
-                raise ValueError("expected a non-empty mapping of set names to paths, e.g. {chat: chat.jsonl}")
-            return dict(value)
-        return str(value)
-    if base.startswith("list"):
-        import yaml
-
-        value = yaml.safe_load(value) if isinstance(value, str) else value
-        if not isinstance(value, list):
-            raise ValueError("expected a list, e.g. [2, 4, 6]")
-        return value
-    return value
-
-
-def load_config(path: str | None, overrides: list[str]) -> DistillConfig:
-    """A DistillConfig from a YAML preset plus ``key=value`` overrides; unknown keys are a clear error."""
-    fields = {f.name: f for f in dataclasses.fields(DistillConfig)}
-    raw: dict = {}
-    if path is not None:
-        loaded = read_yaml(path, "config file", "a YAML mapping of config keys to values (see configs/)")
-        unknown = sorted(set(loaded) - set(fields))
-        if unknown:
-            raise SpdInputError(f"unknown config key(s) {unknown} in '{path}'; valid keys: {', '.join(fields)}")
-        raw.update(loaded)
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep:
-            raise SpdInputError(f"override '{item}' is not key=value")
-        if key not in fields:
-            raise SpdInputError(f"unknown config key '{key}'; valid keys: {', '.join(fields)}")
-        raw[key] = text
-    # A preset for a target that a data script prepared names its data beside the target
-    # ("{target}/../data/train.jsonl"), so target=DIR/target alone moves both.
-    target = str(raw.get("target") or DistillConfig.__dataclass_fields__["target"].default_factory())
-
-    def beside(value):
-        return (
-            os.path.normpath(value.replace("{target}", target))
-            if isinstance(value, str) and "{target}" in value
-            else value
-        )
-
-    for key in ("data", "eval_data"):
-        if key in raw:  # a key left out keeps its default; an explicit null stays null
-            value = raw[key]
-            if isinstance(value, list):
-                raw[key] = [beside(v) for v in value]
-            elif isinstance(value, dict):
-                raw[key] = {name: beside(v) for name, v in value.items()}
-            else:
-                raw[key] = beside(value)
-    values = {}
-    for key, value in raw.items():
-        try:
-            values[key] = _coerce(value, str(fields[key].type))
-        except (ValueError, TypeError) as exc:
-            raise SpdInputError(f"bad value for {key}: {value!r} ({exc})") from None
-    return DistillConfig(**values)
 
 
 # ------------------------------------------------------------------------------------------ the head
@@ -494,191 +410,9 @@ def distill_step(
     return result.loss_sum / max(1, result.count), result
 
 
-# ------------------------------------------------------------------------------------------ evaluation
-
-
-def expected_accept_length(agreement: dict[int, float], n: int) -> dict[str, float]:
-    """Estimate alpha and L'_acc from top-1 agreement per fill (greedy acceptance, independent proposals).
-
-    After a (re)seed the head proposes with fills 1, 2, ..., n, n, ...; proposal j is verified n-1 steps
-    after it is made, and the first rejection flushes. A segment with k accepted proposals takes n + k steps
-    and commits k + 1 tokens, so by renewal-reward alpha = (1 + E[k]) / (n + E[k]) and L'_acc = n * alpha.
-    """
-    p = [min(max(agreement[min(j, n)], 0.0), 1.0) for j in range(1, n + 1)]
-    prefix, expected_k = 1.0, 0.0
-    for j in range(n - 1):
-        prefix *= p[j]
-        expected_k += prefix  # P(k >= j + 1)
-    p_steady = p[n - 1]
-    prefix *= p_steady
-    expected_k += math.inf if p_steady >= 1 else prefix / (1 - p_steady)  # geometric tail at fill n
-    alpha = 1.0 if math.isinf(expected_k) else (1 + expected_k) / (n + expected_k)
-    return {"alpha": alpha, "L_acc": n * alpha}
-
-
-def expected_serial_length(agreement: dict[int, float], m: int) -> float:
-    """Mean acceptance length of serial drafting with m drafts (bonus / replacement token included), greedy.
-
-    Draft j is made with j rows in flight (the newest committed token and j - 1 earlier drafts) and counts
-    only if every earlier draft was accepted: ``1 + sum_j prod_{i <= j} p_i``.
-    """
-    prefix, length = 1.0, 1.0
-    for j in range(1, m + 1):
-        prefix *= min(max(agreement[j], 0.0), 1.0)
-        length += prefix
-    return length
-
-
 def training_fills(cfg: DistillConfig) -> tuple[int, float]:
     """``(max fill, p_full)`` for :func:`spd.training.kd.sample_fills`: the pipeline's n and the paper's rule, or for the
     serial drafter (variant eagle) every number of drafts in flight 1..draft_steps equally often (p_full 1/m)."""
     if cfg.variant == "eagle":
         return cfg.draft_steps, 1.0 / cfg.draft_steps
     return cfg.n_stages, cfg.p_full
-
-
-@torch.no_grad()
-def evaluate(head: Speculator, staged: StagedModel, batches: list[dict], tau: float, chunk: int) -> dict:
-    """KD loss and top-1 agreement with the target for every fill a = 1..n (a = n: full pipeline).
-
-    A serial head (variant eagle) is measured at every number of drafts in flight a = 1..draft_steps; its
-    ``kd_loss`` is their mean, ``top1_full`` the first draft's agreement and ``L_acc_est`` the expected
-    acceptance length of ``--mode sd --draft-steps draft_steps`` (bonus included; ``alpha_est`` = L_acc / (m + 1)).
-    """
-    return eval_metrics(eval_sums(head, staged, batches, tau, chunk), head.config)
-
-
-@torch.no_grad()
-def evaluate_sets(head: Speculator, staged: StagedModel, sets: dict[str, list[dict]], tau: float, chunk: int) -> dict:
-    """:func:`evaluate` over every named set's batches together, with each set's own metrics under ``"sets"``."""
-    per_set = {name: eval_sums(head, staged, batches, tau, chunk) for name, batches in sets.items()}
-    together = {
-        a: [sum(sums[a][i] for sums in per_set.values()) for i in range(3)] for a in next(iter(per_set.values()))
-    }
-    return {
-        **eval_metrics(together, head.config),
-        "sets": {name: eval_metrics(sums, head.config) for name, sums in per_set.items()},
-    }
-
-
-def eval_sums(head: Speculator, staged: StagedModel, batches: list[dict], tau: float, chunk: int) -> dict:
-    """Per fill a = 1..n: [KD loss summed over positions, positions, positions where the head's top-1 agrees]."""
-    n = head.config.max_fill
-    was_training = head.training
-    head.eval()
-    sums = {a: [0.0, 0, 0] for a in range(1, n + 1)}
-    anchors = teacher_anchors(head, staged)
-    for batch in batches:
-        hidden = teacher_pass(staged, anchors, batch)
-        for a in range(1, n + 1):
-            fill_B = torch.full((batch["input_ids"].shape[0],), a, dtype=torch.long, device=batch["input_ids"].device)
-            _, r = distill_step(head, staged, hidden, batch, fill_B, tau, chunk)
-            sums[a][0] += float(r.loss_sum)
-            sums[a][1] += r.count
-            sums[a][2] += r.agree
-    head.train(was_training)
-    return sums
-
-
-def eval_metrics(sums: dict, cfg) -> dict:
-    """The metrics of :func:`evaluate` from :func:`eval_sums`' sums (``cfg``: the head's config)."""
-    n = cfg.max_fill
-    agreement = {a: s[2] / max(1, s[1]) for a, s in sums.items()}
-    if cfg.schedule == "serial":
-        length = expected_serial_length(agreement, n)
-        return {
-            "kd_loss": sum(s[0] for s in sums.values()) / max(1, sum(s[1] for s in sums.values())),
-            "top1_full": agreement[1],
-            "top1_by_fill": {str(a): round(v, 4) for a, v in agreement.items()},
-            "alpha_est": length / (n + 1),
-            "L_acc_est": length,
-            "positions": sums[1][1],
-        }
-    est = expected_accept_length(agreement, n)
-    return {
-        "kd_loss": sums[n][0] / max(1, sums[n][1]),
-        "top1_full": agreement[n],
-        "top1_by_fill": {str(a): round(v, 4) for a, v in agreement.items()},
-        "alpha_est": est["alpha"],
-        "L_acc_est": est["L_acc"],
-        "positions": sums[n][1],
-    }
-
-
-# ----------------------------------------------------------------------------------------- checkpoints
-
-
-def _aside(final: Path, tag: str) -> Path:
-    """Where :func:`spd.files.replace_dir` moves an older ``final`` while the new one is renamed in: still whole
-    there, :func:`list_checkpoints` falls back to it if the process dies before the new one is in."""
-    return final.with_name(f"{final.name}.{tag}.old")
-
-
-def save_head_atomic(head: Speculator, out_dir: str | Path) -> None:
-    """``save_pretrained`` into a unique temporary directory, then :func:`spd.files.replace_dir`: never half a
-    head."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_dir_beside(out_dir)
-    try:
-        head.save_pretrained(tmp, safe_serialization=True)
-        replace_dir(tmp, out_dir, _aside(out_dir, tmp.name.split(".")[-2]))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-# checkpoints/step-N: complete; step-N.T.tmp: being written; step-N.T.old: a complete step-N moved aside while its
-# replacement is renamed in; step-N.T.del.tmp: being deleted. T is unique per run, shared by its processes.
-_CHECKPOINT = re.compile(r"step-(\d+)(?:\.\w+\.(tmp|old|del\.tmp))?")
-
-
-def _checkpoint_dirs(output_dir: str | Path) -> list[tuple[int, str | None, Path]]:
-    root = Path(output_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = _CHECKPOINT.fullmatch(p.name)
-        if m and p.is_dir() and not p.is_symlink():
-            found.append((int(m.group(1)), m.group(2), p))
-    return found
-
-
-def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints (``checkpoints/step-N`` with a ``trainer_state.json``), oldest first.
-
-    A step whose ``step-N`` is missing but whose previous copy was moved aside (``step-N.T.old``, a run killed
-    while replacing it) is listed by that copy.
-    """
-    done: dict[int, Path] = {}
-    for step, kind, p in sorted(_checkpoint_dirs(output_dir), key=lambda t: (t[1] is not None, t[2].name)):
-        if kind in (None, "old") and step not in done and (p / "trainer_state.json").is_file():
-            done[step] = p
-    return [done[step] for step in sorted(done)]
-
-
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint, if any."""
-    done = list_checkpoints(output_dir)
-    return done[-1] if done else None
-
-
-def commit_checkpoint(tmp: Path, final: Path, keep: int, tag: str) -> None:
-    """Put a complete checkpoint ``tmp`` in place as ``final`` (:func:`spd.files.replace_dir`, an older ``final``
-    moved aside to ``<final>.<tag>.old`` meanwhile), then drop all but the newest ``keep`` (each renamed first, so a
-    half-deleted one is never taken for a checkpoint)."""
-    replace_dir(tmp, final, _aside(final, tag))
-    for old in list_checkpoints(final.parent.parent)[:-keep]:
-        gone = old.with_name(f"{old.name.split('.')[0]}.{tag}.del.tmp")
-        os.rename(old, gone)
-        shutil.rmtree(gone, ignore_errors=True)
-
-
-def clean_checkpoints(output_dir: str | Path) -> None:
-    """Remove what killed runs left: unfinished ``.tmp``, half-deleted ``.del.tmp`` and superseded ``.old`` copies."""
-    complete = {
-        step for step, kind, p in _checkpoint_dirs(output_dir) if kind is None and (p / "trainer_state.json").is_file()
-    }
-    for step, kind, p in _checkpoint_dirs(output_dir):
-        if kind in ("tmp", "del.tmp") or (kind == "old" and step in complete):
-            shutil.rmtree(p, ignore_errors=True)
