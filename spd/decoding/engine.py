@@ -9,16 +9,8 @@ children per node (``--tree-children``): an SPD head or a draft model (:mod:`spd
 :meth:`Engine.from_pretrained` loads a target and its proposer by name (through :mod:`spd.decoding.loader`, as
 every program does); :meth:`Engine.build`, :meth:`Engine.chain` and :meth:`Engine.tree` build one from loaded parts.
 
-The target is cut into ``n`` stages, each with its own KV cache. Every **step** each in-flight token
-advances by one stage; the token that completes stage ``n`` exits, its final hidden state gives the
-target's distribution ``p`` for the next position, and that position's token (the next-oldest in
-flight, speculated ``n - 1`` steps earlier) is verified against ``p``:
-
-- accept: it is final, the pipeline runs on (one committed token per step in the steady state);
-- reject: the replacement drawn from ``p`` (greedy: ``argmax p``; sampling: the residual
-  ``max(p - q, 0)``) is final; every younger in-flight token and the step's proposal are discarded,
-  every stage's KV cache and the speculator's cache are truncated to the committed length, and the
-  replacement enters stage 1 alone (flush and reseed, paper section 3.6).
+One step of the loop, the flush and reseed on a miss, and why the output is lossless are described once, in
+:mod:`spd.decoding.loop` (and for readers, docs/architecture.md, "One step of the pipeline").
 
 In a chain the proposer proposes one token per step. With a speculation head it reads the *input state*
 (docs/method.md §3: the newest token at depth 0, in-flight tokens at their depths, everything older at
@@ -26,12 +18,6 @@ depth ``n``), so in a real deployment it runs concurrently with the stages. The 
 and the PPSD baseline are the same head with other settings (``schedule="output"``: the head reads
 the state after the stages have run, so it is serial with them). With no head the engine is the
 standard pipeline (``pp``): one token in flight, ``K = n * N``.
-
-Why the output is lossless: a stage processes a token at position ``P`` only after every position
-``< P`` passed it, so its KV cache always holds exactly the positions before ``P``, and on a flush the
-caches are cut back to the committed tokens. The target therefore computes for every committed token
-the same function of the same committed prefix as autoregressive decoding does, and verification is
-exact (greedy: equality with argmax; sampling: standard speculative rejection sampling).
 
 Metrics (docs/method.md §5): ``K`` steps, ``N`` tokens committed by decode steps (the first new token,
 taken from the prefill logits, is not one; ``new_tokens = N + 1`` counts it), ``alpha = N / K``,

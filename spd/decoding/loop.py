@@ -1,4 +1,5 @@
 """The step loop of the pipelined engines (single request): docs/method.md §5 (chain) and §6 (token tree) in one loop.
+This docstring is where one step is described (docs/architecture.md, "One step of the pipeline", is its picture).
 
 The target is cut into ``n`` stages, each with its own KV cache. The pipeline carries tree *levels*: the tree
 (:class:`spd.decoding.tree.TokenTree`) is rooted at the newest known token (position ``P`` = committed length);
