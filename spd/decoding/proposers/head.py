@@ -80,7 +80,7 @@ class HeadProposer:
     @staticmethod
     def expand_many(items) -> list[torch.Tensor]:
         """:meth:`expand` for many requests whose proposers share one head (``items``: their
-        :class:`~spd.decoding.loop.Propose` work): every bottom node of every request in one
+        :class:`~spd.decoding.driver.Propose` work): every bottom node of every request in one
         ``propose_logits_many`` call of the head. Each request's ``(L, V)``, equal to its own :meth:`expand` up to
         fp32 rounding."""
         caches, paths, sizes = [], [], []

@@ -117,7 +117,7 @@ class SpdHeadProposer:
     @staticmethod
     def expand_many(items) -> list[torch.Tensor]:
         """:meth:`expand` for many requests whose proposers share one head (``items``: their
-        :class:`~spd.decoding.loop.Propose` work), in one head call: the rows of one depth of every request go
+        :class:`~spd.decoding.driver.Propose` work), in one head call: the rows of one depth of every request go
         through the head's FC together, then :meth:`Speculator.query_many` and one LM head. Each request's
         ``(L, X)``, equal to its own :meth:`expand` up to fp32 rounding."""
         head = items[0].proposer.head
