@@ -11,8 +11,8 @@ own answers by ``data/smollm2.py --out DIR`` (``DIR/target``, conversations in `
 divide the target's layers takes the balanced cut (``spd.target.cut.balanced_boundaries``: the first
 ``L mod n`` stages one layer longer), in the capture, the heads and the benchmark alike.
 
-1. One offline capture of the target's states over the training and validation text
-   (``data/capture.py``, resumed if interrupted), shared by every head.
+1. One offline capture of the target's states over the training text and the first ``--eval-rows`` rows of the
+   validation text (``data/capture.py``, resumed if interrupted), shared by every head.
 2. The heads, each trained from that capture by ``train/distill.py`` unless ``<runs>/<name>/final`` exists:
    SPD (``variant=spd``) for every n of ``--stages`` and L_s of ``--layers``; its output-state ablation
    (``variant=output_state``, the first L_s of ``--layers``) and PPSD (``variant=ppsd``, L_s 1) for every n;
@@ -119,6 +119,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--max-length", type=int, default=256, help="tokens per captured row (default: %(default)s)")
     p.add_argument(
+        "--eval-rows",
+        type=int,
+        default=64,
+        help="held-out rows each head is evaluated on, and so the validation rows captured (default: %(default)s)",
+    )
+    p.add_argument(
         "--capture-tokens",
         type=int,
         default=None,
@@ -181,6 +187,8 @@ def capture(args, testbed: Path, runs: Path, stages: list[int], text: dict[str, 
         ]
         if split == "train" and args.capture_tokens:
             cmd += ["--max-tokens", str(args.capture_tokens)]
+        if split == "validation":  # the trainer reads only its first eval_rows rows
+            cmd += ["--max-rows", str(args.eval_rows)]
         _run(cmd, f"capture ({split})")
     return out["train"], out["validation"]
 
@@ -200,6 +208,7 @@ def train(args, testbed: Path, runs: Path, head: Head, data: Path, eval_data: Pa
         f"eval_data={eval_data}",
         f"output_dir={runs / head.name}",
         f"max_length={args.max_length}",
+        f"eval_rows={args.eval_rows}",
         *head.overrides(args.steps, max(args.draft_steps), num_layers),
     ]
     _run(cmd + (["--resume"] if (runs / head.name / "checkpoints").is_dir() else []), f"training {head.name}")
@@ -318,6 +327,8 @@ def _reproduce(args) -> int:
         raise SpdInputError(f"--stages {bad or stages} must be between 1 and the target's {num_layers} layers")
     if min(args.draft_steps) < 1 or min(args.layers) < 1 or args.steps < 1 or args.max_length < 2 or args.batch < 1:
         raise SpdInputError("--draft-steps, --layers, --steps, --max-length and --batch must be positive")
+    if args.eval_rows < 1:
+        raise SpdInputError(f"--eval-rows must be at least 1, got {args.eval_rows}")
     runs = Path(args.runs or REPO / "runs" / f"reproduce-{testbed.resolve().name}")
     data, eval_data = capture(args, testbed, runs, stages, text)
     finals = {
