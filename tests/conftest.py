@@ -193,9 +193,18 @@ def tiny_multimodal(family: str = "qwen3_5", **text_overrides):
 
 @pytest.fixture(scope="session")
 def tiny_testbed(tmp_path_factory) -> Path:
-    """A miniature testbed built once per session with the real builder (seconds)."""
-    out = tmp_path_factory.mktemp("testbed")
-    run_script("data/build_testbed.py", "--out", str(out), "--tiny", "--quiet")
+    """A miniature testbed built once per run with the real builder (seconds); under pytest-xdist the workers share
+    it (the first to ask builds it, the others wait on a lock), so read it and copy what a test would change."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    out = root / "tiny-testbed"
+    with FileLock(str(root / "tiny-testbed.lock")):
+        if not (root / "tiny-testbed.done").is_file():
+            run_script("data/build_testbed.py", "--out", str(out), "--tiny", "--quiet")
+            (root / "tiny-testbed.done").touch()
     return out
 
 
