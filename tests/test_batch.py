@@ -760,11 +760,11 @@ def test_the_batch_benchmark_over_the_runtime_reports_each_stage(tiny_testbed, t
     its emulated sleep, its waits)."""
     import json
 
-    from conftest import run_script
+    from conftest import run_bench
 
     out = tmp_path / "runtime.json"
-    proc = run_script(
-        "bench/bench_batch.py",
+    proc = run_bench(
+        "batch",
         "--target",
         str(tiny_testbed / "target"),
         "--speculator",
@@ -809,7 +809,7 @@ def test_the_batch_benchmark_gives_time_between_tokens_per_gap_and_per_request()
     has no gap."""
     from types import SimpleNamespace
 
-    from bench.bench_batch import summarize
+    from spd.bench.batch import summarize
 
     # Two stages, every step costs a = 1 ms on the model clock; the real clock records the same times.
     steps = {"spec": [1, 2, 3, 5, 6, 7, 9, 10], "pipe": [2, 4, 6, 8, 10], "one": [3]}
@@ -848,7 +848,7 @@ def test_the_batch_benchmark_counts_the_cpu_of_its_stage_processes():
     import sys
     import time
 
-    from bench.bench_batch import cpu_seconds, cpu_used
+    from spd.bench.batch import cpu_seconds, cpu_used
 
     child = subprocess.Popen(
         [
@@ -878,8 +878,8 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
     tree instead of the head, too."""
     import json
 
-    from bench.bench_batch import main as bench_batch_main
-    from conftest import run_main, run_script, two_at_a_time
+    from conftest import run_bench, run_main, two_at_a_time
+    from spd.bench.batch import main as bench_batch_main
 
     out, tree_out, head_tree_out = (tmp_path / name for name in ("batch.json", "batch_tree.json", "head_tree.json"))
     common = [
@@ -903,7 +903,7 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
     ]
     # The third: the head's own trees (--tree-width with --speculator), adaptive and under a node budget.
     proc, tree, head_tree = two_at_a_time(
-        lambda args: run_script("bench/bench_batch.py", *common, *args),
+        lambda args: run_bench("batch", *common, *args),
         [
             ["--speculator", str(tiny_heads[4]), "--rates", "0.001", "1000", "--requests", "3", "--out", str(out)],
             [

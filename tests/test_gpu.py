@@ -215,7 +215,7 @@ def test_decode_attention_keeps_cudnn_out_on_cuda_only():
 
 def test_the_gpu_benchmark_runs_a_small_model_on_the_cpu(tmp_path, capsys):
     """bench/bench_gpu.py end to end at a small size: a table per part and JSON with every mode and shape."""
-    from bench import bench_gpu
+    from spd.bench import gpu as bench_gpu
 
     out = tmp_path / "gpu.json"
     assert (

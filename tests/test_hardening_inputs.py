@@ -344,7 +344,9 @@ def test_cuda_on_a_cpu_machine_is_one_error_line_in_the_clis(tiny_testbed):
         ],
         [
             sys.executable,
-            str(REPO / "bench" / "bench.py"),
+            "-m",
+            "spd.bench",
+            "decode",
             "--target",
             target,
             "--prompts",

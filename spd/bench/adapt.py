@@ -1,6 +1,6 @@
 """Does a head learn what it serves? A stream of requests replayed through spd-serve with and without ``--adapt``.
 
-    python bench/bench_adapt.py --target smollm2/target --head heads/smollm2-135m-instruct-spd-n8 \\
+    spd-bench adapt --target smollm2/target --head heads/smollm2-135m-instruct-spd-n8 \\
         --stream smollm2/data/self/prompts-shell.jsonl --requests 300 --max-tokens 96 --arms adapt,static,ar \\
         --adapt-every 3000 --adapt-replay smollm2/data/self/greedy-{code,chat,math}.jsonl --adapt-args "--steps 40" \\
         --eval docs/results/self-eval/shell.jsonl --humaneval 64 --workdir runs/bench-adapt \\
@@ -16,7 +16,7 @@ server restarts on its newest good version and its spd-adapt where its records w
 Reported per arm: L'_acc over the last ``--window`` requests against requests served (the plot, with the swaps), the
 head version of each request, failed requests, the longest pause between two streamed tokens beside the median
 one, the CPU seconds the adaptation spent per served answer token; whether every answer equals ar's; with ``--eval``
-(held-out requests of the stream's kind) and ``--humaneval N``, bench/bench.py's L'_acc of the starting head and of
+(held-out requests of the stream's kind) and ``--humaneval N``, spd-bench decode's L'_acc of the starting head and of
 the adapt arm's last version on them (no forgetting: HumanEval within a few percent).
 """
 
@@ -35,13 +35,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # bench.report (the scripts are not installed)
-
-from bench.report import command_line, markdown_table, write_result  # noqa: E402
-from spd.files import complete_lines  # noqa: E402
-from spd.reading import read_jsonl  # noqa: E402
-from spd.testing.server import ServerProcess  # noqa: E402
+from spd.bench.report import REPO, command_line, markdown_table, write_result
+from spd.files import complete_lines
+from spd.reading import read_jsonl
+from spd.testing.server import ServerProcess
 
 ARMS = ("static", "adapt", "ar")
 
@@ -227,7 +224,7 @@ def summarize(args, arm: str, answers: list[dict]) -> dict:
 
 
 def evaluate(args, last_version: Path | None) -> dict:
-    """bench/bench.py on the held-out requests and on HumanEval: the starting head, and the last version."""
+    """spd-bench decode on the held-out requests and on HumanEval: the starting head, and the last version."""
     runs = ["--run", f"before=spd:{args.head}"]
     if last_version is not None:
         runs += ["--run", f"after=spd:{last_version}"]
@@ -238,7 +235,7 @@ def evaluate(args, last_version: Path | None) -> dict:
     for name, prompts in sets:
         path = Path(args.workdir) / f"eval-{name}.json"
         if not path.exists():
-            cmd = [sys.executable, str(REPO / "bench" / "bench.py"), "--target", args.target, *prompts, *runs]
+            cmd = [sys.executable, "-m", "spd.bench", "decode", "--target", args.target, *prompts, *runs]
             cmd += ["--temperatures", "0", "--max-new-tokens", str(args.max_tokens), "--out", str(path)]
             print("[bench_adapt] " + shlex.join(cmd), file=sys.stderr, flush=True)
             subprocess.run(cmd, check=True, cwd=REPO)
@@ -295,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adapt-replay", nargs="+", default=[], help="spd-serve --adapt-replay (default: none)")
     p.add_argument("--adapt-args", default="", help="spd-serve --adapt-args (default: none)")
     p.add_argument("--threads", type=int, default=1, help="the server's torch threads (default: %(default)s)")
-    p.add_argument("--eval", help="held-out requests of the stream's kind (a bench/bench.py --prompts file)")
+    p.add_argument("--eval", help="held-out requests of the stream's kind (an spd-bench decode --prompts file)")
     p.add_argument("--humaneval", type=int, default=0, help="HumanEval problems measured before and after (0: none)")
     p.add_argument("--workdir", required=True, help="answers, records and versions; a rerun resumes from it")
     p.add_argument("--out", help="the JSON result")
@@ -345,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in figures.items()))
     if args.out:
         result = {
-            "command": command_line(__file__, argv),
+            "command": command_line("adapt", argv),
             "target": args.target,
             "head": args.head,
             "stream": args.stream,
@@ -363,7 +360,3 @@ def main(argv: list[str] | None = None) -> int:
         plot(args.plot, summaries, args.window)
     failed = any(s["failed"] or s["identical_to_ar"] is False for s in summaries.values())
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

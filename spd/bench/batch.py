@@ -1,9 +1,9 @@
 """Benchmark many concurrent clients on one pipeline: batched spd vs batched pp vs one-at-a-time spd.
 
-    python bench/bench_batch.py --speculator runs/testbed-n4/final --clients 1 2 4 8 16 32 \\
+    spd-bench batch --speculator runs/testbed-n4/final --clients 1 2 4 8 16 32 \\
         --requests-per-client 3 --max-new-tokens 48 --out bench_batch.json
     # the same over the distributed runtime: n stage processes, each call sleeping a + b * tokens
-    python bench/bench_batch.py --speculator runs/testbed-n4/final --runtime distributed \\
+    spd-bench batch --speculator runs/testbed-n4/final --runtime distributed \\
         --emulate-stage-ms 10 --emulate-token-ms 0.1 --out bench_batch_runtime.json
 
 ``C`` closed-loop clients (each sends its next request as soon as its last one ends, no think time) share one
@@ -75,16 +75,12 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # bench/bench.py's prompt loading (the scripts are not installed)
-
-from bench.report import write_result  # noqa: E402
-from spd.decoding.model_clock import step_ms  # noqa: E402
-from spd.decoding.tree_width import parse_tree_width  # noqa: E402
-from spd.errors import SpdInputError, run_cli  # noqa: E402
-from spd.paths import default_testbed_dir  # noqa: E402
+from spd.bench.report import write_result
+from spd.decoding.model_clock import step_ms
+from spd.decoding.tree_width import parse_tree_width
+from spd.errors import SpdInputError, run_cli
+from spd.paths import default_testbed_dir
 
 SYSTEMS = ("spd batched", "pp batched", "spd 1-at-a-time")
 TREE_SYSTEMS = ("tree batched", "pp batched", "tree 1-at-a-time")  # --draft-model or --tree-width
@@ -108,7 +104,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--tree-children", type=int, default=4, help="with a tree: candidates per node")
     p.add_argument("--tree-max-width", type=int, default=8, help="with --tree-width auto: the largest width")
-    p.add_argument("--prompts", default=str(tb / "prompts.jsonl"), help="as bench/bench.py --prompts")
+    p.add_argument("--prompts", default=str(tb / "prompts.jsonl"), help="as spd-bench decode --prompts")
     p.add_argument(
         "--clients",
         type=int,
@@ -622,7 +618,7 @@ def _bench(args) -> int:
     import torch
     import transformers
 
-    from bench.bench import load_prompts
+    from spd.bench.decode import load_prompts
     from spd.decoding.factory import build_engine, load_pipeline
     from spd.decoding.spec import DecodingSpec
     from spd.target.tokenizer import load_tokenizer
@@ -792,7 +788,3 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
     write_result(args.out, results)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,26 +1,21 @@
-"""What the benchmarks share for their output: the JSON result, written atomically, and markdown tables.
-
-A script run as ``python bench/<name>.py`` has ``bench/`` first on ``sys.path``, where ``bench`` is the module
-``bench/bench.py``; to import this one as ``bench.report`` it puts the repository's root before it::
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from bench.report import write_result  # noqa: E402
-"""
+"""What the benchmarks share for their output: the command line, the JSON result, written atomically, and markdown
+tables."""
 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from spd.files import write_json_compact
 
+# The repository the benchmarks run scripts from (train/distill.py, data/capture.py) and read fixtures of.
+REPO = Path(__file__).resolve().parents[2]
 
-def command_line(script: str, argv: Sequence[str] | None) -> str:
-    """How a benchmark was run, for its JSON: ``python bench/<name>.py`` (``script`` is its ``__file__``) and its
-    arguments (``argv``, or the process's own when it was started as a program)."""
-    return "python " + " ".join([os.path.relpath(script, Path(__file__).resolve().parents[1]), *(argv or sys.argv[1:])])
+
+def command_line(name: str, argv: Sequence[str]) -> str:
+    """How a benchmark was run, for its JSON: ``spd-bench NAME`` and its arguments."""
+    return " ".join(["spd-bench", name, *argv])
 
 
 def write_result(path: str | os.PathLike, result, indent: int = 1) -> Path:

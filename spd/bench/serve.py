@@ -1,9 +1,9 @@
 """Load benchmark of spd-serve: N requests from C concurrent clients, per configuration, side by side.
 
-    python bench/bench_serve.py --run spd:runs/quickstart-n4/final --run pp:4 --requests 50 --concurrency 8 \\
+    spd-bench serve --run spd:runs/quickstart-n4/final --run pp:4 --requests 50 --concurrency 8 \\
         --runtime distributed --emulate-stage-ms 20 --emulate-link-ms 1 --out docs/results/serve-load.json
 
-Each ``--run`` (written as ``bench/bench.py --run`` takes it: ``spd:HEAD_DIR``, SPD with that head, n from the
+Each ``--run`` (written as ``spd-bench decode --run`` takes it: ``spd:HEAD_DIR``, SPD with that head, n from the
 head; ``pp:N``, the standard pipeline with N stages; a tree, or spd-serve's decoding flags in quotes) starts its
 own server, sends the same requests (testbed prompts, greedy, streamed so that the
 time to the first token is seen) from ``--concurrency`` client threads, and stops it. Reported per run:
@@ -26,13 +26,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # bench.report (the scripts are not installed)
-
-from bench.bench import RUN_HELP, parse_run, run_flags  # noqa: E402
-from bench.report import markdown_table, write_result  # noqa: E402
-from spd.errors import SpdInputError  # noqa: E402
-from spd.testing.server import ServerProcess  # noqa: E402
+from spd.bench.decode import RUN_HELP, parse_run, run_flags
+from spd.bench.report import REPO, markdown_table, write_result
+from spd.errors import SpdInputError
+from spd.testing.server import ServerProcess
 
 
 def one_request(url: str, model: str, prompt: str, max_tokens: int) -> dict:
@@ -121,7 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default="testbed/target")
     p.add_argument("--prompts", default="testbed/prompts.jsonl", help='jsonl with a "prompt" field per row')
     p.add_argument(
-        "--run", action="append", required=True, help="a run as bench/bench.py takes it: " + RUN_HELP + " (repeatable)"
+        "--run",
+        action="append",
+        required=True,
+        help="a run as spd-bench decode takes it: " + RUN_HELP + " (repeatable)",
     )
     p.add_argument("--requests", type=int, default=50)
     p.add_argument("--concurrency", type=int, default=8)
@@ -218,7 +218,3 @@ def main(argv: list[str] | None = None) -> int:
         }
         write_result(args.out, report)
     return 0 if same else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Benchmark decoding modes and heads on a prompt set: L'_acc, acceptance by pipeline position, speedups.
 
-    python bench/bench.py --run ar --run pp:4 --run spd:runs/testbed-n4/final --run spd:runs/testbed-n8/final \
+    spd-bench decode --run ar --run pp:4 --run spd:runs/testbed-n4/final --run spd:runs/testbed-n8/final \
         --temperatures 0 1 --num-prompts 50 --out bench.json --plot bench.png
 
 A run is ``ar``, ``pp:N`` (standard pipeline with N stages; ``pp:8,16,23`` cuts at explicit layer boundaries,
@@ -784,7 +784,3 @@ def plot(results: dict, path: str) -> None:
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """The trainer's memory and step time over a run, with and without bounded batch shapes.
 
-    python bench/bench_train_memory.py --config configs/smollm2-n8-mix.yaml --steps 80 \\
+    spd-bench train-memory --config configs/smollm2-n8-mix.yaml --steps 80 \\
         --out docs/results/bench_train_memory_smollm2.json
 
 Trains the preset's head for ``--steps`` steps once per ``--pad`` value (``pad_to_multiple_of``: 1 pads each batch
@@ -22,9 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from bench.report import command_line, markdown_table, write_result  # noqa: E402
+from spd.bench.report import REPO, command_line, markdown_table, write_result
 
 STEP = re.compile(r"distill:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)")
 
@@ -137,7 +135,7 @@ def main(argv=None) -> int:
     print(markdown_table(header, rows, rule=" --- "))
     if args.out:
         report = {
-            "command": command_line(__file__, argv),
+            "command": command_line("train-memory", argv),
             "config": args.config,
             "steps": args.steps,
             "cpu_count": os.cpu_count(),
@@ -146,7 +144,3 @@ def main(argv=None) -> int:
         write_result(args.out, report)
         print(f"[out] {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,10 +1,10 @@
 """Benchmark the distributed runtime: tokens/s of spd (or tree) vs pp (and ar on one process), measured vs theoretical.
 
-    python bench/bench_runtime.py --heads runs/testbed-n4/final runs/testbed-n8/final \\
+    spd-bench runtime --heads runs/testbed-n4/final runs/testbed-n8/final \\
         --emulate-stage-ms 20 --emulate-link-ms 1 --num-prompts 10 --out bench_runtime.json
-    python bench/bench_runtime.py --tree-width 4 --heads runs/testbed-n4/final \\
+    spd-bench runtime --tree-width 4 --heads runs/testbed-n4/final \\
         --emulate-stage-ms 20 --emulate-link-ms 1 --out bench_runtime_tree.json
-    python bench/bench_runtime.py --tree-width 4 --draft-model testbed/draft --stages 4 8 \\
+    spd-bench runtime --tree-width 4 --draft-model testbed/draft --stages 4 8 \\
         --emulate-stage-ms 20 --emulate-link-ms 1 --out bench_runtime_tree_draft.json
 
 For every head (its n sets the pipeline) one ``torchrun`` world of n + 1 processes runs the prompts in
@@ -31,11 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from spd.bench.report import markdown_table, write_result
 from spd.errors import SpdInputError, run_cli
 from spd.paths import default_testbed_dir
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.report (the scripts are not installed)
-from bench.report import markdown_table, write_result  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -45,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--prompts",
         default=str(tb / "prompts.jsonl"),
-        help="a jsonl of prompts or a named set (humaneval-chat, ...: bench/bench.py --prompts); sets of "
+        help="a jsonl of prompts or a named set (humaneval-chat, ...: spd-bench decode --prompts); sets of "
         "user messages are rendered with the chat template",
     )
     p.add_argument("--heads", nargs="+", default=[], help="speculation heads (one pipeline per head)")
@@ -395,7 +393,3 @@ def _bench(args) -> int:
     )
     print(f"\nJSON: {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,26 +20,22 @@ with a hit every step (prune to the first child of the root, a new level of ``W`
 reports per level the stage's time, the part spent gathering and storing node states (the linear-state calls,
 timed inside), and the state memory per node and for a full tree of ``n W + 1`` nodes.
 
-    python bench/bench_linear_state.py                      # Qwen3.5-4B widths
-    python bench/bench_linear_state.py --hidden 1024 --rounds 7
-    python bench/bench_linear_state.py --tree-widths 1 4 8  # per-node state in token trees
+    spd-bench linear-state                      # Qwen3.5-4B widths
+    spd-bench linear-state --hidden 1024 --rounds 7
+    spd-bench linear-state --tree-widths 1 4 8  # per-node state in token trees
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
+from spd.bench.report import write_result
 from spd.target.linear_state import LinearStateRing
 from spd.target.staging import StagedModel
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.report (the scripts are not installed)
-from bench.report import write_result  # noqa: E402
 
 
 class SnapshotRing(LinearStateRing):
@@ -250,7 +246,7 @@ def _sync(staged: StagedModel) -> None:
         torch.cuda.synchronize()
 
 
-def main() -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=2560)
     p.add_argument("--intermediate", type=int, default=9216)
@@ -276,11 +272,11 @@ def main() -> None:
         help="measure token-tree levels of these widths instead (per-node linear state)",
     )
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     staged = build_stage(args)
     if args.tree_widths:
         tree_main(staged, args)
-        return
+        return 0
     kinds = ("none", "ring", "snapshot")
     times: dict[str, list[float]] = {k: [] for k in kinds}
     run_variant(staged, "ring", args)  # warm-up
@@ -325,7 +321,4 @@ def main() -> None:
             },
             indent=2,
         )
-
-
-if __name__ == "__main__":
-    main()
+    return 0
