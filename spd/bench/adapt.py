@@ -22,7 +22,6 @@ the adapt arm's last version on them (no forgetting: HumanEval within a few perc
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -35,7 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from spd.bench.report import REPO, command_line, markdown_table, write_result
+from spd.bench.report import argument_parser, bench_command, command_line, markdown_table, streamed, write_result
 from spd.files import complete_lines
 from spd.reading import read_jsonl
 from spd.testing.server import ServerProcess
@@ -60,8 +59,6 @@ def append_row(path: Path, row: dict) -> None:
 
 def stream_chat(url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
     """One greedy chat request, streamed: its token ids, the server's statistics and the pauses between tokens."""
-    import httpx
-
     body = {
         "model": model,
         "messages": messages,
@@ -71,21 +68,13 @@ def stream_chat(url: str, model: str, messages: list[dict], max_tokens: int) -> 
     }
     start = time.perf_counter()
     arrivals, ids, stats = [], [], None
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=3600) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode()}")
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            spd = chunk.get("spd") or {}
-            if spd.get("token_ids"):
-                ids += spd["token_ids"]
-                arrivals.append(time.perf_counter())
-            if chunk["choices"][0]["finish_reason"] is not None:
-                stats = spd
+    for chunk in streamed(url, "/v1/chat/completions", body):
+        spd = chunk.get("spd") or {}
+        if spd.get("token_ids"):
+            ids += spd["token_ids"]
+            arrivals.append(time.perf_counter())
+        if chunk["choices"][0]["finish_reason"] is not None:
+            stats = spd
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     keep = ("decode_tokens", "steps", "stages", "equivalent_accept_length", "head_version")
     return {
@@ -152,7 +141,7 @@ def run_arm(args, arm: str, prompts: list[list[dict]]) -> list[dict]:
 def _ask_all(args, arm, arm_dir, prompts, todo, done, answers_path, cpu_path) -> None:
     """Ask ``todo`` of one server, each answer appended as it comes; the server stopped in the end, its spd-adapt's
     CPU counted first."""
-    server = ServerProcess(*server_args(args, arm, arm_dir), threads=args.threads, cwd=REPO)
+    server = ServerProcess(*server_args(args, arm, arm_dir), threads=args.threads)
     started, lock, stopping, served = time.time(), threading.Lock(), threading.Event(), [0]
 
     def ask(i: int) -> None:
@@ -235,10 +224,10 @@ def evaluate(args, last_version: Path | None) -> dict:
     for name, prompts in sets:
         path = Path(args.workdir) / f"eval-{name}.json"
         if not path.exists():
-            cmd = [sys.executable, "-m", "spd.bench", "decode", "--target", args.target, *prompts, *runs]
+            cmd = [*bench_command("decode"), "--target", args.target, *prompts, *runs]
             cmd += ["--temperatures", "0", "--max-new-tokens", str(args.max_tokens), "--out", str(path)]
             print("[bench_adapt] " + shlex.join(cmd), file=sys.stderr, flush=True)
-            subprocess.run(cmd, check=True, cwd=REPO)
+            subprocess.run(cmd, check=True)
         result = json.loads(path.read_text(encoding="utf-8"))["results"]["T=0"]
         out[name] = {run: figures["summary"]["L_acc"] for run, figures in result.items()}
     return out
@@ -273,7 +262,7 @@ def _interrupted(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser("adapt", __doc__)
     p.add_argument("--target", required=True, help="the target's directory")
     p.add_argument("--head", required=True, help="the head the servers start with")
     p.add_argument("--stream", required=True, help='jsonl of requests ("prompt"; rows with "keep": false skipped)')

@@ -8,7 +8,6 @@ shows tokens/s of each, the speed ratio, and whether the tokens are identical. J
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -16,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from spd.bench.report import write_result
+from spd.bench.report import argument_parser, write_result
 
 
 def parse_args(argv=None):
     from spd.paths import default_testbed_dir
 
     tb = default_testbed_dir()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser("ar", __doc__)
     p.add_argument("--target", default=str(tb / "target"))
     p.add_argument("--prompts", default=str(tb / "prompts.jsonl"), help='jsonl with a "prompt" field per row')
     p.add_argument("--num-prompts", type=int, default=20)

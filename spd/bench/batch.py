@@ -71,12 +71,11 @@ The systems run one after another on the same machine; the table prints ratios t
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
-from spd.bench.report import write_result
+from spd.bench.report import argument_parser, command_line, line_fit, write_result
 from spd.decoding.model_clock import step_ms
 from spd.decoding.tree_width import parse_tree_width
 from spd.errors import SpdInputError, run_cli
@@ -90,7 +89,7 @@ STAGE_CLOCKS = ("compute", "emulated_compute", "receive_wait", "send")
 
 def parse_args(argv=None):
     tb = default_testbed_dir()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser("batch", __doc__)
     p.add_argument("--target", default=str(tb / "target"))
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--speculator", help="the SPD head (its n cuts the pipeline)")
@@ -222,9 +221,8 @@ def calibrate(staged, context: int) -> tuple[float, float]:
                 run_ragged(pool, 0, [Segment(cache, hidden)])
                 best = min(best, time.perf_counter() - tick)
             times.append(best * 1000)
-    mean_x, mean_y = statistics.fmean(sizes), statistics.fmean(times)
-    b = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, times)) / sum((x - mean_x) ** 2 for x in sizes)
-    return max(mean_y - b * mean_x, 0.0), max(b, 0.0)
+    a, b = line_fit(sizes, times)
+    return max(a, 0.0), max(b, 0.0)
 
 
 def new_tokens(index: int, max_new_tokens: int, jitter: int) -> int:
@@ -611,10 +609,11 @@ def render(results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    return run_cli(lambda: _bench(parse_args(argv)))  # parse_args checks the numbers: its refusals are error lines
+    # parse_args checks the numbers: its refusals are error lines
+    return run_cli(lambda: _bench(parse_args(argv), command_line("batch", argv)))
 
 
-def _bench(args) -> int:
+def _bench(args, command: str) -> int:
     import torch
     import transformers
 
@@ -668,7 +667,7 @@ def _bench(args) -> int:
     if tree:  # the standard pipeline over the same stages
         engines["pp"] = build_engine(DecodingSpec("pp"), staged, None, tokenizer, stages=engine.backend)
     try:
-        return _run_all(args, engines, staged, dataset, prompts)
+        return _run_all(args, engines, staged, dataset, prompts, command)
     finally:
         if pipeline is not None:
             pipeline.close()
@@ -680,7 +679,7 @@ def _systems(args) -> tuple[str, ...]:
     return systems[:2] if args.batched_only else systems
 
 
-def _run_all(args, engines, staged, dataset, prompts) -> int:
+def _run_all(args, engines, staged, dataset, prompts, command: str) -> int:
     import torch
 
     if args.stage_ms is None:
@@ -723,7 +722,7 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
         "real_clock": wall,
         "threads": torch.get_num_threads(),
         "systems": list(_systems(args)),
-        "command": " ".join(sys.argv),
+        "command": command,
         "rows": [],
     }
     for clients in args.clients:

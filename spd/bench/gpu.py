@@ -28,14 +28,13 @@ Prints tables and writes JSON (``--out``).
 
 from __future__ import annotations
 
-import argparse
 import platform
 import sys
 import time
 
 import torch
 
-from spd.bench.report import write_result
+from spd.bench.report import argument_parser, sync, write_result
 from spd.decoding.engine import Engine
 from spd.decoding.generation import generate_ar
 from spd.decoding.sampling import SamplingParams
@@ -71,7 +70,7 @@ SIZES = {
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser("gpu", __doc__)
     p.add_argument("--size", choices=list(SIZES), default="4b")
     p.add_argument("--target", default=None, help="a real target (model directory) instead of the random --size one")
     p.add_argument(
@@ -165,11 +164,6 @@ def cut(model, n: int) -> StagedModel:
     """The target in ``n`` stages: equal ones where n divides the layers, else the most even (the first get one
     more layer; spd.target.cut.balanced_boundaries)."""
     return StagedModel(model, boundaries=balanced_boundaries(model.config.num_hidden_layers, n))
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Timers:

@@ -20,14 +20,13 @@ tree at W = 1 and W = 4 (K = 4), on the fixtures' prompts (greedy continuations 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
 import torch
 
-from spd.bench.report import REPO, write_result
+from spd.bench.report import REPO, argument_parser, write_result
 from spd.decoding.engine import Engine
 from spd.decoding.generation import generate_ar
 from spd.decoding.proposers import SpdHeadProposer
@@ -123,7 +122,7 @@ def authors_main(args) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser("hybrid-tree", __doc__)
     p.add_argument("--stages", type=int, nargs="+", default=[4, 8])
     p.add_argument("--widths", type=int, nargs="+", default=[1, 4])
     p.add_argument("--steps", type=int, default=300)

@@ -28,11 +28,11 @@ import time
 
 import torch
 
-from spd.bench.report import write_result
+from spd.bench.report import argument_parser, bench_command, sync, write_result
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser("layout", __doc__)
     p.add_argument("--seq-lens", default="512,1024,2048")
     p.add_argument("--stages", default="4,8")
     p.add_argument("--hidden", type=int, default=128)
@@ -121,23 +121,18 @@ def measure_one(args, path: str, n: int, seq_len: int, what: str) -> dict:
             / 2**20,
         }
     step()  # warm-up (allocator, kernels)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+    sync(dev)
     t0 = time.perf_counter()
     for _ in range(args.iters):
         step()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+    sync(dev)
     elapsed = (time.perf_counter() - t0) / args.iters
     return {"step_s": elapsed, "tokens_per_s": args.batch * seq_len / elapsed}
 
 
 def _run_child(args, passthrough: list[str], spec: str, env: dict) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "spd.bench", "layout", "--one", spec, *passthrough],
-        capture_output=True,
-        text=True,
-        env=env,
+        [*bench_command("layout"), "--one", spec, *passthrough], capture_output=True, text=True, env=env
     )
     if proc.returncode != 0:
         raise RuntimeError(f"{spec} failed:\n{proc.stderr[-2000:]}")

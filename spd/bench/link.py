@@ -8,14 +8,13 @@ rank 0 prints the mean round trip and the time spent inside ``send`` and ``recv`
 
 from __future__ import annotations
 
-import argparse
 import time
+
+from spd.bench.report import argument_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="spd-bench link", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argument_parser("link", __doc__)
     p.add_argument("--rounds", type=int, default=2000)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--rows", type=int, default=1)

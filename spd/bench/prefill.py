@@ -13,7 +13,6 @@ alone.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -23,14 +22,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from spd.bench.report import REPO, markdown_table, write_result
+from spd.bench.report import REPO, argument_parser, command_line, markdown_table, write_result
 from spd.paths import default_testbed_dir
 from spd.testing.netns import Lan, rate_bits, torchrun_command, unavailable
 
 
 def parse_args(argv=None):
     tb = default_testbed_dir()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser("prefill", __doc__)
     p.add_argument("--target", default=str(tb / "target"))
     p.add_argument("--stages", type=int, default=2, help="n; stage 1 shares host 0 with rank 0, the rest are on host 1")
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048], help="prompt lengths in tokens")
@@ -173,7 +172,7 @@ def main(argv=None) -> int:
         )
     )
     report = {
-        "command": " ".join(sys.argv),
+        "command": command_line("prefill", argv),
         "target": args.target,
         "stages": args.stages,
         "hidden": hidden,

@@ -22,7 +22,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from spd.bench.report import command_line, markdown_table, write_result
+from spd.bench.report import argument_parser, command_line, markdown_table, write_result
 
 DTYPES = ("float32", "bfloat16")
 
@@ -115,7 +115,7 @@ def measure(args, argv) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser("regenerate", __doc__)
     parser.add_argument("--target", required=True, help="a chat target: model directory or hub id")
     parser.add_argument("--prompts", type=int, default=128, help="how many of the standard library's instructions")
     parser.add_argument("--skip", type=int, default=64, help="leave out the first N (as data/regenerate.py --skip)")

@@ -35,14 +35,13 @@ included; spd/decoding/engine.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from spd.bench.report import REPO, write_result
+from spd.bench.report import REPO, argument_parser, bench_command, command_line, markdown_table, write_result
 from spd.errors import SpdInputError, run_cli
 from spd.paths import default_testbed_dir
 
@@ -75,7 +74,7 @@ class Head:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser("reproduce", __doc__)
     p.add_argument(
         "--testbed",
         default=str(default_testbed_dir()),
@@ -212,10 +211,7 @@ def bench(args, testbed: Path, runs: Path, finals: dict[str, Path], stages: list
         spec += [f"spd n={n} Ls={args.layers[0]} W=4=tree:{finals[f'spd-n{n}-ls{args.layers[0]}']}:{n}:4:4"]
     out = runs / "bench.json"
     cmd = [
-        sys.executable,
-        "-m",
-        "spd.bench",
-        "decode",
+        *bench_command("decode"),
         "--target",
         str(testbed / "target"),
         "--prompts",
@@ -253,24 +249,22 @@ def table(report: dict) -> list[dict]:
 
 
 def markdown(rows: list[dict], temperatures: list[str], report: dict) -> str:
-    head = "| method | setting | " + " | ".join(f"{t}: length | {t}: speedup" for t in temperatures) + " |"
-    lines = [
-        f"Data set: {report['dataset']} ({report['num_prompts']} prompts, {report['max_new_tokens']} new tokens). "
-        "Length: L_acc for sd (bonus token included), L'_acc for the pipeline; speedup: theoretical.",
-        "",
-        head,
-        "|" + " --- |" * (2 + 2 * len(temperatures)),
-    ]
-    for row in rows:
-        cells = [
-            " | ".join(
-                "-" if row.get(t, {}).get(k) is None else f"{row[t][k]:.2f}"
-                for k in ("acceptance_length", "theoretical_speedup")
-            )
+    header = ["method", "setting", *(f"{t}: {what}" for t in temperatures for what in ("length", "speedup"))]
+    cells = [
+        [row["method"], row["setting"]]
+        + [
+            "-" if row.get(t, {}).get(k) is None else f"{row[t][k]:.2f}"
             for t in temperatures
+            for k in ("acceptance_length", "theoretical_speedup")
         ]
-        lines.append(f"| {row['method']} | {row['setting']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        for row in rows
+    ]
+    return (
+        f"Data set: {report['dataset']} ({report['num_prompts']} prompts, {report['max_new_tokens']} new tokens). "
+        "Length: L_acc for sd (bonus token included), L'_acc for the pipeline; speedup: theoretical.\n\n"
+        + markdown_table(header, cells, rule=" --- ")
+        + "\n"
+    )
 
 
 def plot(rows: list[dict], temperatures: list[str], path: Path) -> None:
@@ -292,10 +286,10 @@ def plot(rows: list[dict], temperatures: list[str], path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    return run_cli(_reproduce, parse_args(argv))
+    return run_cli(_reproduce, parse_args(argv), argv)
 
 
-def _reproduce(args) -> int:
+def _reproduce(args, argv) -> int:
     """Capture, train every head, benchmark them, and write the table (markdown, JSON and a plot)."""
     testbed = Path(args.testbed)
     config = (
@@ -331,7 +325,7 @@ def _reproduce(args) -> int:
     write_result(
         out / "table.json",
         {
-            "command": " ".join(sys.argv),
+            "command": command_line("reproduce", argv),
             "bench_command": report["command"],
             "dataset": report["dataset"],
             "testbed": str(testbed),

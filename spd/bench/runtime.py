@@ -22,7 +22,6 @@ the verification with its prune and flush notices, the waits for the stages' rep
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -31,14 +30,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from spd.bench.report import markdown_table, write_result
+from spd.bench.report import argument_parser, command_line, markdown_table, write_result
 from spd.errors import SpdInputError, run_cli
 from spd.paths import default_testbed_dir
 
 
 def parse_args(argv=None):
     tb = default_testbed_dir()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser("runtime", __doc__)
     p.add_argument("--target", default=str(tb / "target"))
     p.add_argument(
         "--prompts",
@@ -253,7 +252,7 @@ def breakdown(report: dict, mode: str) -> dict | None:
 
 
 def main(argv=None) -> int:
-    return run_cli(_bench, parse_args(argv))
+    return run_cli(_bench, parse_args(argv), argv)
 
 
 def measure(args, mode: str) -> list[dict]:
@@ -289,7 +288,7 @@ def measure(args, mode: str) -> list[dict]:
     return rows
 
 
-def _bench(args) -> int:
+def _bench(args, argv) -> int:
     mode = "spd" if args.tree_width is None else "tree"
     load_before = os.getloadavg()  # other work on the machine's cores slows the stages: recorded with the result
     rows = measure(args, mode)
@@ -381,7 +380,7 @@ def _bench(args) -> int:
     write_result(
         args.out,
         {
-            "command": " ".join(sys.argv),
+            "command": command_line("runtime", argv),
             "emulate_stage_ms": args.emulate_stage_ms,
             "emulate_link_ms": args.emulate_link_ms,
             "launch": launch,

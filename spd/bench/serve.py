@@ -17,7 +17,6 @@ fresh temporary directory), the two in turn ``--repeats`` times, and the drop in
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -27,34 +26,24 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from spd.bench.decode import RUN_HELP, parse_run, run_flags
-from spd.bench.report import REPO, markdown_table, write_result
+from spd.bench.report import argument_parser, command_line, markdown_table, streamed, write_result
 from spd.errors import SpdInputError
 from spd.testing.server import ServerProcess
 
 
 def one_request(url: str, model: str, prompt: str, max_tokens: int) -> dict:
     """A streamed greedy completion: latency, time to first token, tokens, the server's stats."""
-    import httpx
-
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     start = time.perf_counter()
     first = None
     text, stats = [], None
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=3600) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode()}")
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            choice = chunk["choices"][0]
-            if choice["text"] and first is None:
-                first = time.perf_counter() - start
-            text.append(choice["text"])
-            if choice["finish_reason"] is not None:
-                stats = chunk["spd"]
+    for chunk in streamed(url, "/v1/completions", body):
+        choice = chunk["choices"][0]
+        if choice["text"] and first is None:
+            first = time.perf_counter() - start
+        text.append(choice["text"])
+        if choice["finish_reason"] is not None:
+            stats = chunk["spd"]
     return {
         "latency_s": time.perf_counter() - start,
         "ttft_s": first,
@@ -72,7 +61,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_load(args, name: str, server_args: list[str], prompts: list[str]) -> dict:
-    server = ServerProcess(*server_args, threads=args.threads, cwd=REPO)
+    server = ServerProcess(*server_args, threads=args.threads)
     try:
         one_request(server.url, server.model, prompts[0], 4)  # warm-up
         start = time.perf_counter()
@@ -114,7 +103,7 @@ def record_overhead(runs: list[dict]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser("serve", __doc__)
     p.add_argument("--target", default="testbed/target")
     p.add_argument("--prompts", default="testbed/prompts.jsonl", help='jsonl with a "prompt" field per row')
     p.add_argument(
@@ -204,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{spec}: recording costs {100 * drop:.1f}% of tokens/s (medians of {args.repeats} runs each)")
     if args.out:
         report = {
-            "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+            "command": command_line("serve", argv),
             "identical_outputs": same,
             "requests": args.requests,
             "concurrency": args.concurrency,

@@ -17,7 +17,6 @@ positions with the whole vocabulary vs a draft vocabulary (``--lm-*`` flags). Pr
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -27,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from spd.bench.report import REPO, write_result
+from spd.bench.report import REPO, argument_parser, command_line, write_result
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser("training", __doc__)
     p.add_argument("--testbed", default="testbed")
     p.add_argument("--config", default="configs/quickstart-n4.yaml")
     p.add_argument("--steps", type=int, default=250)
@@ -198,7 +197,7 @@ def main(argv=None) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     report = {
-        "command": " ".join(["python", "bench/bench_training.py", *(argv or sys.argv[1:])]),
+        "command": command_line("training", argv),
         "threads": torch.get_num_threads(),
     }
     if not args.skip_training:
