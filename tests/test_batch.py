@@ -755,7 +755,7 @@ def test_bad_settings_and_requests_are_refused_in_one_line(target_model):
 # --------------------------------------------------------------------------------------- the benchmark
 @pytest.mark.slow
 def test_the_batch_benchmark_over_the_runtime_reports_each_stage(tiny_testbed, tiny_heads, tmp_path):
-    """bench/bench_batch.py over the distributed runtime (2 stage processes, each call sleeping 1 ms): the same
+    """spd-bench batch over the distributed runtime (2 stage processes, each call sleeping 1 ms): the same
     tokens from both systems, and per step the CPU of each stage process and each stage's clock (its ragged calls,
     its emulated sleep, its waits)."""
     import json
@@ -804,7 +804,7 @@ def test_the_batch_benchmark_over_the_runtime_reports_each_stage(tiny_testbed, t
 
 
 def test_the_batch_benchmark_gives_time_between_tokens_per_gap_and_per_request():
-    """bench/bench_batch.py's time between tokens, from recorded steps and times: per gap (every gap of every
+    """spd-bench batch's time between tokens, from recorded steps and times: per gap (every gap of every
     request) and per request (each request's own mean gap, then their mean and percentiles); a request of one token
     has no gap."""
     from types import SimpleNamespace
@@ -842,7 +842,7 @@ def test_the_batch_benchmark_gives_time_between_tokens_per_gap_and_per_request()
 
 
 def test_the_batch_benchmark_counts_the_cpu_of_its_stage_processes():
-    """bench/bench_batch.py's CPU count covers this process and each child process (the stage ranks over the
+    """spd-bench batch's CPU count covers this process and each child process (the stage ranks over the
     runtime): a child that burns half a second of CPU shows it."""
     import subprocess
     import sys
@@ -873,7 +873,7 @@ def test_the_batch_benchmark_counts_the_cpu_of_its_stage_processes():
 
 @pytest.mark.slow
 def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_heads, tmp_path):
-    """bench/bench_batch.py on the miniature testbed: every system serves the same requests (the same tokens),
+    """spd-bench batch on the miniature testbed: every system serves the same requests (the same tokens),
     the table and the JSON carry both clocks, and the model clock follows a + b * tokens; with a draft model's
     tree instead of the head, too."""
     import json
