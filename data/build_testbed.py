@@ -17,7 +17,6 @@ stays the quickstart's.
 """
 
 import argparse
-import dataclasses
 import json
 import sys
 
@@ -27,6 +26,7 @@ from spd.paths import default_testbed_dir
 
 def parse_args(argv=None):
     from spd.testbed import TestbedConfig
+    from spd.testbed.presets import PRESETS
 
     d = TestbedConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -84,83 +84,33 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-PRESETS = ("default", "deep")
-DEEP_LAYERS = 32
-
-
-def output_dir(args) -> str:
-    if args.out is not None:
-        return args.out
-    return str(default_testbed_dir()) + ("-deep" if args.preset == "deep" else "")
-
-
-def config_from_args(args):
-    from spd.testbed import ModelSpec, TestbedConfig
-
-    cfg = TestbedConfig(vocab_size=args.vocab_size, max_files=args.max_files, seed=args.seed)
-    if args.tiny:
-        cfg = TestbedConfig(
-            vocab_size=512,
-            max_files=args.max_files or 60,
-            val_fraction=0.2,
-            seed=args.seed,
-            eval_tokens=4096,
-            target=ModelSpec(
-                layers=8,
-                hidden=32,
-                heads=2,
-                kv_heads=1,
-                ffn=64,
-                steps=20,
-                batch_size=4,
-                seq_len=64,
-                warmup_steps=5,
-                compile=False,
-            ),
-            draft=ModelSpec(
-                layers=2,
-                hidden=32,
-                heads=2,
-                kv_heads=2,
-                ffn=64,
-                steps=10,
-                batch_size=4,
-                seq_len=64,
-                warmup_steps=5,
-                compile=False,
-            ),
-        )
-    if not args.tiny:
-        # A time budget replaces the step count (and then the step count is machine-dependent).
-        cfg.target = dataclasses.replace(
-            cfg.target,
-            minutes=args.minutes,
-            compile=not args.no_compile,
-            steps=None if args.minutes else args.target_steps,
-        )
-        cfg.draft = dataclasses.replace(
-            cfg.draft,
-            minutes=args.draft_minutes,
-            compile=not args.no_compile,
-            steps=None if args.draft_minutes else args.draft_steps,
-        )
-    if args.preset == "deep":
-        cfg.target = dataclasses.replace(cfg.target, layers=DEEP_LAYERS)
-    return cfg
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     for name in ("minutes", "draft_minutes", "target_steps", "draft_steps"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             return cli_error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    return run_cli(_build, args, output_dir(args))
+    from spd.testbed.presets import preset_dir
+
+    return run_cli(_build, args, preset_dir(args.preset) if args.out is None else args.out)
 
 
 def _build(args, out: str) -> int:
     from spd.testbed import build_testbed
+    from spd.testbed.presets import preset_config
 
-    result = build_testbed(out, config_from_args(args), progress=not args.quiet, force=args.force)
+    config = preset_config(
+        args.preset,
+        tiny=args.tiny,
+        vocab_size=args.vocab_size,
+        max_files=args.max_files,
+        seed=args.seed,
+        target_steps=args.target_steps,
+        draft_steps=args.draft_steps,
+        minutes=args.minutes,
+        draft_minutes=args.draft_minutes,
+        compile=not args.no_compile,
+    )
+    result = build_testbed(out, config, progress=not args.quiet, force=args.force)
     summary = {
         name: {k: result[name][k] for k in ("parameters", "steps", "train_tokens", "validation_perplexity")}
         for name in ("target", "draft")

@@ -15,7 +15,7 @@ export PYTHONUNBUFFERED=1
 } 2>&1 | tee "$out/environment.txt"
 "$python" -m pytest -m gpu tests/test_gpu.py -q -s -p no:cacheprovider 2>&1 | tee "$out/tests.log"
 tests=${PIPESTATUS[0]}
-"$python" bench/bench_gpu.py --out "$out/bench_gpu.json" 2>&1 | tee "$out/bench_gpu.log"
+"$python" -m spd.bench gpu --out "$out/bench_gpu.json" 2>&1 | tee "$out/bench_gpu.log"
 bench=${PIPESTATUS[0]}
 echo "gpu tests: rc $tests; benchmark: rc $bench"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # SmolLM2-135M-Instruct on CUDA, end to end (docs/gpu.md): materialise the target and regenerate its chat data on
 # the GPU (data/smollm2.py), distil the n = 4 and n = 8 heads there (configs/smollm2-n{4,8}.yaml), then time ar,
-# pp and spd in one process with each head, in float32 and bfloat16 (bench/bench_gpu.py --target).
+# pp and spd in one process with each head, in float32 and bfloat16 (spd-bench gpu --target).
 #   bash scripts/gpu_smollm2.sh [DIR] [OUT_DIR]   # default smollm2/ and gpu-results/; PYTHON picks the interpreter
 # Writes OUT_DIR/{smollm2.json,distill-smollm2-n4.json,distill-smollm2-n8.json,smollm2_gpu_{float32,bfloat16}.json}
 # and their logs; stops at the first part that fails.
@@ -26,6 +26,6 @@ for n in 4 8; do
     heads+=("$run/final")
 done
 for dtype in float32 bfloat16; do
-    "$python" bench/bench_gpu.py --target "$dir/target" --speculator "${heads[@]}" --parts decode --dtype "$dtype" \
+    "$python" -m spd.bench gpu --target "$dir/target" --speculator "${heads[@]}" --parts decode --dtype "$dtype" \
         --new-tokens 96 --prompt "$PROMPT" --out "$out/smollm2_gpu_$dtype.json" 2>&1 | tee "$out/smollm2_gpu_$dtype.log"
 done

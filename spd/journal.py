@@ -3,7 +3,7 @@
 The first line holds the run's settings; every later line one finished unit of work, appended, flushed and
 fsynced as it completes. Reopened with the same settings, the journal gives back what was done (a last line
 a kill cut short is dropped); with other settings it is refused, naming the first setting that differs, so
-results of two different runs are never mixed. The benchmark (``bench/bench.py``) journals each
+results of two different runs are never mixed. The benchmark (``spd-bench decode``) journals each
 (temperature, prompt, run) result and removes the journal once its report is written.
 """
 

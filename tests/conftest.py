@@ -265,9 +265,16 @@ def two_at_a_time(run: Callable, cases: Iterable) -> list:
 
 def run_script(script: str, *args: str, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run one of the repo's scripts in a fresh interpreter, as a user would."""
-    proc = subprocess.run(
-        [sys.executable, str(REPO / script), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
-    )
+    return _run_python([str(REPO / script), *args], script, check, timeout)
+
+
+def run_bench(name: str, *args: str, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``spd-bench NAME ARGS`` (as ``python -m spd.bench``) in a fresh interpreter, as a user would."""
+    return _run_python(["-m", "spd.bench", name, *args], f"spd-bench {name}", check, timeout)
+
+
+def _run_python(argv: list[str], what: str, check: bool, timeout: int) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, cwd=REPO)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        raise AssertionError(f"{what} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc

@@ -755,16 +755,16 @@ def test_bad_settings_and_requests_are_refused_in_one_line(target_model):
 # --------------------------------------------------------------------------------------- the benchmark
 @pytest.mark.slow
 def test_the_batch_benchmark_over_the_runtime_reports_each_stage(tiny_testbed, tiny_heads, tmp_path):
-    """bench/bench_batch.py over the distributed runtime (2 stage processes, each call sleeping 1 ms): the same
+    """spd-bench batch over the distributed runtime (2 stage processes, each call sleeping 1 ms): the same
     tokens from both systems, and per step the CPU of each stage process and each stage's clock (its ragged calls,
     its emulated sleep, its waits)."""
     import json
 
-    from conftest import run_script
+    from conftest import run_bench
 
     out = tmp_path / "runtime.json"
-    proc = run_script(
-        "bench/bench_batch.py",
+    proc = run_bench(
+        "batch",
         "--target",
         str(tiny_testbed / "target"),
         "--speculator",
@@ -804,12 +804,12 @@ def test_the_batch_benchmark_over_the_runtime_reports_each_stage(tiny_testbed, t
 
 
 def test_the_batch_benchmark_gives_time_between_tokens_per_gap_and_per_request():
-    """bench/bench_batch.py's time between tokens, from recorded steps and times: per gap (every gap of every
+    """spd-bench batch's time between tokens, from recorded steps and times: per gap (every gap of every
     request) and per request (each request's own mean gap, then their mean and percentiles); a request of one token
     has no gap."""
     from types import SimpleNamespace
 
-    from bench.bench_batch import summarize
+    from spd.bench.batch import summarize
 
     # Two stages, every step costs a = 1 ms on the model clock; the real clock records the same times.
     steps = {"spec": [1, 2, 3, 5, 6, 7, 9, 10], "pipe": [2, 4, 6, 8, 10], "one": [3]}
@@ -842,13 +842,13 @@ def test_the_batch_benchmark_gives_time_between_tokens_per_gap_and_per_request()
 
 
 def test_the_batch_benchmark_counts_the_cpu_of_its_stage_processes():
-    """bench/bench_batch.py's CPU count covers this process and each child process (the stage ranks over the
+    """spd-bench batch's CPU count covers this process and each child process (the stage ranks over the
     runtime): a child that burns half a second of CPU shows it."""
     import subprocess
     import sys
     import time
 
-    from bench.bench_batch import cpu_seconds, cpu_used
+    from spd.bench.batch import cpu_seconds, cpu_used
 
     child = subprocess.Popen(
         [
@@ -873,13 +873,13 @@ def test_the_batch_benchmark_counts_the_cpu_of_its_stage_processes():
 
 @pytest.mark.slow
 def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_heads, tmp_path):
-    """bench/bench_batch.py on the miniature testbed: every system serves the same requests (the same tokens),
+    """spd-bench batch on the miniature testbed: every system serves the same requests (the same tokens),
     the table and the JSON carry both clocks, and the model clock follows a + b * tokens; with a draft model's
     tree instead of the head, too."""
     import json
 
-    from bench.bench_batch import main as bench_batch_main
-    from conftest import run_main, run_script, two_at_a_time
+    from conftest import run_bench, run_main, two_at_a_time
+    from spd.bench.batch import main as bench_batch_main
 
     out, tree_out, head_tree_out = (tmp_path / name for name in ("batch.json", "batch_tree.json", "head_tree.json"))
     common = [
@@ -903,7 +903,7 @@ def test_the_batch_benchmark_prints_a_table_and_writes_json(tiny_testbed, tiny_h
     ]
     # The third: the head's own trees (--tree-width with --speculator), adaptive and under a node budget.
     proc, tree, head_tree = two_at_a_time(
-        lambda args: run_script("bench/bench_batch.py", *common, *args),
+        lambda args: run_bench("batch", *common, *args),
         [
             ["--speculator", str(tiny_heads[4]), "--rates", "0.001", "1000", "--requests", "3", "--out", str(out)],
             [

@@ -20,7 +20,7 @@ def _stream(path, count: int):
 
 @pytest.mark.slow
 def test_the_stream_runs_through_each_arm_equal_to_ar_and_a_rerun_resumes(tiny_testbed, tiny_heads, tmp_path):
-    from bench import bench_adapt
+    from spd.bench import adapt as bench_adapt
 
     stream = _stream(tmp_path / "stream.jsonl", 8)
     work, out = tmp_path / "work", tmp_path / "adapt.json"
@@ -70,7 +70,7 @@ def test_the_stream_runs_through_each_arm_equal_to_ar_and_a_rerun_resumes(tiny_t
 
 
 def test_wrong_input_is_one_line_before_any_server_starts(tmp_path):
-    from bench import bench_adapt
+    from spd.bench import adapt as bench_adapt
 
     stream = _stream(tmp_path / "stream.jsonl", 3)
     base = ["--target", "t", "--head", "h", "--workdir", str(tmp_path / "w")]

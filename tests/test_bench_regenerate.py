@@ -1,15 +1,14 @@
-"""``bench/bench_regenerate.py``: the answering speed of ``data/regenerate.py`` setting by setting, on a tiny chat
+"""``spd-bench regenerate``: the answering speed of ``data/regenerate.py`` setting by setting, on a tiny chat
 target made from the miniature testbed's (its tokenizer given a chat template)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 
 import pytest
 
-from conftest import REPO, run_main, run_script
+from conftest import run_bench, run_main
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +28,8 @@ def chat_target(tiny_testbed, tmp_path_factory):
 
 def test_each_setting_answers_the_same_prompts_and_is_compared_with_the_first(chat_target, tmp_path):
     out = tmp_path / "regen.json"
-    done = run_script(
-        "bench/bench_regenerate.py",
+    done = run_bench(
+        "regenerate",
         "--target",
         str(chat_target),
         "--prompts",
@@ -51,7 +50,7 @@ def test_each_setting_answers_the_same_prompts_and_is_compared_with_the_first(ch
     assert done.returncode == 0, done.stderr
     assert "| dtype | batch | tokens |" in done.stdout
     report = json.loads(out.read_text())
-    assert report["command"].startswith("python bench/bench_regenerate.py --target ")
+    assert report["command"].startswith("spd-bench regenerate --target ")
     assert report["prompts"] == 3 and report["skip"] == 2 and report["max_new_tokens"] == 4
     first, again, single = report["runs"]
     assert [r["batch_size"] for r in report["runs"]] == [3, 3, 1]
@@ -62,10 +61,9 @@ def test_each_setting_answers_the_same_prompts_and_is_compared_with_the_first(ch
 
 
 def test_a_wrong_setting_is_one_error():
-    spec = importlib.util.spec_from_file_location("bench_regenerate", REPO / "bench" / "bench_regenerate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from spd.bench.regenerate import main
+
     for setting in ("float16:8", "bfloat16", "float32:0"):
-        done = run_main(module.main, "--target", "x", "--settings", setting)
+        done = run_main(main, "--target", "x", "--settings", setting)
         assert done.returncode == 2
         assert f"'{setting}' is not DTYPE:BATCH with DTYPE one of float32, bfloat16" in done.stderr

@@ -369,7 +369,7 @@ def test_head_for_another_target_is_refused(tiny_testbed, tiny_heads, tmp_path):
 def test_bench_runs_modes_and_heads(tiny_testbed, tiny_heads, tmp_path):
     """Every kind of run, solo and (side by side) with --batch: the batched pipeline gives every prompt the numbers
     it gets alone, at T = 0 and sampled."""
-    from conftest import run_script, two_at_a_time
+    from conftest import run_bench, two_at_a_time
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
@@ -401,7 +401,7 @@ def test_bench_runs_modes_and_heads(tiny_testbed, tiny_heads, tmp_path):
         "12",
     ]
     proc, _ = two_at_a_time(
-        lambda extra: run_script("bench/bench.py", *args, *extra),
+        lambda extra: run_bench("decode", *args, *extra),
         [["--out", str(out), "--plot", str(png)], ["--out", str(batched), "--batch", "2"]],
     )
     assert "| 0 | h2 | spd-input | 2 |" in proc.stdout
@@ -430,8 +430,8 @@ def test_bench_runs_modes_and_heads(tiny_testbed, tiny_heads, tmp_path):
         for name in ("pp n=2", "h2", "t2"):
             assert together[t][name]["summary"]["batch"] == 2 and together[t][name]["summary"]["mean_batch_size"] > 1
         assert "batch" not in together[t]["ar"]["summary"]  # the reference runs alone
-    from bench.bench import main as bench_main
     from conftest import run_main
+    from spd.bench.decode import main as bench_main
 
     bad = run_main(bench_main, "--run", "spd", "--prompts", str(prompts))
     assert bad.returncode == 2 and bad.stderr.startswith("error: --run 'spd' is not a run")
@@ -442,8 +442,8 @@ def test_bench_runs_modes_and_heads(tiny_testbed, tiny_heads, tmp_path):
 @pytest.mark.slow
 def test_killed_bench_resumes_to_the_same_numbers(tiny_testbed, tiny_heads, tmp_path):
     """A benchmark killed mid-way and run again gives the numbers of an unbroken run (T = 0 and sampled)."""
-    from bench.bench import main as bench_main
-    from conftest import run_main, run_script
+    from conftest import run_bench, run_main
+    from spd.bench.decode import main as bench_main
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"import os\nx = {i}\n"}) + "\n" for i in range(8)))
@@ -463,11 +463,11 @@ def test_killed_bench_resumes_to_the_same_numbers(tiny_testbed, tiny_heads, tmp_
         "12",
     ]
     whole = tmp_path / "whole.json"
-    run_script("bench/bench.py", *args, "--out", str(whole))
+    run_bench("decode", *args, "--out", str(whole))
     out = tmp_path / "broken.json"
     journal = tmp_path / "broken.json.progress.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, str(REPO / "bench" / "bench.py"), *args, "--out", str(out)],
+        [sys.executable, "-m", "spd.bench", "decode", *args, "--out", str(out)],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -482,7 +482,7 @@ def test_killed_bench_resumes_to_the_same_numbers(tiny_testbed, tiny_heads, tmp_
         f.write('{"T": "T=0", "prom')  # a line the kill cut short
     other = run_main(bench_main, *args, "--out", str(out), "--seed", "7")  # refused before anything runs
     assert other.returncode == 2 and "other settings (seed: 0 there, 7 now)" in other.stderr, other.stderr
-    resumed = run_script("bench/bench.py", *args, "--out", str(out))
+    resumed = run_bench("decode", *args, "--out", str(out))
     assert "[bench] resuming" in resumed.stderr and not journal.exists()
     assert "dropped a last line that a kill cut short (" in other.stderr  # the first to read it
 

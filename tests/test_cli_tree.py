@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from conftest import run_main, run_script
+from conftest import run_bench, run_main
 from helpers.cli import spd_generate, spd_generate_main
 
 
@@ -204,8 +204,8 @@ def test_bench_compares_tree_runs_with_the_pipeline(tiny_testbed, tiny_heads, tm
     prompts.write_text(json.dumps({"prompt": "import os\n"}) + "\n" + json.dumps({"prompt": "def f(x):\n"}) + "\n")
     out = tmp_path / "bench.json"
     draft = tiny_testbed / "draft"
-    proc = run_script(
-        "bench/bench.py",
+    proc = run_bench(
+        "decode",
         "--target",
         str(tiny_testbed / "target"),
         "--prompts",
@@ -238,7 +238,7 @@ def test_bench_compares_tree_runs_with_the_pipeline(tiny_testbed, tiny_heads, tm
     assert 1 <= results["T=1"]["auto"]["summary"]["mean_width"] <= 8
     assert greedy["pp n=4"]["summary"]["steps_per_token"] == 4.0
     assert 1.0 <= greedy["w4"]["summary"]["mean_tree_size"] <= 1 + 4 * 4
-    from bench.bench import main as bench_main
+    from spd.bench.decode import main as bench_main
 
     bad = run_main(bench_main, "--run", f"tree:{draft}:4:4", "--prompts", str(prompts))
     assert bad.returncode == 2 and bad.stderr.startswith("error: --run") and "tree:SOURCE:N:W:K" in bad.stderr

@@ -108,10 +108,9 @@ def test_prepare_script(tiny_testbed, tmp_path):
         str(tmp_path / "cache"),
     )
     assert "rows ready" in ok.stdout and any((tmp_path / "cache").iterdir())
-    from conftest import run_main
-    from data.prepare import main
-
-    bad = run_main(main, "--target", str(tiny_testbed / "target"), "--data", str(tmp_path / "none.jsonl"))
+    bad = run_script(
+        "data/prepare.py", "--target", str(tiny_testbed / "target"), "--data", str(tmp_path / "none.jsonl"), check=False
+    )
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error:") and "does not exist" in bad.stderr
 
 

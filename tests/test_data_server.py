@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import REPO, run_main, run_script, two_at_a_time
+from conftest import REPO, run_script, two_at_a_time
 from spd.testing.server import ServerProcess
 
 
@@ -166,11 +166,9 @@ def test_a_server_that_is_not_there_or_refuses_is_one_error(tiny_testbed, ar_ser
 
 def test_server_flags_bad_input_is_a_usage_error(tmp_path):
     """--concurrency 0, --retries -1, a URL that is not http(s), --server with --target, or neither: exit 2."""
-    from data.regenerate import main as regenerate
-    from data.self_instruct import main as self_instruct
-
     out = str(tmp_path / "x.jsonl")
     url = "http://127.0.0.1:9"
+    regenerate, self_instruct = "data/regenerate.py", "data/self_instruct.py"
     cases = [
         (regenerate, ["--server", url, "--concurrency", "0", "--prompts", "stdlib:2"], "--concurrency must be"),
         (regenerate, ["--server", url, "--retries", "-1", "--prompts", "stdlib:2"], "--retries 0 or more"),
@@ -183,7 +181,7 @@ def test_server_flags_bad_input_is_a_usage_error(tmp_path):
             "--concurrency",
         ),
     ]
-    for main, args, expected in cases:
-        proc = run_main(main, *args, "--out", out)
+    procs = two_at_a_time(lambda case: run_script(case[0], *case[1], "--out", out, check=False), cases)
+    for (_, args, expected), proc in zip(cases, procs):
         assert proc.returncode == 2 and expected in proc.stderr, (args, proc.stderr)
     assert not Path(out).exists()

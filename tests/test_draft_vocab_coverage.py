@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import torch
 from safetensors.torch import save_file
 
-from tests.conftest import REPO, run_main
-
-sys.path.insert(0, str(REPO / "train"))
-import draft_vocab_coverage  # noqa: E402
+from conftest import run_script
 
 
 def test_the_share_is_counted_on_supervised_tokens_only(tiny_testbed, tmp_path):
@@ -36,8 +32,8 @@ def test_the_share_is_counted_on_supervised_tokens_only(tiny_testbed, tmp_path):
     full.mkdir()
     save_file({"norm.weight": torch.ones(2)}, str(full / "model.safetensors"))
     out = tmp_path / "cov.json"
-    proc = run_main(
-        draft_vocab_coverage.main,
+    proc = run_script(
+        "train/draft_vocab_coverage.py",
         "--target",
         str(target),
         "--head",
@@ -48,6 +44,7 @@ def test_the_share_is_counted_on_supervised_tokens_only(tiny_testbed, tmp_path):
         f"chat={data}",
         "--out",
         str(out),
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())["heads"]
@@ -64,14 +61,15 @@ def test_the_share_is_counted_on_supervised_tokens_only(tiny_testbed, tmp_path):
 def test_a_missing_head_is_one_error_line(tiny_testbed, tmp_path):
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps({"text": "hello"}) + "\n")
-    proc = run_main(
-        draft_vocab_coverage.main,
+    proc = run_script(
+        "train/draft_vocab_coverage.py",
         "--target",
         str(tiny_testbed / "target"),
         "--head",
         str(tmp_path / "nothere"),
         "--data",
         str(data),
+        check=False,
     )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and "nothere" in proc.stderr

@@ -11,7 +11,7 @@ tie: other matrix shapes round differently). The margins of every such differenc
 
 Marked ``gpu`` and skipped without CUDA (CI has none). ``SPD_TEST_DEVICE=cpu`` runs the same checks on the CPU,
 to check the tests themselves. The last two tests run everywhere: the attention-kernel switch (spd.target.sdpa)
-and bench/bench_gpu.py on a small model on the CPU.
+and spd-bench gpu on a small model on the CPU.
 """
 
 import copy
@@ -214,8 +214,8 @@ def test_decode_attention_keeps_cudnn_out_on_cuda_only():
 
 
 def test_the_gpu_benchmark_runs_a_small_model_on_the_cpu(tmp_path, capsys):
-    """bench/bench_gpu.py end to end at a small size: a table per part and JSON with every mode and shape."""
-    from bench import bench_gpu
+    """spd-bench gpu end to end at a small size: a table per part and JSON with every mode and shape."""
+    from spd.bench import gpu as bench_gpu
 
     out = tmp_path / "gpu.json"
     assert (

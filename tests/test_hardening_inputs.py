@@ -320,7 +320,7 @@ def test_a_device_that_cannot_be_had_is_one_sentence():
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
 def test_cuda_on_a_cpu_machine_is_one_error_line_in_the_clis(tiny_testbed):
-    """spd-generate, spd-serve over the distributed runtime and bench/bench.py with --device cuda here: exit 2 and one
+    """spd-generate, spd-serve over the distributed runtime and spd-bench decode with --device cuda here: exit 2 and one
     line, before any model loads."""
     target = str(tiny_testbed / "target")
     cmds = [
@@ -344,7 +344,9 @@ def test_cuda_on_a_cpu_machine_is_one_error_line_in_the_clis(tiny_testbed):
         ],
         [
             sys.executable,
-            str(REPO / "bench" / "bench.py"),
+            "-m",
+            "spd.bench",
+            "decode",
             "--target",
             target,
             "--prompts",

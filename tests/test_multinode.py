@@ -296,7 +296,9 @@ def test_the_prefill_benchmark_measures_capped_links(tiny_testbed, tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            str(REPO / "bench" / "bench_prefill.py"),
+            "-m",
+            "spd.bench",
+            "prefill",
             "--target",
             str(tiny_testbed / "target"),
             "--lengths",
@@ -320,7 +322,7 @@ def test_the_prefill_benchmark_measures_capped_links(tiny_testbed, tmp_path):
     assert [(r["rate"], r["prompt_tokens"] > 0) for r in rows] == [("none", True)] * 2 + [("100mbit", True)] * 2
     assert all(r["prefill_ms"] > 0 for r in rows) and "| 100mbit |" in proc.stdout
     bad = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "bench_prefill.py"), "--rates", "fast"],
+        [sys.executable, "-m", "spd.bench", "prefill", "--rates", "fast"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from conftest import run_script
+from conftest import run_bench
 from spd.data.prompt_sets import load_prompt_set
 from spd.errors import SpdInputError
 
@@ -73,8 +73,8 @@ def test_bench_runs_humaneval_and_names_it(tiny_testbed, tmp_path):
     config = json.loads((target / "config.json").read_text())
     (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
     out = tmp_path / "bench.json"
-    proc = run_script(
-        "bench/bench.py",
+    proc = run_bench(
+        "decode",
         "--target",
         str(target),
         "--prompts",

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from conftest import run_main, run_script
+from conftest import run_bench, run_main
 
 
 def _reproduce(tiny_testbed, tmp_path, *extra, check=True):
-    return run_script("bench/reproduce.py", *_args(tiny_testbed, tmp_path, *extra), check=check)
+    return run_bench("reproduce", *_args(tiny_testbed, tmp_path, *extra), check=check)
 
 
 def _args(tiny_testbed, tmp_path, *extra):
@@ -70,7 +70,7 @@ def test_reproduce_trains_what_is_missing_and_writes_the_table(tiny_testbed, tmp
     assert "| EAGLE-style (sd) | m=2 |" in (out / "table.md").read_text() and (out / "table.png").stat().st_size
     # A second run (its main in this process) trains nothing and captures nothing new; its pipeline rows run
     # batched, still lossless.
-    from bench.reproduce import main
+    from spd.bench.reproduce import main
 
     again = run_main(
         main, *_args(tiny_testbed, tmp_path, "--temperatures", "0", "--batch", "2", "--out", str(tmp_path / "again"))
@@ -89,7 +89,7 @@ def test_reproduce_trains_what_is_missing_and_writes_the_table(tiny_testbed, tmp
 
 def test_a_prepared_target_s_conversations_are_its_training_text(tmp_path):
     """A directory written by data/smollm2.py (target/ and data/{train,validation}.jsonl) is a valid --testbed."""
-    from bench.reproduce import training_text
+    from spd.bench.reproduce import training_text
 
     assert training_text(tmp_path) is None
     (tmp_path / "data").mkdir()
@@ -104,7 +104,7 @@ def test_a_prepared_target_s_conversations_are_its_training_text(tmp_path):
 
 def test_heads_checkpoint_every_40_steps_so_a_killed_run_resumes():
     """A long head saves every 40 steps (and a short one at its end), not only once it is done."""
-    from bench.reproduce import Head
+    from spd.bench.reproduce import Head
 
     assert "save_every=40" in Head("spd-n8-ls1", "spd", 8, 1).overrides(240, 7, 30)
     assert "save_every=40" in Head("eagle", "eagle", 1, 1).overrides(800, 15, 8)

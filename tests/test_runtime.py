@@ -390,7 +390,9 @@ def test_bench_runtime_compares_the_tree_with_pp_in_one_world(tiny_testbed, tmp_
     out = tmp_path / "bench.json"
     bench = [
         sys.executable,
-        str(REPO / "bench" / "bench_runtime.py"),
+        "-m",
+        "spd.bench",
+        "runtime",
         "--target",
         str(tiny_testbed / "target"),
         "--prompts",

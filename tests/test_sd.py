@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import run_script, tiny_model, two_at_a_time
+from conftest import run_bench, tiny_model, two_at_a_time
 from helpers.cli import spd_generate, spd_generate_main
 from helpers.distill import distill_args, train
 from helpers.proposers import noisy_copy
@@ -235,8 +235,8 @@ def test_cli_and_bench(tiny_testbed, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "import os\n"}) + "\n" + json.dumps({"prompt": "def f(x):\n"}) + "\n")
     out = tmp_path / "bench.json"
-    run_script(
-        "bench/bench.py",
+    run_bench(
+        "decode",
         "--target",
         str(tiny_testbed / "target"),
         "--prompts",
@@ -294,8 +294,8 @@ def test_eagle_variant_trains_loads_and_drafts(tiny_testbed, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "import os\n"}) + "\n")
     bench = tmp_path / "bench.json"
-    run_script(
-        "bench/bench.py",
+    run_bench(
+        "decode",
         "--target",
         str(tiny_testbed / "target"),
         "--prompts",

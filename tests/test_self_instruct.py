@@ -95,8 +95,7 @@ def test_sampling_resumes_without_losing_or_repeating_a_row(chat_model, tmp_path
 
 
 def test_regenerate_skips_rejected_samples_and_bad_topics_are_one_error(tmp_path):
-    from data.regenerate import read_prompts
-    from data.self_instruct import main
+    from spd.data.prompt_rows import read_prompts
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
@@ -120,18 +119,12 @@ def test_regenerate_skips_rejected_samples_and_bad_topics_are_one_error(tmp_path
     assert read_prompts(str(chats)) == [{"id": "c", "prompt": "Hi?"}]
     with pytest.raises(SpdInputError, match="unknown topic"):
         write_instructions(None, None, "poetry", 1, tmp_path / "x.jsonl", BenchmarkFilter([]))
-    proc = run_script(
-        "data/self_instruct.py",
-        "--target",
-        str(tmp_path),
-        "--topics",
-        "code:0",
-        "--out",
-        str(tmp_path / "x.jsonl"),
-        check=False,
-    )
-    assert proc.returncode == 2 and proc.stderr.strip().startswith("error: --topics code:0")
-    assert main(["--target", str(tmp_path), "--topics", "poetry:3", "--out", str(tmp_path / "x.jsonl")]) == 2
+    for topics in ("code:0", "poetry:3"):
+        out = str(tmp_path / "x.jsonl")
+        proc = run_script(
+            "data/self_instruct.py", "--target", str(tmp_path), "--topics", topics, "--out", out, check=False
+        )
+        assert proc.returncode == 2 and proc.stderr.strip().startswith(f"error: --topics {topics}"), proc.stderr
 
 
 def test_own_evaluation_prompts_are_excluded_also_from_rows_written_before(tmp_path):

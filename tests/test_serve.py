@@ -862,7 +862,9 @@ def test_load_benchmark_runs_side_by_side(tiny_testbed, tiny_heads, tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            "bench/bench_serve.py",
+            "-m",
+            "spd.bench",
+            "serve",
             "--target",
             str(tiny_testbed / "target"),
             "--prompts",
@@ -895,9 +897,9 @@ def test_load_benchmark_runs_side_by_side(tiny_testbed, tiny_heads, tmp_path):
 
 
 def test_load_benchmark_takes_the_runs_bench_takes_and_refuses_bad_ones(tmp_path):
-    """bench_serve's --run is bench/bench.py's: the same check, one line and exit 2 before any server starts."""
-    from bench import bench_serve
+    """spd-bench serve's --run is spd-bench decode's: the same check, one line and exit 2 before any server starts."""
     from conftest import run_main
+    from spd.bench import serve as bench_serve
 
     bad = run_main(bench_serve.main, "--run", "--mode spd", "--prompts", str(tmp_path / "none.jsonl"))
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith(

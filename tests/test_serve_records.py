@@ -94,7 +94,7 @@ def test_a_record_directory_that_cannot_be_used_stops_the_server_before_it_loads
 def test_the_load_benchmark_measures_what_recording_costs(tiny_testbed, tiny_heads, tmp_path):
     import json
 
-    from bench import bench_serve
+    from spd.bench import serve as bench_serve
 
     out = tmp_path / "overhead.json"
     spec = f"spd:{tiny_heads[4]}"

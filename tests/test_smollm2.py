@@ -202,7 +202,7 @@ def test_trained_head_every_mode_equals_ar(smollm2, target, tmp_path):
         assert tree.run(ids, 20, SamplingParams()).token_ids == ar
         assert sd.run(ids, 20, SamplingParams()).token_ids == ar
     # bench/bench_gpu.py on the real target with this head (the GPU benchmark's --target path, here on the CPU)
-    from bench import bench_gpu
+    from spd.bench import gpu as bench_gpu
 
     out = tmp_path / "bench.json"
     assert (

@@ -7,7 +7,7 @@ import torch
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO, run_main, run_script
+from conftest import run_script
 from spd.testbed import ModelSpec, build_testbed, stdlib_dir, stdlib_source_files
 from spd.testbed import TestbedConfig as Config
 
@@ -116,9 +116,7 @@ def test_stdlib_files_exclude_tests():
 
 
 def test_bad_budget_is_a_clear_error():
-    from data.build_testbed import main
-
-    proc = run_main(main, "--out", "/tmp/unused", "--minutes", "0")
+    proc = run_script("data/build_testbed.py", "--out", "/tmp/unused", "--minutes", "0", check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "--minutes" in proc.stderr
 
@@ -126,17 +124,12 @@ def test_bad_budget_is_a_clear_error():
 def test_deep_preset_is_the_default_target_four_times_deeper(tmp_path, monkeypatch):
     """--preset deep: 32 layers (n = 4, 8 and 16 divide it), everything else as the default build; its own
     directory by default. A miniature deep build loads and cuts into 16 stages."""
-    import sys
-
     from spd.target.staging import StagedModel
-
-    sys.path.insert(0, str(REPO / "data"))
-    import build_testbed as builder
+    from spd.testbed.presets import preset_config, preset_dir
 
     monkeypatch.delenv("SPD_TESTBED", raising=False)
-    default, deep = (builder.parse_args(a) for a in ([], ["--preset", "deep"]))
-    assert builder.output_dir(default) == "testbed" and builder.output_dir(deep) == "testbed-deep"
-    a, b = builder.config_from_args(default), builder.config_from_args(deep)
+    assert preset_dir("default") == "testbed" and preset_dir("deep") == "testbed-deep"
+    a, b = preset_config("default"), preset_config("deep")
     assert (a.target.layers, b.target.layers) == (8, 32)
     assert dataclasses.replace(b.target, layers=8) == a.target and b.draft == a.draft
     assert b.vocab_size == a.vocab_size

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from conftest import REPO, run_script, tiny_model
+from conftest import REPO, run_bench, run_script, tiny_model
 from helpers.cli import spd_generate_main
 from spd.decoding.engine import Engine
 from spd.decoding.generation import generate_ar
@@ -147,8 +147,8 @@ def test_cli_and_bench_take_boundaries(tmp_path):
 def test_bench_uneven_pp(tiny_testbed, tmp_path):
     """bench pp:B1,B2 runs the standard pipeline over an uneven cut and matches ar."""
     out = tmp_path / "bench.json"
-    run_script(
-        "bench/bench.py",
+    run_bench(
+        "decode",
         "--target",
         str(tiny_testbed / "target"),
         "--prompts",
@@ -210,7 +210,7 @@ def test_distributed_runtime_takes_boundaries(tiny_testbed):
 
 def test_bench_run_specs():
     """Every run kind keeps its fields (the cut is the last field of a run)."""
-    from bench.bench import parse_run
+    from spd.bench.decode import parse_run
 
     tree = parse_run("t=tree:runs/h:4:3:2")
     fields = (tree.source, tree.spec.stages, tree.spec.tree_width, tree.spec.tree_children, tree.spec.boundaries)
@@ -223,7 +223,7 @@ def test_bench_run_specs():
 def test_bench_runs_are_decoding_specs():
     """A --run is spd-generate's decoding settings: the short notation and the quoted flags give the same spec,
     checked by the same checks; a wrong flag is one error."""
-    from bench.bench import parse_run
+    from spd.bench.decode import parse_run
 
     short = parse_run("t=tree:runs/d:4:3:2:top-k")
     flags = parse_run(

@@ -31,7 +31,7 @@ TOPICS: dict[str, str | None] = {
     "code": "You are an expert Python programmer. Users ask you to write, explain, test and fix Python code.",
     "math": "You are a patient math tutor. Users ask you to solve arithmetic and algebra word problems step by step.",
     "chat": None,
-    # Not in the published heads' data: the kind of traffic bench/bench_adapt.py replays to a server that adapts
+    # Not in the published heads' data: the kind of traffic spd-bench adapt replays to a server that adapts
     "shell": "You are a Linux expert. Users ask you how to do things on the command line: shell commands, pipes, "
     "files, processes, permissions and scripts.",
 }

@@ -3,7 +3,7 @@
 A single process runs the n stages of a pipeline one after another, so its wall clock shows no pipeline speedup. On
 the model clock each stage runs on its own device: a pipeline step lasts as long as its busiest stage, a stage call
 costing a fixed time plus a time per token, ``a + b * tokens`` (an idle stage costs nothing). The batched benchmark
-(bench/bench_batch.py) steps this clock with measured or given ``a`` and ``b``; spd-generate reports one run on it
+(spd-bench batch) steps this clock with measured or given ``a`` and ``b``; spd-generate reports one run on it
 (:func:`model_clock`), beside the standard pipeline's tokens/s at the same stage times.
 """
 

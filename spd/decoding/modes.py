@@ -31,7 +31,8 @@ class Mode:
 
     @property
     def batched(self) -> bool:
-        """Whether the batched pipeline (``--max-batch``, ``bench.py --batch``) runs it: it drives the step loop."""
+        """Whether the batched pipeline (``--max-batch``, ``spd-bench decode --batch``) runs it: it drives the step
+        loop."""
         return self.pipelined
 
     @property

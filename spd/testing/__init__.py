@@ -2,5 +2,5 @@
 
 ``server.py`` (``spd-serve`` in its own process, waited for until it listens), ``ties.py`` (where two greedy runs
 of the same model may part: near ties of the top-two logits), ``netns.py`` (several "machines" on this one as
-network namespaces, for the multi-node tests and ``bench/bench_prefill.py``).
+network namespaces, for the multi-node tests and ``spd-bench prefill``).
 """

@@ -1,4 +1,4 @@
-"""``spd-serve`` in its own process, started as a user starts it, for the tests and ``bench/bench_serve.py``.
+"""``spd-serve`` in its own process, started as a user starts it, for the tests and ``spd-bench serve``.
 
 The server listens on a free port (``--port 0``) and prints its address on stderr; :class:`ServerProcess` reads
 stderr up to that line, then a thread keeps reading it (``lines``) so that the server never blocks on a full pipe.

@@ -1,9 +1,9 @@
 """Benchmark many concurrent clients on one pipeline: batched spd vs batched pp vs one-at-a-time spd.
 
-    python bench/bench_batch.py --speculator runs/testbed-n4/final --clients 1 2 4 8 16 32 \\
+    spd-bench batch --speculator runs/testbed-n4/final --clients 1 2 4 8 16 32 \\
         --requests-per-client 3 --max-new-tokens 48 --out bench_batch.json
     # the same over the distributed runtime: n stage processes, each call sleeping a + b * tokens
-    python bench/bench_batch.py --speculator runs/testbed-n4/final --runtime distributed \\
+    spd-bench batch --speculator runs/testbed-n4/final --runtime distributed \\
         --emulate-stage-ms 10 --emulate-token-ms 0.1 --out bench_batch_runtime.json
 
 ``C`` closed-loop clients (each sends its next request as soon as its last one ends, no think time) share one
@@ -71,20 +71,15 @@ The systems run one after another on the same machine; the table prints ratios t
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # bench/bench.py's prompt loading (the scripts are not installed)
-
-from bench.report import write_result  # noqa: E402
-from spd.decoding.model_clock import step_ms  # noqa: E402
-from spd.decoding.tree_width import parse_tree_width  # noqa: E402
-from spd.errors import SpdInputError, run_cli  # noqa: E402
-from spd.paths import default_testbed_dir  # noqa: E402
+from spd.bench.report import argument_parser, command_line, line_fit, write_result
+from spd.decoding.model_clock import step_ms
+from spd.decoding.tree_width import parse_tree_width
+from spd.errors import SpdInputError, run_cli
+from spd.paths import default_testbed_dir
 
 SYSTEMS = ("spd batched", "pp batched", "spd 1-at-a-time")
 TREE_SYSTEMS = ("tree batched", "pp batched", "tree 1-at-a-time")  # --draft-model or --tree-width
@@ -94,7 +89,7 @@ STAGE_CLOCKS = ("compute", "emulated_compute", "receive_wait", "send")
 
 def parse_args(argv=None):
     tb = default_testbed_dir()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser("batch", __doc__)
     p.add_argument("--target", default=str(tb / "target"))
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--speculator", help="the SPD head (its n cuts the pipeline)")
@@ -108,7 +103,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--tree-children", type=int, default=4, help="with a tree: candidates per node")
     p.add_argument("--tree-max-width", type=int, default=8, help="with --tree-width auto: the largest width")
-    p.add_argument("--prompts", default=str(tb / "prompts.jsonl"), help="as bench/bench.py --prompts")
+    p.add_argument("--prompts", default=str(tb / "prompts.jsonl"), help="as spd-bench decode --prompts")
     p.add_argument(
         "--clients",
         type=int,
@@ -226,9 +221,8 @@ def calibrate(staged, context: int) -> tuple[float, float]:
                 run_ragged(pool, 0, [Segment(cache, hidden)])
                 best = min(best, time.perf_counter() - tick)
             times.append(best * 1000)
-    mean_x, mean_y = statistics.fmean(sizes), statistics.fmean(times)
-    b = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, times)) / sum((x - mean_x) ** 2 for x in sizes)
-    return max(mean_y - b * mean_x, 0.0), max(b, 0.0)
+    a, b = line_fit(sizes, times)
+    return max(a, 0.0), max(b, 0.0)
 
 
 def new_tokens(index: int, max_new_tokens: int, jitter: int) -> int:
@@ -615,14 +609,15 @@ def render(results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    return run_cli(lambda: _bench(parse_args(argv)))  # parse_args checks the numbers: its refusals are error lines
+    # parse_args checks the numbers: its refusals are error lines
+    return run_cli(lambda: _bench(parse_args(argv), command_line("batch", argv)))
 
 
-def _bench(args) -> int:
+def _bench(args, command: str) -> int:
     import torch
     import transformers
 
-    from bench.bench import load_prompts
+    from spd.bench.decode import load_prompts
     from spd.decoding.factory import build_engine, load_pipeline
     from spd.decoding.spec import DecodingSpec
     from spd.target.tokenizer import load_tokenizer
@@ -672,7 +667,7 @@ def _bench(args) -> int:
     if tree:  # the standard pipeline over the same stages
         engines["pp"] = build_engine(DecodingSpec("pp"), staged, None, tokenizer, stages=engine.backend)
     try:
-        return _run_all(args, engines, staged, dataset, prompts)
+        return _run_all(args, engines, staged, dataset, prompts, command)
     finally:
         if pipeline is not None:
             pipeline.close()
@@ -684,7 +679,7 @@ def _systems(args) -> tuple[str, ...]:
     return systems[:2] if args.batched_only else systems
 
 
-def _run_all(args, engines, staged, dataset, prompts) -> int:
+def _run_all(args, engines, staged, dataset, prompts, command: str) -> int:
     import torch
 
     if args.stage_ms is None:
@@ -727,7 +722,7 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
         "real_clock": wall,
         "threads": torch.get_num_threads(),
         "systems": list(_systems(args)),
-        "command": " ".join(sys.argv),
+        "command": command,
         "rows": [],
     }
     for clients in args.clients:
@@ -792,7 +787,3 @@ def _run_all(args, engines, staged, dataset, prompts) -> int:
     write_result(args.out, results)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

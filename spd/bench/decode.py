@@ -1,6 +1,6 @@
 """Benchmark decoding modes and heads on a prompt set: L'_acc, acceptance by pipeline position, speedups.
 
-    python bench/bench.py --run ar --run pp:4 --run spd:runs/testbed-n4/final --run spd:runs/testbed-n8/final \
+    spd-bench decode --run ar --run pp:4 --run spd:runs/testbed-n4/final --run spd:runs/testbed-n8/final \
         --temperatures 0 1 --num-prompts 50 --out bench.json --plot bench.png
 
 A run is ``ar``, ``pp:N`` (standard pipeline with N stages; ``pp:8,16,23`` cuts at explicit layer boundaries,
@@ -52,10 +52,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from spd.bench.report import argument_parser, command_line, markdown_table, write_result
 from spd.decoding.modes import RULES
 from spd.decoding.spec import DecodingSpec
 from spd.errors import SpdInputError, run_cli
-from spd.files import write_json_compact
 from spd.journal import Journal
 from spd.paths import default_testbed_dir
 
@@ -204,7 +204,7 @@ def _proposer(source: str) -> dict:
 
 def parse_args(argv=None):
     tb = default_testbed_dir()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser("decode", __doc__)
     p.add_argument("--target", default=str(tb / "target"), help="target model directory or hub id")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: the target's)")
     p.add_argument(
@@ -327,7 +327,7 @@ def summarize(records: list[dict], stages: int) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return run_cli(lambda: _bench(args, _runs(args)))
+    return run_cli(lambda: _bench(args, _runs(args), command_line("decode", argv)))
 
 
 def _runs(args) -> list[Run]:
@@ -338,7 +338,7 @@ def _runs(args) -> list[Run]:
     return runs
 
 
-def _bench(args, runs: list[Run]) -> int:
+def _bench(args, runs: list[Run], command: str) -> int:
     import torch
     import transformers
 
@@ -456,7 +456,7 @@ def _bench(args, runs: list[Run]) -> int:
             results[key_t][run.name] = {**info[run.name], "summary": summary, "per_prompt": _compact(records)}
 
     report = {
-        "command": " ".join(sys.argv),
+        "command": command,
         "target": args.target,
         "device": str(base.device),
         "device_name": torch.cuda.get_device_name(base.device) if base.device.type == "cuda" else "cpu",
@@ -470,8 +470,7 @@ def _bench(args, runs: list[Run]) -> int:
         "seed": args.seed,
         "results": results,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    write_json_compact(args.out, report)
+    write_result(args.out, report)
     journal.remove()
     print(render_table(results))
     print(f"\nJSON: {args.out}")
@@ -706,32 +705,29 @@ def _tree_info(spec: DecodingSpec, engine, head) -> dict:
 
 def render_table(results: dict) -> str:
     """A markdown table: one row per temperature and run."""
-    head = (
-        "| T | run | variant | n | L'_acc (all) | L'_acc (mean/prompt) | theor. speedup | flushes "
-        "| acceptance by position k=1..n | identical to ar | tok/s (1 proc) | steps/token | mean tree "
-        "| node-stage evals/token | mean W |"
-    )
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    header = (
+        "T|run|variant|n|L'_acc (all)|L'_acc (mean/prompt)|theor. speedup|flushes|acceptance by position k=1..n"
+        "|identical to ar|tok/s (1 proc)|steps/token|mean tree|node-stage evals/token|mean W"
+    ).split("|")
+
+    def fmt(x, p=2):
+        return "-" if x is None else f"{x:.{p}f}"
+
+    rows = []
     for key_t, by_run in results.items():
         for name, r in by_run.items():
             s = r["summary"]
-
-            def fmt(x, p=2):
-                return "-" if x is None else f"{x:.{p}f}"
-
             fills = " ".join(fmt(a) for a in s.get("acceptance_by_position", [])) or "-"
             same = f"{s['identical_to_ar']}/{s['prompts']}" if "identical_to_ar" in s else "-"
             ties = sum(d["near_tie"] for d in s.get("differences_from_ar", []))
             if ties:
                 same += f" (+{ties} near tie{'s' if ties > 1 else ''})"
-            lines.append(
-                f"| {key_t[2:]} | {name} | {r['variant']} | {r['stages']} | {fmt(s.get('L_acc'))} "
-                f"| {fmt(s.get('L_acc_mean_per_prompt'))} | {fmt(s.get('theoretical_speedup'))} "
-                f"| {s.get('flushes', '-')} | {fills} | {same} | {fmt(s.get('tokens_per_s'), 1)} "
-                f"| {fmt(s.get('steps_per_token'))} | {fmt(s.get('mean_tree_size'), 1)} "
-                f"| {fmt(s.get('stage_nodes_per_token'), 1)} | {fmt(s.get('mean_width'), 2)} |"
-            )
-    return "\n".join(lines)
+            rows.append([key_t[2:], name, r["variant"], r["stages"], fmt(s.get("L_acc")),
+                         fmt(s.get("L_acc_mean_per_prompt")), fmt(s.get("theoretical_speedup")), s.get("flushes", "-"),
+                         fills, same, fmt(s.get("tokens_per_s"), 1), fmt(s.get("steps_per_token")),
+                         fmt(s.get("mean_tree_size"), 1), fmt(s.get("stage_nodes_per_token"), 1),
+                         fmt(s.get("mean_width"), 2)])  # fmt: skip
+    return markdown_table(header, rows)
 
 
 def plot(results: dict, path: str) -> None:
@@ -784,7 +780,3 @@ def plot(results: dict, path: str) -> None:
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

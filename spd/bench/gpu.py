@@ -1,8 +1,8 @@
 """Measure the decode step on a GPU at real sizes: where a step's time goes, and tree attention at long context.
 
-    python bench/bench_gpu.py --out gpu.json                       # a Qwen3-4B-shaped target, bf16, on cuda
-    python bench/bench_gpu.py --size tiny --device cpu --out t.json  # the same code on a small model (a check)
-    python bench/bench_gpu.py --target smollm2/target --speculator runs/smollm2-n4/final --parts decode \
+    spd-bench gpu --out gpu.json                         # a Qwen3-4B-shaped target, bf16, on cuda
+    spd-bench gpu --size tiny --device cpu --out t.json  # the same code on a small model (a check)
+    spd-bench gpu --target smollm2/target --speculator runs/smollm2-n4/final --parts decode \
         --prompt "Write a Python function that reverses a string." --out smollm2_gpu.json   # a real target
 
 The target is a Qwen3-4B-shaped model (the real transformers class: 36 layers, hidden 2560, 32 query and 8 KV
@@ -28,25 +28,20 @@ Prints tables and writes JSON (``--out``).
 
 from __future__ import annotations
 
-import argparse
 import platform
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.report import write_result  # noqa: E402
-from spd.decoding.engine import Engine  # noqa: E402
-from spd.decoding.generation import generate_ar  # noqa: E402
-from spd.decoding.sampling import SamplingParams  # noqa: E402
-from spd.target import sdpa  # noqa: E402
-from spd.target.cut import balanced_boundaries  # noqa: E402
-from spd.target.staging import StagedModel  # noqa: E402
-from spd.training.distill import DistillConfig, new_head  # noqa: E402
+from spd.bench.report import argument_parser, sync, write_result
+from spd.decoding.engine import Engine
+from spd.decoding.generation import generate_ar
+from spd.decoding.sampling import SamplingParams
+from spd.target import sdpa
+from spd.target.cut import balanced_boundaries
+from spd.target.staging import StagedModel
+from spd.training.distill import DistillConfig, new_head
 
 SIZES = {
     # Qwen3-4B's shape (its config.json), random weights.
@@ -75,7 +70,7 @@ SIZES = {
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser("gpu", __doc__)
     p.add_argument("--size", choices=list(SIZES), default="4b")
     p.add_argument("--target", default=None, help="a real target (model directory) instead of the random --size one")
     p.add_argument(
@@ -169,11 +164,6 @@ def cut(model, n: int) -> StagedModel:
     """The target in ``n`` stages: equal ones where n divides the layers, else the most even (the first get one
     more layer; spd.target.cut.balanced_boundaries)."""
     return StagedModel(model, boundaries=balanced_boundaries(model.config.num_hidden_layers, n))
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Timers:
@@ -422,7 +412,3 @@ def main(argv=None) -> int:
             write_result(args.out, results)  # each part kept as soon as it ends
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Benchmark the staged AR decoder against Hugging Face ``model.generate`` (greedy), side by side.
 
-    python bench/bench_ar.py --target testbed/target --prompts testbed/prompts.jsonl --num-prompts 20
+    spd-bench ar --target testbed/target --prompts testbed/prompts.jsonl --num-prompts 20
 
 Both decoders run on every prompt in alternating order (so machine noise hits both alike); the table
 shows tokens/s of each, the speed ratio, and whether the tokens are identical. JSON goes to --out.
@@ -8,24 +8,21 @@ shows tokens/s of each, the speed ratio, and whether the tokens are identical. J
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.report (the scripts are not installed)
-from bench.report import write_result  # noqa: E402
+from spd.bench.report import argument_parser, write_result
 
 
 def parse_args(argv=None):
     from spd.paths import default_testbed_dir
 
     tb = default_testbed_dir()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser("ar", __doc__)
     p.add_argument("--target", default=str(tb / "target"))
     p.add_argument("--prompts", default=str(tb / "prompts.jsonl"), help='jsonl with a "prompt" field per row')
     p.add_argument("--num-prompts", type=int, default=20)
@@ -129,7 +126,3 @@ def main(argv=None) -> int:
     )
     write_result(args.out, {"summary": summary, "rows": rows}, indent=2)
     return 0 if summary["identical_outputs"] == len(rows) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Prefill time against link bandwidth, across machines emulated on this one (root; spd/testing/netns.py).
 
-    sudo .venv/bin/python bench/bench_prefill.py --target testbed/target --lengths 256 1024 2048 \\
+    sudo .venv/bin/spd-bench prefill --target testbed/target --lengths 256 1024 2048 \\
         --rates none 1gbit 100mbit --out docs/results/bench_prefill_links.json
 
 Two hosts on one bridge: host 0 runs rank 0 and stage 1, host 1 the other stages (one ``torchrun`` each, as
@@ -13,7 +13,6 @@ alone.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -23,17 +22,14 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from bench.report import markdown_table, write_result  # noqa: E402
-from spd.paths import default_testbed_dir  # noqa: E402
-from spd.testing.netns import Lan, rate_bits, torchrun_command, unavailable  # noqa: E402
+from spd.bench.report import REPO, argument_parser, command_line, markdown_table, write_result
+from spd.paths import default_testbed_dir
+from spd.testing.netns import Lan, rate_bits, torchrun_command, unavailable
 
 
 def parse_args(argv=None):
     tb = default_testbed_dir()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser("prefill", __doc__)
     p.add_argument("--target", default=str(tb / "target"))
     p.add_argument("--stages", type=int, default=2, help="n; stage 1 shares host 0 with rank 0, the rest are on host 1")
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048], help="prompt lengths in tokens")
@@ -176,7 +172,7 @@ def main(argv=None) -> int:
         )
     )
     report = {
-        "command": " ".join(sys.argv),
+        "command": command_line("prefill", argv),
         "target": args.target,
         "stages": args.stages,
         "hidden": hidden,
@@ -187,7 +183,3 @@ def main(argv=None) -> int:
     write_result(args.out, report)
     print(f"wrote {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Training-at-scale benchmark: online vs offline head training, full vs top-k teacher, full vs draft vocabulary.
 
-    python bench/bench_training.py --out docs/results/bench_training.json
+    spd-bench training --out docs/results/bench_training.json
 
 On the testbed, with one preset (default configs/quickstart-n4.yaml) and the same rows for every run (the
 first corpus files, enough for ``--steps`` batches): captures the rows once (full teacher, and top-k),
@@ -8,7 +8,7 @@ then trains one head per setting from the same seed and measures
 
 - head-training throughput (training-loop tokens/s, from the trainer's own timing: the target forward is
   inside the loop online, absent offline),
-- L'_acc of every head, measured by decoding ``--num-prompts`` testbed prompts at T = 0 (bench/bench.py, all
+- L'_acc of every head, measured by decoding ``--num-prompts`` testbed prompts at T = 0 (spd-bench decode, all
   heads side by side, each checked token for token against ar),
 
 and, separately, the LM head's cost at a Qwen-sized vocabulary: KD forward + backward over a chunk of
@@ -17,7 +17,6 @@ positions with the whole vocabulary vs a draft vocabulary (``--lm-*`` flags). Pr
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -27,14 +26,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # bench.report (the scripts are not installed)
-
-from bench.report import write_result  # noqa: E402
+from spd.bench.report import REPO, argument_parser, command_line, write_result
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser("training", __doc__)
     p.add_argument("--testbed", default="testbed")
     p.add_argument("--config", default="configs/quickstart-n4.yaml")
     p.add_argument("--steps", type=int, default=250)
@@ -149,7 +145,9 @@ def train_runs(args, work: Path) -> dict:
         }
     bench_out = work / "bench.json"
     _run(
-        "bench/bench.py",
+        "-m",
+        "spd.bench",
+        "decode",
         "--target",
         str(tb / "target"),
         "--prompts",
@@ -199,7 +197,7 @@ def main(argv=None) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     report = {
-        "command": " ".join(["python", "bench/bench_training.py", *(argv or sys.argv[1:])]),
+        "command": command_line("training", argv),
         "threads": torch.get_num_threads(),
     }
     if not args.skip_training:
@@ -225,7 +223,3 @@ def main(argv=None) -> int:
     write_result(args.out, report, indent=2)
     print(f"JSON: {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Round-trip time of one runtime message between two processes (spd.runtime.link.Link over gloo).
 
-    torchrun --nproc-per-node 2 -m bench.bench_link [--rounds 2000] [--hidden 128] [--rows 1]
+    torchrun --nproc-per-node 2 -m spd.bench link [--rounds 2000] [--hidden 128] [--rows 1]
 
 Rank 0 sends a token-sized message (header + (rows, 1, hidden) payload) to rank 1, which sends it back;
 rank 0 prints the mean round trip and the time spent inside ``send`` and ``recv`` per message.
@@ -8,15 +8,13 @@ rank 0 prints the mean round trip and the time spent inside ``send`` and ``recv`
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
+
+from spd.bench.report import argument_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="bench_link", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argument_parser("link", __doc__)
     p.add_argument("--rounds", type=int, default=2000)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--rows", type=int, default=1)
@@ -55,7 +53,3 @@ def main(argv: list[str] | None = None) -> int:
         )
     dist.destroy_process_group()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

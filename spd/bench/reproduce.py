@@ -1,8 +1,8 @@
 """The paper's comparison (its Table 1) on a target, in one command: what is missing is trained, then measured.
 
-    python bench/reproduce.py --testbed testbed --out docs/results/reproduction
-    python bench/reproduce.py --testbed testbed-deep --stages 4 8 16 --out docs/results/reproduction-deep
-    python bench/reproduce.py --testbed smollm2 --config configs/smollm2-n4.yaml --prompts humaneval-chat \
+    spd-bench reproduce --testbed testbed --out docs/results/reproduction
+    spd-bench reproduce --testbed testbed-deep --stages 4 8 16 --out docs/results/reproduction-deep
+    spd-bench reproduce --testbed smollm2 --config configs/smollm2-n4.yaml --prompts humaneval-chat \
         --stages 4 8 --draft-steps 3 7 --max-length 512 --steps 240 --num-prompts 30 --max-new-tokens 96 \
         --batch 20 --out docs/results/reproduction-smollm2
 
@@ -18,7 +18,7 @@ divide the target's layers takes the balanced cut (``spd.target.cut.balanced_bou
    (``variant=output_state``, the first L_s of ``--layers``) and PPSD (``variant=ppsd``, L_s 1) for every n;
    and the EAGLE-style serial drafter (``variant=eagle``, trained for up to max(--draft-steps)). A head is
    checkpointed every 40 steps, so a killed run resumes where its heads stood.
-3. One ``bench/bench.py`` run on ``--prompts`` (default: HumanEval's 164 problems, the first
+3. One ``spd-bench decode`` run on ``--prompts`` (default: HumanEval's 164 problems, the first
    ``--num-prompts``) at every temperature of ``--temperatures``: EAGLE-style ``sd`` for every m, SPD,
    output-state and PPSD chains, and the SPD head's token tree of width 4 (sampled candidates at T > 0).
    It journals every finished prompt and resumes; ``--batch B`` runs the pipeline rows B prompts at a time
@@ -35,19 +35,15 @@ included; spd/decoding/engine.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from bench.report import write_result  # noqa: E402
-from spd.errors import SpdInputError, run_cli  # noqa: E402
-from spd.paths import default_testbed_dir  # noqa: E402
+from spd.bench.report import REPO, argument_parser, bench_command, command_line, markdown_table, write_result
+from spd.errors import SpdInputError, run_cli
+from spd.paths import default_testbed_dir
 
 CHECKPOINT_EVERY = 40  # optimizer steps: a head whose training is killed resumes from its last checkpoint
 
@@ -78,7 +74,7 @@ class Head:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser("reproduce", __doc__)
     p.add_argument(
         "--testbed",
         default=str(default_testbed_dir()),
@@ -106,7 +102,7 @@ def parse_args(argv=None):
         default=str(REPO / "configs" / "testbed-n4.yaml"),
         help="trainer preset the heads start from (default: %(default)s)",
     )
-    p.add_argument("--prompts", default="humaneval", help="bench/bench.py --prompts (default: %(default)s)")
+    p.add_argument("--prompts", default="humaneval", help="spd-bench decode --prompts (default: %(default)s)")
     p.add_argument("--num-prompts", type=int, default=50)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
@@ -114,7 +110,7 @@ def parse_args(argv=None):
         "--batch",
         type=int,
         default=1,
-        help="bench/bench.py --batch: the pipeline rows run this many prompts at a time through the batched "
+        help="spd-bench decode --batch: the pipeline rows run this many prompts at a time through the batched "
         "pipeline (default: 1, one at a time); the serial rows stay one at a time",
     )
     p.add_argument("--max-length", type=int, default=256, help="tokens per captured row (default: %(default)s)")
@@ -224,8 +220,7 @@ def bench(args, testbed: Path, runs: Path, finals: dict[str, Path], stages: list
         spec += [f"spd n={n} Ls={args.layers[0]} W=4=tree:{finals[f'spd-n{n}-ls{args.layers[0]}']}:{n}:4:4"]
     out = runs / "bench.json"
     cmd = [
-        sys.executable,
-        str(REPO / "bench" / "bench.py"),
+        *bench_command("decode"),
         "--target",
         str(testbed / "target"),
         "--prompts",
@@ -263,24 +258,22 @@ def table(report: dict) -> list[dict]:
 
 
 def markdown(rows: list[dict], temperatures: list[str], report: dict) -> str:
-    head = "| method | setting | " + " | ".join(f"{t}: length | {t}: speedup" for t in temperatures) + " |"
-    lines = [
-        f"Data set: {report['dataset']} ({report['num_prompts']} prompts, {report['max_new_tokens']} new tokens). "
-        "Length: L_acc for sd (bonus token included), L'_acc for the pipeline; speedup: theoretical.",
-        "",
-        head,
-        "|" + " --- |" * (2 + 2 * len(temperatures)),
-    ]
-    for row in rows:
-        cells = [
-            " | ".join(
-                "-" if row.get(t, {}).get(k) is None else f"{row[t][k]:.2f}"
-                for k in ("acceptance_length", "theoretical_speedup")
-            )
+    header = ["method", "setting", *(f"{t}: {what}" for t in temperatures for what in ("length", "speedup"))]
+    cells = [
+        [row["method"], row["setting"]]
+        + [
+            "-" if row.get(t, {}).get(k) is None else f"{row[t][k]:.2f}"
             for t in temperatures
+            for k in ("acceptance_length", "theoretical_speedup")
         ]
-        lines.append(f"| {row['method']} | {row['setting']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        for row in rows
+    ]
+    return (
+        f"Data set: {report['dataset']} ({report['num_prompts']} prompts, {report['max_new_tokens']} new tokens). "
+        "Length: L_acc for sd (bonus token included), L'_acc for the pipeline; speedup: theoretical.\n\n"
+        + markdown_table(header, cells, rule=" --- ")
+        + "\n"
+    )
 
 
 def plot(rows: list[dict], temperatures: list[str], path: Path) -> None:
@@ -302,10 +295,10 @@ def plot(rows: list[dict], temperatures: list[str], path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    return run_cli(_reproduce, parse_args(argv))
+    return run_cli(_reproduce, parse_args(argv), argv)
 
 
-def _reproduce(args) -> int:
+def _reproduce(args, argv) -> int:
     """Capture, train every head, benchmark them, and write the table (markdown, JSON and a plot)."""
     testbed = Path(args.testbed)
     config = (
@@ -343,7 +336,7 @@ def _reproduce(args) -> int:
     write_result(
         out / "table.json",
         {
-            "command": " ".join(sys.argv),
+            "command": command_line("reproduce", argv),
             "bench_command": report["command"],
             "dataset": report["dataset"],
             "testbed": str(testbed),
@@ -355,7 +348,3 @@ def _reproduce(args) -> int:
     print((out / "table.md").read_text())
     print(f"written: {out / 'table.md'}, {out / 'table.json'}, {out / 'table.png'}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

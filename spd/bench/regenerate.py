@@ -1,6 +1,6 @@
 """How fast a target answers training prompts (``data/regenerate.py``), setting by setting, in one run.
 
-    python bench/bench_regenerate.py --target smollm2/target --prompts 128 --skip 64 \\
+    spd-bench regenerate --target smollm2/target --prompts 128 --skip 64 \\
         --settings float32:32 bfloat16:32 bfloat16:128 --max-new-tokens 256 --threads 2 \\
         --out docs/results/bench_regenerate_smollm2.json
 
@@ -19,13 +19,10 @@ import argparse
 import gc
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from bench.report import command_line, markdown_table, write_result  # noqa: E402
+from spd.bench.report import argument_parser, command_line, markdown_table, write_result
 
 DTYPES = ("float32", "bfloat16")
 
@@ -103,7 +100,7 @@ def measure(args, argv) -> int:
     print(markdown_table(header, rows, rule=" --- "))
     if args.out:
         report = {
-            "command": command_line(__file__, argv),
+            "command": command_line("regenerate", argv),
             "target": args.target,
             "prompts": len(prompts),
             "skip": args.skip,
@@ -118,7 +115,7 @@ def measure(args, argv) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser("regenerate", __doc__)
     parser.add_argument("--target", required=True, help="a chat target: model directory or hub id")
     parser.add_argument("--prompts", type=int, default=128, help="how many of the standard library's instructions")
     parser.add_argument("--skip", type=int, default=64, help="leave out the first N (as data/regenerate.py --skip)")
@@ -139,7 +136,3 @@ def main(argv=None) -> int:
     from spd.errors import run_cli
 
     return run_cli(measure, args, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

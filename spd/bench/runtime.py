@@ -1,10 +1,10 @@
 """Benchmark the distributed runtime: tokens/s of spd (or tree) vs pp (and ar on one process), measured vs theoretical.
 
-    python bench/bench_runtime.py --heads runs/testbed-n4/final runs/testbed-n8/final \\
+    spd-bench runtime --heads runs/testbed-n4/final runs/testbed-n8/final \\
         --emulate-stage-ms 20 --emulate-link-ms 1 --num-prompts 10 --out bench_runtime.json
-    python bench/bench_runtime.py --tree-width 4 --heads runs/testbed-n4/final \\
+    spd-bench runtime --tree-width 4 --heads runs/testbed-n4/final \\
         --emulate-stage-ms 20 --emulate-link-ms 1 --out bench_runtime_tree.json
-    python bench/bench_runtime.py --tree-width 4 --draft-model testbed/draft --stages 4 8 \\
+    spd-bench runtime --tree-width 4 --draft-model testbed/draft --stages 4 8 \\
         --emulate-stage-ms 20 --emulate-link-ms 1 --out bench_runtime_tree_draft.json
 
 For every head (its n sets the pipeline) one ``torchrun`` world of n + 1 processes runs the prompts in
@@ -22,7 +22,6 @@ the verification with its prune and flush notices, the waits for the stages' rep
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -31,21 +30,19 @@ import tempfile
 import time
 from pathlib import Path
 
+from spd.bench.report import argument_parser, command_line, markdown_table, write_result
 from spd.errors import SpdInputError, run_cli
 from spd.paths import default_testbed_dir
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.report (the scripts are not installed)
-from bench.report import markdown_table, write_result  # noqa: E402
 
 
 def parse_args(argv=None):
     tb = default_testbed_dir()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser("runtime", __doc__)
     p.add_argument("--target", default=str(tb / "target"))
     p.add_argument(
         "--prompts",
         default=str(tb / "prompts.jsonl"),
-        help="a jsonl of prompts or a named set (humaneval-chat, ...: bench/bench.py --prompts); sets of "
+        help="a jsonl of prompts or a named set (humaneval-chat, ...: spd-bench decode --prompts); sets of "
         "user messages are rendered with the chat template",
     )
     p.add_argument("--heads", nargs="+", default=[], help="speculation heads (one pipeline per head)")
@@ -255,7 +252,7 @@ def breakdown(report: dict, mode: str) -> dict | None:
 
 
 def main(argv=None) -> int:
-    return run_cli(_bench, parse_args(argv))
+    return run_cli(_bench, parse_args(argv), argv)
 
 
 def measure(args, mode: str) -> list[dict]:
@@ -291,7 +288,7 @@ def measure(args, mode: str) -> list[dict]:
     return rows
 
 
-def _bench(args) -> int:
+def _bench(args, argv) -> int:
     mode = "spd" if args.tree_width is None else "tree"
     load_before = os.getloadavg()  # other work on the machine's cores slows the stages: recorded with the result
     rows = measure(args, mode)
@@ -383,7 +380,7 @@ def _bench(args) -> int:
     write_result(
         args.out,
         {
-            "command": " ".join(sys.argv),
+            "command": command_line("runtime", argv),
             "emulate_stage_ms": args.emulate_stage_ms,
             "emulate_link_ms": args.emulate_link_ms,
             "launch": launch,
@@ -395,7 +392,3 @@ def _bench(args) -> int:
     )
     print(f"\nJSON: {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

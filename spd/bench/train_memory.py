@@ -1,6 +1,6 @@
 """The trainer's memory and step time over a run, with and without bounded batch shapes.
 
-    python bench/bench_train_memory.py --config configs/smollm2-n8-mix.yaml --steps 80 \\
+    spd-bench train-memory --config configs/smollm2-n8-mix.yaml --steps 80 \\
         --out docs/results/bench_train_memory_smollm2.json
 
 Trains the preset's head for ``--steps`` steps once per ``--pad`` value (``pad_to_multiple_of``: 1 pads each batch
@@ -13,7 +13,6 @@ seconds per step over the first and the last 20 steps.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import subprocess
@@ -22,9 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from bench.report import command_line, markdown_table, write_result  # noqa: E402
+from spd.bench.report import REPO, argument_parser, command_line, line_fit, markdown_table, write_result
 
 STEP = re.compile(r"distill:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)")
 
@@ -85,12 +82,7 @@ def run(config: str, steps: int, pad: int, out_dir: Path, extra: list[str]) -> d
 def summarise(points: list[dict]) -> dict:
     """Memory at the first and last steps, its growth per step from step 10 on, seconds per step at both ends."""
     late = [p for p in points if p["step"] >= 10 and p["rss_mib"] is not None]
-    n = len(late)
-    mean_s = sum(p["step"] for p in late) / n
-    mean_m = sum(p["rss_mib"] for p in late) / n
-    slope = sum((p["step"] - mean_s) * (p["rss_mib"] - mean_m) for p in late) / max(
-        1e-9, sum((p["step"] - mean_s) ** 2 for p in late)
-    )
+    slope = line_fit([p["step"] for p in late], [p["rss_mib"] for p in late])[1]
 
     def per_step(window: list[dict]) -> float:
         return (window[-1]["seconds"] - window[0]["seconds"]) / max(1, window[-1]["step"] - window[0]["step"])
@@ -105,7 +97,7 @@ def summarise(points: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser("train-memory", __doc__)
     parser.add_argument("--config", required=True, help="a training preset (configs/*.yaml)")
     parser.add_argument("--steps", type=int, default=80, help="optimizer steps per run (at least 30)")
     parser.add_argument("--pad", type=int, nargs="+", default=[1, 64], help="pad_to_multiple_of values to compare")
@@ -137,7 +129,7 @@ def main(argv=None) -> int:
     print(markdown_table(header, rows, rule=" --- "))
     if args.out:
         report = {
-            "command": command_line(__file__, argv),
+            "command": command_line("train-memory", argv),
             "config": args.config,
             "steps": args.steps,
             "cpu_count": os.cpu_count(),
@@ -146,7 +138,3 @@ def main(argv=None) -> int:
         write_result(args.out, report)
         print(f"[out] {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,8 @@
 """Training-layout benchmark: the efficient path vs the dense (n+1)x reference, forward + backward of the head.
 
-    python bench/bench_layout.py --threads 1 --out docs/results/bench_layout.json        # testbed size
-    python bench/bench_layout.py --hidden 2048 --heads 16 --seq-lens 2048 --stages 8 --iters 2 \\
-        --threads 1 --out docs/results/bench_layout_d2048.json                         # a real target's size
+    spd-bench layout --threads 1 --out docs/results/bench_layout.json  # testbed size
+    spd-bench layout --hidden 2048 --heads 16 --seq-lens 2048 --stages 8 --iters 2 \\
+        --threads 1 --out docs/results/bench_layout_d2048.json         # a real target's size
 
 Defaults are the testbed's dimensions (D=128, 4 heads, L_s=1, 8 target layers). For every sequence length
 and n, each path runs in two fresh processes on the same random anchor states (fill a = n):
@@ -25,16 +25,14 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.report (the scripts are not installed)
-from bench.report import write_result  # noqa: E402
+from spd.bench.report import argument_parser, bench_command, sync, write_result
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser("layout", __doc__)
     p.add_argument("--seq-lens", default="512,1024,2048")
     p.add_argument("--stages", default="4,8")
     p.add_argument("--hidden", type=int, default=128)
@@ -123,20 +121,18 @@ def measure_one(args, path: str, n: int, seq_len: int, what: str) -> dict:
             / 2**20,
         }
     step()  # warm-up (allocator, kernels)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+    sync(dev)
     t0 = time.perf_counter()
     for _ in range(args.iters):
         step()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+    sync(dev)
     elapsed = (time.perf_counter() - t0) / args.iters
     return {"step_s": elapsed, "tokens_per_s": args.batch * seq_len / elapsed}
 
 
 def _run_child(args, passthrough: list[str], spec: str, env: dict) -> dict:
     proc = subprocess.run(
-        [sys.executable, __file__, "--one", spec, *passthrough], capture_output=True, text=True, env=env
+        [*bench_command("layout"), "--one", spec, *passthrough], capture_output=True, text=True, env=env
     )
     if proc.returncode != 0:
         raise RuntimeError(f"{spec} failed:\n{proc.stderr[-2000:]}")
@@ -214,7 +210,3 @@ def main(argv=None) -> int:
         args.out, {"device": args.device, "torch": torch.__version__, "settings": settings, "rows": rows}, indent=2
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

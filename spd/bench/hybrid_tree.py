@@ -13,22 +13,20 @@ the table gives L'_acc = n N / K (the theoretical speedup) per run, and whether 
 Qwen3.5 / MoE targets, n = 4 and 8) as the token source of the chain (their schedule, ``--mode spd``) and of our
 tree at W = 1 and W = 4 (K = 4), on the fixtures' prompts (greedy continuations of the target), T = 0 and 1.
 
-    python bench/bench_hybrid_tree.py --out docs/results/hybrid-tree-vs-chain.json
-    python bench/bench_hybrid_tree.py --authors --out docs/results/authors-heads-tree.json
-    python bench/bench_hybrid_tree.py --target qwen3 --out docs/results/dense-tree-vs-chain.json   # the dense twin
+    spd-bench hybrid-tree --out docs/results/hybrid-tree-vs-chain.json
+    spd-bench hybrid-tree --authors --out docs/results/authors-heads-tree.json
+    spd-bench hybrid-tree --target qwen3 --out docs/results/dense-tree-vs-chain.json   # the dense twin
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
+from spd.bench.report import REPO, argument_parser, write_result
 from spd.decoding.engine import Engine
 from spd.decoding.generation import generate_ar
 from spd.decoding.proposers import SpdHeadProposer
@@ -37,10 +35,7 @@ from spd.target.staging import StagedModel
 from spd.training.distill import DistillConfig, distill_step, new_head, teacher_anchors
 from spd.training.kd import sample_fills
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.report (the scripts are not installed)
-from bench.report import write_result  # noqa: E402
-
-TARGETS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "authors" / "targets"
+TARGETS = REPO / "tests" / "fixtures" / "authors" / "targets"
 
 
 def greedy_continue(staged: StagedModel, prefix_BT: torch.Tensor, new: int) -> torch.Tensor:
@@ -126,8 +121,8 @@ def authors_main(args) -> None:
         write_result(args.out, {"args": vars(args), "rows": rows}, indent=2)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    p = argument_parser("hybrid-tree", __doc__)
     p.add_argument("--stages", type=int, nargs="+", default=[4, 8])
     p.add_argument("--widths", type=int, nargs="+", default=[1, 4])
     p.add_argument("--steps", type=int, default=300)
@@ -137,11 +132,11 @@ def main() -> None:
     p.add_argument("--target", default="qwen35", help="a fixture target: qwen35 (hybrid) or qwen3 (its dense twin)")
     p.add_argument("--out", default=None)
     p.add_argument("--authors", action="store_true", help="the authors' fixture heads as tree sources (see above)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.authors:
         authors_main(args)
-        return
+        return 0
     model = StagedModel.from_pretrained(TARGETS / args.target, n_stages=1, dtype=torch.float32).model
     gen = torch.Generator().manual_seed(args.seed)
     vocab = model.config.vocab_size
@@ -182,7 +177,4 @@ def main() -> None:
                 )
     if args.out:
         write_result(args.out, {"args": vars(args), "rows": rows}, indent=2)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

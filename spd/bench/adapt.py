@@ -1,6 +1,6 @@
 """Does a head learn what it serves? A stream of requests replayed through spd-serve with and without ``--adapt``.
 
-    python bench/bench_adapt.py --target smollm2/target --head heads/smollm2-135m-instruct-spd-n8 \\
+    spd-bench adapt --target smollm2/target --head heads/smollm2-135m-instruct-spd-n8 \\
         --stream smollm2/data/self/prompts-shell.jsonl --requests 300 --max-tokens 96 --arms adapt,static,ar \\
         --adapt-every 3000 --adapt-replay smollm2/data/self/greedy-{code,chat,math}.jsonl --adapt-args "--steps 40" \\
         --eval docs/results/self-eval/shell.jsonl --humaneval 64 --workdir runs/bench-adapt \\
@@ -16,13 +16,12 @@ server restarts on its newest good version and its spd-adapt where its records w
 Reported per arm: L'_acc over the last ``--window`` requests against requests served (the plot, with the swaps), the
 head version of each request, failed requests, the longest pause between two streamed tokens beside the median
 one, the CPU seconds the adaptation spent per served answer token; whether every answer equals ar's; with ``--eval``
-(held-out requests of the stream's kind) and ``--humaneval N``, bench/bench.py's L'_acc of the starting head and of
+(held-out requests of the stream's kind) and ``--humaneval N``, spd-bench decode's L'_acc of the starting head and of
 the adapt arm's last version on them (no forgetting: HumanEval within a few percent).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -35,13 +34,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # bench.report (the scripts are not installed)
-
-from bench.report import command_line, markdown_table, write_result  # noqa: E402
-from spd.files import complete_lines  # noqa: E402
-from spd.reading import read_jsonl  # noqa: E402
-from spd.testing.server import ServerProcess  # noqa: E402
+from spd.bench.report import argument_parser, bench_command, command_line, markdown_table, streamed, write_result
+from spd.files import complete_lines
+from spd.reading import read_jsonl
+from spd.testing.server import ServerProcess
 
 ARMS = ("static", "adapt", "ar")
 
@@ -63,8 +59,6 @@ def append_row(path: Path, row: dict) -> None:
 
 def stream_chat(url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
     """One greedy chat request, streamed: its token ids, the server's statistics and the pauses between tokens."""
-    import httpx
-
     body = {
         "model": model,
         "messages": messages,
@@ -74,21 +68,13 @@ def stream_chat(url: str, model: str, messages: list[dict], max_tokens: int) -> 
     }
     start = time.perf_counter()
     arrivals, ids, stats = [], [], None
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=3600) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode()}")
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            spd = chunk.get("spd") or {}
-            if spd.get("token_ids"):
-                ids += spd["token_ids"]
-                arrivals.append(time.perf_counter())
-            if chunk["choices"][0]["finish_reason"] is not None:
-                stats = spd
+    for chunk in streamed(url, "/v1/chat/completions", body):
+        spd = chunk.get("spd") or {}
+        if spd.get("token_ids"):
+            ids += spd["token_ids"]
+            arrivals.append(time.perf_counter())
+        if chunk["choices"][0]["finish_reason"] is not None:
+            stats = spd
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     keep = ("decode_tokens", "steps", "stages", "equivalent_accept_length", "head_version")
     return {
@@ -155,7 +141,7 @@ def run_arm(args, arm: str, prompts: list[list[dict]]) -> list[dict]:
 def _ask_all(args, arm, arm_dir, prompts, todo, done, answers_path, cpu_path) -> None:
     """Ask ``todo`` of one server, each answer appended as it comes; the server stopped in the end, its spd-adapt's
     CPU counted first."""
-    server = ServerProcess(*server_args(args, arm, arm_dir), threads=args.threads, cwd=REPO)
+    server = ServerProcess(*server_args(args, arm, arm_dir), threads=args.threads)
     started, lock, stopping, served = time.time(), threading.Lock(), threading.Event(), [0]
 
     def ask(i: int) -> None:
@@ -227,7 +213,7 @@ def summarize(args, arm: str, answers: list[dict]) -> dict:
 
 
 def evaluate(args, last_version: Path | None) -> dict:
-    """bench/bench.py on the held-out requests and on HumanEval: the starting head, and the last version."""
+    """spd-bench decode on the held-out requests and on HumanEval: the starting head, and the last version."""
     runs = ["--run", f"before=spd:{args.head}"]
     if last_version is not None:
         runs += ["--run", f"after=spd:{last_version}"]
@@ -238,10 +224,10 @@ def evaluate(args, last_version: Path | None) -> dict:
     for name, prompts in sets:
         path = Path(args.workdir) / f"eval-{name}.json"
         if not path.exists():
-            cmd = [sys.executable, str(REPO / "bench" / "bench.py"), "--target", args.target, *prompts, *runs]
+            cmd = [*bench_command("decode"), "--target", args.target, *prompts, *runs]
             cmd += ["--temperatures", "0", "--max-new-tokens", str(args.max_tokens), "--out", str(path)]
             print("[bench_adapt] " + shlex.join(cmd), file=sys.stderr, flush=True)
-            subprocess.run(cmd, check=True, cwd=REPO)
+            subprocess.run(cmd, check=True)
         result = json.loads(path.read_text(encoding="utf-8"))["results"]["T=0"]
         out[name] = {run: figures["summary"]["L_acc"] for run, figures in result.items()}
     return out
@@ -276,7 +262,7 @@ def _interrupted(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser("adapt", __doc__)
     p.add_argument("--target", required=True, help="the target's directory")
     p.add_argument("--head", required=True, help="the head the servers start with")
     p.add_argument("--stream", required=True, help='jsonl of requests ("prompt"; rows with "keep": false skipped)')
@@ -295,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adapt-replay", nargs="+", default=[], help="spd-serve --adapt-replay (default: none)")
     p.add_argument("--adapt-args", default="", help="spd-serve --adapt-args (default: none)")
     p.add_argument("--threads", type=int, default=1, help="the server's torch threads (default: %(default)s)")
-    p.add_argument("--eval", help="held-out requests of the stream's kind (a bench/bench.py --prompts file)")
+    p.add_argument("--eval", help="held-out requests of the stream's kind (an spd-bench decode --prompts file)")
     p.add_argument("--humaneval", type=int, default=0, help="HumanEval problems measured before and after (0: none)")
     p.add_argument("--workdir", required=True, help="answers, records and versions; a rerun resumes from it")
     p.add_argument("--out", help="the JSON result")
@@ -345,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in figures.items()))
     if args.out:
         result = {
-            "command": command_line(__file__, argv),
+            "command": command_line("adapt", argv),
             "target": args.target,
             "head": args.head,
             "stream": args.stream,
@@ -363,7 +349,3 @@ def main(argv: list[str] | None = None) -> int:
         plot(args.plot, summaries, args.window)
     failed = any(s["failed"] or s["identical_to_ar"] is False for s in summaries.values())
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,9 +1,9 @@
 """Load benchmark of spd-serve: N requests from C concurrent clients, per configuration, side by side.
 
-    python bench/bench_serve.py --run spd:runs/quickstart-n4/final --run pp:4 --requests 50 --concurrency 8 \\
+    spd-bench serve --run spd:runs/quickstart-n4/final --run pp:4 --requests 50 --concurrency 8 \\
         --runtime distributed --emulate-stage-ms 20 --emulate-link-ms 1 --out docs/results/serve-load.json
 
-Each ``--run`` (written as ``bench/bench.py --run`` takes it: ``spd:HEAD_DIR``, SPD with that head, n from the
+Each ``--run`` (written as ``spd-bench decode --run`` takes it: ``spd:HEAD_DIR``, SPD with that head, n from the
 head; ``pp:N``, the standard pipeline with N stages; a tree, or spd-serve's decoding flags in quotes) starts its
 own server, sends the same requests (testbed prompts, greedy, streamed so that the
 time to the first token is seen) from ``--concurrency`` client threads, and stops it. Reported per run:
@@ -17,7 +17,6 @@ fresh temporary directory), the two in turn ``--repeats`` times, and the drop in
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -26,38 +25,25 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # bench.report (the scripts are not installed)
-
-from bench.bench import RUN_HELP, parse_run, run_flags  # noqa: E402
-from bench.report import markdown_table, write_result  # noqa: E402
-from spd.errors import SpdInputError  # noqa: E402
-from spd.testing.server import ServerProcess  # noqa: E402
+from spd.bench.decode import RUN_HELP, parse_run, run_flags
+from spd.bench.report import argument_parser, command_line, markdown_table, streamed, write_result
+from spd.errors import SpdInputError
+from spd.testing.server import ServerProcess
 
 
 def one_request(url: str, model: str, prompt: str, max_tokens: int) -> dict:
     """A streamed greedy completion: latency, time to first token, tokens, the server's stats."""
-    import httpx
-
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     start = time.perf_counter()
     first = None
     text, stats = [], None
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=3600) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode()}")
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            choice = chunk["choices"][0]
-            if choice["text"] and first is None:
-                first = time.perf_counter() - start
-            text.append(choice["text"])
-            if choice["finish_reason"] is not None:
-                stats = chunk["spd"]
+    for chunk in streamed(url, "/v1/completions", body):
+        choice = chunk["choices"][0]
+        if choice["text"] and first is None:
+            first = time.perf_counter() - start
+        text.append(choice["text"])
+        if choice["finish_reason"] is not None:
+            stats = chunk["spd"]
     return {
         "latency_s": time.perf_counter() - start,
         "ttft_s": first,
@@ -75,7 +61,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_load(args, name: str, server_args: list[str], prompts: list[str]) -> dict:
-    server = ServerProcess(*server_args, threads=args.threads, cwd=REPO)
+    server = ServerProcess(*server_args, threads=args.threads)
     try:
         one_request(server.url, server.model, prompts[0], 4)  # warm-up
         start = time.perf_counter()
@@ -117,11 +103,14 @@ def record_overhead(runs: list[dict]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser("serve", __doc__)
     p.add_argument("--target", default="testbed/target")
     p.add_argument("--prompts", default="testbed/prompts.jsonl", help='jsonl with a "prompt" field per row')
     p.add_argument(
-        "--run", action="append", required=True, help="a run as bench/bench.py takes it: " + RUN_HELP + " (repeatable)"
+        "--run",
+        action="append",
+        required=True,
+        help="a run as spd-bench decode takes it: " + RUN_HELP + " (repeatable)",
     )
     p.add_argument("--requests", type=int, default=50)
     p.add_argument("--concurrency", type=int, default=8)
@@ -204,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{spec}: recording costs {100 * drop:.1f}% of tokens/s (medians of {args.repeats} runs each)")
     if args.out:
         report = {
-            "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+            "command": command_line("serve", argv),
             "identical_outputs": same,
             "requests": args.requests,
             "concurrency": args.concurrency,
@@ -218,7 +207,3 @@ def main(argv: list[str] | None = None) -> int:
         }
         write_result(args.out, report)
     return 0 if same else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,26 +20,21 @@ with a hit every step (prune to the first child of the root, a new level of ``W`
 reports per level the stage's time, the part spent gathering and storing node states (the linear-state calls,
 timed inside), and the state memory per node and for a full tree of ``n W + 1`` nodes.
 
-    python bench/bench_linear_state.py                      # Qwen3.5-4B widths
-    python bench/bench_linear_state.py --hidden 1024 --rounds 7
-    python bench/bench_linear_state.py --tree-widths 1 4 8  # per-node state in token trees
+    spd-bench linear-state                      # Qwen3.5-4B widths
+    spd-bench linear-state --hidden 1024 --rounds 7
+    spd-bench linear-state --tree-widths 1 4 8  # per-node state in token trees
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
+from spd.bench.report import argument_parser, sync, write_result
 from spd.target.linear_state import LinearStateRing
 from spd.target.staging import StagedModel
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.report (the scripts are not installed)
-from bench.report import write_result  # noqa: E402
 
 
 class SnapshotRing(LinearStateRing):
@@ -107,7 +102,7 @@ def run_variant(staged: StagedModel, kind: str, args) -> float:
     hidden = staged.embed(ids.to(staged.device))
     with torch.inference_mode():
         staged.run_stage(0, hidden[:, : args.prompt], cache)
-        _sync(staged)
+        sync(staged.device)
         start = time.perf_counter()
         position = args.prompt
         for step in range(args.tokens):
@@ -116,7 +111,7 @@ def run_variant(staged: StagedModel, kind: str, args) -> float:
             if kind != "none" and (step + 1) % args.flush_every == 0:
                 staged.truncate([cache], position - args.rollback)
                 position -= args.rollback
-        _sync(staged)
+        sync(staged.device)
     return 1000 * (time.perf_counter() - start) / args.tokens
 
 
@@ -133,8 +128,8 @@ class TimedRing(LinearStateRing):
                 return getattr(LinearStateRing, name)(self, *args, **kwargs)
             start = time.perf_counter()
             out = getattr(LinearStateRing, name)(self, *args, **kwargs)
-            if out is not None and hasattr(out, "device") and out.device.type == "cuda":
-                torch.cuda.synchronize()
+            if out is not None and hasattr(out, "device"):
+                sync(out.device)
             self.state_s += time.perf_counter() - start
             return out
 
@@ -160,11 +155,11 @@ def run_tree(staged: StagedModel, width: int, args) -> tuple[float, float, int]:
     with torch.inference_mode():
         staged.run_stage(0, staged.embed(ids.to(staged.device)), cache)
         tree = TokenTree(int(torch.randint(0, 1024, (), generator=gen)))
-        _sync(staged)
+        sync(staged.device)
         start = time.perf_counter()
         for step in range(args.tokens + n):
             if step == n:  # the pipeline is full: count from here
-                _sync(staged)
+                sync(staged.device)
                 start, ring.state_s, levels = time.perf_counter(), 0.0, 0
             if tree.depth >= n - 1:  # the root's level left the last stage: a hit on its first child
                 kept = tree.prune_to_child(int(tree.children(0)[0]))
@@ -187,8 +182,16 @@ def run_tree(staged: StagedModel, width: int, args) -> tuple[float, float, int]:
             )
             levels += 1
             peak = max(peak, ring.nodes)
-        _sync(staged)
+        sync(staged.device)
     return 1000 * (time.perf_counter() - start) / levels, 1000 * ring.state_s / levels, peak
+
+
+def state_bytes(staged: StagedModel, args) -> int:
+    """The bytes of the stage's linear-attention state at one length (one node of a tree)."""
+    cache = staged.new_stage_cache(0, capacity=args.prompt + 8, ring_depth=2)
+    with torch.inference_mode():
+        staged.run_stage(0, staged.embed(torch.zeros(1, 4, dtype=torch.long, device=staged.device)), cache)
+    return sum(r[0].numel() * r[0].element_size() for r in cache.linear.conv_RBCK + cache.linear.recurrent_RBHDkDv)
 
 
 def tree_main(staged: StagedModel, args) -> None:
@@ -199,10 +202,7 @@ def tree_main(staged: StagedModel, args) -> None:
         chain.append(run_variant(staged, "ring", args))
         for w in args.tree_widths:
             times[w].append(run_tree(staged, w, args)[:2])
-    cache = staged.new_stage_cache(0, capacity=args.prompt + 8, ring_depth=2)
-    with torch.inference_mode():
-        staged.run_stage(0, staged.embed(torch.zeros(1, 4, dtype=torch.long, device=staged.device)), cache)
-    per_node = sum(r[0].numel() * r[0].element_size() for r in cache.linear.conv_RBCK + cache.linear.recurrent_RBHDkDv)
+    per_node = state_bytes(staged, args)
     rows = []
     chain_ms = statistics.median(chain)
     print(f"chain (one token a step, the ring): {chain_ms:.2f} ms per token")
@@ -245,13 +245,8 @@ def tree_main(staged: StagedModel, args) -> None:
         )
 
 
-def _sync(staged: StagedModel) -> None:
-    if staged.device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    p = argument_parser("linear-state", __doc__)
     p.add_argument("--hidden", type=int, default=2560)
     p.add_argument("--intermediate", type=int, default=9216)
     p.add_argument("--heads", type=int, default=16)
@@ -276,22 +271,19 @@ def main() -> None:
         help="measure token-tree levels of these widths instead (per-node linear state)",
     )
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     staged = build_stage(args)
     if args.tree_widths:
         tree_main(staged, args)
-        return
+        return 0
     kinds = ("none", "ring", "snapshot")
     times: dict[str, list[float]] = {k: [] for k in kinds}
     run_variant(staged, "ring", args)  # warm-up
     for _ in range(args.rounds):
         for kind in kinds:
             times[kind].append(run_variant(staged, kind, args))
-    ring = staged.new_stage_cache(0, capacity=args.prompt + 8, ring_depth=args.stages + 1)
-    with torch.inference_mode():
-        staged.run_stage(0, staged.embed(torch.zeros(1, 4, dtype=torch.long, device=staged.device)), ring)
-    per_slot = sum(r[0].numel() * r[0].element_size() for r in ring.linear.conv_RBCK + ring.linear.recurrent_RBHDkDv)
-    state_bytes = per_slot * (args.stages + 1)
+    per_slot = state_bytes(staged, args)
+    ring_bytes = per_slot * (args.stages + 1)
     base = statistics.median(times["none"])
     rows = [
         {
@@ -311,7 +303,7 @@ def main() -> None:
         )
     print(
         f"linear state per stage: {per_slot / 2**20:.2f} MiB per length; ring of {args.stages + 1}: "
-        f"{state_bytes / 2**20:.1f} MiB"
+        f"{ring_bytes / 2**20:.1f} MiB"
     )
     if args.out:
         write_result(
@@ -320,12 +312,9 @@ def main() -> None:
                 "args": vars(args),
                 "rows": rows,
                 "state_bytes_per_length": per_slot,
-                "ring_bytes": state_bytes,
+                "ring_bytes": ring_bytes,
                 "device": str(staged.device),
             },
             indent=2,
         )
-
-
-if __name__ == "__main__":
-    main()
+    return 0
