@@ -36,24 +36,35 @@ def _wide_tree(rows: int) -> TokenTree:
     return tree
 
 
+def _wide_trees(rows: int, per_tree: int = 1000):
+    """``rows`` such nodes in wide trees of at most ``per_tree`` each (a tree's ancestor mask is dense: one tree
+    of 20000 nodes with two children each would hold 3.6 GB of it)."""
+    for start in range(0, rows, per_tree):
+        yield _wide_tree(min(per_tree, rows - start))
+
+
 @pytest.mark.slow
 def test_children_are_drawn_in_order_without_replacement():
     """Over many nodes with one q: the ordered pair of children has P(x1) P(x2 | x1) = q1 q2 / (1 - q1)."""
     vocab, rows = 5, 20000
     q = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05])
-    tree = _wide_tree(rows)
-    new = grow_sampled(tree, q.log().expand(rows, -1), None, 2 * rows, 2, T1, torch.Generator().manual_seed(0), vocab)
-    assert new.numel() == 2 * rows and bool((tree.parents_N[new[0::2]] == tree.parents_N[new[1::2]]).all())
-    first, second = tree.tokens_N[new[0::2]].tolist(), tree.tokens_N[new[1::2]].tolist()
-    assert all(a != b for a, b in zip(first, second))
+    gen = torch.Generator().manual_seed(0)
+    first, second = [], []
+    for tree in _wide_trees(rows):
+        size = tree.bottom_level().numel()
+        new = grow_sampled(tree, q.log().expand(size, -1), None, 2 * size, 2, T1, gen, vocab)
+        assert new.numel() == 2 * size and bool((tree.parents_N[new[0::2]] == tree.parents_N[new[1::2]]).all())
+        first += tree.tokens_N[new[0::2]].tolist()
+        second += tree.tokens_N[new[1::2]].tolist()
+        # The parent's q is kept for verification, over the target's vocabulary; edge log-probs are log q.
+        torch.testing.assert_close(tree.drafts[int(tree.parents_N[new[0]])], q)
+        torch.testing.assert_close(tree.logprobs_N[new], q.log()[tree.tokens_N[new]])
+    assert len(first) == rows and all(a != b for a, b in zip(first, second))
     counts = {}
     for pair in zip(first, second):
         counts[pair] = counts.get(pair, 0) + 1
     exact = {(a, b): float(q[a] * q[b] / (1 - q[a])) for a in range(vocab) for b in range(vocab) if a != b}
     assert chi_square_p_value(counts, exact, rows) > 1e-3
-    # The parent's q is kept for verification, over the target's vocabulary; edge log-probs are log q.
-    torch.testing.assert_close(tree.drafts[int(tree.parents_N[new[0]])], q)
-    torch.testing.assert_close(tree.logprobs_N[new], q.log()[tree.tokens_N[new]])
 
 
 def test_child_counts_never_depend_on_the_draws():
@@ -88,13 +99,14 @@ def test_child_counts_never_depend_on_the_draws():
 def _rule_outcomes(p, q, trials, without_replacement):
     """Tokens output by recursive rejection sampling over 3 children drawn without replacement from q."""
     gen = torch.Generator().manual_seed(0)
-    tree = _wide_tree(trials)
-    new = grow_sampled(tree, q.log().expand(trials, -1), None, 3 * trials, 3, T1, gen, q.numel())
-    children = tree.tokens_N[new].view(trials, 3)
     counts = {}
-    for cands in children.tolist():
-        _, token = verify_sampled_recursive(p, cands, q, gen, without_replacement=without_replacement)
-        counts[(token,)] = counts.get((token,), 0) + 1
+    for tree in _wide_trees(trials):
+        size = tree.bottom_level().numel()
+        new = grow_sampled(tree, q.log().expand(size, -1), None, 3 * size, 3, T1, gen, q.numel())
+        for cands in tree.tokens_N[new].view(size, 3).tolist():
+            _, token = verify_sampled_recursive(p, cands, q, gen, without_replacement=without_replacement)
+            counts[(token,)] = counts.get((token,), 0) + 1
+    assert sum(counts.values()) == trials
     return counts
 
 
@@ -115,8 +127,14 @@ def test_recursive_rejection_without_replacement_is_exact_and_the_iid_rule_is_no
 # ------------------------------------------------------------------------------ whole engines
 
 
-def _target(n: int, scale: float) -> tuple[torch.nn.Module, StagedModel]:
-    model = tiny_model("llama", seed=3, layers=6, vocab=VOCAB, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+# One layer a stage (each seed's run costs about half what 6 layers cost): with injected faults (the i.i.d. rule on
+# children drawn without replacement, a rejection's residual drawn from p without the rejected token, a top-k rule that
+# keeps a rejected candidate's mass) every test below fails wherever it failed on the 6-layer target, its p-value
+# below 1e-5; the adaptive width's test keeps the 6-layer target (no such fault moved its p-value below 1e-3 on either).
+def _target(n: int, scale: float, layers: int | None = None) -> tuple[torch.nn.Module, StagedModel]:
+    model = tiny_model(
+        "llama", seed=3, layers=layers or n, vocab=VOCAB, bos_token_id=0, eos_token_id=None, pad_token_id=0
+    )
     staged = StagedModel(model, n)
     with torch.no_grad():
         staged.lm_head.weight.mul_(scale)  # < 1: flatter next-token distributions (more outcomes above 5 counts)
@@ -179,7 +197,7 @@ def test_top_k_tree_follows_the_target_distribution(n, width, children, params):
 @pytest.mark.slow
 def test_adaptive_width_follows_the_target_distribution():
     """A width that changes after every verification (window 1) keeps sampled trees exact."""
-    model, staged = _target(2, 0.2)
+    model, staged = _target(2, 0.2, layers=6)
     policy = AdaptiveWidth(max_width=4, children=3, window=1)
     engine = Engine.tree(staged, _source("draft", model, staged, 2, 3), policy)
     counts, stats = sample_outcomes(engine, PROMPT, T1, LENGTH, SAMPLES)
