@@ -202,9 +202,13 @@ def test_hub_reference_resolves_through_an_offline_hub_cache(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["v10_qwen3_n8_l2_draft", "v11_qwen35_n4_l1"])
 def test_converter_round_trip_is_bit_exact(tmp_path, name):
-    proc = _cli("-m", "spd.cli.convert", str(head_file(name)), str(tmp_path / "dir"))
+    """spd-convert's main in this process, both ways (the converter as a user starts it, in a fresh process:
+    test_our_head_in_their_layout_computes_what_ours_does)."""
+    from spd.cli.convert import main as convert_main
+
+    proc = run_main(convert_main, str(head_file(name)), str(tmp_path / "dir"))
     assert proc.returncode == 0, proc.stderr
-    proc = _cli("-m", "spd.cli.convert", str(tmp_path / "dir"), str(tmp_path / "back.pt"))
+    proc = run_main(convert_main, str(tmp_path / "dir"), str(tmp_path / "back.pt"))
     assert proc.returncode == 0, proc.stderr
     a = torch.load(head_file(name), weights_only=True)
     b = torch.load(tmp_path / "back.pt", weights_only=True)
@@ -418,13 +422,15 @@ def test_distributed_runtime_with_an_authors_head_on_a_hybrid_target():
 
 @pytest.mark.slow
 def test_tree_mode_takes_their_heads_in_the_cli():
-    """spd-generate --mode tree with their file: the W = 4 tree's tokens equal --mode spd's (the greedy output)."""
+    """spd-generate --mode tree with their file: the W = 4 tree's tokens equal --mode spd's (the greedy output). The
+    tree run as a user starts it, in a fresh process; the spd run, its reference, with spd-generate's main in this
+    one."""
     import json
+
+    from spd.cli.generate import main as generate_main
 
     rec = next(r for r in EXPECTED["generate"] if r["head"] == "v11_qwen35_n4_l1" and r["prompt_index"] == 1)
     common = [
-        "-m",
-        "spd.cli.generate",
         "--target",
         str(FIXTURES / "targets" / "qwen35"),
         "--speculator",
@@ -436,8 +442,10 @@ def test_tree_mode_takes_their_heads_in_the_cli():
         "--json",
     ]
     outs = {}
-    for mode in ("spd", "tree"):
-        proc = _cli(*common, "--mode", mode, *(["--tree-width", "4"] if mode == "tree" else []))
+    for mode, proc in (
+        ("spd", run_main(generate_main, *common, "--mode", "spd")),
+        ("tree", _cli("-m", "spd.cli.generate", *common, "--mode", "tree", "--tree-width", "4")),
+    ):
         assert proc.returncode == 0, proc.stderr[-2000:]
         outs[mode] = json.loads(proc.stdout)
     assert outs["tree"]["token_ids"] == outs["spd"]["token_ids"] == rec["target_greedy_ids"]
