@@ -68,9 +68,12 @@ def test_moe_ar_pp_spd_greedy_equal_generate(moe, n):
     check_ar_pp_spd_equal_generate(model, n, PROMPT, reference)
 
 
+# W = 4 only: a tree of width 1 is the chain (the same step loop, one node a level), which
+# test_moe_ar_pp_spd_greedy_equal_generate runs with the head on every n, and the levels of one node (the roots) are in
+# every tree below.
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4, 8])
-@pytest.mark.parametrize("width", [1, 4])
+@pytest.mark.parametrize("width", [4])
 def test_moe_tree_greedy_equals_generate(moe, n, width):
     """Head and draft-model trees on the MoE targets (the hybrid one with per-node linear state): a level of W nodes
     routes each node by its own state."""
