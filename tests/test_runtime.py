@@ -28,10 +28,10 @@ from spd.training.distill import DistillConfig, new_head
 
 
 # The shallowest pipeline sampled and the deepest greedy (a world of n + 1 processes costs CI time on 2 cores); each
-# run serves spd, pp and the SPD-head tree on the same processes. n = 4 runs the same check greedy on other targets
-# (tests/test_moe.py and tests/test_hybrid.py: test_distributed_runtime_on_a_*_target_equals_single_process),
-# sampled and batched with the verification outcomes compared (the batched test below), and with a draft tree
-# (test_distributed_draft_tree_equals_single_process_engine).
+# run serves spd, pp and the SPD-head tree on the same processes. n = 4 runs the same check greedy on a mixture-of-
+# experts target (tests/test_moe.py::test_distributed_runtime_on_a_moe_target_equals_single_process) and sampled on a
+# hybrid one (tests/test_hybrid.py), batched and sampled with the verification outcomes compared (the batched test
+# below), and with a draft tree (test_distributed_draft_tree_equals_single_process_engine).
 @pytest.mark.slow
 @pytest.mark.parametrize("n,temperature", [(2, 1.0), (8, 0.0)])
 def test_distributed_runtime_equals_single_process_engine(tiny_testbed, heads, tmp_path, n, temperature):
