@@ -341,9 +341,9 @@ def hybrid_target(tiny_testbed, tmp_path_factory):
 
 
 # Sampled, one request at a time with early launches, and batched (a world of 5 processes costs CI time on 2 cores).
-# Greedy decoding over stage processes on a hybrid target: test_distributed_draft_tree_on_a_hybrid_target_prunes_the_
-# node_states (tree prunes) and tests/test_authors.py::test_distributed_runtime_with_an_authors_head_on_a_hybrid_target
-# (spd flushes, with each token's verification outcome).
+# Greedy decoding over stage processes on a hybrid target: the draft tree's test below (tree prunes) and
+# tests/test_authors.py::test_distributed_runtime_with_an_authors_head_on_a_hybrid_target (spd flushes, with each
+# token's verification outcome).
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature,early,max_batch", [(1.0, True, 0), (1.0, False, 3)])
 def test_distributed_runtime_on_a_hybrid_target_equals_single_process(
