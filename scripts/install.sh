@@ -35,7 +35,7 @@ pip_q -e ".[$EXTRAS]"
 "$PY" -c "import spd, torch, transformers; print(f'[install] spd {spd.__version__}, torch {torch.__version__}, transformers {transformers.__version__}')"
 # The repository's own modules compiled once (Python reads these even where PYTHONDONTWRITEBYTECODE is set, so each
 # of the many processes the tests start does not compile them again).
-"$PY" -m compileall -q -j 0 spd bench data train tests >/dev/null
+"$PY" -m compileall -q -j 0 spd data train tests >/dev/null
 # DeepSpeed builds its CPU collective op (a C++ extension, about a minute on 2 cores) the first time a job uses it;
 # build it here, once per machine (cached under ~/.cache/torch_extensions), rather than inside the first ZeRO job.
 if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('deepspeed') is None)" 2>/dev/null \
