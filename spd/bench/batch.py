@@ -273,8 +273,6 @@ def run_system(
 ) -> dict:
     """C closed-loop clients on one batched pipeline; per request its token steps and wall times. ``engines``: the
     engine of each mode (spd and pp share one; a draft model's tree has its own)."""
-    from spd.decoding.sampling import SamplingParams
-
     mode, batched = _pipeline(
         engines,
         system,
@@ -318,15 +316,7 @@ def run_system(
                 send(client, left - 1)
 
         records.append(record)
-        batched.submit(
-            prompts[index % len(prompts)],
-            new_tokens(index, max_new_tokens, jitter),
-            SamplingParams(),
-            [],
-            on_token,
-            mode,
-            on_done,
-        )
+        _submit(batched, prompts, index, new_tokens(index, max_new_tokens, jitter), mode, on_token, on_done)
 
     cpu_before = cpu_seconds()
     start = time.perf_counter()
@@ -380,6 +370,13 @@ def _pipeline(
     return mode, batched
 
 
+def _submit(batched, prompts: list, index: int, max_new_tokens: int, mode: str, on_token, on_done) -> None:
+    """Request ``index`` (prompt ``index`` modulo the prompts), greedy, into the batched pipeline."""
+    from spd.decoding.sampling import SamplingParams
+
+    batched.submit(prompts[index % len(prompts)], max_new_tokens, SamplingParams(), [], on_token, mode, on_done)
+
+
 def poisson_arrivals(rate: float, count: int, seed: int) -> list[float]:
     """``count`` arrival times (s) of a Poisson process of ``rate`` requests per second: exponential gaps."""
     import random
@@ -410,8 +407,6 @@ def run_open(
     """Open-loop load: request ``i`` (prompt ``i``) arrives at ``arrivals[i]`` seconds of ``clock`` ("model": the
     emulated deployment's clock, a step costing its busiest stage's ``a + b * tokens``; "real": the wall clock) and is
     submitted at the first step boundary after it; per request its token steps and times on that clock."""
-    from spd.decoding.sampling import SamplingParams
-
     mode, batched = _pipeline(
         engines,
         system,
@@ -439,15 +434,7 @@ def run_open(
             record["stats"] = request.output.stats
 
         records.append(record)
-        batched.submit(
-            prompts[index % len(prompts)],
-            new_tokens(index, max_new_tokens, jitter),
-            SamplingParams(),
-            [],
-            on_token,
-            mode,
-            on_done,
-        )
+        _submit(batched, prompts, index, new_tokens(index, max_new_tokens, jitter), mode, on_token, on_done)
 
     start, waiting = time.perf_counter(), 0
     while waiting < len(arrivals) or batched.busy:
